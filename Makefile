@@ -1,0 +1,67 @@
+# The developer's whole vocabulary: demo, test, lint, bench (and build-dev).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.deps-stamp
+
+.PHONY: demo test test-rust test-python build build-dev lint bench bench-rust bench-python bench-peers clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+
+# Tool and test dependencies, from the project's own pyproject extras.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet "maturin>=1.9,<2" "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3"
+	touch $(STAMP)
+
+# Build a release wheel and install it: the tests run against the installed package,
+# so a file missing from the wheel fails them.
+build: $(STAMP)
+	rm -rf dist
+	$(VENV)/bin/maturin build --release --out dist --quiet --interpreter $(PY)
+	$(PIP) install --quiet --force-reinstall --no-deps dist/*.whl
+
+# Editable debug build for quick iteration.
+build-dev: $(STAMP)
+	$(VENV)/bin/maturin develop
+
+demo: build
+	$(PY) -m ratequeue demo
+
+test: test-rust test-python
+
+test-rust:
+	cargo test -p ratequeue-core --release
+
+test-python: build
+	cd tests && ../$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PIP) install --quiet ".[lint]" --no-deps 2>/dev/null || true
+	$(PIP) install --quiet "ruff>=0.6" "mypy>=1.11"
+	cargo fmt --all -- --check
+	cargo clippy --workspace --all-targets -- -D warnings
+	$(VENV)/bin/ruff check python tests benches
+	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/mypy
+	$(PY) -m mypy.stubtest ratequeue._ratequeue
+
+bench: bench-rust bench-python bench-peers
+
+bench-rust:
+	cargo bench -p ratequeue-core --bench bucket
+
+bench-python: build
+	$(PIP) install --quiet ".[bench]" --no-deps
+	$(PIP) install --quiet "pytest-benchmark>=4"
+	cd benches && ../$(PY) -m pytest -q bench_*.py --benchmark-only
+
+bench-peers: build
+	$(PIP) install --quiet "aiolimiter>=1.1" "limits>=3.13" "pyrate-limiter>=3.7" "throttled-py>=2.0" "token-bucket>=0.3" "asyncio-throttle>=1.0"
+	$(PY) benches/compare_peers.py
+
+clean:
+	rm -rf $(VENV) dist target

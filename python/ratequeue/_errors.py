@@ -1,0 +1,34 @@
+"""The exception hierarchy of ratequeue; every refusal carries ``retry_after``."""
+
+from __future__ import annotations
+
+__all__ = ["CostTooLarge", "Overloaded", "RateQueueError", "WaitTimeout"]
+
+
+class RateQueueError(Exception):
+    """Base of every error ratequeue raises on purpose.
+
+    ``retry_after`` is the number of seconds after which the same request could be
+    admitted (``inf`` when it never can, ``0.0`` when unknown).
+    """
+
+    retry_after: float
+
+    def __init__(self, message: str, retry_after: float = 0.0) -> None:
+        super().__init__(message)
+        self.retry_after = float(retry_after)
+
+
+class Overloaded(RateQueueError):
+    """Refused at once: the queue is full or the deadline cannot be met. Nothing was consumed."""
+
+
+class WaitTimeout(RateQueueError):
+    """Waited until the deadline without being granted. Nothing was consumed."""
+
+
+class CostTooLarge(RateQueueError, ValueError):
+    """The cost exceeds the burst of a rate, so it could never be admitted; never queued."""
+
+    def __init__(self, message: str, retry_after: float = float("inf")) -> None:
+        super().__init__(message, retry_after)

@@ -1,0 +1,382 @@
+//! The GCRA bucket: the theoretical arrival time (TAT) in one atomic word, updated by
+//! compare-and-swap. No lock on any decision; a mutex only serialises rate changes.
+//!
+//! Time inside a bucket is counted in *ticks*: 2^m ticks make exactly one emission
+//! interval T, with m chosen so a tick lasts between 0.5 and 1 ns. Debits are whole
+//! multiples of 2^m ticks, so the long-run rate carries no rounding drift at all; only
+//! reading the clock is quantised, to under a nanosecond, and that error never adds up.
+//! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
+//! (2^60 ticks ≥ 18 years of clock). A rate change writes the next slot, then moves the
+//! word to the new generation with the bucket's content converted, in one CAS.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+
+use crate::rate::Rate;
+
+const GEN_SHIFT: u32 = 60;
+const TAT_MASK: u64 = (1 << GEN_SHIFT) - 1;
+const GENS: usize = 16;
+const Q_BITS: u32 = 52;
+const Q_ONE: f64 = (1u64 << Q_BITS) as f64;
+
+/// Why a bucket did not admit.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Deny {
+    /// It would admit after this many nanoseconds (beyond what the caller allowed).
+    Wait(u64),
+    /// The cost exceeds the burst: it can never conform. `unit` is set by the limiter.
+    TooLarge { cost: u64, burst: u64, unit: usize },
+}
+
+/// A debit that can be undone while it is still the bucket's latest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Taken {
+    /// Nanoseconds from the arrival given to `take` until the grant.
+    pub delay_ns: u64,
+    before: u64,
+    after: u64,
+}
+
+#[derive(Debug, Default)]
+struct Slot {
+    m: AtomicU64,
+    tau: AtomicU64,
+    burst: AtomicU64,
+    q_ticks: AtomicU64,
+    amount: AtomicU64,
+    period: AtomicU64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Params {
+    m: u32,
+    tau: u64,
+    burst: u64,
+    q_ticks: u64,
+}
+
+impl Params {
+    fn of(rate: &Rate) -> Params {
+        let t = rate.interval_ns();
+        // 2^m ticks per interval, a tick in [0.5, 1) ns (t >= 1 ns by Rate's validation).
+        let m = (t.log2().floor() as u32 + 1).min(58);
+        let ticks_per_ns = (1u64 << m) as f64 / t;
+        Params {
+            m,
+            tau: rate.burst << m,
+            burst: rate.burst,
+            // Q52 fixed point, rounded up (plus one ulp for the rounding of T itself) so
+            // the clock is never read late: a retry after `ns_until` always conforms.
+            q_ticks: (ticks_per_ns * Q_ONE).ceil() as u64 + 1,
+        }
+    }
+
+    #[inline]
+    fn ticks(&self, ns: u64) -> u64 {
+        (((ns as u128) * (self.q_ticks as u128)) >> Q_BITS).min(TAT_MASK as u128) as u64
+    }
+
+    /// Nanoseconds from `at_ns` until the clock reaches tick `target`: the least x with
+    /// ticks(at + x) >= target, computed exactly so a retry after it always conforms.
+    fn ns_until(&self, at_ns: u64, target: u64) -> u64 {
+        if target <= self.ticks(at_ns) {
+            return 0;
+        }
+        let need = ((target as u128) << Q_BITS).div_ceil(self.q_ticks as u128);
+        need.min(u64::MAX as u128) as u64 - at_ns.min(need as u64)
+    }
+}
+
+/// A lock-free GCRA token bucket.
+#[derive(Debug)]
+#[repr(align(64))]
+pub struct Bucket {
+    word: AtomicU64,
+    slots: [Slot; GENS],
+    change: Mutex<()>,
+}
+
+impl Bucket {
+    /// A full bucket at `rate`.
+    pub fn new(rate: Rate) -> Bucket {
+        let b = Bucket {
+            word: AtomicU64::new(0),
+            slots: Default::default(),
+            change: Mutex::new(()),
+        };
+        b.write_slot(0, &rate);
+        b
+    }
+
+    fn write_slot(&self, gen: usize, rate: &Rate) {
+        let p = Params::of(rate);
+        let s = &self.slots[gen];
+        s.m.store(p.m as u64, Ordering::Relaxed);
+        s.tau.store(p.tau, Ordering::Relaxed);
+        s.burst.store(p.burst, Ordering::Relaxed);
+        s.q_ticks.store(p.q_ticks, Ordering::Relaxed);
+        s.amount.store(rate.amount.to_bits(), Ordering::Relaxed);
+        s.period.store(rate.period_ns.to_bits(), Ordering::Relaxed);
+    }
+
+    #[inline]
+    fn params(&self, word: u64) -> Params {
+        let s = &self.slots[(word >> GEN_SHIFT) as usize];
+        Params {
+            m: s.m.load(Ordering::Relaxed) as u32,
+            tau: s.tau.load(Ordering::Relaxed),
+            burst: s.burst.load(Ordering::Relaxed),
+            q_ticks: s.q_ticks.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The current rate.
+    pub fn rate(&self) -> Rate {
+        let w = self.word.load(Ordering::Acquire);
+        let s = &self.slots[(w >> GEN_SHIFT) as usize];
+        Rate {
+            amount: f64::from_bits(s.amount.load(Ordering::Relaxed)),
+            period_ns: f64::from_bits(s.period.load(Ordering::Relaxed)),
+            burst: s.burst.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Debits `cost` for an arrival at `at_ns` if it is granted within `max_delay_ns`;
+    /// the grant time is max(at, TAT + (cost − burst)·T) (the Lindley recursion), and
+    /// TAT becomes max(TAT, at) + cost·T. A refusal changes nothing.
+    #[inline]
+    pub fn take(&self, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<Taken, Deny> {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            if cost > p.burst {
+                return Err(Deny::TooLarge {
+                    cost,
+                    burst: p.burst,
+                    unit: 0,
+                });
+            }
+            let tat = w & TAT_MASK;
+            let now = p.ticks(at_ns);
+            let new = tat.max(now) + (cost << p.m);
+            if new > TAT_MASK {
+                return Err(Deny::Wait(u64::MAX));
+            }
+            let delay_ns = p.ns_until(at_ns, new.saturating_sub(p.tau));
+            if delay_ns > max_delay_ns {
+                return Err(Deny::Wait(delay_ns));
+            }
+            let next = (w & !TAT_MASK) | new;
+            if next == w {
+                return Ok(Taken {
+                    delay_ns,
+                    before: w,
+                    after: w,
+                });
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    return Ok(Taken {
+                        delay_ns,
+                        before: w,
+                        after: next,
+                    })
+                }
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
+    /// Nanoseconds from `at_ns` until `cost` would conform (0 = now); changes nothing.
+    #[inline]
+    pub fn delay_for(&self, at_ns: u64, cost: u64) -> Result<u64, Deny> {
+        let w = self.word.load(Ordering::Acquire);
+        let p = self.params(w);
+        if cost > p.burst {
+            return Err(Deny::TooLarge {
+                cost,
+                burst: p.burst,
+                unit: 0,
+            });
+        }
+        let now = p.ticks(at_ns);
+        let new = (w & TAT_MASK).max(now) + (cost << p.m);
+        Ok(p.ns_until(at_ns, new.saturating_sub(p.tau)))
+    }
+
+    /// Undoes `t` if no other debit came after it; true when undone.
+    pub fn untake(&self, t: &Taken) -> bool {
+        t.before == t.after
+            || self
+                .word
+                .compare_exchange(t.after, t.before, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
+    /// Returns `cost` to the bucket (never beyond full). For refunds of costs taken by
+    /// grants that are now in the past (e.g. settling an over-estimate).
+    pub fn refund(&self, cost: u64) {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            let tat = (w & TAT_MASK).saturating_sub(cost.saturating_mul(1 << p.m).min(TAT_MASK));
+            match self
+                .word
+                .compare_exchange_weak(w, (w & !TAT_MASK) | tat, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
+    /// Debits `cost` at `at_ns` unconditionally; the bucket may go into debt, which
+    /// delays later admissions until time repays it.
+    pub fn charge(&self, at_ns: u64, cost: u64) {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            let add = cost.saturating_mul(1 << p.m).min(TAT_MASK);
+            let tat = ((w & TAT_MASK).max(p.ticks(at_ns)) + add).min(TAT_MASK);
+            match self
+                .word
+                .compare_exchange_weak(w, (w & !TAT_MASK) | tat, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
+    /// Units that could be admitted at `at_ns` (negative while in debt).
+    pub fn available(&self, at_ns: u64) -> f64 {
+        let w = self.word.load(Ordering::Acquire);
+        let p = self.params(w);
+        let used = (w & TAT_MASK).saturating_sub(p.ticks(at_ns));
+        (p.tau as f64 - used as f64) / (1u64 << p.m) as f64
+    }
+
+    /// Changes the rate and burst at `at_ns`, keeping the content used so far (in units):
+    /// from the change on, admissions obey the new rate and burst.
+    pub fn set_rate(&self, at_ns: u64, rate: Rate) {
+        let _guard = self.change.lock().unwrap_or_else(|e| e.into_inner());
+        let w = self.word.load(Ordering::Acquire);
+        let gen = (((w >> GEN_SHIFT) as usize) + 1) % GENS;
+        self.write_slot(gen, &rate);
+        let new_p = Params::of(&rate);
+        let mut w = w;
+        loop {
+            let p = self.params(w);
+            let used = (w & TAT_MASK).saturating_sub(p.ticks(at_ns)) as u128;
+            // Content in units = used / 2^m; in new ticks, rounded up (never gain).
+            let used_new = ((used << new_p.m) + (1u128 << p.m) - 1) >> p.m;
+            let tat = (new_p.ticks(at_ns) as u128 + used_new).min(TAT_MASK as u128) as u64;
+            let next = ((gen as u64) << GEN_SHIFT) | tat;
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(per_sec: f64, burst: u64) -> Rate {
+        Rate::new(per_sec, 1e9, burst).unwrap()
+    }
+
+    #[test]
+    fn admits_burst_then_refuses() {
+        let b = Bucket::new(rate(10.0, 3));
+        for _ in 0..3 {
+            assert!(b.take(0, 1, 0).is_ok());
+        }
+        assert_eq!(b.take(0, 1, 0), Err(Deny::Wait(100_000_000)));
+        assert!(b.take(100_000_000, 1, 0).is_ok());
+    }
+
+    #[test]
+    fn cost_above_burst_is_too_large() {
+        let b = Bucket::new(rate(10.0, 3));
+        assert!(matches!(
+            b.take(0, 4, u64::MAX),
+            Err(Deny::TooLarge { cost: 4, burst: 3, .. })
+        ));
+        assert_eq!(b.available(0), 3.0);
+    }
+
+    #[test]
+    fn reserve_follows_lindley() {
+        let b = Bucket::new(rate(100.0, 5));
+        let mut delays = vec![];
+        for _ in 0..10 {
+            delays.push(b.take(0, 1, u64::MAX).unwrap().delay_ns);
+        }
+        assert_eq!(&delays[..5], &[0; 5]);
+        for (k, d) in delays[5..].iter().enumerate() {
+            let want = 10_000_000 * (k as u64 + 1);
+            assert!(d.abs_diff(want) <= 1, "{d} vs {want}");
+        }
+    }
+
+    #[test]
+    fn untake_only_when_latest() {
+        let b = Bucket::new(rate(1.0, 2));
+        let t1 = b.take(0, 1, 0).unwrap();
+        let t2 = b.take(0, 1, 0).unwrap();
+        assert!(!b.untake(&t1));
+        assert!(b.untake(&t2));
+        assert_eq!(b.available(0), 1.0);
+    }
+
+    #[test]
+    fn long_run_rate_is_exact() {
+        for per_sec in [1.0 / 86_400.0, 0.37, 3.0, 999.0, 123_457.0, 33_333_333.0, 1e8] {
+            let b = Bucket::new(rate(per_sec, 1));
+            let mut t = 0u64;
+            let n = (1e16 * per_sec / 1e9).clamp(100.0, 100_000.0) as u64;
+            for _ in 0..n {
+                let d = b.take(t, 1, u64::MAX).unwrap().delay_ns;
+                t += d;
+            }
+            let want = (n - 1) as f64 * 1e9 / per_sec;
+            let err = (t as f64 - want).abs() / want;
+            assert!(err < 1e-6, "rate {per_sec}: err {err}");
+        }
+    }
+
+    #[test]
+    fn set_rate_keeps_content() {
+        let b = Bucket::new(rate(10.0, 10));
+        for _ in 0..4 {
+            b.take(0, 1, 0).unwrap();
+        }
+        b.set_rate(0, rate(1000.0, 20));
+        assert!((b.available(0) - 16.0).abs() < 1e-9);
+        assert_eq!(b.rate().burst, 20);
+        for _ in 0..40 {
+            b.set_rate(0, rate(1000.0, 20));
+        }
+        assert!((b.available(0) - 16.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn charge_goes_into_debt_and_refund_caps_at_full() {
+        let b = Bucket::new(rate(1.0, 2));
+        b.charge(0, 5);
+        assert_eq!(b.available(0), -3.0);
+        assert_eq!(b.take(0, 1, 0), Err(Deny::Wait(4_000_000_000)));
+        b.refund(100);
+        assert_eq!(b.available(0), 2.0);
+    }
+}

@@ -1,0 +1,17 @@
+//! ratequeue-core: the pure-Rust engine of ratequeue — clocks, the lock-free GCRA
+//! bucket, multi-rate limiters and the errors they report. No Python in here.
+
+pub mod bucket;
+pub mod clock;
+pub mod error;
+pub mod limiter;
+pub mod rate;
+
+pub use bucket::{Bucket, Deny};
+pub use clock::{AnyClock, ManualClock};
+pub use error::Error;
+pub use limiter::{Limiter, Reservation};
+pub use rate::Rate;
+
+/// Nanoseconds in one second.
+pub const NS_PER_SEC: f64 = 1e9;

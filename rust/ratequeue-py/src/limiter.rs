@@ -1,0 +1,424 @@
+//! Python Rate, Limiter and Reservation over the core's multi-rate limiter.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString, PyTuple};
+use ratequeue_core::limiter::MAX_RATES;
+use ratequeue_core::{Deny, Error, Limiter, Rate, Reservation};
+
+use crate::args::{cost, period_seconds, seconds_ns};
+use crate::clock::any_clock;
+use crate::errors::{to_py, type_err};
+
+/// Keyword names that are arguments, never units.
+const RESERVED: [&str; 5] = ["max_wait", "timeout", "priority", "clock", "name"];
+
+/// `amount` units per `per`, at most `burst` at once.
+#[pyclass(frozen, name = "Rate", module = "ratequeue")]
+#[derive(Clone)]
+pub struct RatePy {
+    pub rate: Rate,
+    #[pyo3(get)]
+    pub unit: String,
+}
+
+#[pymethods]
+impl RatePy {
+    #[new]
+    #[pyo3(signature = (amount, per = None, burst = None, unit = "requests"))]
+    fn new(
+        amount: &Bound<'_, PyAny>,
+        per: Option<&Bound<'_, PyAny>>,
+        burst: Option<&Bound<'_, PyAny>>,
+        unit: &str,
+    ) -> PyResult<Self> {
+        let amount = crate::args::seconds("amount", amount)?;
+        let per_s = per.map(period_seconds).transpose()?.unwrap_or(1.0);
+        let burst = match burst {
+            Some(b) => {
+                let v = cost("burst", b)?;
+                if v == 0 {
+                    return Err(PyValueError::new_err("burst=0 must be an integer >= 1"));
+                }
+                v
+            }
+            None => (amount.floor().max(1.0)).min(u64::MAX as f64) as u64,
+        };
+        if unit.is_empty() || RESERVED.contains(&unit) || !unit.chars().all(|c| c.is_alphanumeric() || c == '_') {
+            return Err(PyValueError::new_err(format!(
+                "unit={unit:?} must be an identifier other than {RESERVED:?}"
+            )));
+        }
+        let rate = Rate::new(amount, per_s * 1e9, burst).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(RatePy {
+            rate,
+            unit: unit.to_owned(),
+        })
+    }
+
+    /// Units per period.
+    #[getter]
+    fn amount(&self) -> f64 {
+        self.rate.amount
+    }
+
+    /// The period in seconds.
+    #[getter]
+    fn per(&self) -> f64 {
+        self.rate.period_ns / 1e9
+    }
+
+    /// The capacity: the most admitted at one instant.
+    #[getter]
+    fn burst(&self) -> u64 {
+        self.rate.burst
+    }
+
+    /// Units per second.
+    #[getter]
+    fn per_second(&self) -> f64 {
+        self.rate.per_second()
+    }
+
+    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
+        other
+            .cast::<RatePy>()
+            .is_ok_and(|o| o.get().rate == self.rate && o.get().unit == self.unit)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "Rate({}, per={}, burst={}, unit={:?})",
+            self.rate.amount,
+            self.rate.period_ns / 1e9,
+            self.rate.burst,
+            self.unit
+        )
+    }
+}
+
+/// Costs per unit, as parsed from a call.
+type Costs = [u64; MAX_RATES];
+
+/// A rate limiter over one or more rates; lock-free decisions, all-or-nothing.
+#[pyclass(frozen, name = "Limiter", module = "ratequeue")]
+pub struct LimiterPy {
+    core: Arc<Limiter>,
+    /// Cost of a unit not named in a call (None: it must be named).
+    defaults: [Option<u64>; MAX_RATES],
+    max_wait_ns: Option<u64>,
+    clock: Py<PyAny>,
+    #[pyo3(get)]
+    name: Option<String>,
+}
+
+impl LimiterPy {
+    fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
+        let mut out = [0u64; MAX_RATES];
+        let units = self.core.units();
+        let mut given = [false; MAX_RATES];
+        if let Some(n) = n {
+            out[0] = cost(&units[0], n)?;
+            given[0] = true;
+        }
+        if let Some(kw) = kw {
+            for (k, v) in kw.iter() {
+                let k = k.cast::<PyString>()?;
+                let name = k.to_str()?;
+                let Some(i) = self.core.unit_index(name) else {
+                    return Err(PyTypeError::new_err(format!(
+                        "unexpected keyword {name:?}: this limiter counts units {units:?}"
+                    )));
+                };
+                if given[i] {
+                    return Err(PyTypeError::new_err(format!("cost for unit {name:?} given twice")));
+                }
+                out[i] = cost(name, &v)?;
+                given[i] = true;
+            }
+        }
+        for (i, u) in units.iter().enumerate() {
+            if !given[i] {
+                out[i] = self.defaults[i]
+                    .ok_or_else(|| PyTypeError::new_err(format!("missing cost for unit {u:?} (pass {u}=...)")))?;
+            }
+        }
+        Ok(out)
+    }
+
+    #[inline]
+    fn deny(&self, py: Python<'_>, d: Deny) -> PyErr {
+        to_py(py, self.core.error_for(d, "not admitted"))
+    }
+}
+
+#[pymethods]
+impl LimiterPy {
+    #[new]
+    #[pyo3(signature = (*rates, clock = None, max_wait = None, name = None))]
+    fn new(
+        py: Python<'_>,
+        rates: &Bound<'_, PyTuple>,
+        clock: Option<&Bound<'_, PyAny>>,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        let mut list = Vec::with_capacity(rates.len());
+        for r in rates.iter() {
+            let r = r.cast::<RatePy>().map_err(|_| type_err("rates", "Rate objects", &r))?;
+            list.push((r.get().unit.clone(), r.get().rate));
+        }
+        let core = Limiter::new(list, any_clock(clock)?).map_err(|e| to_py(py, e))?;
+        let mut defaults = [None; MAX_RATES];
+        let single = core.units().len() == 1;
+        for (i, u) in core.units().iter().enumerate() {
+            if single || u == "requests" {
+                defaults[i] = Some(1);
+            }
+        }
+        let clock_obj = match clock {
+            Some(c) => c.clone().unbind(),
+            None => Bound::new(py, crate::clock::MonotonicClockPy)?.into_any().unbind(),
+        };
+        Ok(LimiterPy {
+            core: Arc::new(core),
+            defaults,
+            max_wait_ns: max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?,
+            clock: clock_obj,
+            name,
+        })
+    }
+
+    /// Admits now or returns False; never waits, never queues, takes no lock.
+    #[pyo3(signature = (n = None, /, **costs))]
+    fn try_acquire(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<bool> {
+        let c = if n.is_none() && costs.is_none() {
+            match self.defaults {
+                [Some(d), ..] if self.core.units().len() == 1 => {
+                    let mut c = [0; MAX_RATES];
+                    c[0] = d;
+                    c
+                }
+                _ => self.costs(None, None)?,
+            }
+        } else {
+            self.costs(n, costs)?
+        };
+        match self.core.try_acquire(&c) {
+            Ok(()) => Ok(true),
+            Err(Deny::Wait(_)) => Ok(false),
+            Err(d) => Err(self.deny(py, d)),
+        }
+    }
+
+    /// Seconds until the given costs would be admitted (0.0 = now); changes nothing.
+    #[pyo3(signature = (n = None, /, **costs))]
+    fn retry_after(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<f64> {
+        let c = self.costs(n, costs)?;
+        match self.core.delay_for(&c) {
+            Ok(ns) => Ok(ns as f64 / 1e9),
+            Err(d) => Err(self.deny(py, d)),
+        }
+    }
+
+    /// Reserves the costs in arrival order: returns a Reservation whose `delay` says how
+    /// long to wait before proceeding. Raises Overloaded at once (consuming nothing)
+    /// when the delay would exceed max_wait.
+    #[pyo3(signature = (n = None, /, *, max_wait = None, **costs))]
+    fn reserve(
+        slf: &Bound<'_, Self>,
+        n: Option<&Bound<'_, PyAny>>,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<ReservationPy> {
+        let py = slf.py();
+        let me = slf.get();
+        let c = me.costs(n, costs)?;
+        let mw = match max_wait {
+            Some(m) => Some(seconds_ns("max_wait", m)?),
+            None => me.max_wait_ns,
+        };
+        let r = me.core.reserve(&c, mw).map_err(|e| to_py(py, e))?;
+        Ok(ReservationPy {
+            limiter: slf.clone().unbind(),
+            inner: r,
+            done: AtomicBool::new(false),
+        })
+    }
+
+    /// Units of `unit` that could be admitted now (negative while in debt).
+    #[pyo3(signature = (unit = None))]
+    fn available(&self, unit: Option<&str>) -> PyResult<f64> {
+        let i = match unit {
+            None => 0,
+            Some(u) => self
+                .core
+                .unit_index(u)
+                .ok_or_else(|| PyValueError::new_err(format!("unit={u:?} is not one of {:?}", self.core.units())))?,
+        };
+        Ok(self.core.available(i))
+    }
+
+    /// Changes a rate at run time (`which`: index or unit name); the bucket keeps what
+    /// it has used. `per` and `burst` default to the current ones.
+    #[pyo3(signature = (amount, per = None, *, burst = None, which = None))]
+    fn set_rate(
+        &self,
+        py: Python<'_>,
+        amount: &Bound<'_, PyAny>,
+        per: Option<&Bound<'_, PyAny>>,
+        burst: Option<&Bound<'_, PyAny>>,
+        which: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<()> {
+        let i = self.which(which)?;
+        let (_, cur) = self.core.rate(i).expect("index checked");
+        let amount = crate::args::seconds("amount", amount)?;
+        let period_ns = per.map(period_seconds).transpose()?.map_or(cur.period_ns, |s| s * 1e9);
+        let burst = match burst {
+            Some(b) => cost("burst", b)?,
+            None => cur.burst,
+        };
+        let rate = Rate::new(amount, period_ns, burst).map_err(|e| to_py(py, e))?;
+        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))
+    }
+
+    /// Changes the burst of a rate at run time, keeping its amount and period.
+    #[pyo3(signature = (burst, *, which = None))]
+    fn set_burst(&self, py: Python<'_>, burst: &Bound<'_, PyAny>, which: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let i = self.which(which)?;
+        let (_, cur) = self.core.rate(i).expect("index checked");
+        let rate = Rate::new(cur.amount, cur.period_ns, cost("burst", burst)?).map_err(|e| to_py(py, e))?;
+        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))
+    }
+
+    /// The current rates, in the order given.
+    #[getter]
+    fn rates(&self) -> Vec<RatePy> {
+        (0..self.core.rate_count())
+            .filter_map(|i| self.core.rate(i))
+            .map(|(u, r)| RatePy {
+                rate: r,
+                unit: u.to_owned(),
+            })
+            .collect()
+    }
+
+    /// The distinct units, in order of first appearance.
+    #[getter]
+    fn units(&self) -> Vec<String> {
+        self.core.units().to_vec()
+    }
+
+    /// The clock this limiter reads.
+    #[getter]
+    fn clock(&self, py: Python<'_>) -> Py<PyAny> {
+        self.clock.clone_ref(py)
+    }
+
+    /// The default bound on waiting, in seconds (None: unbounded).
+    #[getter]
+    fn max_wait(&self) -> Option<f64> {
+        self.max_wait_ns.map(|n| n as f64 / 1e9)
+    }
+
+    /// Does nothing: the floor of a method call, for benchmarks.
+    fn _noop(&self) {}
+
+    fn __repr__(&self) -> String {
+        let rates: Vec<String> = self.rates().iter().map(|r| r.__repr__()).collect();
+        format!("Limiter({})", rates.join(", "))
+    }
+}
+
+impl LimiterPy {
+    fn which(&self, which: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        let n = self.core.rate_count();
+        let Some(w) = which else { return Ok(0) };
+        if let Ok(s) = w.cast::<PyString>() {
+            let s = s.to_str()?;
+            let hits: Vec<usize> = (0..n)
+                .filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == s))
+                .collect();
+            return match hits.as_slice() {
+                [i] => Ok(*i),
+                [] => Err(PyValueError::new_err(format!(
+                    "which={s:?} names no rate of this limiter"
+                ))),
+                _ => Err(PyValueError::new_err(format!(
+                    "which={s:?} names several rates: pass an index"
+                ))),
+            };
+        }
+        let i: usize = w
+            .extract()
+            .map_err(|_| type_err("which", "an index or a unit name", w))?;
+        if i >= n {
+            return Err(PyValueError::new_err(format!(
+                "which={i} is out of range: this limiter has {n} rates"
+            )));
+        }
+        Ok(i)
+    }
+}
+
+/// Capacity held from `at` on; proceed after `delay` seconds.
+#[pyclass(frozen, name = "Reservation", module = "ratequeue")]
+pub struct ReservationPy {
+    limiter: Py<LimiterPy>,
+    inner: Reservation,
+    done: AtomicBool,
+}
+
+#[pymethods]
+impl ReservationPy {
+    /// Seconds from the reservation until the caller may proceed.
+    #[getter]
+    fn delay(&self) -> f64 {
+        self.inner.delay_ns as f64 / 1e9
+    }
+
+    /// The clock time (seconds) at which the caller may proceed.
+    #[getter]
+    fn at(&self) -> f64 {
+        self.inner.at_ns as f64 / 1e9
+    }
+
+    /// True once cancel() has been called.
+    #[getter]
+    fn cancelled(&self) -> bool {
+        self.done.load(Ordering::Acquire)
+    }
+
+    /// Cancels: before its time, returns its cost to each rate where no later
+    /// reservation depends on it; returns True if anything was given back. Only the
+    /// first call has an effect.
+    fn cancel(&self) -> bool {
+        if self.done.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        self.limiter.get().core.cancel(&self.inner) > 0
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Reservation(delay={}, at={})", self.delay(), self.at())
+    }
+}
+
+#[allow(dead_code)]
+fn _assert_send_sync() {
+    fn f<T: Send + Sync>() {}
+    f::<Error>();
+}
