@@ -8,20 +8,26 @@ from __future__ import annotations
 
 from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
 from ._ratequeue import (
+    Acquiring,
+    Concurrency,
     Limiter,
     ManualClock,
     MonotonicClock,
+    Permit,
     Rate,
     Reservation,
     __version__,
 )
 
 __all__ = [
+    "Acquiring",
+    "Concurrency",
     "CostTooLarge",
     "Limiter",
     "ManualClock",
     "MonotonicClock",
     "Overloaded",
+    "Permit",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -208,6 +208,20 @@ impl Bucket {
         Ok(p.ns_until(at_ns, new.saturating_sub(p.tau)))
     }
 
+    /// The earliest time ≥ `at_ns` at which `ahead` and then `cost` would all have
+    /// conformed if served back to back (the FIFO schedule of a backlog).
+    pub fn predict(&self, at_ns: u64, ahead: u64, cost: u64) -> u64 {
+        let w = self.word.load(Ordering::Acquire);
+        let p = self.params(w);
+        let now = p.ticks(at_ns);
+        let total = ((ahead as u128 + cost as u128) << p.m) + (w & TAT_MASK).max(now) as u128;
+        let target = total.saturating_sub(p.tau as u128);
+        if target > TAT_MASK as u128 {
+            return u64::MAX;
+        }
+        at_ns.saturating_add(p.ns_until(at_ns, target as u64))
+    }
+
     /// Undoes `t` if no other debit came after it; true when undone.
     pub fn untake(&self, t: &Taken) -> bool {
         t.before == t.after

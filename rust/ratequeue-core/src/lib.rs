@@ -3,14 +3,18 @@
 
 pub mod bucket;
 pub mod clock;
+pub mod concurrency;
 pub mod error;
 pub mod limiter;
+pub mod queue;
 pub mod rate;
 
 pub use bucket::{Bucket, Deny};
 pub use clock::{AnyClock, ManualClock};
+pub use concurrency::Semaphore;
 pub use error::Error;
 pub use limiter::{Limiter, Reservation};
+pub use queue::{Outcome, QueueConfig, Resource, Submitted, WaitQueue, Wake};
 pub use rate::Rate;
 
 /// Nanoseconds in one second.

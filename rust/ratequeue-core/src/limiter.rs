@@ -4,6 +4,7 @@
 use crate::bucket::{Bucket, Deny, Taken};
 use crate::clock::AnyClock;
 use crate::error::Error;
+use crate::queue::Resource;
 use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
@@ -115,6 +116,19 @@ impl Limiter {
                 retry_after_ns: ns,
             },
         }
+    }
+
+    /// Admits `costs` at `now` (see [`Limiter::try_acquire`]).
+    #[inline]
+    pub fn try_acquire_at(&self, now: u64, costs: &[u64]) -> Result<(), Deny> {
+        if self.buckets.len() == 1 {
+            let c = costs[self.bucket_unit[0]];
+            return self.buckets[0]
+                .take(now, c, 0)
+                .map(|_| ())
+                .map_err(|d| self.with_unit(0, d));
+        }
+        self.take_all(now, costs, 0).map(|_| ())
     }
 
     /// Admits `costs` (one per unit, indexed as [`Limiter::units`]) now or not at all.
@@ -287,6 +301,46 @@ impl Limiter {
                 b.charge(now, c);
             }
         }
+    }
+}
+
+impl Resource for Limiter {
+    #[inline]
+    fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
+        self.try_acquire_at(now_ns, costs)
+    }
+
+    fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
+    }
+
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
+        self.try_acquire_at(at_ns, costs)
+    }
+
+    fn give_back(&self, costs: &[u64]) {
+        self.refund(costs);
+    }
+
+    fn service_ns(&self, costs: &[u64]) -> f64 {
+        self.buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| costs[self.bucket_unit[i]] as f64 * b.rate().interval_ns())
+            .fold(0.0, f64::max)
+    }
+
+    fn error_for(&self, d: Deny) -> Error {
+        self.error_for(d, "not admitted")
+    }
+
+    fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64> {
+        let mut t = now_ns;
+        for (i, b) in self.buckets.iter().enumerate() {
+            let u = self.bucket_unit[i];
+            t = t.max(b.predict(now_ns, ahead[u], costs[u]));
+        }
+        Some(t)
     }
 }
 

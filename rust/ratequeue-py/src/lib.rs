@@ -5,8 +5,10 @@ use pyo3::prelude::*;
 
 mod args;
 mod clock;
+mod concurrency;
 mod errors;
 mod limiter;
+mod waiting;
 
 #[pymodule(gil_used = false)]
 fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -16,5 +18,9 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<limiter::RatePy>()?;
     m.add_class::<limiter::LimiterPy>()?;
     m.add_class::<limiter::ReservationPy>()?;
+    m.add_class::<concurrency::ConcurrencyPy>()?;
+    m.add_class::<waiting::PermitPy>()?;
+    m.add_class::<waiting::AcquiringPy>()?;
+    m.add_class::<waiting::ChannelPy>()?;
     Ok(())
 }

@@ -7,11 +7,15 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{Deny, Error, Limiter, Rate, Reservation};
+use ratequeue_core::{AnyClock, Deny, Error, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
 
 use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
+use crate::waiting::{queue_stats, AcquiringPy, Gate, PermitPy};
+
+/// Default bound on queue depth: waiting never grows memory without limit.
+pub const DEFAULT_MAX_QUEUE: usize = 100_000;
 
 /// Keyword names that are arguments, never units.
 const RESERVED: [&str; 5] = ["max_wait", "timeout", "priority", "clock", "name"];
@@ -107,6 +111,7 @@ type Costs = [u64; MAX_RATES];
 #[pyclass(frozen, name = "Limiter", module = "ratequeue")]
 pub struct LimiterPy {
     core: Arc<Limiter>,
+    gate: Arc<Gate>,
     /// Cost of a unit not named in a call (None: it must be named).
     defaults: [Option<u64>; MAX_RATES],
     max_wait_ns: Option<u64>,
@@ -158,12 +163,15 @@ impl LimiterPy {
 #[pymethods]
 impl LimiterPy {
     #[new]
-    #[pyo3(signature = (*rates, clock = None, max_wait = None, name = None))]
+    #[pyo3(signature = (*rates, clock = None, max_wait = None, max_queue = None, classes = None, name = None))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         rates: &Bound<'_, PyTuple>,
         clock: Option<&Bound<'_, PyAny>>,
         max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        classes: Option<&Bound<'_, PyAny>>,
         name: Option<String>,
     ) -> PyResult<Self> {
         let mut list = Vec::with_capacity(rates.len());
@@ -171,7 +179,19 @@ impl LimiterPy {
             let r = r.cast::<RatePy>().map_err(|_| type_err("rates", "Rate objects", &r))?;
             list.push((r.get().unit.clone(), r.get().rate));
         }
-        let core = Limiter::new(list, any_clock(clock)?).map_err(|e| to_py(py, e))?;
+        let any = any_clock(clock)?;
+        let core = Arc::new(Limiter::new(list, any.clone()).map_err(|e| to_py(py, e))?);
+        let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
+        let gate = new_gate(
+            py,
+            core.clone(),
+            core.units().len(),
+            any,
+            classes,
+            max_queue,
+            max_wait_ns,
+            false,
+        )?;
         let mut defaults = [None; MAX_RATES];
         let single = core.units().len() == 1;
         for (i, u) in core.units().iter().enumerate() {
@@ -184,9 +204,10 @@ impl LimiterPy {
             None => Bound::new(py, crate::clock::MonotonicClockPy)?.into_any().unbind(),
         };
         Ok(LimiterPy {
-            core: Arc::new(core),
+            core,
+            gate,
             defaults,
-            max_wait_ns: max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?,
+            max_wait_ns,
             clock: clock_obj,
             name,
         })
@@ -212,6 +233,10 @@ impl LimiterPy {
         } else {
             self.costs(n, costs)?
         };
+        if self.gate.queue.waiting() != 0 {
+            // Nobody overtakes a waiter.
+            return Ok(false);
+        }
         match self.core.try_acquire(&c) {
             Ok(()) => Ok(true),
             Err(Deny::Wait(_)) => Ok(false),
@@ -334,6 +359,79 @@ impl LimiterPy {
         self.max_wait_ns.map(|n| n as f64 / 1e9)
     }
 
+    /// Waits in the queue until granted (GIL released); a context manager. Raises
+    /// Overloaded at once when the queue is full or the deadline cannot be met,
+    /// WaitTimeout at the deadline.
+    #[pyo3(signature = (n = None, /, *, priority = None, timeout = None, **costs))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PermitPy> {
+        let c = self.costs(n, costs)?;
+        let units = self.core.units().len();
+        self.gate
+            .acquire_blocking(py, &c[..units], self.gate.class(priority)?, self.gate.timeout(timeout)?)
+    }
+
+    /// Awaitable (and async context manager) version of acquire; no polling, one wake.
+    #[pyo3(signature = (n = None, /, *, priority = None, timeout = None, **costs))]
+    fn acquire_async(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<AcquiringPy> {
+        let c = self.costs(n, costs)?;
+        let units = self.core.units().len();
+        AcquiringPy::start(
+            py,
+            &self.gate,
+            &c[..units],
+            self.gate.class(priority)?,
+            self.gate.timeout(timeout)?,
+        )
+    }
+
+    /// Grants and expires whatever is due now; returns the next due time (clock
+    /// seconds) or None. The virtual-time driver calls this on a ManualClock.
+    fn poll(&self) -> Option<f64> {
+        self.gate.queue.poll_now().map(|t| t as f64 / 1e9)
+    }
+
+    /// The next due time (clock seconds) of the queue, or None when nobody waits.
+    fn next_wake(&self) -> Option<f64> {
+        self.gate.queue.next_wake().map(|t| t as f64 / 1e9)
+    }
+
+    /// On a ManualClock: advances the clock through every due time up to `until`
+    /// (clock seconds), granting and expiring as real time would. Returns the number
+    /// of wake-ups.
+    fn run_until(&self, py: Python<'_>, until: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let AnyClock::Manual(m) = self.core.clock() else {
+            return Err(PyValueError::new_err("run_until needs a limiter on a ManualClock"));
+        };
+        let t = seconds_ns("until", until)?;
+        let (q, m) = (self.gate.queue.clone(), m.clone());
+        Ok(py.detach(move || q.run_until(&m, t)))
+    }
+
+    /// Requests now waiting in the queue.
+    #[getter]
+    fn waiting(&self) -> usize {
+        self.gate.queue.waiting()
+    }
+
+    /// Counters and queue depths in one snapshot.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        queue_stats(py, &self.gate.queue)
+    }
+
     /// Does nothing: the floor of a method call, for benchmarks.
     fn _noop(&self) {}
 
@@ -341,6 +439,40 @@ impl LimiterPy {
         let rates: Vec<String> = self.rates().iter().map(|r| r.__repr__()).collect();
         format!("Limiter({})", rates.join(", "))
     }
+}
+
+/// A queue over `resource` from the Python arguments shared by Limiter and Concurrency.
+#[allow(clippy::too_many_arguments)]
+pub fn new_gate(
+    py: Python<'_>,
+    resource: Arc<dyn ratequeue_core::Resource>,
+    units: usize,
+    clock: AnyClock,
+    classes: Option<&Bound<'_, PyAny>>,
+    max_queue: Option<&Bound<'_, PyAny>>,
+    max_wait_ns: Option<u64>,
+    returns_on_exit: bool,
+) -> PyResult<Arc<Gate>> {
+    let mut list = Vec::new();
+    if let Some(c) = classes {
+        let d = c
+            .cast::<PyDict>()
+            .map_err(|_| type_err("classes", "a dict of class name to weight", c))?;
+        for (k, v) in d.iter() {
+            let name: String = k.extract().map_err(|_| type_err("classes", "str names", &k))?;
+            let w = crate::args::seconds(&format!("classes[{name:?}]"), &v)?;
+            list.push((name, w));
+        }
+    }
+    let max_queue = match max_queue {
+        None => DEFAULT_MAX_QUEUE,
+        Some(m) => usize::try_from(cost("max_queue", m)?).unwrap_or(usize::MAX),
+    };
+    let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
+    Ok(Arc::new(Gate {
+        queue: WaitQueue::new(resource, units, clock, config),
+        returns_on_exit,
+    }))
 }
 
 impl LimiterPy {

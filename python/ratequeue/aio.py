@@ -1,0 +1,102 @@
+"""asyncio adapter: the queued path of ``acquire_async``.
+
+Each event loop gets one pipe and one native ``Channel``. The native driver thread puts
+outcomes in the channel and writes one byte to the pipe; the loop's reader drains the
+channel and resolves the waiting futures. No polling, one wake per waiter, no GIL
+needed by the driver. Cancellation is exact: a waiter still queued is removed; a grant
+that raced the cancel is given back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import weakref
+from typing import TYPE_CHECKING, Any
+
+from ._ratequeue import Channel
+
+if TYPE_CHECKING:
+    from ._ratequeue import Acquiring, Permit
+
+__all__: list[str] = []
+
+
+class _LoopChannel:
+    """The pipe, native channel and pending futures of one event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.pid = os.getpid()
+        self.rfd, self.wfd = os.pipe()
+        os.set_blocking(self.rfd, False)
+        os.set_blocking(self.wfd, False)
+        self.channel = Channel(self.wfd)
+        self.pending: dict[int, tuple[asyncio.Future[Permit], Acquiring]] = {}
+        loop.add_reader(self.rfd, self._drain)
+        weakref.finalize(loop, _close_fds, self.rfd, self.wfd)
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self.rfd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        for ticket, granted, waited_ns in self.channel.drain():
+            entry = self.pending.pop(ticket, None)
+            if entry is None:
+                continue
+            fut, acq = entry
+            if fut.done():
+                # Cancelled while the grant was on its way: give it back, exactly once.
+                if granted:
+                    acq._give_back()
+                continue
+            if granted:
+                fut.set_result(acq._granted(waited_ns))
+            else:
+                fut.set_exception(acq._timeout_error(waited_ns))
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopChannel] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _channel_for(loop: asyncio.AbstractEventLoop) -> _LoopChannel:
+    ch = _channels.get(loop)
+    if ch is None or ch.pid != os.getpid():
+        # New loop, or a loop inherited across fork: a fresh pipe for this process.
+        ch = _LoopChannel(loop)
+        _channels[loop] = ch
+    return ch
+
+
+async def _wait(acq: Acquiring) -> Any:
+    """Queue ``acq`` on the running loop's channel and wait for its one wake-up."""
+    loop = asyncio.get_running_loop()
+    ch = _channel_for(loop)
+    ticket = acq._submit(ch.channel)
+    if not isinstance(ticket, int):
+        return ticket  # granted at once
+    fut: asyncio.Future[Permit] = loop.create_future()
+    ch.pending[ticket] = (fut, acq)
+    try:
+        return await fut
+    except asyncio.CancelledError:
+        if acq._cancel(ticket):
+            ch.pending.pop(ticket, None)
+        elif fut.done() and not fut.cancelled() and fut.exception() is None:
+            # Granted, but the task was cancelled before it resumed.
+            fut.result().release()
+            acq._give_back()
+        # Otherwise the outcome is still in the channel: _drain gives a grant back.
+        raise

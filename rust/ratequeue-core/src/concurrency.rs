@@ -1,0 +1,120 @@
+//! A counting semaphore as a queue resource: at most `limit` permits in use; permits
+//! come back on release instead of refilling over time.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::bucket::Deny;
+use crate::error::Error;
+use crate::queue::Resource;
+
+/// At most `limit` permits held at once; lock-free take and release.
+#[derive(Debug)]
+pub struct Semaphore {
+    limit: AtomicU64,
+    in_use: AtomicU64,
+}
+
+impl Semaphore {
+    /// A semaphore with `limit` ≥ 1 permits.
+    pub fn new(limit: u64) -> Result<Semaphore, Error> {
+        if limit == 0 {
+            return Err(Error::invalid("limit", 0, "must be an integer >= 1"));
+        }
+        Ok(Semaphore {
+            limit: AtomicU64::new(limit),
+            in_use: AtomicU64::new(0),
+        })
+    }
+
+    /// Permits held now.
+    pub fn in_use(&self) -> u64 {
+        self.in_use.load(Ordering::Acquire)
+    }
+
+    /// The limit.
+    pub fn limit(&self) -> u64 {
+        self.limit.load(Ordering::Acquire)
+    }
+
+    /// Changes the limit; holders above a lowered limit keep their permits.
+    pub fn set_limit(&self, limit: u64) -> Result<(), Error> {
+        if limit == 0 {
+            return Err(Error::invalid("limit", 0, "must be an integer >= 1"));
+        }
+        self.limit.store(limit, Ordering::Release);
+        Ok(())
+    }
+}
+
+impl Resource for Semaphore {
+    #[inline]
+    fn try_take(&self, _now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
+        let c = costs[0];
+        let limit = self.limit();
+        if c > limit {
+            return Err(Deny::TooLarge {
+                cost: c,
+                burst: limit,
+                unit: 0,
+            });
+        }
+        let mut cur = self.in_use.load(Ordering::Acquire);
+        loop {
+            if cur + c > limit {
+                return Err(Deny::Wait(u64::MAX));
+            }
+            match self
+                .in_use
+                .compare_exchange_weak(cur, cur + c, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(seen) => cur = seen,
+            }
+        }
+    }
+
+    fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        let limit = self.limit();
+        if costs[0] > limit {
+            return Err(Deny::TooLarge {
+                cost: costs[0],
+                burst: limit,
+                unit: 0,
+            });
+        }
+        Ok((self.in_use() + costs[0] <= limit).then_some(at_ns))
+    }
+
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
+        self.try_take(at_ns, costs)
+    }
+
+    fn give_back(&self, costs: &[u64]) {
+        let c = costs[0];
+        let _ = self
+            .in_use
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |v| Some(v.saturating_sub(c)));
+    }
+
+    fn service_ns(&self, costs: &[u64]) -> f64 {
+        costs[0] as f64
+    }
+
+    fn error_for(&self, d: Deny) -> Error {
+        match d {
+            Deny::TooLarge { cost, burst, .. } => Error::CostTooLarge {
+                unit: "permits".into(),
+                cost,
+                burst,
+            },
+            Deny::Wait(_) => Error::Overloaded {
+                reason: "no permit free".into(),
+                retry_after_ns: 0,
+            },
+        }
+    }
+
+    fn predict(&self, _now_ns: u64, _ahead: &[u64], _costs: &[u64]) -> Option<u64> {
+        None
+    }
+}

@@ -1,0 +1,823 @@
+//! The wait queue: a deterministic state machine over the clock that turns waiting into
+//! an explicit reservation — FIFO within a class, start-time fair queuing across
+//! weighted classes, grants in schedule time, bounded depth and deadlines, exact
+//! cancellation — plus the real-time driver thread that runs it.
+//!
+//! `submit` admits at once, queues or refuses; `poll(now)` grants every waiter whose
+//! schedule time has come (debiting the resource *at that schedule time*, so a late
+//! wake-up never costs throughput) and expires deadlines; `cancel` removes a waiter or,
+//! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::fd::RawFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::Duration;
+
+use crate::bucket::Deny;
+use crate::clock::AnyClock;
+use crate::error::Error;
+
+/// What a queue hands out: rate capacity (a [`crate::Limiter`]) or permits (a semaphore).
+pub trait Resource: Send + Sync {
+    /// Takes `costs` now if possible, without looking at the queue.
+    fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny>;
+    /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
+    /// depends on a release rather than on time.
+    fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
+    /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not possible.
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny>;
+    /// Gives back what a grant took and was never used.
+    fn give_back(&self, costs: &[u64]);
+    /// Service time of `costs` in nanoseconds, for fair shares across classes.
+    fn service_ns(&self, costs: &[u64]) -> f64;
+    /// The error a denial stands for.
+    fn error_for(&self, d: Deny) -> Error;
+    /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
+    /// if predictable from time alone.
+    fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
+}
+
+/// How a waiter learns its outcome.
+#[derive(Clone)]
+pub enum Wake {
+    /// A blocked thread.
+    Thread(Arc<Slot>),
+    /// An event loop: the outcome goes to the channel, whose fd is written once.
+    Channel(Arc<Channel>),
+}
+
+/// The end of a wait.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    /// Granted at schedule time `at_ns` after waiting `waited_ns` from arrival.
+    Granted { at_ns: u64, waited_ns: u64 },
+    /// Left the queue at its deadline; nothing consumed.
+    TimedOut { waited_ns: u64 },
+}
+
+/// Result of a submission.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Submitted {
+    /// Granted without waiting (at the current time).
+    Granted { at_ns: u64 },
+    /// Queued under this ticket; the outcome arrives through its `Wake`.
+    Queued(u64),
+}
+
+/// What cancel did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cancelled {
+    /// Removed from the queue before any grant.
+    Removed,
+    /// Not in the queue: already granted or timed out (the caller settles it).
+    NotQueued,
+}
+
+/// A one-shot mailbox for a blocked thread.
+#[derive(Default)]
+pub struct Slot {
+    state: Mutex<Option<Outcome>>,
+    cv: Condvar,
+}
+
+impl Slot {
+    /// A new empty slot.
+    pub fn new() -> Arc<Slot> {
+        Arc::new(Slot::default())
+    }
+
+    fn put(&self, o: Outcome) {
+        *lock(&self.state) = Some(o);
+        self.cv.notify_one();
+    }
+
+    /// Waits up to `slice` for the outcome; None if still waiting.
+    pub fn wait(&self, slice: Option<Duration>) -> Option<Outcome> {
+        let mut g = lock(&self.state);
+        loop {
+            if let Some(o) = *g {
+                return Some(o);
+            }
+            match slice {
+                None => g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(d) => {
+                    let (g2, to) = self.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner());
+                    g = g2;
+                    if to.timed_out() {
+                        return *g;
+                    }
+                }
+            }
+        }
+    }
+
+    /// Takes the outcome if one has arrived.
+    pub fn take(&self) -> Option<Outcome> {
+        lock(&self.state).take()
+    }
+}
+
+/// Outcomes for one event loop, signalled through a file descriptor written once per
+/// batch (the loop reads it with `add_reader` and drains).
+pub struct Channel {
+    ready: Mutex<Vec<(u64, Outcome)>>,
+    signalled: AtomicBool,
+    fd: RawFd,
+}
+
+impl Channel {
+    /// A channel that signals by writing one byte to `fd` (the write end of a pipe the
+    /// caller owns and keeps open while the channel lives).
+    pub fn new(fd: RawFd) -> Arc<Channel> {
+        Arc::new(Channel {
+            ready: Mutex::new(Vec::new()),
+            signalled: AtomicBool::new(false),
+            fd,
+        })
+    }
+
+    fn put(&self, ticket: u64, o: Outcome) {
+        lock(&self.ready).push((ticket, o));
+        if !self.signalled.swap(true, Ordering::AcqRel) {
+            let byte = [1u8];
+            // SAFETY: writing one byte from a valid buffer to a descriptor the owner keeps
+            // open; a full pipe (EAGAIN) already holds a pending wake-up.
+            unsafe {
+                libc_write(self.fd, byte.as_ptr(), 1);
+            }
+        }
+    }
+
+    /// Takes every outcome delivered so far; re-arms the signal.
+    pub fn drain(&self) -> Vec<(u64, Outcome)> {
+        self.signalled.store(false, Ordering::Release);
+        std::mem::take(&mut *lock(&self.ready))
+    }
+}
+
+extern "C" {
+    #[link_name = "write"]
+    fn libc_write(fd: i32, buf: *const u8, n: usize) -> isize;
+    fn getpid() -> i32;
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Wake {
+    fn deliver(&self, ticket: u64, o: Outcome) {
+        match self {
+            Wake::Thread(s) => s.put(o),
+            Wake::Channel(c) => c.put(ticket, o),
+        }
+    }
+}
+
+/// A queue's bounds and classes.
+#[derive(Clone, Debug)]
+pub struct QueueConfig {
+    /// Class names and weights (at least one; weights > 0).
+    pub classes: Vec<(String, f64)>,
+    /// The most waiters at once; more are refused with `Overloaded`.
+    pub max_queue: usize,
+    /// Default deadline for waiting, in nanoseconds.
+    pub max_wait_ns: Option<u64>,
+}
+
+impl QueueConfig {
+    /// Validates names and weights.
+    pub fn new(classes: Vec<(String, f64)>, max_queue: usize, max_wait_ns: Option<u64>) -> Result<Self, Error> {
+        let classes = if classes.is_empty() {
+            vec![("default".to_owned(), 1.0)]
+        } else {
+            classes
+        };
+        for (name, w) in &classes {
+            if !w.is_finite() || *w <= 0.0 {
+                return Err(Error::invalid(
+                    "classes",
+                    format!("{name}={w}"),
+                    "weights must be finite numbers > 0",
+                ));
+            }
+        }
+        if max_queue == 0 {
+            return Err(Error::invalid("max_queue", 0, "must be >= 1"));
+        }
+        Ok(QueueConfig {
+            classes,
+            max_queue,
+            max_wait_ns,
+        })
+    }
+}
+
+struct Waiter {
+    costs: Box<[u64]>,
+    arrival_ns: u64,
+    deadline_ns: Option<u64>,
+    start_tag: f64,
+    wake: Wake,
+}
+
+#[derive(Default)]
+struct Class {
+    weight: f64,
+    waiters: BTreeMap<u64, Waiter>,
+    last_finish: f64,
+    queued: Vec<u64>,
+}
+
+/// Counters of what a queue decided.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QueueCounts {
+    /// Granted at once, without queueing.
+    pub immediate: u64,
+    /// Granted after queueing.
+    pub queued_grants: u64,
+    /// Refused because the queue was full.
+    pub refused_full: u64,
+    /// Refused because the deadline could not be met.
+    pub refused_deadline: u64,
+    /// Left the queue at their deadline.
+    pub timed_out: u64,
+    /// Cancelled while queued.
+    pub cancelled: u64,
+}
+
+struct Inner {
+    classes: Vec<Class>,
+    vtime: f64,
+    last_grant_ns: u64,
+    where_is: HashMap<u64, usize>,
+    deadlines: BTreeSet<(u64, u64)>,
+    len: usize,
+    driver_pid: i32,
+    driver_running: bool,
+    counts: QueueCounts,
+}
+
+/// A wait queue in front of a resource, with its driver.
+pub struct WaitQueue {
+    resource: Arc<dyn Resource>,
+    clock: AnyClock,
+    config: QueueConfig,
+    units: usize,
+    waiting: AtomicUsize,
+    inner: Mutex<Inner>,
+    cv: Condvar,
+}
+
+/// Tickets are unique in the process, so one event-loop channel can serve many queues.
+static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
+
+type Deliveries = Vec<(Wake, u64, Outcome)>;
+
+impl WaitQueue {
+    /// A queue over `resource` counting `units` cost components, read on `clock`.
+    pub fn new(resource: Arc<dyn Resource>, units: usize, clock: AnyClock, config: QueueConfig) -> Arc<WaitQueue> {
+        let classes = config
+            .classes
+            .iter()
+            .map(|(_, w)| Class {
+                weight: *w,
+                queued: vec![0; units],
+                ..Class::default()
+            })
+            .collect();
+        Arc::new(WaitQueue {
+            resource,
+            clock,
+            units,
+            waiting: AtomicUsize::new(0),
+            inner: Mutex::new(Inner {
+                classes,
+                vtime: 0.0,
+                last_grant_ns: 0,
+                where_is: HashMap::new(),
+                deadlines: BTreeSet::new(),
+                len: 0,
+                driver_pid: 0,
+                driver_running: false,
+                counts: QueueCounts::default(),
+            }),
+            cv: Condvar::new(),
+            config,
+        })
+    }
+
+    /// The queue's configuration.
+    pub fn config(&self) -> &QueueConfig {
+        &self.config
+    }
+
+    /// The index of class `name`.
+    pub fn class_index(&self, name: &str) -> Option<usize> {
+        self.config.classes.iter().position(|(n, _)| n == name)
+    }
+
+    /// Waiters now queued (all classes).
+    #[inline]
+    pub fn waiting(&self) -> usize {
+        self.waiting.load(Ordering::Acquire)
+    }
+
+    /// Waiters now queued in each class.
+    pub fn depths(&self) -> Vec<usize> {
+        lock(&self.inner).classes.iter().map(|c| c.waiters.len()).collect()
+    }
+
+    /// Counters so far.
+    pub fn counts(&self) -> QueueCounts {
+        lock(&self.inner).counts
+    }
+
+    /// The fast path: grants now if nobody waits and the resource admits. No lock, no
+    /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
+    #[inline]
+    pub fn try_now(&self, costs: &[u64]) -> Result<u64, Option<Deny>> {
+        if self.waiting() != 0 {
+            return Err(None);
+        }
+        let now = self.clock.now_ns();
+        match self.resource.try_take(now, costs) {
+            Ok(()) => Ok(now),
+            Err(Deny::Wait(_)) => Err(None),
+            Err(d) => Err(Some(d)),
+        }
+    }
+
+    /// Admits at once, queues, or refuses. `timeout_ns` overrides the configured
+    /// max_wait; `wake` is called only if the request is queued.
+    pub fn submit(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Result<Submitted, Error> {
+        if class >= self.config.classes.len() {
+            return Err(Error::invalid("priority", class, "is not a class of this limiter"));
+        }
+        let now = self.clock.now_ns();
+        let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        let mut g = lock(&self.inner);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, now, &mut out);
+        let result = self.enqueue_locked(&mut g, now, costs, class, max_wait, wake);
+        let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
+            self.next_wake_locked(&g)
+        } else {
+            None
+        };
+        if next.is_some() {
+            self.ensure_driver(&mut g);
+            self.cv.notify_one();
+        }
+        drop(g);
+        deliver(out);
+        result
+    }
+
+    fn enqueue_locked(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        max_wait: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Result<Submitted, Error> {
+        if g.len == 0 {
+            match self.resource.try_take(now, costs) {
+                Ok(()) => {
+                    g.counts.immediate += 1;
+                    g.last_grant_ns = g.last_grant_ns.max(now);
+                    return Ok(Submitted::Granted { at_ns: now });
+                }
+                Err(Deny::Wait(_)) => {}
+                Err(d) => return Err(self.deny_error(d)),
+            }
+        } else if let Err(d @ Deny::TooLarge { .. }) = self.resource.ready_at(now, costs) {
+            return Err(self.deny_error(d));
+        }
+        if g.len >= self.config.max_queue {
+            g.counts.refused_full += 1;
+            let retry = self.predict_all(g, now, costs).map_or(0, |t| t.saturating_sub(now));
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the queue is full ({} waiting, max_queue={})",
+                    g.len, self.config.max_queue
+                ),
+                retry_after_ns: retry,
+            });
+        }
+        if let Some(mw) = max_wait {
+            // With one class the FIFO wait is known now; with several, the own class's
+            // backlog is a lower bound. Refuse at once what would surely miss its deadline.
+            let ahead = &g.classes[class].queued;
+            if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), ahead, costs) {
+                let wait = t.saturating_sub(now);
+                if wait > mw {
+                    g.counts.refused_deadline += 1;
+                    return Err(Error::Overloaded {
+                        reason: format!(
+                            "the predicted wait of {:.6} s exceeds max_wait={:.6} s",
+                            wait as f64 / 1e9,
+                            mw as f64 / 1e9
+                        ),
+                        retry_after_ns: wait - mw,
+                    });
+                }
+            }
+        }
+        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
+        let deadline = max_wait.map(|mw| now.saturating_add(mw));
+        let c = &mut g.classes[class];
+        let start = c.last_finish.max(g.vtime);
+        c.last_finish = start + self.resource.service_ns(costs) / c.weight;
+        for (q, x) in c.queued.iter_mut().zip(costs) {
+            *q += x;
+        }
+        c.waiters.insert(
+            ticket,
+            Waiter {
+                costs: costs.into(),
+                arrival_ns: now,
+                deadline_ns: deadline,
+                start_tag: start,
+                wake: wake(),
+            },
+        );
+        g.where_is.insert(ticket, class);
+        if let Some(d) = deadline {
+            g.deadlines.insert((d, ticket));
+        }
+        g.len += 1;
+        self.waiting.store(g.len, Ordering::Release);
+        Ok(Submitted::Queued(ticket))
+    }
+
+    fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {
+        let mut ahead = vec![0u64; self.units];
+        for c in &g.classes {
+            for (a, q) in ahead.iter_mut().zip(&c.queued) {
+                *a += q;
+            }
+        }
+        self.resource.predict(now.max(g.last_grant_ns), &ahead, costs)
+    }
+
+    fn deny_error(&self, d: Deny) -> Error {
+        self.resource.error_for(d)
+    }
+
+    /// The error a denial of the resource stands for.
+    pub fn error_for(&self, d: Deny) -> Error {
+        self.resource.error_for(d)
+    }
+
+    /// Nanoseconds until the queue's next due time (0 when nothing is due).
+    pub fn next_wake_delay(&self) -> u64 {
+        self.next_wake().map_or(0, |t| t.saturating_sub(self.clock.now_ns()))
+    }
+
+    /// Grants and expires everything due at `now`; returns the next wake-up time.
+    pub fn poll(&self, now: u64) -> Option<u64> {
+        let mut out = Vec::new();
+        let mut g = lock(&self.inner);
+        self.poll_locked(&mut g, now, &mut out);
+        let next = self.next_wake_locked(&g);
+        drop(g);
+        deliver(out);
+        next
+    }
+
+    /// Polls at the clock's current time.
+    pub fn poll_now(&self) -> Option<u64> {
+        self.poll(self.clock.now_ns())
+    }
+
+    /// When something will next be due (a grant or a deadline), if anything waits.
+    pub fn next_wake(&self) -> Option<u64> {
+        self.next_wake_locked(&lock(&self.inner))
+    }
+
+    fn head(&self, g: &Inner) -> Option<(usize, u64)> {
+        let mut best: Option<(f64, usize, u64)> = None;
+        for (i, c) in g.classes.iter().enumerate() {
+            if let Some((t, w)) = c.waiters.first_key_value() {
+                if best.is_none_or(|(s, _, bt)| w.start_tag < s || (w.start_tag == s && *t < bt)) {
+                    best = Some((w.start_tag, i, *t));
+                }
+            }
+        }
+        best.map(|(_, i, t)| (i, t))
+    }
+
+    fn head_time(&self, g: &Inner) -> Option<(usize, u64, Option<u64>)> {
+        let (ci, t) = self.head(g)?;
+        let w = &g.classes[ci].waiters[&t];
+        let from = w.arrival_ns.max(g.last_grant_ns);
+        let at = self.resource.ready_at(from, &w.costs).ok().flatten();
+        Some((ci, t, at))
+    }
+
+    fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
+        let grant = self.head_time(g).and_then(|(_, _, at)| at);
+        let deadline = g.deadlines.first().map(|(d, _)| *d);
+        match (grant, deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    fn poll_locked(&self, g: &mut Inner, now: u64, out: &mut Deliveries) {
+        let mut raced = 0;
+        loop {
+            let grant = self.head_time(g);
+            let deadline = g.deadlines.first().copied();
+            let grant_due = grant.and_then(|(ci, t, at)| at.filter(|a| *a <= now).map(|a| (ci, t, a)));
+            match (grant_due, deadline) {
+                (Some((ci, t, at)), d) if d.is_none_or(|(dl, dt)| at <= dl || dt == t) => {
+                    let w = &g.classes[ci].waiters[&t];
+                    if w.deadline_ns.is_some_and(|dl| at > dl) {
+                        self.expire(g, ci, t, out);
+                        continue;
+                    }
+                    if self.resource.take_at(at, &w.costs).is_err() {
+                        // A fast-path caller took the capacity first: look again, and
+                        // leave it to the next wake-up if that keeps happening.
+                        raced += 1;
+                        if raced > 8 {
+                            return;
+                        }
+                        continue;
+                    }
+                    let w = self.remove(g, ci, t);
+                    g.vtime = w.start_tag;
+                    g.last_grant_ns = g.last_grant_ns.max(at);
+                    g.counts.queued_grants += 1;
+                    out.push((
+                        w.wake,
+                        t,
+                        Outcome::Granted {
+                            at_ns: at,
+                            waited_ns: at.saturating_sub(w.arrival_ns),
+                        },
+                    ));
+                }
+                (_, Some((dl, t))) if dl <= now => {
+                    let ci = g.where_is[&t];
+                    self.expire(g, ci, t, out);
+                }
+                _ => return,
+            }
+        }
+    }
+
+    fn expire(&self, g: &mut Inner, ci: usize, t: u64, out: &mut Deliveries) {
+        let w = self.remove(g, ci, t);
+        g.counts.timed_out += 1;
+        let waited = w.deadline_ns.unwrap_or(w.arrival_ns).saturating_sub(w.arrival_ns);
+        out.push((w.wake, t, Outcome::TimedOut { waited_ns: waited }));
+    }
+
+    fn remove(&self, g: &mut Inner, ci: usize, t: u64) -> Waiter {
+        let c = &mut g.classes[ci];
+        let w = c.waiters.remove(&t).expect("ticket is queued in its class");
+        for (q, x) in c.queued.iter_mut().zip(w.costs.iter()) {
+            *q -= x;
+        }
+        if c.waiters.is_empty() {
+            // An idle class restarts from the current virtual time, not from its past.
+            c.last_finish = g.vtime;
+        }
+        g.where_is.remove(&t);
+        if let Some(d) = w.deadline_ns {
+            g.deadlines.remove(&(d, t));
+        }
+        g.len -= 1;
+        self.waiting.store(g.len, Ordering::Release);
+        w
+    }
+
+    /// Removes a queued waiter; `NotQueued` when it was already granted or expired
+    /// (its outcome is in its wake; a grant must then be given back by the caller
+    /// through [`WaitQueue::give_back`]).
+    pub fn cancel(&self, ticket: u64) -> Cancelled {
+        let mut g = lock(&self.inner);
+        let Some(ci) = g.where_is.get(&ticket).copied() else {
+            return Cancelled::NotQueued;
+        };
+        self.remove(&mut g, ci, ticket);
+        g.counts.cancelled += 1;
+        // The head may have changed: the driver re-reads its wake time.
+        self.cv.notify_one();
+        Cancelled::Removed
+    }
+
+    /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
+    /// now be granted.
+    pub fn give_back(&self, costs: &[u64]) {
+        self.resource.give_back(costs);
+        self.poll_now();
+    }
+
+    /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
+    /// and polls there. Returns the number of wake-ups processed.
+    pub fn run_until(&self, clock: &crate::ManualClock, until_ns: u64) -> usize {
+        let mut n = 0;
+        while let Some(t) = self.next_wake() {
+            if t > until_ns {
+                break;
+            }
+            let _ = clock.set(t.max(clock.now_ns()));
+            self.poll(clock.now_ns());
+            n += 1;
+        }
+        let _ = clock.set(until_ns.max(clock.now_ns()));
+        self.poll(clock.now_ns());
+        n
+    }
+
+    fn ensure_driver(self: &Arc<Self>, g: &mut Inner) {
+        if self.clock.is_manual() {
+            return;
+        }
+        // SAFETY: getpid has no preconditions.
+        let pid = unsafe { getpid() };
+        if g.driver_running && g.driver_pid == pid {
+            return;
+        }
+        // Not running, or running in the parent of a fork: this process needs its own.
+        let me = Arc::clone(self);
+        let spawned = std::thread::Builder::new()
+            .name("ratequeue-driver".into())
+            .spawn(move || me.drive());
+        if spawned.is_ok() {
+            g.driver_running = true;
+            g.driver_pid = pid;
+        }
+    }
+
+    /// The real-time driver: sleeps until the next due time (or a change), polls, and
+    /// exits when nothing waits.
+    fn drive(self: Arc<Self>) {
+        let mut g = lock(&self.inner);
+        loop {
+            let now = self.clock.now_ns();
+            let mut out = Vec::new();
+            self.poll_locked(&mut g, now, &mut out);
+            if !out.is_empty() {
+                drop(g);
+                deliver(out);
+                g = lock(&self.inner);
+                continue;
+            }
+            match self.next_wake_locked(&g) {
+                None if g.len == 0 => {
+                    g.driver_running = false;
+                    return;
+                }
+                None => g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
+                Some(t) => {
+                    let d = Duration::from_nanos(t.saturating_sub(self.clock.now_ns()));
+                    if !d.is_zero() {
+                        g = self.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner()).0;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn deliver(out: Deliveries) {
+    for (wake, t, o) in out {
+        wake.deliver(t, o);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Limiter, ManualClock, Rate};
+
+    fn setup(per_sec: f64, burst: u64, classes: Vec<(String, f64)>) -> (Arc<WaitQueue>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Limiter::new(
+            vec![("requests".into(), Rate::new(per_sec, 1e9, burst).unwrap())],
+            AnyClock::Manual(clock.clone()),
+        )
+        .unwrap();
+        let q = WaitQueue::new(
+            Arc::new(lim),
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(classes, 1_000_000, None).unwrap(),
+        );
+        (q, clock)
+    }
+
+    fn granted(slot: &Slot) -> Option<u64> {
+        match slot.take() {
+            Some(Outcome::Granted { at_ns, .. }) => Some(at_ns),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn one_class_grants_follow_lindley() {
+        let (q, clock) = setup(100.0, 2, vec![]);
+        let slots: Vec<_> = (0..6).map(|_| Slot::new()).collect();
+        let mut tickets = vec![];
+        for s in &slots {
+            let s2 = s.clone();
+            tickets.push(q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap());
+        }
+        assert!(matches!(tickets[0], Submitted::Granted { .. }));
+        assert!(matches!(tickets[2], Submitted::Queued(_)));
+        q.run_until(&clock, 1_000_000_000);
+        for (k, s) in slots[2..].iter().enumerate() {
+            let at = granted(s).unwrap();
+            assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
+        }
+    }
+
+    #[test]
+    fn no_barging_and_fast_path_blocked_while_waiting() {
+        let (q, _clock) = setup(1.0, 1, vec![]);
+        assert!(q.try_now(&[1]).is_ok());
+        let s = Slot::new();
+        let s2 = s.clone();
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(),
+            Submitted::Queued(_)
+        ));
+        assert_eq!(q.try_now(&[1]), Err(None));
+    }
+
+    #[test]
+    fn weighted_shares_when_backlogged() {
+        let (q, clock) = setup(1000.0, 1, vec![("a".into(), 8.0), ("b".into(), 1.0)]);
+        let mut slots = vec![];
+        for i in 0..9000 {
+            let class = i % 2;
+            let s = Slot::new();
+            let s2 = s.clone();
+            q.submit(&[1], class, None, || Wake::Thread(s2)).unwrap();
+            slots.push((class, s));
+        }
+        q.run_until(&clock, 900_000_000);
+        let mut got = [0usize; 2];
+        for (c, s) in &slots {
+            if granted(s).is_some() {
+                got[*c] += 1;
+            }
+        }
+        let share = got[0] as f64 / (got[0] + got[1]) as f64;
+        assert!((share - 8.0 / 9.0).abs() < 0.01, "{got:?}");
+    }
+
+    #[test]
+    fn deadline_expires_and_predicted_refusal() {
+        let (q, clock) = setup(1.0, 1, vec![]);
+        q.try_now(&[1]).unwrap();
+        // FIFO wait of 1 s is known: a 0.5 s deadline is refused at once.
+        assert!(matches!(
+            q.submit(&[1], 0, Some(500_000_000), || unreachable!()),
+            Err(Error::Overloaded { .. })
+        ));
+        let s = Slot::new();
+        let s2 = s.clone();
+        q.submit(&[1], 0, Some(2_000_000_000), || Wake::Thread(s2)).unwrap();
+        q.run_until(&clock, 3_000_000_000);
+        assert_eq!(
+            s.take(),
+            Some(Outcome::Granted {
+                at_ns: 1_000_000_000,
+                waited_ns: 1_000_000_000
+            })
+        );
+    }
+
+    #[test]
+    fn cancel_restores_capacity() {
+        let (q, clock) = setup(10.0, 1, vec![]);
+        q.try_now(&[1]).unwrap();
+        let mut tickets = vec![];
+        for _ in 0..100 {
+            if let Submitted::Queued(t) = q.submit(&[1], 0, None, || Wake::Thread(Slot::new())).unwrap() {
+                tickets.push(t);
+            }
+        }
+        for t in &tickets {
+            assert_eq!(q.cancel(*t), Cancelled::Removed);
+        }
+        assert_eq!(q.waiting(), 0);
+        clock.advance(100_000_000).unwrap();
+        assert!(q.try_now(&[1]).is_ok());
+    }
+}

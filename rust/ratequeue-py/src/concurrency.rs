@@ -1,0 +1,146 @@
+//! Python Concurrency: a semaphore with the same queue discipline as Limiter.
+
+use std::sync::Arc;
+
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use ratequeue_core::Semaphore;
+
+use crate::args::{cost, seconds_ns};
+use crate::clock::any_clock;
+use crate::errors::to_py;
+use crate::limiter::new_gate;
+use crate::waiting::{queue_stats, AcquiringPy, Gate, PermitPy};
+
+/// At most `limit` holders at once; waiters queue by class, FIFO, bounded.
+#[pyclass(frozen, name = "Concurrency", module = "ratequeue")]
+pub struct ConcurrencyPy {
+    sem: Arc<Semaphore>,
+    gate: Arc<Gate>,
+    #[pyo3(get)]
+    name: Option<String>,
+}
+
+impl ConcurrencyPy {
+    fn permits(n: Option<&Bound<'_, PyAny>>) -> PyResult<[u64; 1]> {
+        let c = n.map(|n| cost("n", n)).transpose()?.unwrap_or(1);
+        if c == 0 {
+            return Err(PyValueError::new_err("n=0 must be >= 1 permit"));
+        }
+        Ok([c])
+    }
+}
+
+#[pymethods]
+impl ConcurrencyPy {
+    #[new]
+    #[pyo3(signature = (limit, *, classes = None, max_wait = None, max_queue = None, clock = None, name = None))]
+    fn new(
+        py: Python<'_>,
+        limit: &Bound<'_, PyAny>,
+        classes: Option<&Bound<'_, PyAny>>,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        clock: Option<&Bound<'_, PyAny>>,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        let sem = Arc::new(Semaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
+        let gate = new_gate(
+            py,
+            sem.clone(),
+            1,
+            any_clock(clock)?,
+            classes,
+            max_queue,
+            max_wait_ns,
+            true,
+        )?;
+        Ok(ConcurrencyPy { sem, gate, name })
+    }
+
+    /// Takes `n` permits now or returns None; never waits.
+    #[pyo3(signature = (n = None))]
+    fn try_acquire(&self, py: Python<'_>, n: Option<&Bound<'_, PyAny>>) -> PyResult<Option<PermitPy>> {
+        let c = Self::permits(n)?;
+        match AcquiringPy::start(py, &self.gate, &c, 0, None)?.ready() {
+            Some(p) => Ok(Some(p)),
+            None => Ok(None),
+        }
+    }
+
+    /// Waits for `n` permits (GIL released); a context manager that returns them.
+    #[pyo3(signature = (n = None, *, priority = None, timeout = None))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PermitPy> {
+        let c = Self::permits(n)?;
+        self.gate
+            .acquire_blocking(py, &c, self.gate.class(priority)?, self.gate.timeout(timeout)?)
+    }
+
+    /// Awaitable and async context manager; the permits return on exit.
+    #[pyo3(signature = (n = None, *, priority = None, timeout = None))]
+    fn acquire_async(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<AcquiringPy> {
+        let c = Self::permits(n)?;
+        AcquiringPy::start(
+            py,
+            &self.gate,
+            &c,
+            self.gate.class(priority)?,
+            self.gate.timeout(timeout)?,
+        )
+    }
+
+    /// Permits held now.
+    #[getter]
+    fn in_use(&self) -> u64 {
+        self.sem.in_use()
+    }
+
+    /// The limit.
+    #[getter]
+    fn limit(&self) -> u64 {
+        self.sem.limit()
+    }
+
+    /// Changes the limit at run time (waiters are granted at once if it grew).
+    fn set_limit(&self, py: Python<'_>, limit: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.sem.set_limit(cost("limit", limit)?).map_err(|e| to_py(py, e))?;
+        self.gate.queue.poll_now();
+        Ok(())
+    }
+
+    /// Waiters now queued.
+    #[getter]
+    fn waiting(&self) -> usize {
+        self.gate.queue.waiting()
+    }
+
+    /// Grants and expires whatever is due now; returns the next due time or None.
+    fn poll(&self) -> Option<f64> {
+        self.gate.queue.poll_now().map(|t| t as f64 / 1e9)
+    }
+
+    /// Counters and queue depths in one snapshot.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = queue_stats(py, &self.gate.queue)?;
+        d.set_item("in_use", self.sem.in_use())?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Concurrency(limit={}, in_use={})", self.sem.limit(), self.sem.in_use())
+    }
+}

@@ -1,0 +1,368 @@
+//! Waiting from Python: blocking acquire with the GIL released, the awaitable of
+//! acquire_async (fast path in Rust, queued path in ratequeue.aio), permits, and the
+//! event-loop channel. Shared by Limiter and Concurrency.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::Duration;
+
+use pyo3::exceptions::PyStopIteration;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyTuple};
+use ratequeue_core::queue::{Cancelled, Channel, Slot};
+use ratequeue_core::{Error, Outcome, Submitted, WaitQueue, Wake};
+
+use crate::args::seconds_ns;
+use crate::errors::to_py;
+
+/// Interval at which a main-thread wait looks for signals (Ctrl-C); other threads
+/// sleep until their wake-up.
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// A queue plus how its permits behave on exit.
+pub struct Gate {
+    pub queue: Arc<WaitQueue>,
+    /// True for a semaphore: the permit is returned when the holder is done.
+    pub returns_on_exit: bool,
+}
+
+impl Gate {
+    /// The class index for `priority` (None: the first class).
+    pub fn class(&self, priority: Option<&str>) -> PyResult<usize> {
+        match priority {
+            None => Ok(0),
+            Some(p) => self.queue.class_index(p).ok_or_else(|| {
+                let names: Vec<&str> = self.queue.config().classes.iter().map(|(n, _)| n.as_str()).collect();
+                pyo3::exceptions::PyValueError::new_err(format!("priority={p:?} is not one of the classes {names:?}"))
+            }),
+        }
+    }
+
+    pub fn timeout(&self, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+        timeout.map(|t| seconds_ns("timeout", t)).transpose()
+    }
+
+    fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
+        PermitPy {
+            gate: self.clone(),
+            costs: costs.to_vec(),
+            waited_ns,
+            released: AtomicBool::new(false),
+        }
+    }
+
+    /// Blocks until granted (GIL released), raising Overloaded, WaitTimeout, or
+    /// KeyboardInterrupt (leaving the queue clean).
+    pub fn acquire_blocking(
+        self: &Arc<Self>,
+        py: Python<'_>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+    ) -> PyResult<PermitPy> {
+        match self.queue.try_now(costs) {
+            Ok(_) => return Ok(self.permit(costs, 0)),
+            Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
+            Err(None) => {}
+        }
+        let slot = Slot::new();
+        let ticket = match self
+            .queue
+            .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
+        {
+            Ok(Submitted::Granted { .. }) => return Ok(self.permit(costs, 0)),
+            Ok(Submitted::Queued(t)) => t,
+            Err(e) => return Err(to_py(py, e)),
+        };
+        let slice = is_main_thread(py).then_some(SIGNAL_SLICE);
+        loop {
+            let s = slot.clone();
+            if let Some(o) = py.detach(move || s.wait(slice)) {
+                return self.outcome(py, costs, o);
+            }
+            if let Err(e) = py.check_signals() {
+                self.abandon(ticket, &slot, costs);
+                return Err(e);
+            }
+        }
+    }
+
+    fn queue_error(&self, d: ratequeue_core::Deny) -> Error {
+        self.queue.error_for(d)
+    }
+
+    fn outcome(self: &Arc<Self>, py: Python<'_>, costs: &[u64], o: Outcome) -> PyResult<PermitPy> {
+        match o {
+            Outcome::Granted { waited_ns, .. } => Ok(self.permit(costs, waited_ns)),
+            Outcome::TimedOut { waited_ns } => Err(to_py(
+                py,
+                Error::WaitTimeout {
+                    waited_ns,
+                    retry_after_ns: self.queue.next_wake_delay(),
+                },
+            )),
+        }
+    }
+
+    /// Leaves the queue after an interruption: removed, or the grant that won the race
+    /// is given back. Exactly once either way.
+    fn abandon(&self, ticket: u64, slot: &Slot, costs: &[u64]) {
+        if self.queue.cancel(ticket) == Cancelled::NotQueued {
+            if let Some(Outcome::Granted { .. }) = slot.take() {
+                self.queue.give_back(costs);
+            }
+        }
+    }
+}
+
+fn is_main_thread(py: Python<'_>) -> bool {
+    static MAIN: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+    let Ok(threading) = py.import("threading") else {
+        return true;
+    };
+    let main = MAIN.get_or_init(py, || {
+        threading
+            .call_method0("main_thread")
+            .map(|m| m.unbind())
+            .unwrap_or(py.None())
+    });
+    threading
+        .call_method0("current_thread")
+        .is_ok_and(|c| c.is(main.bind(py)))
+}
+
+/// What a grant gave: context manager; a Concurrency permit is returned on exit.
+#[pyclass(frozen, name = "Permit", module = "ratequeue")]
+pub struct PermitPy {
+    gate: Arc<Gate>,
+    costs: Vec<u64>,
+    waited_ns: u64,
+    released: AtomicBool,
+}
+
+#[pymethods]
+impl PermitPy {
+    /// Seconds spent in the queue (arrival to grant, in schedule time).
+    #[getter]
+    fn waited(&self) -> f64 {
+        self.waited_ns as f64 / 1e9
+    }
+
+    /// True once released.
+    #[getter]
+    fn released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// Returns a Concurrency permit now (a rate grant has nothing to return); only the
+    /// first call has an effect. Returns True if this call released it.
+    fn release(&self) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        if self.gate.returns_on_exit {
+            self.gate.queue.give_back(&self.costs);
+        }
+        true
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.release();
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Permit(waited={}, released={})", self.waited(), self.released())
+    }
+}
+
+/// An awaitable that is already done.
+#[pyclass(frozen, module = "ratequeue")]
+pub struct Ready {
+    value: Py<PyAny>,
+}
+
+#[pymethods]
+impl Ready {
+    fn __await__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<()> {
+        Err(PyStopIteration::new_err((self.value.clone_ref(py),)))
+    }
+}
+
+/// The result of acquire_async: await it for a Permit, or use `async with`.
+#[pyclass(frozen, name = "Acquiring", module = "ratequeue")]
+pub struct AcquiringPy {
+    gate: Arc<Gate>,
+    costs: Vec<u64>,
+    class: usize,
+    timeout_ns: Option<u64>,
+    permit: OnceLock<Py<PermitPy>>,
+}
+
+impl AcquiringPy {
+    /// Tries the fast path; the awaitable is ready at once when it admits.
+    pub fn start(
+        py: Python<'_>,
+        gate: &Arc<Gate>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+    ) -> PyResult<AcquiringPy> {
+        let a = AcquiringPy {
+            gate: gate.clone(),
+            costs: costs.to_vec(),
+            class,
+            timeout_ns,
+            permit: OnceLock::new(),
+        };
+        match gate.queue.try_now(costs) {
+            Ok(_) => {
+                let _ = a.permit.set(Py::new(py, gate.permit(costs, 0))?);
+            }
+            Err(Some(d)) => return Err(to_py(py, gate.queue_error(d))),
+            Err(None) => {}
+        }
+        Ok(a)
+    }
+}
+
+impl AcquiringPy {
+    /// The permit if the fast path granted it.
+    pub fn ready(&self) -> Option<PermitPy> {
+        self.permit.get().map(|_| self.gate.permit(&self.costs, 0))
+    }
+}
+
+static AIO_WAIT: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+#[pymethods]
+impl AcquiringPy {
+    fn __await__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        if let Some(p) = slf.get().permit.get() {
+            return Ok(Py::new(
+                py,
+                Ready {
+                    value: p.clone_ref(py).into_any(),
+                },
+            )?
+            .into_any());
+        }
+        let wait = AIO_WAIT.import(py, "ratequeue.aio", "_wait")?;
+        Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
+    }
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Ready> {
+        if let Some(p) = self.permit.get() {
+            p.get().release();
+        }
+        Ok(Ready {
+            value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
+        })
+    }
+
+    /// Queues on `channel`: returns a Permit if granted at once, else the ticket.
+    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+        let chan = channel.get().inner.clone();
+        match self
+            .gate
+            .queue
+            .submit(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
+        {
+            Ok(Submitted::Granted { .. }) => Ok(self._granted(py, 0)?.into_any()),
+            Ok(Submitted::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// The permit of a grant after waiting `waited_ns`.
+    fn _granted(&self, py: Python<'_>, waited_ns: u64) -> PyResult<Py<PermitPy>> {
+        let p = Py::new(py, self.gate.permit(&self.costs, waited_ns))?;
+        let _ = self.permit.set(p.clone_ref(py));
+        Ok(p)
+    }
+
+    /// The WaitTimeout for a wait that expired after `waited_ns`.
+    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+        to_py(
+            py,
+            Error::WaitTimeout {
+                waited_ns,
+                retry_after_ns: self.gate.queue.next_wake_delay(),
+            },
+        )
+    }
+
+    /// Removes the ticket from the queue; False if it was already decided.
+    fn _cancel(&self, ticket: u64) -> bool {
+        self.gate.queue.cancel(ticket) == Cancelled::Removed
+    }
+
+    /// Gives back a grant that arrived after its waiter was cancelled.
+    fn _give_back(&self) {
+        self.gate.queue.give_back(&self.costs);
+    }
+}
+
+/// Outcomes for one event loop, signalled by one byte on a pipe the loop reads.
+#[pyclass(frozen, name = "Channel", module = "ratequeue")]
+pub struct ChannelPy {
+    inner: Arc<Channel>,
+}
+
+#[pymethods]
+impl ChannelPy {
+    /// A channel that writes to `fd` (the write end of a non-blocking pipe kept open).
+    #[new]
+    fn new(fd: i32) -> Self {
+        ChannelPy {
+            inner: Channel::new(fd),
+        }
+    }
+
+    /// Outcomes since the last drain: (ticket, granted, waited_ns).
+    fn drain(&self) -> Vec<(u64, bool, u64)> {
+        self.inner
+            .drain()
+            .into_iter()
+            .map(|(t, o)| match o {
+                Outcome::Granted { waited_ns, .. } => (t, true, waited_ns),
+                Outcome::TimedOut { waited_ns } => (t, false, waited_ns),
+            })
+            .collect()
+    }
+}
+
+/// Shared methods of queue owners (Limiter, Concurrency).
+pub fn queue_stats<'py>(py: Python<'py>, q: &WaitQueue) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    let c = q.counts();
+    d.set_item("waiting", q.waiting())?;
+    d.set_item("immediate", c.immediate)?;
+    d.set_item("queued_grants", c.queued_grants)?;
+    d.set_item("refused_full", c.refused_full)?;
+    d.set_item("refused_deadline", c.refused_deadline)?;
+    d.set_item("timed_out", c.timed_out)?;
+    d.set_item("cancelled", c.cancelled)?;
+    let depths = PyDict::new(py);
+    for ((name, _), n) in q.config().classes.iter().zip(q.depths()) {
+        depths.set_item(name, n)?;
+    }
+    d.set_item("depths", depths)?;
+    Ok(d)
+}
