@@ -1,16 +1,20 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from typing import Literal, final
+from collections.abc import Generator
+from types import TracebackType
+from typing import Any, Literal, TypeAlias, final
 
 __version__: str
 
-Period = float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
+Period: TypeAlias = (
+    float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
+)
 
 @final
 class ManualClock:
     """A clock that moves only when told to; share it between limiters and tests."""
 
-    def __init__(self, start: float | None = None) -> None: ...
+    def __new__(cls, start: float | None = None) -> ManualClock: ...
     def now(self) -> float:
         """Seconds shown."""
     def now_ns(self) -> int:
@@ -24,23 +28,23 @@ class ManualClock:
 class MonotonicClock:
     """The real monotonic clock, the default of every limiter."""
 
-    def __init__(self) -> None: ...
+    def __new__(cls) -> MonotonicClock: ...
     def now(self) -> float: ...
     def now_ns(self) -> int: ...
 
-Clock = ManualClock | MonotonicClock
+Clock: TypeAlias = ManualClock | MonotonicClock
 
 @final
 class Rate:
     """``amount`` units per ``per``, at most ``burst`` at once (default: ``amount``)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         amount: float,
         per: Period | None = None,
         burst: int | None = None,
         unit: str = "requests",
-    ) -> None: ...
+    ) -> Rate: ...
     @property
     def amount(self) -> float: ...
     @property
@@ -67,6 +71,83 @@ class Reservation:
         """Give the capacity back if still possible (see the README's refund rule)."""
 
 @final
+class Permit:
+    """A grant. A context manager; a Concurrency permit is returned on exit."""
+
+    @property
+    def waited(self) -> float:
+        """Seconds spent in the queue (arrival to grant, in schedule time)."""
+    @property
+    def released(self) -> bool: ...
+    def release(self) -> bool:
+        """Return a Concurrency permit now; True if this call released it."""
+    def __enter__(self) -> Permit: ...
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+
+@final
+class Acquiring:
+    """What acquire_async returns: await it for a Permit, or use ``async with``."""
+
+    def __await__(self) -> Generator[Any, None, Permit]: ...
+    async def __aenter__(self) -> Permit: ...
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool: ...
+    def _submit(self, channel: Channel) -> Permit | int: ...
+    def _granted(self, waited_ns: int) -> Permit: ...
+    def _timeout_error(self, waited_ns: int) -> BaseException: ...
+    def _cancel(self, ticket: int) -> bool: ...
+    def _give_back(self) -> None: ...
+
+@final
+class Channel:
+    """Outcomes for one event loop, signalled by one byte on a pipe (internal)."""
+
+    def __new__(cls, fd: int) -> Channel: ...
+    def drain(self) -> list[tuple[int, bool, int]]: ...
+
+@final
+class Concurrency:
+    """At most ``limit`` holders at once; waiters queue by class, FIFO, bounded."""
+
+    def __new__(
+        cls,
+        limit: int,
+        *,
+        classes: dict[str, float] | None = None,
+        max_wait: float | None = None,
+        max_queue: int | None = None,
+        clock: Clock | None = None,
+        name: str | None = None,
+    ) -> Concurrency: ...
+    def try_acquire(self, n: int | None = None) -> Permit | None: ...
+    def acquire(
+        self, n: int | None = None, *, priority: str | None = None, timeout: float | None = None
+    ) -> Permit: ...
+    def acquire_async(
+        self, n: int | None = None, *, priority: str | None = None, timeout: float | None = None
+    ) -> Acquiring: ...
+    @property
+    def in_use(self) -> int: ...
+    @property
+    def limit(self) -> int: ...
+    def set_limit(self, limit: int) -> None: ...
+    @property
+    def waiting(self) -> int: ...
+    def poll(self) -> float | None: ...
+    def stats(self) -> dict[str, Any]: ...
+    @property
+    def name(self) -> str | None: ...
+
+@final
 class Limiter:
     """A rate limiter over one or more rates, decided all-or-nothing and lock-free.
 
@@ -75,13 +156,43 @@ class Limiter:
     first unit.
     """
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *rates: Rate,
         clock: Clock | None = None,
         max_wait: float | None = None,
+        max_queue: int | None = None,
+        classes: dict[str, float] | None = None,
         name: str | None = None,
-    ) -> None: ...
+    ) -> Limiter: ...
+    def acquire(
+        self,
+        n: int | None = None,
+        /,
+        *,
+        priority: str | None = None,
+        timeout: float | None = None,
+        **costs: int,
+    ) -> Permit:
+        """Wait in the queue until granted (GIL released)."""
+    def acquire_async(
+        self,
+        n: int | None = None,
+        /,
+        *,
+        priority: str | None = None,
+        timeout: float | None = None,
+        **costs: int,
+    ) -> Acquiring:
+        """Awaitable and async context manager version of acquire."""
+    def poll(self) -> float | None:
+        """Grant and expire what is due now; the next due time or None."""
+    def next_wake(self) -> float | None: ...
+    def run_until(self, until: float) -> int:
+        """On a ManualClock: advance through every due time up to ``until``."""
+    @property
+    def waiting(self) -> int: ...
+    def stats(self) -> dict[str, Any]: ...
     def try_acquire(self, n: int | None = None, /, **costs: int) -> bool:
         """Admit now or return False; never waits."""
     def retry_after(self, n: int | None = None, /, **costs: int) -> float:

@@ -10,6 +10,7 @@ that raced the cancel is given back.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import weakref
 from typing import TYPE_CHECKING, Any
@@ -60,10 +61,8 @@ class _LoopChannel:
 
 def _close_fds(*fds: int) -> None:
     for fd in fds:
-        try:
+        with contextlib.suppress(OSError):
             os.close(fd)
-        except OSError:
-            pass
 
 
 _channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopChannel] = (

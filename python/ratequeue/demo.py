@@ -46,8 +46,12 @@ def burst(requests: int, rpm: float, burst: int, max_wait: float | None) -> Burs
 def run(requests: int = 500, rpm: float = 100.0, burst_size: int = 5, max_wait: float = 5.0) -> str:
     """The demo's table as text."""
     head = f"{requests} requests at once against {rpm:g} requests/minute (burst {burst_size})"
-    lines = [head, "", f"{'policy':<22}{'admitted':>9}{'refused':>9}"
-             f"{'p50 s':>9}{'p95 s':>9}{'p99 s':>9}{'max s':>9}"]
+    lines = [
+        head,
+        "",
+        f"{'policy':<22}{'admitted':>9}{'refused':>9}"
+        f"{'p50 s':>9}{'p95 s':>9}{'p99 s':>9}{'max s':>9}",
+    ]
     for label, bound in (("unbounded queue", None), (f"max_wait={max_wait:g} s", max_wait)):
         r = burst(requests, rpm, burst_size, bound)
         lines.append(
