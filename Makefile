@@ -14,7 +14,7 @@ $(PY):
 
 # Tool and test dependencies, from the project's own pyproject extras.
 $(STAMP): pyproject.toml | $(PY)
-	$(PIP) install --quiet "maturin>=1.9,<2" "pytest>=8" "hypothesis>=6.100" "pytest-timeout>=2.3"
+	$(PIP) install --quiet "maturin>=1.9,<2"
 	touch $(STAMP)
 
 # Build a release wheel and install it: the tests run against the installed package,
@@ -23,6 +23,7 @@ build: $(STAMP)
 	rm -rf dist
 	$(VENV)/bin/maturin build --release --out dist --quiet --interpreter $(PY)
 	$(PIP) install --quiet --force-reinstall --no-deps dist/*.whl
+	$(PIP) install --quiet "$$(ls dist/*.whl)[test]"
 
 # Editable debug build for quick iteration.
 build-dev: $(STAMP)
@@ -40,7 +41,7 @@ test-python: build
 	cd tests && ../$(PY) -m pytest -q
 
 lint: build
-	$(PIP) install --quiet "ruff>=0.6" "mypy>=1.11"
+	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
 	$(VENV)/bin/ruff check python tests benches
@@ -54,12 +55,11 @@ bench-rust:
 	cargo bench -p ratequeue-core --bench bucket
 
 bench-python: build
-	$(PIP) install --quiet ".[bench]" --no-deps
-	$(PIP) install --quiet "pytest-benchmark>=4"
+	$(PIP) install --quiet "$$(ls dist/*.whl)[bench]"
 	cd benches && ../$(PY) -m pytest -q bench_*.py --benchmark-only
 
 bench-peers: build
-	$(PIP) install --quiet "aiolimiter>=1.1" "limits>=3.13" "pyrate-limiter>=3.7" "throttled-py>=2.0" "token-bucket>=0.3" "asyncio-throttle>=1.0"
+	$(PIP) install --quiet "$$(ls dist/*.whl)[bench]"
 	$(PY) benches/compare_peers.py
 
 clean:

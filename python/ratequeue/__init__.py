@@ -10,6 +10,7 @@ from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
     Concurrency,
+    Histogram,
     Limiter,
     ManualClock,
     MonotonicClock,
@@ -23,6 +24,7 @@ __all__ = [
     "Acquiring",
     "Concurrency",
     "CostTooLarge",
+    "Histogram",
     "Limiter",
     "ManualClock",
     "MonotonicClock",

@@ -17,6 +17,7 @@ use std::time::Duration;
 use crate::bucket::Deny;
 use crate::clock::AnyClock;
 use crate::error::Error;
+use crate::histogram::Histogram;
 
 /// What a queue hands out: rate capacity (a [`crate::Limiter`]) or permits (a semaphore).
 pub trait Resource: Send + Sync {
@@ -233,6 +234,10 @@ struct Class {
 /// Counters of what a queue decided.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QueueCounts {
+    /// `try_acquire` calls admitted (they never queue).
+    pub tried_admitted: u64,
+    /// `try_acquire` calls refused.
+    pub tried_refused: u64,
     /// Granted at once, without queueing.
     pub immediate: u64,
     /// Granted after queueing.
@@ -247,6 +252,22 @@ pub struct QueueCounts {
     pub cancelled: u64,
 }
 
+#[derive(Default)]
+struct Counters {
+    tried_admitted: AtomicU64,
+    tried_refused: AtomicU64,
+    immediate: AtomicU64,
+    queued_grants: AtomicU64,
+    refused_full: AtomicU64,
+    refused_deadline: AtomicU64,
+    timed_out: AtomicU64,
+    cancelled: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
 struct Inner {
     classes: Vec<Class>,
     vtime: f64,
@@ -256,7 +277,6 @@ struct Inner {
     len: usize,
     driver_pid: i32,
     driver_running: bool,
-    counts: QueueCounts,
 }
 
 /// A wait queue in front of a resource, with its driver.
@@ -268,6 +288,8 @@ pub struct WaitQueue {
     waiting: AtomicUsize,
     inner: Mutex<Inner>,
     cv: Condvar,
+    counters: Counters,
+    waits: Vec<Arc<Histogram>>,
 }
 
 /// Tickets are unique in the process, so one event-loop channel can serve many queues.
@@ -301,8 +323,9 @@ impl WaitQueue {
                 len: 0,
                 driver_pid: 0,
                 driver_running: false,
-                counts: QueueCounts::default(),
             }),
+            counters: Counters::default(),
+            waits: (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect(),
             cv: Condvar::new(),
             config,
         })
@@ -329,21 +352,53 @@ impl WaitQueue {
         lock(&self.inner).classes.iter().map(|c| c.waiters.len()).collect()
     }
 
-    /// Counters so far.
+    /// Counters so far (each read atomically).
     pub fn counts(&self) -> QueueCounts {
-        lock(&self.inner).counts
+        let c = &self.counters;
+        let r = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        QueueCounts {
+            tried_admitted: r(&c.tried_admitted),
+            tried_refused: r(&c.tried_refused),
+            immediate: r(&c.immediate),
+            queued_grants: r(&c.queued_grants),
+            refused_full: r(&c.refused_full),
+            refused_deadline: r(&c.refused_deadline),
+            timed_out: r(&c.timed_out),
+            cancelled: r(&c.cancelled),
+        }
+    }
+
+    /// The queue-wait histogram of class `class` (arrival to grant, schedule time).
+    pub fn wait_histogram(&self, class: usize) -> Option<&Arc<Histogram>> {
+        self.waits.get(class)
+    }
+
+    /// Counts a `try_acquire` decision (those never queue and record no wait).
+    #[inline]
+    pub fn note_try(&self, admitted: bool) {
+        bump(if admitted {
+            &self.counters.tried_admitted
+        } else {
+            &self.counters.tried_refused
+        });
     }
 
     /// The fast path: grants now if nobody waits and the resource admits. No lock, no
     /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
     #[inline]
-    pub fn try_now(&self, costs: &[u64]) -> Result<u64, Option<Deny>> {
+    pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
         if self.waiting() != 0 {
             return Err(None);
         }
         let now = self.clock.now_ns();
         match self.resource.try_take(now, costs) {
-            Ok(()) => Ok(now),
+            Ok(()) => {
+                bump(&self.counters.immediate);
+                if let Some(h) = self.waits.get(class) {
+                    h.record(0);
+                }
+                Ok(now)
+            }
             Err(Deny::Wait(_)) => Err(None),
             Err(d) => Err(Some(d)),
         }
@@ -393,7 +448,8 @@ impl WaitQueue {
         if g.len == 0 {
             match self.resource.try_take(now, costs) {
                 Ok(()) => {
-                    g.counts.immediate += 1;
+                    bump(&self.counters.immediate);
+                    self.waits[class].record(0);
                     g.last_grant_ns = g.last_grant_ns.max(now);
                     return Ok(Submitted::Granted { at_ns: now });
                 }
@@ -404,7 +460,7 @@ impl WaitQueue {
             return Err(self.deny_error(d));
         }
         if g.len >= self.config.max_queue {
-            g.counts.refused_full += 1;
+            bump(&self.counters.refused_full);
             let retry = self.predict_all(g, now, costs).map_or(0, |t| t.saturating_sub(now));
             return Err(Error::Overloaded {
                 reason: format!(
@@ -421,7 +477,7 @@ impl WaitQueue {
             if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), ahead, costs) {
                 let wait = t.saturating_sub(now);
                 if wait > mw {
-                    g.counts.refused_deadline += 1;
+                    bump(&self.counters.refused_deadline);
                     return Err(Error::Overloaded {
                         reason: format!(
                             "the predicted wait of {:.6} s exceeds max_wait={:.6} s",
@@ -559,13 +615,15 @@ impl WaitQueue {
                     let w = self.remove(g, ci, t);
                     g.vtime = w.start_tag;
                     g.last_grant_ns = g.last_grant_ns.max(at);
-                    g.counts.queued_grants += 1;
+                    bump(&self.counters.queued_grants);
+                    let waited = at.saturating_sub(w.arrival_ns);
+                    self.waits[ci].record(waited);
                     out.push((
                         w.wake,
                         t,
                         Outcome::Granted {
                             at_ns: at,
-                            waited_ns: at.saturating_sub(w.arrival_ns),
+                            waited_ns: waited,
                         },
                     ));
                 }
@@ -580,7 +638,7 @@ impl WaitQueue {
 
     fn expire(&self, g: &mut Inner, ci: usize, t: u64, out: &mut Deliveries) {
         let w = self.remove(g, ci, t);
-        g.counts.timed_out += 1;
+        bump(&self.counters.timed_out);
         let waited = w.deadline_ns.unwrap_or(w.arrival_ns).saturating_sub(w.arrival_ns);
         out.push((w.wake, t, Outcome::TimedOut { waited_ns: waited }));
     }
@@ -613,7 +671,7 @@ impl WaitQueue {
             return Cancelled::NotQueued;
         };
         self.remove(&mut g, ci, ticket);
-        g.counts.cancelled += 1;
+        bump(&self.counters.cancelled);
         // The head may have changed: the driver re-reads its wake time.
         self.cv.notify_one();
         Cancelled::Removed
@@ -749,14 +807,14 @@ mod tests {
     #[test]
     fn no_barging_and_fast_path_blocked_while_waiting() {
         let (q, _clock) = setup(1.0, 1, vec![]);
-        assert!(q.try_now(&[1]).is_ok());
+        assert!(q.try_now(&[1], 0).is_ok());
         let s = Slot::new();
         let s2 = s.clone();
         assert!(matches!(
             q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(),
             Submitted::Queued(_)
         ));
-        assert_eq!(q.try_now(&[1]), Err(None));
+        assert_eq!(q.try_now(&[1], 0), Err(None));
     }
 
     #[test]
@@ -784,7 +842,7 @@ mod tests {
     #[test]
     fn deadline_expires_and_predicted_refusal() {
         let (q, clock) = setup(1.0, 1, vec![]);
-        q.try_now(&[1]).unwrap();
+        q.try_now(&[1], 0).unwrap();
         // FIFO wait of 1 s is known: a 0.5 s deadline is refused at once.
         assert!(matches!(
             q.submit(&[1], 0, Some(500_000_000), || unreachable!()),
@@ -806,7 +864,7 @@ mod tests {
     #[test]
     fn cancel_restores_capacity() {
         let (q, clock) = setup(10.0, 1, vec![]);
-        q.try_now(&[1]).unwrap();
+        q.try_now(&[1], 0).unwrap();
         let mut tickets = vec![];
         for _ in 0..100 {
             if let Submitted::Queued(t) = q.submit(&[1], 0, None, || Wake::Thread(Slot::new())).unwrap() {
@@ -818,6 +876,6 @@ mod tests {
         }
         assert_eq!(q.waiting(), 0);
         clock.advance(100_000_000).unwrap();
-        assert!(q.try_now(&[1]).is_ok());
+        assert!(q.try_now(&[1], 0).is_ok());
     }
 }

@@ -10,8 +10,9 @@ use ratequeue_core::Semaphore;
 use crate::args::{cost, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::to_py;
+use crate::histogram::HistogramPy;
 use crate::limiter::new_gate;
-use crate::waiting::{queue_stats, AcquiringPy, Gate, PermitPy};
+use crate::waiting::{queue_stats, wait_histogram, AcquiringPy, Gate, PermitPy};
 
 /// At most `limit` holders at once; waiters queue by class, FIFO, bounded.
 #[pyclass(frozen, name = "Concurrency", module = "ratequeue")]
@@ -137,7 +138,27 @@ impl ConcurrencyPy {
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = queue_stats(py, &self.gate.queue)?;
         d.set_item("in_use", self.sem.in_use())?;
+        d.set_item("limit", self.sem.limit())?;
+        d.set_item("name", self.name.clone())?;
         Ok(d)
+    }
+
+    /// The live histogram of queue waits (seconds) of a class.
+    #[pyo3(signature = (priority = None))]
+    fn wait_histogram(&self, priority: Option<&str>) -> PyResult<HistogramPy> {
+        wait_histogram(&self.gate, priority)
+    }
+
+    /// The class names, in order.
+    #[getter]
+    fn classes(&self) -> Vec<String> {
+        self.gate
+            .queue
+            .config()
+            .classes
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     fn __repr__(&self) -> String {

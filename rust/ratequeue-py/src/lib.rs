@@ -7,6 +7,7 @@ mod args;
 mod clock;
 mod concurrency;
 mod errors;
+mod histogram;
 mod limiter;
 mod waiting;
 
@@ -19,6 +20,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<limiter::LimiterPy>()?;
     m.add_class::<limiter::ReservationPy>()?;
     m.add_class::<concurrency::ConcurrencyPy>()?;
+    m.add_class::<histogram::HistogramPy>()?;
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;

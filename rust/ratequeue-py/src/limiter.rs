@@ -12,7 +12,8 @@ use ratequeue_core::{AnyClock, Deny, Error, Limiter, QueueConfig, Rate, Reservat
 use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
-use crate::waiting::{queue_stats, AcquiringPy, Gate, PermitPy};
+use crate::histogram::HistogramPy;
+use crate::waiting::{queue_stats, wait_histogram, AcquiringPy, Gate, PermitPy};
 
 /// Default bound on queue depth: waiting never grows memory without limit.
 pub const DEFAULT_MAX_QUEUE: usize = 100_000;
@@ -235,11 +236,18 @@ impl LimiterPy {
         };
         if self.gate.queue.waiting() != 0 {
             // Nobody overtakes a waiter.
+            self.gate.queue.note_try(false);
             return Ok(false);
         }
         match self.core.try_acquire(&c) {
-            Ok(()) => Ok(true),
-            Err(Deny::Wait(_)) => Ok(false),
+            Ok(()) => {
+                self.gate.queue.note_try(true);
+                Ok(true)
+            }
+            Err(Deny::Wait(_)) => {
+                self.gate.queue.note_try(false);
+                Ok(false)
+            }
             Err(d) => Err(self.deny(py, d)),
         }
     }
@@ -427,9 +435,35 @@ impl LimiterPy {
         self.gate.queue.waiting()
     }
 
-    /// Counters and queue depths in one snapshot.
+    /// Counters, queue depths, wait histograms and available capacity per unit, in one
+    /// snapshot (each part read atomically).
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        queue_stats(py, &self.gate.queue)
+        let d = queue_stats(py, &self.gate.queue)?;
+        let avail = PyDict::new(py);
+        for (i, u) in self.core.units().iter().enumerate() {
+            avail.set_item(u, self.core.available(i))?;
+        }
+        d.set_item("available", avail)?;
+        d.set_item("name", self.name.clone())?;
+        Ok(d)
+    }
+
+    /// The live histogram of queue waits (seconds, arrival to grant) of a class.
+    #[pyo3(signature = (priority = None))]
+    fn wait_histogram(&self, priority: Option<&str>) -> PyResult<HistogramPy> {
+        wait_histogram(&self.gate, priority)
+    }
+
+    /// The class names, in order.
+    #[getter]
+    fn classes(&self) -> Vec<String> {
+        self.gate
+            .queue
+            .config()
+            .classes
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
     }
 
     /// Does nothing: the floor of a method call, for benchmarks.

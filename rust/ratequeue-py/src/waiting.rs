@@ -15,6 +15,7 @@ use ratequeue_core::{Error, Outcome, Submitted, WaitQueue, Wake};
 
 use crate::args::seconds_ns;
 use crate::errors::to_py;
+use crate::histogram::HistogramPy;
 
 /// Interval at which a main-thread wait looks for signals (Ctrl-C); other threads
 /// sleep until their wake-up.
@@ -61,7 +62,7 @@ impl Gate {
         class: usize,
         timeout_ns: Option<u64>,
     ) -> PyResult<PermitPy> {
-        match self.queue.try_now(costs) {
+        match self.queue.try_now(costs, class) {
             Ok(_) => return Ok(self.permit(costs, 0)),
             Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
             Err(None) => {}
@@ -225,7 +226,7 @@ impl AcquiringPy {
             timeout_ns,
             permit: OnceLock::new(),
         };
-        match gate.queue.try_now(costs) {
+        match gate.queue.try_now(costs, class) {
             Ok(_) => {
                 let _ = a.permit.set(Py::new(py, gate.permit(costs, 0))?);
             }
@@ -348,11 +349,21 @@ impl ChannelPy {
     }
 }
 
-/// Shared methods of queue owners (Limiter, Concurrency).
+/// The live queue-wait histogram of a class (None: the first class).
+pub fn wait_histogram(gate: &Gate, priority: Option<&str>) -> PyResult<HistogramPy> {
+    let class = gate.class(priority)?;
+    let h = gate.queue.wait_histogram(class).expect("class index checked");
+    Ok(HistogramPy { inner: h.clone() })
+}
+
+/// Shared stats of queue owners (Limiter, Concurrency): counters, depths and a copy of
+/// each class's wait histogram, in one snapshot.
 pub fn queue_stats<'py>(py: Python<'py>, q: &WaitQueue) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let c = q.counts();
     d.set_item("waiting", q.waiting())?;
+    d.set_item("tried_admitted", c.tried_admitted)?;
+    d.set_item("tried_refused", c.tried_refused)?;
     d.set_item("immediate", c.immediate)?;
     d.set_item("queued_grants", c.queued_grants)?;
     d.set_item("refused_full", c.refused_full)?;
@@ -364,5 +375,14 @@ pub fn queue_stats<'py>(py: Python<'py>, q: &WaitQueue) -> PyResult<Bound<'py, P
         depths.set_item(name, n)?;
     }
     d.set_item("depths", depths)?;
+    let waits = PyDict::new(py);
+    for (i, (name, _)) in q.config().classes.iter().enumerate() {
+        if let Some(h) = q.wait_histogram(i) {
+            let copy = ratequeue_core::Histogram::new();
+            copy.add_snapshot(&h.snapshot());
+            waits.set_item(name, HistogramPy { inner: Arc::new(copy) })?;
+        }
+    }
+    d.set_item("wait", waits)?;
     Ok(d)
 }

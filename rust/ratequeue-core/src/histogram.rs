@@ -1,0 +1,497 @@
+//! A lock-free log-linear histogram of durations in nanoseconds, decimal: three
+//! significant digits (900 linear sub-buckets per decade), so a bucket is at most 1 %
+//! of its value wide, a percentile read at the bucket's midpoint is within 0.5 % of the
+//! truth, and every boundary with three significant digits (1 ms, 2.5 ms, 300 s, …) is
+//! a bucket edge: Prometheus `le` buckets are read off exactly. Exact below 1 µs;
+//! tracked up to 10^13 ns (2.8 hours); longer values are clamped into the top bucket
+//! and counted as overflow; values under 1 µs are counted as underflow (and still
+//! recorded exactly).
+//!
+//! Recording is two relaxed atomic adds (bucket, sum) plus min/max updates only when
+//! they move. A snapshot reads each counter atomically but not all at one instant:
+//! records racing the snapshot may be in its buckets and not yet in its sum (or the
+//! reverse); count and percentiles always agree, since count is the buckets' total.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::Error;
+
+/// Number of buckets: 1001 exact ones up to 1 µs, then 900 per decade up to 10^13 ns.
+pub const BUCKETS: usize = 1001 + 10 * 900;
+/// The largest value tracked without clamping, in nanoseconds.
+pub const MAX_TRACKED_NS: u64 = 10_000_000_000_000;
+/// Values below this (1 µs) are counted as underflow.
+pub const UNDERFLOW_NS: u64 = 1_000;
+
+const POW10: [u64; 15] = [
+    1,
+    10,
+    100,
+    1_000,
+    10_000,
+    100_000,
+    1_000_000,
+    10_000_000,
+    100_000_000,
+    1_000_000_000,
+    10_000_000_000,
+    100_000_000_000,
+    1_000_000_000_000,
+    10_000_000_000_000,
+    100_000_000_000_000,
+];
+
+const INV_POW10: [f64; 12] = [1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11];
+
+/// The bucket holding `v` nanoseconds. Buckets above 1 µs are closed at the top,
+/// (L, H] with L and H of three significant digits, as Prometheus' `le` buckets are.
+#[inline]
+pub fn index_of(v: u64) -> usize {
+    let v = v.min(MAX_TRACKED_NS);
+    if v <= 1000 {
+        return v as usize;
+    }
+    let w = v - 1;
+    // Decade d with 10^d <= w < 10^(d+1), from the bit length, corrected once.
+    let bits = 64 - w.leading_zeros();
+    let mut d = (((bits - 1) * 1233) >> 12) as usize;
+    d += (w >= POW10[d + 1]) as usize;
+    // w / 10^(d-2) without a division: a float estimate (exact but for the last ulp),
+    // then branch-free correction by one either way.
+    let p = POW10[d - 2];
+    let mut sub = (w as f64 * INV_POW10[d - 2]) as u64;
+    sub -= (sub * p > w) as u64;
+    sub += ((sub + 1) * p <= w) as u64;
+    1001 + (d - 3) * 900 + (sub as usize - 100)
+}
+
+/// The top edge H of decade bucket `k` (its values are (H − width, H]).
+#[inline]
+fn top_of(k: usize) -> u64 {
+    let k = k + 1;
+    let d = 3 + k / 900;
+    (100 + (k % 900) as u64) * POW10[d - 2]
+}
+
+/// The lowest value of bucket `i`.
+#[inline]
+pub fn lower_of(i: usize) -> u64 {
+    match i {
+        0..=1000 => i as u64,
+        1001 => 1001,
+        _ => top_of(i - 1002) + 1,
+    }
+}
+
+/// One past the highest value of bucket `i`.
+#[inline]
+pub fn upper_of(i: usize) -> u64 {
+    match i {
+        0..=1000 => i as u64 + 1,
+        _ => top_of(i - 1001) + 1,
+    }
+}
+
+/// A concurrent histogram of nanosecond durations.
+pub struct Histogram {
+    counts: Box<[AtomicU64]>,
+    sum: AtomicU64,
+    min: AtomicU64,
+    max: AtomicU64,
+    underflow: AtomicU64,
+    overflow: AtomicU64,
+}
+
+impl Default for Histogram {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl std::fmt::Debug for Histogram {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = self.snapshot();
+        write!(f, "Histogram(count={}, sum={}ns)", s.count(), s.sum)
+    }
+}
+
+impl Histogram {
+    /// An empty histogram.
+    pub fn new() -> Histogram {
+        Histogram {
+            counts: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            sum: AtomicU64::new(0),
+            min: AtomicU64::new(u64::MAX),
+            max: AtomicU64::new(0),
+            underflow: AtomicU64::new(0),
+            overflow: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one value of `v` nanoseconds.
+    #[inline]
+    pub fn record(&self, v: u64) {
+        self.record_n(v, 1);
+    }
+
+    /// Records `n` values of `v` nanoseconds each.
+    #[inline]
+    pub fn record_n(&self, v: u64, n: u64) {
+        if n == 0 {
+            return;
+        }
+        self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
+        self.sum
+            .fetch_add(v.min(MAX_TRACKED_NS).saturating_mul(n), Ordering::Relaxed);
+        if v < self.min.load(Ordering::Relaxed) {
+            self.min.fetch_min(v, Ordering::Relaxed);
+        }
+        if v > self.max.load(Ordering::Relaxed) {
+            self.max.fetch_max(v.min(MAX_TRACKED_NS), Ordering::Relaxed);
+        }
+        if v < UNDERFLOW_NS {
+            self.underflow.fetch_add(n, Ordering::Relaxed);
+        } else if v > MAX_TRACKED_NS {
+            self.overflow.fetch_add(n, Ordering::Relaxed);
+        }
+    }
+
+    /// Adds a batch counted elsewhere (e.g. a local array filled without atomics).
+    pub fn add_snapshot(&self, s: &Snapshot) {
+        for (i, c) in s.counts.iter().enumerate() {
+            if *c != 0 {
+                self.counts[i].fetch_add(*c, Ordering::Relaxed);
+            }
+        }
+        self.sum.fetch_add(s.sum, Ordering::Relaxed);
+        self.min.fetch_min(s.min, Ordering::Relaxed);
+        self.max.fetch_max(s.max, Ordering::Relaxed);
+        self.underflow.fetch_add(s.underflow, Ordering::Relaxed);
+        self.overflow.fetch_add(s.overflow, Ordering::Relaxed);
+    }
+
+    /// A copy of the counters (see the module doc for its consistency).
+    pub fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            counts: self.counts.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            sum: self.sum.load(Ordering::Relaxed),
+            min: self.min.load(Ordering::Relaxed),
+            max: self.max.load(Ordering::Relaxed),
+            underflow: self.underflow.load(Ordering::Relaxed),
+            overflow: self.overflow.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Empties the histogram, returning what it held (each counter swapped atomically).
+    pub fn reset(&self) -> Snapshot {
+        Snapshot {
+            counts: self.counts.iter().map(|c| c.swap(0, Ordering::Relaxed)).collect(),
+            sum: self.sum.swap(0, Ordering::Relaxed),
+            min: self.min.swap(u64::MAX, Ordering::Relaxed),
+            max: self.max.swap(0, Ordering::Relaxed),
+            underflow: self.underflow.swap(0, Ordering::Relaxed),
+            overflow: self.overflow.swap(0, Ordering::Relaxed),
+        }
+    }
+}
+
+/// A plain (non-atomic) copy of a histogram: percentiles, merge, serialisation.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Snapshot {
+    /// Count per bucket (`BUCKETS` entries).
+    pub counts: Vec<u64>,
+    /// Sum of recorded values, nanoseconds.
+    pub sum: u64,
+    /// Smallest recorded value (u64::MAX when empty).
+    pub min: u64,
+    /// Largest recorded value (0 when empty).
+    pub max: u64,
+    /// Values under 1 µs.
+    pub underflow: u64,
+    /// Values over the tracked range (clamped).
+    pub overflow: u64,
+}
+
+impl Default for Snapshot {
+    fn default() -> Self {
+        Snapshot {
+            counts: vec![0; BUCKETS],
+            sum: 0,
+            min: u64::MAX,
+            max: 0,
+            underflow: 0,
+            overflow: 0,
+        }
+    }
+}
+
+const MAGIC: &[u8; 4] = b"RQH1";
+
+impl Snapshot {
+    /// Number of recorded values.
+    pub fn count(&self) -> u64 {
+        self.counts.iter().sum()
+    }
+
+    /// Records `v` (non-atomic; for batch filling).
+    #[inline]
+    pub fn record(&mut self, v: u64) {
+        self.counts[index_of(v)] += 1;
+        self.sum = self.sum.saturating_add(v.min(MAX_TRACKED_NS));
+        self.min = self.min.min(v);
+        self.max = self.max.max(v.min(MAX_TRACKED_NS));
+        if v < UNDERFLOW_NS {
+            self.underflow += 1;
+        } else if v > MAX_TRACKED_NS {
+            self.overflow += 1;
+        }
+    }
+
+    /// A snapshot of `values` given in seconds, filled without atomics (the batch path
+    /// of `record_many`); `Err(v)` names the first value that is negative or not finite.
+    pub fn from_seconds(values: &[f64]) -> Result<Snapshot, f64> {
+        let mut s = Snapshot::default();
+        let (mut sum, mut min, mut max, mut over) = (0u64, u64::MAX, 0u64, 0u64);
+        for &v in values {
+            if !(v >= 0.0 && v.is_finite()) {
+                return Err(v);
+            }
+            let ns = (v * 1e9 + 0.5) as u64; // saturating cast
+            over += (ns > MAX_TRACKED_NS) as u64;
+            let ns = ns.min(MAX_TRACKED_NS);
+            s.counts[index_of(ns)] += 1;
+            sum = sum.wrapping_add(ns);
+            min = min.min(ns);
+            max = max.max(ns);
+        }
+        s.sum = sum;
+        s.min = min;
+        s.max = max;
+        s.overflow = over;
+        s.underflow = s.counts[..UNDERFLOW_NS as usize].iter().sum();
+        Ok(s)
+    }
+
+    /// Adds `other` into this one.
+    pub fn merge(&mut self, other: &Snapshot) {
+        for (a, b) in self.counts.iter_mut().zip(&other.counts) {
+            *a += b;
+        }
+        self.sum = self.sum.saturating_add(other.sum);
+        self.min = self.min.min(other.min);
+        self.max = self.max.max(other.max);
+        self.underflow += other.underflow;
+        self.overflow += other.overflow;
+    }
+
+    /// The value (ns) at percentile `q` in [0, 100]: the midpoint of the bucket holding
+    /// that rank (nearest-rank), clamped to [min, max]; None when empty.
+    pub fn percentile(&self, q: f64) -> Option<f64> {
+        self.percentiles(&[q]).pop().flatten()
+    }
+
+    /// Several percentiles in one pass over the buckets (each as `percentile`).
+    pub fn percentiles(&self, qs: &[f64]) -> Vec<Option<f64>> {
+        let n = self.count();
+        if n == 0 {
+            return vec![None; qs.len()];
+        }
+        let mut order: Vec<(usize, u64)> = qs
+            .iter()
+            .enumerate()
+            .map(|(k, q)| (k, ((q.clamp(0.0, 100.0) / 100.0 * n as f64).ceil() as u64).clamp(1, n)))
+            .collect();
+        order.sort_by_key(|(_, r)| *r);
+        let mut out = vec![None; qs.len()];
+        let mut seen = 0u64;
+        let mut j = 0;
+        for (i, c) in self.counts.iter().enumerate() {
+            seen += c;
+            while j < order.len() && order[j].1 <= seen {
+                let (lo, hi) = (lower_of(i), upper_of(i));
+                let mid = if hi - lo <= 1 {
+                    lo as f64
+                } else {
+                    (lo as f64 + (hi - 1) as f64) / 2.0
+                };
+                out[order[j].0] = Some(mid.clamp(self.min as f64, self.max as f64));
+                j += 1;
+            }
+            if j == order.len() {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Values at or below `le_ns`, read off the buckets: exact when `le_ns` is a bucket's
+    /// top edge (every value with at most three significant digits is, as is every
+    /// value up to 1 µs); a `le` inside a bucket counts that bucket when its midpoint is
+    /// at or below `le`.
+    pub fn count_le(&self, le_ns: u64) -> u64 {
+        if le_ns >= MAX_TRACKED_NS {
+            return self.count();
+        }
+        let k = index_of(le_ns);
+        let below: u64 = self.counts[..k].iter().sum();
+        let (lo, hi) = (lower_of(k), upper_of(k));
+        if le_ns + 1 >= hi || (lo + hi - 1) / 2 <= le_ns {
+            below + self.counts[k]
+        } else {
+            below
+        }
+    }
+
+    /// A compact byte form (sparse, varint) for shipping between processes.
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        out.extend_from_slice(MAGIC);
+        for v in [self.sum, self.min, self.max, self.underflow, self.overflow] {
+            out.extend_from_slice(&v.to_le_bytes());
+        }
+        let mut last = 0usize;
+        for (i, c) in self.counts.iter().enumerate() {
+            if *c != 0 {
+                put_varint(&mut out, (i - last) as u64);
+                put_varint(&mut out, *c);
+                last = i;
+            }
+        }
+        out
+    }
+
+    /// Parses `to_bytes` output; an error names what is wrong.
+    pub fn from_bytes(b: &[u8]) -> Result<Snapshot, Error> {
+        let bad = |why: &str| Error::invalid("data", format!("<{} bytes>", b.len()), why);
+        if b.len() < 44 || &b[..4] != MAGIC {
+            return Err(bad("is not a serialised ratequeue histogram"));
+        }
+        let word = |k: usize| u64::from_le_bytes(b[4 + 8 * k..12 + 8 * k].try_into().expect("8 bytes"));
+        let mut s = Snapshot {
+            sum: word(0),
+            min: word(1),
+            max: word(2),
+            underflow: word(3),
+            overflow: word(4),
+            ..Snapshot::default()
+        };
+        let mut pos = 44;
+        let mut idx = 0u64;
+        while pos < b.len() {
+            let delta = get_varint(b, &mut pos).ok_or_else(|| bad("is truncated"))?;
+            let c = get_varint(b, &mut pos).ok_or_else(|| bad("is truncated"))?;
+            idx = idx
+                .checked_add(delta)
+                .filter(|i| *i < BUCKETS as u64)
+                .ok_or_else(|| bad("has a bucket out of range"))?;
+            s.counts[idx as usize] = s.counts[idx as usize]
+                .checked_add(c)
+                .ok_or_else(|| bad("overflows a count"))?;
+        }
+        Ok(s)
+    }
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u64) {
+    while v >= 0x80 {
+        out.push((v as u8) | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+fn get_varint(b: &[u8], pos: &mut usize) -> Option<u64> {
+    let mut v = 0u64;
+    for shift in (0..64).step_by(7) {
+        let byte = *b.get(*pos)?;
+        *pos += 1;
+        v |= ((byte & 0x7f) as u64) << shift;
+        if byte < 0x80 {
+            return Some(v);
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn buckets_are_contiguous_and_narrow() {
+        let mut prev_upper = 0;
+        for i in 0..BUCKETS {
+            let (lo, hi) = (lower_of(i), upper_of(i));
+            assert_eq!(lo, prev_upper, "bucket {i}");
+            assert!(hi > lo);
+            assert_eq!(index_of(lo), i);
+            assert_eq!(index_of(hi - 1), i);
+            if lo >= 100 {
+                assert!((hi - lo) as f64 / lo as f64 <= 0.01 + 1e-12);
+            }
+            prev_upper = hi;
+        }
+    }
+
+    #[test]
+    fn percentiles_within_half_percent() {
+        let h = Histogram::new();
+        let vals: Vec<u64> = (1..=100_000u64).map(|i| i * 37_123).collect();
+        for v in &vals {
+            h.record(*v);
+        }
+        let s = h.snapshot();
+        for q in [1.0, 50.0, 90.0, 99.0, 99.9, 100.0] {
+            let rank = ((q / 100.0 * vals.len() as f64).ceil() as usize).max(1);
+            let want = vals[rank - 1] as f64;
+            let got = s.percentile(q).unwrap();
+            assert!((got - want).abs() / want < 0.01, "q={q} got={got} want={want}");
+        }
+        assert_eq!(s.count(), 100_000);
+        assert_eq!(s.min, 37_123);
+    }
+
+    #[test]
+    fn clamps_and_counts_out_of_range() {
+        let h = Histogram::new();
+        h.record(5);
+        h.record(u64::MAX);
+        let s = h.snapshot();
+        assert_eq!((s.underflow, s.overflow), (1, 1));
+        assert_eq!(s.max, MAX_TRACKED_NS);
+    }
+
+    #[test]
+    fn bytes_round_trip_and_merge() {
+        let h = Histogram::new();
+        for v in [0, 1, 999, 1_000, 123_456_789, 1 << 40, u64::MAX] {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        let back = Snapshot::from_bytes(&s.to_bytes()).unwrap();
+        assert_eq!(s, back);
+        let mut m = s.clone();
+        m.merge(&back);
+        assert_eq!(m.count(), 2 * s.count());
+        assert!(Snapshot::from_bytes(b"nope").is_err());
+        let mut bad = s.to_bytes();
+        bad.push(0xff);
+        assert!(Snapshot::from_bytes(&bad).is_err());
+    }
+
+    #[test]
+    fn count_le_exact_at_edges() {
+        let h = Histogram::new();
+        for v in [10, 500_000, 1_000_000_000, 2_000_000_000] {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        assert_eq!(s.count_le(1_000_000_000), 3);
+        assert_eq!(s.count_le(999_000_000), 2);
+        assert_eq!(s.count_le(1_000), 1);
+        assert_eq!(s.count_le(499_000), 1);
+        assert_eq!(s.count_le(500_000), 2);
+        assert_eq!(s.count_le(2_500_000), 2);
+        assert_eq!(s.count_le(u64::MAX), 4);
+    }
+}

@@ -1,0 +1,234 @@
+//! Python Histogram over the core's lock-free log-linear histogram; values in seconds.
+
+use std::sync::Arc;
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyType};
+use ratequeue_core::histogram::{lower_of, upper_of, BUCKETS};
+use ratequeue_core::{Histogram, Snapshot};
+
+use crate::errors::to_py;
+
+/// A histogram of durations (seconds): lock-free recording, ≤ 1 % relative error from
+/// 1 µs to hours, percentiles, numpy export, merge and bytes.
+#[pyclass(frozen, name = "Histogram", module = "ratequeue")]
+pub struct HistogramPy {
+    pub inner: Arc<Histogram>,
+}
+
+fn to_ns(name: &str, s: f64) -> PyResult<u64> {
+    if !s.is_finite() || s < 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "{name}={s} must be a finite number of seconds >= 0"
+        )));
+    }
+    Ok((s * 1e9).round().min(u64::MAX as f64) as u64)
+}
+
+fn secs(ns: f64) -> f64 {
+    ns / 1e9
+}
+
+impl HistogramPy {
+    fn snap(&self) -> Snapshot {
+        self.inner.snapshot()
+    }
+}
+
+#[pymethods]
+impl HistogramPy {
+    #[new]
+    fn new() -> Self {
+        HistogramPy {
+            inner: Arc::new(Histogram::new()),
+        }
+    }
+
+    /// Records one duration in seconds.
+    fn record(&self, seconds: f64) -> PyResult<()> {
+        self.inner.record(to_ns("seconds", seconds)?);
+        Ok(())
+    }
+
+    /// Records every value of a 1-D float64 array of seconds (GIL released); all or
+    /// nothing: a NaN, infinite or negative value raises and records none.
+    fn record_many(&self, py: Python<'_>, values: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
+        let view = values.as_array();
+        let filled: Result<Snapshot, f64> = match view.as_slice() {
+            Some(slice) => py.detach(|| Snapshot::from_seconds(slice)),
+            None => Snapshot::from_seconds(&view.iter().copied().collect::<Vec<f64>>()),
+        };
+        match filled {
+            Ok(s) => {
+                self.inner.add_snapshot(&s);
+                Ok(())
+            }
+            Err(bad) => Err(PyValueError::new_err(format!(
+                "values holds {bad}: every value must be a finite number of seconds >= 0"
+            ))),
+        }
+    }
+
+    /// Number of recorded values.
+    #[getter]
+    fn count(&self) -> u64 {
+        self.snap().count()
+    }
+
+    fn __len__(&self) -> usize {
+        self.count() as usize
+    }
+
+    /// Sum of recorded values, seconds.
+    #[getter]
+    fn sum(&self) -> f64 {
+        secs(self.snap().sum as f64)
+    }
+
+    /// Smallest value (nan when empty).
+    #[getter]
+    fn min(&self) -> f64 {
+        let s = self.snap();
+        if s.count() == 0 {
+            f64::NAN
+        } else {
+            secs(s.min as f64)
+        }
+    }
+
+    /// Largest value (nan when empty).
+    #[getter]
+    fn max(&self) -> f64 {
+        let s = self.snap();
+        if s.count() == 0 {
+            f64::NAN
+        } else {
+            secs(s.max as f64)
+        }
+    }
+
+    /// Mean (nan when empty).
+    #[getter]
+    fn mean(&self) -> f64 {
+        let s = self.snap();
+        let n = s.count();
+        if n == 0 {
+            f64::NAN
+        } else {
+            secs(s.sum as f64 / n as f64)
+        }
+    }
+
+    /// Values under 1 µs (recorded exactly) and over the tracked range (clamped).
+    #[getter]
+    fn underflow(&self) -> u64 {
+        self.snap().underflow
+    }
+
+    #[getter]
+    fn overflow(&self) -> u64 {
+        self.snap().overflow
+    }
+
+    /// The value at percentile `q` (0–100), seconds; nan when empty.
+    fn percentile(&self, q: f64) -> PyResult<f64> {
+        Ok(self.percentiles(vec![q])?[0])
+    }
+
+    /// Several percentiles in one pass, seconds; nan when empty.
+    fn percentiles(&self, qs: Vec<f64>) -> PyResult<Vec<f64>> {
+        if let Some(q) = qs.iter().find(|q| !(0.0..=100.0).contains(*q)) {
+            return Err(PyValueError::new_err(format!("percentile {q} must be within [0, 100]")));
+        }
+        Ok(self
+            .snap()
+            .percentiles(&qs)
+            .into_iter()
+            .map(|v| v.map_or(f64::NAN, secs))
+            .collect())
+    }
+
+    /// Values at or below `le` seconds (exact when `le` has at most three significant
+    /// digits in nanoseconds, as Prometheus boundaries do).
+    fn count_le(&self, le: f64) -> PyResult<u64> {
+        Ok(self.snap().count_le(if le.is_infinite() && le > 0.0 {
+            u64::MAX
+        } else {
+            to_ns("le", le)?
+        }))
+    }
+
+    /// Cumulative counts at each of `les` (seconds, ascending), from one snapshot.
+    fn cumulative(&self, les: Vec<f64>) -> PyResult<Vec<u64>> {
+        let s = self.snap();
+        les.iter()
+            .map(|le| {
+                Ok(s.count_le(if le.is_infinite() && *le > 0.0 {
+                    u64::MAX
+                } else {
+                    to_ns("le", *le)?
+                }))
+            })
+            .collect()
+    }
+
+    /// (counts, edges) like numpy.histogram: counts per bucket (uint64) and the
+    /// len(counts)+1 bucket edges in seconds (float64). Only buckets up to the last
+    /// non-empty one are included.
+    fn to_numpy<'py>(&self, py: Python<'py>) -> (Bound<'py, PyArray1<u64>>, Bound<'py, PyArray1<f64>>) {
+        let s = self.snap();
+        let last = s.counts.iter().rposition(|c| *c != 0).map_or(0, |i| i + 1);
+        let counts = PyArray1::from_slice(py, &s.counts[..last]);
+        let mut edges: Vec<f64> = (0..last).map(|i| secs(lower_of(i) as f64)).collect();
+        edges.push(secs(if last == 0 { 0.0 } else { upper_of(last - 1) as f64 }));
+        (counts, PyArray1::from_vec(py, edges))
+    }
+
+    /// A compact byte form for shipping between processes.
+    fn to_bytes<'py>(&self, py: Python<'py>) -> Bound<'py, PyBytes> {
+        PyBytes::new(py, &self.snap().to_bytes())
+    }
+
+    /// A histogram from `to_bytes` output.
+    #[classmethod]
+    fn from_bytes(_cls: &Bound<'_, PyType>, py: Python<'_>, data: &[u8]) -> PyResult<Self> {
+        let s = Snapshot::from_bytes(data).map_err(|e| to_py(py, e))?;
+        let h = Histogram::new();
+        h.add_snapshot(&s);
+        Ok(HistogramPy { inner: Arc::new(h) })
+    }
+
+    /// Adds every value of `other` into this histogram.
+    fn merge(&self, other: &Bound<'_, HistogramPy>) {
+        self.inner.add_snapshot(&other.get().snap());
+    }
+
+    /// An independent copy as of now.
+    fn copy(&self) -> Self {
+        let h = Histogram::new();
+        h.add_snapshot(&self.snap());
+        HistogramPy { inner: Arc::new(h) }
+    }
+
+    /// Empties the histogram; returns what it held, as a new Histogram.
+    fn reset(&self) -> Self {
+        let h = Histogram::new();
+        h.add_snapshot(&self.inner.reset());
+        HistogramPy { inner: Arc::new(h) }
+    }
+
+    /// Number of buckets (fixed).
+    #[classattr]
+    fn buckets() -> usize {
+        BUCKETS
+    }
+
+    fn __repr__(&self) -> String {
+        let s = self.snap();
+        let p = s.percentiles(&[50.0, 99.0]);
+        let f = |v: Option<f64>| v.map_or("nan".to_owned(), |x| format!("{:.6}", secs(x)));
+        format!("Histogram(count={}, p50={}, p99={})", s.count(), f(p[0]), f(p[1]))
+    }
+}
