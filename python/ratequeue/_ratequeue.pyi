@@ -156,7 +156,7 @@ class Acquiring:
 class Channel:
     """Outcomes for one event loop, signalled by one byte on a pipe (internal)."""
 
-    def __new__(cls, fd: int) -> Channel: ...
+    def __new__(cls, fd: int | None = None) -> Channel: ...
     def drain(self) -> list[tuple[int, bool, int]]: ...
 
 @final
@@ -180,6 +180,15 @@ class Concurrency:
     def acquire_async(
         self, n: int | None = None, *, priority: str | None = None, timeout: float | None = None
     ) -> Acquiring: ...
+    def submit(
+        self,
+        channel: Channel,
+        n: int | None = None,
+        *,
+        priority: str | None = None,
+        timeout: float | None = None,
+    ) -> Permit | int: ...
+    def give_back(self, n: int | None = None) -> None: ...
     @property
     def in_use(self) -> int: ...
     @property
@@ -233,6 +242,19 @@ class Limiter:
         **costs: int,
     ) -> Acquiring:
         """Awaitable and async context manager version of acquire."""
+    def submit(
+        self,
+        channel: Channel,
+        n: int | None = None,
+        /,
+        *,
+        priority: str | None = None,
+        timeout: float | None = None,
+        **costs: int,
+    ) -> Permit | int:
+        """Without blocking: a Permit if granted at once, else a ticket drained from channel."""
+    def predicted_wait(self, n: int | None = None, /, **costs: int) -> float:
+        """Seconds a request would wait if it arrived now behind everyone queued."""
     def poll(self) -> float | None:
         """Grant and expire what is due now; the next due time or None."""
     def next_wake(self) -> float | None: ...

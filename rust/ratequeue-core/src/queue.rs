@@ -129,7 +129,8 @@ pub struct Channel {
 
 impl Channel {
     /// A channel that signals by writing one byte to `fd` (the write end of a pipe the
-    /// caller owns and keeps open while the channel lives).
+    /// caller owns and keeps open while the channel lives); a negative `fd` never
+    /// signals (the owner drains after each step, e.g. in virtual time).
     pub fn new(fd: RawFd) -> Arc<Channel> {
         Arc::new(Channel {
             ready: Mutex::new(Vec::new()),
@@ -140,7 +141,7 @@ impl Channel {
 
     fn put(&self, ticket: u64, o: Outcome) {
         lock(&self.ready).push((ticket, o));
-        if !self.signalled.swap(true, Ordering::AcqRel) {
+        if self.fd >= 0 && !self.signalled.swap(true, Ordering::AcqRel) {
             let byte = [1u8];
             // SAFETY: writing one byte from a valid buffer to a descriptor the owner keeps
             // open; a full pipe (EAGAIN) already holds a pending wake-up.
@@ -514,6 +515,17 @@ impl WaitQueue {
         g.len += 1;
         self.waiting.store(g.len, Ordering::Release);
         Ok(Submitted::Queued(ticket))
+    }
+
+    /// The predicted grant time of `costs` if submitted now behind everyone queued
+    /// (exact for one class on a rate; None when it depends on releases).
+    pub fn predict(&self, costs: &[u64]) -> Option<u64> {
+        let now = self.clock.now_ns();
+        let g = lock(&self.inner);
+        if g.len == 0 {
+            return self.resource.ready_at(now, costs).ok().flatten();
+        }
+        self.predict_all(&g, now, costs)
     }
 
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {

@@ -12,7 +12,7 @@ use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
 use crate::limiter::new_gate;
-use crate::waiting::{queue_stats, wait_histogram, AcquiringPy, Gate, PermitPy};
+use crate::waiting::{queue_stats, submit, wait_histogram, AcquiringPy, ChannelPy, Gate, PermitPy};
 
 /// At most `limit` holders at once; waiters queue by class, FIFO, bounded.
 #[pyclass(frozen, name = "Concurrency", module = "ratequeue")]
@@ -102,6 +102,37 @@ impl ConcurrencyPy {
             self.gate.class(priority)?,
             self.gate.timeout(timeout)?,
         )
+    }
+
+    /// Submits without blocking: a Permit when granted at once, else a ticket whose
+    /// outcome is drained from `channel` (see Limiter.submit).
+    #[pyo3(signature = (channel, n = None, *, priority = None, timeout = None))]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        channel: &Bound<'_, ChannelPy>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let c = Self::permits(n)?;
+        submit(
+            py,
+            &self.gate,
+            channel,
+            &c,
+            self.gate.class(priority)?,
+            self.gate.timeout(timeout)?,
+        )
+    }
+
+    /// Gives back permits of a grant whose holder is gone (a drained grant nobody
+    /// will use), exactly like releasing its Permit.
+    #[pyo3(signature = (n = None))]
+    fn give_back(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
+        let c = Self::permits(n)?;
+        self.gate.queue.give_back(&c);
+        Ok(())
     }
 
     /// Permits held now.

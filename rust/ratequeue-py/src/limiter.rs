@@ -13,7 +13,7 @@ use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
-use crate::waiting::{queue_stats, wait_histogram, AcquiringPy, Gate, PermitPy};
+use crate::waiting::{queue_stats, submit, wait_histogram, AcquiringPy, ChannelPy, Gate, PermitPy};
 
 /// Default bound on queue depth: waiting never grows memory without limit.
 pub const DEFAULT_MAX_QUEUE: usize = 100_000;
@@ -404,6 +404,47 @@ impl LimiterPy {
             self.gate.class(priority)?,
             self.gate.timeout(timeout)?,
         )
+    }
+
+    /// Submits without blocking: returns a Permit when granted at once, else a ticket
+    /// (int) whose outcome — (ticket, granted, waited_ns) — is drained from `channel`
+    /// later. Raises Overloaded/CostTooLarge like acquire. For simulators and custom
+    /// event loops; acquire and acquire_async are built on the same path.
+    #[pyo3(signature = (channel, n = None, /, *, priority = None, timeout = None, **costs))]
+    #[allow(clippy::too_many_arguments)]
+    fn submit(
+        &self,
+        py: Python<'_>,
+        channel: &Bound<'_, ChannelPy>,
+        n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&str>,
+        timeout: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Py<PyAny>> {
+        let c = self.costs(n, costs)?;
+        let units = self.core.units().len();
+        submit(
+            py,
+            &self.gate,
+            channel,
+            &c[..units],
+            self.gate.class(priority)?,
+            self.gate.timeout(timeout)?,
+        )
+    }
+
+    /// Seconds a request with these costs would wait if it arrived now behind everyone
+    /// queued (exact for one class; a lower bound with several).
+    #[pyo3(signature = (n = None, /, **costs))]
+    fn predicted_wait(&self, n: Option<&Bound<'_, PyAny>>, costs: Option<&Bound<'_, PyDict>>) -> PyResult<f64> {
+        let c = self.costs(n, costs)?;
+        let units = self.core.units().len();
+        let now = self.core.now_ns();
+        Ok(self
+            .gate
+            .queue
+            .predict(&c[..units])
+            .map_or(f64::INFINITY, |t| t.saturating_sub(now) as f64 / 1e9))
     }
 
     /// Grants and expires whatever is due now; returns the next due time (clock

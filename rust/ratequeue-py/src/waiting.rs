@@ -207,7 +207,7 @@ pub struct AcquiringPy {
     costs: Vec<u64>,
     class: usize,
     timeout_ns: Option<u64>,
-    permit: OnceLock<Py<PermitPy>>,
+    pub(crate) permit: OnceLock<Py<PermitPy>>,
 }
 
 impl AcquiringPy {
@@ -328,11 +328,14 @@ pub struct ChannelPy {
 
 #[pymethods]
 impl ChannelPy {
-    /// A channel that writes to `fd` (the write end of a non-blocking pipe kept open).
+    /// A channel that writes one byte to `fd` (the write end of a non-blocking pipe
+    /// kept open) when outcomes arrive; with None it never signals and the owner drains
+    /// it after each step (virtual time).
     #[new]
-    fn new(fd: i32) -> Self {
+    #[pyo3(signature = (fd = None))]
+    fn new(fd: Option<i32>) -> Self {
         ChannelPy {
-            inner: Channel::new(fd),
+            inner: Channel::new(fd.unwrap_or(-1)),
         }
     }
 
@@ -354,6 +357,23 @@ pub fn wait_histogram(gate: &Gate, priority: Option<&str>) -> PyResult<Histogram
     let class = gate.class(priority)?;
     let h = gate.queue.wait_histogram(class).expect("class index checked");
     Ok(HistogramPy { inner: h.clone() })
+}
+
+/// Submits without blocking: a Permit when granted at once, else the ticket whose
+/// outcome arrives in `channel` (drain it); raises like acquire when refused.
+pub fn submit(
+    py: Python<'_>,
+    gate: &Arc<Gate>,
+    channel: &Bound<'_, ChannelPy>,
+    costs: &[u64],
+    class: usize,
+    timeout_ns: Option<u64>,
+) -> PyResult<Py<PyAny>> {
+    let a = AcquiringPy::start(py, gate, costs, class, timeout_ns)?;
+    if let Some(p) = a.permit.get() {
+        return Ok(p.clone_ref(py).into_any());
+    }
+    a._submit(py, channel)
 }
 
 /// Shared stats of queue owners (Limiter, Concurrency): counters, depths and a copy of
