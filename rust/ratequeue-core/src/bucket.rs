@@ -16,6 +16,8 @@ use crate::rate::Rate;
 
 const GEN_SHIFT: u32 = 60;
 const TAT_MASK: u64 = (1 << GEN_SHIFT) - 1;
+/// The largest TAT a bucket can hold, in ticks.
+pub(crate) const TAT_LIMIT: u64 = TAT_MASK;
 const GENS: usize = 16;
 const Q_BITS: u32 = 52;
 const Q_ONE: f64 = (1u64 << Q_BITS) as f64;
@@ -48,16 +50,18 @@ struct Slot {
     period: AtomicU64,
 }
 
+/// The fixed-point GCRA arithmetic of one rate (shared by the atomic bucket and the
+/// keyed map, whose TATs live in a table).
 #[derive(Clone, Copy, Debug)]
-struct Params {
-    m: u32,
-    tau: u64,
-    burst: u64,
+pub(crate) struct Params {
+    pub(crate) m: u32,
+    pub(crate) tau: u64,
+    pub(crate) burst: u64,
     q_ticks: u64,
 }
 
 impl Params {
-    fn of(rate: &Rate) -> Params {
+    pub(crate) fn of(rate: &Rate) -> Params {
         let t = rate.interval_ns();
         // 2^m ticks per interval, a tick in [0.5, 1) ns (t >= 1 ns by Rate's validation).
         let m = (t.log2().floor() as u32 + 1).min(58);
@@ -72,14 +76,61 @@ impl Params {
         }
     }
 
+    /// One GCRA decision: the TAT after admitting `cost` at `at_ns` and the delay until
+    /// the grant, if it is at most `max_delay_ns`. `tat` is in ticks (0 = full bucket).
     #[inline]
-    fn ticks(&self, ns: u64) -> u64 {
+    pub(crate) fn step(&self, tat: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<(u64, u64), Deny> {
+        if cost > self.burst {
+            return Err(Deny::TooLarge {
+                cost,
+                burst: self.burst,
+                unit: 0,
+            });
+        }
+        let now = self.ticks(at_ns);
+        let new = tat.max(now) + (cost << self.m);
+        if new > TAT_MASK {
+            return Err(Deny::Wait(u64::MAX));
+        }
+        let delay_ns = self.ns_until(at_ns, new.saturating_sub(self.tau));
+        if delay_ns > max_delay_ns {
+            return Err(Deny::Wait(delay_ns));
+        }
+        Ok((new, delay_ns))
+    }
+
+    /// The time at which a backlog of `total` cost, served back to back from `at_ns`,
+    /// would have its last grant (Lindley recursion of the whole backlog).
+    pub(crate) fn predict(&self, tat: u64, at_ns: u64, total: u64) -> u64 {
+        let now = self.ticks(at_ns);
+        let end = ((total as u128) << self.m) + tat.max(now) as u128;
+        let target = end.saturating_sub(self.tau as u128);
+        if target > TAT_MASK as u128 {
+            return u64::MAX;
+        }
+        at_ns.saturating_add(self.ns_until(at_ns, target as u64))
+    }
+
+    /// `cost` in ticks, saturating.
+    #[inline]
+    pub(crate) fn cost_ticks(&self, cost: u64) -> u64 {
+        cost.saturating_mul(1 << self.m).min(TAT_MASK)
+    }
+
+    /// Units that could be admitted at `at_ns` with this TAT (negative while in debt).
+    pub(crate) fn available(&self, tat: u64, at_ns: u64) -> f64 {
+        let used = tat.saturating_sub(self.ticks(at_ns));
+        (self.tau as f64 - used as f64) / (1u64 << self.m) as f64
+    }
+
+    #[inline]
+    pub(crate) fn ticks(&self, ns: u64) -> u64 {
         (((ns as u128) * (self.q_ticks as u128)) >> Q_BITS).min(TAT_MASK as u128) as u64
     }
 
     /// Nanoseconds from `at_ns` until the clock reaches tick `target`: the least x with
     /// ticks(at + x) >= target, computed exactly so a retry after it always conforms.
-    fn ns_until(&self, at_ns: u64, target: u64) -> u64 {
+    pub(crate) fn ns_until(&self, at_ns: u64, target: u64) -> u64 {
         if target <= self.ticks(at_ns) {
             return 0;
         }
@@ -149,24 +200,7 @@ impl Bucket {
     pub fn take(&self, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<Taken, Deny> {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
-            let p = self.params(w);
-            if cost > p.burst {
-                return Err(Deny::TooLarge {
-                    cost,
-                    burst: p.burst,
-                    unit: 0,
-                });
-            }
-            let tat = w & TAT_MASK;
-            let now = p.ticks(at_ns);
-            let new = tat.max(now) + (cost << p.m);
-            if new > TAT_MASK {
-                return Err(Deny::Wait(u64::MAX));
-            }
-            let delay_ns = p.ns_until(at_ns, new.saturating_sub(p.tau));
-            if delay_ns > max_delay_ns {
-                return Err(Deny::Wait(delay_ns));
-            }
+            let (new, delay_ns) = self.params(w).step(w & TAT_MASK, at_ns, cost, max_delay_ns)?;
             let next = (w & !TAT_MASK) | new;
             if next == w {
                 return Ok(Taken {
@@ -212,14 +246,7 @@ impl Bucket {
     /// conformed if served back to back (the FIFO schedule of a backlog).
     pub fn predict(&self, at_ns: u64, ahead: u64, cost: u64) -> u64 {
         let w = self.word.load(Ordering::Acquire);
-        let p = self.params(w);
-        let now = p.ticks(at_ns);
-        let total = ((ahead as u128 + cost as u128) << p.m) + (w & TAT_MASK).max(now) as u128;
-        let target = total.saturating_sub(p.tau as u128);
-        if target > TAT_MASK as u128 {
-            return u64::MAX;
-        }
-        at_ns.saturating_add(p.ns_until(at_ns, target as u64))
+        self.params(w).predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
     }
 
     /// Undoes `t` if no other debit came after it; true when undone.

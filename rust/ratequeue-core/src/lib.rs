@@ -4,9 +4,12 @@
 pub mod bucket;
 pub mod clock;
 pub mod concurrency;
+pub mod driver;
 pub mod error;
 pub mod histogram;
+pub mod keyed;
 pub mod limiter;
+pub mod policy;
 pub mod queue;
 pub mod rate;
 
@@ -15,7 +18,9 @@ pub use clock::{AnyClock, ManualClock};
 pub use concurrency::Semaphore;
 pub use error::Error;
 pub use histogram::{Histogram, Snapshot};
+pub use keyed::{KeyHasher, KeyedLimiter, KeyedSemaphore};
 pub use limiter::{Limiter, Reservation};
+pub use policy::{Level, LevelArgs, LevelKind, Policy};
 pub use queue::{Outcome, QueueConfig, Resource, Submitted, WaitQueue, Wake};
 pub use rate::Rate;
 

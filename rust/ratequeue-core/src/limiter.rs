@@ -151,7 +151,8 @@ impl Limiter {
         self.delay_at(self.clock.now_ns(), costs)
     }
 
-    fn delay_at(&self, now: u64, costs: &[u64]) -> Result<u64, Deny> {
+    /// Nanoseconds from `now` until `costs` would conform; changes nothing.
+    pub fn delay_at(&self, now: u64, costs: &[u64]) -> Result<u64, Deny> {
         let mut wait = 0;
         for (i, b) in self.buckets.iter().enumerate() {
             let d = b
@@ -197,6 +198,29 @@ impl Limiter {
             // what this attempt debited and decide again.
             self.undo_or_refund(&taken, costs);
         }
+    }
+
+    /// Debits `costs` for a grant at `at_ns` within `max_delay_ns`, all or nothing,
+    /// returning a handle that [`Limiter::undo_reservation`] can take back.
+    pub fn take_at(&self, at_ns: u64, costs: &[u64], max_delay_ns: u64) -> Result<Reservation, Deny> {
+        if self.buckets.len() == 1 {
+            let c = costs[self.bucket_unit[0]];
+            return self.buckets[0]
+                .take(at_ns, c, max_delay_ns)
+                .map(|t| Reservation {
+                    at_ns: at_ns.saturating_add(t.delay_ns),
+                    delay_ns: t.delay_ns,
+                    taken: vec![t],
+                })
+                .map_err(|d| self.with_unit(0, d));
+        }
+        self.take_all(at_ns, costs, max_delay_ns)
+    }
+
+    /// Takes back a debit made by `take_at` (exactly where it is still the latest on a
+    /// bucket, by refunding `costs` where it is not).
+    pub fn undo_reservation(&self, r: &Reservation, costs: &[u64]) {
+        self.undo_or_refund(&r.taken, costs);
     }
 
     fn undo(&self, taken: &[Taken]) {
@@ -320,6 +344,19 @@ impl Resource for Limiter {
 
     fn give_back(&self, costs: &[u64]) {
         self.refund(costs);
+    }
+
+    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+        let now = self.clock.now_ns();
+        for (i, b) in self.buckets.iter().enumerate() {
+            let u = self.bucket_unit[i];
+            let (e, a) = (estimated[u], actual[u]);
+            if a < e {
+                b.refund(e - a);
+            } else if a > e {
+                b.charge(now, a - e);
+            }
+        }
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {

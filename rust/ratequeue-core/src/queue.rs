@@ -30,6 +30,9 @@ pub trait Resource: Send + Sync {
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny>;
     /// Gives back what a grant took and was never used.
     fn give_back(&self, costs: &[u64]);
+    /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
+    /// (never beyond full) or charges the overage (possibly into debt).
+    fn settle(&self, _estimated: &[u64], _actual: &[u64]) {}
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
     /// The error a denial stands for.
@@ -161,7 +164,6 @@ impl Channel {
 extern "C" {
     #[link_name = "write"]
     fn libc_write(fd: i32, buf: *const u8, n: usize) -> isize;
-    fn getpid() -> i32;
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -276,8 +278,6 @@ struct Inner {
     where_is: HashMap<u64, usize>,
     deadlines: BTreeSet<(u64, u64)>,
     len: usize,
-    driver_pid: i32,
-    driver_running: bool,
 }
 
 /// A wait queue in front of a resource, with its driver.
@@ -288,7 +288,8 @@ pub struct WaitQueue {
     units: usize,
     waiting: AtomicUsize,
     inner: Mutex<Inner>,
-    cv: Condvar,
+    scheduled: AtomicU64,
+    scheduled_pid: std::sync::atomic::AtomicI32,
     counters: Counters,
     waits: Vec<Arc<Histogram>>,
 }
@@ -322,12 +323,11 @@ impl WaitQueue {
                 where_is: HashMap::new(),
                 deadlines: BTreeSet::new(),
                 len: 0,
-                driver_pid: 0,
-                driver_running: false,
             }),
             counters: Counters::default(),
             waits: (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect(),
-            cv: Condvar::new(),
+            scheduled: AtomicU64::new(u64::MAX),
+            scheduled_pid: std::sync::atomic::AtomicI32::new(0),
             config,
         })
     }
@@ -428,12 +428,11 @@ impl WaitQueue {
         } else {
             None
         };
-        if next.is_some() {
-            self.ensure_driver(&mut g);
-            self.cv.notify_one();
-        }
         drop(g);
         deliver(out);
+        if let Some(t) = next {
+            self.schedule(t);
+        }
         result
     }
 
@@ -553,18 +552,21 @@ impl WaitQueue {
     }
 
     /// Grants and expires everything due at `now`; returns the next wake-up time.
-    pub fn poll(&self, now: u64) -> Option<u64> {
+    pub fn poll(self: &Arc<Self>, now: u64) -> Option<u64> {
         let mut out = Vec::new();
         let mut g = lock(&self.inner);
         self.poll_locked(&mut g, now, &mut out);
         let next = self.next_wake_locked(&g);
         drop(g);
         deliver(out);
+        if let Some(t) = next {
+            self.schedule(t);
+        }
         next
     }
 
     /// Polls at the clock's current time.
-    pub fn poll_now(&self) -> Option<u64> {
+    pub fn poll_now(self: &Arc<Self>) -> Option<u64> {
         self.poll(self.clock.now_ns())
     }
 
@@ -677,28 +679,41 @@ impl WaitQueue {
     /// Removes a queued waiter; `NotQueued` when it was already granted or expired
     /// (its outcome is in its wake; a grant must then be given back by the caller
     /// through [`WaitQueue::give_back`]).
-    pub fn cancel(&self, ticket: u64) -> Cancelled {
+    pub fn cancel(self: &Arc<Self>, ticket: u64) -> Cancelled {
         let mut g = lock(&self.inner);
         let Some(ci) = g.where_is.get(&ticket).copied() else {
             return Cancelled::NotQueued;
         };
         self.remove(&mut g, ci, ticket);
         bump(&self.counters.cancelled);
-        // The head may have changed: the driver re-reads its wake time.
-        self.cv.notify_one();
+        // The head may have changed, and with it the next due time.
+        let next = self.next_wake_locked(&g);
+        drop(g);
+        if let Some(t) = next {
+            self.schedule(t);
+        }
         Cancelled::Removed
+    }
+
+    /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
+    /// then grants whoever a refund lets through.
+    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64]) {
+        self.resource.settle(estimated, actual);
+        if actual.iter().zip(estimated).any(|(a, e)| a < e) {
+            self.poll_now();
+        }
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
     /// now be granted.
-    pub fn give_back(&self, costs: &[u64]) {
+    pub fn give_back(self: &Arc<Self>, costs: &[u64]) {
         self.resource.give_back(costs);
         self.poll_now();
     }
 
     /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
     /// and polls there. Returns the number of wake-ups processed.
-    pub fn run_until(&self, clock: &crate::ManualClock, until_ns: u64) -> usize {
+    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> usize {
         let mut n = 0;
         while let Some(t) = self.next_wake() {
             if t > until_ns {
@@ -713,54 +728,27 @@ impl WaitQueue {
         n
     }
 
-    fn ensure_driver(self: &Arc<Self>, g: &mut Inner) {
+    /// Asks the driver for a wake-up at `t` unless one is already due by then.
+    fn schedule(self: &Arc<Self>, t: u64) {
         if self.clock.is_manual() {
             return;
         }
-        // SAFETY: getpid has no preconditions.
-        let pid = unsafe { getpid() };
-        if g.driver_running && g.driver_pid == pid {
-            return;
+        let pid = crate::driver::pid();
+        if self.scheduled_pid.swap(pid, Ordering::AcqRel) != pid {
+            // First use, or a forked child: the parent's wake-ups are not ours.
+            self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        // Not running, or running in the parent of a fork: this process needs its own.
-        let me = Arc::clone(self);
-        let spawned = std::thread::Builder::new()
-            .name("ratequeue-driver".into())
-            .spawn(move || me.drive());
-        if spawned.is_ok() {
-            g.driver_running = true;
-            g.driver_pid = pid;
+        if t < self.scheduled.fetch_min(t, Ordering::AcqRel) {
+            crate::driver::driver().schedule(Arc::downgrade(self), t);
         }
     }
 
-    /// The real-time driver: sleeps until the next due time (or a change), polls, and
-    /// exits when nothing waits.
-    fn drive(self: Arc<Self>) {
-        let mut g = lock(&self.inner);
-        loop {
-            let now = self.clock.now_ns();
-            let mut out = Vec::new();
-            self.poll_locked(&mut g, now, &mut out);
-            if !out.is_empty() {
-                drop(g);
-                deliver(out);
-                g = lock(&self.inner);
-                continue;
-            }
-            match self.next_wake_locked(&g) {
-                None if g.len == 0 => {
-                    g.driver_running = false;
-                    return;
-                }
-                None => g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
-                Some(t) => {
-                    let d = Duration::from_nanos(t.saturating_sub(self.clock.now_ns()));
-                    if !d.is_zero() {
-                        g = self.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner()).0;
-                    }
-                }
-            }
-        }
+    /// Called by the driver at a due time `t` it was asked for.
+    pub(crate) fn driver_wake(self: &Arc<Self>, t: u64) {
+        let _ = self
+            .scheduled
+            .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
+        self.poll_now();
     }
 }
 

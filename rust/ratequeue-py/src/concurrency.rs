@@ -56,7 +56,7 @@ impl ConcurrencyPy {
             classes,
             max_queue,
             max_wait_ns,
-            true,
+            Vec::new(),
         )?;
         Ok(ConcurrencyPy { sem, gate, name })
     }

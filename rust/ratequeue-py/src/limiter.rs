@@ -191,7 +191,7 @@ impl LimiterPy {
             classes,
             max_queue,
             max_wait_ns,
-            false,
+            core.units().to_vec(),
         )?;
         let mut defaults = [None; MAX_RATES];
         let single = core.units().len() == 1;
@@ -526,8 +526,9 @@ pub fn new_gate(
     classes: Option<&Bound<'_, PyAny>>,
     max_queue: Option<&Bound<'_, PyAny>>,
     max_wait_ns: Option<u64>,
-    returns_on_exit: bool,
+    unit_names: Vec<String>,
 ) -> PyResult<Arc<Gate>> {
+    let returns_on_exit = unit_names.is_empty();
     let mut list = Vec::new();
     if let Some(c) = classes {
         let d = c
@@ -546,6 +547,7 @@ pub fn new_gate(
     let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
     Ok(Arc::new(Gate {
         queue: WaitQueue::new(resource, units, clock, config),
+        units: unit_names,
         returns_on_exit,
     }))
 }

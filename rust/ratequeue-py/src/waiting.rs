@@ -3,7 +3,7 @@
 //! event-loop channel. Shared by Limiter and Concurrency.
 
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::PyStopIteration;
@@ -24,6 +24,8 @@ const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 /// A queue plus how its permits behave on exit.
 pub struct Gate {
     pub queue: Arc<WaitQueue>,
+    /// Unit names, indexed as the costs (empty for a semaphore: nothing to settle).
+    pub units: Vec<String>,
     /// True for a semaphore: the permit is returned when the holder is done.
     pub returns_on_exit: bool,
 }
@@ -47,7 +49,7 @@ impl Gate {
     fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
         PermitPy {
             gate: self.clone(),
-            costs: costs.to_vec(),
+            costs: Mutex::new(costs.to_vec()),
             waited_ns,
             released: AtomicBool::new(false),
         }
@@ -137,7 +139,7 @@ fn is_main_thread(py: Python<'_>) -> bool {
 #[pyclass(frozen, name = "Permit", module = "ratequeue")]
 pub struct PermitPy {
     gate: Arc<Gate>,
-    costs: Vec<u64>,
+    costs: Mutex<Vec<u64>>,
     waited_ns: u64,
     released: AtomicBool,
 }
@@ -163,9 +165,49 @@ impl PermitPy {
             return false;
         }
         if self.gate.returns_on_exit {
-            self.gate.queue.give_back(&self.costs);
+            self.gate
+                .queue
+                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()));
         }
         true
+    }
+
+    /// Corrects the costs this grant was admitted with (an estimate, e.g. prompt +
+    /// max_tokens) to the actual ones: the difference is refunded (never past the
+    /// burst) or the overage charged (the bucket may go into debt and delay later
+    /// requests until time repays it). Units not named keep their estimate. May be
+    /// called again; each call settles against the previous one.
+    #[pyo3(signature = (**costs))]
+    fn settle(&self, costs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        if self.gate.units.is_empty() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "a Concurrency permit has no costs to settle",
+            ));
+        }
+        let mut cur = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+        let mut actual = cur.clone();
+        if let Some(kw) = costs {
+            for (k, v) in kw.iter() {
+                let name: String = k.extract()?;
+                let i = self.gate.units.iter().position(|u| *u == name).ok_or_else(|| {
+                    pyo3::exceptions::PyTypeError::new_err(format!(
+                        "unexpected keyword {name:?}: this limiter counts units {:?}",
+                        self.gate.units
+                    ))
+                })?;
+                actual[i] = crate::args::cost(&name, &v)?;
+            }
+        }
+        self.gate.queue.settle(&cur, &actual);
+        *cur = actual;
+        Ok(())
+    }
+
+    /// The costs this permit holds, by unit.
+    #[getter]
+    fn costs(&self) -> std::collections::HashMap<String, u64> {
+        let c = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+        self.gate.units.iter().cloned().zip(c.iter().copied()).collect()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {

@@ -1,0 +1,332 @@
+//! Multi-level policies: one request passes several limits at once (user quota →
+//! tenant concurrency → cluster bucket), all or nothing. Rate levels are debited at one
+//! common grant time (the latest any of them needs); a *shadow* level is evaluated and
+//! debited like the others but its refusals are only counted, never enforced.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use crate::bucket::Deny;
+use crate::concurrency::Semaphore;
+use crate::error::Error;
+use crate::keyed::{KeyTaken, KeyedLimiter, KeyedSemaphore};
+use crate::limiter::{Limiter, Reservation};
+use crate::queue::Resource;
+
+/// What one level limits.
+#[derive(Clone)]
+pub enum LevelKind {
+    /// A shared limiter (costs per its units).
+    Rate(Arc<Limiter>),
+    /// One bucket per key.
+    KeyedRate(Arc<KeyedLimiter>),
+    /// A shared concurrency limit.
+    Concurrency(Arc<Semaphore>),
+    /// A concurrency limit per key.
+    KeyedConcurrency(Arc<KeyedSemaphore>),
+}
+
+/// A named level of a policy.
+#[derive(Clone)]
+pub struct Level {
+    /// Its name (in errors and stats).
+    pub name: String,
+    /// What it limits.
+    pub kind: LevelKind,
+    /// Evaluate and count, but never refuse.
+    pub shadow: bool,
+}
+
+/// One request's view of a level: its key (keyed levels) and costs.
+#[derive(Clone, Debug, Default)]
+pub struct LevelArgs {
+    /// The hashed key (ignored by unkeyed levels).
+    pub key: u64,
+    /// Costs: per unit for `Rate`, `[cost]` for `KeyedRate`, `[permits]` for concurrency.
+    pub costs: Vec<u64>,
+}
+
+/// A debit on one level that can be taken back.
+#[derive(Clone, Debug)]
+pub enum Held {
+    /// Rate capacity (refundable only by undo or settle).
+    Rate(Reservation),
+    /// A keyed bucket debit.
+    KeyedRate(KeyTaken),
+    /// Shared permits.
+    Permits(u64),
+    /// Permits on a key.
+    KeyedPermits(u64, u64),
+    /// A shadow level that would have refused: nothing held.
+    Nothing,
+}
+
+/// Counters per level.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct LevelCounts {
+    /// Times this level refused a request (enforced).
+    pub refused: u64,
+    /// Times this shadow level would have refused.
+    pub shadow_refused: u64,
+}
+
+/// Several levels decided together.
+pub struct Policy {
+    levels: Vec<Level>,
+    refused: Vec<AtomicU64>,
+    shadow_refused: Vec<AtomicU64>,
+    admitted: AtomicU64,
+}
+
+/// Why a policy refused: the level and its denial.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    /// Index of the refusing level.
+    pub level: usize,
+    /// Its denial (Wait(u64::MAX): a concurrency level, until a release).
+    pub deny: Deny,
+}
+
+impl Policy {
+    /// A policy over `levels` (checked in this order).
+    pub fn new(levels: Vec<Level>) -> Result<Policy, Error> {
+        if levels.is_empty() {
+            return Err(Error::invalid("levels", 0, "must hold at least one level"));
+        }
+        let n = levels.len();
+        Ok(Policy {
+            levels,
+            refused: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            shadow_refused: (0..n).map(|_| AtomicU64::new(0)).collect(),
+            admitted: AtomicU64::new(0),
+        })
+    }
+
+    /// The levels.
+    pub fn levels(&self) -> &[Level] {
+        &self.levels
+    }
+
+    /// Requests admitted.
+    pub fn admitted(&self) -> u64 {
+        self.admitted.load(Ordering::Relaxed)
+    }
+
+    /// Counters of level `i`.
+    pub fn counts(&self, i: usize) -> LevelCounts {
+        LevelCounts {
+            refused: self.refused[i].load(Ordering::Relaxed),
+            shadow_refused: self.shadow_refused[i].load(Ordering::Relaxed),
+        }
+    }
+
+    fn take_level(&self, i: usize, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        match &self.levels[i].kind {
+            LevelKind::Rate(l) => l.take_at(at_ns, &a.costs, 0).map(Held::Rate),
+            LevelKind::KeyedRate(k) => k.take(a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate),
+            LevelKind::Concurrency(s) => s.try_take(at_ns, &a.costs).map(|_| Held::Permits(a.costs[0])),
+            LevelKind::KeyedConcurrency(s) => s
+                .try_take(a.key, a.costs[0])
+                .map(|_| Held::KeyedPermits(a.key, a.costs[0])),
+        }
+    }
+
+    /// Takes back what `held` debited on level `i` (a refused attempt, a cancellation).
+    pub fn undo(&self, i: usize, held: &Held, a: &LevelArgs) {
+        match (&self.levels[i].kind, held) {
+            (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, &a.costs),
+            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => k.untake(t),
+            _ => self.release(i, held),
+        }
+    }
+
+    /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs).
+    pub fn release(&self, i: usize, held: &Held) {
+        match (&self.levels[i].kind, held) {
+            (LevelKind::Concurrency(s), Held::Permits(n)) => s.give_back(&[*n]),
+            (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => s.release(*k, *n),
+            _ => {}
+        }
+    }
+
+    /// Settles estimated costs to actual ones on every rate level (refund or charge).
+    pub fn settle(&self, args: &[LevelArgs], actual: &[LevelArgs]) {
+        for (i, l) in self.levels.iter().enumerate() {
+            match &l.kind {
+                LevelKind::Rate(r) => r.settle(&args[i].costs, &actual[i].costs),
+                LevelKind::KeyedRate(k) => {
+                    let (e, a) = (args[i].costs[0], actual[i].costs[0]);
+                    if a < e {
+                        k.refund(args[i].key, e - a);
+                    } else if a > e {
+                        k.charge(args[i].key, a - e);
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+
+    fn undo_all(&self, held: &[Held], args: &[LevelArgs]) {
+        for (i, h) in held.iter().enumerate() {
+            self.undo(i, h, &args[i]);
+        }
+    }
+
+    /// Takes every level at `at_ns` (no delay), all or nothing. Shadow levels that
+    /// would refuse are counted and hold nothing. Enforced refusals are counted when
+    /// `count` is set.
+    fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool) -> Result<Vec<Held>, Refusal> {
+        let mut held = Vec::with_capacity(self.levels.len());
+        for i in 0..self.levels.len() {
+            match self.take_level(i, &args[i], at_ns) {
+                Ok(h) => held.push(h),
+                Err(d) if self.levels[i].shadow && !matches!(d, Deny::TooLarge { .. }) => {
+                    if count {
+                        self.shadow_refused[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                    held.push(Held::Nothing);
+                }
+                Err(d) => {
+                    self.undo_all(&held, args);
+                    if count {
+                        self.refused[i].fetch_add(1, Ordering::Relaxed);
+                    }
+                    return Err(Refusal { level: i, deny: d });
+                }
+            }
+        }
+        Ok(held)
+    }
+
+    /// Admits now on every level or on none.
+    pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
+        let r = self.take_all(args, now_ns, true);
+        if r.is_ok() {
+            self.admitted.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    /// The latest delay any enforced rate level needs from `now_ns` (concurrency
+    /// levels are not waited on here).
+    pub fn rate_delay(&self, args: &[LevelArgs], now_ns: u64) -> Result<u64, Refusal> {
+        let mut wait = 0;
+        for (i, l) in self.levels.iter().enumerate() {
+            let d = match &l.kind {
+                LevelKind::Rate(r) => r.delay_at(now_ns, &args[i].costs),
+                LevelKind::KeyedRate(k) => k.delay_for(args[i].key, now_ns, args[i].costs[0]),
+                _ => Ok(0),
+            };
+            match d {
+                Ok(d) if !l.shadow => wait = wait.max(d),
+                Ok(_) => {}
+                Err(d @ Deny::TooLarge { .. }) => return Err(Refusal { level: i, deny: d }),
+                Err(_) => {}
+            }
+        }
+        Ok(wait)
+    }
+
+    /// Reserves every level for one grant at the latest time any rate level needs,
+    /// refusing (nothing held) if that is more than `max_wait_ns` away. Concurrency
+    /// levels must be free at once (wait for them first). Returns the delay and what
+    /// is held.
+    pub fn reserve(&self, args: &[LevelArgs], now_ns: u64, max_wait_ns: u64) -> Result<(u64, Vec<Held>), Refusal> {
+        for _ in 0..64 {
+            let delay = self.rate_delay(args, now_ns)?;
+            if delay > max_wait_ns {
+                let level = self.slowest(args, now_ns).unwrap_or(0);
+                self.refused[level].fetch_add(1, Ordering::Relaxed);
+                return Err(Refusal {
+                    level,
+                    deny: Deny::Wait(delay),
+                });
+            }
+            match self.take_all(args, now_ns.saturating_add(delay), false) {
+                Ok(held) => {
+                    self.admitted.fetch_add(1, Ordering::Relaxed);
+                    return Ok((delay, held));
+                }
+                // Another caller took rate capacity in between: decide again.
+                Err(Refusal {
+                    deny: Deny::Wait(_),
+                    level,
+                }) if matches!(self.levels[level].kind, LevelKind::Rate(_) | LevelKind::KeyedRate(_)) => {}
+                Err(r) => {
+                    self.refused[r.level].fetch_add(1, Ordering::Relaxed);
+                    return Err(r);
+                }
+            }
+        }
+        Err(Refusal {
+            level: 0,
+            deny: Deny::Wait(u64::MAX),
+        })
+    }
+
+    fn slowest(&self, args: &[LevelArgs], now_ns: u64) -> Option<usize> {
+        (0..self.levels.len())
+            .filter(|i| !self.levels[*i].shadow)
+            .max_by_key(|i| match &self.levels[*i].kind {
+                LevelKind::Rate(r) => r.delay_at(now_ns, &args[*i].costs).unwrap_or(0),
+                LevelKind::KeyedRate(k) => k.delay_for(args[*i].key, now_ns, args[*i].costs[0]).unwrap_or(0),
+                _ => 0,
+            })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{AnyClock, ManualClock, Rate};
+
+    #[test]
+    fn all_or_nothing_and_shadow() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let c = AnyClock::Manual(clock.clone());
+        let user = Arc::new(KeyedLimiter::new(Rate::new(1.0, 1e9, 2).unwrap(), 100, c.clone()).unwrap());
+        let tenant = Arc::new(KeyedSemaphore::new(1).unwrap());
+        let cluster = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(100.0, 1e9, 100).unwrap())],
+                c.clone(),
+            )
+            .unwrap(),
+        );
+        let p = Policy::new(vec![
+            Level {
+                name: "user".into(),
+                kind: LevelKind::KeyedRate(user.clone()),
+                shadow: false,
+            },
+            Level {
+                name: "tenant".into(),
+                kind: LevelKind::KeyedConcurrency(tenant.clone()),
+                shadow: false,
+            },
+            Level {
+                name: "cluster".into(),
+                kind: LevelKind::Rate(cluster.clone()),
+                shadow: false,
+            },
+        ])
+        .unwrap();
+        let u = user.hasher().str("alice");
+        let t = tenant.hasher().str("acme");
+        let args = vec![
+            LevelArgs { key: u, costs: vec![1] },
+            LevelArgs { key: t, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
+        let held = p.try_acquire(&args, 0).unwrap();
+        // Tenant concurrency is taken: refused, and the user's debit is undone.
+        let r = p.try_acquire(&args, 0).unwrap_err();
+        assert_eq!(r.level, 1);
+        assert_eq!(user.available(u), 1.0);
+        assert_eq!(cluster.available(0), 99.0);
+        p.release(1, &held[1]);
+        assert!(p.try_acquire(&args, 0).is_ok());
+        assert_eq!(p.counts(1).refused, 1);
+    }
+}
