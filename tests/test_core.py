@@ -738,12 +738,6 @@ def test_set_rate_bad_which(multi: rq.Limiter, which: object, exc: type) -> None
     assert multi.rates == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TypeError,
-    reason="BUG: a negative index raises TypeError 'which must be an index or a unit "
-    "name, got int' (usize extraction fails) instead of a ValueError",
-)
 def test_set_rate_negative_which_is_a_value_error(multi: rq.Limiter) -> None:
     with pytest.raises(ValueError, match="which"):
         multi.set_rate(1, which=-1)

@@ -6,6 +6,8 @@ its types and adds thin Python adapters.
 
 from __future__ import annotations
 
+import os as _os
+
 from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
@@ -19,6 +21,13 @@ from ._ratequeue import (
     Reservation,
     __version__,
 )
+from .pool import Pool, PoolOverloaded, Provider
+
+# A forked child drops the waiters it inherited (their threads and loops are not there).
+if hasattr(_os, "register_at_fork"):
+    from ._ratequeue import _after_fork
+
+    _os.register_at_fork(after_in_child=_after_fork)
 
 __all__ = [
     "Acquiring",
@@ -30,6 +39,9 @@ __all__ = [
     "MonotonicClock",
     "Overloaded",
     "Permit",
+    "Pool",
+    "PoolOverloaded",
+    "Provider",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -9,6 +9,8 @@ import numpy.typing as npt
 
 __version__: str
 
+def _after_fork() -> None: ...
+
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
 )

@@ -27,7 +27,8 @@ class _LoopChannel:
     """The pipe, native channel and pending futures of one event loop."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
+        # No reference to the loop here: the registry maps loop -> channel weakly, and a
+        # value that held its key would keep every loop (and its pipe) alive forever.
         self.pid = os.getpid()
         self.rfd, self.wfd = os.pipe()
         os.set_blocking(self.rfd, False)
@@ -43,7 +44,7 @@ class _LoopChannel:
                 pass
         except BlockingIOError:
             pass
-        for ticket, granted, waited_ns in self.channel.drain():
+        for ticket, granted, waited_ns, token in self.channel.drain_tokens():
             entry = self.pending.pop(ticket, None)
             if entry is None:
                 continue
@@ -51,10 +52,10 @@ class _LoopChannel:
             if fut.done():
                 # Cancelled while the grant was on its way: give it back, exactly once.
                 if granted:
-                    acq._give_back()
+                    acq._give_back(token)
                 continue
             if granted:
-                fut.set_result(acq._granted(waited_ns))
+                fut.set_result(acq._granted(waited_ns, token))
             else:
                 fut.set_exception(acq._timeout_error(waited_ns))
 

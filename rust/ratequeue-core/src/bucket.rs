@@ -31,6 +31,13 @@ pub enum Deny {
     TooLarge { cost: u64, burst: u64, unit: usize },
 }
 
+impl Taken {
+    /// The bucket's word right after this debit (a token of "nothing came after").
+    pub fn after_word(&self) -> u64 {
+        self.after
+    }
+}
+
 /// A debit that can be undone while it is still the bucket's latest.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Taken {
@@ -78,8 +85,17 @@ impl Params {
 
     /// One GCRA decision: the TAT after admitting `cost` at `at_ns` and the delay until
     /// the grant, if it is at most `max_delay_ns`. `tat` is in ticks (0 = full bucket).
+    /// `scheduled`: `at_ns` is a grant time the queue computed from this TAT (rounded up
+    /// to a whole nanosecond), not an arrival.
     #[inline]
-    pub(crate) fn step(&self, tat: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<(u64, u64), Deny> {
+    pub(crate) fn step(
+        &self,
+        tat: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<(u64, u64), Deny> {
         if cost > self.burst {
             return Err(Deny::TooLarge {
                 cost,
@@ -88,7 +104,16 @@ impl Params {
             });
         }
         let now = self.ticks(at_ns);
-        let new = tat.max(now) + (cost << self.m);
+        // A grant scheduled at the TAT is handed out at the next whole nanosecond:
+        // counting that rounding as idle time would let the schedule drift by up to a
+        // nanosecond per grant, so a scheduled grant within a nanosecond of the TAT
+        // counts as taken at the TAT.
+        let base = if scheduled && now > tat && self.within_one_ns(now - tat) {
+            tat
+        } else {
+            tat.max(now)
+        };
+        let new = base + (cost << self.m);
         if new > TAT_MASK {
             return Err(Deny::Wait(u64::MAX));
         }
@@ -109,6 +134,12 @@ impl Params {
             return u64::MAX;
         }
         at_ns.saturating_add(self.ns_until(at_ns, target as u64))
+    }
+
+    /// True when `d` ticks last less than one nanosecond.
+    #[inline]
+    fn within_one_ns(&self, d: u64) -> bool {
+        ((d as u128) << Q_BITS) < self.q_ticks as u128
     }
 
     /// `cost` in ticks, saturating.
@@ -182,6 +213,11 @@ impl Bucket {
         }
     }
 
+    /// The raw state word (generation and TAT): equal values mean no change between.
+    pub fn word(&self) -> u64 {
+        self.word.load(Ordering::Acquire)
+    }
+
     /// The current rate.
     pub fn rate(&self) -> Rate {
         let w = self.word.load(Ordering::Acquire);
@@ -198,9 +234,17 @@ impl Bucket {
     /// TAT becomes max(TAT, at) + cost·T. A refusal changes nothing.
     #[inline]
     pub fn take(&self, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<Taken, Deny> {
+        self.take_with(at_ns, cost, max_delay_ns, false)
+    }
+
+    /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.
+    #[inline]
+    pub fn take_with(&self, at_ns: u64, cost: u64, max_delay_ns: u64, scheduled: bool) -> Result<Taken, Deny> {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
-            let (new, delay_ns) = self.params(w).step(w & TAT_MASK, at_ns, cost, max_delay_ns)?;
+            let (new, delay_ns) = self
+                .params(w)
+                .step(w & TAT_MASK, at_ns, cost, max_delay_ns, scheduled)?;
             let next = (w & !TAT_MASK) | new;
             if next == w {
                 return Ok(Taken {

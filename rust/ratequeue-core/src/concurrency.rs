@@ -85,11 +85,15 @@ impl Resource for Semaphore {
         Ok((self.in_use() + costs[0] <= limit).then_some(at_ns))
     }
 
-    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
-        self.try_take(at_ns, costs)
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
+        self.try_take(at_ns, costs).map(|_| 0)
     }
 
-    fn give_back(&self, costs: &[u64]) {
+    fn schedules_in_time(&self) -> bool {
+        false
+    }
+
+    fn give_back(&self, costs: &[u64], _token: Option<u64>) {
         let c = costs[0];
         let _ = self
             .in_use

@@ -92,6 +92,16 @@ pub fn upper_of(i: usize) -> u64 {
     }
 }
 
+/// Adds to an atomic sum, sticking at u64::MAX (584 years of nanoseconds) instead of
+/// wrapping; the common case is one fetch_add.
+#[inline]
+fn add_saturating(sum: &AtomicU64, x: u64) {
+    let prev = sum.fetch_add(x, Ordering::Relaxed);
+    if prev.checked_add(x).is_none() {
+        sum.store(u64::MAX, Ordering::Relaxed);
+    }
+}
+
 /// A concurrent histogram of nanosecond durations.
 pub struct Histogram {
     counts: Box<[AtomicU64]>,
@@ -140,19 +150,19 @@ impl Histogram {
         if n == 0 {
             return;
         }
-        self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
-        self.sum
-            .fetch_add(v.min(MAX_TRACKED_NS).saturating_mul(n), Ordering::Relaxed);
-        if v < self.min.load(Ordering::Relaxed) {
-            self.min.fetch_min(v, Ordering::Relaxed);
-        }
-        if v > self.max.load(Ordering::Relaxed) {
-            self.max.fetch_max(v.min(MAX_TRACKED_NS), Ordering::Relaxed);
-        }
         if v < UNDERFLOW_NS {
             self.underflow.fetch_add(n, Ordering::Relaxed);
         } else if v > MAX_TRACKED_NS {
             self.overflow.fetch_add(n, Ordering::Relaxed);
+        }
+        let v = v.min(MAX_TRACKED_NS);
+        self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
+        add_saturating(&self.sum, v.saturating_mul(n));
+        if v < self.min.load(Ordering::Relaxed) {
+            self.min.fetch_min(v, Ordering::Relaxed);
+        }
+        if v > self.max.load(Ordering::Relaxed) {
+            self.max.fetch_max(v, Ordering::Relaxed);
         }
     }
 
@@ -163,7 +173,7 @@ impl Histogram {
                 self.counts[i].fetch_add(*c, Ordering::Relaxed);
             }
         }
-        self.sum.fetch_add(s.sum, Ordering::Relaxed);
+        add_saturating(&self.sum, s.sum);
         self.min.fetch_min(s.min, Ordering::Relaxed);
         self.max.fetch_max(s.max, Ordering::Relaxed);
         self.underflow.fetch_add(s.underflow, Ordering::Relaxed);
@@ -236,15 +246,16 @@ impl Snapshot {
     /// Records `v` (non-atomic; for batch filling).
     #[inline]
     pub fn record(&mut self, v: u64) {
-        self.counts[index_of(v)] += 1;
-        self.sum = self.sum.saturating_add(v.min(MAX_TRACKED_NS));
-        self.min = self.min.min(v);
-        self.max = self.max.max(v.min(MAX_TRACKED_NS));
         if v < UNDERFLOW_NS {
             self.underflow += 1;
         } else if v > MAX_TRACKED_NS {
             self.overflow += 1;
         }
+        let v = v.min(MAX_TRACKED_NS);
+        self.counts[index_of(v)] += 1;
+        self.sum = self.sum.saturating_add(v);
+        self.min = self.min.min(v);
+        self.max = self.max.max(v);
     }
 
     /// A snapshot of `values` given in seconds, filled without atomics (the batch path
@@ -260,7 +271,7 @@ impl Snapshot {
             over += (ns > MAX_TRACKED_NS) as u64;
             let ns = ns.min(MAX_TRACKED_NS);
             s.counts[index_of(ns)] += 1;
-            sum = sum.wrapping_add(ns);
+            sum = sum.saturating_add(ns);
             min = min.min(ns);
             max = max.max(ns);
         }
@@ -314,7 +325,9 @@ impl Snapshot {
                 } else {
                     (lo as f64 + (hi - 1) as f64) / 2.0
                 };
-                out[order[j].0] = Some(mid.clamp(self.min as f64, self.max as f64));
+                // Never outside the recorded range (max/min first: no panic even if a
+                // snapshot racing the recorders saw max < min).
+                out[order[j].0] = Some(mid.min(self.max as f64).max(self.min.min(self.max) as f64));
                 j += 1;
             }
             if j == order.len() {
@@ -375,6 +388,9 @@ impl Snapshot {
             overflow: word(4),
             ..Snapshot::default()
         };
+        if s.min != u64::MAX && (s.min > s.max || s.max > MAX_TRACKED_NS) {
+            return Err(bad("has an inconsistent min/max header"));
+        }
         let mut pos = 44;
         let mut idx = 0u64;
         while pos < b.len() {

@@ -319,10 +319,22 @@ impl KeyedLimiter {
     /// Debits `cost` on `key` for an arrival at `at_ns` if granted within `max_delay_ns`.
     #[inline]
     pub fn take(&self, key: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<KeyTaken, Deny> {
+        self.take_with(key, at_ns, cost, max_delay_ns, false)
+    }
+
+    /// [`KeyedLimiter::take`], for a grant time the queue scheduled or an arrival.
+    pub fn take_with(
+        &self,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
         let mut t = self.shard(key);
         let found = t.find(key);
         let before = found.map_or(0, |i| t.slots[i].tat);
-        let (new, delay_ns) = self.params.step(before, at_ns, cost, max_delay_ns)?;
+        let (new, delay_ns) = self.params.step(before, at_ns, cost, max_delay_ns, scheduled)?;
         match found {
             Some(i) => t.slots[i].tat = new,
             None => {
@@ -364,7 +376,7 @@ impl KeyedLimiter {
     pub fn delay_for(&self, key: u64, at_ns: u64, cost: u64) -> Result<u64, Deny> {
         let t = self.shard(key);
         let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
-        match self.params.step(tat, at_ns, cost, u64::MAX) {
+        match self.params.step(tat, at_ns, cost, u64::MAX, false) {
             Ok((_, d)) => Ok(d),
             Err(e) => Err(e),
         }
@@ -386,6 +398,16 @@ impl KeyedLimiter {
                 g.slots[i].tat = t.before;
             } else {
                 g.slots[i].tat = g.slots[i].tat.saturating_sub(self.params.cost_ticks(t.cost));
+            }
+        }
+    }
+
+    /// Gives `cost` back to `key` if its TAT is still `after` (no later debit).
+    pub fn untake_if_latest(&self, key: u64, after: u64, cost: u64) {
+        let mut t = self.shard(key);
+        if let Some(i) = t.find(key) {
+            if t.slots[i].tat == after {
+                t.slots[i].tat = after.saturating_sub(self.params.cost_ticks(cost));
             }
         }
     }
@@ -545,12 +567,17 @@ impl crate::queue::Resource for KeyBucket {
         ))
     }
 
-    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
-        self.try_take(at_ns, costs)
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
+        self.keyed
+            .take_with(self.key, at_ns, costs[0], 0, true)
+            .map(|t| t.after)
     }
 
-    fn give_back(&self, costs: &[u64]) {
-        self.keyed.refund(self.key, costs[0]);
+    fn give_back(&self, costs: &[u64], token: Option<u64>) {
+        match token {
+            Some(t) => self.keyed.untake_if_latest(self.key, t, costs[0]),
+            None => self.keyed.refund(self.key, costs[0]),
+        }
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64]) {
@@ -609,11 +636,15 @@ impl crate::queue::Resource for KeyPermits {
         Ok((self.sem.in_use(self.key) + costs[0] <= self.sem.limit()).then_some(at_ns))
     }
 
-    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
-        self.try_take(at_ns, costs)
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
+        self.try_take(at_ns, costs).map(|_| 0)
     }
 
-    fn give_back(&self, costs: &[u64]) {
+    fn schedules_in_time(&self) -> bool {
+        false
+    }
+
+    fn give_back(&self, costs: &[u64], _token: Option<u64>) {
         self.sem.release(self.key, costs[0]);
     }
 

@@ -17,6 +17,10 @@ pub struct Limiter {
     buckets: Box<[Bucket]>,
     bucket_unit: Box<[usize]>,
     units: Box<[String]>,
+    /// Serialises multi-rate decisions so that one decision's check, debits and (on a
+    /// refusal) undo are never interleaved with another's; single-rate decisions stay
+    /// lock-free.
+    multi: std::sync::Mutex<()>,
 }
 
 /// Capacity held for a caller from `at_ns` on; see [`Limiter::cancel`] for refunds.
@@ -57,6 +61,7 @@ impl Limiter {
             buckets: buckets.into(),
             bucket_unit: bucket_unit.into(),
             units: units.into(),
+            multi: std::sync::Mutex::new(()),
         })
     }
 
@@ -128,7 +133,7 @@ impl Limiter {
                 .map(|_| ())
                 .map_err(|d| self.with_unit(0, d));
         }
-        self.take_all(now, costs, 0).map(|_| ())
+        self.take_all(now, costs, 0, false).map(|_| ())
     }
 
     /// Admits `costs` (one per unit, indexed as [`Limiter::units`]) now or not at all.
@@ -143,7 +148,7 @@ impl Limiter {
                 .map(|_| ())
                 .map_err(|d| self.with_unit(0, d));
         }
-        self.take_all(now, costs, 0).map(|_| ())
+        self.take_all(now, costs, 0, false).map(|_| ())
     }
 
     /// Nanoseconds until `costs` would conform (0 = now); changes nothing.
@@ -165,7 +170,8 @@ impl Limiter {
 
     /// Debits every bucket for a grant at the common time `now + delay`, with the delay
     /// at most `max_delay_ns`; all or nothing.
-    fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64) -> Result<Reservation, Deny> {
+    fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
+        let _serial = self.multi.lock().unwrap_or_else(|e| e.into_inner());
         loop {
             let delay = self.delay_at(now, costs)?;
             if delay > max_delay_ns {
@@ -175,7 +181,7 @@ impl Limiter {
             let mut taken = Vec::with_capacity(self.buckets.len());
             let mut raced = false;
             for (i, b) in self.buckets.iter().enumerate() {
-                match b.take(at, costs[self.bucket_unit[i]], 0) {
+                match b.take_with(at, costs[self.bucket_unit[i]], 0, scheduled) {
                     Ok(t) => taken.push(t),
                     Err(Deny::Wait(_)) => {
                         raced = true;
@@ -194,8 +200,8 @@ impl Limiter {
                     taken,
                 });
             }
-            // Another caller took capacity between the check and the debit: give back
-            // what this attempt debited and decide again.
+            // Only a concurrent refund, charge or rate change can get here (decisions are
+            // serialised): give back what this attempt debited and decide again.
             self.undo_or_refund(&taken, costs);
         }
     }
@@ -203,10 +209,14 @@ impl Limiter {
     /// Debits `costs` for a grant at `at_ns` within `max_delay_ns`, all or nothing,
     /// returning a handle that [`Limiter::undo_reservation`] can take back.
     pub fn take_at(&self, at_ns: u64, costs: &[u64], max_delay_ns: u64) -> Result<Reservation, Deny> {
+        self.take_at_with(at_ns, costs, max_delay_ns, false)
+    }
+
+    fn take_at_with(&self, at_ns: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
         if self.buckets.len() == 1 {
             let c = costs[self.bucket_unit[0]];
             return self.buckets[0]
-                .take(at_ns, c, max_delay_ns)
+                .take_with(at_ns, c, max_delay_ns, scheduled)
                 .map(|t| Reservation {
                     at_ns: at_ns.saturating_add(t.delay_ns),
                     delay_ns: t.delay_ns,
@@ -214,12 +224,13 @@ impl Limiter {
                 })
                 .map_err(|d| self.with_unit(0, d));
         }
-        self.take_all(at_ns, costs, max_delay_ns)
+        self.take_all(at_ns, costs, max_delay_ns, scheduled)
     }
 
     /// Takes back a debit made by `take_at` (exactly where it is still the latest on a
     /// bucket, by refunding `costs` where it is not).
     pub fn undo_reservation(&self, r: &Reservation, costs: &[u64]) {
+        let _serial = (self.buckets.len() > 1).then(|| self.multi.lock().unwrap_or_else(|e| e.into_inner()));
         self.undo_or_refund(&r.taken, costs);
     }
 
@@ -254,7 +265,7 @@ impl Limiter {
                 })
                 .map_err(|d| self.with_unit(0, d))
         } else {
-            self.take_all(now, costs, max)
+            self.take_all(now, costs, max, false)
         };
         r.map_err(|d| match d {
             Deny::Wait(ns) => Error::Overloaded {
@@ -338,12 +349,18 @@ impl Resource for Limiter {
         Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
     }
 
-    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny> {
-        self.try_acquire_at(at_ns, costs)
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
+        self.take_at_with(at_ns, costs, 0, true)
+            .map(|r| r.taken[0].after_word())
     }
 
-    fn give_back(&self, costs: &[u64]) {
-        self.refund(costs);
+    fn give_back(&self, costs: &[u64], token: Option<u64>) {
+        // Every decision moves bucket 0's word (or leaves it as it found it), so an
+        // unchanged word means no grant came after this one.
+        match token {
+            Some(t) if self.buckets[0].word() != t => {}
+            _ => self.refund(costs),
+        }
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64]) {

@@ -143,7 +143,7 @@ impl Policy {
     /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs).
     pub fn release(&self, i: usize, held: &Held) {
         match (&self.levels[i].kind, held) {
-            (LevelKind::Concurrency(s), Held::Permits(n)) => s.give_back(&[*n]),
+            (LevelKind::Concurrency(s), Held::Permits(n)) => s.give_back(&[*n], None),
             (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => s.release(*k, *n),
             _ => {}
         }

@@ -26,10 +26,19 @@ pub trait Resource: Send + Sync {
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
-    /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not possible.
-    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<(), Deny>;
-    /// Gives back what a grant took and was never used.
-    fn give_back(&self, costs: &[u64]);
+    /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not
+    /// possible. Ok carries a token that identifies the state right after the grant.
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny>;
+    /// Gives back what a grant took and was never used. With the grant's `token`, a
+    /// rate gives it back only while no later grant stands on it (returning it under a
+    /// later one would let a newcomer reuse a slot already used: the rate bound would
+    /// break), and otherwise keeps it; permits always come back.
+    fn give_back(&self, costs: &[u64], token: Option<u64>);
+    /// False when readiness depends on releases rather than on time (semaphores): a
+    /// grant then happens at the time of the poll that finds the resource free.
+    fn schedules_in_time(&self) -> bool {
+        true
+    }
     /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
     /// (never beyond full) or charges the overage (possibly into debt).
     fn settle(&self, _estimated: &[u64], _actual: &[u64]) {}
@@ -54,8 +63,9 @@ pub enum Wake {
 /// The end of a wait.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Outcome {
-    /// Granted at schedule time `at_ns` after waiting `waited_ns` from arrival.
-    Granted { at_ns: u64, waited_ns: u64 },
+    /// Granted at schedule time `at_ns` after waiting `waited_ns` from arrival; `token`
+    /// lets an unused grant be given back exactly (see [`Resource::give_back`]).
+    Granted { at_ns: u64, waited_ns: u64, token: u64 },
     /// Left the queue at its deadline; nothing consumed.
     TimedOut { waited_ns: u64 },
 }
@@ -290,8 +300,18 @@ pub struct WaitQueue {
     inner: Mutex<Inner>,
     scheduled: AtomicU64,
     scheduled_pid: std::sync::atomic::AtomicI32,
+    generation: AtomicU64,
     counters: Counters,
     waits: Vec<Arc<Histogram>>,
+}
+
+/// Incremented in a forked child (see [`after_fork_in_child`]).
+static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// Call in a child process right after `fork`: waiters queued in the parent belong to
+/// threads and loops that do not exist here, so every queue drops them on next use.
+pub fn after_fork_in_child() {
+    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Tickets are unique in the process, so one event-loop channel can serve many queues.
@@ -328,6 +348,7 @@ impl WaitQueue {
             waits: (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect(),
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
+            generation: AtomicU64::new(FORK_GENERATION.load(Ordering::Acquire)),
             config,
         })
     }
@@ -345,7 +366,36 @@ impl WaitQueue {
     /// Waiters now queued (all classes).
     #[inline]
     pub fn waiting(&self) -> usize {
-        self.waiting.load(Ordering::Acquire)
+        let n = self.waiting.load(Ordering::Acquire);
+        if n != 0 && self.drop_inherited() {
+            return 0;
+        }
+        n
+    }
+
+    /// In a forked child, drops the waiters queued in the parent (once); true if the
+    /// queue is now empty because of that.
+    #[cold]
+    fn drop_inherited(&self) -> bool {
+        let now_gen = FORK_GENERATION.load(Ordering::Acquire);
+        if self.generation.load(Ordering::Acquire) == now_gen {
+            return false;
+        }
+        let mut g = lock(&self.inner);
+        if self.generation.swap(now_gen, Ordering::AcqRel) != now_gen {
+            for c in g.classes.iter_mut() {
+                c.waiters.clear();
+                c.queued.iter_mut().for_each(|q| *q = 0);
+                c.last_finish = 0.0;
+            }
+            g.where_is.clear();
+            g.deadlines.clear();
+            g.len = 0;
+            g.vtime = 0.0;
+            self.waiting.store(0, Ordering::Release);
+            self.scheduled.store(u64::MAX, Ordering::Release);
+        }
+        g.len == 0
     }
 
     /// Waiters now queued in each class.
@@ -388,7 +438,7 @@ impl WaitQueue {
     /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
     #[inline]
     pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
-        if self.waiting() != 0 {
+        if self.waiting() != 0 && !self.drop_inherited() {
             return Err(None);
         }
         let now = self.clock.now_ns();
@@ -419,6 +469,7 @@ impl WaitQueue {
         }
         let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        self.drop_inherited();
         let mut g = lock(&self.inner);
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
@@ -553,6 +604,7 @@ impl WaitQueue {
 
     /// Grants and expires everything due at `now`; returns the next wake-up time.
     pub fn poll(self: &Arc<Self>, now: u64) -> Option<u64> {
+        self.drop_inherited();
         let mut out = Vec::new();
         let mut g = lock(&self.inner);
         self.poll_locked(&mut g, now, &mut out);
@@ -617,7 +669,12 @@ impl WaitQueue {
                         self.expire(g, ci, t, out);
                         continue;
                     }
-                    if self.resource.take_at(at, &w.costs).is_err() {
+                    let at = if self.resource.schedules_in_time() {
+                        at
+                    } else {
+                        now.max(at)
+                    };
+                    let Ok(token) = self.resource.take_at(at, &w.costs) else {
                         // A fast-path caller took the capacity first: look again, and
                         // leave it to the next wake-up if that keeps happening.
                         raced += 1;
@@ -625,7 +682,7 @@ impl WaitQueue {
                             return;
                         }
                         continue;
-                    }
+                    };
                     let w = self.remove(g, ci, t);
                     g.vtime = w.start_tag;
                     g.last_grant_ns = g.last_grant_ns.max(at);
@@ -638,6 +695,7 @@ impl WaitQueue {
                         Outcome::Granted {
                             at_ns: at,
                             waited_ns: waited,
+                            token,
                         },
                     ));
                 }
@@ -706,8 +764,8 @@ impl WaitQueue {
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
     /// now be granted.
-    pub fn give_back(self: &Arc<Self>, costs: &[u64]) {
-        self.resource.give_back(costs);
+    pub fn give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) {
+        self.resource.give_back(costs, token);
         self.poll_now();
     }
 
@@ -852,13 +910,14 @@ mod tests {
         let s2 = s.clone();
         q.submit(&[1], 0, Some(2_000_000_000), || Wake::Thread(s2)).unwrap();
         q.run_until(&clock, 3_000_000_000);
-        assert_eq!(
+        assert!(matches!(
             s.take(),
             Some(Outcome::Granted {
                 at_ns: 1_000_000_000,
-                waited_ns: 1_000_000_000
+                waited_ns: 1_000_000_000,
+                ..
             })
-        );
+        ));
     }
 
     #[test]

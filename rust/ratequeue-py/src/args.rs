@@ -33,7 +33,7 @@ pub fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
 pub fn period_seconds(v: &Bound<'_, PyAny>) -> PyResult<f64> {
     if let Ok(s) = v.cast::<PyString>() {
         let s = s.to_str()?;
-        return match s.trim_end_matches('s') {
+        return match s.strip_suffix('s').unwrap_or(s) {
             "second" | "sec" => Ok(1.0),
             "minute" | "min" => Ok(60.0),
             "hour" => Ok(3600.0),
@@ -48,6 +48,18 @@ pub fn period_seconds(v: &Bound<'_, PyAny>) -> PyResult<f64> {
         return Err(PyValueError::new_err(format!("per={s} must be > 0 seconds")));
     }
     Ok(s)
+}
+
+/// A finite number > 0 (an amount, a weight).
+pub fn positive(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
+    if v.is_instance_of::<PyBool>() || !(v.is_instance_of::<PyFloat>() || v.is_instance_of::<PyInt>()) {
+        return Err(type_err(name, "a number", v));
+    }
+    let x: f64 = v.extract()?;
+    if !x.is_finite() || x <= 0.0 {
+        return Err(PyValueError::new_err(format!("{name}={x} must be a finite number > 0")));
+    }
+    Ok(x)
 }
 
 /// A non-negative integer cost.

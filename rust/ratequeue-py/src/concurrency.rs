@@ -64,10 +64,24 @@ impl ConcurrencyPy {
     /// Takes `n` permits now or returns None; never waits.
     #[pyo3(signature = (n = None))]
     fn try_acquire(&self, py: Python<'_>, n: Option<&Bound<'_, PyAny>>) -> PyResult<Option<PermitPy>> {
+        use ratequeue_core::Resource;
         let c = Self::permits(n)?;
-        match AcquiringPy::start(py, &self.gate, &c, 0, None)?.ready() {
-            Some(p) => Ok(Some(p)),
-            None => Ok(None),
+        let q = &self.gate.queue;
+        if q.waiting() != 0 {
+            // Nobody overtakes a waiter.
+            q.note_try(false);
+            return Ok(None);
+        }
+        match self.sem.try_take(0, &c) {
+            Ok(()) => {
+                q.note_try(true);
+                Ok(Some(self.gate.permit(&c, 0)))
+            }
+            Err(ratequeue_core::Deny::Wait(_)) => {
+                q.note_try(false);
+                Ok(None)
+            }
+            Err(d) => Err(to_py(py, q.error_for(d))),
         }
     }
 
@@ -131,7 +145,7 @@ impl ConcurrencyPy {
     #[pyo3(signature = (n = None))]
     fn give_back(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let c = Self::permits(n)?;
-        self.gate.queue.give_back(&c);
+        self.gate.queue.give_back(&c, None);
         Ok(())
     }
 

@@ -11,9 +11,17 @@ mod histogram;
 mod limiter;
 mod waiting;
 
+/// Call in a forked child (ratequeue registers it with os.register_at_fork): waiters
+/// queued in the parent are dropped, the driver restarts on first use.
+#[pyfunction]
+fn _after_fork() {
+    ratequeue_core::queue::after_fork_in_child();
+}
+
 #[pymodule(gil_used = false)]
 fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_function(wrap_pyfunction!(_after_fork, m)?)?;
     m.add_class::<clock::ManualClockPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
     m.add_class::<limiter::RatePy>()?;

@@ -40,11 +40,11 @@ impl RatePy {
         burst: Option<&Bound<'_, PyAny>>,
         unit: &str,
     ) -> PyResult<Self> {
-        let amount = crate::args::seconds("amount", amount)?;
+        let amount = crate::args::positive("amount", amount)?;
         let per_s = per.map(period_seconds).transpose()?.unwrap_or(1.0);
         let burst = match burst {
             Some(b) => {
-                let v = cost("burst", b)?;
+                let v = burst_arg(b)?;
                 if v == 0 {
                     return Err(PyValueError::new_err("burst=0 must be an integer >= 1"));
                 }
@@ -103,6 +103,21 @@ impl RatePy {
             self.unit
         )
     }
+}
+
+/// A burst: an integer >= 1.
+fn burst_arg(b: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let v = cost("burst", b).map_err(|e| {
+        if e.is_instance_of::<PyValueError>(b.py()) {
+            PyValueError::new_err(format!("burst={b} must be an integer >= 1"))
+        } else {
+            e
+        }
+    })?;
+    if v == 0 {
+        return Err(PyValueError::new_err("burst=0 must be an integer >= 1"));
+    }
+    Ok(v)
 }
 
 /// Costs per unit, as parsed from a call.
@@ -318,10 +333,10 @@ impl LimiterPy {
     ) -> PyResult<()> {
         let i = self.which(which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
-        let amount = crate::args::seconds("amount", amount)?;
+        let amount = crate::args::positive("amount", amount)?;
         let period_ns = per.map(period_seconds).transpose()?.map_or(cur.period_ns, |s| s * 1e9);
         let burst = match burst {
-            Some(b) => cost("burst", b)?,
+            Some(b) => burst_arg(b)?,
             None => cur.burst,
         };
         let rate = Rate::new(amount, period_ns, burst).map_err(|e| to_py(py, e))?;
@@ -333,7 +348,7 @@ impl LimiterPy {
     fn set_burst(&self, py: Python<'_>, burst: &Bound<'_, PyAny>, which: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let i = self.which(which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
-        let rate = Rate::new(cur.amount, cur.period_ns, cost("burst", burst)?).map_err(|e| to_py(py, e))?;
+        let rate = Rate::new(cur.amount, cur.period_ns, burst_arg(burst)?).map_err(|e| to_py(py, e))?;
         self.core.set_rate(i, rate).map_err(|e| to_py(py, e))
     }
 
@@ -571,9 +586,14 @@ impl LimiterPy {
                 ))),
             };
         }
-        let i: usize = w
+        if !w.is_instance_of::<pyo3::types::PyInt>() || w.is_instance_of::<pyo3::types::PyBool>() {
+            return Err(type_err("which", "an index or a unit name", w));
+        }
+        let i: i64 = w
             .extract()
-            .map_err(|_| type_err("which", "an index or a unit name", w))?;
+            .map_err(|_| PyValueError::new_err(format!("which={w} is out of range")))?;
+        let i = usize::try_from(i)
+            .map_err(|_| PyValueError::new_err(format!("which={i} is out of range: this limiter has {n} rates")))?;
         if i >= n {
             return Err(PyValueError::new_err(format!(
                 "which={i} is out of range: this limiter has {n} rates"

@@ -46,7 +46,7 @@ impl Gate {
         timeout.map(|t| seconds_ns("timeout", t)).transpose()
     }
 
-    fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
+    pub(crate) fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
         PermitPy {
             gate: self.clone(),
             costs: Mutex::new(costs.to_vec()),
@@ -112,8 +112,8 @@ impl Gate {
     /// is given back. Exactly once either way.
     fn abandon(&self, ticket: u64, slot: &Slot, costs: &[u64]) {
         if self.queue.cancel(ticket) == Cancelled::NotQueued {
-            if let Some(Outcome::Granted { .. }) = slot.take() {
-                self.queue.give_back(costs);
+            if let Some(Outcome::Granted { token, .. }) = slot.take() {
+                self.queue.give_back(costs, Some(token));
             }
         }
     }
@@ -167,7 +167,7 @@ impl PermitPy {
         if self.gate.returns_on_exit {
             self.gate
                 .queue
-                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()));
+                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()), None);
         }
         true
     }
@@ -237,6 +237,10 @@ impl Ready {
         slf
     }
 
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
     fn __next__(&self, py: Python<'_>) -> PyResult<()> {
         Err(PyStopIteration::new_err((self.value.clone_ref(py),)))
     }
@@ -250,6 +254,7 @@ pub struct AcquiringPy {
     class: usize,
     timeout_ns: Option<u64>,
     pub(crate) permit: OnceLock<Py<PermitPy>>,
+    token: OnceLock<u64>,
 }
 
 impl AcquiringPy {
@@ -267,6 +272,7 @@ impl AcquiringPy {
             class,
             timeout_ns,
             permit: OnceLock::new(),
+            token: OnceLock::new(),
         };
         match gate.queue.try_now(costs, class) {
             Ok(_) => {
@@ -327,14 +333,19 @@ impl AcquiringPy {
             .queue
             .submit(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
         {
-            Ok(Submitted::Granted { .. }) => Ok(self._granted(py, 0)?.into_any()),
+            Ok(Submitted::Granted { .. }) => Ok(self._granted(py, 0, None)?.into_any()),
             Ok(Submitted::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
             Err(e) => Err(to_py(py, e)),
         }
     }
 
-    /// The permit of a grant after waiting `waited_ns`.
-    fn _granted(&self, py: Python<'_>, waited_ns: u64) -> PyResult<Py<PermitPy>> {
+    /// The permit of a grant after waiting `waited_ns` (`token` identifies the grant,
+    /// for an exact give-back if its waiter is cancelled before using it).
+    #[pyo3(signature = (waited_ns, token = None))]
+    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PermitPy>> {
+        if let Some(t) = token {
+            let _ = self.token.set(t);
+        }
         let p = Py::new(py, self.gate.permit(&self.costs, waited_ns))?;
         let _ = self.permit.set(p.clone_ref(py));
         Ok(p)
@@ -356,9 +367,12 @@ impl AcquiringPy {
         self.gate.queue.cancel(ticket) == Cancelled::Removed
     }
 
-    /// Gives back a grant that arrived after its waiter was cancelled.
-    fn _give_back(&self) {
-        self.gate.queue.give_back(&self.costs);
+    /// Gives back a grant that arrived after its waiter was cancelled (see
+    /// Resource::give_back for when a rate keeps it instead).
+    #[pyo3(signature = (token = None))]
+    fn _give_back(&self, token: Option<u64>) {
+        let token = token.or_else(|| self.token.get().copied());
+        self.gate.queue.give_back(&self.costs, token);
     }
 }
 
@@ -383,12 +397,18 @@ impl ChannelPy {
 
     /// Outcomes since the last drain: (ticket, granted, waited_ns).
     fn drain(&self) -> Vec<(u64, bool, u64)> {
+        self.drain_tokens().into_iter().map(|(t, g, w, _)| (t, g, w)).collect()
+    }
+
+    /// Outcomes since the last drain with each grant's token: (ticket, granted,
+    /// waited_ns, token).
+    fn drain_tokens(&self) -> Vec<(u64, bool, u64, u64)> {
         self.inner
             .drain()
             .into_iter()
             .map(|(t, o)| match o {
-                Outcome::Granted { waited_ns, .. } => (t, true, waited_ns),
-                Outcome::TimedOut { waited_ns } => (t, false, waited_ns),
+                Outcome::Granted { waited_ns, token, .. } => (t, true, waited_ns, token),
+                Outcome::TimedOut { waited_ns } => (t, false, waited_ns, 0),
             })
             .collect()
     }
