@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any
 from ._ratequeue import Channel
 
 if TYPE_CHECKING:
-    from ._ratequeue import Acquiring, Permit
+    from ._ratequeue import Acquiring, Permit, Policy, PolicyPermit
 
-__all__: list[str] = []
+__all__ = ["PolicyAcquire"]
 
 
 class _LoopChannel:
@@ -100,3 +100,59 @@ async def _wait(acq: Acquiring) -> Any:
             acq._give_back()
         # Otherwise the outcome is still in the channel: _drain gives a grant back.
         raise
+
+
+class PolicyAcquire:
+    """What ``Policy.acquire_async`` returns: await it, or use ``async with``.
+
+    Waits in the queue of each concurrency level in order, then for the latest rate
+    level, all within ``timeout``; on cancellation or error everything taken is given
+    back.
+    """
+
+    def __init__(self, policy: Policy, timeout: float | None, kw: dict[str, Any]) -> None:
+        self._policy = policy
+        self._timeout = timeout
+        self._kw = kw
+        self._permit: PolicyPermit | None = None
+
+    def __await__(self) -> Any:
+        return self._run().__await__()
+
+    async def _run(self) -> PolicyPermit:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+
+        def left() -> float | None:
+            if self._timeout is None:
+                return None
+            return max(0.0, self._timeout - (loop.time() - start))
+
+        held: list[Permit] = []
+        try:
+            for level, key in self._policy._concurrency_steps(**self._kw):
+                if key is None:
+                    held.append(await level.acquire_async(timeout=left()))
+                else:
+                    held.append(await level.acquire_async(key, timeout=left()))
+        except BaseException:
+            for p in held:
+                p.release()
+            raise
+        permit = self._policy._reserve_rates(held, left(), **self._kw)
+        if permit.delay > 0 and not self._policy._manual:
+            try:
+                await asyncio.sleep(permit.delay)
+            except BaseException:
+                permit.cancel()
+                raise
+        self._permit = permit
+        return permit
+
+    async def __aenter__(self) -> PolicyPermit:
+        return await self._run()
+
+    async def __aexit__(self, *exc: object) -> bool:
+        if self._permit is not None:
+            self._permit.release()
+        return False

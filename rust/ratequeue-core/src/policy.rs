@@ -37,6 +37,13 @@ pub struct Level {
     pub shadow: bool,
 }
 
+impl Level {
+    /// True for a concurrency level (shared or keyed).
+    pub fn is_concurrency(&self) -> bool {
+        matches!(self.kind, LevelKind::Concurrency(_) | LevelKind::KeyedConcurrency(_))
+    }
+}
+
 /// One request's view of a level: its key (keyed levels) and costs.
 #[derive(Clone, Debug, Default)]
 pub struct LevelArgs {
@@ -176,9 +183,13 @@ impl Policy {
     /// Takes every level at `at_ns` (no delay), all or nothing. Shadow levels that
     /// would refuse are counted and hold nothing. Enforced refusals are counted when
     /// `count` is set.
-    fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool) -> Result<Vec<Held>, Refusal> {
+    fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool, rates_only: bool) -> Result<Vec<Held>, Refusal> {
         let mut held = Vec::with_capacity(self.levels.len());
         for i in 0..self.levels.len() {
+            if rates_only && self.levels[i].is_concurrency() {
+                held.push(Held::Nothing);
+                continue;
+            }
             match self.take_level(i, &args[i], at_ns) {
                 Ok(h) => held.push(h),
                 Err(d) if self.levels[i].shadow && !matches!(d, Deny::TooLarge { .. }) => {
@@ -201,7 +212,7 @@ impl Policy {
 
     /// Admits now on every level or on none.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
-        let r = self.take_all(args, now_ns, true);
+        let r = self.take_all(args, now_ns, true, false);
         if r.is_ok() {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }
@@ -230,9 +241,15 @@ impl Policy {
 
     /// Reserves every level for one grant at the latest time any rate level needs,
     /// refusing (nothing held) if that is more than `max_wait_ns` away. Concurrency
-    /// levels must be free at once (wait for them first). Returns the delay and what
-    /// is held.
-    pub fn reserve(&self, args: &[LevelArgs], now_ns: u64, max_wait_ns: u64) -> Result<(u64, Vec<Held>), Refusal> {
+    /// levels must be free at once, or with `rates_only` are left to the caller (who
+    /// waited for them in their queues first). Returns the delay and what is held.
+    pub fn reserve(
+        &self,
+        args: &[LevelArgs],
+        now_ns: u64,
+        max_wait_ns: u64,
+        rates_only: bool,
+    ) -> Result<(u64, Vec<Held>), Refusal> {
         for _ in 0..64 {
             let delay = self.rate_delay(args, now_ns)?;
             if delay > max_wait_ns {
@@ -243,7 +260,7 @@ impl Policy {
                     deny: Deny::Wait(delay),
                 });
             }
-            match self.take_all(args, now_ns.saturating_add(delay), false) {
+            match self.take_all(args, now_ns.saturating_add(delay), false, rates_only) {
                 Ok(held) => {
                     self.admitted.fetch_add(1, Ordering::Relaxed);
                     return Ok((delay, held));

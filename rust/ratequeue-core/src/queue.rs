@@ -322,6 +322,24 @@ type Deliveries = Vec<(Wake, u64, Outcome)>;
 impl WaitQueue {
     /// A queue over `resource` counting `units` cost components, read on `clock`.
     pub fn new(resource: Arc<dyn Resource>, units: usize, clock: AnyClock, config: QueueConfig) -> Arc<WaitQueue> {
+        let waits = (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect();
+        Self::with_histograms(resource, units, clock, config, waits)
+    }
+
+    /// A queue that records its waits into `waits` (one per class), e.g. histograms
+    /// shared by the per-key queues of a keyed limiter.
+    pub fn with_histograms(
+        resource: Arc<dyn Resource>,
+        units: usize,
+        clock: AnyClock,
+        config: QueueConfig,
+        waits: Vec<Arc<Histogram>>,
+    ) -> Arc<WaitQueue> {
+        let waits = if waits.len() == config.classes.len() {
+            waits
+        } else {
+            (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect()
+        };
         let classes = config
             .classes
             .iter()
@@ -345,7 +363,7 @@ impl WaitQueue {
                 len: 0,
             }),
             counters: Counters::default(),
-            waits: (0..config.classes.len()).map(|_| Arc::new(Histogram::new())).collect(),
+            waits,
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
             generation: AtomicU64::new(FORK_GENERATION.load(Ordering::Acquire)),

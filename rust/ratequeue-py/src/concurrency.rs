@@ -24,6 +24,16 @@ pub struct ConcurrencyPy {
 }
 
 impl ConcurrencyPy {
+    /// The core semaphore (for policies).
+    pub fn semaphore(&self) -> &Arc<Semaphore> {
+        &self.sem
+    }
+
+    /// Its queue (policies wait in it).
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
     fn permits(n: Option<&Bound<'_, PyAny>>) -> PyResult<[u64; 1]> {
         let c = n.map(|n| cost("n", n)).transpose()?.unwrap_or(1);
         if c == 0 {

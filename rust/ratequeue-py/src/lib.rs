@@ -8,7 +8,9 @@ mod clock;
 mod concurrency;
 mod errors;
 mod histogram;
+mod keyed;
 mod limiter;
+mod policy;
 mod waiting;
 
 /// Call in a forked child (ratequeue registers it with os.register_at_fork): waiters
@@ -29,6 +31,10 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<limiter::ReservationPy>()?;
     m.add_class::<concurrency::ConcurrencyPy>()?;
     m.add_class::<histogram::HistogramPy>()?;
+    m.add_class::<keyed::KeyedLimiterPy>()?;
+    m.add_class::<keyed::KeyedConcurrencyPy>()?;
+    m.add_class::<policy::PolicyPy>()?;
+    m.add_class::<policy::PolicyPermitPy>()?;
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;

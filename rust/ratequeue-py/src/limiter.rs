@@ -94,7 +94,7 @@ impl RatePy {
             .is_ok_and(|o| o.get().rate == self.rate && o.get().unit == self.unit)
     }
 
-    fn __repr__(&self) -> String {
+    pub(crate) fn __repr__(&self) -> String {
         format!(
             "Rate({}, per={}, burst={}, unit={:?})",
             self.rate.amount,
@@ -137,6 +137,11 @@ pub struct LimiterPy {
 }
 
 impl LimiterPy {
+    /// The core limiter (for policies).
+    pub fn core(&self) -> &Arc<Limiter> {
+        &self.core
+    }
+
     fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
         let mut out = [0u64; MAX_RATES];
         let units = self.core.units();

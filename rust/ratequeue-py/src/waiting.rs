@@ -21,6 +21,36 @@ use crate::histogram::HistogramPy;
 /// sleep until their wake-up.
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
+/// What a permit returns to when released or settled.
+pub trait PermitOwner: Send + Sync {
+    /// Unit names, indexed as the costs (empty: nothing to settle).
+    fn units(&self) -> &[String];
+    /// True when the permit is returned on exit (concurrency).
+    fn returns_on_exit(&self) -> bool;
+    /// Returns the permits of a grant.
+    fn give_back(&self, costs: &[u64]);
+    /// Settles estimated costs to actual ones.
+    fn settle(&self, estimated: &[u64], actual: &[u64]);
+}
+
+impl PermitOwner for Gate {
+    fn units(&self) -> &[String] {
+        &self.units
+    }
+
+    fn returns_on_exit(&self) -> bool {
+        self.returns_on_exit
+    }
+
+    fn give_back(&self, costs: &[u64]) {
+        self.queue.give_back(costs, None);
+    }
+
+    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+        self.queue.settle(estimated, actual);
+    }
+}
+
 /// A queue plus how its permits behave on exit.
 pub struct Gate {
     pub queue: Arc<WaitQueue>,
@@ -47,12 +77,7 @@ impl Gate {
     }
 
     pub(crate) fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
-        PermitPy {
-            gate: self.clone(),
-            costs: Mutex::new(costs.to_vec()),
-            waited_ns,
-            released: AtomicBool::new(false),
-        }
+        PermitPy::new(self.clone(), costs, waited_ns)
     }
 
     /// Blocks until granted (GIL released), raising Overloaded, WaitTimeout, or
@@ -138,10 +163,28 @@ fn is_main_thread(py: Python<'_>) -> bool {
 /// What a grant gave: context manager; a Concurrency permit is returned on exit.
 #[pyclass(frozen, name = "Permit", module = "ratequeue")]
 pub struct PermitPy {
-    gate: Arc<Gate>,
+    owner: Arc<dyn PermitOwner>,
     costs: Mutex<Vec<u64>>,
     waited_ns: u64,
     released: AtomicBool,
+}
+
+impl PermitPy {
+    /// A permit of `owner` holding `costs`, granted after `waited_ns` in the queue.
+    pub fn new(owner: Arc<dyn PermitOwner>, costs: &[u64], waited_ns: u64) -> PermitPy {
+        PermitPy {
+            owner,
+            costs: Mutex::new(costs.to_vec()),
+            waited_ns,
+            released: AtomicBool::new(false),
+        }
+    }
+
+    /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
+    pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
+        let costs = self.costs.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        PermitPy::new(owner, &costs, self.waited_ns)
+    }
 }
 
 #[pymethods]
@@ -160,14 +203,13 @@ impl PermitPy {
 
     /// Returns a Concurrency permit now (a rate grant has nothing to return); only the
     /// first call has an effect. Returns True if this call released it.
-    fn release(&self) -> bool {
+    pub(crate) fn release(&self) -> bool {
         if self.released.swap(true, Ordering::AcqRel) {
             return false;
         }
-        if self.gate.returns_on_exit {
-            self.gate
-                .queue
-                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()), None);
+        if self.owner.returns_on_exit() {
+            self.owner
+                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()));
         }
         true
     }
@@ -179,7 +221,8 @@ impl PermitPy {
     /// called again; each call settles against the previous one.
     #[pyo3(signature = (**costs))]
     fn settle(&self, costs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        if self.gate.units.is_empty() {
+        let units = self.owner.units();
+        if units.is_empty() {
             return Err(pyo3::exceptions::PyTypeError::new_err(
                 "a Concurrency permit has no costs to settle",
             ));
@@ -189,16 +232,16 @@ impl PermitPy {
         if let Some(kw) = costs {
             for (k, v) in kw.iter() {
                 let name: String = k.extract()?;
-                let i = self.gate.units.iter().position(|u| *u == name).ok_or_else(|| {
+                let i = units.iter().position(|u| *u == name).ok_or_else(|| {
                     pyo3::exceptions::PyTypeError::new_err(format!(
                         "unexpected keyword {name:?}: this limiter counts units {:?}",
-                        self.gate.units
+                        units
                     ))
                 })?;
                 actual[i] = crate::args::cost(&name, &v)?;
             }
         }
-        self.gate.queue.settle(&cur, &actual);
+        self.owner.settle(&cur, &actual);
         *cur = actual;
         Ok(())
     }
@@ -207,7 +250,7 @@ impl PermitPy {
     #[getter]
     fn costs(&self) -> std::collections::HashMap<String, u64> {
         let c = self.costs.lock().unwrap_or_else(|e| e.into_inner());
-        self.gate.units.iter().cloned().zip(c.iter().copied()).collect()
+        self.owner.units().iter().cloned().zip(c.iter().copied()).collect()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -225,10 +268,18 @@ impl PermitPy {
     }
 }
 
-/// An awaitable that is already done.
+/// An awaitable that is already done; with a permit, also an async context manager
+/// that releases it on exit.
 #[pyclass(frozen, module = "ratequeue")]
 pub struct Ready {
     value: Py<PyAny>,
+}
+
+impl Ready {
+    /// Already done with `value`.
+    pub fn new(value: Py<PyAny>) -> Ready {
+        Ready { value }
+    }
 }
 
 #[pymethods]
@@ -244,6 +295,20 @@ impl Ready {
     fn __next__(&self, py: Python<'_>) -> PyResult<()> {
         Err(PyStopIteration::new_err((self.value.clone_ref(py),)))
     }
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Ready> {
+        if let Ok(p) = self.value.bind(py).cast::<PermitPy>() {
+            p.get().release();
+        }
+        Ok(Ready {
+            value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
+        })
+    }
 }
 
 /// The result of acquire_async: await it for a Permit, or use `async with`.
@@ -255,6 +320,18 @@ pub struct AcquiringPy {
     timeout_ns: Option<u64>,
     pub(crate) permit: OnceLock<Py<PermitPy>>,
     token: OnceLock<u64>,
+    /// Who the permit belongs to, when not the queue (e.g. a key of a keyed limiter).
+    owner: Option<Arc<dyn PermitOwner>>,
+    /// Run when this object goes away (e.g. drop a per-key queue nobody uses).
+    on_drop: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Drop for AcquiringPy {
+    fn drop(&mut self) {
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
+    }
 }
 
 impl AcquiringPy {
@@ -273,6 +350,8 @@ impl AcquiringPy {
             timeout_ns,
             permit: OnceLock::new(),
             token: OnceLock::new(),
+            owner: None,
+            on_drop: None,
         };
         match gate.queue.try_now(costs, class) {
             Ok(_) => {
@@ -288,7 +367,35 @@ impl AcquiringPy {
 impl AcquiringPy {
     /// The permit if the fast path granted it.
     pub fn ready(&self) -> Option<PermitPy> {
-        self.permit.get().map(|_| self.gate.permit(&self.costs, 0))
+        self.permit.get().map(|_| self.make_permit(0))
+    }
+
+    /// Queues on `gate` without a fast path (the caller tried it), with permits owned by
+    /// `owner` and `on_drop` run when the awaitable goes away.
+    pub fn queued(
+        gate: &Arc<Gate>,
+        costs: &[u64],
+        timeout_ns: Option<u64>,
+        owner: Arc<dyn PermitOwner>,
+        on_drop: Box<dyn Fn() + Send + Sync>,
+    ) -> AcquiringPy {
+        AcquiringPy {
+            gate: gate.clone(),
+            costs: costs.to_vec(),
+            class: 0,
+            timeout_ns,
+            permit: OnceLock::new(),
+            token: OnceLock::new(),
+            owner: Some(owner),
+            on_drop: Some(on_drop),
+        }
+    }
+
+    fn make_permit(&self, waited_ns: u64) -> PermitPy {
+        match &self.owner {
+            Some(o) => PermitPy::new(o.clone(), &self.costs, waited_ns),
+            None => self.gate.permit(&self.costs, waited_ns),
+        }
     }
 }
 
@@ -299,13 +406,7 @@ impl AcquiringPy {
     fn __await__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         if let Some(p) = slf.get().permit.get() {
-            return Ok(Py::new(
-                py,
-                Ready {
-                    value: p.clone_ref(py).into_any(),
-                },
-            )?
-            .into_any());
+            return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
         }
         let wait = AIO_WAIT.import(py, "ratequeue.aio", "_wait")?;
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
@@ -346,7 +447,7 @@ impl AcquiringPy {
         if let Some(t) = token {
             let _ = self.token.set(t);
         }
-        let p = Py::new(py, self.gate.permit(&self.costs, waited_ns))?;
+        let p = Py::new(py, self.make_permit(waited_ns))?;
         let _ = self.permit.set(p.clone_ref(py));
         Ok(p)
     }

@@ -1,0 +1,652 @@
+//! Python KeyedLimiter and KeyedConcurrency: a limit per key (user, API key, tenant),
+//! batch decisions over numpy arrays, and waiting per key with the queue discipline of
+//! Limiter (a queue exists only for a key that has waiters).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+
+use numpy::{PyArray1, PyReadonlyArray1};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyString};
+use ratequeue_core::keyed::{KeyBucket, KeyPermits};
+use ratequeue_core::{
+    AnyClock, Deny, Error, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource, WaitQueue,
+};
+
+use crate::args::{cost, seconds_ns};
+use crate::clock::any_clock;
+use crate::errors::{to_py, type_err};
+use crate::histogram::HistogramPy;
+use crate::limiter::{RatePy, DEFAULT_MAX_QUEUE};
+use crate::waiting::{AcquiringPy, Gate, PermitOwner, PermitPy, Ready};
+
+/// Default bound on the number of keys held.
+pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
+
+/// The map key of a Python key: int (taken modulo 2^64), str or bytes.
+pub fn key_of(h: &KeyHasher, key: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if let Ok(s) = key.cast::<PyString>() {
+        return Ok(h.str(s.to_str()?));
+    }
+    if let Ok(b) = key.cast::<PyBytes>() {
+        return Ok(h.bytes(b.as_bytes()));
+    }
+    if key.is_instance_of::<PyInt>() && !key.is_instance_of::<PyBool>() {
+        if let Ok(v) = key.extract::<u64>() {
+            return Ok(h.int(v));
+        }
+        if let Ok(v) = key.extract::<i64>() {
+            return Ok(h.int(v as u64));
+        }
+        let text = key.str()?;
+        return Ok(h.str(text.to_str()?));
+    }
+    Err(type_err("key", "a str, bytes or int", key))
+}
+
+/// The queues of the keys that have waiters, created on demand and dropped when idle.
+pub struct KeyGates {
+    map: Mutex<HashMap<u64, Arc<Gate>>>,
+    live: AtomicUsize,
+    clock: AnyClock,
+    config: QueueConfig,
+    waits: Vec<Arc<Histogram>>,
+    units: Vec<String>,
+    returns_on_exit: bool,
+    make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync>,
+}
+
+impl KeyGates {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Gate>>> {
+        self.map.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The queue of `key` if it has one.
+    pub fn existing(&self, key: u64) -> Option<Arc<Gate>> {
+        if self.live.load(Ordering::Acquire) == 0 {
+            return None;
+        }
+        self.lock().get(&key).cloned()
+    }
+
+    /// True when someone waits on `key` (nobody overtakes them).
+    pub fn has_waiters(&self, key: u64) -> bool {
+        self.existing(key).is_some_and(|g| g.queue.waiting() > 0)
+    }
+
+    /// The queue of `key`, created if needed.
+    pub fn get(&self, key: u64) -> Arc<Gate> {
+        let mut m = self.lock();
+        let g = m.entry(key).or_insert_with(|| {
+            let queue = WaitQueue::with_histograms(
+                (self.make)(key),
+                1,
+                self.clock.clone(),
+                self.config.clone(),
+                self.waits.clone(),
+            );
+            Arc::new(Gate {
+                queue,
+                units: self.units.clone(),
+                returns_on_exit: self.returns_on_exit,
+            })
+        });
+        let g = g.clone();
+        self.live.store(m.len(), Ordering::Release);
+        g
+    }
+
+    /// Drops `key`'s queue if nobody waits in it and nobody else holds it (`held`:
+    /// references the caller still holds).
+    pub fn done(&self, key: u64, held: usize) {
+        let mut m = self.lock();
+        if let Some(g) = m.get(&key) {
+            if Arc::strong_count(g) <= 1 + held && g.queue.waiting() == 0 {
+                m.remove(&key);
+            }
+        }
+        self.live.store(m.len(), Ordering::Release);
+    }
+
+    /// Grants whatever can now be granted on `key`.
+    pub fn poll(&self, key: u64) {
+        if let Some(g) = self.existing(key) {
+            g.queue.poll_now();
+        }
+    }
+
+    /// Keys with a queue now.
+    pub fn len(&self) -> usize {
+        self.live.load(Ordering::Acquire)
+    }
+}
+
+/// A permit of one key: returns and settles on the key, then lets its waiters through.
+struct KeyOwner {
+    gates: Arc<KeyGates>,
+    key: u64,
+    resource: Arc<dyn Resource>,
+}
+
+impl PermitOwner for KeyOwner {
+    fn units(&self) -> &[String] {
+        &self.gates.units
+    }
+
+    fn returns_on_exit(&self) -> bool {
+        self.gates.returns_on_exit
+    }
+
+    fn give_back(&self, costs: &[u64]) {
+        self.resource.give_back(costs, None);
+        self.gates.poll(self.key);
+    }
+
+    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+        self.resource.settle(estimated, actual);
+        self.gates.poll(self.key);
+    }
+}
+
+/// Shared per-key waiting for both keyed types.
+struct Keyed {
+    gates: Arc<KeyGates>,
+    tried_admitted: AtomicU64,
+    tried_refused: AtomicU64,
+}
+
+impl Keyed {
+    fn owner(&self, key: u64) -> Arc<dyn PermitOwner> {
+        Arc::new(KeyOwner {
+            gates: self.gates.clone(),
+            key,
+            resource: (self.gates.make)(key),
+        })
+    }
+
+    fn note(&self, admitted: bool) {
+        let c = if admitted {
+            &self.tried_admitted
+        } else {
+            &self.tried_refused
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Now, or None when it must queue; errors when it never can.
+    fn try_now(&self, py: Python<'_>, key: u64, c: u64) -> PyResult<Option<PermitPy>> {
+        if self.gates.has_waiters(key) {
+            return Ok(None);
+        }
+        let r = (self.gates.make)(key);
+        match r.try_take(self.gates.clock.now_ns(), &[c]) {
+            Ok(()) => Ok(Some(PermitPy::new(self.owner(key), &[c], 0))),
+            Err(Deny::Wait(_)) => Ok(None),
+            Err(d) => Err(to_py(py, r.error_for(d))),
+        }
+    }
+
+    fn acquire(&self, py: Python<'_>, key: u64, c: u64, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
+        if let Some(p) = self.try_now(py, key, c)? {
+            return Ok(p);
+        }
+        let gate = self.gates.get(key);
+        let r = gate.acquire_blocking(py, &[c], 0, timeout_ns);
+        let owner = self.owner(key);
+        let out = r.map(|p| p.rehome(owner));
+        drop(gate);
+        self.gates.done(key, 0);
+        out
+    }
+
+    fn acquire_async(&self, py: Python<'_>, key: u64, c: u64, timeout_ns: Option<u64>) -> PyResult<Py<PyAny>> {
+        if let Some(p) = self.try_now(py, key, c)? {
+            return Ok(Py::new(py, Ready::new(Py::new(py, p)?.into_any()))?.into_any());
+        }
+        let gate = self.gates.get(key);
+        let gates = self.gates.clone();
+        let a = AcquiringPy::queued(
+            &gate,
+            &[c],
+            timeout_ns,
+            self.owner(key),
+            Box::new(move || gates.done(key, 1)),
+        );
+        Ok(Py::new(py, a)?.into_any())
+    }
+}
+
+fn costs_array(py: Python<'_>, costs: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<Vec<u64>>> {
+    let Some(c) = costs else { return Ok(None) };
+    let v: Vec<u64> = if let Ok(a) = c.extract::<PyReadonlyArray1<'_, u64>>() {
+        a.as_slice()
+            .map(|s| s.to_vec())
+            .unwrap_or_else(|_| a.as_array().iter().copied().collect())
+    } else {
+        let mut out = Vec::with_capacity(n);
+        for x in c.try_iter()? {
+            out.push(cost("costs", &x?)?);
+        }
+        out
+    };
+    if v.len() != n {
+        return Err(PyValueError::new_err(format!(
+            "costs has {} entries for {n} keys",
+            v.len()
+        )));
+    }
+    let _ = py;
+    Ok(Some(v))
+}
+
+/// One GCRA bucket per key (user, API key, tenant), in a bounded map.
+#[pyclass(frozen, name = "KeyedLimiter", module = "ratequeue")]
+pub struct KeyedLimiterPy {
+    core: Arc<KeyedLimiter>,
+    keyed: Keyed,
+    unit: String,
+    #[pyo3(get)]
+    name: Option<String>,
+}
+
+impl KeyedLimiterPy {
+    /// The core map (for policies).
+    pub fn core(&self) -> &Arc<KeyedLimiter> {
+        &self.core
+    }
+
+    /// The unit this limiter counts.
+    pub fn unit(&self) -> &str {
+        &self.unit
+    }
+}
+
+fn gates(
+    py: Python<'_>,
+    clock: AnyClock,
+    max_wait: Option<&Bound<'_, PyAny>>,
+    max_queue: Option<&Bound<'_, PyAny>>,
+    units: Vec<String>,
+    make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync>,
+) -> PyResult<Arc<KeyGates>> {
+    let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
+    let max_queue = match max_queue {
+        None => DEFAULT_MAX_QUEUE,
+        Some(m) => usize::try_from(cost("max_queue", m)?).unwrap_or(usize::MAX),
+    };
+    let config = QueueConfig::new(Vec::new(), max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
+    Ok(Arc::new(KeyGates {
+        map: Mutex::new(HashMap::new()),
+        live: AtomicUsize::new(0),
+        clock,
+        config,
+        waits: vec![Arc::new(Histogram::new())],
+        returns_on_exit: units.is_empty(),
+        units,
+        make,
+    }))
+}
+
+fn keyed_stats<'py>(py: Python<'py>, k: &Keyed) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("tried_admitted", k.tried_admitted.load(Ordering::Relaxed))?;
+    d.set_item("tried_refused", k.tried_refused.load(Ordering::Relaxed))?;
+    d.set_item("waiting_keys", k.gates.len())?;
+    let copy = Histogram::new();
+    copy.add_snapshot(&k.gates.waits[0].snapshot());
+    d.set_item("wait", HistogramPy { inner: Arc::new(copy) })?;
+    Ok(d)
+}
+
+#[pymethods]
+impl KeyedLimiterPy {
+    #[new]
+    #[pyo3(signature = (rate, *, max_keys = None, clock = None, max_wait = None, max_queue = None, name = None))]
+    fn new(
+        py: Python<'_>,
+        rate: &Bound<'_, RatePy>,
+        max_keys: Option<&Bound<'_, PyAny>>,
+        clock: Option<&Bound<'_, PyAny>>,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        let max_keys = match max_keys {
+            None => DEFAULT_MAX_KEYS,
+            Some(m) => usize::try_from(cost("max_keys", m)?).unwrap_or(usize::MAX),
+        };
+        let any = any_clock(clock)?;
+        let r = rate.get();
+        let core = Arc::new(KeyedLimiter::new(r.rate, max_keys, any.clone()).map_err(|e| to_py(py, e))?);
+        let c2 = core.clone();
+        let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
+            Box::new(move |key| Arc::new(KeyBucket { keyed: c2.clone(), key }));
+        let gates = gates(py, any, max_wait, max_queue, vec![r.unit.clone()], make)?;
+        Ok(KeyedLimiterPy {
+            core,
+            keyed: Keyed {
+                gates,
+                tried_admitted: AtomicU64::new(0),
+                tried_refused: AtomicU64::new(0),
+            },
+            unit: r.unit.clone(),
+            name,
+        })
+    }
+
+    /// Admits `cost` on `key` now or returns False; never waits (False while the key has
+    /// waiters: nobody overtakes them).
+    #[pyo3(signature = (key, cost = 1))]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<bool> {
+        let k = key_of(self.core.hasher(), key)?;
+        if self.keyed.gates.has_waiters(k) {
+            self.keyed.note(false);
+            return Ok(false);
+        }
+        match self.core.try_acquire(k, cost) {
+            Ok(()) => {
+                self.keyed.note(true);
+                Ok(true)
+            }
+            Err(Deny::Wait(_)) => {
+                self.keyed.note(false);
+                Ok(false)
+            }
+            Err(Deny::TooLarge { cost, burst, .. }) => Err(to_py(
+                py,
+                Error::CostTooLarge {
+                    unit: self.unit.clone(),
+                    cost,
+                    burst,
+                },
+            )),
+        }
+    }
+
+    /// Decides every key in order, as the loop of try_acquire calls would (reading the
+    /// clock once): `keys` is a numpy uint64 array (GIL released) or a sequence of str,
+    /// bytes or int; `costs` (optional) the same length. Returns a numpy bool array.
+    #[pyo3(signature = (keys, costs = None))]
+    fn try_acquire_many<'py>(
+        &self,
+        py: Python<'py>,
+        keys: &Bound<'py, PyAny>,
+        costs: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let hashed: Vec<u64> = if let Ok(a) = keys.extract::<PyReadonlyArray1<'_, u64>>() {
+            let h = self.core.hasher().clone();
+            let view = a.as_array();
+            match view.as_slice() {
+                Some(s) => py.detach(|| s.iter().map(|k| h.int(*k)).collect()),
+                None => view.iter().map(|k| h.int(*k)).collect(),
+            }
+        } else {
+            let mut v = Vec::new();
+            for k in keys.try_iter()? {
+                v.push(key_of(self.core.hasher(), &k?)?);
+            }
+            v
+        };
+        let costs = costs_array(py, costs, hashed.len())?;
+        let mut out = vec![false; hashed.len()];
+        let gates = &self.keyed.gates;
+        let core = self.core.clone();
+        let r = if gates.len() == 0 {
+            py.detach(|| core.try_acquire_many(&hashed, costs.as_deref(), &mut out))
+        } else {
+            // Some keys have waiters: those are refused (no barging), one by one.
+            let mut res = Ok(());
+            for (i, k) in hashed.iter().enumerate() {
+                if gates.has_waiters(*k) {
+                    continue;
+                }
+                match core.try_acquire(*k, costs.as_ref().map_or(1, |c| c[i])) {
+                    Ok(()) => out[i] = true,
+                    Err(Deny::Wait(_)) => {}
+                    Err(d) => {
+                        res = Err(d);
+                        break;
+                    }
+                }
+            }
+            res
+        };
+        if let Err(Deny::TooLarge { cost, burst, .. }) = r {
+            return Err(to_py(
+                py,
+                Error::CostTooLarge {
+                    unit: self.unit.clone(),
+                    cost,
+                    burst,
+                },
+            ));
+        }
+        let admitted = out.iter().filter(|x| **x).count() as u64;
+        self.keyed.tried_admitted.fetch_add(admitted, Ordering::Relaxed);
+        self.keyed
+            .tried_refused
+            .fetch_add(out.len() as u64 - admitted, Ordering::Relaxed);
+        Ok(PyArray1::from_vec(py, out))
+    }
+
+    /// Waits on `key` (its own FIFO queue, GIL released); a context manager whose
+    /// permit can `settle` the cost.
+    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        cost: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PermitPy> {
+        let k = key_of(self.core.hasher(), key)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.keyed.acquire(py, k, cost, t)
+    }
+
+    /// Awaitable (and async context manager) version of acquire.
+    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    fn acquire_async(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        cost: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = key_of(self.core.hasher(), key)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.keyed.acquire_async(py, k, cost, t)
+    }
+
+    /// Units `key` could be admitted now (a key never seen has a full bucket).
+    fn available(&self, key: &Bound<'_, PyAny>) -> PyResult<f64> {
+        Ok(self.core.available(key_of(self.core.hasher(), key)?))
+    }
+
+    /// Seconds until `cost` would be admitted on `key` (0.0 = now).
+    #[pyo3(signature = (key, cost = 1))]
+    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<f64> {
+        let k = key_of(self.core.hasher(), key)?;
+        match self.core.delay_for(k, self.core.clock().now_ns(), cost) {
+            Ok(ns) => Ok(ns as f64 / 1e9),
+            Err(Deny::TooLarge { cost, burst, .. }) => Err(to_py(
+                py,
+                Error::CostTooLarge {
+                    unit: self.unit.clone(),
+                    cost,
+                    burst,
+                },
+            )),
+            Err(Deny::Wait(ns)) => Ok(ns as f64 / 1e9),
+        }
+    }
+
+    /// Drops every key whose bucket is full again (changes no decision); returns how
+    /// many. Eviction does this by itself when the map is full.
+    fn sweep(&self) -> usize {
+        self.core.sweep()
+    }
+
+    fn __len__(&self) -> usize {
+        self.core.len()
+    }
+
+    /// The rate of every key.
+    #[getter]
+    fn rate(&self) -> RatePy {
+        RatePy {
+            rate: self.core.rate(),
+            unit: self.unit.clone(),
+        }
+    }
+
+    /// The most keys held at once.
+    #[getter]
+    fn max_keys(&self) -> usize {
+        self.core.max_keys()
+    }
+
+    /// Keys, evictions, tries, waiting keys and the queue-wait histogram.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = keyed_stats(py, &self.keyed)?;
+        let c = self.core.counts();
+        d.set_item("keys", c.keys)?;
+        d.set_item("max_keys", self.core.max_keys())?;
+        d.set_item("evicted_full", c.evicted_full)?;
+        d.set_item("evicted_live", c.evicted_live)?;
+        d.set_item("name", self.name.clone())?;
+        Ok(d)
+    }
+
+    /// The live histogram of queue waits (seconds), all keys together.
+    fn wait_histogram(&self) -> HistogramPy {
+        HistogramPy {
+            inner: self.keyed.gates.waits[0].clone(),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        format!("KeyedLimiter({}, keys={})", self.rate().__repr__(), self.core.len())
+    }
+}
+
+/// At most `limit` holders per key (e.g. per tenant); keys holding nothing cost nothing.
+#[pyclass(frozen, name = "KeyedConcurrency", module = "ratequeue")]
+pub struct KeyedConcurrencyPy {
+    core: Arc<KeyedSemaphore>,
+    keyed: Keyed,
+    #[pyo3(get)]
+    name: Option<String>,
+}
+
+impl KeyedConcurrencyPy {
+    /// The core map (for policies).
+    pub fn core(&self) -> &Arc<KeyedSemaphore> {
+        &self.core
+    }
+
+    /// The per-key queues (policies wait in them).
+    pub fn acquire_key(&self, py: Python<'_>, key: u64, n: u64, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
+        self.keyed.acquire(py, key, n, timeout_ns)
+    }
+}
+
+#[pymethods]
+impl KeyedConcurrencyPy {
+    #[new]
+    #[pyo3(signature = (limit, *, clock = None, max_wait = None, max_queue = None, name = None))]
+    fn new(
+        py: Python<'_>,
+        limit: &Bound<'_, PyAny>,
+        clock: Option<&Bound<'_, PyAny>>,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        name: Option<String>,
+    ) -> PyResult<Self> {
+        let core = Arc::new(KeyedSemaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let c2 = core.clone();
+        let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
+            Box::new(move |key| Arc::new(KeyPermits { sem: c2.clone(), key }));
+        let gates = gates(py, any_clock(clock)?, max_wait, max_queue, Vec::new(), make)?;
+        Ok(KeyedConcurrencyPy {
+            core,
+            keyed: Keyed {
+                gates,
+                tried_admitted: AtomicU64::new(0),
+                tried_refused: AtomicU64::new(0),
+            },
+            name,
+        })
+    }
+
+    /// Takes `n` permits on `key` now, or returns None; never waits.
+    #[pyo3(signature = (key, n = 1))]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: u64) -> PyResult<Option<PermitPy>> {
+        let k = key_of(self.core.hasher(), key)?;
+        let p = self.keyed.try_now(py, k, n)?;
+        self.keyed.note(p.is_some());
+        Ok(p)
+    }
+
+    /// Waits for `n` permits on `key` (GIL released); returned on exit.
+    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    fn acquire(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        n: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PermitPy> {
+        let k = key_of(self.core.hasher(), key)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.keyed.acquire(py, k, n, t)
+    }
+
+    /// Awaitable and async context manager; the permits return on exit.
+    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    fn acquire_async(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        n: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let k = key_of(self.core.hasher(), key)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.keyed.acquire_async(py, k, n, t)
+    }
+
+    /// Permits held on `key` now.
+    fn in_use(&self, key: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.core.in_use(key_of(self.core.hasher(), key)?))
+    }
+
+    /// The per-key limit.
+    #[getter]
+    fn limit(&self) -> u64 {
+        self.core.limit()
+    }
+
+    fn __len__(&self) -> usize {
+        self.core.len()
+    }
+
+    /// Keys holding permits, tries, waiting keys and the queue-wait histogram.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = keyed_stats(py, &self.keyed)?;
+        d.set_item("keys", self.core.len())?;
+        d.set_item("limit", self.core.limit())?;
+        d.set_item("name", self.name.clone())?;
+        Ok(d)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "KeyedConcurrency(limit={}, keys={})",
+            self.core.limit(),
+            self.core.len()
+        )
+    }
+}
