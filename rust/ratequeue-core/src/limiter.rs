@@ -140,15 +140,7 @@ impl Limiter {
     /// `Err(Deny::Wait(ns))`: refused, would conform in `ns`; nothing was consumed.
     #[inline]
     pub fn try_acquire(&self, costs: &[u64]) -> Result<(), Deny> {
-        let now = self.clock.now_ns();
-        if self.buckets.len() == 1 {
-            let c = costs[self.bucket_unit[0]];
-            return self.buckets[0]
-                .take(now, c, 0)
-                .map(|_| ())
-                .map_err(|d| self.with_unit(0, d));
-        }
-        self.take_all(now, costs, 0, false).map(|_| ())
+        self.try_acquire_at(self.clock.now_ns(), costs)
     }
 
     /// Nanoseconds until `costs` would conform (0 = now); changes nothing.

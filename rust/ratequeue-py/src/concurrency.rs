@@ -207,13 +207,7 @@ impl ConcurrencyPy {
     /// The class names, in order.
     #[getter]
     fn classes(&self) -> Vec<String> {
-        self.gate
-            .queue
-            .config()
-            .classes
-            .iter()
-            .map(|(n, _)| n.clone())
-            .collect()
+        self.gate.class_names()
     }
 
     fn __repr__(&self) -> String {

@@ -188,6 +188,32 @@ impl Keyed {
         }
     }
 
+    /// acquire from Python arguments.
+    fn acquire_py(
+        &self,
+        py: Python<'_>,
+        h: &KeyHasher,
+        key: &Bound<'_, PyAny>,
+        c: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PermitPy> {
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.acquire(py, key_of(h, key)?, c, t)
+    }
+
+    /// acquire_async from Python arguments.
+    fn acquire_async_py(
+        &self,
+        py: Python<'_>,
+        h: &KeyHasher,
+        key: &Bound<'_, PyAny>,
+        c: u64,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        self.acquire_async(py, key_of(h, key)?, c, t)
+    }
+
     fn acquire(&self, py: Python<'_>, key: u64, c: u64, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
         if let Some(p) = self.try_now(py, key, c)? {
             return Ok(p);
@@ -441,9 +467,7 @@ impl KeyedLimiterPy {
         cost: u64,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        let k = key_of(self.core.hasher(), key)?;
-        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        self.keyed.acquire(py, k, cost, t)
+        self.keyed.acquire_py(py, self.core.hasher(), key, cost, timeout)
     }
 
     /// Awaitable (and async context manager) version of acquire.
@@ -455,9 +479,7 @@ impl KeyedLimiterPy {
         cost: u64,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let k = key_of(self.core.hasher(), key)?;
-        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        self.keyed.acquire_async(py, k, cost, t)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, cost, timeout)
     }
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
@@ -599,9 +621,7 @@ impl KeyedConcurrencyPy {
         n: u64,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        let k = key_of(self.core.hasher(), key)?;
-        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        self.keyed.acquire(py, k, n, t)
+        self.keyed.acquire_py(py, self.core.hasher(), key, n, timeout)
     }
 
     /// Awaitable and async context manager; the permits return on exit.
@@ -613,9 +633,7 @@ impl KeyedConcurrencyPy {
         n: u64,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        let k = key_of(self.core.hasher(), key)?;
-        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        self.keyed.acquire_async(py, k, n, t)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, n, timeout)
     }
 
     /// Permits held on `key` now.

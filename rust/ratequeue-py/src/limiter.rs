@@ -518,13 +518,7 @@ impl LimiterPy {
     /// The class names, in order.
     #[getter]
     fn classes(&self) -> Vec<String> {
-        self.gate
-            .queue
-            .config()
-            .classes
-            .iter()
-            .map(|(n, _)| n.clone())
-            .collect()
+        self.gate.class_names()
     }
 
     /// Does nothing: the floor of a method call, for benchmarks.

@@ -72,6 +72,11 @@ impl Gate {
         }
     }
 
+    /// The class names, in order.
+    pub fn class_names(&self) -> Vec<String> {
+        self.queue.config().classes.iter().map(|(n, _)| n.clone()).collect()
+    }
+
     pub fn timeout(&self, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
         timeout.map(|t| seconds_ns("timeout", t)).transpose()
     }
