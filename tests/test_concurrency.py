@@ -438,12 +438,6 @@ def test_cancel_racing_the_grant_returns_the_permit():
     asyncio.run(main())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: ratequeue.aio._wait, branch 'granted, but the task was cancelled before "
-    "it resumed', calls fut.result().release() AND acq._give_back(): for a Concurrency "
-    "permit both return the permit, so in_use drops below the real number of holders",
-)
 def test_cancel_after_delivery_before_resumption_returns_the_permit_once():
     # The grant reached the task's future, but the task is cancelled in the same loop
     # iteration, before it resumes: the permit must come back exactly once.

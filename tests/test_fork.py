@@ -237,12 +237,6 @@ def test_child_try_acquire_is_not_blocked_forever_by_an_inherited_waiter():
         th.join(10)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: fork while another thread holds a wait queue's mutex (submit, poll, "
-    "cancel, the driver) leaves it locked in the child, which deadlocks on first use "
-    "(WaitQueue::drop_inherited -> Mutex::lock_contended); ~2/3 of forks in this test",
-)
 def test_fork_while_other_threads_use_the_queue_never_deadlocks_the_child():
     limiter = rq.Limiter(rq.Rate(20_000, burst=1))
     stop = threading.Event()

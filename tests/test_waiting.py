@@ -940,12 +940,6 @@ def test_thread_timeout_in_real_time():
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: set_rate/set_burst do not wake the real-time driver: a waiter whose "
-    "slot moved earlier is still granted at the old wake-up time (here 1 s instead "
-    "of ~0.05 s), and its permit.waited (schedule time) understates the real wait",
-)
 def test_set_rate_wakes_the_driver_in_real_time():
     limiter = rq.Limiter(rq.Rate(1, burst=1))
     assert limiter.try_acquire()  # next slot in 1 s

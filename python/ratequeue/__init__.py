@@ -27,11 +27,14 @@ from ._ratequeue import (
 )
 from .pool import Pool, PoolOverloaded, Provider
 
-# A forked child drops the waiters it inherited (their threads and loops are not there).
+# Fork safety: no queue is copied into a child while another thread changes it, and a
+# child drops the waiters it inherited (their threads and loops are not there).
 if hasattr(_os, "register_at_fork"):
-    from ._ratequeue import _after_fork
+    from ._ratequeue import _after_fork, _after_fork_parent, _before_fork
 
-    _os.register_at_fork(after_in_child=_after_fork)
+    _os.register_at_fork(
+        before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork
+    )
 
 __all__ = [
     "Acquiring",

@@ -95,9 +95,8 @@ async def _wait(acq: Acquiring) -> Any:
         if acq._cancel(ticket):
             ch.pending.pop(ticket, None)
         elif fut.done() and not fut.cancelled() and fut.exception() is None:
-            # Granted, but the task was cancelled before it resumed.
-            fut.result().release()
-            acq._give_back()
+            # Granted, but the task was cancelled before it resumed: give it back once.
+            acq._abandon(fut.result())
         # Otherwise the outcome is still in the channel: _drain gives a grant back.
         raise
 

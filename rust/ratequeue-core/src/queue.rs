@@ -308,9 +308,69 @@ pub struct WaitQueue {
 /// Incremented in a forked child (see [`after_fork_in_child`]).
 static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
 
-/// Call in a child process right after `fork`: waiters queued in the parent belong to
-/// threads and loops that do not exist here, so every queue drops them on next use.
+/// Every live queue, for the fork protocol.
+static QUEUES: Mutex<Vec<std::sync::Weak<WaitQueue>>> = Mutex::new(Vec::new());
+
+/// Locks held across a fork by the forking thread, released on both sides after it.
+type ForkHold = (
+    Vec<(MutexGuard<'static, Inner>, Arc<WaitQueue>)>,
+    Option<MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>>>,
+);
+
+thread_local! {
+    static FORK_HOLD: std::cell::RefCell<ForkHold> = const { std::cell::RefCell::new((Vec::new(), None)) };
+}
+
+fn register(q: &Arc<WaitQueue>) {
+    let mut all = lock(&QUEUES);
+    if all.len() >= 64 && all.len().is_power_of_two() {
+        all.retain(|w| w.strong_count() > 0);
+    }
+    all.push(Arc::downgrade(q));
+}
+
+/// Call right before `fork` (ratequeue registers it with os.register_at_fork): takes
+/// every queue's lock, so that no queue is copied into the child in the middle of a
+/// change by another thread (the child would find it locked forever). A queue's lock
+/// is never held while waiting for another queue, the GIL or the driver, so this takes
+/// them all without deadlock.
+pub fn before_fork() {
+    let all = lock(&QUEUES);
+    let live: Vec<Arc<WaitQueue>> = all.iter().filter_map(|w| w.upgrade()).collect();
+    let mut held = Vec::with_capacity(live.len());
+    for q in live {
+        let g = lock(&q.inner);
+        // SAFETY: the guard borrows the mutex inside `q`, which is kept alive beside it
+        // and dropped after it (tuple order), on this thread, in `release_after_fork`.
+        let g: MutexGuard<'static, Inner> = unsafe { std::mem::transmute(g) };
+        held.push((g, q));
+    }
+    // SAFETY: QUEUES is a static.
+    let all: MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>> = unsafe { std::mem::transmute(all) };
+    FORK_HOLD.with(|h| *h.borrow_mut() = (held, Some(all)));
+}
+
+/// Releases what `before_fork` took (a plain futex unlock: safe in the child, where the
+/// threads that may have waited for these locks do not exist).
+fn release_after_fork() {
+    let (held, all) = FORK_HOLD.with(|h| std::mem::take(&mut *h.borrow_mut()));
+    for (g, q) in held {
+        drop(g);
+        drop(q);
+    }
+    drop(all);
+}
+
+/// Call in the parent right after `fork`.
+pub fn after_fork_in_parent() {
+    release_after_fork();
+}
+
+/// Call in a child process right after `fork`: releases the locks `before_fork` took;
+/// waiters queued in the parent belong to threads and loops that do not exist here, so
+/// every queue drops them on next use.
 pub fn after_fork_in_child() {
+    release_after_fork();
     FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
@@ -349,7 +409,7 @@ impl WaitQueue {
                 ..Class::default()
             })
             .collect();
-        Arc::new(WaitQueue {
+        let q = Arc::new(WaitQueue {
             resource,
             clock,
             units,
@@ -368,7 +428,9 @@ impl WaitQueue {
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
             generation: AtomicU64::new(FORK_GENERATION.load(Ordering::Acquire)),
             config,
-        })
+        });
+        register(&q);
+        q
     }
 
     /// The queue's configuration.

@@ -20,10 +20,24 @@ fn _after_fork() {
     ratequeue_core::queue::after_fork_in_child();
 }
 
+/// Call right before fork: takes every queue's lock so none is copied mid-change.
+#[pyfunction]
+fn _before_fork() {
+    ratequeue_core::queue::before_fork();
+}
+
+/// Call in the parent right after fork.
+#[pyfunction]
+fn _after_fork_parent() {
+    ratequeue_core::queue::after_fork_in_parent();
+}
+
 #[pymodule(gil_used = false)]
 fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_function(wrap_pyfunction!(_after_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(_before_fork, m)?)?;
+    m.add_function(wrap_pyfunction!(_after_fork_parent, m)?)?;
     m.add_class::<clock::ManualClockPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
     m.add_class::<limiter::RatePy>()?;

@@ -345,7 +345,10 @@ impl LimiterPy {
             None => cur.burst,
         };
         let rate = Rate::new(amount, period_ns, burst).map_err(|e| to_py(py, e))?;
-        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))
+        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
+        // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
+        self.gate.queue.poll_now();
+        Ok(())
     }
 
     /// Changes the burst of a rate at run time, keeping its amount and period.
@@ -354,7 +357,10 @@ impl LimiterPy {
         let i = self.which(which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
         let rate = Rate::new(cur.amount, cur.period_ns, burst_arg(burst)?).map_err(|e| to_py(py, e))?;
-        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))
+        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
+        // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
+        self.gate.queue.poll_now();
+        Ok(())
     }
 
     /// The current rates, in the order given.

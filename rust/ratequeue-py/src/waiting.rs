@@ -473,6 +473,15 @@ impl AcquiringPy {
         self.gate.queue.cancel(ticket) == Cancelled::Removed
     }
 
+    /// Gives back, exactly once, a grant whose permit was delivered to a waiter that was
+    /// cancelled before it could use it (the permit is marked released).
+    fn _abandon(&self, permit: &Bound<'_, PermitPy>) {
+        if !permit.get().released.swap(true, Ordering::AcqRel) {
+            let token = self.token.get().copied();
+            self.gate.queue.give_back(&self.costs, token);
+        }
+    }
+
     /// Gives back a grant that arrived after its waiter was cancelled (see
     /// Resource::give_back for when a rate keeps it instead).
     #[pyo3(signature = (token = None))]
