@@ -25,7 +25,8 @@ use crate::waiting::{AcquiringPy, Gate, PermitOwner, PermitPy, Ready};
 /// Default bound on the number of keys held.
 pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
 
-/// The map key of a Python key: int (taken modulo 2^64), str or bytes.
+/// The map key of a Python key: str, bytes or int (ints in [-2^63, 2^64) by value,
+/// with a negative int equal to its two's complement; larger ints by their digits).
 pub fn key_of(h: &KeyHasher, key: &Bound<'_, PyAny>) -> PyResult<u64> {
     if let Ok(s) = key.cast::<PyString>() {
         return Ok(h.str(s.to_str()?));
@@ -40,8 +41,11 @@ pub fn key_of(h: &KeyHasher, key: &Bound<'_, PyAny>) -> PyResult<u64> {
         if let Ok(v) = key.extract::<i64>() {
             return Ok(h.int(v as u64));
         }
+        // Outside 64 bits: its decimal digits, in a domain of their own (not the str's).
         let text = key.str()?;
-        return Ok(h.str(text.to_str()?));
+        let mut b = b"int:".to_vec();
+        b.extend_from_slice(text.to_str()?.as_bytes());
+        return Ok(h.bytes(&b));
     }
     Err(type_err("key", "a str, bytes or int", key))
 }
@@ -409,6 +413,9 @@ impl KeyedLimiterPy {
                 None => view.iter().map(|k| h.int(*k)).collect(),
             }
         } else {
+            if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
+                return Err(type_err("keys", "a numpy uint64 array or a sequence of keys", keys));
+            }
             let mut v = Vec::new();
             for k in keys.try_iter()? {
                 v.push(key_of(self.core.hasher(), &k?)?);
