@@ -138,11 +138,6 @@ def test_big_int_key_is_not_its_decimal_string():
     assert kl.try_acquire(str(-(2**63) - 1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: an int outside [-2^63, 2^64) is hashed as the bytes b'int:<digits>', so it "
-    "shares the bucket of that bytes key",
-)
 def test_big_int_key_is_not_a_bytes_key():
     kl = rq.KeyedLimiter(rq.Rate(1, per="hour", burst=1), clock=rq.ManualClock())
     assert kl.try_acquire(U64)
@@ -690,12 +685,6 @@ def test_keyed_concurrency_asyncio():
     assert kc.stats()["waiting_keys"] == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: eviction looks at a sample of 32 slots only; when none of them is full it "
-    "drops a live bucket although full ones remain elsewhere in the shard (a decision "
-    "changes: the dropped user gets a fresh burst)",
-)
 def test_no_live_eviction_while_full_buckets_remain():
     clock = rq.ManualClock()
     kl = rq.KeyedLimiter(rq.Rate(1, per="hour", burst=1), clock=clock, max_keys=20_000)
@@ -703,6 +692,6 @@ def test_no_live_eviction_while_full_buckets_remain():
     clock.advance(7_200)  # the idle keys are full again
     kl.try_acquire_many([f"live{i}" for i in range(17_500)])
     kl.try_acquire_many([f"new{i}" for i in range(1_000)])
-    still_full = kl.sweep()
-    assert still_full > 1_000  # plenty of full buckets were there to drop all along
+    # The full buckets were dropped to make room; no live one was.
     assert kl.stats()["evicted_live"] == 0
+    assert kl.stats()["evicted_full"] + kl.sweep() >= 1_000

@@ -261,19 +261,14 @@ def test_shadow_level_counts_but_never_enforces():
     assert slots.in_use == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Policy.reserve/acquire evaluate shadow levels with counting off, so a "
-    "shadow level's would-be refusals are never recorded there (only try_acquire counts)",
-)
 def test_shadow_refusals_are_counted_by_reserve_and_acquire():
     clock = rq.ManualClock()
     user, _tenant, cluster = three_levels(clock)
     policy = rq.Policy({"user": user, "cluster": cluster}, shadow=["user"])
     for _ in range(3):
-        policy.reserve(user="u")
+        policy.reserve(user="u", tokens=1)
     for _ in range(2):
-        policy.acquire(user="u")
+        policy.acquire(user="u", tokens=1)
     assert policy.stats()["levels"]["user"]["shadow_refused"] == 3
 
 
@@ -643,12 +638,6 @@ def test_policy_permit_settle():
     assert slots.in_use == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: PolicyPermit.cancel() after settle() gives back the estimated cost on a "
-    "KeyedLimiter level (the settled overage stays charged); a Limiter level gets the "
-    "settled cost back",
-)
 def test_cancel_after_settle_gives_back_the_settled_cost():
     clock = rq.ManualClock()
     kl = rq.KeyedLimiter(rq.Rate(100, per="second", burst=1_000, unit="tokens"), clock=clock)
@@ -662,11 +651,6 @@ def test_cancel_after_settle_gives_back_the_settled_cost():
     assert kl.available("u") == 1_000.0  # 600.0: only the estimate came back
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: Policy.try_acquire on a KeyedLimiter level ignores that key's queued "
-    "waiters, which KeyedLimiter.try_acquire itself never overtakes (no barging)",
-)
 def test_policy_does_not_barge_past_a_keyed_waiter():
     kl = rq.KeyedLimiter(rq.Rate(10, per="second", burst=2))
     policy = rq.Policy({"user": kl})

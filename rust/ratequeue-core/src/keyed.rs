@@ -34,6 +34,8 @@ struct Table {
     slots: Vec<Slot>,
     len: usize,
     cursor: usize,
+    /// No bucket is full again before this tick (from the last sweep).
+    next_full: u64,
 }
 
 impl Table {
@@ -63,6 +65,7 @@ impl Table {
         }
         self.slots[i] = Slot { key, tat };
         self.len += 1;
+        self.next_full = self.next_full.min(tat);
     }
 
     fn remove_at(&mut self, mut i: usize) {
@@ -132,6 +135,12 @@ impl KeyHasher {
     #[inline]
     pub fn str(&self, s: &str) -> u64 {
         self.state.hash_one((1u8, s)).max(1)
+    }
+
+    /// The key of an integer beyond 64 bits, from its decimal digits.
+    #[inline]
+    pub fn big_int(&self, digits: &str) -> u64 {
+        self.state.hash_one((3u8, digits)).max(1)
     }
 
     /// The key of a byte string.
@@ -276,43 +285,51 @@ impl KeyedLimiter {
             }
             return;
         }
-        // Full: look at a sample; drop every full bucket in it, or else the one nearest
-        // to full.
-        let n = t.slots.len();
-        let mut full = Vec::new();
-        let mut nearest: Option<(u64, u64)> = None;
-        for k in 0..SAMPLE.min(n) {
-            let s = t.slots[(t.cursor + k) % n];
-            if s.key == EMPTY {
-                continue;
+        // Full. Drop every bucket that is full again (no decision changes) — a sweep of
+        // the shard, skipped until the earliest TAT the last sweep saw has passed, so a
+        // shard of live buckets costs one sweep per refill, not one per insert.
+        if now_ticks >= t.next_full {
+            let mut next_full = u64::MAX;
+            let full: Vec<u64> = t
+                .slots
+                .iter()
+                .filter(|s| s.key != EMPTY)
+                .filter(|s| {
+                    if s.tat > now_ticks {
+                        next_full = next_full.min(s.tat);
+                    }
+                    s.tat <= now_ticks
+                })
+                .map(|s| s.key)
+                .collect();
+            for key in &full {
+                if let Some(i) = t.find(*key) {
+                    t.remove_at(i);
+                }
             }
-            if s.tat <= now_ticks {
-                full.push(s.key);
-            } else if nearest.is_none_or(|(tat, _)| s.tat < tat) {
-                nearest = Some((s.tat, s.key));
-            }
-        }
-        t.cursor = (t.cursor + SAMPLE) % n;
-        if full.is_empty() {
-            if let Some((_, key)) = nearest {
-                full.push(key);
-                self.evicted_live.fetch_add(1, Ordering::Relaxed);
-            }
-        } else {
             self.evicted_full.fetch_add(full.len() as u64, Ordering::Relaxed);
-        }
-        for key in full {
-            if let Some(i) = t.find(key) {
-                t.remove_at(i);
+            t.next_full = next_full;
+            if !full.is_empty() {
+                return;
             }
         }
-        if t.len >= self.per_shard {
-            // The sample held nothing removable (cannot happen with a full table, but a
-            // bound must hold whatever the sample saw): drop the slot at the cursor.
-            if let Some(i) = (0..n).map(|k| (t.cursor + k) % n).find(|i| t.slots[*i].key != EMPTY) {
-                t.remove_at(i);
-                self.evicted_live.fetch_add(1, Ordering::Relaxed);
+        // Every bucket is live: drop the one nearest to full among a sample (the
+        // smallest change in decisions), counted.
+        let n = t.slots.len();
+        let mut nearest: Option<(u64, usize)> = None;
+        let mut k = 0;
+        while k < n && (k < SAMPLE || nearest.is_none()) {
+            let i = (t.cursor + k) % n;
+            let s = t.slots[i];
+            if s.key != EMPTY && nearest.is_none_or(|(tat, _)| s.tat < tat) {
+                nearest = Some((s.tat, i));
             }
+            k += 1;
+        }
+        t.cursor = (t.cursor + k) % n;
+        if let Some((_, i)) = nearest {
+            t.remove_at(i);
+            self.evicted_live.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -392,13 +409,20 @@ impl KeyedLimiter {
 
     /// Undoes `t` if no later debit came on its key, else refunds its cost.
     pub fn untake(&self, t: &KeyTaken) {
+        self.untake_cost(t, t.cost);
+    }
+
+    /// Undoes `t` if no later change came on its key, else refunds `cost` (the cost it
+    /// stands for now, e.g. after a settle).
+    pub fn untake_cost(&self, t: &KeyTaken, cost: u64) {
         let mut g = self.shard(t.key);
         if let Some(i) = g.find(t.key) {
             if g.slots[i].tat == t.after {
                 g.slots[i].tat = t.before;
             } else {
-                g.slots[i].tat = g.slots[i].tat.saturating_sub(self.params.cost_ticks(t.cost));
+                g.slots[i].tat = g.slots[i].tat.saturating_sub(self.params.cost_ticks(cost));
             }
+            g.next_full = g.next_full.min(g.slots[i].tat);
         }
     }
 
@@ -408,6 +432,7 @@ impl KeyedLimiter {
         if let Some(i) = t.find(key) {
             if t.slots[i].tat == after {
                 t.slots[i].tat = after.saturating_sub(self.params.cost_ticks(cost));
+                t.next_full = t.next_full.min(t.slots[i].tat);
             }
         }
     }
@@ -417,6 +442,7 @@ impl KeyedLimiter {
         let mut t = self.shard(key);
         if let Some(i) = t.find(key) {
             t.slots[i].tat = t.slots[i].tat.saturating_sub(self.params.cost_ticks(cost));
+            t.next_full = t.next_full.min(t.slots[i].tat);
         }
     }
 

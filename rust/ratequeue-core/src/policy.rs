@@ -119,6 +119,11 @@ impl Policy {
         self.admitted.load(Ordering::Relaxed)
     }
 
+    /// Counts a refusal by level `i` decided outside the core (e.g. waiters ahead).
+    pub fn note_refused(&self, i: usize) {
+        self.refused[i].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counters of level `i`.
     pub fn counts(&self, i: usize) -> LevelCounts {
         LevelCounts {
@@ -142,7 +147,7 @@ impl Policy {
     pub fn undo(&self, i: usize, held: &Held, a: &LevelArgs) {
         match (&self.levels[i].kind, held) {
             (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, &a.costs),
-            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => k.untake(t),
+            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => k.untake_cost(t, a.costs[0]),
             _ => self.release(i, held),
         }
     }
@@ -183,7 +188,10 @@ impl Policy {
     /// Takes every level at `at_ns` (no delay), all or nothing. Shadow levels that
     /// would refuse are counted and hold nothing. Enforced refusals are counted when
     /// `count` is set.
+    /// `count`: count enforced refusals (a reservation's retries do not); shadow
+    /// refusals are counted on every decision that is kept.
     fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool, rates_only: bool) -> Result<Vec<Held>, Refusal> {
+        let mut shadowed = Vec::new();
         let mut held = Vec::with_capacity(self.levels.len());
         for i in 0..self.levels.len() {
             if rates_only && self.levels[i].is_concurrency() {
@@ -193,9 +201,7 @@ impl Policy {
             match self.take_level(i, &args[i], at_ns) {
                 Ok(h) => held.push(h),
                 Err(d) if self.levels[i].shadow && !matches!(d, Deny::TooLarge { .. }) => {
-                    if count {
-                        self.shadow_refused[i].fetch_add(1, Ordering::Relaxed);
-                    }
+                    shadowed.push(i);
                     held.push(Held::Nothing);
                 }
                 Err(d) => {
@@ -206,6 +212,9 @@ impl Policy {
                     return Err(Refusal { level: i, deny: d });
                 }
             }
+        }
+        for i in shadowed {
+            self.shadow_refused[i].fetch_add(1, Ordering::Relaxed);
         }
         Ok(held)
     }

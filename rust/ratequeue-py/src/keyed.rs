@@ -34,18 +34,20 @@ pub fn key_of(h: &KeyHasher, key: &Bound<'_, PyAny>) -> PyResult<u64> {
     if let Ok(b) = key.cast::<PyBytes>() {
         return Ok(h.bytes(b.as_bytes()));
     }
-    if key.is_instance_of::<PyInt>() && !key.is_instance_of::<PyBool>() {
-        if let Ok(v) = key.extract::<u64>() {
-            return Ok(h.int(v));
-        }
-        if let Ok(v) = key.extract::<i64>() {
-            return Ok(h.int(v as u64));
-        }
+    if key.is_instance_of::<PyBool>() {
+        return Err(type_err("key", "a str, bytes or int", key));
+    }
+    // Any integer (int, numpy integers: whatever has __index__).
+    if let Ok(v) = key.extract::<u64>() {
+        return Ok(h.int(v));
+    }
+    if let Ok(v) = key.extract::<i64>() {
+        return Ok(h.int(v as u64));
+    }
+    if key.is_instance_of::<PyInt>() {
         // Outside 64 bits: its decimal digits, in a domain of their own (not the str's).
         let text = key.str()?;
-        let mut b = b"int:".to_vec();
-        b.extend_from_slice(text.to_str()?.as_bytes());
-        return Ok(h.bytes(&b));
+        return Ok(h.big_int(text.to_str()?));
     }
     Err(type_err("key", "a str, bytes or int", key))
 }
@@ -282,6 +284,11 @@ pub struct KeyedLimiterPy {
 }
 
 impl KeyedLimiterPy {
+    /// True when `key` has waiters (a policy must not overtake them either).
+    pub fn has_waiters(&self, key: u64) -> bool {
+        self.keyed.gates.has_waiters(key)
+    }
+
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedLimiter> {
         &self.core
@@ -405,13 +412,16 @@ impl KeyedLimiterPy {
         keys: &Bound<'py, PyAny>,
         costs: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyArray1<bool>>> {
+        let h = self.core.hasher().clone();
         let hashed: Vec<u64> = if let Ok(a) = keys.extract::<PyReadonlyArray1<'_, u64>>() {
-            let h = self.core.hasher().clone();
             let view = a.as_array();
             match view.as_slice() {
                 Some(s) => py.detach(|| s.iter().map(|k| h.int(*k)).collect()),
                 None => view.iter().map(|k| h.int(*k)).collect(),
             }
+        } else if let Ok(a) = keys.extract::<PyReadonlyArray1<'_, i64>>() {
+            // int64 (numpy's default integer): the same keys as the ints themselves.
+            a.as_array().iter().map(|k| h.int(*k as u64)).collect()
         } else {
             if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
                 return Err(type_err("keys", "a numpy uint64 array or a sequence of keys", keys));
@@ -423,6 +433,19 @@ impl KeyedLimiterPy {
             v
         };
         let costs = costs_array(py, costs, hashed.len())?;
+        // A cost above the burst can never be admitted: refuse the whole call before
+        // deciding anything.
+        let burst = self.core.rate().burst;
+        if let Some(&c) = costs.as_ref().and_then(|c| c.iter().find(|c| **c > burst)) {
+            return Err(to_py(
+                py,
+                Error::CostTooLarge {
+                    unit: self.unit.clone(),
+                    cost: c,
+                    burst,
+                },
+            ));
+        }
         let mut out = vec![false; hashed.len()];
         let gates = &self.keyed.gates;
         let core = self.core.clone();
@@ -571,6 +594,11 @@ pub struct KeyedConcurrencyPy {
 }
 
 impl KeyedConcurrencyPy {
+    /// True when `key` has waiters (a policy must not overtake them either).
+    pub fn has_waiters(&self, key: u64) -> bool {
+        self.keyed.gates.has_waiters(key)
+    }
+
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedSemaphore> {
         &self.core

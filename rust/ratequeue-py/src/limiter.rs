@@ -137,6 +137,11 @@ pub struct LimiterPy {
 }
 
 impl LimiterPy {
+    /// True when someone waits in this limiter's queue (nobody overtakes them).
+    pub fn has_waiters(&self) -> bool {
+        self.gate.queue.waiting() != 0
+    }
+
     /// The core limiter (for policies).
     pub fn core(&self) -> &Arc<Limiter> {
         &self.core

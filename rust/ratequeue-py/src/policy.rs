@@ -45,7 +45,9 @@ pub struct PolicyPy {
     clock: AnyClock,
 }
 
-fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal) -> PyErr {
+/// The error for a refusal; `max_wait_ns`: the bound a reservation was refused
+/// against (retry_after is then the excess, as for Limiter.reserve).
+fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal, max_wait_ns: u64) -> PyErr {
     let name = &p.levels[r.level].name;
     let e = match r.deny {
         Deny::TooLarge { cost, burst, .. } => Error::CostTooLarge {
@@ -55,7 +57,11 @@ fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal) -> PyErr {
         },
         Deny::Wait(ns) => Error::Overloaded {
             reason: format!("refused by level {name:?}"),
-            retry_after_ns: if ns == u64::MAX { 0 } else { ns },
+            retry_after_ns: if ns == u64::MAX {
+                0
+            } else {
+                ns.saturating_sub(max_wait_ns)
+            },
         },
     };
     to_py(py, e)
@@ -147,6 +153,29 @@ impl PolicyPy {
             delay_ns,
             released: AtomicBool::new(false),
         }
+    }
+
+    /// The first enforced level where someone already waits (a policy does not
+    /// overtake the waiters of its levels, as their own try_acquire does not).
+    fn waiters_ahead(&self, py: Python<'_>, args: &[LevelArgs]) -> Option<usize> {
+        self.levels.iter().enumerate().find_map(|(i, l)| {
+            if self.core.levels()[i].shadow {
+                return None;
+            }
+            let o = l.obj.bind(py);
+            let waits = if let Ok(x) = o.cast::<LimiterPy>() {
+                x.get().has_waiters()
+            } else if let Ok(x) = o.cast::<KeyedLimiterPy>() {
+                x.get().has_waiters(args[i].key)
+            } else if let Ok(x) = o.cast::<ConcurrencyPy>() {
+                x.get().gate().queue.waiting() != 0
+            } else if let Ok(x) = o.cast::<KeyedConcurrencyPy>() {
+                x.get().has_waiters(args[i].key)
+            } else {
+                false
+            };
+            waits.then_some(i)
+        })
     }
 
     /// Waits (GIL released) in the queue of every enforced concurrency level, in order.
@@ -272,12 +301,16 @@ impl PolicyPy {
     #[pyo3(signature = (**kw))]
     fn try_acquire(&self, py: Python<'_>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Option<PolicyPermitPy>> {
         let args = self.args(kw)?;
+        if let Some(i) = self.waiters_ahead(py, &args) {
+            self.core.note_refused(i);
+            return Ok(None);
+        }
         match self.core.try_acquire(&args, self.clock.now_ns()) {
             Ok(held) => Ok(Some(self.permit(args, held, 0, Vec::new()))),
             Err(Refusal {
                 deny: Deny::Wait(_), ..
             }) => Ok(None),
-            Err(r) => Err(refusal_error(py, self, r)),
+            Err(r) => Err(refusal_error(py, self, r, 0)),
         }
     }
 
@@ -298,7 +331,7 @@ impl PolicyPy {
             .unwrap_or(u64::MAX);
         match self.core.reserve(&args, self.clock.now_ns(), mw, false) {
             Ok((delay, held)) => Ok(self.permit(args, held, delay, Vec::new())),
-            Err(r) => Err(refusal_error(py, self, r)),
+            Err(r) => Err(refusal_error(py, self, r, mw)),
         }
     }
 
@@ -328,7 +361,7 @@ impl PolicyPy {
                 for p in &conc {
                     p.get().release();
                 }
-                return Err(refusal_error(py, self, r));
+                return Err(refusal_error(py, self, r, mw));
             }
         };
         let permit = self.permit(args, held, delay + now.saturating_sub(start), conc);
@@ -359,7 +392,7 @@ impl PolicyPy {
                 for p in &permits {
                     p.get().release();
                 }
-                Err(refusal_error(py, self, r))
+                Err(refusal_error(py, self, r, mw))
             }
         }
     }
