@@ -1,0 +1,209 @@
+"""A private redis-server for the tests: loopback, a free port, no persistence.
+
+``RedisServer`` starts ``redis-server`` (found on PATH or in ``$RATEQUEUE_REDIS_SERVER``)
+on 127.0.0.1 with ``--save '' --appendonly no`` and stops it afterwards; ``stop()`` and
+``start()`` again on the same port let tests kill Redis in the middle of a run. The
+pytest fixtures below are imported by the ``test_redis*.py`` modules. Without a
+redis-server the tests are skipped, except in CI (``CI=true``), where that fails them.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+
+try:
+    import redis
+    import redis.asyncio
+except ImportError:  # pragma: no cover - the test extra installs it
+    redis = None  # type: ignore[assignment]
+
+
+def in_ci() -> bool:
+    return os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
+
+
+def server_binary() -> str | None:
+    return os.environ.get("RATEQUEUE_REDIS_SERVER") or shutil.which("redis-server")
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class RedisServer:
+    """One redis-server process; ``url`` stays the same across stop/start."""
+
+    def __init__(self, binary: str, port: int | None = None) -> None:
+        self.binary = binary
+        self.port = port or free_port()
+        self.dir = tempfile.mkdtemp(prefix="rq-redis-")
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> None:
+        assert self.proc is None, "already running"
+        args = [
+            self.binary,
+            "--port",
+            str(self.port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            self.dir,
+            "--daemonize",
+            "no",
+            "--protected-mode",
+            "yes",
+            "--loglevel",
+            "warning",
+        ]
+        self.proc = subprocess.Popen(
+            args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir
+        )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode() if self.proc.stderr else ""
+                self.proc = None
+                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
+                    s.sendall(b"PING\r\n")
+                    if s.recv(16).startswith(b"+PONG"):
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"redis-server did not answer on port {self.port}")
+            time.sleep(0.02)
+
+    def stop(self) -> None:
+        """Stops the server (SIGTERM, then SIGKILL); its data is gone (no persistence)."""
+        p = self.proc
+        if p is None:
+            return
+        self.proc = None
+        if p.poll() is None:
+            p.terminate()
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        if p.stderr:
+            p.stderr.close()
+
+    def pause(self) -> None:
+        """Freezes the server (SIGSTOP): connections hang, calls time out."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def client(self, timeout: float = 1.0, decode_responses: bool = False) -> redis.Redis:
+        """A client with ``timeout`` s socket timeouts and no retries (fail fast)."""
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        return redis.Redis(
+            host="127.0.0.1",
+            port=self.port,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=decode_responses,
+        )
+
+    def async_client(self, timeout: float = 1.0) -> redis.asyncio.Redis:
+        from ratequeue.redis import connect_async
+
+        return connect_async(self.url, timeout=timeout)
+
+
+_server: RedisServer | None = None
+
+
+def _require_binary() -> str:
+    if redis is None:
+        msg = "the redis package is not installed (pip install 'ratequeue[test]')"
+        if in_ci():
+            pytest.fail(msg)
+        pytest.skip(msg)
+    binary = server_binary()
+    if binary is None:
+        msg = "redis-server not found (apt-get install redis-server)"
+        if in_ci():
+            pytest.fail(f"{msg}: CI must run the Redis tests")
+        pytest.skip(msg)
+    return binary
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    """A redis-server shared by the session (started once)."""
+    global _server
+    binary = _require_binary()
+    if _server is None:
+        _server = RedisServer(binary)
+        _server.start()
+    yield _server
+
+
+@pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A redis-server of its own, for tests that stop, freeze or restart it."""
+    server = RedisServer(_require_binary())
+    server.start()
+    try:
+        yield server
+    finally:
+        if server.proc is not None and server.proc.poll() is None:
+            server.resume()
+        server.stop()
+        shutil.rmtree(server.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
+    """A client of the shared server, on an empty database."""
+    c = redis_server.client()
+    c.flushdb()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def _stop_shared() -> None:
+    if _server is not None:
+        _server.stop()
+        shutil.rmtree(_server.dir, ignore_errors=True)
+
+
+atexit.register(_stop_shared)
