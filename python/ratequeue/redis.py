@@ -650,6 +650,36 @@ class _Engine:
         br.success()
         return r
 
+    def start_ns(self) -> int:
+        m = self.clock.manual
+        return 0 if m is None else m.now_ns()
+
+    def wait(self, r: RedisReservation, start_ns: int) -> None:
+        """Sleeps once until the grant (a manual clock is moved there instead)."""
+        if r.delay <= 0:
+            return
+        if self.clock.manual is not None:
+            self.clock.sleep_target(start_ns, round(r.delay * 1e6))
+            return
+        try:
+            time.sleep(r.delay)
+        except BaseException:
+            r.cancel()
+            raise
+
+    async def await_wait(self, r: RedisReservation, start_ns: int) -> None:
+        """One asyncio.sleep until the grant; a cancellation gives the reservation back."""
+        if r.delay <= 0:
+            return
+        if self.clock.manual is not None:
+            self.clock.sleep_target(start_ns, round(r.delay * 1e6))
+            return
+        try:
+            await asyncio.sleep(r.delay)
+        except BaseException:
+            await asyncio.shield(r.cancel_async())
+            raise
+
     def unavailable(self, what: str) -> RedisUnavailable:
         return RedisUnavailable(
             f"overloaded: Redis is unavailable and {what} fails closed",
@@ -1346,31 +1376,14 @@ class RedisLimiter(_LimiterBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         try:
             reply = e.run(self._take_cmd(c, mw, True))
         except _Down:
-            return self._fallback_acquire(c, limit)
-        r = self._reservation(reply, c, mw, self._adjust)
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, int(reply[1]))
-            else:
-                try:
-                    time.sleep(r.delay)
-                except BaseException:
-                    r.cancel()
-                    raise
-        return r.permit
-
-    def _fallback_acquire(self, c: list[int], limit: float | None) -> RedisPermit:
-        e = self._engine
-        named = self._named(c)
-        if e.on_failure == "local" and self._local is not None:
-            e.fallbacks += 1
-            p = self._local.acquire(timeout=limit, **dict[str, Any](named))
-            return RedisPermit(p.waited, named, None, local=p)
-        r = self._fallback_reserve(c, limit)
+            r = self._fallback_reserve(c, limit)
+        else:
+            r = self._reservation(reply, c, mw, self._adjust)
+        e.wait(r, start)
         return r.permit
 
     def retry_after(self, n: int | None = None, /, **costs: int) -> float:
@@ -1492,26 +1505,14 @@ class AsyncRedisLimiter(_LimiterBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         try:
             reply = await e.arun(self._take_cmd(c, mw, True))
         except _Down:
-            named = self._named(c)
-            if e.on_failure == "local" and self._local is not None:
-                e.fallbacks += 1
-                p = await self._local.acquire_async(timeout=limit, **dict[str, Any](named))
-                return RedisPermit(p.waited, named, None, local=p)
-            return self._fallback_reserve(c, limit).permit
-        r = self._reservation(reply, c, mw, self._adjust)
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, int(reply[1]))
-            else:
-                try:
-                    await asyncio.sleep(r.delay)
-                except BaseException:
-                    await asyncio.shield(r.cancel_async())
-                    raise
+            r = self._fallback_reserve(c, limit)
+        else:
+            r = self._reservation(reply, c, mw, self._adjust)
+        await e.await_wait(r, start)
         return r.permit
 
     async def retry_after(self, n: int | None = None, /, **costs: int) -> float:
@@ -1693,13 +1694,19 @@ class _KeyedBase:
         permit = RedisPermit(take.wait_us / 1e6, {u: c}, adjust)
         return RedisReservation(permit.delay, permit, self._engine, [self.key(key)], take.undo)
 
-    def _fallback_reserve(self, c: int) -> RedisReservation:
+    def _fallback_reserve(self, key: Key, c: int) -> RedisReservation:
+        """Without Redis: admit (fail_open), refuse (fail_closed) or decide locally now."""
         e = self._engine
-        e.fallbacks += 1
         named = {self._bucket.unit: c}
-        if e.on_failure == "fail_open":
-            return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
-        raise e.unavailable(f"keyed limiter {self.name!r}")
+        if e.on_failure == "fail_closed" or (e.on_failure == "local" and self._local is None):
+            e.fallbacks += 1
+            raise e.unavailable(f"keyed limiter {self.name!r}")
+        if not self._fallback_try(key, c):
+            assert self._local is not None
+            raise Overloaded(
+                "overloaded: refused by the local fallback", self._local.retry_after(key, c)
+            )
+        return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
 
     def stats(self) -> dict[str, Any]:
         s = self._engine.stats()
@@ -1742,16 +1749,7 @@ class RedisKeyedLimiter(_KeyedBase):
         try:
             reply = self._engine.run(self._take_cmd(key, c, mw, True))
         except _Down:
-            if self._engine.on_failure == "local" and self._local is not None:
-                ok = self._fallback_try(key, c)
-                if not ok:
-                    raise Overloaded(
-                        "overloaded: refused by the local fallback",
-                        self._local.retry_after(key, c),
-                    ) from None
-                named = {self._bucket.unit: c}
-                return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
-            return self._fallback_reserve(c)
+            return self._fallback_reserve(key, c)
         return self._reservation(key, reply, c, mw, self._adjuster(key))
 
     def acquire(self, key: Key, cost: int = 1, *, timeout: float | None = None) -> RedisPermit:
@@ -1760,25 +1758,18 @@ class RedisKeyedLimiter(_KeyedBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         try:
             reply = e.run(self._take_cmd(key, c, mw, True))
         except _Down:
-            if e.on_failure == "local" and self._local is not None:
+            if self._local is not None and e.clock.manual is None:
                 e.fallbacks += 1
                 p = self._local.acquire(key, c, timeout=limit)
                 return RedisPermit(p.waited, {self._bucket.unit: c}, None, local=p)
-            return self._fallback_reserve(c).permit
-        r = self._reservation(key, reply, c, mw, self._adjuster(key))
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, int(reply[1]))
-            else:
-                try:
-                    time.sleep(r.delay)
-                except BaseException:
-                    r.cancel()
-                    raise
+            r = self._fallback_reserve(key, c)
+        else:
+            r = self._reservation(key, reply, c, mw, self._adjuster(key))
+        e.wait(r, start)
         return r.permit
 
     def retry_after(self, key: Key, cost: int = 1) -> float:
@@ -1829,15 +1820,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         try:
             reply = await self._engine.arun(self._take_cmd(key, c, mw, True))
         except _Down:
-            if self._engine.on_failure == "local" and self._local is not None:
-                if not self._fallback_try(key, c):
-                    raise Overloaded(
-                        "overloaded: refused by the local fallback",
-                        self._local.retry_after(key, c),
-                    ) from None
-                named = {self._bucket.unit: c}
-                return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
-            return self._fallback_reserve(c)
+            return self._fallback_reserve(key, c)
         return self._reservation(key, reply, c, mw, self._adjuster(key))
 
     def acquire(
@@ -1852,25 +1835,18 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         try:
             reply = await e.arun(self._take_cmd(key, c, mw, True))
         except _Down:
-            if e.on_failure == "local" and self._local is not None:
+            if self._local is not None and e.clock.manual is None:
                 e.fallbacks += 1
                 p = await self._local.acquire_async(key, c, timeout=limit)
                 return RedisPermit(p.waited, {self._bucket.unit: c}, None, local=p)
-            return self._fallback_reserve(c).permit
-        r = self._reservation(key, reply, c, mw, self._adjuster(key))
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, int(reply[1]))
-            else:
-                try:
-                    await asyncio.sleep(r.delay)
-                except BaseException:
-                    await asyncio.shield(r.cancel_async())
-                    raise
+            r = self._fallback_reserve(key, c)
+        else:
+            r = self._reservation(key, reply, c, mw, self._adjuster(key))
+        await e.await_wait(r, start)
         return r.permit
 
     async def retry_after(self, key: Key, cost: int = 1) -> float:
@@ -2168,17 +2144,9 @@ class RedisPolicy(_PolicyBase):
         """Reserve every level in one round trip, then sleep once for the latest of them."""
         limit = timeout if timeout is not None else self.max_wait
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         r = self.reserve(max_wait=limit, **kw)
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, round(r.delay * 1e6))
-            else:
-                try:
-                    time.sleep(r.delay)
-                except BaseException:
-                    r.cancel()
-                    raise
+        e.wait(r, start)
         return r.permit
 
 
@@ -2226,15 +2194,7 @@ class AsyncRedisPolicy(_PolicyBase):
     async def _acquire(self, timeout: float | None, kw: dict[str, Any]) -> RedisPermit:
         limit = timeout if timeout is not None else self.max_wait
         e = self._engine
-        start = e.clock.manual.now_ns() if e.clock.manual is not None else 0
+        start = e.start_ns()
         r = await self.reserve(max_wait=limit, **kw)
-        if r.delay > 0:
-            if e.clock.manual is not None:
-                e.clock.sleep_target(start, round(r.delay * 1e6))
-            else:
-                try:
-                    await asyncio.sleep(r.delay)
-                except BaseException:
-                    await asyncio.shield(r.cancel_async())
-                    raise
+        await e.await_wait(r, start)
         return r.permit
