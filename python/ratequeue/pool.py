@@ -283,12 +283,14 @@ class Pool:
         now = self._clock.now()
         candidates: list[tuple[Provider, float]] = []
         waits: dict[str, float] = {}
-        too_large: CostTooLarge | None = None
+        never = 0  # providers whose limits the cost can never fit
         for p in self._providers:
             try:
                 w = p.limiter.predicted_wait(**p.costs_for(costs))
-            except CostTooLarge as e:
-                too_large = e
+            except CostTooLarge:
+                w = math.inf
+            if math.isinf(w):
+                never += 1
                 waits[p.name] = math.inf
                 continue
             cool = p._cooldown_until - now
@@ -299,8 +301,10 @@ class Pool:
                 continue
             candidates.append((p, w))
         if not candidates:
-            if too_large is not None and all(math.isinf(w) for w in waits.values()):
-                raise too_large
+            if never == len(self._providers):
+                raise CostTooLarge(
+                    f"the cost {dict(costs)} exceeds a burst of every provider of the pool"
+                )
             smallest = min(waits.values())
             detail = ", ".join(
                 f"{name} {'cooling down ' if self._by_name[name]._cooldown_until > now else ''}"
@@ -437,7 +441,9 @@ class Pool:
             with self._lock:
                 p._routed += 1
             try:
-                r = p.limiter.submit(channel, priority=priority, timeout=budget, **p.costs_for(costs))
+                r = p.limiter.submit(
+                    channel, priority=priority, timeout=budget, **p.costs_for(costs)
+                )
             except Overloaded:
                 excluded.add(p.name)
                 continue
