@@ -111,7 +111,8 @@ GCRA_LUA: Final = r"""
 -- p  peek:   -, -  | inc, tau                                   -> {wait, used...}
 -- a  adjust: -, -  | delta (signed)                             -> 1
 -- u  undo:   -, -  | expected TAT, previous TAT ('' = full)     -> how many undone
--- l  lease:  -, -  | T, tau, units, need, give back from, to    -> {ok, wait, (k, start, debit)..}
+-- l  lease:  -, -  | T, tau, units, need, give back from, to, version
+--                                               -> {ok, wait, (k, start, debit, version)..}
 local now
 if ARGV[2] == '' then
   local t = redis.call('TIME')
@@ -250,16 +251,24 @@ elseif op == 'u' then
   end
   return c
 elseif op == 'l' then
+  -- KEYS: the buckets, then one version key per bucket (the last give-back, or none).
+  local m = n / 2
   local xs, dirty = {}, {}
   local wait = 0
-  for i = 1, n do
-    local j = 6 * i
+  for i = 1, m do
+    local j = 7 * i - 1
     local x = tat(KEYS[i])
-    if ARGV[j + 5] ~= '' then
-      -- Give back the part of the previous lease that is unused and still ahead.
+    if ARGV[j + 5] ~= '' and x > now then
+      -- Give back the unused part of the previous lease that is still ahead. Its
+      -- recorded place is exact only while no other give-back moved the schedule
+      -- (same version); otherwise nothing is given back (never more than was taken).
+      local v = redis.call('GET', KEYS[m + i]) or ''
       local h, l = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 4])
       if l < now then l = now end
-      if h > l then
+      if v == ARGV[j + 6] and h > l then
+        local nv = now
+        if v ~= '' and tonumber(v) >= now then nv = tonumber(v) + 1 end
+        redis.call('SET', KEYS[m + i], nv, 'PX', math.ceil((x - now) / 1000) + keep)
         x = x - (h - l)
         if x < now then x = now end
         dirty[i] = true
@@ -270,14 +279,14 @@ elseif op == 'l' then
     if g > wait then wait = g end
   end
   if wait > 0 then
-    for i = 1, n do
+    for i = 1, m do
       if dirty[i] then store(KEYS[i], xs[i]) end
     end
     return {0, wait}
   end
   local out = {1, 0}
-  for i = 1, n do
-    local j = 6 * i
+  for i = 1, m do
+    local j = 7 * i - 1
     local x, t, tau = xs[i], tonumber(ARGV[j]), tonumber(ARGV[j + 1])
     local want, need = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
     local k = math.floor((tau - (x - now)) / t)
@@ -295,6 +304,7 @@ elseif op == 'l' then
     out[#out + 1] = k
     out[#out + 1] = x
     out[#out + 1] = d
+    out[#out + 1] = redis.call('GET', KEYS[m + i]) or ''
   end
   return out
 end
@@ -980,20 +990,30 @@ def _overloaded(wait_us: int, max_wait_us: int, reason: str = "") -> Overloaded:
 class _Lease:
     """A slice of a Redis bucket served by a local Rust bucket (no refill within its life)."""
 
-    __slots__ = ("deadline", "debits", "granted", "local", "names", "single", "starts")
+    __slots__ = (
+        "deadline",
+        "debits",
+        "granted",
+        "local",
+        "names",
+        "single",
+        "starts",
+        "versions",
+    )
 
     def __init__(
         self,
         granted: list[int],
         starts: list[int],
         debits: list[int],
+        versions: list[str],
         deadline: float,
         clock: ManualClock | None,
-        ttl: float,
     ) -> None:
         self.granted = granted
         self.starts = starts
         self.debits = debits
+        self.versions = versions
         self.deadline = deadline
         self.names = [f"r{i}" for i in range(len(granted))]
         top = max(max(granted), 1)
@@ -1011,11 +1031,14 @@ class _Lease:
             )
 
     def try_take(self, costs: Sequence[int], bucket_unit: Sequence[int]) -> bool:
-        if self.single:
-            return self.local.try_acquire(costs[bucket_unit[0]])
-        return self.local.try_acquire(
-            **{n: costs[u] for n, u in zip(self.names, bucket_unit, strict=True)}
-        )
+        try:
+            if self.single:
+                return self.local.try_acquire(costs[bucket_unit[0]])
+            return self.local.try_acquire(
+                **{n: costs[u] for n, u in zip(self.names, bucket_unit, strict=True)}
+            )
+        except CostTooLarge:  # more than this lease holds: a new lease is needed
+            return False
 
     def drain(self) -> list[int]:
         """Takes whatever is left (so no other thread can use it) and returns it per rate."""
@@ -1026,13 +1049,17 @@ class _Lease:
                 return rem
         return [0] * len(self.names)
 
-    def give_back(self, rem: Sequence[int], buckets: Sequence[_Bucket]) -> list[tuple[str, str]]:
-        """The (from, to) microseconds of the unused, latest part of each debit."""
+    def give_back(
+        self, rem: Sequence[int], buckets: Sequence[_Bucket]
+    ) -> list[tuple[str, str, str]]:
+        """(from, to, version): the unused, latest part of each debit, in microseconds."""
         out = []
-        for r, a, d, b in zip(rem, self.starts, self.debits, buckets, strict=True):
+        for r, a, d, v, b in zip(
+            rem, self.starts, self.debits, self.versions, buckets, strict=True
+        ):
             hi = a + d
             lo = hi - min(d, round(r * b.interval))
-            out.append((str(lo), str(hi)) if r > 0 and hi > lo else ("", ""))
+            out.append((str(lo), str(hi), v) if r > 0 and hi > lo else ("", "", ""))
         return out
 
 
@@ -1076,6 +1103,7 @@ class _LimiterBase:
         self._units = _units_of(rates)
         self._bucket_unit = [self._units.index(b.unit) for b in self._buckets]
         self.keys = [f"{prefix}:{{{self.tag}}}:{name}:{i}".encode() for i in range(len(rates))]
+        self._version_keys = [k + b":v" for k in self.keys]
         self._head = self._engine.head(len(self.keys))
         try:
             self._default: list[int] | None = _parse_costs(self._units, None, {})
@@ -1104,6 +1132,7 @@ class _LimiterBase:
         self._lease_units = (
             [max(1, math.floor(b.burst * lease)) for b in self._buckets] if lease else []
         )
+        self._lease_grain = [(k + 1) // 2 for k in self._lease_units]
         if self._lease_units:
             top = max(self._lease_units)
             if min(_MAX_LOCAL_PERIOD, 3.0e7 / top) < 2 * lease_ttl:
@@ -1112,6 +1141,9 @@ class _LimiterBase:
                     "(the local bucket could refill within the lease's life)"
                 )
         self._lease: _Lease | None = None
+        # A refused renewal: refuse costs at least these until then (no round trip).
+        self._dry_until = -math.inf
+        self._dry_costs: list[int] = []
         self._leases = 0
         self._lease_lock = threading.Lock()
         self._admitted = 0
@@ -1251,30 +1283,34 @@ class _LimiterBase:
 
     # -- leases
 
-    def _lease_cmd(self, costs: Sequence[int], back: Sequence[tuple[str, str]]) -> tuple[Any, ...]:
+    def _lease_cmd(
+        self, costs: Sequence[int], back: Sequence[tuple[str, str, str]]
+    ) -> tuple[Any, ...]:
+        """Give back the previous lease (``back``) and take a new one for ``costs``."""
         e = self._engine
         args: list[Any] = ["l", e.clock.now_arg(), e.clock.keep_ms, 0, 0]
         for i, b in enumerate(self._buckets):
-            need = costs[self._bucket_unit[i]] if costs else 0
+            # At least half a lease per renewal (or the cost): under contention a renewal
+            # waits for half a lease rather than taking the units one by one.
+            need = max(costs[self._bucket_unit[i]], self._lease_grain[i]) if costs else 0
             want = max(self._lease_units[i], need) if costs else 0
-            lo, hi = back[i] if back else ("", "")
-            args += [repr(b.interval), b.tau, want, need, lo, hi]
-        return (*self._head, *self.keys, *args)
+            lo, hi, v = back[i] if back else ("", "", "")
+            args += [repr(b.interval), b.tau, want, need, lo, hi, v]
+        return (*self._engine.head(2 * len(self.keys)), *self.keys, *self._version_keys, *args)
 
     def _lease_from(self, reply: Sequence[Any]) -> _Lease | None:
         if int(reply[0]) != 1:
             return None
-        vals = [int(x) for x in reply[2:]]
-        granted, starts, debits = vals[0::3], vals[1::3], vals[2::3]
+        vals = list(reply[2:])
         self._leases += 1
         clock = self._engine.clock
         return _Lease(
-            granted,
-            starts,
-            debits,
+            [int(x) for x in vals[0::4]],
+            [int(x) for x in vals[1::4]],
+            [int(x) for x in vals[2::4]],
+            [_text(x) for x in vals[3::4]],
             clock.monotonic() + self.lease_ttl,
             clock.manual,
-            self.lease_ttl,
         )
 
     def _lease_fast(self, costs: list[int]) -> bool:
@@ -1285,7 +1321,30 @@ class _LimiterBase:
             and lease.try_take(costs, self._bucket_unit)
         )
 
-    def _lease_prepare(self) -> list[tuple[str, str]]:
+    def _dry(self, c: list[int]) -> bool:
+        """True when a renewal for ``c`` was refused and its retry time has not come."""
+        if self._engine.clock.monotonic() >= self._dry_until:
+            return False
+        if all(x >= y for x, y in zip(c, self._dry_costs, strict=True)):
+            self._refused += 1
+            return True
+        return False
+
+    def _renewed(self, reply: Sequence[Any], c: list[int]) -> bool:
+        lease = self._lease_from(reply)
+        if lease is None:
+            self._refused += 1
+            self._dry_until = self._engine.clock.monotonic() + int(reply[1]) / 1e6
+            self._dry_costs = list(c)
+            return False
+        self._dry_until = -math.inf
+        self._lease = lease
+        ok = lease.try_take(c, self._bucket_unit)
+        if ok:
+            self._admitted += 1
+        return ok
+
+    def _lease_prepare(self) -> list[tuple[str, str, str]]:
         """Drains the current lease; returns what to give back."""
         old = self._lease
         self._lease = None
@@ -1331,20 +1390,14 @@ class RedisLimiter(_LimiterBase):
             if self._lease_fast(c):
                 return True
             self._per_bucket(c)
+            if self._dry(c):
+                return False
             back = self._lease_prepare()
             try:
                 reply = self._engine.run(self._lease_cmd(c, back))
             except _Down:
                 return self._fallback_try(c)
-            lease = self._lease_from(reply)
-            if lease is None:
-                self._refused += 1
-                return False
-            self._lease = lease
-            ok = lease.try_take(c, self._bucket_unit)
-            if ok:
-                self._admitted += 1
-            return ok
+            return self._renewed(reply, c)
 
     def _adjust(self, est: dict[str, int], actual: dict[str, int]) -> None:
         with contextlib.suppress(_Down):
@@ -1406,7 +1459,7 @@ class RedisLimiter(_LimiterBase):
 
     def reset(self) -> None:
         """Deletes this limiter's keys: every bucket is full again."""
-        self._engine.client.delete(*self.keys)
+        self._engine.client.delete(*self.keys, *self._version_keys)
 
     def close(self) -> None:
         """Gives the unused part of the current lease back to Redis."""
@@ -1457,20 +1510,14 @@ class AsyncRedisLimiter(_LimiterBase):
             if self._lease_fast(c):
                 return True
             self._per_bucket(c)
+            if self._dry(c):
+                return False
             back = self._lease_prepare()
             try:
                 reply = await self._engine.arun(self._lease_cmd(c, back))
             except _Down:
                 return self._fallback_try(c)
-            lease = self._lease_from(reply)
-            if lease is None:
-                self._refused += 1
-                return False
-            self._lease = lease
-            ok = lease.try_take(c, self._bucket_unit)
-            if ok:
-                self._admitted += 1
-            return ok
+            return self._renewed(reply, c)
 
     async def _adjust(self, est: dict[str, int], actual: dict[str, int]) -> None:
         with contextlib.suppress(_Down):
@@ -1532,7 +1579,7 @@ class AsyncRedisLimiter(_LimiterBase):
         return self._available_of(self._peeked(reply)[1], unit)
 
     async def reset(self) -> None:
-        await self._engine.client.delete(*self.keys)
+        await self._engine.client.delete(*self.keys, *self._version_keys)
 
     async def close(self) -> None:
         if not self._lease_units:
