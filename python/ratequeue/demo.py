@@ -1,17 +1,29 @@
-"""The burst demo: 500 requests at once against 100 requests/minute, on a manual clock.
+"""The demos.
 
-Unbounded, the last request waits about five minutes; with ``max_wait=5`` nothing waits
-longer than five seconds and the rest is refused at once, with its ``retry_after``.
+``python -m ratequeue demo`` prints the first demo's table (below), then runs the lab's
+default scenario (:func:`lab_demo`): a provider of 100 requests/minute (burst 5),
+Poisson load from rho = 0.5 to 0.98 and a burst of 500 requests, with the strategies
+side by side (naive retry on 429, an unbounded queue, a bounded wait, priority classes,
+a pool of two providers), all in virtual time; it prints a table per load level with
+M/M/1 and M/D/1 beside the measurements, and writes the plot, JSON and CSV to
+``lab-out/``.
+
+``python -m ratequeue demo --burst-only`` is the first demo (:func:`run`): 500 requests
+at once against 100 requests/minute, on a manual clock. Unbounded, the last request
+waits about five minutes; with ``max_wait=5`` nothing waits longer than five seconds and
+the rest is refused at once, with its ``retry_after``.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 from ._errors import Overloaded
 from ._ratequeue import Limiter, ManualClock, Rate
 
-__all__ = ["BurstResult", "burst", "run"]
+__all__ = ["BurstResult", "burst", "lab_demo", "run"]
 
 
 @dataclass(frozen=True)
@@ -65,4 +77,51 @@ def run(requests: int = 500, rpm: float = 100.0, burst_size: int = 5, max_wait: 
         "admitted request waits at most max_wait and the rest is refused at once",
         "(ratequeue.Overloaded, with retry_after) instead of timing out later.",
     ]
+    return "\n".join(lines)
+
+
+def lab_demo(
+    *,
+    rpm: float = 100.0,
+    burst_capacity: int = 5,
+    burst_requests: int = 500,
+    max_wait: float = 5.0,
+    per_level: int = 30_000,
+    rhos: tuple[float, ...] | None = None,
+    seed: int = 1,
+    out: str | Path | None = "lab-out",
+    plot: bool = True,
+    progress: bool | None = None,
+) -> str:
+    """Run the lab's default scenario; return the text to print (tables and files)."""
+    from . import lab
+
+    scenario = lab.Scenario(
+        name="demo",
+        limit=lab.ProviderLimit(rpm, burst_capacity),
+        rhos=lab.DEFAULT_RHOS if rhos is None else rhos,
+        requests=per_level,
+        strategies=lab.default_strategies(max_wait=max_wait),
+        burst=burst_requests,
+        seed=seed,
+    )
+    report = lab.run_scenario(scenario, progress=progress)
+    lines = [
+        f"ratequeue lab: a provider of {rpm:g} requests/minute (burst {burst_capacity}), "
+        f"open-loop Poisson load, {per_level:,} arrivals per level; the same arrivals "
+        "for every strategy, run in virtual time through the real limiter, queue and pool.",
+        "",
+        lab.format_report(report),
+    ]
+    if out is not None:
+        folder = Path(out)
+        written = [
+            lab.write_json(report, folder / "demo.json"),
+            lab.write_csv(report, folder / "demo.csv"),
+        ]
+        if plot and importlib.util.find_spec("matplotlib") is not None:
+            written.append(lab.plot(report, folder / "demo.png"))
+        elif plot:
+            lines.append('(no plot: install matplotlib, e.g. pip install "ratequeue[lab]")')
+        lines.append("wrote " + ", ".join(str(p) for p in written))
     return "\n".join(lines)
