@@ -30,6 +30,7 @@ build-dev: $(STAMP)
 	$(VENV)/bin/maturin develop
 
 demo: build
+	$(PIP) install --quiet "$$(ls dist/*.whl)[lab]"
 	$(PY) -m ratequeue demo
 
 test: test-rust test-python
@@ -49,7 +50,15 @@ lint: build
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest ratequeue._ratequeue --allowlist stubtest-allowlist.txt
 
+# Then the asv suite (against the installed package) when asv is there, and every
+# script's markdown gathered into benches/results/RESULTS.md.
 bench: bench-rust bench-python bench-peers
+	if $(PY) -c "import asv" 2>/dev/null; then \
+		cd benches/asv && ../../$(VENV)/bin/asv machine --yes >/dev/null && \
+		../../$(VENV)/bin/asv run --python=same --set-commit-hash=$$(git rev-parse HEAD) \
+			--show-stderr; \
+	fi
+	$(PY) benches/report.py --skip compare_peers.py
 
 bench-rust:
 	cargo bench -p ratequeue-core --bench bucket
