@@ -1,0 +1,137 @@
+"""pytest-benchmark benches of ratequeue's Python calls (the installed extension).
+
+Run (from this folder, against the package installed in .venv)::
+
+    cd benches && ../.venv/bin/python -m pytest -q bench_core.py --benchmark-only
+
+Every bench states what the call must return and checks it once more after timing, so a
+bench that silently measures the wrong path (e.g. a refusal instead of an admission, once
+a bucket has run dry) fails instead of reporting a flattering figure.
+
+Limits used for "admit": 1e9 units per second (one unit per ns, ratequeue's fastest rate)
+with a burst far larger than what the bench can consume, so every call is admitted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("pytest_benchmark")
+rq = pytest.importorskip("ratequeue")
+
+# Burst of the always-admitting limits: 1e9 units at 1e9/s is a one-second window;
+# 1e15 (about 11.6 days at 1e9/s) is used where the clock does not move.
+BURST = 10**9
+BURST_FROZEN = 10**15
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _warm_clock() -> None:
+    """Read the monotonic clock once before any timing: the first read in a process
+    calibrates the TSC (about 0.6 ms here), which would otherwise land in
+    pytest-benchmark's calibration and make it pick 1 iteration per round."""
+    rq.MonotonicClock().now_ns()
+
+
+def always(**kw: object) -> rq.Limiter:
+    """A limiter that admits every call of a bench (monotonic clock unless given)."""
+    return rq.Limiter(rq.Rate(1e9, per="second", burst=BURST), **kw)
+
+
+def drained() -> rq.Limiter:
+    """A limiter that refuses every call of a bench: 1 per day, its only unit spent."""
+    lim = rq.Limiter(rq.Rate(1, per="day", burst=1))
+    assert lim.try_acquire() is True
+    return lim
+
+
+@pytest.mark.benchmark(group="floor")
+def test_noop_floor(benchmark):
+    """lim._noop(): the cost of calling a method of the extension at all."""
+    lim = always()
+    assert benchmark(lim._noop) is None
+
+
+@pytest.mark.benchmark(group="try_acquire")
+def test_try_acquire_admit(benchmark):
+    """try_acquire() on one rate, monotonic clock, admitted: the hot path."""
+    lim = always()
+    assert lim.try_acquire() is True
+    assert benchmark(lim.try_acquire) is True
+    assert lim.try_acquire() is True
+
+
+@pytest.mark.benchmark(group="try_acquire")
+def test_try_acquire_refuse(benchmark):
+    """try_acquire() refused (returns False, raises nothing, consumes nothing)."""
+    lim = drained()
+    assert lim.try_acquire() is False
+    assert benchmark(lim.try_acquire) is False
+    assert lim.try_acquire() is False
+
+
+@pytest.mark.benchmark(group="try_acquire")
+def test_try_acquire_cost_positional(benchmark):
+    """try_acquire(1): the same decision as try_acquire(), with the cost passed."""
+    lim = always()
+    assert benchmark(lim.try_acquire, 1) is True
+
+
+@pytest.mark.benchmark(group="try_acquire")
+def test_try_acquire_two_units(benchmark):
+    """try_acquire(tokens=100) on requests + tokens: two buckets, all-or-nothing."""
+    lim = rq.Limiter(
+        rq.Rate(1e9, per="second", burst=BURST, unit="requests"),
+        rq.Rate(1e9, per="second", burst=BURST_FROZEN, unit="tokens"),
+    )
+    assert lim.try_acquire(tokens=100) is True
+    assert benchmark(lim.try_acquire, tokens=100) is True
+    assert lim.try_acquire(tokens=100) is True
+
+
+@pytest.mark.benchmark(group="try_acquire")
+def test_try_acquire_manual_clock(benchmark):
+    """try_acquire() with a ManualClock that never moves (no clock read cost)."""
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(1e9, per="second", burst=BURST_FROZEN), clock=clock)
+    assert lim.try_acquire() is True
+    assert benchmark(lim.try_acquire) is True
+    assert lim.try_acquire() is True
+
+
+@pytest.mark.benchmark(group="reserve")
+def test_reserve_admit(benchmark):
+    """reserve() granted at once: returns a Reservation with delay 0."""
+    lim = always()
+    r = benchmark(lim.reserve)
+    assert isinstance(r, rq.Reservation)
+    assert r.delay == 0.0
+
+
+@pytest.mark.benchmark(group="reserve")
+def test_reserve_overloaded(benchmark):
+    """reserve(max_wait=0) refused: raises Overloaded (timed with its try/except)."""
+    lim = drained()
+
+    def call() -> bool:
+        try:
+            lim.reserve(max_wait=0)
+        except rq.Overloaded:
+            return True
+        return False
+
+    assert benchmark(call) is True
+
+
+@pytest.mark.benchmark(group="clock")
+def test_manual_clock_now_ns(benchmark):
+    """ManualClock.now_ns(): reading a manual clock from Python."""
+    clock = rq.ManualClock()
+    assert benchmark(clock.now_ns) == 0
+
+
+@pytest.mark.benchmark(group="clock")
+def test_monotonic_clock_now_ns(benchmark):
+    """MonotonicClock.now_ns(): the clock every limiter reads by default."""
+    clock = rq.MonotonicClock()
+    assert benchmark(clock.now_ns) >= 0
