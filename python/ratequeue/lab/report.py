@@ -85,7 +85,9 @@ def format_report(report: LabReport) -> str:
         f"({rate:,.0f} simulated s per second), seed {sc.seed}. Queue wait: arrival to the "
         "start of the call that succeeds; latency adds the generation time. Theory: "
         "Poisson arrivals, service rate mu = rpm/60 per second; M/D/1 is exact for the "
-        "token bucket (its quantiles by exact summation of Erlang's formula)."
+        "token bucket (its quantiles by exact summation of Erlang's formula). Near rho = 1 "
+        "the tail converges slowly (relaxation time ~ 1/(1-rho)^2): a measured p99 at 0.98 "
+        "moves by +-25 % from seed to seed even with 10^5 arrivals."
     )
     return "\n\n".join(parts)
 
@@ -196,7 +198,8 @@ def plot(report: LabReport, path: str | Path) -> Path:
         colour = f"C{i}"
         p99 = [_value(lv, key, "wait_p99") for lv in levels]
         ax2.plot(rhos, p99, "o-", color=colour, label=label)
-    ax2.set_yscale("log")
+    ax2.set_yscale("symlog", linthresh=0.1)  # a wait of 0 s stays on the plot
+    ax2.set_ylim(bottom=0.0)
     ax2.set_xlabel("load rho")
     ax2.set_ylabel("p99 queue wait (s)")
     ax2.set_title("Strategies side by side (same arrivals)")

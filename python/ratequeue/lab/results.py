@@ -28,8 +28,9 @@ class Request:
 class Workload:
     """The arrivals of one run, shared by every strategy compared on it.
 
-    Requests arriving before ``warmup_until`` are simulated but not measured (the
-    queue starts empty; measuring from a warm queue compares with steady-state theory).
+    ``duration`` is the span of the arrivals (the last one's time). Requests arriving
+    before ``warmup_until`` are simulated but not measured (the queue starts empty;
+    measuring from a warm queue compares with steady-state theory).
     """
 
     requests: tuple[Request, ...]

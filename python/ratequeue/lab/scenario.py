@@ -114,7 +114,9 @@ def make_workload(
         )
         for i, t in enumerate(times)
     )
-    return Workload(requests, rate, duration, warmup_until=duration * scenario.warmup)
+    # The span actually covered: a replayed trace may end long before ``duration``.
+    span = times[-1] if times else 0.0
+    return Workload(requests, rate, span, warmup_until=span * scenario.warmup)
 
 
 def theory_at(rho: float, limit: ProviderLimit) -> dict[str, float]:
@@ -225,7 +227,7 @@ def run_level(scenario: Scenario, rho: float, progress: Progress | None = None) 
         title=f"rho = {rho:g}",
         rho=rho,
         rate=rate,
-        duration=duration,
+        duration=workload.duration,
         arrivals=len(workload.requests),
         measured_from=workload.warmup_until,
         rows=rows,

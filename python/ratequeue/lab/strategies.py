@@ -277,8 +277,8 @@ class PoolStrategy(Strategy):
     @property
     def label(self) -> str:
         bound = "" if self.max_wait is None else f", max_wait={self.max_wait:g} s"
-        rpm = "" if self.rpm is None else f" x {self.rpm:g}/min"
-        return f"pool of {self.k}{rpm}{bound}"
+        each = "limit" if self.rpm is None else f"{self.rpm:g}/min"
+        return f"pool {self.k}x {each}{bound}"
 
     def run(self, workload: Workload, limit: ProviderLimit, rng: random.Random) -> StrategyRun:
         if self.k < 1:
