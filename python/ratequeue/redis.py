@@ -46,6 +46,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import inspect
 import logging
 import math
 import operator
@@ -53,7 +54,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar
+from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar, cast
 
 import redis
 import redis.asyncio
@@ -104,23 +105,23 @@ GCRA_LUA: Final = r"""
 -- double below 2^53). No key means a full bucket: every write sets PX to the time until
 -- the bucket is full again, so idle keys cost no memory.
 --
--- ARGV[1] op; ARGV[2] now: '' = the server's TIME, else microseconds (test clocks only).
--- T (take now): per key: inc, tau                         -> {ok, wait, first refusing key}
--- Other ops: ARGV[3] ms added to every expiry, ARGV[4], ARGV[5] per op, then per key:
+-- T (take now, on TIME): ARGV[2..] per key: inc, tau -> 0, or wait * 64 + first refusing key
+-- Other ops: ARGV[1] op; ARGV[2] now: '' = the server's TIME, else microseconds (test
+-- clocks only); ARGV[3] ms added to every expiry, ARGV[4], ARGV[5] per op, then per key:
 -- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow -> {ok, wait, key|mask, undo..}
 -- p  peek:   -, -  | inc, tau                                   -> {wait, used...}
 -- a  adjust: -, -  | delta (signed)                             -> 1
 -- u  undo:   -, -  | expected TAT, previous TAT ('' = full)     -> how many undone
 -- l  lease:  -, -  | T, tau, units, need, give back from, to, version
 --                                               -> {ok, wait, (k, start, debit, version)..}
+local op = ARGV[1]
 local now
-if ARGV[2] == '' then
+if op == 'T' or ARGV[2] == '' then
   local t = redis.call('TIME')
   now = t[1] * 1000000 + t[2]
 else
   now = tonumber(ARGV[2])
 end
-local op = ARGV[1]
 local n = #KEYS
 
 -- max(TAT, now) and the stored value ('' when absent or already full).
@@ -134,17 +135,20 @@ local function tat(key)
 end
 
 if op == 'T' then
+  -- The fast path of try_acquire: one integer back, 0 = admitted, else
+  -- wait * 64 + the first refusing key (at most 63).
   local ys = {}
   for i = 1, n do
-    local y = tat(KEYS[i]) + ARGV[2 * i + 1]
-    local w = y - ARGV[2 * i + 2] - now
+    local y = tat(KEYS[i]) + ARGV[2 * i]
+    local w = y - ARGV[2 * i + 1] - now
     if w > 0 then
       -- Refused: the wait is the latest any bucket needs; nothing is written.
       for k = i + 1, n do
-        local z = tat(KEYS[k]) + ARGV[2 * k + 1] - ARGV[2 * k + 2] - now
+        local z = tat(KEYS[k]) + ARGV[2 * k] - ARGV[2 * k + 1] - now
         if z > w then w = z end
       end
-      return {0, w, i}
+      if i > 63 then i = 63 end
+      return w * 64 + i
     end
     ys[i] = y
   end
@@ -152,7 +156,7 @@ if op == 'T' then
     local y = ys[i]
     if y > now then redis.call('SET', KEYS[i], y, 'PX', math.ceil((y - now) / 1000)) end
   end
-  return {1, 0, 0}
+  return 0
 end
 
 local keep = tonumber(ARGV[3])
@@ -468,6 +472,19 @@ def _cost(name: str, v: object) -> int:
     return c
 
 
+def _arg_bytes(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
+
+
+def _bulk(b: bytes) -> bytes:
+    return b"$%d\r\n%s\r\n" % (len(b), b)
+
+
+def _pack(args: Sequence[Any]) -> bytes:
+    """A command in RESP, as redis-py would send it."""
+    return b"*%d\r\n" % len(args) + b"".join(_bulk(_arg_bytes(a)) for a in args)
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
@@ -483,10 +500,13 @@ class _Bucket:
         self.burst = rate.burst
         self.interval = rate.per * 1e6 / rate.amount
         self.tau = round(rate.burst * self.interval)
-        self.inc1 = round(self.interval)
+        self.inc1 = max(1, round(self.interval))
 
     def inc(self, cost: int) -> int:
-        return self.inc1 if cost == 1 else round(cost * self.interval)
+        """The debit of ``cost`` in whole microseconds: round(cost * T), at least 1 us."""
+        if cost == 1:
+            return self.inc1
+        return max(1, round(cost * self.interval)) if cost else 0
 
     def check(self, cost: int, where: str = "") -> None:
         if cost > self.burst:
@@ -599,22 +619,49 @@ class _Engine:
         self.calls = 0
         self.failures = 0
         self.fallbacks = 0
+        # A plain sync client with a pool: the hot paths send commands packed once, on a
+        # pooled connection, without redis-py's per-command packing and retry wrapper.
+        pool = getattr(client, "connection_pool", None)
+        self.raw = (
+            type(client) is redis.Redis
+            and getattr(client, "connection", None) is None
+            and isinstance(pool, redis.ConnectionPool)
+        )
+        self._conn_args: tuple[str, ...] = ()
+        if self.raw and pool is not None:
+            params = list(inspect.signature(pool.get_connection).parameters.values())
+            if params and params[0].default is inspect.Parameter.empty:
+                self._conn_args = ("EVALSHA",)
 
     def head(self, nkeys: int) -> tuple[Any, ...]:
         return ("EVALSHA", GCRA_SHA, nkeys)
 
-    def run(self, cmd: tuple[Any, ...]) -> Any:
-        """Runs the script (loading it on NOSCRIPT); raises _Down when Redis can't answer."""
+    def _send(self, cmd: tuple[Any, ...] | bytes) -> Any:
+        if type(cmd) is not bytes:
+            return self.client.execute_command(*cmd)
+        pool = self.client.connection_pool
+        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn.send_packed_command([cmd])
+            return conn.read_response()
+        finally:
+            pool.release(conn)
+
+    def run(self, cmd: tuple[Any, ...] | bytes) -> Any:
+        """Runs the script (loading it on NOSCRIPT); raises _Down when Redis can't answer.
+
+        ``cmd``: the arguments of EVALSHA, or (when ``raw``) the command packed in RESP.
+        """
         br = self.breaker
         if not br.allow():
             raise _Down()
         self.calls += 1
         try:
             try:
-                r = self.client.execute_command(*cmd)
+                r = self._send(cmd)
             except redis.exceptions.NoScriptError:
                 self.client.script_load(GCRA_LUA)
-                r = self.client.execute_command(*cmd)
+                r = self._send(cmd)
         except _DOWN_ERRORS as e:
             self.failures += 1
             br.failure(e)
@@ -632,7 +679,8 @@ class _Engine:
         br.success()
         return r
 
-    async def arun(self, cmd: tuple[Any, ...]) -> Any:
+    async def arun(self, cmd: tuple[Any, ...] | bytes) -> Any:
+        assert type(cmd) is not bytes, "asyncio clients take argument tuples"
         br = self.breaker
         if not br.allow():
             raise _Down()
@@ -917,7 +965,14 @@ class _Take:
 
     __slots__ = ("level", "mask", "ok", "undo", "wait_us")
 
-    def __init__(self, reply: Sequence[Any]) -> None:
+    def __init__(self, reply: Sequence[Any] | int) -> None:
+        if isinstance(reply, int):  # the fast path's one integer
+            self.ok = reply == 0
+            self.wait_us = reply >> 6
+            self.level = reply & 63
+            self.mask = 0
+            self.undo: list[str] = []
+            return
         self.ok = int(reply[0]) == 1
         self.wait_us = int(reply[1])
         v = int(reply[2]) if len(reply) > 2 else 0
@@ -941,7 +996,7 @@ def _take_args(
         and engine.clock.manual is None
         and not (shadow and any(shadow))
     ):
-        args: list[Any] = ["T", ""]
+        args: list[Any] = [b"T"]
         for b, c in zip(buckets, costs, strict=True):
             args.append(b.inc(c))
             args.append(b.tau)
@@ -1109,15 +1164,17 @@ class _LimiterBase:
             self._default: list[int] | None = _parse_costs(self._units, None, {})
         except TypeError:
             self._default = None
-        self._fast: tuple[Any, ...] | None = None
+        self._fast: tuple[Any, ...] | bytes | None = None
         if self._default is not None and clock is None:
-            self._fast = (
+            # The whole command of a default try_acquire, encoded once.
+            fast = (
                 *self._head,
                 *self.keys,
                 *_take_args(
                     self._engine, self._buckets, self._per_bucket(self._default), None, 0, False
                 ),
             )
+            self._fast = _pack(fast) if self._engine.raw else fast
         self._local: Limiter | None = None
         if on_failure == "local":
             scaled = [_scaled(r, local_fraction) for r in rates]
@@ -1181,7 +1238,7 @@ class _LimiterBase:
     def _named(self, costs: Sequence[int]) -> dict[str, int]:
         return dict(zip(self._units, costs, strict=True))
 
-    def _take_cmd(self, costs: list[int], max_wait_us: int, undo: bool) -> tuple[Any, ...]:
+    def _take_cmd(self, costs: list[int], max_wait_us: int, undo: bool) -> tuple[Any, ...] | bytes:
         if costs is self._default and self._fast is not None and max_wait_us == 0 and not undo:
             return self._fast
         per = self._per_bucket(costs)
@@ -1201,8 +1258,8 @@ class _LimiterBase:
 
     # -- outcomes
 
-    def _tried(self, reply: Sequence[Any]) -> bool:
-        ok = int(reply[0]) == 1
+    def _tried(self, reply: Sequence[Any] | int) -> bool:
+        ok = reply == 0 if isinstance(reply, int) else int(reply[0]) == 1
         if ok:
             self._admitted += 1
         else:
@@ -1643,6 +1700,15 @@ class _KeyedBase:
         self._pre = f"{prefix}:".encode()
         self._mid = f":{name}:".encode()
         self._tagged = f"{prefix}:{{{tag}}}:{name}:".encode() if tag is not None else None
+        # A try_acquire of cost 1, packed once but for its key.
+        self._fast_tail: bytes | None = None
+        self._fast_args: list[Any] = []
+        self._fast_pre = b""
+        if clock is None:
+            self._fast_args = _take_args(self._engine, self._buckets, [1], None, 0, False)
+            n = len(self._head) + 1 + len(self._fast_args)
+            self._fast_pre = b"*%d\r\n" % n + b"".join(_bulk(_arg_bytes(a)) for a in self._head)
+            self._fast_tail = b"".join(_bulk(_arg_bytes(a)) for a in self._fast_args)
         self._local: KeyedLimiter | None = None
         if on_failure == "local":
             s = _scaled(rate, local_fraction)
@@ -1675,7 +1741,12 @@ class _KeyedBase:
         self._bucket.check(c)
         return c
 
-    def _take_cmd(self, key: Key, c: int, mw: int, undo: bool) -> tuple[Any, ...]:
+    def _take_cmd(self, key: Key, c: int, mw: int, undo: bool) -> tuple[Any, ...] | bytes:
+        if c == 1 and mw == 0 and not undo and self._fast_tail is not None:
+            k = self.key(key)
+            if self._engine.raw:
+                return self._fast_pre + _bulk(k) + self._fast_tail
+            return (*self._head, k, *self._fast_args)
         return (
             *self._head,
             self.key(key),
@@ -1693,8 +1764,8 @@ class _KeyedBase:
             *_adjust_args(self._engine, [b.inc(actual) - b.inc(est)]),
         )
 
-    def _tried(self, reply: Sequence[Any]) -> bool:
-        ok = int(reply[0]) == 1
+    def _tried(self, reply: Sequence[Any] | int) -> bool:
+        ok = reply == 0 if isinstance(reply, int) else int(reply[0]) == 1
         if ok:
             self._admitted += 1
         else:
@@ -2000,6 +2071,31 @@ class _PolicyBase:
         self._shadow = [self._levels[li].shadow for li, _ in self._flat]
         self._any_shadow = any(self._shadow)
         self._head = self._engine.head(len(self._flat))
+        # Per Redis key: its fixed name, or the prefix its level's key is appended to.
+        tagged = f"{prefix}:{{{self.tag}}}:"
+        self._key_parts: list[tuple[bytes, str | None]] = [
+            (f"{tagged}{self._levels[li].name}:".encode(), self._levels[li].name)
+            if self._levels[li].keyed
+            else (cast(bytes, self._static[j]), None)
+            for j, (li, _) in enumerate(self._flat)
+        ]
+        # The common call names only the keys (every unit is "requests", costing 1):
+        # its costs and, on a plain client, its packed command are computed once.
+        self._keyed_names = frozenset(lv.name for lv in self._levels if lv.keyed)
+        self._default_units: dict[str, int] | None = None
+        self._default_costs: list[int] = []
+        self._fast_pre = b""
+        self._fast_tail: bytes | None = None
+        if all(u == "requests" for lv in self._levels for u in lv.units):
+            self._default_units = {"requests": 1}
+            self._default_costs = [1] * len(self._flat)
+            for b in self._buckets:
+                b.check(1)
+            if clock is None and not self._any_shadow and self._engine.raw:
+                fast = _take_args(self._engine, self._buckets, self._default_costs, None, 0, False)
+                n = len(self._head) + len(self._flat) + len(fast)
+                self._fast_pre = b"*%d\r\n" % n + b"".join(_bulk(_arg_bytes(a)) for a in self._head)
+                self._fast_tail = b"".join(_bulk(_arg_bytes(a)) for a in fast)
         self._local: Policy | None = None
         if on_failure == "local":
             loc: dict[str, Any] = {}
@@ -2022,6 +2118,15 @@ class _PolicyBase:
 
     def _args(self, kw: Mapping[str, Any]) -> tuple[list[bytes], list[int], dict[str, int]]:
         """Redis keys and costs per bucket, and the costs per unit (for settle)."""
+        if self._default_units is not None and kw.keys() == self._keyed_names:
+            return (
+                [
+                    pre if name is None else pre + _key_bytes(kw[name])
+                    for pre, name in self._key_parts
+                ],
+                self._default_costs,
+                self._default_units,
+            )
         used: set[str] = set()
         units: dict[str, int] = {}
         tagged = f"{self.prefix}:{{{self.tag}}}:".encode()
@@ -2066,7 +2171,9 @@ class _PolicyBase:
 
     def _take_cmd(
         self, keys: list[bytes], costs: list[int], mw: int, undo: bool
-    ) -> tuple[Any, ...]:
+    ) -> tuple[Any, ...] | bytes:
+        if costs is self._default_costs and self._fast_tail is not None and mw == 0 and not undo:
+            return self._fast_pre + b"".join(_bulk(k) for k in keys) + self._fast_tail
         shadow = self._shadow if self._any_shadow else None
         return (
             *self._head,
