@@ -389,3 +389,29 @@ def test_bad_arguments(r: redis.Redis) -> None:
         lim.reserve(max_wait=-1)
     with pytest.raises(TypeError, match="key"):
         RedisKeyedLimiter(r, rq.Rate(1, per=1), name="k").try_acquire(1.5)  # type: ignore[arg-type]
+
+
+def test_sync_settle_of_an_async_permit_is_a_type_error(redis_server: RedisServer) -> None:
+    async def main() -> None:
+        c = redis_server.async_client()
+        lim = AsyncRedisLimiter(c, rq.Rate(10, per=1, unit="tokens"), name="st")
+        p = await lim.acquire(tokens=5)
+        with pytest.raises(TypeError, match="settle_async"):
+            p.settle(tokens=1)
+        await p.settle_async(tokens=1)
+        assert await lim.available("tokens") == pytest.approx(9, abs=0.1)
+        await c.aclose()
+
+    asyncio.run(main())
+
+
+def test_missing_server_fails_in_ci_and_skips_elsewhere(monkeypatch: pytest.MonkeyPatch) -> None:
+    import redis_server as helper
+
+    monkeypatch.setattr(helper, "server_binary", lambda: None)
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="CI must run"):
+        helper._require_binary()
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception):
+        helper._require_binary()

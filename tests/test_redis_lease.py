@@ -212,3 +212,29 @@ def test_async_lease(redis_server: RedisServer) -> None:
         await c.aclose()
 
     asyncio.run(main())
+
+
+def test_forked_child_does_not_reuse_the_parents_lease(redis_server: RedisServer) -> None:
+    import os
+
+    c = redis_server.client()
+    c.flushdb()
+    clock = rq.ManualClock()
+    lim = RedisLimiter(c, rq.Rate(100, per=1, burst=100), name="fork", lease=0.1, clock=clock)
+    peek = RedisLimiter(c, rq.Rate(100, per=1, burst=100), name="fork", clock=clock)
+    assert lim.try_acquire()  # the parent holds a lease of 10 (9 left)
+    rfd, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            ok = lim.try_acquire()  # must take a lease of its own
+            os.write(wfd, b"%d %d" % (ok, lim.stats()["leases"]))
+        finally:
+            os._exit(0)
+    os.close(wfd)
+    got = os.read(rfd, 64).decode()
+    os.close(rfd)
+    os.waitpid(pid, 0)
+    assert got == "1 2"  # the parent's count (1) plus the child's own lease
+    assert peek.available() == 80
+    c.close()

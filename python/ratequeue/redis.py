@@ -50,9 +50,11 @@ import inspect
 import logging
 import math
 import operator
+import os
 import threading
 import time
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+import weakref
+from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar, cast
 
@@ -86,6 +88,7 @@ __all__ = [
     "RedisLimiter",
     "RedisPermit",
     "RedisPolicy",
+    "RedisReservation",
     "RedisUnavailable",
     "connect",
     "connect_async",
@@ -806,7 +809,10 @@ class RedisPermit:
         if self.local is not None:
             self.local.settle(**actual)
         elif self._adjust is not None:
-            self._adjust(self._costs, actual)
+            r = self._adjust(self._costs, actual)
+            if isinstance(r, Coroutine):
+                r.close()
+                raise TypeError("a permit of an asyncio limiter: use await permit.settle_async()")
         self._costs = actual
 
     async def settle_async(self, **costs: int) -> None:
@@ -1198,6 +1204,8 @@ class _LimiterBase:
                     "(the local bucket could refill within the lease's life)"
                 )
         self._lease: _Lease | None = None
+        if self._lease_units:
+            _LEASED.add(self)
         # A refused renewal: refuse costs at least these until then (no round trip).
         self._dry_until = -math.inf
         self._dry_costs: list[int] = []
@@ -1401,6 +1409,13 @@ class _LimiterBase:
             self._admitted += 1
         return ok
 
+    def _forget_lease(self) -> None:
+        """In a forked child: the parent's lease is the parent's (using it would spend it
+        twice), so the child starts without one."""
+        self._lease = None
+        self._dry_until = -math.inf
+        self._lease_lock = threading.Lock()
+
     def _lease_prepare(self) -> list[tuple[str, str, str]]:
         """Drains the current lease; returns what to give back."""
         old = self._lease
@@ -1416,6 +1431,18 @@ class _LimiterBase:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, rates={self.rates!r})"
+
+
+_LEASED: weakref.WeakSet[_LimiterBase] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for lim in list(_LEASED):
+        lim._forget_lease()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class RedisLimiter(_LimiterBase):
