@@ -1,0 +1,27 @@
+# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
+"""The examples of docs/redis.md run, in order, against the test redis-server."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from redis_server import RedisServer, redis_server  # noqa: F401
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "redis.md"
+
+
+def test_examples_run(redis_server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:
+    if not DOC.exists():
+        pytest.skip("docs/redis.md is not next to the tests")
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    assert len(blocks) >= 6
+    redis_server.client().flushdb()
+    namespace: dict[str, object] = {"__name__": "docs_redis"}
+    for i, block in enumerate(blocks):
+        code = block.replace("redis://127.0.0.1:6379/0", redis_server.url)
+        exec(compile(code, f"{DOC.name}[{i}]", "exec"), namespace)
+    out = capsys.readouterr().out
+    assert "rq:{openai}:openai:0" in out
+    assert "'state': 'closed'" in out
