@@ -256,3 +256,14 @@ def test_scenario_validation() -> None:
     with pytest.raises(ValueError):
         lab.Scenario(rhos=(-1.0,))
     assert math.isnan(lab.theory_at(1.2, lab.ProviderLimit())["md1_p99"])
+
+
+def test_lab_demo_writes_its_files(tmp_path: Path) -> None:
+    from ratequeue import demo
+
+    text = demo.lab_demo(
+        per_level=400, rhos=(0.8,), burst_requests=30, out=tmp_path, plot=False, progress=False
+    )
+    assert "rho = 0.8" in text and "burst of 30 at once" in text
+    assert "M/D/1, burst 5 (exact)" in text  # the demo's provider has a burst of 5
+    assert (tmp_path / "demo.json").exists() and (tmp_path / "demo.csv").exists()

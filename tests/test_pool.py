@@ -221,3 +221,13 @@ def test_parse_retry_after() -> None:
     assert parse_retry_after("soon") is None
     past = email.utils.formatdate(time.time() - 100, usegmt=True)
     assert parse_retry_after(past) == 0.0
+
+
+def test_real_clock_smoke() -> None:
+    # Default clocks (real time): nothing here waits, so nothing sleeps.
+    pool = rq.Pool([rq.Provider("a", rpm=6000, burst=10), rq.Provider("b", rpm=6000, burst=10)])
+    got = {pool.acquire(timeout=0)[0].name for _ in range(6)}
+    assert got == {"a", "b"}
+    pool.report("a", 429, retry_after=60)
+    assert {pool.acquire(timeout=0)[0].name for _ in range(4)} == {"b"}
+    assert 59 < pool.cooldown_remaining("a") <= 60

@@ -44,6 +44,12 @@ if TYPE_CHECKING:
 
 __all__ = ["Pool", "PoolOverloaded", "Provider", "parse_retry_after"]
 
+# On the real clock Limiter.predicted_wait can report a few nanoseconds (up to a few
+# hundred) for a request that would be admitted now: it reads the clock twice. Waits
+# below this are read as 0 so that "no wait" compares equal across providers and
+# passes max_wait=0.
+_CLOCK_NOISE = 1e-6
+
 
 def parse_retry_after(value: float | int | str | None) -> float | None:
     """Seconds from a ``Retry-After`` value: a number of seconds or an HTTP date.
@@ -262,7 +268,7 @@ class Pool:
                 w = p.limiter.predicted_wait(**p.costs_for(costs))
             except CostTooLarge:
                 w = math.inf
-            out[p.name] = max(w, p._cooldown_until - now)
+            out[p.name] = max(0.0 if w < _CLOCK_NOISE else w, p._cooldown_until - now)
         return out
 
     def choose(
@@ -289,6 +295,8 @@ class Pool:
                 w = p.limiter.predicted_wait(**p.costs_for(costs))
             except CostTooLarge:
                 w = math.inf
+            if w < _CLOCK_NOISE:
+                w = 0.0  # see _CLOCK_NOISE
             if math.isinf(w):
                 never += 1
                 waits[p.name] = math.inf
