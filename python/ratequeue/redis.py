@@ -330,6 +330,10 @@ _DOWN_ERRORS: Final = (
     redis.exceptions.TimeoutError,
     OSError,
 )
+_CONFIG_ERRORS: Final = (
+    redis.exceptions.AuthenticationError,
+    redis.exceptions.AuthorizationError,
+)
 _MAX_LOCAL_PERIOD: Final = 86_400.0
 
 
@@ -467,9 +471,12 @@ def _key_bytes(k: Key) -> bytes:
 
 
 def _cost(name: str, v: object) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TypeError(f"{name} must be an int, got {type(v).__name__}")
-    c = operator.index(v)
+    if isinstance(v, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        c = operator.index(v)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(v).__name__}") from None
     if c < 0:
         raise ValueError(f"{name}={c} must be >= 0")
     return c
@@ -665,6 +672,9 @@ class _Engine:
             except redis.exceptions.NoScriptError:
                 self.client.script_load(GCRA_LUA)
                 r = self._send(cmd)
+        except _CONFIG_ERRORS:
+            br.abandon()
+            raise  # a wrong password or ACL is a mistake to see, not an outage
         except _DOWN_ERRORS as e:
             self.failures += 1
             br.failure(e)
@@ -694,6 +704,9 @@ class _Engine:
             except redis.exceptions.NoScriptError:
                 await self.client.script_load(GCRA_LUA)
                 r = await self.client.execute_command(*cmd)
+        except _CONFIG_ERRORS:
+            br.abandon()
+            raise  # a wrong password or ACL is a mistake to see, not an outage
         except _DOWN_ERRORS as e:
             self.failures += 1
             br.failure(e)
@@ -767,7 +780,7 @@ class RedisPermit:
     A context manager for symmetry with ``rq.Permit`` (rates hold nothing to release).
     """
 
-    __slots__ = ("_adjust", "_costs", "_settled", "delay", "local")
+    __slots__ = ("_adjust", "_costs", "delay", "local")
 
     def __init__(
         self,
@@ -779,7 +792,6 @@ class RedisPermit:
         self.delay = delay
         self._costs = costs
         self._adjust = adjust
-        self._settled = False
         self.local = local
 
     @property
