@@ -654,12 +654,25 @@ impl WaitQueue {
     /// The predicted grant time of `costs` if submitted now behind everyone queued
     /// (exact for one class on a rate; None when it depends on releases).
     pub fn predict(&self, costs: &[u64]) -> Option<u64> {
+        self.predict_delay(costs)
+            .ok()
+            .flatten()
+            .map(|(now, d)| now.saturating_add(d))
+    }
+
+    /// The wait `costs` would have if submitted now behind everyone queued, with the
+    /// time it was read at: `Ok(None)` when it depends on releases, `Err` when the cost
+    /// can never be granted.
+    pub fn predict_delay(&self, costs: &[u64]) -> Result<Option<(u64, u64)>, Deny> {
         let now = self.clock.now_ns();
         let g = lock(&self.inner);
-        if g.len == 0 {
-            return self.resource.ready_at(now, costs).ok().flatten();
-        }
-        self.predict_all(&g, now, costs)
+        let ready = self.resource.ready_at(now, costs)?;
+        let at = if g.len == 0 {
+            ready
+        } else {
+            self.predict_all(&g, now, costs)
+        };
+        Ok(at.map(|t| (now, t.saturating_sub(now))))
     }
 
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {

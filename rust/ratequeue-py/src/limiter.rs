@@ -467,15 +467,18 @@ impl LimiterPy {
     /// Seconds a request with these costs would wait if it arrived now behind everyone
     /// queued (exact for one class; a lower bound with several).
     #[pyo3(signature = (n = None, /, **costs))]
-    fn predicted_wait(&self, n: Option<&Bound<'_, PyAny>>, costs: Option<&Bound<'_, PyDict>>) -> PyResult<f64> {
+    fn predicted_wait(
+        &self,
+        py: Python<'_>,
+        n: Option<&Bound<'_, PyAny>>,
+        costs: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<f64> {
         let c = self.costs(n, costs)?;
         let units = self.core.units().len();
-        let now = self.core.now_ns();
-        Ok(self
-            .gate
-            .queue
-            .predict(&c[..units])
-            .map_or(f64::INFINITY, |t| t.saturating_sub(now) as f64 / 1e9))
+        match self.gate.queue.predict_delay(&c[..units]) {
+            Ok(p) => Ok(p.map_or(f64::INFINITY, |(_, d)| d as f64 / 1e9)),
+            Err(d) => Err(self.deny(py, d)),
+        }
     }
 
     /// Grants and expires whatever is due now; returns the next due time (clock
