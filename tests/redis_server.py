@@ -17,7 +17,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import pytest
 
@@ -45,10 +45,11 @@ def free_port() -> int:
 class RedisServer:
     """One redis-server process; ``url`` stays the same across stop/start."""
 
-    def __init__(self, binary: str, port: int | None = None) -> None:
+    def __init__(self, binary: str, port: int | None = None, extra: Sequence[str] = ()) -> None:
         self.binary = binary
         self.port = port or free_port()
         self.dir = tempfile.mkdtemp(prefix="rq-redis-")
+        self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -75,6 +76,7 @@ class RedisServer:
             "yes",
             "--loglevel",
             "warning",
+            *self.extra,
         ]
         self.proc = subprocess.Popen(
             args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=self.dir

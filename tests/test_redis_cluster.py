@@ -1,0 +1,95 @@
+"""A real three-node Redis Cluster: a policy's keys share one slot, keyed limits spread
+over the nodes, the script is loaded on every primary."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator
+
+import pytest
+import ratequeue as rq
+from ratequeue.redis import GCRA_SHA, RedisKeyedLimiter, RedisLimiter, RedisPolicy
+from redis.cluster import ClusterNode, RedisCluster
+from redis_server import RedisServer, _require_binary, in_ci
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    binary = _require_binary()
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        if in_ci():
+            pytest.fail("redis-cli not found (it comes with redis-server)")
+        pytest.skip("redis-cli not found")
+    nodes = [
+        RedisServer(binary, extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+        for _ in range(3)
+    ]
+    try:
+        for n in nodes:
+            n.start()
+        subprocess.run(
+            [
+                *(cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes)),
+                *("--cluster-replicas", "0", "--cluster-yes"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        for _ in range(200):  # bounded: the nodes agree within a few hundred ms
+            out = subprocess.run(
+                [cli, "-p", str(nodes[0].port), "cluster", "info"],
+                capture_output=True,
+                timeout=5,
+            ).stdout
+            if b"cluster_state:ok" in out:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the cluster did not reach cluster_state:ok")
+        client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes])
+        yield client
+        client.close()
+    finally:
+        for n in nodes:
+            n.stop()
+            shutil.rmtree(n.dir, ignore_errors=True)
+
+
+def test_policy_in_one_slot_on_a_cluster(cluster: RedisCluster) -> None:
+    p = RedisPolicy(
+        cluster,
+        {
+            "user": rq.KeyedLimiter(rq.Rate(2, per=1)),
+            "tenant": rq.KeyedLimiter(rq.Rate(10, per=1)),
+            "cluster": rq.Limiter(rq.Rate(100, per=1), rq.Rate(1000, per=1, unit="tokens")),
+        },
+        name="api",
+    )
+    got = [p.try_acquire(user="a", tenant="t", tokens=10) is not None for _ in range(3)]
+    assert got == [True, True, False]
+    res = p.reserve(user="b", tenant="t", tokens=10, max_wait=1)
+    assert res.delay == 0
+    assert cluster.keyslot("rq:{api}:user:a") == cluster.keyslot("rq:{api}:cluster:1")
+
+
+def test_keyed_limits_spread_over_nodes(cluster: RedisCluster) -> None:
+    users = RedisKeyedLimiter(cluster, rq.Rate(1, per=60), name="user")
+    keys = [f"u{i}" for i in range(30)]
+    assert all(users.try_acquire(k) for k in keys)
+    assert not any(users.try_acquire(k) for k in keys)
+    nodes = {cluster.get_node_from_key(users.key(k)).name for k in keys}
+    assert len(nodes) == 3
+
+
+def test_noscript_on_a_cluster(cluster: RedisCluster) -> None:
+    lim = RedisLimiter(cluster, rq.Rate(10, per=1, burst=2), name="ns")
+    assert lim.try_acquire()
+    cluster.script_flush()
+    assert lim.try_acquire()
+    assert not lim.try_acquire()
+    assert all(cluster.script_exists(GCRA_SHA))
+    assert 0 < lim.retry_after() <= 0.1
