@@ -36,10 +36,23 @@ def server_binary() -> str | None:
     return os.environ.get("RATEQUEUE_REDIS_SERVER") or shutil.which("redis-server")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def free_port(bus: bool = False) -> int:
+    """A free loopback port; with ``bus``, one whose cluster bus port (+10000) is free too."""
+    for _ in range(1000):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if not bus:
+            return port
+        if port + 10000 > 65535:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                s.bind(("127.0.0.1", port + 10000))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free port")
 
 
 class RedisServer:
@@ -47,10 +60,14 @@ class RedisServer:
 
     def __init__(self, binary: str, port: int | None = None, extra: Sequence[str] = ()) -> None:
         self.binary = binary
-        self.port = port or free_port()
+        self.port = port or free_port(bus="--cluster-enabled" in extra)
         self.dir = tempfile.mkdtemp(prefix="rq-redis-")
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def log(self) -> str:
+        return os.path.join(self.dir, "redis.log")
 
     @property
     def url(self) -> str:
@@ -76,6 +93,8 @@ class RedisServer:
             "yes",
             "--loglevel",
             "warning",
+            "--logfile",
+            self.log,
             *self.extra,
         ]
         self.proc = subprocess.Popen(
@@ -86,7 +105,10 @@ class RedisServer:
             if self.proc.poll() is not None:
                 err = self.proc.stderr.read().decode() if self.proc.stderr else ""
                 self.proc = None
-                raise RuntimeError(f"redis-server exited at start: {err.strip()}")
+                if os.path.exists(self.log):
+                    with open(self.log) as f:
+                        err += f.read()
+                raise RuntimeError(f"redis-server exited at start: {err.strip()[-2000:]}")
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
