@@ -61,9 +61,22 @@ class RedisServer:
     def __init__(self, binary: str, port: int | None = None, extra: Sequence[str] = ()) -> None:
         self.binary = binary
         self.port = port or free_port(bus="--cluster-enabled" in extra)
-        self.dir = tempfile.mkdtemp(prefix="rq-redis-")
+        self._dir: str | None = None
         self.extra = list(extra)
         self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def dir(self) -> str:
+        """Its working directory (made on first use; removed by ``cleanup``)."""
+        if self._dir is None:
+            self._dir = tempfile.mkdtemp(prefix="rq-redis-")
+        return self._dir
+
+    def cleanup(self) -> None:
+        self.stop()
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
 
     @property
     def log(self) -> str:
@@ -209,8 +222,7 @@ def own_redis() -> Iterator[RedisServer]:
     finally:
         if server.proc is not None and server.proc.poll() is None:
             server.resume()
-        server.stop()
-        shutil.rmtree(server.dir, ignore_errors=True)
+        server.cleanup()
 
 
 @pytest.fixture
@@ -226,8 +238,7 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
 
 def _stop_shared() -> None:
     if _server is not None:
-        _server.stop()
-        shutil.rmtree(_server.dir, ignore_errors=True)
+        _server.cleanup()
 
 
 atexit.register(_stop_shared)

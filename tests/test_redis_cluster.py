@@ -55,8 +55,7 @@ def cluster() -> Iterator[RedisCluster]:
         client.close()
     finally:
         for n in nodes:
-            n.stop()
-            shutil.rmtree(n.dir, ignore_errors=True)
+            n.cleanup()
 
 
 def test_policy_in_one_slot_on_a_cluster(cluster: RedisCluster) -> None:
