@@ -221,11 +221,41 @@ impl Policy {
 
     /// Admits now on every level or on none.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
+        self.check_costs(args, now_ns)?;
         let r = self.take_all(args, now_ns, true, false);
         if r.is_ok() {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }
         r
+    }
+
+    /// A cost above any level's burst (or limit) can never be admitted: refused as
+    /// such, whatever the other levels' state.
+    fn check_costs(&self, args: &[LevelArgs], now_ns: u64) -> Result<(), Refusal> {
+        for (i, l) in self.levels.iter().enumerate() {
+            let too_large = |cost: u64, burst: u64| Refusal {
+                level: i,
+                deny: Deny::TooLarge { cost, burst, unit: 0 },
+            };
+            match &l.kind {
+                LevelKind::Rate(r) => {
+                    if let Err(d @ Deny::TooLarge { .. }) = r.delay_at(now_ns, &args[i].costs) {
+                        return Err(Refusal { level: i, deny: d });
+                    }
+                }
+                LevelKind::KeyedRate(k) if args[i].costs[0] > k.rate().burst => {
+                    return Err(too_large(args[i].costs[0], k.rate().burst));
+                }
+                LevelKind::Concurrency(s) if args[i].costs[0] > s.limit() => {
+                    return Err(too_large(args[i].costs[0], s.limit()));
+                }
+                LevelKind::KeyedConcurrency(s) if args[i].costs[0] > s.limit() => {
+                    return Err(too_large(args[i].costs[0], s.limit()));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
     }
 
     /// The latest delay any enforced rate level needs from `now_ns` (concurrency
