@@ -563,8 +563,10 @@ impl WaitQueue {
         } else {
             None
         };
-        drop(g);
+        // Delivered under the lock: grants reach their waiters in grant order, whichever
+        // thread made them (slots and channels are leaf locks; nothing here waits).
         deliver(out);
+        drop(g);
         if let Some(t) = next {
             self.schedule(t);
         }
@@ -706,8 +708,8 @@ impl WaitQueue {
         let mut g = lock(&self.inner);
         self.poll_locked(&mut g, now, &mut out);
         let next = self.next_wake_locked(&g);
-        drop(g);
         deliver(out);
+        drop(g);
         if let Some(t) = next {
             self.schedule(t);
         }
