@@ -12,7 +12,7 @@ use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
 use crate::limiter::new_gate;
-use crate::waiting::{queue_stats, submit, wait_histogram, AcquiringPy, ChannelPy, Gate, PermitPy};
+use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, PermitPy};
 
 /// At most `limit` holders at once; waiters queue by class, FIFO, bounded.
 #[pyclass(frozen, name = "Concurrency", module = "ratequeue")]
@@ -117,9 +117,9 @@ impl ConcurrencyPy {
         n: Option<&Bound<'_, PyAny>>,
         priority: Option<&str>,
         timeout: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<AcquiringPy> {
+    ) -> PyResult<Py<PyAny>> {
         let c = Self::permits(n)?;
-        AcquiringPy::start(
+        crate::waiting::acquire_async(
             py,
             &self.gate,
             &c,

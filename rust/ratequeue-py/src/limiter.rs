@@ -13,7 +13,7 @@ use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
-use crate::waiting::{queue_stats, submit, wait_histogram, AcquiringPy, ChannelPy, Gate, PermitPy};
+use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, PermitPy};
 
 /// Default bound on queue depth: waiting never grows memory without limit.
 pub const DEFAULT_MAX_QUEUE: usize = 100_000;
@@ -425,10 +425,10 @@ impl LimiterPy {
         priority: Option<&str>,
         timeout: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<AcquiringPy> {
+    ) -> PyResult<Py<PyAny>> {
         let c = self.costs(n, costs)?;
         let units = self.core.units().len();
-        AcquiringPy::start(
+        crate::waiting::acquire_async(
             py,
             &self.gate,
             &c[..units],

@@ -306,14 +306,27 @@ impl Ready {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Ready> {
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
         if let Ok(p) = self.value.bind(py).cast::<PermitPy>() {
             p.get().release();
         }
-        Ok(Ready {
-            value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
-        })
+        done_false(py)
     }
+}
+
+/// The awaitable every `__aexit__` returns: done, False (exceptions propagate). Shared:
+/// awaiting it changes nothing.
+fn done_false(py: Python<'_>) -> PyResult<Py<Ready>> {
+    static DONE: PyOnceLock<Py<Ready>> = PyOnceLock::new();
+    DONE.get_or_try_init(py, || {
+        Py::new(
+            py,
+            Ready {
+                value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
+            },
+        )
+    })
+    .map(|r| r.clone_ref(py))
 }
 
 /// The result of acquire_async: await it for a Permit, or use `async with`.
@@ -366,6 +379,37 @@ impl AcquiringPy {
             Err(None) => {}
         }
         Ok(a)
+    }
+}
+
+/// acquire_async: on the fast path an already-done awaitable holding the permit (no
+/// ticket, no queue, one object), else an Acquiring that queues when awaited.
+pub fn acquire_async(
+    py: Python<'_>,
+    gate: &Arc<Gate>,
+    costs: &[u64],
+    class: usize,
+    timeout_ns: Option<u64>,
+) -> PyResult<Py<PyAny>> {
+    match gate.queue.try_now(costs, class) {
+        Ok(_) => {
+            let permit = Py::new(py, gate.permit(costs, 0))?;
+            Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
+        }
+        Err(Some(d)) => Err(to_py(py, gate.queue_error(d))),
+        Err(None) => {
+            let a = AcquiringPy {
+                gate: gate.clone(),
+                costs: costs.to_vec(),
+                class,
+                timeout_ns,
+                permit: OnceLock::new(),
+                token: OnceLock::new(),
+                owner: None,
+                on_drop: None,
+            };
+            Ok(Py::new(py, a)?.into_any())
+        }
     }
 }
 
@@ -422,13 +466,11 @@ impl AcquiringPy {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Ready> {
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
         if let Some(p) = self.permit.get() {
             p.get().release();
         }
-        Ok(Ready {
-            value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
-        })
+        done_false(py)
     }
 
     /// Queues on `channel`: returns a Permit if granted at once, else the ticket.
