@@ -6,6 +6,7 @@ import csv
 import io
 import json
 import math
+import os
 import random
 from pathlib import Path
 
@@ -225,7 +226,8 @@ def test_outputs_table_json_csv_plot(tmp_path: Path) -> None:
         rows = list(csv.DictReader(f))
     assert len(rows) == 3 * 6  # two levels and the burst, six rows each
     assert {"wait_p99", "latency_p99", "shed_share", "theory_mm1_p99"} <= set(rows[0])
-    pytest.importorskip("matplotlib")
+    if os.environ.get("CI", "").lower() != "true":  # in CI (test extra) it must be there
+        pytest.importorskip("matplotlib")
     png = lab.plot(report, tmp_path / "knee.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
