@@ -82,9 +82,19 @@ impl KeyGates {
         self.existing(key).is_some_and(|g| g.queue.waiting() > 0)
     }
 
+    /// Drops every queue that nobody waits in and nobody holds (a queue whose last user
+    /// left while another thread briefly held it too).
+    fn sweep_idle(m: &mut HashMap<u64, Arc<Gate>>) {
+        m.retain(|_, g| Arc::strong_count(g) > 1 || g.queue.waiting() > 0);
+    }
+
     /// The queue of `key`, created if needed.
     pub fn get(&self, key: u64) -> Arc<Gate> {
         let mut m = self.lock();
+        if m.len() >= 64 && m.len().is_power_of_two() {
+            // Amortised: the map stays within about twice the keys that have waiters.
+            Self::sweep_idle(&mut m);
+        }
         let g = m.entry(key).or_insert_with(|| {
             let queue = WaitQueue::with_histograms(
                 (self.make)(key),
@@ -121,6 +131,43 @@ impl KeyGates {
         if let Some(g) = self.existing(key) {
             g.queue.poll_now();
         }
+    }
+
+    /// The queues of every key that has one, now.
+    fn all(&self) -> Vec<Arc<Gate>> {
+        self.lock().values().cloned().collect()
+    }
+
+    /// Grants and expires what is due now on every key; the next due time, if any.
+    pub fn poll_all(&self) -> Option<u64> {
+        let next = self.all().iter().filter_map(|g| g.queue.poll_now()).min();
+        let mut m = self.lock();
+        Self::sweep_idle(&mut m);
+        self.live.store(m.len(), Ordering::Release);
+        next
+    }
+
+    /// On a ManualClock: moves the clock through every due time of every key's queue up
+    /// to `until_ns`, polling there (the virtual-time driver of a keyed limit).
+    pub fn run_until(&self, clock: &ratequeue_core::ManualClock, until_ns: u64) -> usize {
+        let mut n = 0;
+        loop {
+            let gates = self.all();
+            let next = gates.iter().filter_map(|g| g.queue.next_wake()).min();
+            match next {
+                Some(t) if t <= until_ns => {
+                    let _ = clock.set(t.max(clock.now_ns()));
+                    for g in &gates {
+                        g.queue.poll(clock.now_ns());
+                    }
+                    n += 1;
+                }
+                _ => break,
+            }
+        }
+        let _ = clock.set(until_ns.max(clock.now_ns()));
+        self.poll_all();
+        n
     }
 
     /// Keys with a queue now.
@@ -164,6 +211,15 @@ struct Keyed {
 }
 
 impl Keyed {
+    fn run_until(&self, py: Python<'_>, until: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let AnyClock::Manual(m) = &self.gates.clock else {
+            return Err(PyValueError::new_err("run_until needs a limiter on a ManualClock"));
+        };
+        let t = seconds_ns("until", until)?;
+        let (gates, m) = (self.gates.clone(), m.clone());
+        Ok(py.detach(move || gates.run_until(&m, t)))
+    }
+
     fn owner(&self, key: u64) -> Arc<dyn PermitOwner> {
         Arc::new(KeyOwner {
             gates: self.gates.clone(),
@@ -535,6 +591,17 @@ impl KeyedLimiterPy {
         }
     }
 
+    /// On a ManualClock: advances the clock through every due time of the keys'
+    /// queues up to `until` (clock seconds), granting and expiring as real time would.
+    fn run_until(&self, py: Python<'_>, until: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.keyed.run_until(py, until)
+    }
+
+    /// Grants and expires whatever is due now on every key; the next due time or None.
+    fn poll(&self) -> Option<f64> {
+        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
+    }
+
     /// Drops every key whose bucket is full again (changes no decision); returns how
     /// many. Eviction does this by itself when the map is full.
     fn sweep(&self) -> usize {
@@ -669,6 +736,17 @@ impl KeyedConcurrencyPy {
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         self.keyed.acquire_async_py(py, self.core.hasher(), key, n, timeout)
+    }
+
+    /// On a ManualClock: advances the clock through every due time (deadlines) of the
+    /// keys' queues up to `until`.
+    fn run_until(&self, py: Python<'_>, until: &Bound<'_, PyAny>) -> PyResult<usize> {
+        self.keyed.run_until(py, until)
+    }
+
+    /// Grants and expires whatever is due now on every key; the next due time or None.
+    fn poll(&self) -> Option<f64> {
+        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
     }
 
     /// Permits held on `key` now.
