@@ -7,7 +7,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{AnyClock, Deny, Error, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
+use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
 
 use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
@@ -657,10 +657,4 @@ impl ReservationPy {
     fn __repr__(&self) -> String {
         format!("Reservation(delay={}, at={})", self.delay(), self.at())
     }
-}
-
-#[allow(dead_code)]
-fn _assert_send_sync() {
-    fn f<T: Send + Sync>() {}
-    f::<Error>();
 }

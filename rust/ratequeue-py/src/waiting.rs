@@ -353,15 +353,9 @@ impl Drop for AcquiringPy {
 }
 
 impl AcquiringPy {
-    /// Tries the fast path; the awaitable is ready at once when it admits.
-    pub fn start(
-        py: Python<'_>,
-        gate: &Arc<Gate>,
-        costs: &[u64],
-        class: usize,
-        timeout_ns: Option<u64>,
-    ) -> PyResult<AcquiringPy> {
-        let a = AcquiringPy {
+    /// Not started yet: queues when awaited.
+    fn new(gate: &Arc<Gate>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> AcquiringPy {
+        AcquiringPy {
             gate: gate.clone(),
             costs: costs.to_vec(),
             class,
@@ -370,7 +364,18 @@ impl AcquiringPy {
             token: OnceLock::new(),
             owner: None,
             on_drop: None,
-        };
+        }
+    }
+
+    /// Tries the fast path; the awaitable is ready at once when it admits.
+    pub fn start(
+        py: Python<'_>,
+        gate: &Arc<Gate>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+    ) -> PyResult<AcquiringPy> {
+        let a = AcquiringPy::new(gate, costs, class, timeout_ns);
         match gate.queue.try_now(costs, class) {
             Ok(_) => {
                 let _ = a.permit.set(Py::new(py, gate.permit(costs, 0))?);
@@ -397,28 +402,11 @@ pub fn acquire_async(
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
         Err(Some(d)) => Err(to_py(py, gate.queue_error(d))),
-        Err(None) => {
-            let a = AcquiringPy {
-                gate: gate.clone(),
-                costs: costs.to_vec(),
-                class,
-                timeout_ns,
-                permit: OnceLock::new(),
-                token: OnceLock::new(),
-                owner: None,
-                on_drop: None,
-            };
-            Ok(Py::new(py, a)?.into_any())
-        }
+        Err(None) => Ok(Py::new(py, AcquiringPy::new(gate, costs, class, timeout_ns))?.into_any()),
     }
 }
 
 impl AcquiringPy {
-    /// The permit if the fast path granted it.
-    pub fn ready(&self) -> Option<PermitPy> {
-        self.permit.get().map(|_| self.make_permit(0))
-    }
-
     /// Queues on `gate` without a fast path (the caller tried it), with permits owned by
     /// `owner` and `on_drop` run when the awaitable goes away.
     pub fn queued(
@@ -428,16 +416,10 @@ impl AcquiringPy {
         owner: Arc<dyn PermitOwner>,
         on_drop: Box<dyn Fn() + Send + Sync>,
     ) -> AcquiringPy {
-        AcquiringPy {
-            gate: gate.clone(),
-            costs: costs.to_vec(),
-            class: 0,
-            timeout_ns,
-            permit: OnceLock::new(),
-            token: OnceLock::new(),
-            owner: Some(owner),
-            on_drop: Some(on_drop),
-        }
+        let mut a = AcquiringPy::new(gate, costs, 0, timeout_ns);
+        a.owner = Some(owner);
+        a.on_drop = Some(on_drop);
+        a
     }
 
     fn make_permit(&self, waited_ns: u64) -> PermitPy {
