@@ -157,7 +157,10 @@ impl Histogram {
         }
         let v = v.min(MAX_TRACKED_NS);
         self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
-        add_saturating(&self.sum, v.saturating_mul(n));
+        if v != 0 {
+            // Immediate grants record 0: their sum needs no write.
+            add_saturating(&self.sum, v.saturating_mul(n));
+        }
         if v < self.min.load(Ordering::Relaxed) {
             self.min.fetch_min(v, Ordering::Relaxed);
         }
