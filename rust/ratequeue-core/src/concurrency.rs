@@ -46,6 +46,21 @@ impl Semaphore {
     }
 }
 
+/// The error a denial of permits stands for (shared by every permit resource).
+pub(crate) fn permits_error(d: Deny) -> Error {
+    match d {
+        Deny::TooLarge { cost, burst, .. } => Error::CostTooLarge {
+            unit: "permits".into(),
+            cost,
+            burst,
+        },
+        Deny::Wait(_) => Error::Overloaded {
+            reason: "no permit free".into(),
+            retry_after_ns: 0,
+        },
+    }
+}
+
 impl Resource for Semaphore {
     #[inline]
     fn try_take(&self, _now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
@@ -105,17 +120,7 @@ impl Resource for Semaphore {
     }
 
     fn error_for(&self, d: Deny) -> Error {
-        match d {
-            Deny::TooLarge { cost, burst, .. } => Error::CostTooLarge {
-                unit: "permits".into(),
-                cost,
-                burst,
-            },
-            Deny::Wait(_) => Error::Overloaded {
-                reason: "no permit free".into(),
-                retry_after_ns: 0,
-            },
-        }
+        permits_error(d)
     }
 
     fn predict(&self, _now_ns: u64, _ahead: &[u64], _costs: &[u64]) -> Option<u64> {

@@ -755,17 +755,7 @@ impl crate::queue::Resource for KeyPermits {
     }
 
     fn error_for(&self, d: Deny) -> Error {
-        match d {
-            Deny::TooLarge { cost, burst, .. } => Error::CostTooLarge {
-                unit: "permits".into(),
-                cost,
-                burst,
-            },
-            Deny::Wait(_) => Error::Overloaded {
-                reason: "no permit free".into(),
-                retry_after_ns: 0,
-            },
-        }
+        crate::concurrency::permits_error(d)
     }
 
     fn predict(&self, _now_ns: u64, _ahead: &[u64], _costs: &[u64]) -> Option<u64> {
