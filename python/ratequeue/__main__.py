@@ -10,9 +10,11 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from . import demo as _demo
 
@@ -24,6 +26,49 @@ def _floats(text: str) -> tuple[float, ...]:
         raise argparse.ArgumentTypeError(
             f"expected numbers separated by commas, got {text!r}"
         ) from None
+
+
+def _number(kind: type[int] | type[float], low: float, *, strict: bool = True) -> Any:
+    """An argparse type: a finite number > ``low`` (>= with ``strict=False``)."""
+
+    def parse(text: str) -> int | float:
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(v) or v < low or (strict and v == low):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>' if strict else '>='} {low:g}, got {text}"
+            )
+        return v
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
+def _positive_floats(text: str) -> tuple[float, ...]:
+    values = _floats(text)
+    if not values or not all(math.isfinite(v) and v > 0 for v in values):
+        raise argparse.ArgumentTypeError(f"expected numbers > 0 separated by commas, got {text!r}")
+    return values
+
+
+def _port(text: str) -> int:
+    v = _number(int, 0, strict=False)(text)
+    if v > 65535:
+        raise argparse.ArgumentTypeError(f"a port is 0..65535, got {text}")
+    return int(v)
+
+
+_FORMATS = ("json", "csv", "png")
+
+
+def _formats(text: str) -> tuple[str, ...]:
+    chosen = tuple(f.strip().lower() for f in text.split(",") if f.strip())
+    bad = [f for f in chosen if f not in _FORMATS]
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown format(s) {bad} (any of {', '.join(_FORMATS)})")
+    return chosen
 
 
 def _progress(args: argparse.Namespace) -> bool | None:
@@ -87,7 +132,7 @@ def _run_lab(args: argparse.Namespace) -> int:
         elif key == "pool":
             strategies.append(lab.PoolStrategy(k=args.pool, max_wait=args.max_wait))
         elif key:
-            raise SystemExit(f"unknown strategy {key!r} (naive, queue, bounded, priority, pool)")
+            raise ValueError(f"unknown strategy {key!r} (naive, queue, bounded, priority, pool)")
     scenario = lab.Scenario(
         name=args.name,
         limit=lab.ProviderLimit(args.rpm, args.burst),
@@ -143,12 +188,21 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="the lab's default scenario (or --burst-only)")
     d.add_argument("--burst-only", action="store_true", help="only the first burst demo")
-    d.add_argument("--requests", type=int, default=500, help="size of the burst (500)")
-    d.add_argument("--rpm", type=float, default=100.0, help="requests per minute (100)")
-    d.add_argument("--burst", type=int, default=5, help="bucket capacity (5)")
-    d.add_argument("--max-wait", type=float, default=5.0, help="bound on the wait, seconds (5)")
-    d.add_argument("--per-level", type=int, default=30_000, help="arrivals per load level")
-    d.add_argument("--rho", type=_floats, default=None, help="load levels, e.g. 0.5,0.9,0.98")
+    d.add_argument("--requests", type=_number(int, 0), default=500, help="size of the burst (500)")
+    d.add_argument("--rpm", type=_number(float, 0), default=100.0, help="requests per minute (100)")
+    d.add_argument("--burst", type=_number(int, 0), default=5, help="bucket capacity (5)")
+    d.add_argument(
+        "--max-wait",
+        type=_number(float, 0, strict=False),
+        default=5.0,
+        help="bound on the wait, seconds (5)",
+    )
+    d.add_argument(
+        "--per-level", type=_number(int, 0), default=30_000, help="arrivals per load level"
+    )
+    d.add_argument(
+        "--rho", type=_positive_floats, default=None, help="load levels, e.g. 0.5,0.9,0.98"
+    )
     d.add_argument("--seed", type=int, default=1)
     d.add_argument("--out", default="lab-out", help="folder for demo.png/json/csv (lab-out)")
     d.add_argument("--no-plot", action="store_true", help="skip the PNG")
@@ -158,10 +212,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lb = sub.add_parser("lab", help="run a scenario of your own in virtual time")
     lb.add_argument("--name", default="lab", help="scenario name, used for file names")
-    lb.add_argument("--rpm", type=float, default=100.0, help="provider limit, requests/minute")
-    lb.add_argument("--burst", type=int, default=1, help="provider bucket capacity")
-    lb.add_argument("--rho", type=_floats, default=(0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
-    lb.add_argument("--requests", type=int, default=20_000, help="arrivals per load level")
+    lb.add_argument(
+        "--rpm", type=_number(float, 0), default=100.0, help="provider limit, requests/minute"
+    )
+    lb.add_argument("--burst", type=_number(int, 0), default=1, help="provider bucket capacity")
+    lb.add_argument("--rho", type=_positive_floats, default=(0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
+    lb.add_argument(
+        "--requests", type=_number(int, 0), default=20_000, help="arrivals per load level"
+    )
     lb.add_argument(
         "--arrivals",
         default="poisson",
@@ -173,17 +231,27 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="constant:S | exponential:MEAN | lognormal:MEAN:SIGMA",
     )
     lb.add_argument("--strategies", default="naive,queue,bounded,priority,pool")
-    lb.add_argument("--max-wait", type=float, default=5.0)
-    lb.add_argument("--pool", type=int, default=2, help="providers in the pool")
-    lb.add_argument("--interactive-share", type=float, default=0.2)
-    lb.add_argument("--backoff-base", type=float, default=1.0)
-    lb.add_argument("--backoff-cap", type=float, default=60.0)
-    lb.add_argument("--max-attempts", type=int, default=None)
-    lb.add_argument("--burst-requests", type=int, default=0, help="also run a burst of N")
-    lb.add_argument("--warmup", type=float, default=0.05, help="share of each level unmeasured")
+    lb.add_argument("--max-wait", type=_number(float, 0, strict=False), default=5.0)
+    lb.add_argument("--pool", type=_number(int, 0), default=2, help="providers in the pool")
+    lb.add_argument("--interactive-share", type=_number(float, 0, strict=False), default=0.2)
+    lb.add_argument("--backoff-base", type=_number(float, 0), default=1.0)
+    lb.add_argument("--backoff-cap", type=_number(float, 0), default=60.0)
+    lb.add_argument("--max-attempts", type=_number(int, 0), default=None)
+    lb.add_argument(
+        "--burst-requests",
+        type=_number(int, 0, strict=False),
+        default=0,
+        help="also run a burst of N",
+    )
+    lb.add_argument(
+        "--warmup",
+        type=_number(float, 0, strict=False),
+        default=0.05,
+        help="share of each level unmeasured",
+    )
     lb.add_argument("--seed", type=int, default=1)
     lb.add_argument("--out", default="lab-out")
-    lb.add_argument("--formats", default="json,csv,png", help="any of json,csv,png")
+    lb.add_argument("--formats", type=_formats, default=_FORMATS, help="any of json,csv,png")
     _add_progress(lb)
     lb.set_defaults(func=_run_lab)
 
@@ -194,16 +262,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     lt.set_defaults(func=_run_loadtest)
 
     mp = sub.add_parser("mock-provider", help="a local HTTP provider enforcing an RPM limit")
-    mp.add_argument("--rpm", type=float, required=True, help="its limit, requests per minute")
-    mp.add_argument("--port", type=int, default=8000, help="port on 127.0.0.1 (0: any free)")
-    mp.add_argument("--gen-time", type=float, default=1.0, help="generation time, seconds")
-    mp.add_argument("--burst", type=int, default=None, help="bucket capacity (rpm/60, >= 1)")
+    mp.add_argument(
+        "--rpm", type=_number(float, 0), required=True, help="its limit, requests per minute"
+    )
+    mp.add_argument("--port", type=_port, default=8000, help="port on 127.0.0.1 (0: any free)")
+    mp.add_argument(
+        "--gen-time",
+        type=_number(float, 0, strict=False),
+        default=1.0,
+        help="generation time, seconds",
+    )
+    mp.add_argument(
+        "--burst", type=_number(int, 0), default=None, help="bucket capacity (rpm/60, >= 1)"
+    )
     mp.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
-    mp.add_argument("--duration", type=float, default=None, help="stop after this many seconds")
+    mp.add_argument(
+        "--duration", type=_number(float, 0), default=None, help="stop after this many seconds"
+    )
     mp.set_defaults(func=_run_mock)
 
     args = parser.parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except KeyboardInterrupt:
+        return 130
+    except (ValueError, TypeError, OSError) as e:
+        # Bad input found past argparse (an arrival spec, a config file, a port in use):
+        # a usage error, not a traceback.
+        sub.choices[args.command].error(str(e))
     return code
 
 

@@ -52,7 +52,7 @@ from typing import Any
 
 from ._errors import Overloaded, WaitTimeout
 from ._ratequeue import Concurrency, Histogram, Limiter, Rate
-from .mock_provider import MockProvider
+from .mock_provider import MockProvider, default_burst
 from .pool import parse_retry_after
 
 __all__ = ["LevelReport", "LoadTestConfig", "format_results", "main", "run_loadtest"]
@@ -60,9 +60,36 @@ __all__ = ["LevelReport", "LoadTestConfig", "format_results", "main", "run_loadt
 QS = (50.0, 95.0, 99.0)
 
 
-def _as_list(x: Any, kind: type) -> list[Any]:
-    values = x if isinstance(x, list) else [x]
-    return [kind(v) for v in values]
+def _int(name: str, v: Any, low: int) -> int:
+    """``v`` as an int >= ``low``: a JSON integer (or a float with an integral value)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or v % 1:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    if v < low or not math.isfinite(v):
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+    return int(v)
+
+
+def _num(name: str, v: Any, *, positive: bool = False) -> float:
+    """``v`` as a finite float >= 0 (> 0 with ``positive``)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {v!r}")
+    if not math.isfinite(v) or v < 0 or (positive and v == 0):
+        raise ValueError(
+            f"{name} must be a finite number {'> 0' if positive else '>= 0'}, got {v!r}"
+        )
+    return float(v)
+
+
+def _as_list(x: Any) -> list[Any]:
+    return list(x) if isinstance(x, list) else [x]
+
+
+def _check_keys(where: str, d: Any, known: set[str]) -> None:
+    if not isinstance(d, dict):
+        raise ValueError(f"{where} must be a JSON object, got {d!r}")
+    unknown = set(d) - known
+    if unknown:
+        raise ValueError(f"unknown keys in {where}: {sorted(unknown)}; known: {sorted(known)}")
 
 
 @dataclass
@@ -100,9 +127,9 @@ class LoadTestConfig:
             raise ValueError('the config needs "endpoint" (a URL, or "mock")')
         kw = dict(d)
         if "rps" in kw:
-            kw["rps"] = _as_list(kw["rps"], float)
+            kw["rps"] = [_num("rps", r, positive=True) for r in _as_list(kw["rps"])]
         if "concurrency" in kw:
-            kw["concurrency"] = _as_list(kw["concurrency"], int)
+            kw["concurrency"] = [_int("concurrency", c, 1) for c in _as_list(kw["concurrency"])]
         cfg = cls(**kw)
         cfg.validate()
         return cfg
@@ -115,24 +142,41 @@ class LoadTestConfig:
         return cls.from_dict(data)
 
     def validate(self) -> None:
-        if not self.rps or any(not (math.isfinite(r) and r > 0) for r in self.rps):
-            raise ValueError(f"rps must be positive numbers, got {self.rps!r}")
-        if not self.concurrency or any(c < 1 for c in self.concurrency):
-            raise ValueError(f"concurrency levels must be >= 1, got {self.concurrency!r}")
+        if not self.rps:
+            raise ValueError("rps must hold at least one rate")
+        for r in self.rps:
+            _num("rps", r, positive=True)
+        if not self.concurrency:
+            raise ValueError("concurrency must hold at least one level")
+        for c in self.concurrency:
+            _int("concurrency", c, 1)
         for name in ("duration", "request_timeout", "drain", "pause"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name} must be finite and >= 0, got {v!r}")
+            _num(name, getattr(self, name))
         if self.arrivals not in ("poisson", "constant"):
             raise ValueError(f'arrivals must be "poisson" or "constant", got {self.arrivals!r}')
-        if self.max_requests < 1:
-            raise ValueError(f"max_requests must be >= 1, got {self.max_requests!r}")
+        _int("max_requests", self.max_requests, 1)
+        _int("retry_429", self.retry_429, 0)
         if self.limits is not None:
-            unknown = set(self.limits) - {"rpm", "burst", "tpm", "tokens", "max_wait", "max_queue"}
-            if unknown:
-                raise ValueError(f"unknown keys in limits: {sorted(unknown)}")
-            if "rpm" not in self.limits and "tpm" not in self.limits:
+            lim = self.limits
+            _check_keys("limits", lim, {"rpm", "burst", "tpm", "tokens", "max_wait", "max_queue"})
+            if "rpm" not in lim and "tpm" not in lim:
                 raise ValueError('limits needs "rpm" and/or "tpm"')
+            for name in ("rpm", "tpm"):
+                if name in lim:
+                    _num(f"limits.{name}", lim[name], positive=True)
+            for name, low in (("burst", 1), ("tokens", 1), ("max_queue", 1)):
+                if lim.get(name) is not None:
+                    _int(f"limits.{name}", lim[name], low)
+            if lim.get("max_wait") is not None:
+                _num("limits.max_wait", lim["max_wait"])
+        if self.mock is not None:
+            _check_keys("mock", self.mock, {"rpm", "burst", "gen_time"})
+            if "rpm" in self.mock:
+                _num("mock.rpm", self.mock["rpm"], positive=True)
+            if self.mock.get("burst") is not None:
+                _int("mock.burst", self.mock["burst"], 1)
+            if "gen_time" in self.mock:
+                _num("mock.gen_time", self.mock["gen_time"])
         if self.endpoint != "mock":
             _check_target(self.endpoint, self.allow_remote)
 
@@ -297,7 +341,12 @@ def _make_limiter(cfg: LoadTestConfig) -> tuple[Limiter | None, int | None]:
     rates = []
     if "rpm" in lim:
         burst = lim.get("burst")
-        rates.append(Rate(lim["rpm"], per="minute", burst=None if burst is None else int(burst)))
+        if burst is None:
+            # The provider's own default (one second's worth, at least 1), or the mock's
+            # burst: a client bucket deeper than the provider's would only earn 429s.
+            mock_burst = (cfg.mock or {}).get("burst") if cfg.endpoint == "mock" else None
+            burst = mock_burst if mock_burst is not None else default_burst(lim["rpm"])
+        rates.append(Rate(lim["rpm"], per="minute", burst=int(burst)))
     if "tpm" in lim:
         rates.append(Rate(lim["tpm"], per="minute", unit="tokens"))
     max_wait = lim.get("max_wait")

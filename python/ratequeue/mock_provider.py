@@ -29,9 +29,17 @@ from typing import Any
 
 from ._ratequeue import Limiter, Rate
 
-__all__ = ["MockProvider", "serve"]
+__all__ = ["COMPLETION_PATHS", "MockProvider", "default_burst", "serve"]
 
 PATH = "/v1/chat/completions"
+#: The paths answered as a completion (POST only); ``GET /stats`` gives the counters and
+#: anything else is a 404.
+COMPLETION_PATHS = frozenset({PATH, "/v1/completions", "/v1/messages"})
+
+
+def default_burst(rpm: float) -> int:
+    """One second's worth of ``rpm`` (at least 1): the mock's bucket unless told."""
+    return max(1, int(rpm // 60))
 
 
 def _check_loopback(host: str) -> None:
@@ -72,15 +80,37 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(data)
 
+    def _route(self) -> str:
+        return self.path.split("?", 1)[0].rstrip("/") or "/"
+
+    def _error(self, status: int, kind: str, message: str, headers: dict[str, str]) -> None:
+        self._send(status, {"error": {"type": kind, "message": message}}, headers)
+
     def do_GET(self) -> None:
-        if self.path.rstrip("/") == "/stats":
+        route = self._route()
+        if route == "/stats":
             self._send(200, self.server.mock.stats(), {})
+        elif route in COMPLETION_PATHS:
+            self._error(405, "method_not_allowed", f"use POST on {route}", {"Allow": "POST"})
         else:
-            self._complete()
+            self._error(404, "not_found", f"no such path {route!r}", {})
 
     def do_POST(self) -> None:
         self._body()
-        self._complete()
+        route = self._route()
+        if route in COMPLETION_PATHS:
+            self._complete()
+        else:
+            self._error(404, "not_found", f"no such path {route!r}", {})
+
+    def _other(self) -> None:
+        if self.headers.get("Content-Length"):
+            self._body()
+        self._error(
+            405, "method_not_allowed", f"{self.command} is not served", {"Allow": "GET, POST"}
+        )
+
+    do_PUT = do_DELETE = do_PATCH = _other
 
     def _complete(self) -> None:
         mock = self.server.mock
@@ -107,10 +137,18 @@ class MockProvider:
         port: int = 0,
     ) -> None:
         _check_loopback(host)
+        if isinstance(rpm, bool) or not isinstance(rpm, (int, float)):
+            raise TypeError(f"rpm={rpm!r} must be a number of requests per minute")
+        if not (math.isfinite(rpm) and rpm > 0):
+            raise ValueError(f"rpm={rpm!r} must be a finite number > 0")
+        if burst is not None and (
+            isinstance(burst, bool) or not isinstance(burst, int) or burst < 1
+        ):
+            raise ValueError(f"burst={burst!r} must be an integer >= 1 or None")
         if not (math.isfinite(gen_time) and gen_time >= 0):
             raise ValueError(f"gen_time must be finite and >= 0, got {gen_time!r}")
         self.rpm = float(rpm)
-        self.burst = max(1, int(rpm // 60)) if burst is None else int(burst)
+        self.burst = default_burst(rpm) if burst is None else int(burst)
         self.gen_time = float(gen_time)
         self.host = host
         self._port = int(port)

@@ -51,6 +51,17 @@ __all__ = ["Pool", "PoolOverloaded", "Provider", "parse_retry_after"]
 _CLOCK_NOISE = 1e-6
 
 
+def _bound(name: str, v: float | None) -> float | None:
+    """A wait bound in seconds: a number >= 0; ``None`` or ``inf`` mean no bound."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}={v!r} must be a number of seconds or None")
+    if not v >= 0:
+        raise ValueError(f"{name}={v!r} must be >= 0 seconds (None: no bound)")
+    return None if math.isinf(v) else float(v)
+
+
 def parse_retry_after(value: float | int | str | None) -> float | None:
     """Seconds from a ``Retry-After`` value: a number of seconds or an HTTP date.
 
@@ -197,8 +208,7 @@ class Pool:
         for label, v in (("cooldown", cooldown), ("max_cooldown", max_cooldown), ("tie", tie)):
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{label} must be finite and >= 0, got {v!r}")
-        if max_wait is not None and not (max_wait >= 0):
-            raise ValueError(f"max_wait must be >= 0 or None, got {max_wait!r}")
+        max_wait = _bound("max_wait", max_wait)
         self._by_name = {p.name: p for p in self._providers}
         self._units = frozenset().union(*(p.units for p in self._providers))
         self.max_wait = max_wait
@@ -340,10 +350,7 @@ class Pool:
         return chosen
 
     def _budget(self, timeout: float | None) -> float | None:
-        budget = self.max_wait if timeout is None else timeout
-        if budget is not None and not (budget >= 0):
-            raise ValueError(f"timeout must be >= 0, got {budget!r}")
-        return budget
+        return self.max_wait if timeout is None else _bound("timeout", timeout)
 
     def _max_rounds(self) -> int:
         return 4 * len(self._providers) + 4
@@ -475,15 +482,20 @@ class Pool:
 
         ``status=429`` (rate limited) or a failure (``ok=False``, or a 5xx status)
         puts the provider in cooldown for ``retry_after`` (seconds or an HTTP date, as
-        in the ``Retry-After`` header) or, without it, for ``cooldown`` doubled per
-        consecutive failure up to ``max_cooldown``. A success (``ok=True``, or a 2xx/3xx
-        status) ends the run of failures. Other 4xx statuses are the caller's fault and
-        change nothing but a counter.
+        in the ``Retry-After`` header, at most ``max_cooldown``) or, without it, for
+        ``cooldown`` doubled per consecutive failure up to ``max_cooldown``. A success
+        (``ok=True``, or a 2xx/3xx status) ends the run of failures. Other 4xx statuses
+        are the caller's fault and change nothing but a counter.
         """
         p = self._get(provider)
         if status is not None and (isinstance(status, bool) or not isinstance(status, int)):
             raise TypeError(f"status must be an int HTTP status, got {status!r}")
+        if status is not None and not 100 <= status <= 599:
+            raise ValueError(f"status={status!r} is not an HTTP status (100..599)")
         seconds = parse_retry_after(retry_after)
+        if seconds is not None:
+            # A provider's Retry-After never disables it for longer than max_cooldown.
+            seconds = min(seconds, self.max_cooldown)
         now = self._clock.now()
         with self._lock:
             if status == 429:

@@ -223,26 +223,45 @@ class Replay(Arrivals):
         return f"replay of {self.source}"
 
 
+def _spec_number(spec: str, text: str, kind: type[int] | type[float], zero: bool = False) -> float:
+    try:
+        v = kind(text)
+    except ValueError:
+        raise ValueError(f"arrivals {spec!r}: {text!r} is not a {kind.__name__}") from None
+    if not (math.isfinite(v) and (v > 0 or (zero and v == 0))):
+        raise ValueError(f"arrivals {spec!r}: {text!r} must be {'>=' if zero else '>'} 0")
+    return v
+
+
 def parse_arrivals(spec: str) -> Arrivals:
-    """``poisson``, ``constant``, ``batches[:SIZE]``, ``onoff[:ON[:OFF]]``,
-    ``burst[:N]`` or ``replay:PATH`` (``replay-raw:PATH`` to keep the trace's rate)."""
-    kind, _, rest = spec.partition(":")
+    """``poisson``, ``constant``, ``batches[:SIZE]``, ``onoff[:ON:OFF]``, ``burst[:N]``
+    or ``replay:PATH`` (``replay-raw:PATH`` to keep the trace's own rate). Anything else,
+    extra or missing parameters and non-positive numbers are a ValueError."""
+    kind, sep, rest = spec.partition(":")
     kind = kind.strip().lower()
-    args: Sequence[str] = [a for a in rest.split(":") if a] if rest else []
+    if kind in ("replay", "replay-raw"):
+        if not rest.strip():
+            raise ValueError(f"arrivals {spec!r}: replay needs a file: {kind}:PATH")
+        return Replay.from_file(rest, scale=kind == "replay")
+    args: Sequence[str] = rest.split(":") if sep else []
+    takes = {"poisson": (0,), "constant": (0,), "batches": (0, 1), "burst": (0, 1)}
+    takes["onoff"] = takes["on-off"] = (0, 2)
+    if kind not in takes:
+        raise ValueError(
+            f"unknown arrival process {spec!r} "
+            "(poisson, constant, batches:SIZE, onoff:ON:OFF, burst:N, replay:PATH, replay-raw:PATH)"
+        )
+    if len(args) not in takes[kind]:
+        want = " or ".join(str(n) for n in takes[kind])
+        raise ValueError(f"arrivals {spec!r}: {kind} takes {want} parameters, got {len(args)}")
     if kind == "poisson":
         return Poisson()
     if kind == "constant":
         return Constant()
     if kind == "batches":
-        return Batches(int(args[0])) if args else Batches()
-    if kind in ("onoff", "on-off"):
-        on = float(args[0]) if args else 60.0
-        off = float(args[1]) if len(args) > 1 else on
-        return OnOff(on, off)
+        return Batches(int(_spec_number(spec, args[0], int))) if args else Batches()
     if kind == "burst":
-        return Burst(int(args[0])) if args else Burst()
-    if kind in ("replay", "replay-raw"):
-        if not rest:
-            raise ValueError("replay needs a file: replay:PATH")
-        return Replay.from_file(rest, scale=kind == "replay")
-    raise ValueError(f"unknown arrival process {spec!r}")
+        return Burst(int(_spec_number(spec, args[0], int))) if args else Burst()
+    if not args:
+        return OnOff()
+    return OnOff(_spec_number(spec, args[0], float), _spec_number(spec, args[1], float, zero=True))

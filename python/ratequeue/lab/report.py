@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from .results import QUANTILES
-from .scenario import LabReport, LevelResult, Scenario, theory_at
+from .scenario import LabReport, LevelResult, Scenario, replays_as_recorded, theory_at
 
 __all__ = ["format_level", "format_report", "plot", "write_csv", "write_json"]
 
@@ -42,8 +42,11 @@ def format_level(level: LevelResult, scenario: Scenario) -> str:
     limit = scenario.limit
     lines: list[str] = []
     if level.rho is not None:
+        head = f"rho = {level.rho:g}"
+        if replays_as_recorded(scenario):
+            head = f"{level.title}: rho = {level.rho:.3g} (the trace's own)"
         lines.append(
-            f"rho = {level.rho:g}: {level.rate * 60:.1f} requests/min against "
+            f"{head}: {level.rate * 60:.1f} requests/min against "
             f"{limit.rpm:g}/min (burst {limit.burst}); {level.arrivals:,} arrivals "
             f"({scenario.arrivals.label}) over {level.duration:,.0f} s, measured after "
             f"{level.measured_from:,.0f} s; service {scenario.service.label}"

@@ -8,13 +8,14 @@ through every strategy too. Everything is deterministic for a seed.
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, is_dataclass
 from typing import Any
 
-from .arrivals import Arrivals, Burst, Poisson
+from .arrivals import Arrivals, Burst, Poisson, Replay
 from .progress import Progress
 from .results import Request, Row, Workload
 from .service import LogNormal, ServiceTime
@@ -27,8 +28,10 @@ __all__ = [
     "LevelResult",
     "Scenario",
     "make_workload",
+    "replays_as_recorded",
     "run_burst",
     "run_level",
+    "run_recorded",
     "run_scenario",
     "theory_at",
 ]
@@ -232,7 +235,44 @@ def run_level(scenario: Scenario, rho: float, progress: Progress | None = None) 
         measured_from=workload.warmup_until,
         rows=rows,
         info=info,
-        theory=theory_at(rho, scenario.limit),
+        # Queueing theory here assumes Poisson arrivals: shown only where it applies.
+        theory=theory_at(rho, scenario.limit) if isinstance(scenario.arrivals, Poisson) else {},
+        elapsed=time.perf_counter() - start,
+        simulated=simulated,
+    )
+
+
+def replays_as_recorded(scenario: Scenario) -> bool:
+    """True when the scenario replays a trace at its own rate (``replay-raw:``): its load
+    is the trace's, not a list of levels."""
+    return isinstance(scenario.arrivals, Replay) and not scenario.arrivals.scale
+
+
+def run_recorded(scenario: Scenario, progress: Progress | None = None) -> LevelResult:
+    """The first ``scenario.requests`` arrivals of a trace, at the times recorded; the
+    level's rate and rho are the trace's own, measured over what was replayed."""
+    trace = scenario.arrivals
+    assert isinstance(trace, Replay)
+    n = min(scenario.requests, len(trace.stamps))
+    until = math.nextafter(trace.stamps[n - 1], math.inf)
+    workload = make_workload(scenario, trace, 1.0, until, "replay")
+    span = workload.duration
+    rate = (len(workload.requests) - 1) / span if span > 0 else math.inf
+    rho = rate / scenario.limit.mu
+    start = time.perf_counter()
+    rows, info, simulated = _run_strategies(
+        scenario, workload, "replay", progress, scenario.strategies
+    )
+    return LevelResult(
+        title=f"{trace.label} as recorded",
+        rho=rho if math.isfinite(rho) else None,
+        rate=rate if math.isfinite(rate) else 0.0,
+        duration=span,
+        arrivals=len(workload.requests),
+        measured_from=workload.warmup_until,
+        rows=rows,
+        info=info,
+        theory={},
         elapsed=time.perf_counter() - start,
         simulated=simulated,
     )
@@ -294,13 +334,15 @@ def run_scenario(
     """Run every load level and the burst. ``progress``: a bar on stderr (None: only
     when stderr is a terminal). ``on_level`` is called with each level as it ends."""
     per_level = scenario.requests * len(scenario.strategies)
-    total = per_level * len(scenario.rhos) + scenario.burst * len(scenario.strategies)
+    recorded = replays_as_recorded(scenario)
+    n_levels = 1 if recorded else len(scenario.rhos)
+    total = per_level * n_levels + scenario.burst * len(scenario.strategies)
     start = time.perf_counter()
     levels: list[LevelResult] = []
     burst: LevelResult | None = None
     with Progress(total, scenario.name, enabled=progress) as bar:
-        for rho in scenario.rhos:
-            level = run_level(scenario, rho, bar)
+        for rho in [None] if recorded else scenario.rhos:
+            level = run_recorded(scenario, bar) if rho is None else run_level(scenario, rho, bar)
             levels.append(level)
             if on_level is not None:
                 on_level(level)

@@ -46,12 +46,25 @@ __all__ = [
 ]
 
 
+#: The shortest retry delay of a simulated client (seconds of virtual time): about a
+#: network round trip, so that virtual time always moves on between two calls.
+_MIN_RETRY = 1e-3
+
+
 @dataclass(frozen=True)
 class ProviderLimit:
     """The provider's own limit: ``rpm`` requests per minute, bucket ``burst``."""
 
     rpm: float = 100.0
     burst: int = 1
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rpm, bool) or not isinstance(self.rpm, (int, float)):
+            raise TypeError(f"rpm={self.rpm!r} must be a number")
+        if not (math.isfinite(self.rpm) and self.rpm > 0):
+            raise ValueError(f"rpm={self.rpm!r} must be a finite number > 0")
+        if isinstance(self.burst, bool) or not isinstance(self.burst, int) or self.burst < 1:
+            raise ValueError(f"burst={self.burst!r} must be an integer >= 1")
 
     @property
     def mu(self) -> float:
@@ -99,6 +112,20 @@ class NaiveRetry(Strategy):
     honour_retry_after: bool = False
     key: str = "naive"
 
+    def __post_init__(self) -> None:
+        for name in ("base", "cap"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise TypeError(f"{name}={v!r} must be a number of seconds")
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name}={v!r} must be a finite number of seconds > 0")
+        if self.max_attempts is not None and (
+            isinstance(self.max_attempts, bool)
+            or not isinstance(self.max_attempts, int)
+            or self.max_attempts < 1
+        ):
+            raise ValueError(f"max_attempts={self.max_attempts!r} must be an integer >= 1 or None")
+
     @property
     def label(self) -> str:
         return "naive retry on 429"
@@ -126,6 +153,9 @@ class NaiveRetry(Strategy):
             delay = rng.uniform(0.0, min(self.cap, self.base * 2.0**exponent))
             if self.honour_retry_after:
                 delay = max(delay, retry_after)
+            # Virtual time must advance between two calls of one request (a zero draw
+            # would retry at the same instant, against a provider that cannot change).
+            delay = max(delay, _MIN_RETRY)
             vt.after(delay, partial(attempt, req, tally))
 
         for req in workload.requests:
@@ -293,7 +323,9 @@ class PoolStrategy(Strategy):
         ]
         for p in providers:
             vt.watch(p.limiter)
-        pool = Pool(providers, max_wait=self.max_wait, clock=vt.clock)
+        # Outages are honoured for as long as the provider's Retry-After says (an hour at
+        # most), as a client of a real provider would.
+        pool = Pool(providers, max_wait=self.max_wait, max_cooldown=3600.0, clock=vt.clock)
         far: dict[str, SimProvider] = {
             n: SimProvider(
                 vt.clock,
