@@ -32,6 +32,7 @@ from __future__ import annotations
 import datetime as _dt
 import email.utils
 import math
+import numbers
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
@@ -49,6 +50,20 @@ __all__ = ["Pool", "PoolOverloaded", "Provider", "parse_retry_after"]
 # below this are read as 0 so that "no wait" compares equal across providers and
 # passes max_wait=0.
 _CLOCK_NOISE = 1e-6
+
+
+def _real(name: str, v: object) -> None:
+    """A TypeError naming ``name`` unless ``v`` is a real number (bool is not)."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{name}={v!r} must be a number")
+
+
+def _rate(name: str, amount: float, burst_name: str, burst: int | None, **kw: str) -> Rate:
+    """``Rate(amount, per="minute", burst=burst)``; an error names the Provider argument."""
+    try:
+        return Rate(amount, per="minute", burst=burst, **kw)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"{name}={amount!r}, {burst_name}={burst!r}: {e}") from None
 
 
 def _bound(name: str, v: float | None) -> float | None:
@@ -72,8 +87,10 @@ def parse_retry_after(value: float | int | str | None) -> float | None:
         return None
     if isinstance(value, bool):
         raise TypeError("retry_after must be seconds or an HTTP date, not a bool")
-    if isinstance(value, (int, float)):
+    if isinstance(value, numbers.Real):
         seconds = float(value)
+    elif not isinstance(value, str):
+        raise TypeError(f"retry_after must be seconds or an HTTP date, got {value!r}")
     else:
         text = value.strip()
         try:
@@ -120,16 +137,15 @@ class Provider:
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"name must be a non-empty string, got {name!r}")
-        if isinstance(weight, bool) or not isinstance(weight, (int, float)):
-            raise TypeError(f"weight must be a number, got {weight!r}")
+        _real("weight", weight)
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be finite and > 0, got {weight!r}")
         if limiter is None:
             rates: list[Rate] = []
             if rpm is not None:
-                rates.append(Rate(rpm, per="minute", burst=burst))
+                rates.append(_rate("rpm", rpm, "burst", burst))
             if tpm is not None:
-                rates.append(Rate(tpm, per="minute", burst=token_burst, unit="tokens"))
+                rates.append(_rate("tpm", tpm, "token_burst", token_burst, unit="tokens"))
             if not rates:
                 raise ValueError(f"provider {name!r}: give rpm and/or tpm, or a limiter")
             limiter = Limiter(*rates, clock=clock, classes=classes, max_queue=max_queue, name=name)
@@ -196,16 +212,19 @@ class Pool:
         tie: float = 1e-3,
         clock: Clock | None = None,
     ) -> None:
+        if isinstance(providers, (str, bytes)) or not isinstance(providers, Iterable):
+            raise TypeError(f"providers must be a sequence of Provider objects, got {providers!r}")
         self._providers: tuple[Provider, ...] = tuple(providers)
         if not self._providers:
-            raise ValueError("a pool needs at least one provider")
-        names = [p.name for p in self._providers]
-        if len(set(names)) != len(names):
-            raise ValueError(f"provider names must be unique, got {names}")
+            raise ValueError("providers: a pool needs at least one Provider")
         for p in self._providers:
             if not isinstance(p, Provider):
                 raise TypeError(f"providers must be Provider objects, got {p!r}")
+        names = [p.name for p in self._providers]
+        if len(set(names)) != len(names):
+            raise ValueError(f"provider names must be unique, got {names}")
         for label, v in (("cooldown", cooldown), ("max_cooldown", max_cooldown), ("tie", tie)):
+            _real(label, v)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"{label} must be finite and >= 0, got {v!r}")
         max_wait = _bound("max_wait", max_wait)
@@ -242,6 +261,8 @@ class Pool:
             if self._by_name.get(provider.name) is not provider:
                 raise ValueError(f"{provider!r} is not in this pool")
             return provider
+        if not isinstance(provider, str):
+            raise TypeError(f"provider must be a Provider or its name, got {provider!r}")
         try:
             return self._by_name[provider]
         except KeyError:

@@ -237,6 +237,8 @@ def parse_arrivals(spec: str) -> Arrivals:
     """``poisson``, ``constant``, ``batches[:SIZE]``, ``onoff[:ON:OFF]``, ``burst[:N]``
     or ``replay:PATH`` (``replay-raw:PATH`` to keep the trace's own rate). Anything else,
     extra or missing parameters and non-positive numbers are a ValueError."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec={spec!r} must be a string")
     kind, sep, rest = spec.partition(":")
     kind = kind.strip().lower()
     if kind in ("replay", "replay-raw"):

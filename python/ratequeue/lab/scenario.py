@@ -9,6 +9,7 @@ through every strategy too. Everything is deterministic for a seed.
 from __future__ import annotations
 
 import math
+import numbers
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -58,6 +59,21 @@ class Scenario:
     seed: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.rhos, (str, bytes)) or not isinstance(self.rhos, Sequence):
+            raise TypeError(f"rhos={self.rhos!r} must be a sequence of load levels")
+        for rho in self.rhos:
+            if isinstance(rho, bool) or not isinstance(rho, numbers.Real) or not math.isfinite(rho):
+                raise ValueError(f"rhos: load levels must be finite numbers > 0, got {rho!r}")
+        for name in ("requests", "burst"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+                raise TypeError(f"{name}={v!r} must be an integer")
+        for name in ("warmup", "interactive_share"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, numbers.Real):
+                raise TypeError(f"{name}={v!r} must be a number")
+        if self.burst < 0:
+            raise ValueError(f"burst={self.burst!r} must be >= 0 (0: no burst run)")
         if not self.rhos and not self.burst:
             raise ValueError("nothing to run: give load levels (rhos) or a burst")
         for rho in self.rhos:

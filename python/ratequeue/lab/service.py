@@ -106,6 +106,8 @@ class LogNormal(ServiceTime):
 
 def parse_service(spec: str) -> ServiceTime:
     """``constant:S``, ``exponential:MEAN`` (or ``exp``), ``lognormal:MEAN[:SIGMA]``."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec={spec!r} must be a string")
     kind, _, rest = spec.partition(":")
     kind = kind.strip().lower()
     args = [float(a) for a in rest.split(":") if a] if rest else []
