@@ -22,10 +22,9 @@ from typing import Any
 
 import numpy as np
 import pytest
+import ratequeue as rq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-import ratequeue as rq
 from ratequeue import lab
 from ratequeue._errors import RateQueueError
 
@@ -121,9 +120,23 @@ def _calls() -> list[Call]:
     hist = rq.Histogram
     rate_names = {"#0": ("amount",)}
     calls = [
-        Call("Rate", rq.Rate, {"per": "second", "burst": 3, "unit": "tokens"}, [10], ["#0", "per", "burst", "unit"], rate_names),
+        Call(
+            "Rate",
+            rq.Rate,
+            {"per": "second", "burst": 3, "unit": "tokens"},
+            [10],
+            ["#0", "per", "burst", "unit"],
+            rate_names,
+        ),
         Call("ManualClock", rq.ManualClock, {"start": 5.0}, [], ["start"]),
-        Call("ManualClock.advance", lambda s: _clock().advance(s), {}, [1.0], ["#0"], {"#0": ("seconds",)}),
+        Call(
+            "ManualClock.advance",
+            lambda s: _clock().advance(s),
+            {},
+            [1.0],
+            ["#0"],
+            {"#0": ("seconds",)},
+        ),
         Call("ManualClock.set", lambda s: _clock().set(s), {}, [1.0], ["#0"], {"#0": ("seconds",)}),
         Call(
             "Limiter",
@@ -132,32 +145,209 @@ def _calls() -> list[Call]:
             [],
             ["max_wait", "max_queue", "classes", "name"],
         ),
-        Call("Limiter(rates)", lambda r: rq.Limiter(r), {}, [rq.Rate(1)], ["#0"], {"#0": ("rate", "Rate")}),
-        Call("Limiter.try_acquire", lambda *a, **k: L().try_acquire(*a, **k), {"tokens": 5}, [1], ["#0", "tokens"], {"#0": ("n", "cost", "requests")}),
-        Call("Limiter.retry_after", lambda *a, **k: L().retry_after(*a, **k), {"tokens": 5}, [1], ["#0", "tokens"], {"#0": ("n", "cost", "requests")}),
-        Call("Limiter.predicted_wait", lambda *a, **k: L().predicted_wait(*a, **k), {"tokens": 5}, [1], ["#0", "tokens"], {"#0": ("n", "cost", "requests")}),
-        Call("Limiter.reserve", lambda *a, **k: L().reserve(*a, **k), {"tokens": 5, "max_wait": 1.0}, [1], ["#0", "tokens", "max_wait"], {"#0": ("n", "cost", "requests")}),
-        Call("Limiter.acquire", lambda *a, **k: L().acquire(*a, **k), {"tokens": 5, "timeout": 0.0, "priority": "hi"}, [1], ["#0", "tokens", "timeout", "priority"], {"#0": ("n", "cost", "requests")}),
-        Call("Limiter.available", lambda *a: L().available(*a), {}, ["tokens"], ["#0"], {"#0": ("unit",)}),
-        Call("Limiter.set_rate", lambda *a, **k: L().set_rate(*a, **k), {"burst": 3, "which": 0}, [20, "second"], ["#0", "#1", "burst", "which"], {"#0": ("amount",), "#1": ("per",)}),
-        Call("Limiter.set_burst", lambda *a, **k: L().set_burst(*a, **k), {"which": "tokens"}, [3], ["#0", "which"], {"#0": ("burst",)}),
-        Call("Limiter.wait_histogram", lambda *a: L().wait_histogram(*a), {}, ["hi"], ["#0"], {"#0": ("priority",)}),
-        Call("Limiter.run_until", lambda *a: L().run_until(*a), {}, [1.0], ["#0"], {"#0": ("until",)}),
-        Call("Concurrency", lambda *a, **k: rq.Concurrency(*a, clock=_clock(), **k), {"max_wait": 1.0, "max_queue": 3}, [3], ["#0", "max_wait", "max_queue"], {"#0": ("limit",)}),
-        Call("Concurrency.try_acquire", lambda *a: conc().try_acquire(*a), {}, [1], ["#0"], {"#0": ("n",)}),
-        Call("Concurrency.acquire", lambda *a, **k: conc().acquire(*a, **k), {"timeout": 0.0}, [1], ["#0", "timeout"], {"#0": ("n",)}),
-        Call("Concurrency.set_limit", lambda *a: conc().set_limit(*a), {}, [2], ["#0"], {"#0": ("limit",)}),
-        Call("Concurrency.give_back", lambda *a: conc().give_back(*a), {}, [1], ["#0"], {"#0": ("n",)}),
-        Call("KeyedLimiter", lambda *a, **k: rq.KeyedLimiter(*a, clock=_clock(), **k), {"max_keys": 100, "max_wait": 1.0, "max_queue": 5}, [rq.Rate(10)], ["#0", "max_keys", "max_wait", "max_queue"], {"#0": ("rate", "Rate")}),
-        Call("KeyedLimiter.try_acquire", lambda *a: kl().try_acquire(*a), {}, ["k", 1], ["#0", "#1"], {"#0": ("key",), "#1": ("cost",)}),
-        Call("KeyedLimiter.retry_after", lambda *a: kl().retry_after(*a), {}, ["k", 1], ["#0", "#1"], {"#0": ("key",), "#1": ("cost",)}),
-        Call("KeyedLimiter.available", lambda *a: kl().available(*a), {}, ["k"], ["#0"], {"#0": ("key",)}),
-        Call("KeyedLimiter.acquire", lambda *a, **k: kl().acquire(*a, **k), {"timeout": 0.0}, ["k", 1], ["#0", "#1", "timeout"], {"#0": ("key",), "#1": ("cost",)}),
-        Call("KeyedLimiter.try_acquire_many", lambda *a: kl().try_acquire_many(*a), {}, [np.arange(4, dtype=np.uint64), None], ["#0", "#1"], {"#0": ("keys",), "#1": ("costs",)}),
-        Call("KeyedConcurrency", lambda *a, **k: rq.KeyedConcurrency(*a, clock=_clock(), **k), {"max_wait": 1.0}, [3], ["#0", "max_wait"], {"#0": ("limit",)}),
-        Call("KeyedConcurrency.try_acquire", lambda *a: kc().try_acquire(*a), {}, ["k", 1], ["#0", "#1"], {"#0": ("key",), "#1": ("n",)}),
-        Call("KeyedConcurrency.in_use", lambda *a: kc().in_use(*a), {}, ["k"], ["#0"], {"#0": ("key",)}),
-        Call("Policy", lambda *a, **k: rq.Policy(*a, **k), {"shadow": None}, [{"l": rq.Limiter(rq.Rate(10), clock=_clock())}], ["#0", "shadow"], {"#0": ("levels",)}),
+        Call(
+            "Limiter(rates)",
+            lambda r: rq.Limiter(r),
+            {},
+            [rq.Rate(1)],
+            ["#0"],
+            {"#0": ("rate", "Rate")},
+        ),
+        Call(
+            "Limiter.try_acquire",
+            lambda *a, **k: L().try_acquire(*a, **k),
+            {"tokens": 5},
+            [1],
+            ["#0", "tokens"],
+            {"#0": ("n", "cost", "requests")},
+        ),
+        Call(
+            "Limiter.retry_after",
+            lambda *a, **k: L().retry_after(*a, **k),
+            {"tokens": 5},
+            [1],
+            ["#0", "tokens"],
+            {"#0": ("n", "cost", "requests")},
+        ),
+        Call(
+            "Limiter.predicted_wait",
+            lambda *a, **k: L().predicted_wait(*a, **k),
+            {"tokens": 5},
+            [1],
+            ["#0", "tokens"],
+            {"#0": ("n", "cost", "requests")},
+        ),
+        Call(
+            "Limiter.reserve",
+            lambda *a, **k: L().reserve(*a, **k),
+            {"tokens": 5, "max_wait": 1.0},
+            [1],
+            ["#0", "tokens", "max_wait"],
+            {"#0": ("n", "cost", "requests")},
+        ),
+        Call(
+            "Limiter.acquire",
+            lambda *a, **k: L().acquire(*a, **k),
+            {"tokens": 5, "timeout": 0.0, "priority": "hi"},
+            [1],
+            ["#0", "tokens", "timeout", "priority"],
+            {"#0": ("n", "cost", "requests")},
+        ),
+        Call(
+            "Limiter.available",
+            lambda *a: L().available(*a),
+            {},
+            ["tokens"],
+            ["#0"],
+            {"#0": ("unit",)},
+        ),
+        Call(
+            "Limiter.set_rate",
+            lambda *a, **k: L().set_rate(*a, **k),
+            {"burst": 3, "which": 0},
+            [20, "second"],
+            ["#0", "#1", "burst", "which"],
+            {"#0": ("amount",), "#1": ("per",)},
+        ),
+        Call(
+            "Limiter.set_burst",
+            lambda *a, **k: L().set_burst(*a, **k),
+            {"which": "tokens"},
+            [3],
+            ["#0", "which"],
+            {"#0": ("burst",)},
+        ),
+        Call(
+            "Limiter.wait_histogram",
+            lambda *a: L().wait_histogram(*a),
+            {},
+            ["hi"],
+            ["#0"],
+            {"#0": ("priority",)},
+        ),
+        Call(
+            "Limiter.run_until", lambda *a: L().run_until(*a), {}, [1.0], ["#0"], {"#0": ("until",)}
+        ),
+        Call(
+            "Concurrency",
+            lambda *a, **k: rq.Concurrency(*a, clock=_clock(), **k),
+            {"max_wait": 1.0, "max_queue": 3},
+            [3],
+            ["#0", "max_wait", "max_queue"],
+            {"#0": ("limit",)},
+        ),
+        Call(
+            "Concurrency.try_acquire",
+            lambda *a: conc().try_acquire(*a),
+            {},
+            [1],
+            ["#0"],
+            {"#0": ("n",)},
+        ),
+        Call(
+            "Concurrency.acquire",
+            lambda *a, **k: conc().acquire(*a, **k),
+            {"timeout": 0.0},
+            [1],
+            ["#0", "timeout"],
+            {"#0": ("n",)},
+        ),
+        Call(
+            "Concurrency.set_limit",
+            lambda *a: conc().set_limit(*a),
+            {},
+            [2],
+            ["#0"],
+            {"#0": ("limit",)},
+        ),
+        Call(
+            "Concurrency.give_back",
+            lambda *a: conc().give_back(*a),
+            {},
+            [1],
+            ["#0"],
+            {"#0": ("n",)},
+        ),
+        Call(
+            "KeyedLimiter",
+            lambda *a, **k: rq.KeyedLimiter(*a, clock=_clock(), **k),
+            {"max_keys": 100, "max_wait": 1.0, "max_queue": 5},
+            [rq.Rate(10)],
+            ["#0", "max_keys", "max_wait", "max_queue"],
+            {"#0": ("rate", "Rate")},
+        ),
+        Call(
+            "KeyedLimiter.try_acquire",
+            lambda *a: kl().try_acquire(*a),
+            {},
+            ["k", 1],
+            ["#0", "#1"],
+            {"#0": ("key",), "#1": ("cost",)},
+        ),
+        Call(
+            "KeyedLimiter.retry_after",
+            lambda *a: kl().retry_after(*a),
+            {},
+            ["k", 1],
+            ["#0", "#1"],
+            {"#0": ("key",), "#1": ("cost",)},
+        ),
+        Call(
+            "KeyedLimiter.available",
+            lambda *a: kl().available(*a),
+            {},
+            ["k"],
+            ["#0"],
+            {"#0": ("key",)},
+        ),
+        Call(
+            "KeyedLimiter.acquire",
+            lambda *a, **k: kl().acquire(*a, **k),
+            {"timeout": 0.0},
+            ["k", 1],
+            ["#0", "#1", "timeout"],
+            {"#0": ("key",), "#1": ("cost",)},
+        ),
+        Call(
+            "KeyedLimiter.try_acquire_many",
+            lambda *a: kl().try_acquire_many(*a),
+            {},
+            [np.arange(4, dtype=np.uint64), None],
+            ["#0", "#1"],
+            {"#0": ("keys",), "#1": ("costs",)},
+        ),
+        Call(
+            "KeyedConcurrency",
+            lambda *a, **k: rq.KeyedConcurrency(*a, clock=_clock(), **k),
+            {"max_wait": 1.0},
+            [3],
+            ["#0", "max_wait"],
+            {"#0": ("limit",)},
+        ),
+        Call(
+            "KeyedConcurrency.try_acquire",
+            lambda *a: kc().try_acquire(*a),
+            {},
+            ["k", 1],
+            ["#0", "#1"],
+            {"#0": ("key",), "#1": ("n",)},
+        ),
+        Call(
+            "KeyedConcurrency.in_use",
+            lambda *a: kc().in_use(*a),
+            {},
+            ["k"],
+            ["#0"],
+            {"#0": ("key",)},
+        ),
+        Call(
+            "Policy",
+            lambda *a, **k: rq.Policy(*a, **k),
+            {"shadow": None},
+            [{"l": rq.Limiter(rq.Rate(10), clock=_clock())}],
+            ["#0", "shadow"],
+            {"#0": ("levels",)},
+        ),
         Call(
             "Policy.try_acquire",
             lambda **k: rq.Policy({"user": kl(), "rate": L()}).try_acquire(**k),
@@ -172,19 +362,104 @@ def _calls() -> list[Call]:
             [],
             ["user", "tokens", "max_wait"],
         ),
-        Call("Histogram.record", lambda *a: hist().record(*a), {}, [1.0], ["#0"], {"#0": ("seconds", "value")}),
-        Call("Histogram.record_many", lambda *a: hist().record_many(*a), {}, [np.ones(3)], ["#0"], {"#0": ("values",)}),
-        Call("Histogram.percentile", lambda *a: _filled().percentile(*a), {}, [50.0], ["#0"], {"#0": ("q",)}),
-        Call("Histogram.percentiles", lambda *a: _filled().percentiles(*a), {}, [[50.0]], ["#0"], {"#0": ("qs", "q")}),
-        Call("Histogram.count_le", lambda *a: _filled().count_le(*a), {}, [1.0], ["#0"], {"#0": ("le",)}),
-        Call("Histogram.cumulative", lambda *a: _filled().cumulative(*a), {}, [[1.0]], ["#0"], {"#0": ("les", "le")}),
-        Call("Histogram.from_bytes", rq.Histogram.from_bytes, {}, [rq.Histogram().to_bytes()], ["#0"], {"#0": ("data", "bytes")}),
-        Call("Histogram.merge", lambda *a: hist().merge(*a), {}, [rq.Histogram()], ["#0"], {"#0": ("other", "Histogram")}),
-        Call("Pool", lambda *a, **k: rq.Pool(*a, **k), {"max_wait": 1.0, "cooldown": 1.0, "max_cooldown": 10.0, "tie": 0.0}, [[rq.Provider("a", rpm=60, clock=_clock())]], ["#0", "max_wait", "cooldown", "max_cooldown", "tie"], {"#0": ("providers", "Provider")}),
-        Call("Provider", lambda *a, **k: rq.Provider(*a, clock=_clock(), **k), {"rpm": 60, "tpm": 1000, "weight": 1.0, "burst": 2, "token_burst": 10, "max_queue": 5}, ["a"], ["#0", "rpm", "tpm", "weight", "burst", "token_burst", "max_queue"], {"#0": ("name",)}),
-        Call("Pool.report", lambda *a, **k: _pool().report(*a, **k), {"status": 429, "retry_after": 1.0}, ["a"], ["#0", "status", "retry_after"], {"#0": ("provider",)}),
-        Call("lab.ProviderLimit", lab.ProviderLimit, {"rpm": 60.0, "burst": 1}, [], ["rpm", "burst"]),
-        Call("lab.NaiveRetry", lab.NaiveRetry, {"base": 1.0, "cap": 10.0, "max_attempts": 3}, [], ["base", "cap", "max_attempts"]),
+        Call(
+            "Histogram.record",
+            lambda *a: hist().record(*a),
+            {},
+            [1.0],
+            ["#0"],
+            {"#0": ("seconds", "value")},
+        ),
+        Call(
+            "Histogram.record_many",
+            lambda *a: hist().record_many(*a),
+            {},
+            [np.ones(3)],
+            ["#0"],
+            {"#0": ("values",)},
+        ),
+        Call(
+            "Histogram.percentile",
+            lambda *a: _filled().percentile(*a),
+            {},
+            [50.0],
+            ["#0"],
+            {"#0": ("q",)},
+        ),
+        Call(
+            "Histogram.percentiles",
+            lambda *a: _filled().percentiles(*a),
+            {},
+            [[50.0]],
+            ["#0"],
+            {"#0": ("qs", "q")},
+        ),
+        Call(
+            "Histogram.count_le",
+            lambda *a: _filled().count_le(*a),
+            {},
+            [1.0],
+            ["#0"],
+            {"#0": ("le",)},
+        ),
+        Call(
+            "Histogram.cumulative",
+            lambda *a: _filled().cumulative(*a),
+            {},
+            [[1.0]],
+            ["#0"],
+            {"#0": ("les", "le")},
+        ),
+        Call(
+            "Histogram.from_bytes",
+            rq.Histogram.from_bytes,
+            {},
+            [rq.Histogram().to_bytes()],
+            ["#0"],
+            {"#0": ("data", "bytes")},
+        ),
+        Call(
+            "Histogram.merge",
+            lambda *a: hist().merge(*a),
+            {},
+            [rq.Histogram()],
+            ["#0"],
+            {"#0": ("other", "Histogram")},
+        ),
+        Call(
+            "Pool",
+            lambda *a, **k: rq.Pool(*a, **k),
+            {"max_wait": 1.0, "cooldown": 1.0, "max_cooldown": 10.0, "tie": 0.0},
+            [[rq.Provider("a", rpm=60, clock=_clock())]],
+            ["#0", "max_wait", "cooldown", "max_cooldown", "tie"],
+            {"#0": ("providers", "Provider")},
+        ),
+        Call(
+            "Provider",
+            lambda *a, **k: rq.Provider(*a, clock=_clock(), **k),
+            {"rpm": 60, "tpm": 1000, "weight": 1.0, "burst": 2, "token_burst": 10, "max_queue": 5},
+            ["a"],
+            ["#0", "rpm", "tpm", "weight", "burst", "token_burst", "max_queue"],
+            {"#0": ("name",)},
+        ),
+        Call(
+            "Pool.report",
+            lambda *a, **k: _pool().report(*a, **k),
+            {"status": 429, "retry_after": 1.0},
+            ["a"],
+            ["#0", "status", "retry_after"],
+            {"#0": ("provider",)},
+        ),
+        Call(
+            "lab.ProviderLimit", lab.ProviderLimit, {"rpm": 60.0, "burst": 1}, [], ["rpm", "burst"]
+        ),
+        Call(
+            "lab.NaiveRetry",
+            lab.NaiveRetry,
+            {"base": 1.0, "cap": 10.0, "max_attempts": 3},
+            [],
+            ["base", "cap", "max_attempts"],
+        ),
         Call(
             "lab.Scenario",
             lab.Scenario,
@@ -192,8 +467,22 @@ def _calls() -> list[Call]:
             [],
             ["rhos", "requests", "burst", "warmup", "interactive_share"],
         ),
-        Call("lab.parse_arrivals", lab.parse_arrivals, {}, ["poisson"], ["#0"], {"#0": ("arrival", "spec")}),
-        Call("lab.parse_service", lab.parse_service, {}, ["constant:1"], ["#0"], {"#0": ("service", "spec")}),
+        Call(
+            "lab.parse_arrivals",
+            lab.parse_arrivals,
+            {},
+            ["poisson"],
+            ["#0"],
+            {"#0": ("arrival", "spec")},
+        ),
+        Call(
+            "lab.parse_service",
+            lab.parse_service,
+            {},
+            ["constant:1"],
+            ["#0"],
+            {"#0": ("service", "spec")},
+        ),
     ]
     return calls
 
@@ -223,7 +512,7 @@ def _outcome(call: Call, bad: dict[str, Any]) -> BaseException | None:
     def target() -> None:
         try:
             call.run(bad)
-        except BaseException as e:  # noqa: BLE001 - classified below
+        except BaseException as e:
             box.append(e)
         else:
             box.append(None)
@@ -293,7 +582,9 @@ def _mixed(draw: st.DrawFn) -> tuple[Call, dict[str, Any]]:
     suppress_health_check=[HealthCheck.too_slow],
 )
 @given(_mixed())
-def test_several_bad_arguments_at_once_get_a_clear_answer(case: tuple[Call, dict[str, Any]]) -> None:
+def test_several_bad_arguments_at_once_get_a_clear_answer(
+    case: tuple[Call, dict[str, Any]],
+) -> None:
     call, bad = case
     _check(call, bad)
 
@@ -356,7 +647,9 @@ def _cli_case(draw: st.DrawFn) -> list[str]:
     return argv
 
 
-@settings(max_examples=int(os.environ.get("RATEQUEUE_FUZZ_CLI", "25")), deadline=None, derandomize=True)
+@settings(
+    max_examples=int(os.environ.get("RATEQUEUE_FUZZ_CLI", "25")), deadline=None, derandomize=True
+)
 @given(_cli_case())
 def test_cli_with_fuzzed_options_exits_0_or_2_without_a_traceback(argv: list[str]) -> None:
     r = subprocess.run(

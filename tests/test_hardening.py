@@ -306,3 +306,46 @@ def test_mock_provider_answers_only_completions_as_completions() -> None:
 def test_mock_provider_refuses_bad_settings(kwargs: dict, error: type[Exception]) -> None:
     with pytest.raises(error):
         MockProvider(**kwargs)
+
+
+# -- Redis ------------------------------------------------------------------------------
+
+
+def test_redis_refusal_keeps_its_cause() -> None:
+    from ratequeue.redis import RedisLimiter, RedisUnavailable, connect
+    from redis_server import free_port
+
+    client = connect(f"redis://127.0.0.1:{free_port()}/0", timeout=0.2)
+    lim = RedisLimiter(client, rq.Rate(10), name="cause")
+    with pytest.raises(RedisUnavailable) as info:
+        lim.acquire()
+    assert info.value.__cause__ is not None
+    assert "ConnectionError" in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"client": None}, TypeError, "client"),
+        ({"client": "redis://localhost"}, TypeError, "client"),
+        ({"max_wait": -1}, ValueError, "max_wait"),
+        ({"max_wait": "5"}, TypeError, "max_wait"),
+        ({"max_wait": math.nan}, ValueError, "max_wait"),
+    ],
+)
+def test_redis_limiters_check_their_settings_at_construction(
+    kwargs: dict, error: type[Exception], match: str
+) -> None:
+    import redis as redis_py
+    from ratequeue.redis import RedisKeyedLimiter, RedisLimiter, RedisPolicy
+
+    client = redis_py.Redis()  # never used: construction must fail first
+    args = {"client": client, **kwargs}
+    with pytest.raises(error, match=match):
+        RedisLimiter(args.pop("client"), rq.Rate(10), name="x", **args)
+    args = {"client": client, **kwargs}
+    with pytest.raises(error, match=match):
+        RedisKeyedLimiter(args.pop("client"), rq.Rate(10), name="x", **args)
+    args = {"client": client, **kwargs}
+    with pytest.raises(error, match=match):
+        RedisPolicy(args.pop("client"), {"a": rq.Rate(10)}, name="x", **args)

@@ -615,6 +615,11 @@ class _Engine:
         breaker: CircuitBreaker | None,
         clock: ManualClock | None,
     ) -> None:
+        if client is None or not callable(getattr(client, "execute_command", None)):
+            raise TypeError(
+                f"client={client!r} must be a redis-py client (redis.Redis, "
+                "redis.asyncio.Redis, a cluster client; see ratequeue.redis.connect)"
+            )
         if on_failure not in ("fail_closed", "fail_open", "local"):
             raise ValueError(
                 f"on_failure={on_failure!r} must be 'fail_closed', 'fail_open' or 'local'"
@@ -755,10 +760,16 @@ class _Engine:
             raise
 
     def unavailable(self, what: str) -> RedisUnavailable:
-        return RedisUnavailable(
-            f"overloaded: Redis is unavailable and {what} fails closed",
+        """The refusal of a fail-closed limiter; its ``__cause__`` is the Redis error seen
+        last (a wrong URL, a refused connection, a timeout), so the reason is never lost."""
+        last = self.breaker.last_error
+        reason = "" if last is None else f" ({type(last).__name__}: {last})"
+        e = RedisUnavailable(
+            f"overloaded: Redis is unavailable{reason} and {what} fails closed",
             self.breaker.retry_after(),
         )
+        e.__cause__ = last
+        return e
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -1042,6 +1053,8 @@ def _adjust_args(engine: _Engine, deltas: Sequence[int]) -> list[Any]:
 def _max_wait_us(max_wait: float | None) -> int:
     if max_wait is None:
         return -1
+    if isinstance(max_wait, bool) or not isinstance(max_wait, (int, float)):
+        raise TypeError(f"max_wait={max_wait!r} must be a number of seconds or None")
     if not (max_wait >= 0):
         raise ValueError(f"max_wait={max_wait!r} must be >= 0 seconds")
     if math.isinf(max_wait):
@@ -1171,6 +1184,7 @@ class _LimiterBase:
         self.name = name
         self.tag = tag if tag is not None else name
         self.prefix = prefix
+        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
         self.max_wait = max_wait
         self._buckets = [_Bucket(r) for r in rates]
         self._units = _units_of(rates)
@@ -1732,6 +1746,7 @@ class _KeyedBase:
         self.name = name
         self.tag = tag
         self.prefix = prefix
+        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
         self.max_wait = max_wait
         self._bucket = _Bucket(rate)
         self._buckets = [self._bucket]
@@ -2096,6 +2111,7 @@ class _PolicyBase:
         self.name = name
         self.tag = tag if tag is not None else name
         self.prefix = prefix
+        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
         self.max_wait = max_wait
         self._levels = [_Level(n, spec, n in shadow) for n, spec in levels.items()]
         self._flat: list[tuple[int, int]] = []  # (level, bucket) per Redis key
