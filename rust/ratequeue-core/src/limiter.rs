@@ -1,7 +1,10 @@
 //! A limiter over one or more rates in named units (e.g. requests and tokens): every
 //! decision is all-or-nothing across its buckets, lock-free on the fast path.
 
-use crate::bucket::{Bucket, Deny, Taken};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::MutexGuard;
+
+use crate::bucket::{Bucket, Deny, Taken, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
 use crate::queue::Resource;
@@ -17,13 +20,19 @@ pub struct Limiter {
     buckets: Box<[Bucket]>,
     bucket_unit: Box<[usize]>,
     units: Box<[String]>,
-    /// Serialises multi-rate decisions so that one decision's check, debits and (on a
-    /// refusal) undo are never interleaved with another's; single-rate decisions stay
-    /// lock-free.
+    /// Serialises every change of a multi-rate limiter (decisions, undos, refunds,
+    /// charges, rate changes) so that one change's check, debits and (on a refusal) undo
+    /// are never interleaved with another's; single-rate decisions stay lock-free.
     multi: std::sync::Mutex<()>,
+    /// Multi-rate: counts changes (under `multi`); a grant's token is its value right
+    /// after the grant, so "unchanged" means no change on any bucket since.
+    seq: AtomicU64,
+    /// Give-backs kept because a later grant stood on them (per bucket).
+    refunds_dropped: AtomicU64,
 }
 
-/// Capacity held for a caller from `at_ns` on; see [`Limiter::cancel`] for refunds.
+/// Capacity held for a caller from `at_ns` on, with every bucket's debit; given back by
+/// the one undo rule ([`Limiter::undo_reservation`]).
 #[derive(Clone, Debug)]
 pub struct Reservation {
     /// When the caller may proceed (clock nanoseconds).
@@ -31,6 +40,8 @@ pub struct Reservation {
     /// How long from the reservation until then.
     pub delay_ns: u64,
     taken: Vec<Taken>,
+    /// Several rates: the change count right after this debit (see `Limiter::seq`).
+    seq: u64,
 }
 
 impl Limiter {
@@ -62,6 +73,8 @@ impl Limiter {
             bucket_unit: bucket_unit.into(),
             units: units.into(),
             multi: std::sync::Mutex::new(()),
+            seq: AtomicU64::new(0),
+            refunds_dropped: AtomicU64::new(0),
         })
     }
 
@@ -163,7 +176,7 @@ impl Limiter {
     /// Debits every bucket for a grant at the common time `now + delay`, with the delay
     /// at most `max_delay_ns`; all or nothing.
     fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
-        let _serial = self.multi.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.lock_multi();
         loop {
             let delay = self.delay_at(now, costs)?;
             if delay > max_delay_ns {
@@ -190,11 +203,12 @@ impl Limiter {
                     at_ns: at,
                     delay_ns: delay,
                     taken,
+                    seq: self.seq.fetch_add(1, Ordering::AcqRel) + 1,
                 });
             }
-            // Only a concurrent refund, charge or rate change can get here (decisions are
-            // serialised): give back what this attempt debited and decide again.
-            self.undo_or_refund(&taken, costs);
+            // Every change is serialised, so this is not expected: give back what this
+            // attempt debited (exactly: nothing came after it) and decide again.
+            self.undo(&taken);
         }
     }
 
@@ -213,30 +227,70 @@ impl Limiter {
                     at_ns: at_ns.saturating_add(t.delay_ns),
                     delay_ns: t.delay_ns,
                     taken: vec![t],
+                    seq: 0,
                 })
                 .map_err(|d| self.with_unit(0, d));
         }
         self.take_all(at_ns, costs, max_delay_ns, scheduled)
     }
 
-    /// Takes back a debit made by `take_at` (exactly where it is still the latest on a
-    /// bucket, by refunding `costs` where it is not).
-    pub fn undo_reservation(&self, r: &Reservation, costs: &[u64]) {
-        let _serial = (self.buckets.len() > 1).then(|| self.multi.lock().unwrap_or_else(|e| e.into_inner()));
-        self.undo_or_refund(&r.taken, costs);
+    fn lock_multi(&self) -> MutexGuard<'_, ()> {
+        self.multi.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The lock every change of a multi-rate limiter holds (None for a single rate).
+    fn serial(&self) -> Option<MutexGuard<'_, ()>> {
+        (self.buckets.len() > 1).then(|| self.lock_multi())
+    }
+
+    fn note(&self, u: Undo) -> Undo {
+        if u == Undo::Dropped {
+            self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        u
+    }
+
+    /// Give-backs kept so far because a later grant stood on them (counted per rate).
+    pub fn refunds_dropped(&self) -> u64 {
+        self.refunds_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Gives back everything `r` still holds at `now_ns`, per rate by the one undo rule
+    /// ([`Bucket::give_back`]: exact while latest, else refunded while no grant is
+    /// scheduled ahead, else kept and counted). Returns how many rates gave capacity back.
+    pub fn undo_reservation(&self, r: &mut Reservation, now_ns: u64) -> usize {
+        let _serial = self.serial();
+        let mut gave = 0;
+        for (i, t) in r.taken.iter_mut().enumerate() {
+            let ret = t.cost();
+            gave += usize::from(self.note(self.buckets[i].give_back(t, ret, now_ns)).gave());
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
+    }
+
+    /// Settles what `r` holds from `estimated` to `actual` costs (per unit) at `now_ns`:
+    /// refunds by the one undo rule, overage charged (possibly into debt). True when
+    /// capacity came back.
+    pub fn settle_reservation(&self, r: &mut Reservation, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let _serial = self.serial();
+        let mut gave = false;
+        for (i, t) in r.taken.iter_mut().enumerate() {
+            let u = self.bucket_unit[i];
+            let (e, a) = (estimated[u], actual[u]);
+            if a < e {
+                gave |= self.note(self.buckets[i].give_back(t, e - a, now_ns)).gave();
+            } else if a > e {
+                self.buckets[i].charge_more(t, a - e, now_ns);
+            }
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
     }
 
     fn undo(&self, taken: &[Taken]) {
         for (i, t) in taken.iter().enumerate() {
             self.buckets[i].untake(t);
-        }
-    }
-
-    fn undo_or_refund(&self, taken: &[Taken], costs: &[u64]) {
-        for (i, t) in taken.iter().enumerate() {
-            if !self.buckets[i].untake(t) {
-                self.buckets[i].refund(costs[self.bucket_unit[i]]);
-            }
         }
     }
 
@@ -254,6 +308,7 @@ impl Limiter {
                     at_ns: now.saturating_add(t.delay_ns),
                     delay_ns: t.delay_ns,
                     taken: vec![t],
+                    seq: 0,
                 })
                 .map_err(|d| self.with_unit(0, d))
         } else {
@@ -272,20 +327,10 @@ impl Limiter {
         })
     }
 
-    /// Cancels a reservation. Before its grant time, each bucket gets its cost back when
-    /// no later reservation has been made on it (returning it then would let a newcomer
-    /// overtake that later one and break the rate bound); otherwise the slot stays used.
-    /// At or after its grant time nothing is returned. Returns how many buckets were
-    /// refunded; call it once per reservation.
+    /// Cancels a reservation by the one undo rule (see [`Limiter::undo_reservation`]);
+    /// returns how many rates gave capacity back. Call it once per reservation.
     pub fn cancel(&self, r: &Reservation) -> usize {
-        if self.clock.now_ns() >= r.at_ns {
-            return 0;
-        }
-        r.taken
-            .iter()
-            .enumerate()
-            .filter(|(i, t)| self.buckets[*i].untake(t))
-            .count()
+        self.undo_reservation(&mut r.clone(), self.clock.now_ns())
     }
 
     /// Units of `unit` that could be admitted now: the least over its rates.
@@ -305,29 +350,39 @@ impl Limiter {
             .buckets
             .get(index)
             .ok_or_else(|| Error::invalid("rate", index, "is not the index of one of this limiter's rates"))?;
+        let _serial = self.serial();
         b.set_rate(self.clock.now_ns(), rate);
+        self.seq.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
-    /// Gives back `costs` taken by a past grant (e.g. an over-estimate), never beyond full.
-    pub fn refund(&self, costs: &[u64]) {
+    /// Gives back `costs` of a grant not held as a record (e.g. an over-estimate) by
+    /// the refund rule ([`crate::bucket::Params::refund_tat`]); true when capacity came back.
+    pub fn refund(&self, costs: &[u64]) -> bool {
+        let now = self.clock.now_ns();
+        let _serial = self.serial();
+        let mut gave = false;
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
             if c > 0 {
-                b.refund(c);
+                gave |= self.note(b.refund(now, c)).gave();
             }
         }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
     }
 
     /// Charges `costs` now regardless of conformance (an under-estimate): may go into debt.
     pub fn charge(&self, costs: &[u64]) {
         let now = self.clock.now_ns();
+        let _serial = self.serial();
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
             if c > 0 {
                 b.charge(now, c);
             }
         }
+        self.seq.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -342,30 +397,57 @@ impl Resource for Limiter {
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        self.take_at_with(at_ns, costs, 0, true)
-            .map(|r| r.taken[0].after_word())
+        let r = self.take_at_with(at_ns, costs, 0, true)?;
+        // One rate: the word the grant left. Several: the change count right after it
+        // (taken under the lock that serialises every change), covering every rate.
+        Ok(if self.buckets.len() == 1 {
+            r.taken[0].after_word()
+        } else {
+            r.seq
+        })
     }
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
-        // Every decision moves bucket 0's word (or leaves it as it found it), so an
-        // unchanged word means no grant came after this one.
-        match token {
-            Some(t) if self.buckets[0].word() != t => {}
-            _ => self.refund(costs),
+        let now = self.clock.now_ns();
+        let Some(token) = token else {
+            self.refund(costs);
+            return;
+        };
+        if self.buckets.len() == 1 {
+            let mut t = Taken::from_token(token, costs[self.bucket_unit[0]]);
+            let ret = t.cost();
+            self.note(self.buckets[0].give_back(&mut t, ret, now));
+            return;
         }
+        let _serial = self.lock_multi();
+        let unchanged = self.seq.load(Ordering::Acquire) == token;
+        for (i, b) in self.buckets.iter().enumerate() {
+            let c = costs[self.bucket_unit[i]];
+            let u = if unchanged {
+                // Nothing changed on any rate since the grant: its words are the current ones.
+                let mut t = Taken::from_token(b.word(), c);
+                b.give_back(&mut t, c, now)
+            } else {
+                b.refund(now, c)
+            };
+            self.note(u);
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64]) {
         let now = self.clock.now_ns();
+        let _serial = self.serial();
         for (i, b) in self.buckets.iter().enumerate() {
             let u = self.bucket_unit[i];
             let (e, a) = (estimated[u], actual[u]);
             if a < e {
-                b.refund(e - a);
+                self.note(b.refund(now, e - a));
             } else if a > e {
                 b.charge(now, a - e);
             }
         }
+        self.seq.fetch_add(1, Ordering::AcqRel);
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {

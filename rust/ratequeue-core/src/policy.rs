@@ -26,6 +26,10 @@ pub enum LevelKind {
     KeyedConcurrency(Arc<KeyedSemaphore>),
 }
 
+/// Wakes the queue of a level (the argument: the key, for keyed levels) after capacity
+/// came back to it, so its waiters are granted now rather than at their deadline.
+pub type Waker = Arc<dyn Fn(u64) + Send + Sync>;
+
 /// A named level of a policy.
 #[derive(Clone)]
 pub struct Level {
@@ -35,6 +39,8 @@ pub struct Level {
     pub kind: LevelKind,
     /// Evaluate and count, but never refuse.
     pub shadow: bool,
+    /// Called whenever this policy gives capacity back to the level.
+    pub wake: Option<Waker>,
 }
 
 impl Level {
@@ -143,45 +149,81 @@ impl Policy {
         }
     }
 
-    /// Takes back what `held` debited on level `i` (a refused attempt, a cancellation).
-    pub fn undo(&self, i: usize, held: &Held, a: &LevelArgs) {
-        match (&self.levels[i].kind, held) {
-            (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, &a.costs),
-            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => k.untake_cost(t, a.costs[0]),
-            _ => self.release(i, held),
+    fn wake(&self, i: usize, key: u64) {
+        if let Some(w) = &self.levels[i].wake {
+            w(key);
         }
     }
 
-    /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs).
-    pub fn release(&self, i: usize, held: &Held) {
-        match (&self.levels[i].kind, held) {
-            (LevelKind::Concurrency(s), Held::Permits(n)) => s.give_back(&[*n], None),
-            (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => s.release(*k, *n),
-            _ => {}
+    /// Gives back everything `held` holds on level `i` at `now_ns` (a refused attempt, a
+    /// cancellation) by the level's one undo rule — rates: exact while latest, else
+    /// refunded while no grant is scheduled ahead, else kept; permits: released — and
+    /// wakes the level's queue if capacity came back. `held` becomes `Nothing`, so a
+    /// second undo, release or settle does nothing.
+    pub fn undo(&self, i: usize, held: &mut Held, a: &LevelArgs, now_ns: u64) {
+        let gave = match (&self.levels[i].kind, &mut *held) {
+            (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, now_ns) > 0,
+            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => {
+                let ret = t.cost();
+                k.give_back(t, ret, now_ns).gave()
+            }
+            _ => return self.release(i, held),
+        };
+        *held = Held::Nothing;
+        if gave {
+            self.wake(i, a.key);
         }
     }
 
-    /// Settles estimated costs to actual ones on every rate level (refund or charge).
-    pub fn settle(&self, args: &[LevelArgs], actual: &[LevelArgs]) {
-        for (i, l) in self.levels.iter().enumerate() {
-            match &l.kind {
-                LevelKind::Rate(r) => r.settle(&args[i].costs, &actual[i].costs),
-                LevelKind::KeyedRate(k) => {
+    /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs)
+    /// and wakes the level's queue; `held` becomes `Nothing` (released once).
+    pub fn release(&self, i: usize, held: &mut Held) {
+        let key = match (&self.levels[i].kind, &*held) {
+            (LevelKind::Concurrency(s), Held::Permits(n)) => {
+                s.give_back(&[*n], None);
+                0
+            }
+            (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => {
+                s.release(*k, *n);
+                *k
+            }
+            _ => return,
+        };
+        *held = Held::Nothing;
+        self.wake(i, key);
+    }
+
+    /// Settles `held` from the `args` costs to the `actual` ones at `now_ns` on every
+    /// rate level: refunds by the one undo rule (waking the level's queue), overage
+    /// charged (possibly into debt). Levels already given back (`Nothing`) are skipped.
+    pub fn settle(&self, held: &mut [Held], args: &[LevelArgs], actual: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate() {
+            let gave = match (&self.levels[i].kind, h) {
+                (LevelKind::Rate(r), Held::Rate(res)) => {
+                    r.settle_reservation(res, &args[i].costs, &actual[i].costs, now_ns)
+                }
+                (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => {
                     let (e, a) = (args[i].costs[0], actual[i].costs[0]);
                     if a < e {
-                        k.refund(args[i].key, e - a);
-                    } else if a > e {
-                        k.charge(args[i].key, a - e);
+                        k.give_back(t, e - a, now_ns).gave()
+                    } else {
+                        if a > e {
+                            k.charge_more(t, a - e, now_ns);
+                        }
+                        false
                     }
                 }
-                _ => {}
+                _ => false,
+            };
+            if gave {
+                self.wake(i, args[i].key);
             }
         }
     }
 
-    fn undo_all(&self, held: &[Held], args: &[LevelArgs]) {
-        for (i, h) in held.iter().enumerate() {
-            self.undo(i, h, &args[i]);
+    fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate() {
+            self.undo(i, h, &args[i], now_ns);
         }
     }
 
@@ -190,7 +232,14 @@ impl Policy {
     /// `count` is set.
     /// `count`: count enforced refusals (a reservation's retries do not); shadow
     /// refusals are counted on every decision that is kept.
-    fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool, rates_only: bool) -> Result<Vec<Held>, Refusal> {
+    fn take_all(
+        &self,
+        args: &[LevelArgs],
+        now_ns: u64,
+        at_ns: u64,
+        count: bool,
+        rates_only: bool,
+    ) -> Result<Vec<Held>, Refusal> {
         let mut shadowed = Vec::new();
         let mut held = Vec::with_capacity(self.levels.len());
         for i in 0..self.levels.len() {
@@ -205,7 +254,7 @@ impl Policy {
                     held.push(Held::Nothing);
                 }
                 Err(d) => {
-                    self.undo_all(&held, args);
+                    self.undo_all(&mut held, args, now_ns);
                     if count {
                         self.refused[i].fetch_add(1, Ordering::Relaxed);
                     }
@@ -222,7 +271,7 @@ impl Policy {
     /// Admits now on every level or on none.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
         self.check_costs(args, now_ns)?;
-        let r = self.take_all(args, now_ns, true, false);
+        let r = self.take_all(args, now_ns, now_ns, true, false);
         if r.is_ok() {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }
@@ -299,7 +348,7 @@ impl Policy {
                     deny: Deny::Wait(delay),
                 });
             }
-            match self.take_all(args, now_ns.saturating_add(delay), false, rates_only) {
+            match self.take_all(args, now_ns, now_ns.saturating_add(delay), false, rates_only) {
                 Ok(held) => {
                     self.admitted.fetch_add(1, Ordering::Relaxed);
                     return Ok((delay, held));
@@ -355,16 +404,19 @@ mod tests {
                 name: "user".into(),
                 kind: LevelKind::KeyedRate(user.clone()),
                 shadow: false,
+                wake: None,
             },
             Level {
                 name: "tenant".into(),
                 kind: LevelKind::KeyedConcurrency(tenant.clone()),
                 shadow: false,
+                wake: None,
             },
             Level {
                 name: "cluster".into(),
                 kind: LevelKind::Rate(cluster.clone()),
                 shadow: false,
+                wake: None,
             },
         ])
         .unwrap();
@@ -381,7 +433,8 @@ mod tests {
         assert_eq!(r.level, 1);
         assert_eq!(user.available(u), 1.0);
         assert_eq!(cluster.available(0), 99.0);
-        p.release(1, &held[1]);
+        let mut held = held;
+        p.release(1, &mut held[1]);
         assert!(p.try_acquire(&args, 0).is_ok());
         assert_eq!(p.counts(1).refused, 1);
     }

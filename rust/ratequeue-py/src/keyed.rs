@@ -350,6 +350,11 @@ impl KeyedLimiterPy {
         &self.core
     }
 
+    /// The per-key queues (policies wake a key's queue when they give capacity back).
+    pub fn key_gates(&self) -> &Arc<KeyGates> {
+        &self.keyed.gates
+    }
+
     /// The unit this limiter counts.
     pub fn unit(&self) -> &str {
         &self.unit
@@ -635,6 +640,7 @@ impl KeyedLimiterPy {
         d.set_item("max_keys", self.core.max_keys())?;
         d.set_item("evicted_full", c.evicted_full)?;
         d.set_item("evicted_live", c.evicted_live)?;
+        d.set_item("refunds_dropped", c.refunds_dropped)?;
         d.set_item("name", self.name.clone())?;
         Ok(d)
     }
@@ -669,6 +675,11 @@ impl KeyedConcurrencyPy {
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedSemaphore> {
         &self.core
+    }
+
+    /// The per-key queues (policies wake a key's queue when they release permits).
+    pub fn key_gates(&self) -> &Arc<KeyGates> {
+        &self.keyed.gates
     }
 
     /// The per-key queues (policies wait in them).
