@@ -178,7 +178,11 @@ impl Params {
             return None;
         }
         let ticks = held_until.map_or(ticks, |h| ticks.min(h.saturating_sub(now)));
-        Some(if tat <= now { tat } else { tat.saturating_sub(ticks).max(now) })
+        Some(if tat <= now {
+            tat
+        } else {
+            tat.saturating_sub(ticks).max(now)
+        })
     }
 
     /// The time at which a backlog of `total` cost, served back to back from `at_ns`,
@@ -561,6 +565,77 @@ mod tests {
         assert!(!b.untake(&t1));
         assert!(b.untake(&t2));
         assert_eq!(b.available(0), 1.0);
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn give_back_is_exact_while_latest() {
+        let b = Bucket::new(rate(1.0, 1));
+        b.take(0, 1, u64::MAX).unwrap();
+        let before = b.word();
+        let mut t = b.take(0, 1, u64::MAX).unwrap();
+        assert_eq!(t.delay_ns, S);
+        assert_eq!(b.give_back(&mut t, 1, 0), Undo::Exact);
+        assert_eq!(b.word(), before);
+        assert_eq!(b.give_back(&mut t, 1, 0), Undo::Nothing); // nothing left to give
+        assert_eq!(b.take(0, 1, u64::MAX).unwrap().delay_ns, S);
+    }
+
+    #[test]
+    fn give_back_under_a_scheduled_grant_is_dropped() {
+        let b = Bucket::new(rate(1.0, 1));
+        let mut t1 = b.take(0, 1, u64::MAX).unwrap();
+        b.take(0, 1, u64::MAX).unwrap(); // scheduled at 1 s
+        let w = b.word();
+        assert_eq!(b.give_back(&mut t1, 1, 0), Undo::Dropped);
+        assert_eq!(b.word(), w);
+        assert_eq!(b.take(0, 1, u64::MAX).unwrap().delay_ns, 2 * S);
+    }
+
+    #[test]
+    fn give_back_refunds_when_nothing_is_scheduled_ahead_never_past_full() {
+        let b = Bucket::new(rate(1.0, 4));
+        let mut t1 = b.take(0, 2, 0).unwrap();
+        b.take(0, 1, 0).unwrap();
+        assert_eq!(b.give_back(&mut t1, 2, 0), Undo::Refunded);
+        assert_eq!(b.available(0), 3.0);
+        assert_eq!(b.give_back(&mut t1, 2, 0), Undo::Nothing); // given once
+        assert_eq!(b.refund(0, 100), Undo::Refunded);
+        assert_eq!(b.available(0), 4.0);
+        assert_eq!(b.refund(0, 1), Undo::Nothing);
+        assert_eq!(b.available(0), 4.0);
+    }
+
+    #[test]
+    fn refund_is_capped_by_what_the_debit_still_holds() {
+        // A grant of 1 at 0 on a bucket of burst 2 holds nothing after 1 s: refunding it
+        // at 3 s, after another grant, would allow 3 grants at one instant.
+        let b = Bucket::new(rate(1.0, 2));
+        let mut t1 = b.take(0, 1, 0).unwrap();
+        b.take(3 * S, 1, 0).unwrap();
+        assert_eq!(b.give_back(&mut t1, 1, 3 * S), Undo::Nothing);
+        assert_eq!(b.available(3 * S), 1.0);
+        // Half of it is still held at 0.5 s: as if it had never been taken.
+        let b = Bucket::new(rate(1.0, 4));
+        let mut t1 = b.take(0, 1, 0).unwrap();
+        b.take(S / 2, 1, 0).unwrap();
+        assert_eq!(b.available(S / 2), 2.5);
+        assert_eq!(b.give_back(&mut t1, 1, S / 2), Undo::Refunded);
+        assert_eq!(b.available(S / 2), 3.0);
+    }
+
+    #[test]
+    fn settle_then_cancel_is_exact_while_latest() {
+        let b = Bucket::new(rate(10.0, 10));
+        let mut t = b.take(0, 5, 0).unwrap();
+        assert_eq!(b.give_back(&mut t, 3, 0), Undo::Exact);
+        assert_eq!((b.available(0), t.cost()), (8.0, 2));
+        b.charge_more(&mut t, 4, 0);
+        assert_eq!((b.available(0), t.cost()), (4.0, 6));
+        let c = t.cost();
+        assert_eq!(b.give_back(&mut t, c, 0), Undo::Exact);
+        assert_eq!(b.available(0), 10.0);
     }
 
     #[test]

@@ -511,6 +511,50 @@ mod tests {
         assert_eq!(l.available(1), 100.0);
     }
 
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn multi_rate_give_back_covers_every_rate() {
+        let (l, clock) = limiter(&[("requests", 1.0, 10), ("tokens", 1.0, 1)]);
+        l.try_acquire(&[1, 1]).unwrap();
+        clock.set(S).unwrap();
+        let token = Resource::take_at(&l, S, &[1, 1]).unwrap();
+        // A later reservation stands on tokens only (requests' word is unchanged).
+        assert_eq!(l.reserve(&[0, 1], None).unwrap().delay_ns, S);
+        Resource::give_back(&l, &[1, 1], Some(token));
+        assert_eq!(l.refunds_dropped(), 1);
+        assert_eq!(l.available(0), 10.0); // requests: nothing scheduled ahead, refunded
+        assert_eq!(l.reserve(&[0, 1], None).unwrap().delay_ns, 2 * S);
+    }
+
+    #[test]
+    fn multi_rate_give_back_is_exact_when_nothing_came_after() {
+        let (l, clock) = limiter(&[("requests", 1.0, 1), ("tokens", 10.0, 10)]);
+        l.try_acquire(&[1, 5]).unwrap();
+        clock.set(S).unwrap();
+        let token = Resource::take_at(&l, S, &[1, 5]).unwrap();
+        Resource::give_back(&l, &[1, 5], Some(token));
+        assert_eq!((l.available(0), l.available(1)), (1.0, 10.0));
+        assert_eq!(l.refunds_dropped(), 0);
+    }
+
+    #[test]
+    fn cancel_follows_the_undo_rule_on_every_rate() {
+        let (l, _) = limiter(&[("requests", 1.0, 1), ("tokens", 10.0, 10)]);
+        let r1 = l.reserve(&[1, 5], None).unwrap();
+        l.try_acquire(&[0, 2]).unwrap();
+        // requests: still the latest (exact); tokens: not, nothing scheduled ahead (refunded).
+        assert_eq!(l.cancel(&r1), 2);
+        assert_eq!((l.available(0), l.available(1)), (1.0, 8.0));
+        let r2 = l.reserve(&[1, 0], None).unwrap();
+        let r3 = l.reserve(&[1, 0], None).unwrap();
+        assert_eq!((r2.delay_ns, r3.delay_ns), (0, S));
+        // requests: r3 is scheduled ahead (kept, counted); tokens: nothing to give.
+        assert_eq!(l.cancel(&r2), 0);
+        assert_eq!(l.refunds_dropped(), 1);
+        assert_eq!(l.reserve(&[1, 0], None).unwrap().delay_ns, 2 * S);
+    }
+
     #[test]
     fn same_unit_twice_applies_both() {
         let (l, _) = limiter(&[("requests", 10.0, 2), ("requests", 1.0, 3)]);

@@ -438,4 +438,62 @@ mod tests {
         assert!(p.try_acquire(&args, 0).is_ok());
         assert_eq!(p.counts(1).refused, 1);
     }
+
+    fn one_level(kind: LevelKind, wake: Option<Waker>) -> Policy {
+        Policy::new(vec![Level {
+            name: "l".into(),
+            kind,
+            shadow: false,
+            wake,
+        }])
+        .unwrap()
+    }
+
+    #[test]
+    fn cancel_under_a_later_reservation_keeps_the_slot_and_settle_after_it_does_nothing() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(1.0, 1e9, 1).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let p = one_level(LevelKind::Rate(lim.clone()), None);
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
+        let (d1, mut h1) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        let (d2, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        p.undo(0, &mut h1[0], &args[0], 0);
+        let (d3, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        assert_eq!((d1, d2, d3), (0, 1_000_000_000, 2_000_000_000));
+        let zero = vec![LevelArgs { key: 0, costs: vec![0] }];
+        p.settle(&mut h1, &args, &zero, 0);
+        p.undo(0, &mut h1[0], &args[0], 0);
+        assert_eq!(lim.refunds_dropped(), 1);
+        assert_eq!(lim.delay_at(0, &[1]).unwrap(), 3_000_000_000);
+    }
+
+    #[test]
+    fn release_wakes_the_level_queue() {
+        use crate::queue::{Outcome, QueueConfig, Slot, Submitted, WaitQueue, Wake};
+        let clock = AnyClock::Manual(Arc::new(ManualClock::new(0).unwrap()));
+        let sem = Arc::new(Semaphore::new(1).unwrap());
+        let q = WaitQueue::new(sem.clone(), 1, clock, QueueConfig::new(vec![], 10, None).unwrap());
+        let q2 = q.clone();
+        let wake: Waker = Arc::new(move |_| {
+            q2.poll_now();
+        });
+        let p = one_level(LevelKind::Concurrency(sem.clone()), Some(wake));
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
+        let mut held = p.try_acquire(&args, 0).unwrap();
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        let sub = q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        assert!(matches!(sub, Submitted::Queued(_)));
+        p.release(0, &mut held[0]);
+        assert!(matches!(slot.take(), Some(Outcome::Granted { .. })));
+        assert_eq!(sem.in_use(), 1);
+        p.release(0, &mut held[0]); // released once
+        assert_eq!(sem.in_use(), 1);
+    }
 }
