@@ -75,7 +75,7 @@ class Reservation:
     @property
     def cancelled(self) -> bool: ...
     def cancel(self) -> bool:
-        """Give the capacity back if still possible (see the README's refund rule)."""
+        """Give the capacity back by the one undo rule (README: "Undo and refunds")."""
 
 @final
 class Histogram:

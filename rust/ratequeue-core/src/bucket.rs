@@ -8,6 +8,12 @@
 //! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
 //! (2^60 ticks ≥ 18 years of clock). A rate change writes the next slot, then moves the
 //! word to the new generation with the bucket's content converted, in one CAS.
+//!
+//! Capacity comes back by one undo rule ([`Bucket::give_back`]), shared by every level:
+//! exact (a CAS back from the word a debit left) while the debit is the latest change;
+//! otherwise a refund, only while no grant is scheduled in the future (TAT ≤ now + tau)
+//! and only of what the debit can still hold, never past full; otherwise nothing
+//! (lowering the TAT under a scheduled grant would let a newcomer share its slot).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;

@@ -29,10 +29,11 @@ pub trait Resource: Send + Sync {
     /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not
     /// possible. Ok carries a token that identifies the state right after the grant.
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny>;
-    /// Gives back what a grant took and was never used. With the grant's `token`, a
-    /// rate gives it back only while no later grant stands on it (returning it under a
-    /// later one would let a newcomer reuse a slot already used: the rate bound would
-    /// break), and otherwise keeps it; permits always come back.
+    /// Gives back what a grant took and was never used, by the one undo rule
+    /// ([`crate::Bucket::give_back`]): with the grant's `token`, exactly while nothing
+    /// came after it on any rate; otherwise refunded only while no grant is scheduled in
+    /// the future (returning it under a later one would let a newcomer reuse a slot
+    /// already used), else kept and counted; permits always come back.
     fn give_back(&self, costs: &[u64], token: Option<u64>);
     /// False when readiness depends on releases rather than on time (semaphores): a
     /// grant then happens at the time of the poll that finds the resource free.
@@ -40,7 +41,7 @@ pub trait Resource: Send + Sync {
         true
     }
     /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
-    /// (never beyond full) or charges the overage (possibly into debt).
+    /// by the refund rule of the one undo rule or charges the overage (possibly debt).
     fn settle(&self, _estimated: &[u64], _actual: &[u64]) {}
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
