@@ -357,7 +357,7 @@ impl Limiter {
     }
 
     /// Gives back `costs` of a grant not held as a record (e.g. an over-estimate) by
-    /// the refund rule ([`crate::bucket::Params::refund_tat`]); true when capacity came back.
+    /// the refund rule of [`Bucket::give_back`]; true when capacity came back.
     pub fn refund(&self, costs: &[u64]) -> bool {
         let now = self.clock.now_ns();
         let _serial = self.serial();
