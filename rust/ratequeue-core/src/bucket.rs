@@ -375,9 +375,10 @@ impl Bucket {
 
     /// The one undo rule: gives back `ret` (at most what `t` still stands for) at
     /// `at_ns`. Exact while `t` is still the bucket's latest change: a CAS from the word
-    /// it left back to the word before it (or to `ret` less). Otherwise a refund by
-    /// the refund rule (see the module docs), capped by what `t` can still hold. Check and act are
-    /// one CAS loop. `t` is updated, so a later give-back starts from here.
+    /// it left back to the word before it (or to `ret` less). Otherwise a refund, only
+    /// while no grant is scheduled in the future (TAT ≤ now + tau), capped by what `t`
+    /// can still hold and never past full; else nothing ([`Undo::Dropped`]). Check and
+    /// act are one CAS loop. `t` is updated, so a later give-back starts from here.
     pub fn give_back(&self, t: &mut Taken, ret: u64, at_ns: u64) -> Undo {
         let ret = ret.min(t.cost);
         if ret == 0 {
@@ -428,8 +429,8 @@ impl Bucket {
         }
     }
 
-    /// Refunds `cost` at `at_ns` by the refund rule (see the module docs) (for a
-    /// debit that is not held, e.g. a permit settled without its grant's token).
+    /// Refunds `cost` at `at_ns` by the refund rule of [`Bucket::give_back`], uncapped
+    /// (for a debit that is not held, e.g. a permit settled without its grant's token).
     pub fn refund(&self, at_ns: u64, cost: u64) -> Undo {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
