@@ -299,3 +299,53 @@ def test_cancel_races_grants_without_sharing_a_slot():
     tokens = [(round(at, 9), n) for at, n in kept]
     _check_window(requests, 100, 1)
     _check_window(tokens, 1_000, 20)
+
+
+# ---------------------------------------------------------------------------------------
+# Permit.settle: the same rule, with the grant's own record
+
+
+def test_permit_settle_does_not_refund_what_time_already_restored(clock):
+    """A permit of 1 granted on an idle bucket holds nothing 5 s later: settling it to 0
+    then, after another grant, must not make room for a third grant at one instant."""
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    p = lim.acquire()
+    clock.advance(5)
+    assert lim.try_acquire()
+    p.settle(requests=0)
+    assert lim.available() == 1.0
+
+
+def test_keyed_permit_settle_does_not_refund_what_time_already_restored(clock):
+    kl = rq.KeyedLimiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    p = kl.acquire("k")
+    clock.advance(5)
+    assert kl.try_acquire("k")
+    p.settle(requests=0)
+    assert kl.available("k") == 1.0
+
+
+def test_permit_settle_is_exact_while_latest_even_in_debt(clock):
+    lim = rq.Limiter(rq.Rate(10, per="second", burst=10, unit="tokens"), clock=clock)
+    p = lim.acquire(tokens=5)
+    p.settle(tokens=25)
+    assert lim.available() == -15.0
+    p.settle(tokens=5)  # the latest change: exact, although the bucket is in debt
+    assert lim.available() == 5.0
+
+
+def test_queued_permit_settle_refund_under_a_later_grant_is_dropped(clock):
+    lim = rq.Limiter(rq.Rate(10, per="second", burst=10, unit="tokens"), clock=clock)
+    assert lim.try_acquire(tokens=10)
+    acq = lim.acquire_async(tokens=5)
+    ch = Channel()
+    ticket = acq._submit(ch)
+    lim.run_until(0.5)
+    [(t, granted, _, token)] = ch.drain_tokens()
+    assert (t, granted) == (ticket, True)
+    permit = acq._granted(0, token)
+    later = lim.reserve(tokens=10)  # scheduled at 1.5 s, on top of the grant
+    assert later.delay == 1.0
+    permit.settle(tokens=0)
+    assert lim.stats()["refunds_dropped"] == 1
+    assert lim.reserve(tokens=1).delay == pytest.approx(1.1)

@@ -63,6 +63,11 @@ impl Taken {
         self.cost
     }
 
+    /// True while it can still be undone exactly (nothing seen after it).
+    pub fn is_latest(&self) -> bool {
+        self.latest
+    }
+
     /// A debit of `cost` known only by the word `after` it left (a grant's token).
     pub fn from_token(after: u64, cost: u64) -> Taken {
         Taken {

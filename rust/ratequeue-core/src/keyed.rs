@@ -775,13 +775,28 @@ impl crate::queue::Resource for KeyBucket {
         }
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.after))
+    }
+
+    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
         let (e, a) = (estimated[0], actual[0]);
+        let now = self.keyed.clock.now_ns();
+        let Some(after) = token else {
+            if a < e {
+                self.keyed.refund(self.key, e - a);
+            } else if a > e {
+                self.keyed.charge(self.key, a - e);
+            }
+            return None;
+        };
+        let mut t = KeyTaken::from_token(self.key, after, e);
         if a < e {
-            self.keyed.refund(self.key, e - a);
+            self.keyed.give_back(&mut t, e - a, now);
         } else if a > e {
-            self.keyed.charge(self.key, a - e);
+            self.keyed.charge_more(&mut t, a - e, now);
         }
+        t.latest.then_some(t.after)
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {

@@ -243,6 +243,16 @@ impl Limiter {
         (self.buckets.len() > 1).then(|| self.lock_multi())
     }
 
+    /// A grant's token: one rate, the word it left; several, the change count right
+    /// after it (taken under the lock that serialises every change), covering every rate.
+    fn token_of(&self, r: &Reservation) -> u64 {
+        if self.buckets.len() == 1 {
+            r.taken[0].after_word()
+        } else {
+            r.seq
+        }
+    }
+
     fn note(&self, u: Undo) -> Undo {
         if u == Undo::Dropped {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
@@ -392,19 +402,17 @@ impl Resource for Limiter {
         self.try_acquire_at(now_ns, costs)
     }
 
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.take_at_with(now_ns, costs, 0, false)
+            .map(|r| Some(self.token_of(&r)))
+    }
+
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        let r = self.take_at_with(at_ns, costs, 0, true)?;
-        // One rate: the word the grant left. Several: the change count right after it
-        // (taken under the lock that serialises every change), covering every rate.
-        Ok(if self.buckets.len() == 1 {
-            r.taken[0].after_word()
-        } else {
-            r.seq
-        })
+        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(&r))
     }
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
@@ -435,19 +443,44 @@ impl Resource for Limiter {
         self.seq.fetch_add(1, Ordering::AcqRel);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
         let now = self.clock.now_ns();
         let _serial = self.serial();
+        let exact = match token {
+            Some(t) if self.buckets.len() > 1 => self.seq.load(Ordering::Acquire) == t,
+            Some(_) => true,
+            None => false,
+        };
+        let mut latest = exact;
+        let mut word = 0;
         for (i, b) in self.buckets.iter().enumerate() {
             let u = self.bucket_unit[i];
             let (e, a) = (estimated[u], actual[u]);
+            // With a token, the grant's words: the token itself (one rate), or the
+            // current words when nothing changed since (several).
+            let mut t = match token {
+                Some(w) if self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
+                Some(_) if exact => Some(Taken::from_token(b.word(), e)),
+                _ => None,
+            };
             if a < e {
-                self.note(b.refund(now, e - a));
+                let u = match &mut t {
+                    Some(t) => b.give_back(t, e - a, now),
+                    None => b.refund(now, e - a),
+                };
+                latest &= u == Undo::Exact || (u == Undo::Nothing && t.is_some_and(|t| t.is_latest()));
+                self.note(u);
             } else if a > e {
-                b.charge(now, a - e);
+                match &mut t {
+                    Some(t) => b.charge_more(t, a - e, now),
+                    None => b.charge(now, a - e),
+                }
+                latest &= t.is_some_and(|t| t.is_latest());
             }
+            word = t.map_or(0, |t| t.after_word());
         }
-        self.seq.fetch_add(1, Ordering::AcqRel);
+        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        latest.then_some(if self.buckets.len() == 1 { word } else { seq })
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {

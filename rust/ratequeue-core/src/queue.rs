@@ -23,6 +23,11 @@ use crate::histogram::Histogram;
 pub trait Resource: Send + Sync {
     /// Takes `costs` now if possible, without looking at the queue.
     fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny>;
+    /// [`Resource::try_take`], with a token of the grant when the resource can give
+    /// capacity back exactly (see [`Resource::take_at`]).
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.try_take(now_ns, costs).map(|_| None)
+    }
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
@@ -41,8 +46,12 @@ pub trait Resource: Send + Sync {
         true
     }
     /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
-    /// by the refund rule of the one undo rule or charges the overage (possibly debt).
-    fn settle(&self, _estimated: &[u64], _actual: &[u64]) {}
+    /// by the one undo rule (exact while the grant's `token` says nothing came after it)
+    /// or charges the overage (possibly debt). Returns the token for a later settle or
+    /// give-back (None: no longer exact).
+    fn settle(&self, _estimated: &[u64], _actual: &[u64], _token: Option<u64>) -> Option<u64> {
+        None
+    }
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
     /// The error a denial stands for.
@@ -523,17 +532,23 @@ impl WaitQueue {
     /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
     #[inline]
     pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
+        self.try_now_token(costs, class).map(|(now, _)| now)
+    }
+
+    /// [`WaitQueue::try_now`], with the grant's token (see [`Resource::try_take_token`]).
+    #[inline]
+    pub fn try_now_token(&self, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
         if self.waiting() != 0 && !self.drop_inherited() {
             return Err(None);
         }
         let now = self.clock.now_ns();
-        match self.resource.try_take(now, costs) {
-            Ok(()) => {
+        match self.resource.try_take_token(now, costs) {
+            Ok(token) => {
                 bump(&self.counters.immediate);
                 if let Some(h) = self.waits.get(class) {
                     h.record(0);
                 }
-                Ok(now)
+                Ok((now, token))
             }
             Err(Deny::Wait(_)) => Err(None),
             Err(d) => Err(Some(d)),
@@ -854,12 +869,13 @@ impl WaitQueue {
     }
 
     /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
-    /// then grants whoever a refund lets through.
-    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64]) {
-        self.resource.settle(estimated, actual);
+    /// then grants whoever a refund lets through; returns the grant's new token.
+    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
+        let token = self.resource.settle(estimated, actual, token);
         if actual.iter().zip(estimated).any(|(a, e)| a < e) {
             self.poll_now();
         }
+        token
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can

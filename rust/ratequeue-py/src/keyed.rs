@@ -197,9 +197,10 @@ impl PermitOwner for KeyOwner {
         self.gates.poll(self.key);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
-        self.resource.settle(estimated, actual);
+    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
+        let token = self.resource.settle(estimated, actual, token);
         self.gates.poll(self.key);
+        token
     }
 }
 
@@ -243,8 +244,8 @@ impl Keyed {
             return Ok(None);
         }
         let r = (self.gates.make)(key);
-        match r.try_take(self.gates.clock.now_ns(), &[c]) {
-            Ok(()) => Ok(Some(PermitPy::new(self.owner(key), &[c], 0))),
+        match r.try_take_token(self.gates.clock.now_ns(), &[c]) {
+            Ok(token) => Ok(Some(PermitPy::new(self.owner(key), &[c], 0).with_token(token))),
             Err(Deny::Wait(_)) => Ok(None),
             Err(d) => Err(to_py(py, r.error_for(d))),
         }

@@ -29,8 +29,9 @@ pub trait PermitOwner: Send + Sync {
     fn returns_on_exit(&self) -> bool;
     /// Returns the permits of a grant.
     fn give_back(&self, costs: &[u64]);
-    /// Settles estimated costs to actual ones.
-    fn settle(&self, estimated: &[u64], actual: &[u64]);
+    /// Settles estimated costs to actual ones; `token` identifies the grant (exact
+    /// undo); returns the token for the next settle.
+    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64>;
 }
 
 impl PermitOwner for Gate {
@@ -46,8 +47,8 @@ impl PermitOwner for Gate {
         self.queue.give_back(costs, None);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
-        self.queue.settle(estimated, actual);
+    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
+        self.queue.settle(estimated, actual, token)
     }
 }
 
@@ -94,8 +95,8 @@ impl Gate {
         class: usize,
         timeout_ns: Option<u64>,
     ) -> PyResult<PermitPy> {
-        match self.queue.try_now(costs, class) {
-            Ok(_) => return Ok(self.permit(costs, 0)),
+        match self.queue.try_now_token(costs, class) {
+            Ok((_, token)) => return Ok(self.permit(costs, 0).with_token(token)),
             Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
             Err(None) => {}
         }
@@ -127,7 +128,7 @@ impl Gate {
 
     fn outcome(self: &Arc<Self>, py: Python<'_>, costs: &[u64], o: Outcome) -> PyResult<PermitPy> {
         match o {
-            Outcome::Granted { waited_ns, .. } => Ok(self.permit(costs, waited_ns)),
+            Outcome::Granted { waited_ns, token, .. } => Ok(self.permit(costs, waited_ns).with_token(Some(token))),
             Outcome::TimedOut { waited_ns } => Err(to_py(
                 py,
                 Error::WaitTimeout {
@@ -172,6 +173,8 @@ pub struct PermitPy {
     costs: Mutex<Vec<u64>>,
     waited_ns: u64,
     released: AtomicBool,
+    /// The grant's token while it can still be settled exactly (taken after `costs`).
+    token: Mutex<Option<u64>>,
 }
 
 impl PermitPy {
@@ -182,13 +185,21 @@ impl PermitPy {
             costs: Mutex::new(costs.to_vec()),
             waited_ns,
             released: AtomicBool::new(false),
+            token: Mutex::new(None),
         }
+    }
+
+    /// The same permit, knowing its grant's token (settle refunds by the exact undo).
+    pub fn with_token(self, token: Option<u64>) -> PermitPy {
+        *self.token.lock().unwrap_or_else(|e| e.into_inner()) = token;
+        self
     }
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
         let costs = self.costs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        PermitPy::new(owner, &costs, self.waited_ns)
+        let token = *self.token.lock().unwrap_or_else(|e| e.into_inner());
+        PermitPy::new(owner, &costs, self.waited_ns).with_token(token)
     }
 }
 
@@ -246,7 +257,8 @@ impl PermitPy {
                 actual[i] = crate::args::cost(&name, &v)?;
             }
         }
-        self.owner.settle(&cur, &actual);
+        let mut token = self.token.lock().unwrap_or_else(|e| e.into_inner());
+        *token = self.owner.settle(&cur, &actual, *token);
         *cur = actual;
         Ok(())
     }
@@ -376,9 +388,9 @@ impl AcquiringPy {
         timeout_ns: Option<u64>,
     ) -> PyResult<AcquiringPy> {
         let a = AcquiringPy::new(gate, costs, class, timeout_ns);
-        match gate.queue.try_now(costs, class) {
-            Ok(_) => {
-                let _ = a.permit.set(Py::new(py, gate.permit(costs, 0))?);
+        match gate.queue.try_now_token(costs, class) {
+            Ok((_, token)) => {
+                let _ = a.permit.set(Py::new(py, gate.permit(costs, 0).with_token(token))?);
             }
             Err(Some(d)) => return Err(to_py(py, gate.queue_error(d))),
             Err(None) => {}
@@ -396,9 +408,9 @@ pub fn acquire_async(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    match gate.queue.try_now(costs, class) {
-        Ok(_) => {
-            let permit = Py::new(py, gate.permit(costs, 0))?;
+    match gate.queue.try_now_token(costs, class) {
+        Ok((_, token)) => {
+            let permit = Py::new(py, gate.permit(costs, 0).with_token(token))?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
         Err(Some(d)) => Err(to_py(py, gate.queue_error(d))),
@@ -423,10 +435,11 @@ impl AcquiringPy {
     }
 
     fn make_permit(&self, waited_ns: u64) -> PermitPy {
-        match &self.owner {
+        let p = match &self.owner {
             Some(o) => PermitPy::new(o.clone(), &self.costs, waited_ns),
             None => self.gate.permit(&self.costs, waited_ns),
-        }
+        };
+        p.with_token(self.token.get().copied())
     }
 }
 
