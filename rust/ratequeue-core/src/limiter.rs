@@ -589,6 +589,23 @@ mod tests {
     }
 
     #[test]
+    fn settle_with_a_token_is_exact_while_latest_else_capped() {
+        let (l, clock) = limiter(&[("requests", 1.0, 2)]);
+        let old = l.try_take_token(0, &[1]).unwrap();
+        clock.set(5 * S).unwrap();
+        l.try_acquire(&[1]).unwrap();
+        // What time already restored is not refunded again.
+        assert_eq!(Resource::settle(&l, &[1], &[0], old), None);
+        assert_eq!(l.available(0), 1.0);
+        let t = l.try_take_token(5 * S, &[1]).unwrap();
+        let t = Resource::settle(&l, &[1], &[3], t);
+        assert!(t.is_some());
+        assert_eq!(l.available(0), -2.0);
+        assert!(Resource::settle(&l, &[3], &[0], t).is_some());
+        assert_eq!(l.available(0), 1.0);
+    }
+
+    #[test]
     fn same_unit_twice_applies_both() {
         let (l, _) = limiter(&[("requests", 10.0, 2), ("requests", 1.0, 3)]);
         assert_eq!(l.units().len(), 1);
