@@ -243,7 +243,10 @@ impl PolicyPy {
                 let c = core.clock().clone();
                 let gate = l.get().gate().clone();
                 let wake = Arc::new(move |_| {
-                    gate.queue.poll_now();
+                    let gate = gate.clone();
+                    without_gil(move || {
+                        gate.queue.poll_now();
+                    })
                 });
                 (LevelKind::Rate(core), Shape::Units(units), Some(c), wake)
             } else if let Ok(l) = v.cast::<KeyedLimiterPy>() {
@@ -254,7 +257,10 @@ impl PolicyPy {
                     LevelKind::KeyedRate(core),
                     Shape::KeyedUnit(l.get().unit().to_owned()),
                     Some(c),
-                    Arc::new(move |key| gates.poll(key)),
+                    Arc::new(move |key| {
+                        let gates = gates.clone();
+                        without_gil(move || gates.poll(key))
+                    }),
                 )
             } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
                 let gate = l.get().gate().clone();
@@ -263,7 +269,10 @@ impl PolicyPy {
                     Shape::Permits { keyed: false },
                     None,
                     Arc::new(move |_| {
-                        gate.queue.poll_now();
+                        let gate = gate.clone();
+                        without_gil(move || {
+                            gate.queue.poll_now();
+                        })
                     }),
                 )
             } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
@@ -272,7 +281,10 @@ impl PolicyPy {
                     LevelKind::KeyedConcurrency(l.get().core().clone()),
                     Shape::Permits { keyed: true },
                     None,
-                    Arc::new(move |key| gates.poll(key)),
+                    Arc::new(move |key| {
+                        let gates = gates.clone();
+                        without_gil(move || gates.poll(key))
+                    }),
                 )
             } else {
                 return Err(type_err(
@@ -477,6 +489,19 @@ impl PolicyPy {
         }
         d.set_item("levels", levels)?;
         Ok(d)
+    }
+}
+
+/// Runs `f` (which takes a queue's lock) with the GIL released if this thread holds it:
+/// a level is woken from refusals decided with the GIL held as well as from detached
+/// calls, and no thread may block on a core lock while holding the GIL.
+fn without_gil(f: impl FnOnce() + Send) {
+    // SAFETY: PyGILState_Check only reads the thread state; when it reports that this
+    // thread holds the GIL, that is exactly what `assume_attached` requires.
+    if unsafe { pyo3::ffi::PyGILState_Check() } == 1 {
+        unsafe { Python::assume_attached() }.detach(f)
+    } else {
+        f()
     }
 }
 
