@@ -349,3 +349,16 @@ def test_queued_permit_settle_refund_under_a_later_grant_is_dropped(clock):
     permit.settle(tokens=0)
     assert lim.stats()["refunds_dropped"] == 1
     assert lim.reserve(tokens=1).delay == pytest.approx(1.1)
+
+
+def test_multi_rate_permit_settle_does_not_refund_what_time_already_restored(clock):
+    lim = rq.Limiter(
+        rq.Rate(10, per="second", burst=10),
+        rq.Rate(1, per="second", burst=2, unit="tokens"),
+        clock=clock,
+    )
+    p = lim.acquire(tokens=1)
+    clock.advance(5)
+    assert lim.try_acquire(tokens=1)
+    p.settle(tokens=0)
+    assert lim.available("tokens") == 1.0

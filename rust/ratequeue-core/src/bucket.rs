@@ -457,6 +457,34 @@ impl Bucket {
         }
     }
 
+    /// Refunds `ret` at `at_ns` of a debit of `cost` taken at `taken_at_ns` that is not
+    /// held as a record: the refund rule, capped by what such a debit can still hold
+    /// (its TAT was at least the tick of `taken_at_ns` plus its cost).
+    pub fn refund_since(&self, at_ns: u64, ret: u64, taken_at_ns: u64, cost: u64) -> Undo {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            // Less a nanosecond: a scheduled grant may be debited from just before it.
+            let held = p
+                .ticks(taken_at_ns.saturating_sub(1))
+                .saturating_add(p.cost_ticks(cost));
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
+                return Undo::Dropped;
+            };
+            let next = (w & !TAT_MASK) | tat;
+            if next == w {
+                return Undo::Nothing;
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Undo::Refunded,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
     /// Debits `cost` at `at_ns` unconditionally; the bucket may go into debt, which
     /// delays later admissions until time repays it.
     pub fn charge(&self, at_ns: u64, cost: u64) {

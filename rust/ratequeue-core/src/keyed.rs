@@ -17,6 +17,7 @@ use std::sync::{Mutex, MutexGuard};
 use crate::bucket::{Deny, Params, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
+use crate::queue::GrantRef;
 use crate::rate::Rate;
 
 const EMPTY: u64 = 0;
@@ -779,24 +780,23 @@ impl crate::queue::Resource for KeyBucket {
         self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.after))
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let (e, a) = (estimated[0], actual[0]);
         let now = self.keyed.clock.now_ns();
-        let Some(after) = token else {
-            if a < e {
-                self.keyed.refund(self.key, e - a);
-            } else if a > e {
-                self.keyed.charge(self.key, a - e);
-            }
-            return None;
-        };
-        let mut t = KeyTaken::from_token(self.key, after, e);
+        // Without a token: capped by what a debit of `e` taken at `grant.at_ns` holds.
+        let p = &self.keyed.params;
+        let held = p.ticks(grant.at_ns.saturating_sub(1)).saturating_add(p.cost_ticks(e));
+        let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
+        t.latest = grant.token.is_some();
         if a < e {
             self.keyed.give_back(&mut t, e - a, now);
         } else if a > e {
             self.keyed.charge_more(&mut t, a - e, now);
         }
-        t.latest.then_some(t.after)
+        GrantRef {
+            at_ns: grant.at_ns,
+            token: t.latest.then_some(t.after),
+        }
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {

@@ -7,7 +7,7 @@ use std::sync::MutexGuard;
 use crate::bucket::{Bucket, Deny, Taken, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::Resource;
+use crate::queue::{GrantRef, Resource};
 use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
@@ -443,10 +443,10 @@ impl Resource for Limiter {
         self.seq.fetch_add(1, Ordering::AcqRel);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let now = self.clock.now_ns();
         let _serial = self.serial();
-        let exact = match token {
+        let exact = match grant.token {
             Some(t) if self.buckets.len() > 1 => self.seq.load(Ordering::Acquire) == t,
             Some(_) => true,
             None => false,
@@ -456,31 +456,33 @@ impl Resource for Limiter {
         for (i, b) in self.buckets.iter().enumerate() {
             let u = self.bucket_unit[i];
             let (e, a) = (estimated[u], actual[u]);
-            // With a token, the grant's words: the token itself (one rate), or the
-            // current words when nothing changed since (several).
-            let mut t = match token {
-                Some(w) if self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
+            // While exact, the grant's words: the token itself (one rate), or the current
+            // words, since nothing changed (several).
+            let mut t = match grant.token {
+                Some(w) if exact && self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
                 Some(_) if exact => Some(Taken::from_token(b.word(), e)),
                 _ => None,
             };
             if a < e {
                 let u = match &mut t {
                     Some(t) => b.give_back(t, e - a, now),
-                    None => b.refund(now, e - a),
+                    None => b.refund_since(now, e - a, grant.at_ns, e),
                 };
-                latest &= u == Undo::Exact || (u == Undo::Nothing && t.is_some_and(|t| t.is_latest()));
                 self.note(u);
             } else if a > e {
                 match &mut t {
                     Some(t) => b.charge_more(t, a - e, now),
                     None => b.charge(now, a - e),
                 }
-                latest &= t.is_some_and(|t| t.is_latest());
             }
+            latest &= t.is_some_and(|t| t.is_latest());
             word = t.map_or(0, |t| t.after_word());
         }
         let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        latest.then_some(if self.buckets.len() == 1 { word } else { seq })
+        GrantRef {
+            at_ns: grant.at_ns,
+            token: latest.then_some(if self.buckets.len() == 1 { word } else { seq }),
+        }
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {
@@ -591,18 +593,38 @@ mod tests {
     #[test]
     fn settle_with_a_token_is_exact_while_latest_else_capped() {
         let (l, clock) = limiter(&[("requests", 1.0, 2)]);
-        let old = l.try_take_token(0, &[1]).unwrap();
+        let old = GrantRef {
+            at_ns: 0,
+            token: l.try_take_token(0, &[1]).unwrap(),
+        };
         clock.set(5 * S).unwrap();
         l.try_acquire(&[1]).unwrap();
         // What time already restored is not refunded again.
-        assert_eq!(Resource::settle(&l, &[1], &[0], old), None);
+        assert_eq!(Resource::settle(&l, &[1], &[0], old).token, None);
         assert_eq!(l.available(0), 1.0);
-        let t = l.try_take_token(5 * S, &[1]).unwrap();
-        let t = Resource::settle(&l, &[1], &[3], t);
-        assert!(t.is_some());
+        let g = GrantRef {
+            at_ns: 5 * S,
+            token: l.try_take_token(5 * S, &[1]).unwrap(),
+        };
+        let g = Resource::settle(&l, &[1], &[3], g);
+        assert!(g.token.is_some());
         assert_eq!(l.available(0), -2.0);
-        assert!(Resource::settle(&l, &[3], &[0], t).is_some());
+        assert!(Resource::settle(&l, &[3], &[0], g).token.is_some());
         assert_eq!(l.available(0), 1.0);
+    }
+
+    #[test]
+    fn multi_rate_settle_without_exactness_is_capped_by_the_grant_time() {
+        let (l, clock) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
+        let g = GrantRef {
+            at_ns: 0,
+            token: l.try_take_token(0, &[1, 1]).unwrap(),
+        };
+        clock.set(5 * S).unwrap();
+        l.try_acquire(&[1, 1]).unwrap();
+        let g = Resource::settle(&l, &[1, 1], &[1, 0], g);
+        assert_eq!(g.token, None);
+        assert_eq!(l.available(1), 1.0);
     }
 
     #[test]

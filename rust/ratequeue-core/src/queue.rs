@@ -46,11 +46,11 @@ pub trait Resource: Send + Sync {
         true
     }
     /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
-    /// by the one undo rule (exact while the grant's `token` says nothing came after it)
-    /// or charges the overage (possibly debt). Returns the token for a later settle or
-    /// give-back (None: no longer exact).
-    fn settle(&self, _estimated: &[u64], _actual: &[u64], _token: Option<u64>) -> Option<u64> {
-        None
+    /// by the one undo rule (exact while the grant's token says nothing came after it,
+    /// else capped by what a debit taken at `grant.at_ns` can still hold) or charges the
+    /// overage (possibly debt). Returns the grant as it stands for a later settle.
+    fn settle(&self, _estimated: &[u64], _actual: &[u64], grant: GrantRef) -> GrantRef {
+        grant
     }
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
@@ -59,6 +59,16 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
+}
+
+/// What a permit keeps of its grant, so that settling it follows the one undo rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrantRef {
+    /// When the grant was taken (an earlier time is safe: it only refunds less).
+    pub at_ns: u64,
+    /// The grant's token (see [`Resource::take_at`]) while nothing is known to have
+    /// come after it.
+    pub token: Option<u64>,
 }
 
 /// How a waiter learns its outcome.
@@ -441,6 +451,11 @@ impl WaitQueue {
         });
         register(&q);
         q
+    }
+
+    /// The current time on the queue's clock.
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
     }
 
     /// The queue's configuration.
@@ -869,13 +884,13 @@ impl WaitQueue {
     }
 
     /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
-    /// then grants whoever a refund lets through; returns the grant's new token.
-    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
-        let token = self.resource.settle(estimated, actual, token);
+    /// then grants whoever a refund lets through; returns the grant as it now stands.
+    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let grant = self.resource.settle(estimated, actual, grant);
         if actual.iter().zip(estimated).any(|(a, e)| a < e) {
             self.poll_now();
         }
-        token
+        grant
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can

@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyString};
 use ratequeue_core::keyed::{KeyBucket, KeyPermits};
 use ratequeue_core::{
-    AnyClock, Deny, Error, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource, WaitQueue,
+    AnyClock, Deny, Error, GrantRef, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource,
+    WaitQueue,
 };
 
 use crate::args::{cost, seconds_ns};
@@ -197,10 +198,10 @@ impl PermitOwner for KeyOwner {
         self.gates.poll(self.key);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64], token: Option<u64>) -> Option<u64> {
-        let token = self.resource.settle(estimated, actual, token);
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let grant = self.resource.settle(estimated, actual, grant);
         self.gates.poll(self.key);
-        token
+        grant
     }
 }
 
@@ -244,8 +245,11 @@ impl Keyed {
             return Ok(None);
         }
         let r = (self.gates.make)(key);
-        match r.try_take_token(self.gates.clock.now_ns(), &[c]) {
-            Ok(token) => Ok(Some(PermitPy::new(self.owner(key), &[c], 0).with_token(token))),
+        let at_ns = self.gates.clock.now_ns();
+        match r.try_take_token(at_ns, &[c]) {
+            Ok(token) => Ok(Some(
+                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+            )),
             Err(Deny::Wait(_)) => Ok(None),
             Err(d) => Err(to_py(py, r.error_for(d))),
         }
