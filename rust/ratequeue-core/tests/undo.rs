@@ -36,7 +36,7 @@ struct Grant {
 
 fn check_windows(grants: &[Grant], per_sec: f64, burst: u64) {
     let mut g: Vec<(u64, f64)> = grants.iter().map(|g| (g.at, g.net)).collect();
-    g.sort_by(|a, b| a.0.cmp(&b.0));
+    g.sort_by_key(|x| x.0);
     for i in 0..g.len() {
         let mut total = 0.0;
         for j in i..g.len() {
