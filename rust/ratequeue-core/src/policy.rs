@@ -74,6 +74,108 @@ pub enum Held {
     Nothing,
 }
 
+/// What every level offers a policy — a rate, one key of a keyed rate, a semaphore, one
+/// key of a keyed semaphore — so that it composes them without knowing their kind.
+pub trait Limit: Send + Sync {
+    /// Takes `a` at `at_ns` (no delay), giving a held record; a refusal changes nothing.
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny>;
+    /// Gives back everything `held` holds at `now_ns` by the one undo rule (rates: exact
+    /// while latest, else refunded while no grant is scheduled ahead, else kept; permits:
+    /// released). True when capacity came back.
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool;
+    /// Settles `held` from `estimated` to `actual` costs by the same rule (overage
+    /// charged, possibly into debt). True when capacity came back.
+    fn settle(&self, _held: &mut Held, _estimated: &[u64], _actual: &[u64], _now_ns: u64) -> bool {
+        false
+    }
+    /// Returns held permits (a rate keeps its capacity). True when any came back.
+    fn release(&self, _held: &mut Held) -> bool {
+        false
+    }
+}
+
+impl Limit for Limiter {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        self.take_at(at_ns, &a.costs, 0).map(Held::Rate)
+    }
+
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool {
+        let Held::Rate(r) = held else { return false };
+        self.undo_reservation(r, now_ns) > 0
+    }
+
+    fn settle(&self, held: &mut Held, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let Held::Rate(r) = held else { return false };
+        self.settle_reservation(r, estimated, actual, now_ns)
+    }
+}
+
+impl Limit for KeyedLimiter {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        KeyedLimiter::take(self, a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate)
+    }
+
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool {
+        let Held::KeyedRate(t) = held else { return false };
+        let ret = t.cost();
+        self.give_back(t, ret, now_ns).gave()
+    }
+
+    fn settle(&self, held: &mut Held, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let Held::KeyedRate(t) = held else { return false };
+        let (e, a) = (estimated[0], actual[0]);
+        if a > e {
+            self.charge_more(t, a - e, now_ns);
+        }
+        a < e && self.give_back(t, e - a, now_ns).gave()
+    }
+}
+
+impl Limit for Semaphore {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        self.try_take(at_ns, &a.costs).map(|_| Held::Permits(a.costs[0]))
+    }
+
+    fn undo(&self, held: &mut Held, _now_ns: u64) -> bool {
+        Limit::release(self, held)
+    }
+
+    fn release(&self, held: &mut Held) -> bool {
+        let Held::Permits(n) = *held else { return false };
+        self.give_back(&[n], None);
+        true
+    }
+}
+
+impl Limit for KeyedSemaphore {
+    fn take(&self, a: &LevelArgs, _at_ns: u64) -> Result<Held, Deny> {
+        self.try_take(a.key, a.costs[0])
+            .map(|_| Held::KeyedPermits(a.key, a.costs[0]))
+    }
+
+    fn undo(&self, held: &mut Held, _now_ns: u64) -> bool {
+        Limit::release(self, held)
+    }
+
+    fn release(&self, held: &mut Held) -> bool {
+        let Held::KeyedPermits(k, n) = *held else { return false };
+        KeyedSemaphore::release(self, k, n);
+        true
+    }
+}
+
+impl LevelKind {
+    /// The level behind its common interface.
+    pub fn limit(&self) -> &dyn Limit {
+        match self {
+            LevelKind::Rate(l) => &**l,
+            LevelKind::KeyedRate(k) => &**k,
+            LevelKind::Concurrency(s) => &**s,
+            LevelKind::KeyedConcurrency(s) => &**s,
+        }
+    }
+}
+
 /// Counters per level.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct LevelCounts {
@@ -139,14 +241,7 @@ impl Policy {
     }
 
     fn take_level(&self, i: usize, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
-        match &self.levels[i].kind {
-            LevelKind::Rate(l) => l.take_at(at_ns, &a.costs, 0).map(Held::Rate),
-            LevelKind::KeyedRate(k) => k.take(a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate),
-            LevelKind::Concurrency(s) => s.try_take(at_ns, &a.costs).map(|_| Held::Permits(a.costs[0])),
-            LevelKind::KeyedConcurrency(s) => s
-                .try_take(a.key, a.costs[0])
-                .map(|_| Held::KeyedPermits(a.key, a.costs[0])),
-        }
+        self.levels[i].kind.limit().take(a, at_ns)
     }
 
     fn wake(&self, i: usize, key: u64) {
@@ -156,19 +251,11 @@ impl Policy {
     }
 
     /// Gives back everything `held` holds on level `i` at `now_ns` (a refused attempt, a
-    /// cancellation) by the level's one undo rule — rates: exact while latest, else
-    /// refunded while no grant is scheduled ahead, else kept; permits: released — and
-    /// wakes the level's queue if capacity came back. `held` becomes `Nothing`, so a
-    /// second undo, release or settle does nothing.
+    /// cancellation) by the level's one undo rule ([`Limit::undo`]) and wakes the
+    /// level's queue if capacity came back. `held` becomes `Nothing`, so a second undo,
+    /// release or settle does nothing.
     pub fn undo(&self, i: usize, held: &mut Held, a: &LevelArgs, now_ns: u64) {
-        let gave = match (&self.levels[i].kind, &mut *held) {
-            (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, now_ns) > 0,
-            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => {
-                let ret = t.cost();
-                k.give_back(t, ret, now_ns).gave()
-            }
-            _ => return self.release(i, held),
-        };
+        let gave = self.levels[i].kind.limit().undo(held, now_ns);
         *held = Held::Nothing;
         if gave {
             self.wake(i, a.key);
@@ -178,44 +265,26 @@ impl Policy {
     /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs)
     /// and wakes the level's queue; `held` becomes `Nothing` (released once).
     pub fn release(&self, i: usize, held: &mut Held) {
-        let key = match (&self.levels[i].kind, &*held) {
-            (LevelKind::Concurrency(s), Held::Permits(n)) => {
-                s.give_back(&[*n], None);
-                0
-            }
-            (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => {
-                s.release(*k, *n);
-                *k
-            }
-            _ => return,
+        let key = match held {
+            Held::KeyedPermits(k, _) => *k,
+            _ => 0,
         };
-        *held = Held::Nothing;
-        self.wake(i, key);
+        if self.levels[i].kind.limit().release(held) {
+            *held = Held::Nothing;
+            self.wake(i, key);
+        }
     }
 
     /// Settles `held` from the `args` costs to the `actual` ones at `now_ns` on every
-    /// rate level: refunds by the one undo rule (waking the level's queue), overage
-    /// charged (possibly into debt). Levels already given back (`Nothing`) are skipped.
+    /// rate level ([`Limit::settle`]), waking a level's queue when capacity came back.
+    /// Levels already given back (`Nothing`) are skipped.
     pub fn settle(&self, held: &mut [Held], args: &[LevelArgs], actual: &[LevelArgs], now_ns: u64) {
         for (i, h) in held.iter_mut().enumerate() {
-            let gave = match (&self.levels[i].kind, h) {
-                (LevelKind::Rate(r), Held::Rate(res)) => {
-                    r.settle_reservation(res, &args[i].costs, &actual[i].costs, now_ns)
-                }
-                (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => {
-                    let (e, a) = (args[i].costs[0], actual[i].costs[0]);
-                    if a < e {
-                        k.give_back(t, e - a, now_ns).gave()
-                    } else {
-                        if a > e {
-                            k.charge_more(t, a - e, now_ns);
-                        }
-                        false
-                    }
-                }
-                _ => false,
-            };
-            if gave {
+            if self.levels[i]
+                .kind
+                .limit()
+                .settle(h, &args[i].costs, &actual[i].costs, now_ns)
+            {
                 self.wake(i, args[i].key);
             }
         }
