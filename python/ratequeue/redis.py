@@ -20,7 +20,9 @@ Key names: ``{prefix}:{{tag}}:{name}:{i}`` for rate ``i`` of a limiter (``tag``
 defaults to ``name``), ``{prefix}:{{tag}}:{name}:{key}`` for a keyed limiter (``tag``
 defaults to the key, spreading keys over a cluster), and for a policy the same names
 with the policy's tag (default: its name) so that all keys of one policy share a Redis
-Cluster slot and one script can touch them all.
+Cluster slot and one script can touch them all. A key is written with its kind, so that
+keys are told apart as locally: ``s:<utf-8>`` (str), ``b:<bytes>`` (bytes), ``i:<decimal>``
+(int, bool, numpy integer).
 
 Leases (``RedisLimiter(..., lease=0.05)``): a process takes a slice of each rate's
 burst from Redis in one call and serves it from a local Rust bucket (``rq.Limiter``),

@@ -464,8 +464,9 @@ impl KeyedLimiterPy {
     }
 
     /// Decides every key in order, as the loop of try_acquire calls would (reading the
-    /// clock once): `keys` is a numpy uint64 array (GIL released) or a sequence of str,
-    /// bytes or int; `costs` (optional) the same length. Returns a numpy bool array.
+    /// clock once): `keys` is a numpy uint64 or int64 array (GIL released; each value `v`
+    /// is the key `int(v)`) or a sequence of keys; `costs` (optional) the same length.
+    /// Returns a numpy bool array.
     #[pyo3(signature = (keys, costs = None))]
     fn try_acquire_many<'py>(
         &self,
