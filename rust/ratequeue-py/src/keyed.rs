@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyString};
@@ -53,7 +53,13 @@ pub fn key_named(h: &KeyHasher, key: &Bound<'_, PyAny>, name: &str) -> PyResult<
     }
     // An integer outside [-2^63, 2^64), by its decimal digits; or not an integer.
     let index = INDEX.import(key.py(), "operator", "index")?;
-    let v = index.call1((key,)).map_err(|_| type_err(name, KEY_KINDS, key))?;
+    let v = index.call1((key,)).map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(key.py()) {
+            type_err(name, KEY_KINDS, key)
+        } else {
+            e
+        }
+    })?;
     Ok(h.big_int(v.str()?.to_str()?))
 }
 
