@@ -1,7 +1,8 @@
 //! Per-key limits: one GCRA bucket per key (user, API key, tenant) in a sharded map,
 //! and one permit count per key for keyed concurrency.
 //!
-//! Keys are stored as 64-bit keyed hashes (random seed per map), so a key costs a fixed
+//! Keys are stored as 64-bit keyed hashes of their identity (kind and exact value, see
+//! [`KeyHasher`]; random seed per map), so a key costs a fixed
 //! 16 bytes in an open-addressing table whatever its length; two keys colliding would
 //! share a bucket (probability about n²/2^65: 3·10⁻⁸ at a million keys). Memory is
 //! bounded by `max_keys`: when a shard is full, keys whose bucket is full again are
@@ -120,12 +121,19 @@ impl Table {
     }
 }
 
-/// Hashing of keys: ints mixed with a secret seed, strings and bytes by SipHash.
+/// Hashing of keys, one identity per key: an integer by its exact value, a string by its
+/// UTF-8 text and a byte string by its bytes, each kind in a domain of its own.
+///
+/// Distinct integers in [0, 2^64) never share a hash, nor do distinct integers in
+/// [-2^63, 0); any other two distinct keys share one only by chance (about 2^-64 a pair,
+/// the price of keeping a 64-bit hash per key).
 #[derive(Clone, Debug)]
 pub struct KeyHasher {
     state: RandomState,
     k0: u64,
     k1: u64,
+    /// The seed of negative integers: never `k0`, so -1 and 2^64 - 1 stay apart.
+    k_neg: u64,
 }
 
 impl Default for KeyHasher {
@@ -133,19 +141,39 @@ impl Default for KeyHasher {
         let state = RandomState::new();
         let k0 = state.hash_one(0x5eed_u64);
         let k1 = state.hash_one(0x5eed_5eed_u64) | 1;
-        KeyHasher { state, k0, k1 }
+        let mut k_neg = state.hash_one(0x5eed_5eed_5eed_u64);
+        if k_neg == k0 {
+            k_neg ^= 1;
+        }
+        KeyHasher { state, k0, k1, k_neg }
     }
 }
 
 impl KeyHasher {
-    /// The key of an integer.
     #[inline]
-    pub fn int(&self, k: u64) -> u64 {
-        let mut x = (k ^ self.k0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    fn mix(&self, k: u64, seed: u64) -> u64 {
+        let mut x = (k ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         x ^= x >> 32;
         x = x.wrapping_mul(self.k1);
         x ^= x >> 29;
         x.max(1)
+    }
+
+    /// The key of a non-negative integer `k` (a uint64 value).
+    #[inline]
+    pub fn int(&self, k: u64) -> u64 {
+        self.mix(k, self.k0)
+    }
+
+    /// The key of the integer `v` (an int64 value): equal to `int(v)` when `v >= 0`,
+    /// never to `int(v as u64)` when `v < 0`.
+    #[inline]
+    pub fn signed(&self, v: i64) -> u64 {
+        if v >= 0 {
+            self.mix(v as u64, self.k0)
+        } else {
+            self.mix(v as u64, self.k_neg)
+        }
     }
 
     /// The key of a string (never equal to the same text as bytes or an int, but by chance).
@@ -154,7 +182,7 @@ impl KeyHasher {
         self.state.hash_one((1u8, s)).max(1)
     }
 
-    /// The key of an integer beyond 64 bits, from its decimal digits.
+    /// The key of an integer outside [-2^63, 2^64), from its decimal digits (with a sign).
     #[inline]
     pub fn big_int(&self, digits: &str) -> u64 {
         self.state.hash_one((3u8, digits)).max(1)
@@ -939,6 +967,39 @@ mod tests {
             assert_eq!(t.slots[t.find(*k).unwrap()].tat, *k);
         }
         assert_eq!(t.find(keys[2]), None);
+    }
+
+    #[test]
+    fn one_identity_per_key() {
+        let h = KeyHasher::default();
+        // Negative ints never share the hash of their two's complement.
+        for v in [-1i64, -2, i64::MIN, i64::MIN + 1, -12345] {
+            assert_ne!(h.signed(v), h.int(v as u64), "{v}");
+        }
+        for v in [0i64, 1, 7, i64::MAX] {
+            assert_eq!(h.signed(v), h.int(v as u64), "{v}");
+        }
+        // One text in three kinds: three keys.
+        let kinds = [h.str("1"), h.bytes(b"1"), h.int(1), h.big_int("1")];
+        for (i, a) in kinds.iter().enumerate() {
+            for b in &kinds[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(h.str("a"), h.str("a"));
+        assert_ne!(h.big_int("18446744073709551616"), h.str("18446744073709551616"));
+        // Distinct ints near the edges of both domains: no hash shared.
+        let mut seen = HashMap::new();
+        for d in 0..1000u64 {
+            for x in [d, u64::MAX - d, (1 << 63) + d, (1 << 63) - 1 - d] {
+                seen.insert(x as i128, h.int(x));
+            }
+            for v in [-1 - d as i64, i64::MIN + d as i64] {
+                seen.insert(v as i128, h.signed(v));
+            }
+        }
+        let hashes: std::collections::HashSet<u64> = seen.values().copied().collect();
+        assert_eq!(hashes.len(), seen.len());
     }
 
     #[test]

@@ -14,7 +14,7 @@ use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy}
 use crate::args::{cost, seconds_ns};
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
-use crate::keyed::{key_of, KeyedConcurrencyPy, KeyedLimiterPy};
+use crate::keyed::{key_named, KeyedConcurrencyPy, KeyedLimiterPy};
 use crate::limiter::LimiterPy;
 use crate::waiting::PermitPy;
 
@@ -100,7 +100,7 @@ impl PolicyPy {
                 Shape::KeyedUnit(u) => {
                     let k = key_for(&mut used)?;
                     let key = match &self.core.levels()[i].kind {
-                        LevelKind::KeyedRate(m) => key_of(m.hasher(), &k)?,
+                        LevelKind::KeyedRate(m) => key_named(m.hasher(), &k, &l.name)?,
                         _ => 0,
                     };
                     LevelArgs {
@@ -112,7 +112,7 @@ impl PolicyPy {
                     let key = if *keyed {
                         let k = key_for(&mut used)?;
                         match &self.core.levels()[i].kind {
-                            LevelKind::KeyedConcurrency(m) => key_of(m.hasher(), &k)?,
+                            LevelKind::KeyedConcurrency(m) => key_named(m.hasher(), &k, &l.name)?,
                             _ => 0,
                         }
                     } else {
