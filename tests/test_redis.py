@@ -238,7 +238,8 @@ def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
         r, rq.Rate(100, per=1), rq.Rate(1000, per=1, unit="tokens"), name="cluster", tag="api"
     )
     assert cluster.keys == keys[:2]
-    assert cluster.available("tokens") == pytest.approx(990, abs=1)
+    # 10 tokens taken, refilled at 1000/s since (a loaded machine may take a few ms).
+    assert 989 <= cluster.available("tokens") <= 1000
 
 
 def test_policy_all_or_nothing(r: redis.Redis) -> None:
