@@ -553,19 +553,22 @@ def test_calls_that_debit_nothing_do_not_block_a_cancel(clock: rq.ManualClock) -
     assert lim.retry_after() == 0.5
 
 
-def test_cancel_at_or_after_its_time_refunds_nothing(clock: rq.ManualClock) -> None:
+def test_cancel_at_or_after_its_time_follows_the_undo_rule(clock: rq.ManualClock) -> None:
     lim = rq.Limiter(rq.Rate(1, burst=1), clock=clock)
     now = lim.reserve()
     assert now.delay == 0.0
-    assert now.cancel() is False  # granted at once: its time is now
+    assert now.cancel() is True  # the latest change: undone exactly, even at its time
+    assert lim.available() == 1.0
+    lim.reserve()
     r = lim.reserve()
     clock.set(r.at)
-    assert r.cancel() is False
-    assert lim.available() == 0.0
+    assert r.cancel() is True
+    assert lim.available() == 1.0
     r2 = lim.reserve()
-    clock.advance(r2.delay + 0.5)
-    assert r2.cancel() is False
-    assert lim.available() == pytest.approx(0.5)
+    assert lim.try_acquire() is False
+    clock.advance(0.5)
+    assert r2.cancel() is True
+    assert lim.available() == 1.0
 
 
 def test_cancel_refunds_each_unit_where_it_is_latest(multi: rq.Limiter) -> None:

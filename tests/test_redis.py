@@ -187,9 +187,9 @@ def test_keyed_limiter_keys_are_independent(r: redis.Redis) -> None:
     assert users.available("dave") == 2
     assert 29 < users.retry_after("alice") <= 30
     # Each key is its own hash tag: spread over a cluster.
-    assert users.key("alice") == b"rq:{alice}:user:alice"
+    assert users.key("alice") == b"rq:{s:alice}:user:s:alice"
     tagged = RedisKeyedLimiter(r, rq.Rate(2, per=60), name="user", tag="t1")
-    assert tagged.key("alice") == b"rq:{t1}:user:alice"
+    assert tagged.key("alice") == b"rq:{t1}:user:s:alice"
     users.reset("alice")
     assert users.try_acquire("alice")
 
@@ -229,8 +229,8 @@ def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
     assert keys == [
         b"rq:{api}:cluster:0",
         b"rq:{api}:cluster:1",
-        b"rq:{api}:tenant:acme",
-        b"rq:{api}:user:alice",
+        b"rq:{api}:tenant:s:acme",
+        b"rq:{api}:user:s:alice",
     ]
     assert len({key_slot(k) for k in keys}) == 1
     # A standalone limiter with the policy's tag shares the policy's bucket.
@@ -238,7 +238,8 @@ def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
         r, rq.Rate(100, per=1), rq.Rate(1000, per=1, unit="tokens"), name="cluster", tag="api"
     )
     assert cluster.keys == keys[:2]
-    assert cluster.available("tokens") == pytest.approx(990, abs=1)
+    # 10 tokens taken, refilled at 1000/s since (a loaded machine may take a few ms).
+    assert 989 <= cluster.available("tokens") <= 1000
 
 
 def test_policy_all_or_nothing(r: redis.Redis) -> None:

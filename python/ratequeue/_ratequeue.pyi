@@ -2,7 +2,7 @@
 
 from collections.abc import Generator, Sequence
 from types import TracebackType
-from typing import Any, Literal, TypeAlias, final
+from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
@@ -75,7 +75,7 @@ class Reservation:
     @property
     def cancelled(self) -> bool: ...
     def cancel(self) -> bool:
-        """Give the capacity back if still possible (see the README's refund rule)."""
+        """Give the capacity back by the one undo rule (README: "Undo and refunds")."""
 
 @final
 class Histogram:
@@ -308,14 +308,16 @@ class Limiter:
     def name(self) -> str | None: ...
     def _noop(self) -> None: ...
 
-Key: TypeAlias = str | bytes | int
+# A str, bytes or integer (int, bool, numpy integer); one key per kind and value.
+Key: TypeAlias = str | bytes | int | SupportsIndex
 
 @final
 class KeyedLimiter:
     """One bucket per key (user, API key, tenant) in a bounded map.
 
-    Keys are kept as 64-bit keyed hashes; ``max_keys`` bounds memory (full buckets are
-    dropped first, which changes no decision; then the bucket nearest to full).
+    Keys are kept as 64-bit keyed hashes of their kind and exact value (``-1`` and
+    ``2**64 - 1`` are two keys, ``1`` and ``"1"`` too); ``max_keys`` bounds memory (full
+    buckets are dropped first, which changes no decision; then the bucket nearest to full).
     """
 
     def __new__(
@@ -331,7 +333,7 @@ class KeyedLimiter:
     def try_acquire(self, key: Key, cost: int = 1) -> bool: ...
     def try_acquire_many(
         self,
-        keys: npt.NDArray[np.uint64] | Sequence[Key],
+        keys: npt.NDArray[np.uint64] | npt.NDArray[np.int64] | Sequence[Key],
         costs: npt.NDArray[np.uint64] | Sequence[int] | None = None,
     ) -> npt.NDArray[np.bool_]:
         """Decide every key in order, as the loop of try_acquire would."""

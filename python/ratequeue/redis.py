@@ -20,7 +20,9 @@ Key names: ``{prefix}:{{tag}}:{name}:{i}`` for rate ``i`` of a limiter (``tag``
 defaults to ``name``), ``{prefix}:{{tag}}:{name}:{key}`` for a keyed limiter (``tag``
 defaults to the key, spreading keys over a cluster), and for a policy the same names
 with the policy's tag (default: its name) so that all keys of one policy share a Redis
-Cluster slot and one script can touch them all.
+Cluster slot and one script can touch them all. A key is written with its kind, so that
+keys are told apart as locally: ``s:<utf-8>`` (str), ``b:<bytes>`` (bytes), ``i:<decimal>``
+(int, bool, numpy integer).
 
 Leases (``RedisLimiter(..., lease=0.05)``): a process takes a slice of each rate's
 burst from Redis in one call and serves it from a local Rust bucket (``rq.Limiter``),
@@ -56,7 +58,7 @@ import time
 import weakref
 from collections.abc import Awaitable, Callable, Coroutine, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Final, Generic, Literal, TypeAlias, TypeVar, cast
+from typing import Any, Final, Generic, Literal, SupportsIndex, TypeAlias, TypeVar, cast
 
 import redis
 import redis.asyncio
@@ -97,7 +99,7 @@ __all__ = [
 log = logging.getLogger("ratequeue.redis")
 
 OnFailure: TypeAlias = Literal["fail_closed", "fail_open", "local"]
-Key: TypeAlias = str | bytes | int
+Key: TypeAlias = str | bytes | int | SupportsIndex
 T = TypeVar("T")
 
 GCRA_LUA: Final = r"""
@@ -460,14 +462,16 @@ def _is_down_reply(e: redis.exceptions.ResponseError) -> bool:
     return head in _DOWN_REPLIES or isinstance(e, redis.exceptions.ReadOnlyError)
 
 
-def _key_bytes(k: Key) -> bytes:
-    if isinstance(k, bytes):
-        return k
+def _key_bytes(k: Key, name: str = "key") -> bytes:
+    """A key's identity in Redis key names: its kind and exact value (``s:``, ``b:``, ``i:``)."""
     if isinstance(k, str):
-        return k.encode()
-    if isinstance(k, bool) or not isinstance(k, int):
-        raise TypeError(f"key must be str, bytes or int, got {type(k).__name__}")
-    return str(k).encode()
+        return b"s:" + k.encode()
+    if isinstance(k, bytes):
+        return b"b:" + k
+    try:
+        return b"i:%d" % operator.index(k)
+    except TypeError:
+        raise TypeError(f"{name} must be a str, bytes or int, got {type(k).__name__}") from None
 
 
 def _cost(name: str, v: object) -> int:
@@ -2176,7 +2180,7 @@ class _PolicyBase:
         if self._default_units is not None and kw.keys() == self._keyed_names:
             return (
                 [
-                    pre if name is None else pre + _key_bytes(kw[name])
+                    pre if name is None else pre + _key_bytes(kw[name], name)
                     for pre, name in self._key_parts
                 ],
                 self._default_costs,
@@ -2192,7 +2196,7 @@ class _PolicyBase:
                 if lv.name not in kw:
                     raise TypeError(f"missing key for level {lv.name!r}: pass {lv.name}=...")
                 used.add(lv.name)
-                k = tagged + lv.name.encode() + b":" + _key_bytes(kw[lv.name])
+                k = tagged + lv.name.encode() + b":" + _key_bytes(kw[lv.name], lv.name)
             level_keys.append(k)
             for u in lv.units:
                 if u in units:

@@ -8,6 +8,12 @@
 //! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
 //! (2^60 ticks ≥ 18 years of clock). A rate change writes the next slot, then moves the
 //! word to the new generation with the bucket's content converted, in one CAS.
+//!
+//! Capacity comes back by one undo rule ([`Bucket::give_back`]), shared by every level:
+//! exact (a CAS back from the word a debit left) while the debit is the latest change;
+//! otherwise a refund, only while no grant is scheduled in the future (TAT ≤ now + tau)
+//! and only of what the debit can still hold, never past full; otherwise nothing
+//! (lowering the TAT under a scheduled grant would let a newcomer share its slot).
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -31,20 +37,69 @@ pub enum Deny {
     TooLarge { cost: u64, burst: u64, unit: usize },
 }
 
-impl Taken {
-    /// The bucket's word right after this debit (a token of "nothing came after").
-    pub fn after_word(&self) -> u64 {
-        self.after
-    }
-}
+/// `before` of a debit known only by the word it left (a queue's grant token).
+const UNKNOWN: u64 = u64::MAX;
 
-/// A debit that can be undone while it is still the bucket's latest.
+/// A debit on a bucket, held so that it can be given back by the one undo rule
+/// ([`Bucket::give_back`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Taken {
     /// Nanoseconds from the arrival given to `take` until the grant.
     pub delay_ns: u64,
     before: u64,
     after: u64,
+    cost: u64,
+    latest: bool,
+}
+
+impl Taken {
+    /// The bucket's word right after this debit (a token of "nothing came after").
+    pub fn after_word(&self) -> u64 {
+        self.after
+    }
+
+    /// The cost this debit stands for now (after any settle).
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// True while it can still be undone exactly (nothing seen after it).
+    pub fn is_latest(&self) -> bool {
+        self.latest
+    }
+
+    /// A debit of `cost` known only by the word `after` it left (a grant's token).
+    pub fn from_token(after: u64, cost: u64) -> Taken {
+        Taken {
+            delay_ns: 0,
+            before: UNKNOWN,
+            after,
+            cost,
+            latest: true,
+        }
+    }
+}
+
+/// What giving capacity back did (the one undo rule; see [`Bucket::give_back`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Undo {
+    /// Nothing came after the debit: the bucket is as if it had been taken smaller (or
+    /// not at all).
+    Exact,
+    /// Refunded: no grant is scheduled in the future on the bucket.
+    Refunded,
+    /// Nothing to give: the bucket is full, or time already restored what was taken.
+    Nothing,
+    /// Kept: a later grant is scheduled in the future on the bucket, and giving back
+    /// under it would let a newcomer share its slot.
+    Dropped,
+}
+
+impl Undo {
+    /// True when capacity came back.
+    pub fn gave(self) -> bool {
+        matches!(self, Undo::Exact | Undo::Refunded)
+    }
 }
 
 #[derive(Debug, Default)]
@@ -122,6 +177,23 @@ impl Params {
             return Err(Deny::Wait(delay_ns));
         }
         Ok((new, delay_ns))
+    }
+
+    /// The refund rule on one TAT: gives back up to `ticks` at `at_ns`, capped by what a
+    /// debit that left the TAT at `held_until` can still hold (`held_until − now`), never
+    /// past full (the TAT never goes below now), and only while no grant is scheduled in
+    /// the future (TAT ≤ now + tau). `None`: dropped (a later grant stands on it).
+    pub(crate) fn refund_tat(&self, tat: u64, at_ns: u64, ticks: u64, held_until: Option<u64>) -> Option<u64> {
+        let now = self.ticks(at_ns);
+        if tat > now.saturating_add(self.tau) {
+            return None;
+        }
+        let ticks = held_until.map_or(ticks, |h| ticks.min(h.saturating_sub(now)));
+        Some(if tat <= now {
+            tat
+        } else {
+            tat.saturating_sub(ticks).max(now)
+        })
     }
 
     /// The time at which a backlog of `total` cost, served back to back from `at_ns`,
@@ -251,6 +323,8 @@ impl Bucket {
                     delay_ns,
                     before: w,
                     after: w,
+                    cost,
+                    latest: true,
                 });
             }
             match self
@@ -262,6 +336,8 @@ impl Bucket {
                         delay_ns,
                         before: w,
                         after: next,
+                        cost,
+                        latest: true,
                     })
                 }
                 Err(seen) => w = seen,
@@ -302,18 +378,108 @@ impl Bucket {
                 .is_ok()
     }
 
-    /// Returns `cost` to the bucket (never beyond full). For refunds of costs taken by
-    /// grants that are now in the past (e.g. settling an over-estimate).
-    pub fn refund(&self, cost: u64) {
+    /// The one undo rule: gives back `ret` (at most what `t` still stands for) at
+    /// `at_ns`. Exact while `t` is still the bucket's latest change: a CAS from the word
+    /// it left back to the word before it (or to `ret` less). Otherwise a refund, only
+    /// while no grant is scheduled in the future (TAT ≤ now + tau), capped by what `t`
+    /// can still hold and never past full; else nothing ([`Undo::Dropped`]). Check and
+    /// act are one CAS loop. `t` is updated, so a later give-back starts from here.
+    pub fn give_back(&self, t: &mut Taken, ret: u64, at_ns: u64) -> Undo {
+        let ret = ret.min(t.cost);
+        if ret == 0 {
+            return Undo::Nothing;
+        }
         let mut w = self.word.load(Ordering::Acquire);
         loop {
             let p = self.params(w);
-            let tat = (w & TAT_MASK).saturating_sub(cost.saturating_mul(1 << p.m).min(TAT_MASK));
+            let exact = t.latest && w == t.after;
+            let next = if exact {
+                if ret == t.cost && t.before != UNKNOWN {
+                    t.before
+                } else {
+                    (w & !TAT_MASK) | (w & TAT_MASK).saturating_sub(p.cost_ticks(ret))
+                }
+            } else {
+                let held = ((w ^ t.after) >> GEN_SHIFT == 0).then_some(t.after & TAT_MASK);
+                match p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), held) {
+                    Some(tat) => (w & !TAT_MASK) | tat,
+                    None => {
+                        t.latest = false;
+                        t.cost -= ret;
+                        return Undo::Dropped;
+                    }
+                }
+            };
+            if next == w {
+                t.latest &= exact;
+                t.cost -= ret;
+                return Undo::Nothing;
+            }
             match self
                 .word
-                .compare_exchange_weak(w, (w & !TAT_MASK) | tat, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return,
+                Ok(_) => {
+                    t.cost -= ret;
+                    if exact {
+                        t.after = next;
+                        return Undo::Exact;
+                    }
+                    t.after -= (w - next).min(t.after & TAT_MASK);
+                    t.latest = false;
+                    return Undo::Refunded;
+                }
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
+    /// Refunds `cost` at `at_ns` by the refund rule of [`Bucket::give_back`], uncapped
+    /// (for a debit that is not held, e.g. a permit settled without its grant's token).
+    pub fn refund(&self, at_ns: u64, cost: u64) -> Undo {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(cost), None) else {
+                return Undo::Dropped;
+            };
+            let next = (w & !TAT_MASK) | tat;
+            if next == w {
+                return Undo::Nothing;
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Undo::Refunded,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
+    /// Refunds `ret` at `at_ns` of a debit of `cost` taken at `taken_at_ns` that is not
+    /// held as a record: the refund rule, capped by what such a debit can still hold
+    /// (its TAT was at least the tick of `taken_at_ns` plus its cost).
+    pub fn refund_since(&self, at_ns: u64, ret: u64, taken_at_ns: u64, cost: u64) -> Undo {
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            // Less a nanosecond: a scheduled grant may be debited from just before it.
+            let held = p
+                .ticks(taken_at_ns.saturating_sub(1))
+                .saturating_add(p.cost_ticks(cost));
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
+                return Undo::Dropped;
+            };
+            let next = (w & !TAT_MASK) | tat;
+            if next == w {
+                return Undo::Nothing;
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Undo::Refunded,
                 Err(seen) => w = seen,
             }
         }
@@ -322,16 +488,33 @@ impl Bucket {
     /// Debits `cost` at `at_ns` unconditionally; the bucket may go into debt, which
     /// delays later admissions until time repays it.
     pub fn charge(&self, at_ns: u64, cost: u64) {
+        self.charge_word(at_ns, cost);
+    }
+
+    /// Charges `extra` more on the debit `t` (an under-estimate; may go into debt); `t`
+    /// stays exactly undoable while it is still the latest change.
+    pub fn charge_more(&self, t: &mut Taken, extra: u64, at_ns: u64) {
+        let (w, next) = self.charge_word(at_ns, extra);
+        if t.latest && w == t.after {
+            t.after = next;
+        } else {
+            t.latest = false;
+        }
+        t.cost = t.cost.saturating_add(extra);
+    }
+
+    fn charge_word(&self, at_ns: u64, cost: u64) -> (u64, u64) {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
             let p = self.params(w);
-            let add = cost.saturating_mul(1 << p.m).min(TAT_MASK);
+            let add = p.cost_ticks(cost);
             let tat = ((w & TAT_MASK).max(p.ticks(at_ns)) + add).min(TAT_MASK);
+            let next = (w & !TAT_MASK) | tat;
             match self
                 .word
-                .compare_exchange_weak(w, (w & !TAT_MASK) | tat, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return,
+                Ok(_) => return (w, next),
                 Err(seen) => w = seen,
             }
         }
@@ -424,6 +607,77 @@ mod tests {
         assert_eq!(b.available(0), 1.0);
     }
 
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn give_back_is_exact_while_latest() {
+        let b = Bucket::new(rate(1.0, 1));
+        b.take(0, 1, u64::MAX).unwrap();
+        let before = b.word();
+        let mut t = b.take(0, 1, u64::MAX).unwrap();
+        assert_eq!(t.delay_ns, S);
+        assert_eq!(b.give_back(&mut t, 1, 0), Undo::Exact);
+        assert_eq!(b.word(), before);
+        assert_eq!(b.give_back(&mut t, 1, 0), Undo::Nothing); // nothing left to give
+        assert_eq!(b.take(0, 1, u64::MAX).unwrap().delay_ns, S);
+    }
+
+    #[test]
+    fn give_back_under_a_scheduled_grant_is_dropped() {
+        let b = Bucket::new(rate(1.0, 1));
+        let mut t1 = b.take(0, 1, u64::MAX).unwrap();
+        b.take(0, 1, u64::MAX).unwrap(); // scheduled at 1 s
+        let w = b.word();
+        assert_eq!(b.give_back(&mut t1, 1, 0), Undo::Dropped);
+        assert_eq!(b.word(), w);
+        assert_eq!(b.take(0, 1, u64::MAX).unwrap().delay_ns, 2 * S);
+    }
+
+    #[test]
+    fn give_back_refunds_when_nothing_is_scheduled_ahead_never_past_full() {
+        let b = Bucket::new(rate(1.0, 4));
+        let mut t1 = b.take(0, 2, 0).unwrap();
+        b.take(0, 1, 0).unwrap();
+        assert_eq!(b.give_back(&mut t1, 2, 0), Undo::Refunded);
+        assert_eq!(b.available(0), 3.0);
+        assert_eq!(b.give_back(&mut t1, 2, 0), Undo::Nothing); // given once
+        assert_eq!(b.refund(0, 100), Undo::Refunded);
+        assert_eq!(b.available(0), 4.0);
+        assert_eq!(b.refund(0, 1), Undo::Nothing);
+        assert_eq!(b.available(0), 4.0);
+    }
+
+    #[test]
+    fn refund_is_capped_by_what_the_debit_still_holds() {
+        // A grant of 1 at 0 on a bucket of burst 2 holds nothing after 1 s: refunding it
+        // at 3 s, after another grant, would allow 3 grants at one instant.
+        let b = Bucket::new(rate(1.0, 2));
+        let mut t1 = b.take(0, 1, 0).unwrap();
+        b.take(3 * S, 1, 0).unwrap();
+        assert_eq!(b.give_back(&mut t1, 1, 3 * S), Undo::Nothing);
+        assert_eq!(b.available(3 * S), 1.0);
+        // Half of it is still held at 0.5 s: as if it had never been taken.
+        let b = Bucket::new(rate(1.0, 4));
+        let mut t1 = b.take(0, 1, 0).unwrap();
+        b.take(S / 2, 1, 0).unwrap();
+        assert_eq!(b.available(S / 2), 2.5);
+        assert_eq!(b.give_back(&mut t1, 1, S / 2), Undo::Refunded);
+        assert_eq!(b.available(S / 2), 3.0);
+    }
+
+    #[test]
+    fn settle_then_cancel_is_exact_while_latest() {
+        let b = Bucket::new(rate(10.0, 10));
+        let mut t = b.take(0, 5, 0).unwrap();
+        assert_eq!(b.give_back(&mut t, 3, 0), Undo::Exact);
+        assert_eq!((b.available(0), t.cost()), (8.0, 2));
+        b.charge_more(&mut t, 4, 0);
+        assert_eq!((b.available(0), t.cost()), (4.0, 6));
+        let c = t.cost();
+        assert_eq!(b.give_back(&mut t, c, 0), Undo::Exact);
+        assert_eq!(b.available(0), 10.0);
+    }
+
     #[test]
     fn long_run_rate_is_exact() {
         for per_sec in [1.0 / 86_400.0, 0.37, 3.0, 999.0, 123_457.0, 33_333_333.0, 1e8] {
@@ -461,7 +715,9 @@ mod tests {
         b.charge(0, 5);
         assert_eq!(b.available(0), -3.0);
         assert_eq!(b.take(0, 1, 0), Err(Deny::Wait(4_000_000_000)));
-        b.refund(100);
-        assert_eq!(b.available(0), 2.0);
+        assert_eq!(b.refund(0, 100), Undo::Dropped); // the debt is a grant scheduled ahead
+        assert_eq!(b.available(0), -3.0);
+        assert_eq!(b.refund(3_000_000_000, 100), Undo::Refunded);
+        assert_eq!(b.available(3_000_000_000), 2.0);
     }
 }

@@ -1,7 +1,8 @@
 //! Per-key limits: one GCRA bucket per key (user, API key, tenant) in a sharded map,
 //! and one permit count per key for keyed concurrency.
 //!
-//! Keys are stored as 64-bit keyed hashes (random seed per map), so a key costs a fixed
+//! Keys are stored as 64-bit keyed hashes of their identity (kind and exact value, see
+//! [`KeyHasher`]; random seed per map), so a key costs a fixed
 //! 16 bytes in an open-addressing table whatever its length; two keys colliding would
 //! share a bucket (probability about n²/2^65: 3·10⁻⁸ at a million keys). Memory is
 //! bounded by `max_keys`: when a shard is full, keys whose bucket is full again are
@@ -14,9 +15,10 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::bucket::{Deny, Params};
+use crate::bucket::{Deny, Params, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
+use crate::queue::GrantRef;
 use crate::rate::Rate;
 
 const EMPTY: u64 = 0;
@@ -119,12 +121,19 @@ impl Table {
     }
 }
 
-/// Hashing of keys: ints mixed with a secret seed, strings and bytes by SipHash.
+/// Hashing of keys, one identity per key: an integer by its exact value, a string by its
+/// UTF-8 text and a byte string by its bytes, each kind in a domain of its own.
+///
+/// Distinct integers in [0, 2^64) never share a hash, nor do distinct integers in
+/// [-2^63, 0); any other two distinct keys share one only by chance (about 2^-64 a pair,
+/// the price of keeping a 64-bit hash per key).
 #[derive(Clone, Debug)]
 pub struct KeyHasher {
     state: RandomState,
     k0: u64,
     k1: u64,
+    /// The seed of negative integers: never `k0`, so -1 and 2^64 - 1 stay apart.
+    k_neg: u64,
 }
 
 impl Default for KeyHasher {
@@ -132,19 +141,39 @@ impl Default for KeyHasher {
         let state = RandomState::new();
         let k0 = state.hash_one(0x5eed_u64);
         let k1 = state.hash_one(0x5eed_5eed_u64) | 1;
-        KeyHasher { state, k0, k1 }
+        let mut k_neg = state.hash_one(0x5eed_5eed_5eed_u64);
+        if k_neg == k0 {
+            k_neg ^= 1;
+        }
+        KeyHasher { state, k0, k1, k_neg }
     }
 }
 
 impl KeyHasher {
-    /// The key of an integer.
     #[inline]
-    pub fn int(&self, k: u64) -> u64 {
-        let mut x = (k ^ self.k0).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    fn mix(&self, k: u64, seed: u64) -> u64 {
+        let mut x = (k ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         x ^= x >> 32;
         x = x.wrapping_mul(self.k1);
         x ^= x >> 29;
         x.max(1)
+    }
+
+    /// The key of a non-negative integer `k` (a uint64 value).
+    #[inline]
+    pub fn int(&self, k: u64) -> u64 {
+        self.mix(k, self.k0)
+    }
+
+    /// The key of the integer `v` (an int64 value): equal to `int(v)` when `v >= 0`,
+    /// never to `int(v as u64)` when `v < 0`.
+    #[inline]
+    pub fn signed(&self, v: i64) -> u64 {
+        if v >= 0 {
+            self.mix(v as u64, self.k0)
+        } else {
+            self.mix(v as u64, self.k_neg)
+        }
     }
 
     /// The key of a string (never equal to the same text as bytes or an int, but by chance).
@@ -153,7 +182,7 @@ impl KeyHasher {
         self.state.hash_one((1u8, s)).max(1)
     }
 
-    /// The key of an integer beyond 64 bits, from its decimal digits.
+    /// The key of an integer outside [-2^63, 2^64), from its decimal digits (with a sign).
     #[inline]
     pub fn big_int(&self, digits: &str) -> u64 {
         self.state.hash_one((3u8, digits)).max(1)
@@ -182,6 +211,8 @@ pub struct KeyedCounts {
     pub evicted_full: u64,
     /// Keys dropped while not full, to stay within max_keys.
     pub evicted_live: u64,
+    /// Give-backs kept because a later grant stood on them.
+    pub refunds_dropped: u64,
 }
 
 fn shard_layout(max_keys: usize) -> (usize, usize) {
@@ -189,15 +220,36 @@ fn shard_layout(max_keys: usize) -> (usize, usize) {
     (shards, max_keys.div_ceil(shards).max(1))
 }
 
-/// A debit on one key that can be undone while it is still that key's latest.
+/// A debit on one key, held so that it can be given back by the one undo rule
+/// ([`KeyedLimiter::give_back`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct KeyTaken {
     key: u64,
-    before: u64,
+    before: Option<u64>,
     after: u64,
     cost: u64,
+    latest: bool,
     /// Nanoseconds from the arrival until the grant.
     pub delay_ns: u64,
+}
+
+impl KeyTaken {
+    /// A debit of `cost` on `key` known only by the TAT `after` it left (a grant's token).
+    pub fn from_token(key: u64, after: u64, cost: u64) -> KeyTaken {
+        KeyTaken {
+            key,
+            before: None,
+            after,
+            cost,
+            latest: true,
+            delay_ns: 0,
+        }
+    }
+
+    /// The cost this debit stands for now (after any settle).
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
 }
 
 /// One GCRA bucket per key, in a bounded sharded map.
@@ -212,6 +264,7 @@ pub struct KeyedLimiter {
     cap: usize,
     evicted_full: AtomicU64,
     evicted_live: AtomicU64,
+    refunds_dropped: AtomicU64,
 }
 
 impl std::fmt::Debug for KeyedLimiter {
@@ -239,6 +292,7 @@ impl KeyedLimiter {
             cap,
             evicted_full: AtomicU64::new(0),
             evicted_live: AtomicU64::new(0),
+            refunds_dropped: AtomicU64::new(0),
         })
     }
 
@@ -287,6 +341,7 @@ impl KeyedLimiter {
             keys: self.len() as u64,
             evicted_full: self.evicted_full.load(Ordering::Relaxed),
             evicted_live: self.evicted_live.load(Ordering::Relaxed),
+            refunds_dropped: self.refunds_dropped.load(Ordering::Relaxed),
         }
     }
 
@@ -377,9 +432,10 @@ impl KeyedLimiter {
         }
         Ok(KeyTaken {
             key,
-            before,
+            before: Some(before),
             after: new,
             cost,
+            latest: true,
             delay_ns,
         })
     }
@@ -483,58 +539,119 @@ impl KeyedLimiter {
         self.params.predict(tat, at_ns, total)
     }
 
-    /// Undoes `t` if no later debit came on its key, else refunds its cost.
-    pub fn untake(&self, t: &KeyTaken) {
-        self.untake_cost(t, t.cost);
-    }
-
-    /// Undoes `t` if no later change came on its key, else refunds `cost` (the cost it
-    /// stands for now, e.g. after a settle).
-    pub fn untake_cost(&self, t: &KeyTaken, cost: u64) {
+    /// The one undo rule on `t`'s key (as [`crate::Bucket::give_back`], under the
+    /// shard's lock): gives back `ret` at `at_ns`, exactly while `t` is the key's latest
+    /// change, else by the refund rule capped by what `t` can still hold, else kept and
+    /// counted. `t` is updated, so a later give-back starts from here.
+    pub fn give_back(&self, t: &mut KeyTaken, ret: u64, at_ns: u64) -> Undo {
+        let ret = ret.min(t.cost);
+        if ret == 0 {
+            return Undo::Nothing;
+        }
         let mut g = self.shard(t.key);
-        if let Some(i) = g.find(t.key) {
-            if g.slots[i].tat == t.after {
-                g.slots[i].tat = t.before;
-            } else {
-                g.slots[i].tat = g.slots[i].tat.saturating_sub(self.params.cost_ticks(cost));
+        let Some(i) = g.find(t.key) else {
+            // Dropped as full (or evicted): nothing is held on the key any more.
+            t.latest = false;
+            t.cost -= ret;
+            return Undo::Nothing;
+        };
+        let tat = g.slots[i].tat;
+        let exact = t.latest && tat == t.after;
+        let (new, how) = if exact {
+            let new = match t.before {
+                Some(b) if ret == t.cost => b,
+                _ => tat.saturating_sub(self.params.cost_ticks(ret)),
+            };
+            t.after = new;
+            (new, Undo::Exact)
+        } else {
+            t.latest = false;
+            match self
+                .params
+                .refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after))
+            {
+                Some(new) => {
+                    t.after -= (tat - new).min(t.after);
+                    (new, Undo::Refunded)
+                }
+                None => {
+                    t.cost -= ret;
+                    self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+                    return Undo::Dropped;
+                }
             }
-            g.next_full = g.next_full.min(g.slots[i].tat);
+        };
+        t.cost -= ret;
+        if new == tat {
+            return Undo::Nothing;
         }
+        g.slots[i].tat = new;
+        g.next_full = g.next_full.min(new);
+        how
     }
 
-    /// Gives `cost` back to `key` if its TAT is still `after` (no later debit).
-    pub fn untake_if_latest(&self, key: u64, after: u64, cost: u64) {
+    /// Refunds `cost` to `key` at `at_ns` by the refund rule (for a debit not held, e.g.
+    /// a permit settled without its grant's token).
+    pub fn refund(&self, key: u64, cost: u64) -> Undo {
+        let now = self.clock.now_ns();
         let mut t = self.shard(key);
-        if let Some(i) = t.find(key) {
-            if t.slots[i].tat == after {
-                t.slots[i].tat = after.saturating_sub(self.params.cost_ticks(cost));
-                t.next_full = t.next_full.min(t.slots[i].tat);
-            }
+        let Some(i) = t.find(key) else {
+            return Undo::Nothing;
+        };
+        let tat = t.slots[i].tat;
+        let Some(new) = self.params.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
+            self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+            return Undo::Dropped;
+        };
+        if new == tat {
+            return Undo::Nothing;
         }
-    }
-
-    /// Returns `cost` to `key`'s bucket (never beyond full).
-    pub fn refund(&self, key: u64, cost: u64) {
-        let mut t = self.shard(key);
-        if let Some(i) = t.find(key) {
-            t.slots[i].tat = t.slots[i].tat.saturating_sub(self.params.cost_ticks(cost));
-            t.next_full = t.next_full.min(t.slots[i].tat);
-        }
+        t.slots[i].tat = new;
+        t.next_full = t.next_full.min(new);
+        Undo::Refunded
     }
 
     /// Charges `cost` to `key` now regardless of conformance (it may go into debt).
     pub fn charge(&self, key: u64, cost: u64) {
-        let now = self.clock.now_ns();
+        self.charge_tat(key, self.clock.now_ns(), cost);
+    }
+
+    /// Charges `extra` more on the debit `t` at `at_ns` (may go into debt); `t` stays
+    /// exactly undoable while it is still its key's latest change.
+    pub fn charge_more(&self, t: &mut KeyTaken, extra: u64, at_ns: u64) {
+        let (old, new) = self.charge_tat(t.key, at_ns, extra);
+        if t.latest && old == Some(t.after) {
+            t.after = new;
+        } else {
+            t.latest = false;
+        }
+        t.cost = t.cost.saturating_add(extra);
+    }
+
+    /// Returns the key's TAT before (None: not held) and after the charge.
+    fn charge_tat(&self, key: u64, at_ns: u64, cost: u64) -> (Option<u64>, u64) {
         let mut t = self.shard(key);
-        let now_ticks = self.params.ticks(now);
+        let now_ticks = self.params.ticks(at_ns);
         let add = self.params.cost_ticks(cost);
         match t.find(key) {
-            Some(i) => t.slots[i].tat = (t.slots[i].tat.max(now_ticks) + add).min(crate::bucket::TAT_LIMIT),
+            Some(i) => {
+                let old = t.slots[i].tat;
+                let new = (old.max(now_ticks) + add).min(crate::bucket::TAT_LIMIT);
+                t.slots[i].tat = new;
+                (Some(old), new)
+            }
             None => {
                 self.make_room(&mut t, now_ticks);
-                t.insert_new(key, (now_ticks + add).min(crate::bucket::TAT_LIMIT));
+                let new = (now_ticks + add).min(crate::bucket::TAT_LIMIT);
+                t.insert_new(key, new);
+                (None, new)
             }
         }
+    }
+
+    /// Give-backs kept so far because a later grant stood on them.
+    pub fn refunds_dropped(&self) -> u64 {
+        self.refunds_dropped.load(Ordering::Relaxed)
     }
 
     /// Units `key` could be admitted now (a key not held has a full bucket).
@@ -677,17 +794,36 @@ impl crate::queue::Resource for KeyBucket {
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
         match token {
-            Some(t) => self.keyed.untake_if_latest(self.key, t, costs[0]),
-            None => self.keyed.refund(self.key, costs[0]),
+            Some(after) => {
+                let mut t = KeyTaken::from_token(self.key, after, costs[0]);
+                self.keyed.give_back(&mut t, costs[0], self.keyed.clock.now_ns());
+            }
+            None => {
+                self.keyed.refund(self.key, costs[0]);
+            }
         }
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.after))
+    }
+
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let (e, a) = (estimated[0], actual[0]);
+        let now = self.keyed.clock.now_ns();
+        // Without a token: capped by what a debit of `e` taken at `grant.at_ns` holds.
+        let p = &self.keyed.params;
+        let held = p.ticks(grant.at_ns.saturating_sub(1)).saturating_add(p.cost_ticks(e));
+        let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
+        t.latest = grant.token.is_some();
         if a < e {
-            self.keyed.refund(self.key, e - a);
+            self.keyed.give_back(&mut t, e - a, now);
         } else if a > e {
-            self.keyed.charge(self.key, a - e);
+            self.keyed.charge_more(&mut t, a - e, now);
+        }
+        GrantRef {
+            at_ns: grant.at_ns,
+            token: t.latest.then_some(t.after),
         }
     }
 
@@ -831,6 +967,39 @@ mod tests {
             assert_eq!(t.slots[t.find(*k).unwrap()].tat, *k);
         }
         assert_eq!(t.find(keys[2]), None);
+    }
+
+    #[test]
+    fn one_identity_per_key() {
+        let h = KeyHasher::default();
+        // Negative ints never share the hash of their two's complement.
+        for v in [-1i64, -2, i64::MIN, i64::MIN + 1, -12345] {
+            assert_ne!(h.signed(v), h.int(v as u64), "{v}");
+        }
+        for v in [0i64, 1, 7, i64::MAX] {
+            assert_eq!(h.signed(v), h.int(v as u64), "{v}");
+        }
+        // One text in three kinds: three keys.
+        let kinds = [h.str("1"), h.bytes(b"1"), h.int(1), h.big_int("1")];
+        for (i, a) in kinds.iter().enumerate() {
+            for b in &kinds[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+        assert_eq!(h.str("a"), h.str("a"));
+        assert_ne!(h.big_int("18446744073709551616"), h.str("18446744073709551616"));
+        // Distinct ints near the edges of both domains: no hash shared.
+        let mut seen = HashMap::new();
+        for d in 0..1000u64 {
+            for x in [d, u64::MAX - d, (1 << 63) + d, (1 << 63) - 1 - d] {
+                seen.insert(x as i128, h.int(x));
+            }
+            for v in [-1 - d as i64, i64::MIN + d as i64] {
+                seen.insert(v as i128, h.signed(v));
+            }
+        }
+        let hashes: std::collections::HashSet<u64> = seen.values().copied().collect();
+        assert_eq!(hashes.len(), seen.len());
     }
 
     #[test]

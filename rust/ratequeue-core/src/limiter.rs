@@ -1,10 +1,13 @@
 //! A limiter over one or more rates in named units (e.g. requests and tokens): every
 //! decision is all-or-nothing across its buckets, lock-free on the fast path.
 
-use crate::bucket::{Bucket, Deny, Taken};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::MutexGuard;
+
+use crate::bucket::{Bucket, Deny, Taken, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::Resource;
+use crate::queue::{GrantRef, Resource};
 use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
@@ -17,13 +20,19 @@ pub struct Limiter {
     buckets: Box<[Bucket]>,
     bucket_unit: Box<[usize]>,
     units: Box<[String]>,
-    /// Serialises multi-rate decisions so that one decision's check, debits and (on a
-    /// refusal) undo are never interleaved with another's; single-rate decisions stay
-    /// lock-free.
+    /// Serialises every change of a multi-rate limiter (decisions, undos, refunds,
+    /// charges, rate changes) so that one change's check, debits and (on a refusal) undo
+    /// are never interleaved with another's; single-rate decisions stay lock-free.
     multi: std::sync::Mutex<()>,
+    /// Multi-rate: counts changes (under `multi`); a grant's token is its value right
+    /// after the grant, so "unchanged" means no change on any bucket since.
+    seq: AtomicU64,
+    /// Give-backs kept because a later grant stood on them (per bucket).
+    refunds_dropped: AtomicU64,
 }
 
-/// Capacity held for a caller from `at_ns` on; see [`Limiter::cancel`] for refunds.
+/// Capacity held for a caller from `at_ns` on, with every bucket's debit; given back by
+/// the one undo rule ([`Limiter::undo_reservation`]).
 #[derive(Clone, Debug)]
 pub struct Reservation {
     /// When the caller may proceed (clock nanoseconds).
@@ -31,6 +40,8 @@ pub struct Reservation {
     /// How long from the reservation until then.
     pub delay_ns: u64,
     taken: Vec<Taken>,
+    /// Several rates: the change count right after this debit (see `Limiter::seq`).
+    seq: u64,
 }
 
 impl Limiter {
@@ -62,6 +73,8 @@ impl Limiter {
             bucket_unit: bucket_unit.into(),
             units: units.into(),
             multi: std::sync::Mutex::new(()),
+            seq: AtomicU64::new(0),
+            refunds_dropped: AtomicU64::new(0),
         })
     }
 
@@ -163,7 +176,7 @@ impl Limiter {
     /// Debits every bucket for a grant at the common time `now + delay`, with the delay
     /// at most `max_delay_ns`; all or nothing.
     fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
-        let _serial = self.multi.lock().unwrap_or_else(|e| e.into_inner());
+        let _serial = self.lock_multi();
         loop {
             let delay = self.delay_at(now, costs)?;
             if delay > max_delay_ns {
@@ -190,11 +203,12 @@ impl Limiter {
                     at_ns: at,
                     delay_ns: delay,
                     taken,
+                    seq: self.seq.fetch_add(1, Ordering::AcqRel) + 1,
                 });
             }
-            // Only a concurrent refund, charge or rate change can get here (decisions are
-            // serialised): give back what this attempt debited and decide again.
-            self.undo_or_refund(&taken, costs);
+            // Every change is serialised, so this is not expected: give back what this
+            // attempt debited (exactly: nothing came after it) and decide again.
+            self.undo(&taken);
         }
     }
 
@@ -213,30 +227,80 @@ impl Limiter {
                     at_ns: at_ns.saturating_add(t.delay_ns),
                     delay_ns: t.delay_ns,
                     taken: vec![t],
+                    seq: 0,
                 })
                 .map_err(|d| self.with_unit(0, d));
         }
         self.take_all(at_ns, costs, max_delay_ns, scheduled)
     }
 
-    /// Takes back a debit made by `take_at` (exactly where it is still the latest on a
-    /// bucket, by refunding `costs` where it is not).
-    pub fn undo_reservation(&self, r: &Reservation, costs: &[u64]) {
-        let _serial = (self.buckets.len() > 1).then(|| self.multi.lock().unwrap_or_else(|e| e.into_inner()));
-        self.undo_or_refund(&r.taken, costs);
+    fn lock_multi(&self) -> MutexGuard<'_, ()> {
+        self.multi.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The lock every change of a multi-rate limiter holds (None for a single rate).
+    fn serial(&self) -> Option<MutexGuard<'_, ()>> {
+        (self.buckets.len() > 1).then(|| self.lock_multi())
+    }
+
+    /// A grant's token: one rate, the word it left; several, the change count right
+    /// after it (taken under the lock that serialises every change), covering every rate.
+    fn token_of(&self, r: &Reservation) -> u64 {
+        if self.buckets.len() == 1 {
+            r.taken[0].after_word()
+        } else {
+            r.seq
+        }
+    }
+
+    fn note(&self, u: Undo) -> Undo {
+        if u == Undo::Dropped {
+            self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+        }
+        u
+    }
+
+    /// Give-backs kept so far because a later grant stood on them (counted per rate).
+    pub fn refunds_dropped(&self) -> u64 {
+        self.refunds_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Gives back everything `r` still holds at `now_ns`, per rate by the one undo rule
+    /// ([`Bucket::give_back`]: exact while latest, else refunded while no grant is
+    /// scheduled ahead, else kept and counted). Returns how many rates gave capacity back.
+    pub fn undo_reservation(&self, r: &mut Reservation, now_ns: u64) -> usize {
+        let _serial = self.serial();
+        let mut gave = 0;
+        for (i, t) in r.taken.iter_mut().enumerate() {
+            let ret = t.cost();
+            gave += usize::from(self.note(self.buckets[i].give_back(t, ret, now_ns)).gave());
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
+    }
+
+    /// Settles what `r` holds from `estimated` to `actual` costs (per unit) at `now_ns`:
+    /// refunds by the one undo rule, overage charged (possibly into debt). True when
+    /// capacity came back.
+    pub fn settle_reservation(&self, r: &mut Reservation, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let _serial = self.serial();
+        let mut gave = false;
+        for (i, t) in r.taken.iter_mut().enumerate() {
+            let u = self.bucket_unit[i];
+            let (e, a) = (estimated[u], actual[u]);
+            if a < e {
+                gave |= self.note(self.buckets[i].give_back(t, e - a, now_ns)).gave();
+            } else if a > e {
+                self.buckets[i].charge_more(t, a - e, now_ns);
+            }
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
     }
 
     fn undo(&self, taken: &[Taken]) {
         for (i, t) in taken.iter().enumerate() {
             self.buckets[i].untake(t);
-        }
-    }
-
-    fn undo_or_refund(&self, taken: &[Taken], costs: &[u64]) {
-        for (i, t) in taken.iter().enumerate() {
-            if !self.buckets[i].untake(t) {
-                self.buckets[i].refund(costs[self.bucket_unit[i]]);
-            }
         }
     }
 
@@ -254,6 +318,7 @@ impl Limiter {
                     at_ns: now.saturating_add(t.delay_ns),
                     delay_ns: t.delay_ns,
                     taken: vec![t],
+                    seq: 0,
                 })
                 .map_err(|d| self.with_unit(0, d))
         } else {
@@ -272,20 +337,10 @@ impl Limiter {
         })
     }
 
-    /// Cancels a reservation. Before its grant time, each bucket gets its cost back when
-    /// no later reservation has been made on it (returning it then would let a newcomer
-    /// overtake that later one and break the rate bound); otherwise the slot stays used.
-    /// At or after its grant time nothing is returned. Returns how many buckets were
-    /// refunded; call it once per reservation.
+    /// Cancels a reservation by the one undo rule (see [`Limiter::undo_reservation`]);
+    /// returns how many rates gave capacity back. Call it once per reservation.
     pub fn cancel(&self, r: &Reservation) -> usize {
-        if self.clock.now_ns() >= r.at_ns {
-            return 0;
-        }
-        r.taken
-            .iter()
-            .enumerate()
-            .filter(|(i, t)| self.buckets[*i].untake(t))
-            .count()
+        self.undo_reservation(&mut r.clone(), self.clock.now_ns())
     }
 
     /// Units of `unit` that could be admitted now: the least over its rates.
@@ -305,29 +360,39 @@ impl Limiter {
             .buckets
             .get(index)
             .ok_or_else(|| Error::invalid("rate", index, "is not the index of one of this limiter's rates"))?;
+        let _serial = self.serial();
         b.set_rate(self.clock.now_ns(), rate);
+        self.seq.fetch_add(1, Ordering::AcqRel);
         Ok(())
     }
 
-    /// Gives back `costs` taken by a past grant (e.g. an over-estimate), never beyond full.
-    pub fn refund(&self, costs: &[u64]) {
+    /// Gives back `costs` of a grant not held as a record (e.g. an over-estimate) by
+    /// the refund rule of [`Bucket::give_back`]; true when capacity came back.
+    pub fn refund(&self, costs: &[u64]) -> bool {
+        let now = self.clock.now_ns();
+        let _serial = self.serial();
+        let mut gave = false;
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
             if c > 0 {
-                b.refund(c);
+                gave |= self.note(b.refund(now, c)).gave();
             }
         }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        gave
     }
 
     /// Charges `costs` now regardless of conformance (an under-estimate): may go into debt.
     pub fn charge(&self, costs: &[u64]) {
         let now = self.clock.now_ns();
+        let _serial = self.serial();
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
             if c > 0 {
                 b.charge(now, c);
             }
         }
+        self.seq.fetch_add(1, Ordering::AcqRel);
     }
 }
 
@@ -337,34 +402,86 @@ impl Resource for Limiter {
         self.try_acquire_at(now_ns, costs)
     }
 
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.take_at_with(now_ns, costs, 0, false)
+            .map(|r| Some(self.token_of(&r)))
+    }
+
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        self.take_at_with(at_ns, costs, 0, true)
-            .map(|r| r.taken[0].after_word())
+        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(&r))
     }
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
-        // Every decision moves bucket 0's word (or leaves it as it found it), so an
-        // unchanged word means no grant came after this one.
-        match token {
-            Some(t) if self.buckets[0].word() != t => {}
-            _ => self.refund(costs),
+        let now = self.clock.now_ns();
+        let Some(token) = token else {
+            self.refund(costs);
+            return;
+        };
+        if self.buckets.len() == 1 {
+            let mut t = Taken::from_token(token, costs[self.bucket_unit[0]]);
+            let ret = t.cost();
+            self.note(self.buckets[0].give_back(&mut t, ret, now));
+            return;
         }
+        let _serial = self.lock_multi();
+        let unchanged = self.seq.load(Ordering::Acquire) == token;
+        for (i, b) in self.buckets.iter().enumerate() {
+            let c = costs[self.bucket_unit[i]];
+            let u = if unchanged {
+                // Nothing changed on any rate since the grant: its words are the current ones.
+                let mut t = Taken::from_token(b.word(), c);
+                b.give_back(&mut t, c, now)
+            } else {
+                b.refund(now, c)
+            };
+            self.note(u);
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let now = self.clock.now_ns();
+        let _serial = self.serial();
+        let exact = match grant.token {
+            Some(t) if self.buckets.len() > 1 => self.seq.load(Ordering::Acquire) == t,
+            Some(_) => true,
+            None => false,
+        };
+        let mut latest = exact;
+        let mut word = 0;
         for (i, b) in self.buckets.iter().enumerate() {
             let u = self.bucket_unit[i];
             let (e, a) = (estimated[u], actual[u]);
+            // While exact, the grant's words: the token itself (one rate), or the current
+            // words, since nothing changed (several).
+            let mut t = match grant.token {
+                Some(w) if exact && self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
+                Some(_) if exact => Some(Taken::from_token(b.word(), e)),
+                _ => None,
+            };
             if a < e {
-                b.refund(e - a);
+                let u = match &mut t {
+                    Some(t) => b.give_back(t, e - a, now),
+                    None => b.refund_since(now, e - a, grant.at_ns, e),
+                };
+                self.note(u);
             } else if a > e {
-                b.charge(now, a - e);
+                match &mut t {
+                    Some(t) => b.charge_more(t, a - e, now),
+                    None => b.charge(now, a - e),
+                }
             }
+            latest &= t.is_some_and(|t| t.is_latest());
+            word = t.map_or(0, |t| t.after_word());
+        }
+        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        GrantRef {
+            at_ns: grant.at_ns,
+            token: latest.then_some(if self.buckets.len() == 1 { word } else { seq }),
         }
     }
 
@@ -427,6 +544,87 @@ mod tests {
         assert_eq!(l.cancel(&r2), 2);
         clock.advance(1_000_000_000).unwrap();
         assert_eq!(l.available(1), 100.0);
+    }
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn multi_rate_give_back_covers_every_rate() {
+        let (l, clock) = limiter(&[("requests", 1.0, 10), ("tokens", 1.0, 1)]);
+        l.try_acquire(&[1, 1]).unwrap();
+        clock.set(S).unwrap();
+        let token = Resource::take_at(&l, S, &[1, 1]).unwrap();
+        // A later reservation stands on tokens only (requests' word is unchanged).
+        assert_eq!(l.reserve(&[0, 1], None).unwrap().delay_ns, S);
+        Resource::give_back(&l, &[1, 1], Some(token));
+        assert_eq!(l.refunds_dropped(), 1);
+        assert_eq!(l.available(0), 10.0); // requests: nothing scheduled ahead, refunded
+        assert_eq!(l.reserve(&[0, 1], None).unwrap().delay_ns, 2 * S);
+    }
+
+    #[test]
+    fn multi_rate_give_back_is_exact_when_nothing_came_after() {
+        let (l, clock) = limiter(&[("requests", 1.0, 1), ("tokens", 10.0, 10)]);
+        l.try_acquire(&[1, 5]).unwrap();
+        clock.set(S).unwrap();
+        let token = Resource::take_at(&l, S, &[1, 5]).unwrap();
+        Resource::give_back(&l, &[1, 5], Some(token));
+        assert_eq!((l.available(0), l.available(1)), (1.0, 10.0));
+        assert_eq!(l.refunds_dropped(), 0);
+    }
+
+    #[test]
+    fn cancel_follows_the_undo_rule_on_every_rate() {
+        let (l, _) = limiter(&[("requests", 1.0, 1), ("tokens", 10.0, 10)]);
+        let r1 = l.reserve(&[1, 5], None).unwrap();
+        l.try_acquire(&[0, 2]).unwrap();
+        // requests: still the latest (exact); tokens: not, nothing scheduled ahead (refunded).
+        assert_eq!(l.cancel(&r1), 2);
+        assert_eq!((l.available(0), l.available(1)), (1.0, 8.0));
+        let r2 = l.reserve(&[1, 0], None).unwrap();
+        let r3 = l.reserve(&[1, 0], None).unwrap();
+        assert_eq!((r2.delay_ns, r3.delay_ns), (0, S));
+        // requests: r3 is scheduled ahead (kept, counted); tokens: nothing to give.
+        assert_eq!(l.cancel(&r2), 0);
+        assert_eq!(l.refunds_dropped(), 1);
+        assert_eq!(l.reserve(&[1, 0], None).unwrap().delay_ns, 2 * S);
+    }
+
+    #[test]
+    fn settle_with_a_token_is_exact_while_latest_else_capped() {
+        let (l, clock) = limiter(&[("requests", 1.0, 2)]);
+        let old = GrantRef {
+            at_ns: 0,
+            token: l.try_take_token(0, &[1]).unwrap(),
+        };
+        clock.set(5 * S).unwrap();
+        l.try_acquire(&[1]).unwrap();
+        // What time already restored is not refunded again.
+        assert_eq!(Resource::settle(&l, &[1], &[0], old).token, None);
+        assert_eq!(l.available(0), 1.0);
+        let g = GrantRef {
+            at_ns: 5 * S,
+            token: l.try_take_token(5 * S, &[1]).unwrap(),
+        };
+        let g = Resource::settle(&l, &[1], &[3], g);
+        assert!(g.token.is_some());
+        assert_eq!(l.available(0), -2.0);
+        assert!(Resource::settle(&l, &[3], &[0], g).token.is_some());
+        assert_eq!(l.available(0), 1.0);
+    }
+
+    #[test]
+    fn multi_rate_settle_without_exactness_is_capped_by_the_grant_time() {
+        let (l, clock) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
+        let g = GrantRef {
+            at_ns: 0,
+            token: l.try_take_token(0, &[1, 1]).unwrap(),
+        };
+        clock.set(5 * S).unwrap();
+        l.try_acquire(&[1, 1]).unwrap();
+        let g = Resource::settle(&l, &[1, 1], &[1, 0], g);
+        assert_eq!(g.token, None);
+        assert_eq!(l.available(1), 1.0);
     }
 
     #[test]

@@ -26,6 +26,10 @@ pub enum LevelKind {
     KeyedConcurrency(Arc<KeyedSemaphore>),
 }
 
+/// Wakes the queue of a level (the argument: the key, for keyed levels) after capacity
+/// came back to it, so its waiters are granted now rather than at their deadline.
+pub type Waker = Arc<dyn Fn(u64) + Send + Sync>;
+
 /// A named level of a policy.
 #[derive(Clone)]
 pub struct Level {
@@ -35,6 +39,8 @@ pub struct Level {
     pub kind: LevelKind,
     /// Evaluate and count, but never refuse.
     pub shadow: bool,
+    /// Called whenever this policy gives capacity back to the level.
+    pub wake: Option<Waker>,
 }
 
 impl Level {
@@ -66,6 +72,108 @@ pub enum Held {
     KeyedPermits(u64, u64),
     /// A shadow level that would have refused: nothing held.
     Nothing,
+}
+
+/// What every level offers a policy — a rate, one key of a keyed rate, a semaphore, one
+/// key of a keyed semaphore — so that it composes them without knowing their kind.
+pub trait Limit: Send + Sync {
+    /// Takes `a` at `at_ns` (no delay), giving a held record; a refusal changes nothing.
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny>;
+    /// Gives back everything `held` holds at `now_ns` by the one undo rule (rates: exact
+    /// while latest, else refunded while no grant is scheduled ahead, else kept; permits:
+    /// released). True when capacity came back.
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool;
+    /// Settles `held` from `estimated` to `actual` costs by the same rule (overage
+    /// charged, possibly into debt). True when capacity came back.
+    fn settle(&self, _held: &mut Held, _estimated: &[u64], _actual: &[u64], _now_ns: u64) -> bool {
+        false
+    }
+    /// Returns held permits (a rate keeps its capacity). True when any came back.
+    fn release(&self, _held: &mut Held) -> bool {
+        false
+    }
+}
+
+impl Limit for Limiter {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        self.take_at(at_ns, &a.costs, 0).map(Held::Rate)
+    }
+
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool {
+        let Held::Rate(r) = held else { return false };
+        self.undo_reservation(r, now_ns) > 0
+    }
+
+    fn settle(&self, held: &mut Held, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let Held::Rate(r) = held else { return false };
+        self.settle_reservation(r, estimated, actual, now_ns)
+    }
+}
+
+impl Limit for KeyedLimiter {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        KeyedLimiter::take(self, a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate)
+    }
+
+    fn undo(&self, held: &mut Held, now_ns: u64) -> bool {
+        let Held::KeyedRate(t) = held else { return false };
+        let ret = t.cost();
+        self.give_back(t, ret, now_ns).gave()
+    }
+
+    fn settle(&self, held: &mut Held, estimated: &[u64], actual: &[u64], now_ns: u64) -> bool {
+        let Held::KeyedRate(t) = held else { return false };
+        let (e, a) = (estimated[0], actual[0]);
+        if a > e {
+            self.charge_more(t, a - e, now_ns);
+        }
+        a < e && self.give_back(t, e - a, now_ns).gave()
+    }
+}
+
+impl Limit for Semaphore {
+    fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
+        self.try_take(at_ns, &a.costs).map(|_| Held::Permits(a.costs[0]))
+    }
+
+    fn undo(&self, held: &mut Held, _now_ns: u64) -> bool {
+        Limit::release(self, held)
+    }
+
+    fn release(&self, held: &mut Held) -> bool {
+        let Held::Permits(n) = *held else { return false };
+        self.give_back(&[n], None);
+        true
+    }
+}
+
+impl Limit for KeyedSemaphore {
+    fn take(&self, a: &LevelArgs, _at_ns: u64) -> Result<Held, Deny> {
+        self.try_take(a.key, a.costs[0])
+            .map(|_| Held::KeyedPermits(a.key, a.costs[0]))
+    }
+
+    fn undo(&self, held: &mut Held, _now_ns: u64) -> bool {
+        Limit::release(self, held)
+    }
+
+    fn release(&self, held: &mut Held) -> bool {
+        let Held::KeyedPermits(k, n) = *held else { return false };
+        KeyedSemaphore::release(self, k, n);
+        true
+    }
+}
+
+impl LevelKind {
+    /// The level behind its common interface.
+    pub fn limit(&self) -> &dyn Limit {
+        match self {
+            LevelKind::Rate(l) => &**l,
+            LevelKind::KeyedRate(k) => &**k,
+            LevelKind::Concurrency(s) => &**s,
+            LevelKind::KeyedConcurrency(s) => &**s,
+        }
+    }
 }
 
 /// Counters per level.
@@ -133,55 +241,58 @@ impl Policy {
     }
 
     fn take_level(&self, i: usize, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
-        match &self.levels[i].kind {
-            LevelKind::Rate(l) => l.take_at(at_ns, &a.costs, 0).map(Held::Rate),
-            LevelKind::KeyedRate(k) => k.take(a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate),
-            LevelKind::Concurrency(s) => s.try_take(at_ns, &a.costs).map(|_| Held::Permits(a.costs[0])),
-            LevelKind::KeyedConcurrency(s) => s
-                .try_take(a.key, a.costs[0])
-                .map(|_| Held::KeyedPermits(a.key, a.costs[0])),
+        self.levels[i].kind.limit().take(a, at_ns)
+    }
+
+    fn wake(&self, i: usize, key: u64) {
+        if let Some(w) = &self.levels[i].wake {
+            w(key);
         }
     }
 
-    /// Takes back what `held` debited on level `i` (a refused attempt, a cancellation).
-    pub fn undo(&self, i: usize, held: &Held, a: &LevelArgs) {
-        match (&self.levels[i].kind, held) {
-            (LevelKind::Rate(l), Held::Rate(r)) => l.undo_reservation(r, &a.costs),
-            (LevelKind::KeyedRate(k), Held::KeyedRate(t)) => k.untake_cost(t, a.costs[0]),
-            _ => self.release(i, held),
+    /// Gives back everything `held` holds on level `i` at `now_ns` (a refused attempt, a
+    /// cancellation) by the level's one undo rule ([`Limit::undo`]) and wakes the
+    /// level's queue if capacity came back. `held` becomes `Nothing`, so a second undo,
+    /// release or settle does nothing.
+    pub fn undo(&self, i: usize, held: &mut Held, a: &LevelArgs, now_ns: u64) {
+        let gave = self.levels[i].kind.limit().undo(held, now_ns);
+        *held = Held::Nothing;
+        if gave {
+            self.wake(i, a.key);
         }
     }
 
-    /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs).
-    pub fn release(&self, i: usize, held: &Held) {
-        match (&self.levels[i].kind, held) {
-            (LevelKind::Concurrency(s), Held::Permits(n)) => s.give_back(&[*n], None),
-            (LevelKind::KeyedConcurrency(s), Held::KeyedPermits(k, n)) => s.release(*k, *n),
-            _ => {}
+    /// Returns the permits `held` on level `i` (concurrency levels; rates keep theirs)
+    /// and wakes the level's queue; `held` becomes `Nothing` (released once).
+    pub fn release(&self, i: usize, held: &mut Held) {
+        let key = match held {
+            Held::KeyedPermits(k, _) => *k,
+            _ => 0,
+        };
+        if self.levels[i].kind.limit().release(held) {
+            *held = Held::Nothing;
+            self.wake(i, key);
         }
     }
 
-    /// Settles estimated costs to actual ones on every rate level (refund or charge).
-    pub fn settle(&self, args: &[LevelArgs], actual: &[LevelArgs]) {
-        for (i, l) in self.levels.iter().enumerate() {
-            match &l.kind {
-                LevelKind::Rate(r) => r.settle(&args[i].costs, &actual[i].costs),
-                LevelKind::KeyedRate(k) => {
-                    let (e, a) = (args[i].costs[0], actual[i].costs[0]);
-                    if a < e {
-                        k.refund(args[i].key, e - a);
-                    } else if a > e {
-                        k.charge(args[i].key, a - e);
-                    }
-                }
-                _ => {}
+    /// Settles `held` from the `args` costs to the `actual` ones at `now_ns` on every
+    /// rate level ([`Limit::settle`]), waking a level's queue when capacity came back.
+    /// Levels already given back (`Nothing`) are skipped.
+    pub fn settle(&self, held: &mut [Held], args: &[LevelArgs], actual: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate() {
+            if self.levels[i]
+                .kind
+                .limit()
+                .settle(h, &args[i].costs, &actual[i].costs, now_ns)
+            {
+                self.wake(i, args[i].key);
             }
         }
     }
 
-    fn undo_all(&self, held: &[Held], args: &[LevelArgs]) {
-        for (i, h) in held.iter().enumerate() {
-            self.undo(i, h, &args[i]);
+    fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate() {
+            self.undo(i, h, &args[i], now_ns);
         }
     }
 
@@ -190,7 +301,14 @@ impl Policy {
     /// `count` is set.
     /// `count`: count enforced refusals (a reservation's retries do not); shadow
     /// refusals are counted on every decision that is kept.
-    fn take_all(&self, args: &[LevelArgs], at_ns: u64, count: bool, rates_only: bool) -> Result<Vec<Held>, Refusal> {
+    fn take_all(
+        &self,
+        args: &[LevelArgs],
+        now_ns: u64,
+        at_ns: u64,
+        count: bool,
+        rates_only: bool,
+    ) -> Result<Vec<Held>, Refusal> {
         let mut shadowed = Vec::new();
         let mut held = Vec::with_capacity(self.levels.len());
         for i in 0..self.levels.len() {
@@ -205,7 +323,7 @@ impl Policy {
                     held.push(Held::Nothing);
                 }
                 Err(d) => {
-                    self.undo_all(&held, args);
+                    self.undo_all(&mut held, args, now_ns);
                     if count {
                         self.refused[i].fetch_add(1, Ordering::Relaxed);
                     }
@@ -222,7 +340,7 @@ impl Policy {
     /// Admits now on every level or on none.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
         self.check_costs(args, now_ns)?;
-        let r = self.take_all(args, now_ns, true, false);
+        let r = self.take_all(args, now_ns, now_ns, true, false);
         if r.is_ok() {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }
@@ -299,7 +417,7 @@ impl Policy {
                     deny: Deny::Wait(delay),
                 });
             }
-            match self.take_all(args, now_ns.saturating_add(delay), false, rates_only) {
+            match self.take_all(args, now_ns, now_ns.saturating_add(delay), false, rates_only) {
                 Ok(held) => {
                     self.admitted.fetch_add(1, Ordering::Relaxed);
                     return Ok((delay, held));
@@ -355,16 +473,19 @@ mod tests {
                 name: "user".into(),
                 kind: LevelKind::KeyedRate(user.clone()),
                 shadow: false,
+                wake: None,
             },
             Level {
                 name: "tenant".into(),
                 kind: LevelKind::KeyedConcurrency(tenant.clone()),
                 shadow: false,
+                wake: None,
             },
             Level {
                 name: "cluster".into(),
                 kind: LevelKind::Rate(cluster.clone()),
                 shadow: false,
+                wake: None,
             },
         ])
         .unwrap();
@@ -381,8 +502,67 @@ mod tests {
         assert_eq!(r.level, 1);
         assert_eq!(user.available(u), 1.0);
         assert_eq!(cluster.available(0), 99.0);
-        p.release(1, &held[1]);
+        let mut held = held;
+        p.release(1, &mut held[1]);
         assert!(p.try_acquire(&args, 0).is_ok());
         assert_eq!(p.counts(1).refused, 1);
+    }
+
+    fn one_level(kind: LevelKind, wake: Option<Waker>) -> Policy {
+        Policy::new(vec![Level {
+            name: "l".into(),
+            kind,
+            shadow: false,
+            wake,
+        }])
+        .unwrap()
+    }
+
+    #[test]
+    fn cancel_under_a_later_reservation_keeps_the_slot_and_settle_after_it_does_nothing() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(1.0, 1e9, 1).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let p = one_level(LevelKind::Rate(lim.clone()), None);
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
+        let (d1, mut h1) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        let (d2, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        p.undo(0, &mut h1[0], &args[0], 0);
+        let (d3, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
+        assert_eq!((d1, d2, d3), (0, 1_000_000_000, 2_000_000_000));
+        let zero = vec![LevelArgs { key: 0, costs: vec![0] }];
+        p.settle(&mut h1, &args, &zero, 0);
+        p.undo(0, &mut h1[0], &args[0], 0);
+        assert_eq!(lim.refunds_dropped(), 1);
+        assert_eq!(lim.delay_at(0, &[1]).unwrap(), 3_000_000_000);
+    }
+
+    #[test]
+    fn release_wakes_the_level_queue() {
+        use crate::queue::{Outcome, QueueConfig, Slot, Submitted, WaitQueue, Wake};
+        let clock = AnyClock::Manual(Arc::new(ManualClock::new(0).unwrap()));
+        let sem = Arc::new(Semaphore::new(1).unwrap());
+        let q = WaitQueue::new(sem.clone(), 1, clock, QueueConfig::new(vec![], 10, None).unwrap());
+        let q2 = q.clone();
+        let wake: Waker = Arc::new(move |_| {
+            q2.poll_now();
+        });
+        let p = one_level(LevelKind::Concurrency(sem.clone()), Some(wake));
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
+        let mut held = p.try_acquire(&args, 0).unwrap();
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        let sub = q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        assert!(matches!(sub, Submitted::Queued(_)));
+        p.release(0, &mut held[0]);
+        assert!(matches!(slot.take(), Some(Outcome::Granted { .. })));
+        assert_eq!(sem.in_use(), 1);
+        p.release(0, &mut held[0]); // released once
+        assert_eq!(sem.in_use(), 1);
     }
 }

@@ -23,16 +23,22 @@ use crate::histogram::Histogram;
 pub trait Resource: Send + Sync {
     /// Takes `costs` now if possible, without looking at the queue.
     fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny>;
+    /// [`Resource::try_take`], with a token of the grant when the resource can give
+    /// capacity back exactly (see [`Resource::take_at`]).
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.try_take(now_ns, costs).map(|_| None)
+    }
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
     /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not
     /// possible. Ok carries a token that identifies the state right after the grant.
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny>;
-    /// Gives back what a grant took and was never used. With the grant's `token`, a
-    /// rate gives it back only while no later grant stands on it (returning it under a
-    /// later one would let a newcomer reuse a slot already used: the rate bound would
-    /// break), and otherwise keeps it; permits always come back.
+    /// Gives back what a grant took and was never used, by the one undo rule
+    /// ([`crate::Bucket::give_back`]): with the grant's `token`, exactly while nothing
+    /// came after it on any rate; otherwise refunded only while no grant is scheduled in
+    /// the future (returning it under a later one would let a newcomer reuse a slot
+    /// already used), else kept and counted; permits always come back.
     fn give_back(&self, costs: &[u64], token: Option<u64>);
     /// False when readiness depends on releases rather than on time (semaphores): a
     /// grant then happens at the time of the poll that finds the resource free.
@@ -40,8 +46,12 @@ pub trait Resource: Send + Sync {
         true
     }
     /// Corrects a grant's `estimated` costs to the `actual` ones: refunds the difference
-    /// (never beyond full) or charges the overage (possibly into debt).
-    fn settle(&self, _estimated: &[u64], _actual: &[u64]) {}
+    /// by the one undo rule (exact while the grant's token says nothing came after it,
+    /// else capped by what a debit taken at `grant.at_ns` can still hold) or charges the
+    /// overage (possibly debt). Returns the grant as it stands for a later settle.
+    fn settle(&self, _estimated: &[u64], _actual: &[u64], grant: GrantRef) -> GrantRef {
+        grant
+    }
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
     /// The error a denial stands for.
@@ -49,6 +59,16 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
+}
+
+/// What a permit keeps of its grant, so that settling it follows the one undo rule.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GrantRef {
+    /// When the grant was taken (an earlier time is safe: it only refunds less).
+    pub at_ns: u64,
+    /// The grant's token (see [`Resource::take_at`]) while nothing is known to have
+    /// come after it.
+    pub token: Option<u64>,
 }
 
 /// How a waiter learns its outcome.
@@ -433,6 +453,11 @@ impl WaitQueue {
         q
     }
 
+    /// The current time on the queue's clock.
+    pub fn now_ns(&self) -> u64 {
+        self.clock.now_ns()
+    }
+
     /// The queue's configuration.
     pub fn config(&self) -> &QueueConfig {
         &self.config
@@ -522,17 +547,23 @@ impl WaitQueue {
     /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
     #[inline]
     pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
+        self.try_now_token(costs, class).map(|(now, _)| now)
+    }
+
+    /// [`WaitQueue::try_now`], with the grant's token (see [`Resource::try_take_token`]).
+    #[inline]
+    pub fn try_now_token(&self, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
         if self.waiting() != 0 && !self.drop_inherited() {
             return Err(None);
         }
         let now = self.clock.now_ns();
-        match self.resource.try_take(now, costs) {
-            Ok(()) => {
+        match self.resource.try_take_token(now, costs) {
+            Ok(token) => {
                 bump(&self.counters.immediate);
                 if let Some(h) = self.waits.get(class) {
                     h.record(0);
                 }
-                Ok(now)
+                Ok((now, token))
             }
             Err(Deny::Wait(_)) => Err(None),
             Err(d) => Err(Some(d)),
@@ -853,12 +884,13 @@ impl WaitQueue {
     }
 
     /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
-    /// then grants whoever a refund lets through.
-    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64]) {
-        self.resource.settle(estimated, actual);
+    /// then grants whoever a refund lets through; returns the grant as it now stands.
+    pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let grant = self.resource.settle(estimated, actual, grant);
         if actual.iter().zip(estimated).any(|(a, e)| a < e) {
             self.poll_now();
         }
+        grant
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can

@@ -7,12 +7,14 @@ use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyInt, PyString};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyDict, PyString};
 use ratequeue_core::keyed::{KeyBucket, KeyPermits};
 use ratequeue_core::{
-    AnyClock, Deny, Error, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource, WaitQueue,
+    AnyClock, Deny, Error, GrantRef, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource,
+    WaitQueue,
 };
 
 use crate::args::{cost, seconds_ns};
@@ -25,31 +27,41 @@ use crate::waiting::{AcquiringPy, Gate, PermitOwner, PermitPy, Ready};
 /// Default bound on the number of keys held.
 pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
 
-/// The map key of a Python key: str, bytes or int (ints in [-2^63, 2^64) by value,
-/// with a negative int equal to its two's complement; larger ints by their digits).
+/// What a key may be, in a TypeError.
+const KEY_KINDS: &str = "a str, bytes or int";
+
+static INDEX: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The map key of a Python key: a str by its text, bytes by its bytes, an integer (int of
+/// any size, bool, numpy integer: whatever `operator.index` accepts) by its exact value.
 pub fn key_of(h: &KeyHasher, key: &Bound<'_, PyAny>) -> PyResult<u64> {
+    key_named(h, key, "key")
+}
+
+/// As [`key_of`], naming the argument `name` in the TypeError for anything else.
+pub fn key_named(h: &KeyHasher, key: &Bound<'_, PyAny>, name: &str) -> PyResult<u64> {
     if let Ok(s) = key.cast::<PyString>() {
         return Ok(h.str(s.to_str()?));
     }
     if let Ok(b) = key.cast::<PyBytes>() {
         return Ok(h.bytes(b.as_bytes()));
     }
-    if key.is_instance_of::<PyBool>() {
-        return Err(type_err("key", "a str, bytes or int", key));
+    if let Ok(v) = key.extract::<i64>() {
+        return Ok(h.signed(v));
     }
-    // Any integer (int, numpy integers: whatever has __index__).
     if let Ok(v) = key.extract::<u64>() {
         return Ok(h.int(v));
     }
-    if let Ok(v) = key.extract::<i64>() {
-        return Ok(h.int(v as u64));
-    }
-    if key.is_instance_of::<PyInt>() {
-        // Outside 64 bits: its decimal digits, in a domain of their own (not the str's).
-        let text = key.str()?;
-        return Ok(h.big_int(text.to_str()?));
-    }
-    Err(type_err("key", "a str, bytes or int", key))
+    // An integer outside [-2^63, 2^64), by its decimal digits; or not an integer.
+    let index = INDEX.import(key.py(), "operator", "index")?;
+    let v = index.call1((key,)).map_err(|e| {
+        if e.is_instance_of::<PyTypeError>(key.py()) {
+            type_err(name, KEY_KINDS, key)
+        } else {
+            e
+        }
+    })?;
+    Ok(h.big_int(v.str()?.to_str()?))
 }
 
 /// The queues of the keys that have waiters, created on demand and dropped when idle.
@@ -197,9 +209,10 @@ impl PermitOwner for KeyOwner {
         self.gates.poll(self.key);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
-        self.resource.settle(estimated, actual);
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let grant = self.resource.settle(estimated, actual, grant);
         self.gates.poll(self.key);
+        grant
     }
 }
 
@@ -243,8 +256,11 @@ impl Keyed {
             return Ok(None);
         }
         let r = (self.gates.make)(key);
-        match r.try_take(self.gates.clock.now_ns(), &[c]) {
-            Ok(()) => Ok(Some(PermitPy::new(self.owner(key), &[c], 0))),
+        let at_ns = self.gates.clock.now_ns();
+        match r.try_take_token(at_ns, &[c]) {
+            Ok(token) => Ok(Some(
+                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+            )),
             Err(Deny::Wait(_)) => Ok(None),
             Err(d) => Err(to_py(py, r.error_for(d))),
         }
@@ -348,6 +364,11 @@ impl KeyedLimiterPy {
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedLimiter> {
         &self.core
+    }
+
+    /// The per-key queues (policies wake a key's queue when they give capacity back).
+    pub fn key_gates(&self) -> &Arc<KeyGates> {
+        &self.keyed.gates
     }
 
     /// The unit this limiter counts.
@@ -459,8 +480,9 @@ impl KeyedLimiterPy {
     }
 
     /// Decides every key in order, as the loop of try_acquire calls would (reading the
-    /// clock once): `keys` is a numpy uint64 array (GIL released) or a sequence of str,
-    /// bytes or int; `costs` (optional) the same length. Returns a numpy bool array.
+    /// clock once): `keys` is a numpy uint64 or int64 array (GIL released; each value `v`
+    /// is the key `int(v)`) or a sequence of keys; `costs` (optional) the same length.
+    /// Returns a numpy bool array.
     #[pyo3(signature = (keys, costs = None))]
     fn try_acquire_many<'py>(
         &self,
@@ -477,7 +499,11 @@ impl KeyedLimiterPy {
             }
         } else if let Ok(a) = keys.extract::<PyReadonlyArray1<'_, i64>>() {
             // int64 (numpy's default integer): the same keys as the ints themselves.
-            a.as_array().iter().map(|k| h.int(*k as u64)).collect()
+            let view = a.as_array();
+            match view.as_slice() {
+                Some(s) => py.detach(|| s.iter().map(|k| h.signed(*k)).collect()),
+                None => view.iter().map(|k| h.signed(*k)).collect(),
+            }
         } else {
             if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
                 return Err(type_err("keys", "a numpy uint64 array or a sequence of keys", keys));
@@ -635,6 +661,7 @@ impl KeyedLimiterPy {
         d.set_item("max_keys", self.core.max_keys())?;
         d.set_item("evicted_full", c.evicted_full)?;
         d.set_item("evicted_live", c.evicted_live)?;
+        d.set_item("refunds_dropped", c.refunds_dropped)?;
         d.set_item("name", self.name.clone())?;
         Ok(d)
     }
@@ -669,6 +696,11 @@ impl KeyedConcurrencyPy {
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedSemaphore> {
         &self.core
+    }
+
+    /// The per-key queues (policies wake a key's queue when they release permits).
+    pub fn key_gates(&self) -> &Arc<KeyGates> {
+        &self.keyed.gates
     }
 
     /// The per-key queues (policies wait in them).

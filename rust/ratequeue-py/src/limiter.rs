@@ -147,6 +147,11 @@ impl LimiterPy {
         &self.core
     }
 
+    /// Its queue (policies wake it when they give capacity back).
+    pub fn gate(&self) -> &Arc<Gate> {
+        &self.gate
+    }
+
     fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
         let mut out = [0u64; MAX_RATES];
         let units = self.core.units();
@@ -519,6 +524,7 @@ impl LimiterPy {
             avail.set_item(u, self.core.available(i))?;
         }
         d.set_item("available", avail)?;
+        d.set_item("refunds_dropped", self.core.refunds_dropped())?;
         d.set_item("name", self.name.clone())?;
         Ok(d)
     }
@@ -644,14 +650,22 @@ impl ReservationPy {
         self.done.load(Ordering::Acquire)
     }
 
-    /// Cancels: before its time, returns its cost to each rate where no later
-    /// reservation depends on it; returns True if anything was given back. Only the
-    /// first call has an effect.
-    fn cancel(&self) -> bool {
+    /// Cancels by the one undo rule: on each rate, exactly where nothing came after it,
+    /// else refunded while no grant is scheduled ahead (never past full), else kept
+    /// (counted in stats()["refunds_dropped"]); wakes the limiter's queue if capacity
+    /// came back. Returns True if anything was given back; only the first call acts.
+    fn cancel(&self, py: Python<'_>) -> bool {
         if self.done.swap(true, Ordering::AcqRel) {
             return false;
         }
-        self.limiter.get().core.cancel(&self.inner) > 0
+        let lim = self.limiter.get();
+        py.detach(|| {
+            let gave = lim.core.cancel(&self.inner) > 0;
+            if gave {
+                lim.gate.queue.poll_now();
+            }
+            gave
+        })
     }
 
     fn __repr__(&self) -> String {

@@ -8,13 +8,13 @@ use std::time::Duration;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
-use ratequeue_core::policy::{Held, Refusal};
+use ratequeue_core::policy::{Held, Refusal, Waker};
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
 
 use crate::args::{cost, seconds_ns};
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
-use crate::keyed::{key_of, KeyedConcurrencyPy, KeyedLimiterPy};
+use crate::keyed::{key_named, KeyedConcurrencyPy, KeyedLimiterPy};
 use crate::limiter::LimiterPy;
 use crate::waiting::PermitPy;
 
@@ -100,7 +100,7 @@ impl PolicyPy {
                 Shape::KeyedUnit(u) => {
                     let k = key_for(&mut used)?;
                     let key = match &self.core.levels()[i].kind {
-                        LevelKind::KeyedRate(m) => key_of(m.hasher(), &k)?,
+                        LevelKind::KeyedRate(m) => key_named(m.hasher(), &k, &l.name)?,
                         _ => 0,
                     };
                     LevelArgs {
@@ -112,7 +112,7 @@ impl PolicyPy {
                     let key = if *keyed {
                         let k = key_for(&mut used)?;
                         match &self.core.levels()[i].kind {
-                            LevelKind::KeyedConcurrency(m) => key_of(m.hasher(), &k)?,
+                            LevelKind::KeyedConcurrency(m) => key_named(m.hasher(), &k, &l.name)?,
                             _ => 0,
                         }
                     } else {
@@ -152,6 +152,7 @@ impl PolicyPy {
             extra,
             delay_ns,
             released: AtomicBool::new(false),
+            clock: self.clock.clone(),
         }
     }
 
@@ -235,30 +236,55 @@ impl PolicyPy {
         let mut clock = None;
         for (k, v) in levels.iter() {
             let name: String = k.extract().map_err(|_| type_err("levels", "str names", &k))?;
-            let (kind, shape, c) = if let Ok(l) = v.cast::<LimiterPy>() {
+            // Each level's queue is woken whenever the policy gives capacity back to it.
+            let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
                 let core = l.get().core().clone();
                 let units = core.units().to_vec();
                 let c = core.clock().clone();
-                (LevelKind::Rate(core), Shape::Units(units), Some(c))
+                let gate = l.get().gate().clone();
+                let wake = Arc::new(move |_| {
+                    let gate = gate.clone();
+                    without_gil(move || {
+                        gate.queue.poll_now();
+                    })
+                });
+                (LevelKind::Rate(core), Shape::Units(units), Some(c), wake)
             } else if let Ok(l) = v.cast::<KeyedLimiterPy>() {
                 let core = l.get().core().clone();
                 let c = core.clock().clone();
+                let gates = l.get().key_gates().clone();
                 (
                     LevelKind::KeyedRate(core),
                     Shape::KeyedUnit(l.get().unit().to_owned()),
                     Some(c),
+                    Arc::new(move |key| {
+                        let gates = gates.clone();
+                        without_gil(move || gates.poll(key))
+                    }),
                 )
             } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
+                let gate = l.get().gate().clone();
                 (
                     LevelKind::Concurrency(l.get().semaphore().clone()),
                     Shape::Permits { keyed: false },
                     None,
+                    Arc::new(move |_| {
+                        let gate = gate.clone();
+                        without_gil(move || {
+                            gate.queue.poll_now();
+                        })
+                    }),
                 )
             } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
+                let gates = l.get().key_gates().clone();
                 (
                     LevelKind::KeyedConcurrency(l.get().core().clone()),
                     Shape::Permits { keyed: true },
                     None,
+                    Arc::new(move |key| {
+                        let gates = gates.clone();
+                        without_gil(move || gates.poll(key))
+                    }),
                 )
             } else {
                 return Err(type_err(
@@ -275,6 +301,7 @@ impl PolicyPy {
                 name: name.clone(),
                 kind,
                 shadow: is_shadow,
+                wake: Some(wake),
             });
             py_levels.push(LevelPy {
                 name,
@@ -367,7 +394,7 @@ impl PolicyPy {
         let permit = self.permit(args, held, delay + now.saturating_sub(start), conc);
         if delay > 0 && !self.clock.is_manual() {
             if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay)) {
-                permit.cancel();
+                permit.cancel(py);
                 return Err(e);
             }
         }
@@ -465,6 +492,19 @@ impl PolicyPy {
     }
 }
 
+/// Runs `f` (which takes a queue's lock) with the GIL released if this thread holds it:
+/// a level is woken from refusals decided with the GIL held as well as from detached
+/// calls, and no thread may block on a core lock while holding the GIL.
+fn without_gil(f: impl FnOnce() + Send) {
+    // SAFETY: PyGILState_Check only reads the thread state; when it reports that this
+    // thread holds the GIL, that is exactly what `assume_attached` requires.
+    if unsafe { pyo3::ffi::PyGILState_Check() } == 1 {
+        unsafe { Python::assume_attached() }.detach(f)
+    } else {
+        f()
+    }
+}
+
 static POLICY_ACQUIRE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
 
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {
@@ -490,22 +530,29 @@ pub struct PolicyPermitPy {
     extra: Vec<Py<PermitPy>>,
     delay_ns: u64,
     released: AtomicBool,
+    clock: AnyClock,
 }
 
 impl PolicyPermitPy {
-    /// Gives back everything: rate debits undone (where still the latest), permits
-    /// returned. For a wait interrupted before use.
-    pub fn cancel(&self) {
+    /// Gives back everything by each level's one undo rule (see `Policy::undo`), once,
+    /// waking the levels' queues; the GIL is released meanwhile (the permit's lock and
+    /// the queues' are taken without it).
+    pub fn cancel(&self, py: Python<'_>) {
         if self.released.swap(true, Ordering::AcqRel) {
             return;
         }
-        let (args, held) = &*self.state.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, h) in held.iter().enumerate() {
-            self.policy.undo(i, h, &args[i]);
-        }
-        for p in &self.extra {
-            p.get().release();
-        }
+        py.detach(|| {
+            let now = self.clock.now_ns();
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (args, held) = &mut *st;
+            for (i, h) in held.iter_mut().enumerate() {
+                self.policy.undo(i, h, &args[i], now);
+            }
+            drop(st);
+            for p in &self.extra {
+                p.get().release();
+            }
+        });
     }
 }
 
@@ -525,34 +572,35 @@ impl PolicyPermitPy {
 
     /// Returns the concurrency permits (rate capacity stays used); only the first call
     /// has an effect. Returns True if this call released.
-    fn release(&self) -> bool {
+    fn release(&self, py: Python<'_>) -> bool {
         if self.released.swap(true, Ordering::AcqRel) {
             return false;
         }
-        let (_, held) = &*self.state.lock().unwrap_or_else(|e| e.into_inner());
-        for (i, h) in held.iter().enumerate() {
-            self.policy.release(i, h);
-        }
-        for p in &self.extra {
-            p.get().release();
-        }
+        py.detach(|| {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, h) in st.1.iter_mut().enumerate() {
+                self.policy.release(i, h);
+            }
+            drop(st);
+            for p in &self.extra {
+                p.get().release();
+            }
+        });
         true
     }
 
-    /// Gives back everything taken, as if never granted (rate debits where no later
-    /// grant stands on them).
+    /// Gives back everything taken, once: each rate exactly where nothing came after
+    /// it, else refunded while no grant is scheduled ahead, else kept; permits returned.
     #[pyo3(name = "cancel")]
-    fn cancel_py(&self) {
-        self.cancel();
+    fn cancel_py(&self, py: Python<'_>) {
+        self.cancel(py);
     }
 
     /// Corrects estimated costs (keywords per unit) on every rate level that counts
     /// them: refunds (never past the burst) or charges the overage (possibly debt).
     #[pyo3(signature = (**kw))]
-    fn settle(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-        let (args, _) = &mut *st;
-        let mut actual = args.clone();
+    fn settle(&self, py: Python<'_>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        let mut given: Vec<(usize, usize, u64)> = Vec::new();
         if let Some(d) = kw {
             for (k, v) in d.iter() {
                 let name: String = k.extract()?;
@@ -560,7 +608,7 @@ impl PolicyPermitPy {
                 let mut found = false;
                 for (i, units) in self.units.iter().enumerate() {
                     if let Some(j) = units.iter().position(|u| *u == name) {
-                        actual[i].costs[j] = c;
+                        given.push((i, j, c));
                         found = true;
                     }
                 }
@@ -571,8 +619,17 @@ impl PolicyPermitPy {
                 }
             }
         }
-        self.policy.settle(args, &actual);
-        *args = actual;
+        py.detach(|| {
+            let now = self.clock.now_ns();
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (args, held) = &mut *st;
+            let mut actual = args.clone();
+            for (i, j, c) in given {
+                actual[i].costs[j] = c;
+            }
+            self.policy.settle(held, args, &actual, now);
+            *args = actual;
+        });
         Ok(())
     }
 
@@ -581,8 +638,8 @@ impl PolicyPermitPy {
     }
 
     #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.release();
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.release(py);
         false
     }
 

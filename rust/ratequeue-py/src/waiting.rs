@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyTuple};
 use ratequeue_core::queue::{Cancelled, Channel, Slot};
-use ratequeue_core::{Error, Outcome, Submitted, WaitQueue, Wake};
+use ratequeue_core::{Error, GrantRef, Outcome, Submitted, WaitQueue, Wake};
 
 use crate::args::seconds_ns;
 use crate::errors::to_py;
@@ -29,8 +29,9 @@ pub trait PermitOwner: Send + Sync {
     fn returns_on_exit(&self) -> bool;
     /// Returns the permits of a grant.
     fn give_back(&self, costs: &[u64]);
-    /// Settles estimated costs to actual ones.
-    fn settle(&self, estimated: &[u64], actual: &[u64]);
+    /// Settles estimated costs to actual ones by the one undo rule; returns the grant
+    /// as it now stands, for the next settle.
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef;
 }
 
 impl PermitOwner for Gate {
@@ -46,8 +47,8 @@ impl PermitOwner for Gate {
         self.queue.give_back(costs, None);
     }
 
-    fn settle(&self, estimated: &[u64], actual: &[u64]) {
-        self.queue.settle(estimated, actual);
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        self.queue.settle(estimated, actual, grant)
     }
 }
 
@@ -94,8 +95,8 @@ impl Gate {
         class: usize,
         timeout_ns: Option<u64>,
     ) -> PyResult<PermitPy> {
-        match self.queue.try_now(costs, class) {
-            Ok(_) => return Ok(self.permit(costs, 0)),
+        match self.queue.try_now_token(costs, class) {
+            Ok((at_ns, token)) => return Ok(self.permit(costs, 0).with_grant(GrantRef { at_ns, token })),
             Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
             Err(None) => {}
         }
@@ -104,7 +105,9 @@ impl Gate {
             .queue
             .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
         {
-            Ok(Submitted::Granted { .. }) => return Ok(self.permit(costs, 0)),
+            Ok(Submitted::Granted { at_ns }) => {
+                return Ok(self.permit(costs, 0).with_grant(GrantRef { at_ns, token: None }))
+            }
             Ok(Submitted::Queued(t)) => t,
             Err(e) => return Err(to_py(py, e)),
         };
@@ -127,7 +130,14 @@ impl Gate {
 
     fn outcome(self: &Arc<Self>, py: Python<'_>, costs: &[u64], o: Outcome) -> PyResult<PermitPy> {
         match o {
-            Outcome::Granted { waited_ns, .. } => Ok(self.permit(costs, waited_ns)),
+            Outcome::Granted {
+                at_ns,
+                waited_ns,
+                token,
+            } => Ok(self.permit(costs, waited_ns).with_grant(GrantRef {
+                at_ns,
+                token: Some(token),
+            })),
             Outcome::TimedOut { waited_ns } => Err(to_py(
                 py,
                 Error::WaitTimeout {
@@ -172,6 +182,8 @@ pub struct PermitPy {
     costs: Mutex<Vec<u64>>,
     waited_ns: u64,
     released: AtomicBool,
+    /// The grant, for settling by the one undo rule (locked after `costs`).
+    grant: Mutex<GrantRef>,
 }
 
 impl PermitPy {
@@ -182,13 +194,21 @@ impl PermitPy {
             costs: Mutex::new(costs.to_vec()),
             waited_ns,
             released: AtomicBool::new(false),
+            grant: Mutex::new(GrantRef::default()),
         }
+    }
+
+    /// The same permit, knowing its grant (when it was taken, and its token).
+    pub fn with_grant(self, grant: GrantRef) -> PermitPy {
+        *self.grant.lock().unwrap_or_else(|e| e.into_inner()) = grant;
+        self
     }
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
         let costs = self.costs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        PermitPy::new(owner, &costs, self.waited_ns)
+        let grant = *self.grant.lock().unwrap_or_else(|e| e.into_inner());
+        PermitPy::new(owner, &costs, self.waited_ns).with_grant(grant)
     }
 }
 
@@ -246,7 +266,8 @@ impl PermitPy {
                 actual[i] = crate::args::cost(&name, &v)?;
             }
         }
-        self.owner.settle(&cur, &actual);
+        let mut grant = self.grant.lock().unwrap_or_else(|e| e.into_inner());
+        *grant = self.owner.settle(&cur, &actual, *grant);
         *cur = actual;
         Ok(())
     }
@@ -338,6 +359,8 @@ pub struct AcquiringPy {
     timeout_ns: Option<u64>,
     pub(crate) permit: OnceLock<Py<PermitPy>>,
     token: OnceLock<u64>,
+    /// The clock when queued (before the queue's own reading): grant time = this + wait.
+    submitted_ns: OnceLock<u64>,
     /// Who the permit belongs to, when not the queue (e.g. a key of a keyed limiter).
     owner: Option<Arc<dyn PermitOwner>>,
     /// Run when this object goes away (e.g. drop a per-key queue nobody uses).
@@ -362,6 +385,7 @@ impl AcquiringPy {
             timeout_ns,
             permit: OnceLock::new(),
             token: OnceLock::new(),
+            submitted_ns: OnceLock::new(),
             owner: None,
             on_drop: None,
         }
@@ -376,9 +400,12 @@ impl AcquiringPy {
         timeout_ns: Option<u64>,
     ) -> PyResult<AcquiringPy> {
         let a = AcquiringPy::new(gate, costs, class, timeout_ns);
-        match gate.queue.try_now(costs, class) {
-            Ok(_) => {
-                let _ = a.permit.set(Py::new(py, gate.permit(costs, 0))?);
+        match gate.queue.try_now_token(costs, class) {
+            Ok((at_ns, token)) => {
+                let _ = a.permit.set(Py::new(
+                    py,
+                    gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }),
+                )?);
             }
             Err(Some(d)) => return Err(to_py(py, gate.queue_error(d))),
             Err(None) => {}
@@ -396,9 +423,9 @@ pub fn acquire_async(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    match gate.queue.try_now(costs, class) {
-        Ok(_) => {
-            let permit = Py::new(py, gate.permit(costs, 0))?;
+    match gate.queue.try_now_token(costs, class) {
+        Ok((at_ns, token)) => {
+            let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }))?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
         Err(Some(d)) => Err(to_py(py, gate.queue_error(d))),
@@ -423,10 +450,15 @@ impl AcquiringPy {
     }
 
     fn make_permit(&self, waited_ns: u64) -> PermitPy {
-        match &self.owner {
+        let p = match &self.owner {
             Some(o) => PermitPy::new(o.clone(), &self.costs, waited_ns),
             None => self.gate.permit(&self.costs, waited_ns),
-        }
+        };
+        let at_ns = self.submitted_ns.get().map_or(0, |s| s.saturating_add(waited_ns));
+        p.with_grant(GrantRef {
+            at_ns,
+            token: self.token.get().copied(),
+        })
     }
 }
 
@@ -458,6 +490,7 @@ impl AcquiringPy {
     /// Queues on `channel`: returns a Permit if granted at once, else the ticket.
     fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
+        let _ = self.submitted_ns.set(self.gate.queue.now_ns());
         match self
             .gate
             .queue
