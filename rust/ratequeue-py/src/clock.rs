@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use ratequeue_core::clock::monotonic_ns;
-use ratequeue_core::{AnyClock, ManualClock};
+use pyo3::exceptions::PyValueError;
+use ratequeue_core::{AnyClock, Error, ManualClock};
 
-use crate::args::seconds_ns;
+use crate::args::{seconds_ns, shown};
 use crate::errors::to_py;
 
 /// A clock that moves only when told to.
@@ -21,9 +22,8 @@ impl ManualClockPy {
     #[pyo3(signature = (start = None))]
     fn new(py: Python<'_>, start: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let ns = start.map(|s| seconds_ns("start", s)).transpose()?.unwrap_or(0);
-        Ok(Self {
-            inner: Arc::new(ManualClock::new(ns).map_err(|e| to_py(py, e))?),
-        })
+        let clock = ManualClock::new(ns).map_err(|e| as_given(py, e, "start", start))?;
+        Ok(Self { inner: Arc::new(clock) })
     }
 
     /// Seconds shown.
@@ -39,17 +39,30 @@ impl ManualClockPy {
     /// Moves forward by `seconds`; returns the new time.
     fn advance(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>) -> PyResult<f64> {
         let d = seconds_ns("seconds", seconds)?;
-        Ok(self.inner.advance(d).map_err(|e| to_py(py, e))? as f64 / 1e9)
+        let t = self.inner.advance(d).map_err(|e| as_given(py, e, "seconds", Some(seconds)))?;
+        Ok(t as f64 / 1e9)
     }
 
     /// Sets the time to `seconds` (never earlier than now); returns it.
     fn set(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>) -> PyResult<f64> {
         let t = seconds_ns("seconds", seconds)?;
-        Ok(self.inner.set(t).map_err(|e| to_py(py, e))? as f64 / 1e9)
+        Ok(self.inner.set(t).map_err(|e| as_given(py, e, "seconds", Some(seconds)))? as f64 / 1e9)
     }
 
     fn __repr__(&self) -> String {
         format!("ManualClock({})", self.now())
+    }
+}
+
+/// A clock error naming the argument `name` and showing its value as given (the core
+/// sees only the nanoseconds, perhaps saturated).
+fn as_given(py: Python<'_>, e: Error, name: &str, given: Option<&Bound<'_, PyAny>>) -> PyErr {
+    match e {
+        Error::Invalid { reason, .. } => {
+            let v = given.map_or_else(|| "0".to_owned(), shown);
+            PyValueError::new_err(format!("{name}={v} {reason}"))
+        }
+        e => to_py(py, e),
     }
 }
 

@@ -2,12 +2,11 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::Semaphore;
 
-use crate::args::{cost, seconds_ns};
+use crate::args::{opt_text, permits, seconds_ns, size};
 use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
@@ -35,11 +34,7 @@ impl ConcurrencyPy {
     }
 
     fn permits(n: Option<&Bound<'_, PyAny>>) -> PyResult<[u64; 1]> {
-        let c = n.map(|n| cost("n", n)).transpose()?.unwrap_or(1);
-        if c == 0 {
-            return Err(PyValueError::new_err("n=0 must be >= 1 permit"));
-        }
-        Ok([c])
+        Ok([n.map(|n| permits("n", n)).transpose()?.unwrap_or(1)])
     }
 }
 
@@ -54,9 +49,10 @@ impl ConcurrencyPy {
         max_wait: Option<&Bound<'_, PyAny>>,
         max_queue: Option<&Bound<'_, PyAny>>,
         clock: Option<&Bound<'_, PyAny>>,
-        name: Option<String>,
+        name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let sem = Arc::new(Semaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let name = opt_text("name", name)?;
+        let sem = Arc::new(Semaphore::new(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?);
         let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
         let gate = new_gate(
             py,
@@ -101,7 +97,7 @@ impl ConcurrencyPy {
         &self,
         py: Python<'_>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
         let c = Self::permits(n)?;
@@ -115,7 +111,7 @@ impl ConcurrencyPy {
         &self,
         py: Python<'_>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let c = Self::permits(n)?;
@@ -136,7 +132,7 @@ impl ConcurrencyPy {
         py: Python<'_>,
         channel: &Bound<'_, ChannelPy>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let c = Self::permits(n)?;
@@ -173,7 +169,7 @@ impl ConcurrencyPy {
 
     /// Changes the limit at run time (waiters are granted at once if it grew).
     fn set_limit(&self, py: Python<'_>, limit: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.sem.set_limit(cost("limit", limit)?).map_err(|e| to_py(py, e))?;
+        self.sem.set_limit(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?;
         self.gate.queue.poll_now();
         Ok(())
     }
@@ -200,7 +196,7 @@ impl ConcurrencyPy {
 
     /// The live histogram of queue waits (seconds) of a class.
     #[pyo3(signature = (priority = None))]
-    fn wait_histogram(&self, priority: Option<&str>) -> PyResult<HistogramPy> {
+    fn wait_histogram(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<HistogramPy> {
         wait_histogram(&self.gate, priority)
     }
 

@@ -5,11 +5,13 @@ use std::sync::Arc;
 use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyType};
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyBytes, PyString, PyType};
 use ratequeue_core::histogram::{lower_of, upper_of, BUCKETS};
 use ratequeue_core::{Histogram, Snapshot};
 
-use crate::errors::to_py;
+use crate::args::{number, numbers, shown};
+use crate::errors::{to_py, type_err};
 
 /// A histogram of durations (seconds): lock-free recording, ≤ 1 % relative error from
 /// 1 µs to hours, percentiles, numpy export, merge and bytes.
@@ -35,6 +37,60 @@ impl HistogramPy {
     fn snap(&self) -> Snapshot {
         self.inner.snapshot()
     }
+
+    fn at_percentiles(&self, qs: Vec<f64>) -> Vec<f64> {
+        self.snap()
+            .percentiles(&qs)
+            .into_iter()
+            .map(|v| v.map_or(f64::NAN, secs))
+            .collect()
+    }
+}
+
+/// A percentile: a number within [0, 100].
+fn percent(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
+    let q = number(name, v)?;
+    if !(0.0..=100.0).contains(&q) {
+        return Err(PyValueError::new_err(format!(
+            "{name}={} must be a percentile within [0, 100]",
+            shown(v)
+        )));
+    }
+    Ok(q)
+}
+
+/// A bucket bound in seconds as nanoseconds (+inf: everything).
+fn bound_ns(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let le = number(name, v)?;
+    if le == f64::INFINITY {
+        return Ok(u64::MAX);
+    }
+    to_ns(name, le).map_err(|_| {
+        PyValueError::new_err(format!(
+            "{name}={} must be a number of seconds >= 0 (or inf)",
+            shown(v)
+        ))
+    })
+}
+
+static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// `values` as a 1-D float64 array: any integer or float array or sequence of numbers
+/// converts; anything else is a TypeError naming `values`.
+fn as_f64_array<'py>(values: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = values.py();
+    let refuse = || type_err("values", "a 1-D array or sequence of numbers of seconds", values);
+    if values.is_instance_of::<PyString>() || values.is_instance_of::<PyBytes>() {
+        return Err(refuse());
+    }
+    let asarray = ASARRAY.import(py, "numpy", "asarray")?;
+    let a = asarray.call1((values,)).map_err(|_| refuse())?;
+    let kind: String = a.getattr("dtype")?.getattr("kind")?.extract()?;
+    let ndim: usize = a.getattr("ndim")?.extract()?;
+    if ndim != 1 || !matches!(kind.as_str(), "i" | "u" | "f") {
+        return Err(refuse());
+    }
+    a.call_method1("astype", ("float64",))
 }
 
 #[pymethods]
@@ -47,14 +103,24 @@ impl HistogramPy {
     }
 
     /// Records one duration in seconds.
-    fn record(&self, seconds: f64) -> PyResult<()> {
-        self.inner.record(to_ns("seconds", seconds)?);
+    fn record(&self, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
+        let s = number("seconds", seconds)?;
+        self.inner.record(to_ns("seconds", s)?);
         Ok(())
     }
 
-    /// Records every value of a 1-D float64 array of seconds (GIL released); all or
-    /// nothing: a NaN, infinite or negative value raises and records none.
-    fn record_many(&self, py: Python<'_>, values: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
+    /// Records every value of a 1-D array (any integer or float dtype) or sequence of
+    /// seconds (GIL released for a float64 array); all or nothing: a NaN, infinite or
+    /// negative value raises and records none.
+    fn record_many(&self, py: Python<'_>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let converted;
+        let values = match values.extract::<PyReadonlyArray1<'_, f64>>() {
+            Ok(v) => v,
+            Err(_) => {
+                converted = as_f64_array(values)?;
+                converted.extract::<PyReadonlyArray1<'_, f64>>()?
+            }
+        };
         let view = values.as_array();
         let filled: Result<Snapshot, f64> = match view.as_slice() {
             Some(slice) => py.detach(|| Snapshot::from_seconds(slice)),
@@ -133,45 +199,27 @@ impl HistogramPy {
     }
 
     /// The value at percentile `q` (0–100), seconds; nan when empty.
-    fn percentile(&self, q: f64) -> PyResult<f64> {
-        Ok(self.percentiles(vec![q])?[0])
+    fn percentile(&self, q: &Bound<'_, PyAny>) -> PyResult<f64> {
+        Ok(self.at_percentiles(vec![percent("q", q)?])[0])
     }
 
     /// Several percentiles in one pass, seconds; nan when empty.
-    fn percentiles(&self, qs: Vec<f64>) -> PyResult<Vec<f64>> {
-        if let Some(q) = qs.iter().find(|q| !(0.0..=100.0).contains(*q)) {
-            return Err(PyValueError::new_err(format!("percentile {q} must be within [0, 100]")));
-        }
-        Ok(self
-            .snap()
-            .percentiles(&qs)
-            .into_iter()
-            .map(|v| v.map_or(f64::NAN, secs))
-            .collect())
+    fn percentiles(&self, qs: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
+        let qs = numbers("qs", qs, percent)?;
+        Ok(self.at_percentiles(qs))
     }
 
     /// Values at or below `le` seconds (exact when `le` has at most three significant
     /// digits in nanoseconds, as Prometheus boundaries do).
-    fn count_le(&self, le: f64) -> PyResult<u64> {
-        Ok(self.snap().count_le(if le.is_infinite() && le > 0.0 {
-            u64::MAX
-        } else {
-            to_ns("le", le)?
-        }))
+    fn count_le(&self, le: &Bound<'_, PyAny>) -> PyResult<u64> {
+        Ok(self.snap().count_le(bound_ns("le", le)?))
     }
 
     /// Cumulative counts at each of `les` (seconds, ascending), from one snapshot.
-    fn cumulative(&self, les: Vec<f64>) -> PyResult<Vec<u64>> {
+    fn cumulative(&self, les: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+        let les = numbers("les", les, bound_ns)?;
         let s = self.snap();
-        les.iter()
-            .map(|le| {
-                Ok(s.count_le(if le.is_infinite() && *le > 0.0 {
-                    u64::MAX
-                } else {
-                    to_ns("le", *le)?
-                }))
-            })
-            .collect()
+        Ok(les.into_iter().map(|le| s.count_le(le)).collect())
     }
 
     /// (counts, edges) like numpy.histogram: counts per bucket (uint64) and the

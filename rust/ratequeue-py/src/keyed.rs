@@ -17,7 +17,7 @@ use ratequeue_core::{
     WaitQueue,
 };
 
-use crate::args::{cost, seconds_ns};
+use crate::args::{cost, opt_text, permits, seconds_ns, size};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -322,6 +322,16 @@ impl Keyed {
     }
 }
 
+/// A keyed cost argument (default 1), by the one rule for costs.
+fn cost_arg(c: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+    c.map_or(Ok(1), |c| cost("cost", c))
+}
+
+/// A keyed permit count (default 1), by the one rule for permits.
+fn permits_arg(n: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
+    n.map_or(Ok(1), |n| permits("n", n))
+}
+
 fn costs_array(py: Python<'_>, costs: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<Vec<u64>>> {
     let Some(c) = costs else { return Ok(None) };
     let v: Vec<u64> = if let Ok(a) = c.extract::<PyReadonlyArray1<'_, u64>>() {
@@ -329,11 +339,7 @@ fn costs_array(py: Python<'_>, costs: Option<&Bound<'_, PyAny>>, n: usize) -> Py
             .map(|s| s.to_vec())
             .unwrap_or_else(|_| a.as_array().iter().copied().collect())
     } else {
-        let mut out = Vec::with_capacity(n);
-        for x in c.try_iter()? {
-            out.push(cost("costs", &x?)?);
-        }
-        out
+        crate::args::numbers("costs", c, cost)?
     };
     if v.len() != n {
         return Err(PyValueError::new_err(format!(
@@ -388,7 +394,7 @@ fn gates(
     let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
     let max_queue = match max_queue {
         None => DEFAULT_MAX_QUEUE,
-        Some(m) => usize::try_from(cost("max_queue", m)?).unwrap_or(usize::MAX),
+        Some(m) => usize::try_from(size("max_queue", m, u64::MAX)?).unwrap_or(usize::MAX),
     };
     let config = QueueConfig::new(Vec::new(), max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
     Ok(Arc::new(KeyGates {
@@ -425,11 +431,12 @@ impl KeyedLimiterPy {
         clock: Option<&Bound<'_, PyAny>>,
         max_wait: Option<&Bound<'_, PyAny>>,
         max_queue: Option<&Bound<'_, PyAny>>,
-        name: Option<String>,
+        name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let name = opt_text("name", name)?;
         let max_keys = match max_keys {
             None => DEFAULT_MAX_KEYS,
-            Some(m) => usize::try_from(cost("max_keys", m)?).unwrap_or(usize::MAX),
+            Some(m) => size("max_keys", m, ratequeue_core::keyed::MAX_KEYS as u64)? as usize,
         };
         let any = any_clock(clock)?;
         let r = rate.get();
@@ -452,9 +459,11 @@ impl KeyedLimiterPy {
 
     /// Admits `cost` on `key` now or returns False; never waits (False while the key has
     /// waiters: nobody overtakes them).
-    #[pyo3(signature = (key, cost = 1))]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<bool> {
+    #[pyo3(signature = (key, cost = None))]
+    #[pyo3(text_signature = "($self, key, cost=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
         let k = key_of(self.core.hasher(), key)?;
+        let cost = cost_arg(cost)?;
         if self.keyed.gates.has_waiters(k) {
             self.keyed.note(false);
             return Ok(false);
@@ -508,8 +517,11 @@ impl KeyedLimiterPy {
             if keys.is_instance_of::<PyString>() || keys.is_instance_of::<PyBytes>() {
                 return Err(type_err("keys", "a numpy uint64 array or a sequence of keys", keys));
             }
+            let it = keys
+                .try_iter()
+                .map_err(|_| type_err("keys", "a numpy uint64 array or a sequence of keys", keys))?;
             let mut v = Vec::new();
-            for k in keys.try_iter()? {
+            for k in it {
                 v.push(key_of(self.core.hasher(), &k?)?);
             }
             v
@@ -571,27 +583,29 @@ impl KeyedLimiterPy {
 
     /// Waits on `key` (its own FIFO queue, GIL released); a context manager whose
     /// permit can `settle` the cost.
-    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    #[pyo3(signature = (key, cost = None, *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: u64,
+        cost: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, cost, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
     }
 
     /// Awaitable (and async context manager) version of acquire.
-    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    #[pyo3(signature = (key, cost = None, *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: u64,
+        cost: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, cost, timeout)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
     }
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
@@ -600,9 +614,11 @@ impl KeyedLimiterPy {
     }
 
     /// Seconds until `cost` would be admitted on `key` (0.0 = now).
-    #[pyo3(signature = (key, cost = 1))]
-    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<f64> {
+    #[pyo3(signature = (key, cost = None))]
+    #[pyo3(text_signature = "($self, key, cost=1)")]
+    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
         let k = key_of(self.core.hasher(), key)?;
+        let cost = cost_arg(cost)?;
         match self.core.delay_for(k, self.core.clock().now_ns(), cost) {
             Ok(ns) => Ok(ns as f64 / 1e9),
             Err(Deny::TooLarge { cost, burst, .. }) => Err(to_py(
@@ -719,9 +735,10 @@ impl KeyedConcurrencyPy {
         clock: Option<&Bound<'_, PyAny>>,
         max_wait: Option<&Bound<'_, PyAny>>,
         max_queue: Option<&Bound<'_, PyAny>>,
-        name: Option<String>,
+        name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let core = Arc::new(KeyedSemaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let name = opt_text("name", name)?;
+        let core = Arc::new(KeyedSemaphore::new(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?);
         let c2 = core.clone();
         let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
             Box::new(move |key| Arc::new(KeyPermits { sem: c2.clone(), key }));
@@ -738,36 +755,40 @@ impl KeyedConcurrencyPy {
     }
 
     /// Takes `n` permits on `key` now, or returns None; never waits.
-    #[pyo3(signature = (key, n = 1))]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: u64) -> PyResult<Option<PermitPy>> {
+    #[pyo3(signature = (key, n = None))]
+    #[pyo3(text_signature = "($self, key, n=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: Option<&Bound<'_, PyAny>>) -> PyResult<Option<PermitPy>> {
         let k = key_of(self.core.hasher(), key)?;
+        let n = permits_arg(n)?;
         let p = self.keyed.try_now(py, k, n)?;
         self.keyed.note(p.is_some());
         Ok(p)
     }
 
     /// Waits for `n` permits on `key` (GIL released); returned on exit.
-    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    #[pyo3(signature = (key, n = None, *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: u64,
+        n: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, n, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
     }
 
     /// Awaitable and async context manager; the permits return on exit.
-    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    #[pyo3(signature = (key, n = None, *, timeout = None))]
+    #[pyo3(text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: u64,
+        n: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, n, timeout)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
     }
 
     /// On a ManualClock: advances the clock through every due time (deadlines) of the

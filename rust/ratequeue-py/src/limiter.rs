@@ -9,7 +9,7 @@ use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
 
-use crate::args::{cost, period_seconds, seconds_ns};
+use crate::args::{cost, opt_text, period_seconds, seconds_ns, size};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -33,31 +33,28 @@ pub struct RatePy {
 #[pymethods]
 impl RatePy {
     #[new]
-    #[pyo3(signature = (amount, per = None, burst = None, unit = "requests"))]
+    #[pyo3(signature = (amount, per = None, burst = None, unit = None))]
+    #[pyo3(text_signature = "(amount, per=None, burst=None, unit='requests')")]
     fn new(
         amount: &Bound<'_, PyAny>,
         per: Option<&Bound<'_, PyAny>>,
         burst: Option<&Bound<'_, PyAny>>,
-        unit: &str,
+        unit: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let amount = crate::args::positive("amount", amount)?;
+        let unit = opt_text("unit", unit)?.unwrap_or_else(|| "requests".to_owned());
+        let unit = unit.as_str();
+        let amount_f = crate::args::positive("amount", amount)?;
         let per_s = per.map(period_seconds).transpose()?.unwrap_or(1.0);
-        let burst = match burst {
-            Some(b) => {
-                let v = burst_arg(b)?;
-                if v == 0 {
-                    return Err(PyValueError::new_err("burst=0 must be an integer >= 1"));
-                }
-                v
-            }
-            None => (amount.floor().max(1.0)).min(u64::MAX as f64) as u64,
+        let burst_n = match burst {
+            Some(b) => burst_arg(b)?,
+            None => (amount_f.floor().max(1.0)).min(u64::MAX as f64) as u64,
         };
         if unit.is_empty() || RESERVED.contains(&unit) || !unit.chars().all(|c| c.is_alphanumeric() || c == '_') {
             return Err(PyValueError::new_err(format!(
                 "unit={unit:?} must be an identifier other than {RESERVED:?}"
             )));
         }
-        let rate = Rate::new(amount, per_s * 1e9, burst).map_err(|e| PyValueError::new_err(e.to_string()))?;
+        let rate = new_rate(amount_f, per_s * 1e9, burst_n)?;
         Ok(RatePy {
             rate,
             unit: unit.to_owned(),
@@ -107,17 +104,22 @@ impl RatePy {
 
 /// A burst: an integer >= 1.
 fn burst_arg(b: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let v = cost("burst", b).map_err(|e| {
-        if e.is_instance_of::<PyValueError>(b.py()) {
-            PyValueError::new_err(format!("burst={b} must be an integer >= 1"))
-        } else {
-            e
+    size("burst", b, u64::MAX)
+}
+
+/// A validated rate; a burst window too long names all three arguments (any of them
+/// may be what to change).
+fn new_rate(amount: f64, period_ns: f64, burst: u64) -> PyResult<Rate> {
+    Rate::new(amount, period_ns, burst).map_err(|e| match &e {
+        ratequeue_core::Error::Invalid { name, reason, .. } if name == "burst" && reason.contains("window") => {
+            PyValueError::new_err(format!(
+                "burst={burst} at amount={amount} per={} s makes the burst window (burst / rate) longer \
+                 than 2**56 ns (about 2.3 years): raise amount, shorten per or lower burst",
+                period_ns / 1e9
+            ))
         }
-    })?;
-    if v == 0 {
-        return Err(PyValueError::new_err("burst=0 must be an integer >= 1"));
-    }
-    Ok(v)
+        _ => PyValueError::new_err(e.to_string()),
+    })
 }
 
 /// Costs per unit, as parsed from a call.
@@ -203,8 +205,9 @@ impl LimiterPy {
         max_wait: Option<&Bound<'_, PyAny>>,
         max_queue: Option<&Bound<'_, PyAny>>,
         classes: Option<&Bound<'_, PyAny>>,
-        name: Option<String>,
+        name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
+        let name = opt_text("name", name)?;
         let mut list = Vec::with_capacity(rates.len());
         for r in rates.iter() {
             let r = r.cast::<RatePy>().map_err(|_| type_err("rates", "Rate objects", &r))?;
@@ -324,8 +327,9 @@ impl LimiterPy {
 
     /// Units of `unit` that could be admitted now (negative while in debt).
     #[pyo3(signature = (unit = None))]
-    fn available(&self, unit: Option<&str>) -> PyResult<f64> {
-        let i = match unit {
+    fn available(&self, unit: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
+        let unit = opt_text("unit", unit)?;
+        let i = match unit.as_deref() {
             None => 0,
             Some(u) => self
                 .core
@@ -354,7 +358,7 @@ impl LimiterPy {
             Some(b) => burst_arg(b)?,
             None => cur.burst,
         };
-        let rate = Rate::new(amount, period_ns, burst).map_err(|e| to_py(py, e))?;
+        let rate = new_rate(amount, period_ns, burst)?;
         self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
         // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
         self.gate.queue.poll_now();
@@ -366,7 +370,7 @@ impl LimiterPy {
     fn set_burst(&self, py: Python<'_>, burst: &Bound<'_, PyAny>, which: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let i = self.which(which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
-        let rate = Rate::new(cur.amount, cur.period_ns, burst_arg(burst)?).map_err(|e| to_py(py, e))?;
+        let rate = new_rate(cur.amount, cur.period_ns, burst_arg(burst)?)?;
         self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
         // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
         self.gate.queue.poll_now();
@@ -411,7 +415,7 @@ impl LimiterPy {
         &self,
         py: Python<'_>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PermitPy> {
@@ -427,7 +431,7 @@ impl LimiterPy {
         &self,
         py: Python<'_>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
@@ -453,7 +457,7 @@ impl LimiterPy {
         py: Python<'_>,
         channel: &Bound<'_, ChannelPy>,
         n: Option<&Bound<'_, PyAny>>,
-        priority: Option<&str>,
+        priority: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Py<PyAny>> {
@@ -531,7 +535,7 @@ impl LimiterPy {
 
     /// The live histogram of queue waits (seconds, arrival to grant) of a class.
     #[pyo3(signature = (priority = None))]
-    fn wait_histogram(&self, priority: Option<&str>) -> PyResult<HistogramPy> {
+    fn wait_histogram(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<HistogramPy> {
         wait_histogram(&self.gate, priority)
     }
 
@@ -569,14 +573,14 @@ pub fn new_gate(
             .cast::<PyDict>()
             .map_err(|_| type_err("classes", "a dict of class name to weight", c))?;
         for (k, v) in d.iter() {
-            let name: String = k.extract().map_err(|_| type_err("classes", "str names", &k))?;
-            let w = crate::args::seconds(&format!("classes[{name:?}]"), &v)?;
+            let name = crate::args::text("classes", &k).map_err(|_| type_err("classes", "str names", &k))?;
+            let w = crate::args::positive(&format!("classes[{name:?}]"), &v)?;
             list.push((name, w));
         }
     }
     let max_queue = match max_queue {
         None => DEFAULT_MAX_QUEUE,
-        Some(m) => usize::try_from(cost("max_queue", m)?).unwrap_or(usize::MAX),
+        Some(m) => usize::try_from(size("max_queue", m, u64::MAX)?).unwrap_or(usize::MAX),
     };
     let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
     Ok(Arc::new(Gate {

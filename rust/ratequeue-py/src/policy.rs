@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyTuple};
 use ratequeue_core::policy::{Held, Refusal, Waker};
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
 
@@ -221,21 +221,19 @@ impl PolicyPy {
     /// but never enforced.
     #[new]
     #[pyo3(signature = (levels, *, shadow = None))]
-    fn new(py: Python<'_>, levels: &Bound<'_, PyDict>, shadow: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
-        let mut shadow_names: Vec<String> = Vec::new();
-        if let Some(s) = shadow {
-            if s.is_instance_of::<PyString>() {
-                return Err(type_err("shadow", "a collection of level names", s));
-            }
-            for x in s.try_iter()? {
-                shadow_names.push(x?.extract()?);
-            }
-        }
+    fn new(py: Python<'_>, levels: &Bound<'_, PyAny>, shadow: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let levels = levels
+            .cast::<PyDict>()
+            .map_err(|_| type_err("levels", "a dict of level name to limit", levels))?;
+        let shadow_names = match shadow {
+            Some(s) if !s.is_none() => crate::args::texts("shadow", s)?,
+            _ => Vec::new(),
+        };
         let mut core_levels = Vec::new();
         let mut py_levels = Vec::new();
         let mut clock = None;
         for (k, v) in levels.iter() {
-            let name: String = k.extract().map_err(|_| type_err("levels", "str names", &k))?;
+            let name = crate::args::text("levels", &k).map_err(|_| type_err("levels", "str names", &k))?;
             // Each level's queue is woken whenever the policy gives capacity back to it.
             let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
                 let core = l.get().core().clone();

@@ -63,8 +63,8 @@ pub struct Gate {
 
 impl Gate {
     /// The class index for `priority` (None: the first class).
-    pub fn class(&self, priority: Option<&str>) -> PyResult<usize> {
-        match priority {
+    pub fn class(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+        match crate::args::opt_text("priority", priority)?.as_deref() {
             None => Ok(0),
             Some(p) => self.queue.class_index(p).ok_or_else(|| {
                 let names: Vec<&str> = self.queue.config().classes.iter().map(|(n, _)| n.as_str()).collect();
@@ -587,7 +587,7 @@ impl ChannelPy {
 }
 
 /// The live queue-wait histogram of a class (None: the first class).
-pub fn wait_histogram(gate: &Gate, priority: Option<&str>) -> PyResult<HistogramPy> {
+pub fn wait_histogram(gate: &Gate, priority: Option<&Bound<'_, PyAny>>) -> PyResult<HistogramPy> {
     let class = gate.class(priority)?;
     let h = gate.queue.wait_histogram(class).expect("class index checked");
     Ok(HistogramPy { inner: h.clone() })
