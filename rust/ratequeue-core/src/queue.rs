@@ -88,6 +88,46 @@ pub enum Cancelled {
     NotQueued,
 }
 
+/// What a reservation got from [`WaitQueue::reserve`].
+#[derive(Clone, Debug)]
+pub enum Reserved<R> {
+    /// Nobody waited: what the resource's own reservation gave (debited at once).
+    Now(R),
+    /// Queued behind the waiters; debited when the queue grants it.
+    Queued(QueuedReservation),
+}
+
+/// A reservation waiting in the queue: the queue debits the resource when it grants
+/// it, at its schedule time, so no waiter ahead or behind is moved.
+#[derive(Clone)]
+pub struct QueuedReservation {
+    /// Its ticket in the queue.
+    pub ticket: u64,
+    /// The predicted grant time (exact for one class: the FIFO schedule; with several
+    /// weighted classes a prediction from the whole backlog).
+    pub at_ns: u64,
+    /// From the reservation until `at_ns`.
+    pub delay_ns: u64,
+    slot: Arc<Slot>,
+}
+
+impl std::fmt::Debug for QueuedReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuedReservation")
+            .field("ticket", &self.ticket)
+            .field("at_ns", &self.at_ns)
+            .field("delay_ns", &self.delay_ns)
+            .finish()
+    }
+}
+
+impl QueuedReservation {
+    /// The queue's outcome so far: `Some` once granted, without consuming it.
+    pub fn outcome(&self) -> Option<Outcome> {
+        *lock(&self.slot.state)
+    }
+}
+
 /// A one-shot mailbox for a blocked thread.
 #[derive(Default)]
 pub struct Slot {
@@ -626,8 +666,21 @@ impl WaitQueue {
                 }
             }
         }
-        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
+        Ok(Submitted::Queued(self.insert_locked(g, now, costs, class, deadline, wake())))
+    }
+
+    /// Queues a waiter at the tail of `class`; returns its ticket.
+    fn insert_locked(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        deadline: Option<u64>,
+        wake: Wake,
+    ) -> u64 {
+        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
         let c = &mut g.classes[class];
         let start = c.last_finish.max(g.vtime);
         c.last_finish = start + self.resource.service_ns(costs) / c.weight;
@@ -641,7 +694,7 @@ impl WaitQueue {
                 arrival_ns: now,
                 deadline_ns: deadline,
                 start_tag: start,
-                wake: wake(),
+                wake,
             },
         );
         g.where_is.insert(ticket, class);
@@ -650,7 +703,129 @@ impl WaitQueue {
         }
         g.len += 1;
         self.waiting.store(g.len, Ordering::Release);
-        Ok(Submitted::Queued(ticket))
+        ticket
+    }
+
+    /// Without taking the queue's lock: `Some(now_path(now))` when nobody waits (the
+    /// resource reserves by itself, e.g. a GCRA debit at the Lindley time), `None` when
+    /// someone does (then call [`WaitQueue::reserve`], which may block on the lock).
+    #[inline]
+    pub fn reserve_if_idle<R>(&self, now_path: impl FnOnce(u64) -> Result<R, Error>) -> Option<Result<R, Error>> {
+        if self.waiting() != 0 {
+            return None;
+        }
+        Some(now_path(self.clock.now_ns()))
+    }
+
+    /// Reserves `costs` in arrival order without barging: when nobody waits, returns
+    /// what `now_path(now)` reserves; otherwise joins `class` behind the waiters, within
+    /// the queue's bounds (`max_queue`, and `timeout_ns` or max_wait: `Overloaded` at once
+    /// when the predicted wait exceeds it), and is granted — the resource debited — at
+    /// its schedule time like any waiter, its outcome kept in the returned handle. Its
+    /// `at_ns` is exact with one class (the FIFO schedule), a prediction with several.
+    pub fn reserve<R>(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        now_path: impl FnOnce(u64) -> Result<R, Error>,
+    ) -> Result<Reserved<R>, Error> {
+        if class >= self.config.classes.len() {
+            return Err(Error::invalid("priority", class, "is not a class of this limiter"));
+        }
+        if self.waiting() == 0 {
+            return now_path(self.clock.now_ns()).map(Reserved::Now);
+        }
+        let now = self.clock.now_ns();
+        let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        let mut g = lock(&self.inner);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, now, &mut out);
+        let result = if g.len == 0 {
+            now_path(now).map(Reserved::Now)
+        } else {
+            self.enqueue_reservation(&mut g, now, costs, class, max_wait)
+                .map(Reserved::Queued)
+        };
+        let next = matches!(result, Ok(Reserved::Queued(_)))
+            .then(|| self.next_wake_locked(&g))
+            .flatten();
+        deliver(out);
+        drop(g);
+        if let Some(t) = next {
+            self.schedule(t);
+        }
+        result
+    }
+
+    fn enqueue_reservation(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        max_wait: Option<u64>,
+    ) -> Result<QueuedReservation, Error> {
+        let at = match self.resource.ready_at(now, costs) {
+            Err(d) => return Err(self.deny_error(d)),
+            Ok(None) => None,
+            Ok(Some(_)) => self.predict_all(g, now, costs),
+        };
+        let Some(at) = at else {
+            return Err(Error::invalid(
+                "reserve",
+                "a permit resource",
+                "needs a resource whose grants are scheduled in time",
+            ));
+        };
+        let wait = at.saturating_sub(now);
+        if g.len >= self.config.max_queue {
+            bump(&self.counters.refused_full);
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the queue is full ({} waiting, max_queue={})",
+                    g.len, self.config.max_queue
+                ),
+                retry_after_ns: wait,
+            });
+        }
+        if let Some(mw) = max_wait.filter(|mw| wait > *mw) {
+            bump(&self.counters.refused_deadline);
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the predicted wait of {:.6} s exceeds max_wait={:.6} s",
+                    wait as f64 / 1e9,
+                    mw as f64 / 1e9
+                ),
+                retry_after_ns: wait - mw,
+            });
+        }
+        let slot = Slot::new();
+        let ticket = self.insert_locked(g, now, costs, class, None, Wake::Thread(slot.clone()));
+        Ok(QueuedReservation {
+            ticket,
+            at_ns: at,
+            delay_ns: wait,
+            slot,
+        })
+    }
+
+    /// Cancels a queued reservation (once): before its grant it leaves the queue and
+    /// the waiters behind it move up; granted before `at_ns` (waiters ahead left), the
+    /// grant goes through [`WaitQueue::give_back`]; at or after `at_ns` nothing is
+    /// returned (the rule of [`crate::Limiter::cancel`]). True when it left the queue
+    /// or its grant was handed back.
+    pub fn cancel_reservation(self: &Arc<Self>, r: &QueuedReservation, costs: &[u64]) -> bool {
+        if self.cancel(r.ticket) == Cancelled::Removed {
+            return true;
+        }
+        match r.slot.take() {
+            Some(Outcome::Granted { token, .. }) if self.clock.now_ns() < r.at_ns => {
+                self.give_back(costs, Some(token));
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The predicted grant time of `costs` if submitted now behind everyone queued
@@ -1035,5 +1210,107 @@ mod tests {
         assert_eq!(q.waiting(), 0);
         clock.advance(100_000_000).unwrap();
         assert!(q.try_now(&[1], 0).is_ok());
+    }
+
+    fn rate_queue(per_sec: f64, burst: u64, max_queue: usize) -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(per_sec, 1e9, burst).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let q = WaitQueue::new(
+            lim.clone(),
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], max_queue, None).unwrap(),
+        );
+        (q, lim, clock)
+    }
+
+    fn reserve(q: &Arc<WaitQueue>, lim: &Arc<Limiter>, max_wait: Option<u64>) -> Result<Reserved<crate::Reservation>, Error> {
+        let l = lim.clone();
+        q.reserve(&[1], 0, max_wait, move |_| l.reserve(&[1], max_wait))
+    }
+
+    fn queued_waiter(q: &Arc<WaitQueue>) -> (u64, Arc<Slot>) {
+        let s = Slot::new();
+        let s2 = s.clone();
+        match q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap() {
+            Submitted::Queued(t) => (t, s),
+            other => panic!("not queued: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reserve_queues_behind_a_waiter_and_moves_nobody() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        let Reserved::Now(first) = reserve(&q, &lim, None).unwrap() else {
+            panic!("an idle queue reserves at once")
+        };
+        assert_eq!(first.delay_ns, 0);
+        let (_, waiter) = queued_waiter(&q);
+        let Reserved::Queued(r) = reserve(&q, &lim, None).unwrap() else {
+            panic!("a reservation must queue behind the waiter")
+        };
+        assert_eq!((r.at_ns, r.delay_ns), (200_000_000, 200_000_000));
+        let (_, behind) = queued_waiter(&q);
+        q.run_until(&clock, 1_000_000_000);
+        assert_eq!(granted(&waiter), Some(100_000_000));
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
+        assert_eq!(granted(&behind), Some(300_000_000));
+    }
+
+    #[test]
+    fn reserve_respects_max_queue_and_the_predicted_deadline() {
+        let (q, lim, _clock) = rate_queue(10.0, 1, 2);
+        lim.try_acquire(&[1]).unwrap();
+        queued_waiter(&q);
+        // 0.2 s predicted: refused at once against 0.15 s, retry 0.05 s later.
+        match reserve(&q, &lim, Some(150_000_000)) {
+            Err(Error::Overloaded { retry_after_ns, .. }) => assert_eq!(retry_after_ns, 50_000_000),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(reserve(&q, &lim, Some(200_000_000)), Ok(Reserved::Queued(_))));
+        match reserve(&q, &lim, None) {
+            Err(Error::Overloaded { retry_after_ns, .. }) => assert_eq!(retry_after_ns, 300_000_000),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(q.waiting(), 2);
+        assert_eq!(q.counts().refused_full, 1);
+        assert_eq!(q.counts().refused_deadline, 1);
+    }
+
+    #[test]
+    fn cancelling_a_queued_reservation_moves_the_next_waiter_up() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        lim.try_acquire(&[1]).unwrap();
+        let (_, a) = queued_waiter(&q);
+        let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
+            panic!("queued")
+        };
+        let (_, b) = queued_waiter(&q);
+        assert!(q.cancel_reservation(&r, &[1]));
+        assert!(!q.cancel_reservation(&r, &[1]));
+        q.run_until(&clock, 1_000_000_000);
+        assert_eq!(granted(&a), Some(100_000_000));
+        assert_eq!(granted(&b), Some(200_000_000));
+        assert!(r.outcome().is_none());
+    }
+
+    #[test]
+    fn a_granted_reservation_cancelled_at_its_time_keeps_its_slot() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        lim.try_acquire(&[1]).unwrap();
+        queued_waiter(&q);
+        let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
+            panic!("queued")
+        };
+        q.run_until(&clock, r.at_ns);
+        assert!(r.outcome().is_some());
+        assert!(!q.cancel_reservation(&r, &[1]));
+        assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
     }
 }
