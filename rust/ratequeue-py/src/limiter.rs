@@ -7,7 +7,9 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
+use ratequeue_core::{
+    AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue,
+};
 
 use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
@@ -277,7 +279,9 @@ impl LimiterPy {
         }
     }
 
-    /// Seconds until the given costs would be admitted (0.0 = now); changes nothing.
+    /// Seconds after which try_acquire of the given costs is admitted, the requests
+    /// queued now served first (0.0 = now): exact with one class and no new arrivals
+    /// (equal to predicted_wait); changes nothing.
     #[pyo3(signature = (n = None, /, **costs))]
     fn retry_after(
         &self,
@@ -286,15 +290,24 @@ impl LimiterPy {
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<f64> {
         let c = self.costs(n, costs)?;
-        match self.core.delay_for(&c) {
-            Ok(ns) => Ok(ns as f64 / 1e9),
+        if self.gate.queue.waiting() == 0 {
+            return match self.core.delay_for(&c) {
+                Ok(ns) => Ok(ns as f64 / 1e9),
+                Err(d) => Err(self.deny(py, d)),
+            };
+        }
+        let (q, units) = (self.gate.queue.clone(), self.core.units().len());
+        match py.detach(move || q.predict_delay(&c[..units])) {
+            Ok(p) => Ok(p.map_or(f64::INFINITY, |(_, d)| d as f64 / 1e9)),
             Err(d) => Err(self.deny(py, d)),
         }
     }
 
     /// Reserves the costs in arrival order: returns a Reservation whose `delay` says how
-    /// long to wait before proceeding. Raises Overloaded at once (consuming nothing)
-    /// when the delay would exceed max_wait.
+    /// long to wait before proceeding. Nobody waiting: debited at once at its Lindley
+    /// time. Someone waiting: queued behind them (first class), debited when the queue
+    /// grants it, its `delay` the FIFO schedule. Raises Overloaded at once (consuming
+    /// nothing) when the queue is full or the delay would exceed max_wait.
     #[pyo3(signature = (n = None, /, *, max_wait = None, **costs))]
     fn reserve(
         slf: &Bound<'_, Self>,
@@ -309,10 +322,22 @@ impl LimiterPy {
             Some(m) => Some(seconds_ns("max_wait", m)?),
             None => me.max_wait_ns,
         };
-        let r = me.core.reserve(&c, mw).map_err(|e| to_py(py, e))?;
+        let core = me.core.clone();
+        let now_path = move |_| core.reserve(&c, mw);
+        let inner = match me.gate.queue.reserve_if_idle(now_path.clone()) {
+            Some(r) => Held::Now(r.map_err(|e| to_py(py, e))?),
+            None => {
+                let (q, units) = (me.gate.queue.clone(), me.core.units().len());
+                match py.detach(move || q.reserve(&c[..units], 0, mw, now_path)) {
+                    Ok(Reserved::Now(r)) => Held::Now(r),
+                    Ok(Reserved::Queued(r)) => Held::Queued(r, c[..units].to_vec()),
+                    Err(e) => return Err(to_py(py, e)),
+                }
+            }
+        };
         Ok(ReservationPy {
             limiter: slf.clone().unbind(),
-            inner: r,
+            inner,
             done: AtomicBool::new(false),
         })
     }
@@ -616,12 +641,27 @@ impl LimiterPy {
     }
 }
 
+/// What a reservation holds: a debit made at once, or a place in the queue (with its costs).
+enum Held {
+    Now(Reservation),
+    Queued(QueuedReservation, Vec<u64>),
+}
+
 /// Capacity held from `at` on; proceed after `delay` seconds.
 #[pyclass(frozen, name = "Reservation", module = "ratequeue")]
 pub struct ReservationPy {
     limiter: Py<LimiterPy>,
-    inner: Reservation,
+    inner: Held,
     done: AtomicBool,
+}
+
+impl ReservationPy {
+    fn at_delay_ns(&self) -> (u64, u64) {
+        match &self.inner {
+            Held::Now(r) => (r.at_ns, r.delay_ns),
+            Held::Queued(r, _) => (r.at_ns, r.delay_ns),
+        }
+    }
 }
 
 #[pymethods]
@@ -629,13 +669,13 @@ impl ReservationPy {
     /// Seconds from the reservation until the caller may proceed.
     #[getter]
     fn delay(&self) -> f64 {
-        self.inner.delay_ns as f64 / 1e9
+        self.at_delay_ns().1 as f64 / 1e9
     }
 
     /// The clock time (seconds) at which the caller may proceed.
     #[getter]
     fn at(&self) -> f64 {
-        self.inner.at_ns as f64 / 1e9
+        self.at_delay_ns().0 as f64 / 1e9
     }
 
     /// True once cancel() has been called.
@@ -645,13 +685,20 @@ impl ReservationPy {
     }
 
     /// Cancels: before its time, returns its cost to each rate where no later
-    /// reservation depends on it; returns True if anything was given back. Only the
-    /// first call has an effect.
-    fn cancel(&self) -> bool {
+    /// reservation depends on it, or leaves the queue (the waiters behind it move up);
+    /// returns True if anything was given back. Only the first call has an effect.
+    fn cancel(&self, py: Python<'_>) -> bool {
         if self.done.swap(true, Ordering::AcqRel) {
             return false;
         }
-        self.limiter.get().core.cancel(&self.inner) > 0
+        let lim = self.limiter.get();
+        match &self.inner {
+            Held::Now(r) => lim.core.cancel(r) > 0,
+            Held::Queued(r, costs) => {
+                let q = lim.gate.queue.clone();
+                py.detach(|| q.cancel_reservation(r, costs))
+            }
+        }
     }
 
     fn __repr__(&self) -> String {
