@@ -30,9 +30,9 @@ def wait_until(pred, timeout=5.0):
         time.sleep(0.0005)
 
 
-def limiter(**kw) -> tuple[rq.ManualClock, rq.Limiter]:
-    clock = rq.ManualClock()
-    return clock, rq.Limiter(rq.Rate(10, burst=1), clock=clock, **kw)
+def limiter(**kw) -> rq.Limiter:
+    """Rate(10, burst=1) on a ManualClock at 0 s."""
+    return rq.Limiter(rq.Rate(10, burst=1), clock=rq.ManualClock(), **kw)
 
 
 def granted_at(ch: Channel) -> dict[int, float]:
@@ -49,7 +49,7 @@ def granted_at(ch: Channel) -> dict[int, float]:
 
 
 def test_reserve_queues_behind_a_submitted_waiter_and_moves_it_not() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     ticket = lim.submit(ch)  # a waiter due at 0.1 s
@@ -63,7 +63,7 @@ def test_reserve_queues_behind_a_submitted_waiter_and_moves_it_not() -> None:
 
 
 def test_reserve_queues_behind_a_thread_in_acquire() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     assert lim.try_acquire()
     got: list[float] = []
     th = threading.Thread(target=lambda: got.append(lim.acquire().waited), daemon=True)
@@ -77,7 +77,7 @@ def test_reserve_queues_behind_a_thread_in_acquire() -> None:
 
 
 def test_policy_reserve_never_overtakes_a_levels_waiters() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     policy = rq.Policy({"api": lim})
     ch = Channel()
     assert lim.try_acquire()
@@ -93,7 +93,7 @@ def test_policy_reserve_never_overtakes_a_levels_waiters() -> None:
 
 
 def test_reserve_is_refused_when_the_queue_is_full() -> None:
-    clock, lim = limiter(max_queue=1)
+    lim = limiter(max_queue=1)
     ch = Channel()
     assert lim.try_acquire()
     lim.submit(ch)
@@ -108,7 +108,7 @@ def test_reserve_is_refused_when_the_queue_is_full() -> None:
 
 
 def test_reserve_is_refused_at_once_when_the_fifo_wait_misses_max_wait() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     lim.submit(ch)
@@ -118,18 +118,18 @@ def test_reserve_is_refused_at_once_when_the_fifo_wait_misses_max_wait() -> None
     assert lim.waiting == 1
     assert lim.stats()["refused_deadline"] == 1
     # The limiter's own max_wait bounds a reservation too.
-    _, bounded = limiter(max_wait=0.15)
+    bounded = limiter(max_wait=0.15)
     assert bounded.try_acquire()
     bounded.submit(Channel())
     with pytest.raises(rq.Overloaded):
         bounded.reserve()
     # Retried after retry_after with the same bound, it is accepted.
-    clock.set(e.value.retry_after)
+    lim.clock.set(e.value.retry_after)
     assert lim.reserve(max_wait=0.15).at == pytest.approx(0.2)
 
 
 def test_cancelling_a_queued_reservation_moves_the_next_waiter_up() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     a = lim.submit(ch)
@@ -145,7 +145,7 @@ def test_cancelling_a_queued_reservation_moves_the_next_waiter_up() -> None:
 
 
 def test_a_granted_queued_reservation_follows_the_refund_rule() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     lim.submit(ch)
@@ -157,7 +157,7 @@ def test_a_granted_queued_reservation_follows_the_refund_rule() -> None:
 
 
 def test_a_queued_reservation_is_debited_at_its_schedule_time() -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     lim.submit(ch)
@@ -176,7 +176,7 @@ def test_a_queued_reservation_is_debited_at_its_schedule_time() -> None:
 
 @pytest.mark.parametrize("waiters", [0, 1, 2, 10])
 def test_retry_after_covers_the_backlog_and_is_exact(waiters: int) -> None:
-    clock, lim = limiter()
+    lim = limiter()
     ch = Channel()
     assert lim.try_acquire()
     for _ in range(waiters):

@@ -667,7 +667,8 @@ impl WaitQueue {
             }
         }
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
-        Ok(Submitted::Queued(self.insert_locked(g, now, costs, class, deadline, wake())))
+        let ticket = self.insert_locked(g, now, costs, class, deadline, wake());
+        Ok(Submitted::Queued(ticket))
     }
 
     /// Queues a waiter at the tail of `class`; returns its ticket.
@@ -1230,7 +1231,11 @@ mod tests {
         (q, lim, clock)
     }
 
-    fn reserve(q: &Arc<WaitQueue>, lim: &Arc<Limiter>, max_wait: Option<u64>) -> Result<Reserved<crate::Reservation>, Error> {
+    fn reserve(
+        q: &Arc<WaitQueue>,
+        lim: &Arc<Limiter>,
+        max_wait: Option<u64>,
+    ) -> Result<Reserved<crate::Reservation>, Error> {
         let l = lim.clone();
         q.reserve(&[1], 0, max_wait, move |_| l.reserve(&[1], max_wait))
     }

@@ -7,9 +7,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{
-    AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue,
-};
+use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue};
 
 use crate::args::{cost, period_seconds, seconds_ns};
 use crate::clock::any_clock;
@@ -142,6 +140,16 @@ impl LimiterPy {
     /// True when someone waits in this limiter's queue (nobody overtakes them).
     pub fn has_waiters(&self) -> bool {
         self.gate.queue.waiting() != 0
+    }
+
+    /// Nanoseconds until `costs` (per unit) would be granted behind everyone queued now
+    /// (GIL released while the queue is read); None when nobody waits.
+    pub fn backlog_delay_ns(&self, py: Python<'_>, costs: &[u64]) -> Option<u64> {
+        if self.gate.queue.waiting() == 0 {
+            return None;
+        }
+        let q = self.gate.queue.clone();
+        py.detach(move || q.predict_delay(costs)).ok().flatten().map(|(_, d)| d)
     }
 
     /// The core limiter (for policies).
