@@ -309,3 +309,36 @@ def test_grants_follow_lindley_over_arrival_order(ops, burst: int) -> None:
         if req["kind"] != "queued":
             assert req["g"] is not None
             assert _close(req["g"], w), (req, w)
+
+
+# ---------------------------------------------------------------------------------------
+# the retry_after a refusal carries: a time after which the same request is admitted
+
+
+def test_wait_timeout_retry_after_covers_the_backlog() -> None:
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=rq.ManualClock(), classes={"a": 1, "b": 1})
+    ch = Channel()
+    assert lim.try_acquire()
+    for _ in range(5):
+        lim.submit(ch, priority="a")  # due at 0.1 .. 0.5 s
+    errors: list[rq.WaitTimeout] = []
+
+    def wait() -> None:
+        try:
+            lim.acquire(priority="b", timeout=0.15)  # its class is empty: it queues
+        except rq.WaitTimeout as e:
+            errors.append(e)
+
+    th = threading.Thread(target=wait, daemon=True)
+    th.start()
+    wait_until(lambda: lim.waiting == 6)
+    lim.run_until(0.15)  # the fair share puts it at 0.2 s: it times out at 0.15 s
+    th.join(5)
+    assert len(errors) == 1
+    ra = errors[0].retry_after
+    assert ra == pytest.approx(0.45, abs=1e-9)  # four "a" waiters left, then this one
+    assert ra == pytest.approx(lim.retry_after(), abs=1e-9)
+    lim.run_until(0.15 + ra - 1e-6)
+    assert not lim.try_acquire()
+    lim.run_until(0.15 + ra)
+    assert lim.try_acquire()

@@ -872,6 +872,13 @@ impl WaitQueue {
         self.resource.error_for(d)
     }
 
+    /// Nanoseconds after which `costs` is admitted once everyone queued now has been
+    /// served (exact for a rate with no new arrivals, whatever the classes); 0 when that
+    /// depends on releases (permits) or can never happen.
+    pub fn retry_after_ns(&self, costs: &[u64]) -> u64 {
+        self.predict_delay(costs).ok().flatten().map_or(0, |(_, d)| d)
+    }
+
     /// Nanoseconds until the queue's next due time (0 when nothing is due).
     pub fn next_wake_delay(&self) -> u64 {
         self.next_wake().map_or(0, |t| t.saturating_sub(self.clock.now_ns()))
