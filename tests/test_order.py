@@ -342,3 +342,32 @@ def test_wait_timeout_retry_after_covers_the_backlog() -> None:
     assert not lim.try_acquire()
     lim.run_until(0.15 + ra)
     assert lim.try_acquire()
+
+
+def test_with_several_classes_a_reservation_joins_the_first() -> None:
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=rq.ManualClock(), classes={"a": 1, "b": 1})
+    assert lim.try_acquire()
+    lim.submit(Channel(), priority="b")
+    r = lim.reserve()
+    assert lim.stats()["depths"] == {"a": 1, "b": 1}
+    assert r.delay == pytest.approx(0.2)  # the prediction: behind the whole backlog
+    lim.run_until(1.0)
+    assert lim.waiting == 0
+
+
+def test_the_driver_grants_a_queued_reservation_in_real_time() -> None:
+    lim = rq.Limiter(rq.Rate(4, burst=1))  # one per 0.25 s
+    t0 = lim.clock.now()
+    assert lim.try_acquire()
+    t1 = lim.clock.now()
+    got: list[float] = []
+    th = threading.Thread(target=lambda: got.append(lim.acquire().waited), daemon=True)
+    th.start()
+    wait_until(lambda: lim.waiting == 1)
+    r = lim.reserve()
+    # Behind the waiter (granted at the try's time + 0.25 s): one interval later.
+    assert t0 + 0.5 - 1e-6 <= r.at <= t1 + 0.5 + 1e-6
+    th.join(5)
+    assert len(got) == 1
+    wait_until(lambda: lim.waiting == 0)  # the driver granted the reservation too
+    assert lim.clock.now() >= r.at

@@ -313,8 +313,9 @@ impl LimiterPy {
 
     /// Reserves the costs in arrival order: returns a Reservation whose `delay` says how
     /// long to wait before proceeding. Nobody waiting: debited at once at its Lindley
-    /// time. Someone waiting: queued behind them (first class), debited when the queue
-    /// grants it, its `delay` the FIFO schedule. Raises Overloaded at once (consuming
+    /// time. Someone waiting: queued behind them in the first class, debited when the
+    /// queue grants it; its `delay` is the FIFO schedule with one class, a prediction
+    /// from the whole backlog with several. Raises Overloaded at once (consuming
     /// nothing) when the queue is full or the delay would exceed max_wait.
     #[pyo3(signature = (n = None, /, *, max_wait = None, **costs))]
     fn reserve(
