@@ -272,6 +272,8 @@ struct Waiter {
     costs: Box<[u64]>,
     arrival_ns: u64,
     deadline_ns: Option<u64>,
+    /// A reservation's promised grant time.
+    due_ns: Option<u64>,
     start_tag: f64,
     wake: Wake,
 }
@@ -327,6 +329,8 @@ struct Inner {
     last_grant_ns: u64,
     where_is: HashMap<u64, usize>,
     deadlines: BTreeSet<(u64, u64)>,
+    /// Queued reservations by promised grant time.
+    reserved: BTreeSet<(u64, u64)>,
     len: usize,
 }
 
@@ -460,6 +464,7 @@ impl WaitQueue {
                 last_grant_ns: 0,
                 where_is: HashMap::new(),
                 deadlines: BTreeSet::new(),
+                reserved: BTreeSet::new(),
                 len: 0,
             }),
             counters: Counters::default(),
@@ -510,6 +515,7 @@ impl WaitQueue {
             }
             g.where_is.clear();
             g.deadlines.clear();
+            g.reserved.clear();
             g.len = 0;
             g.vtime = 0.0;
             self.waiting.store(0, Ordering::Release);
@@ -667,11 +673,12 @@ impl WaitQueue {
             }
         }
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
-        let ticket = self.insert_locked(g, now, costs, class, deadline, wake());
+        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake());
         Ok(Submitted::Queued(ticket))
     }
 
     /// Queues a waiter at the tail of `class`; returns its ticket.
+    #[allow(clippy::too_many_arguments)]
     fn insert_locked(
         &self,
         g: &mut Inner,
@@ -679,6 +686,7 @@ impl WaitQueue {
         costs: &[u64],
         class: usize,
         deadline: Option<u64>,
+        due: Option<u64>,
         wake: Wake,
     ) -> u64 {
         let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
@@ -694,6 +702,7 @@ impl WaitQueue {
                 costs: costs.into(),
                 arrival_ns: now,
                 deadline_ns: deadline,
+                due_ns: due,
                 start_tag: start,
                 wake,
             },
@@ -701,6 +710,9 @@ impl WaitQueue {
         g.where_is.insert(ticket, class);
         if let Some(d) = deadline {
             g.deadlines.insert((d, ticket));
+        }
+        if let Some(d) = due {
+            g.reserved.insert((d, ticket));
         }
         g.len += 1;
         self.waiting.store(g.len, Ordering::Release);
@@ -802,7 +814,7 @@ impl WaitQueue {
             });
         }
         let slot = Slot::new();
-        let ticket = self.insert_locked(g, now, costs, class, None, Wake::Thread(slot.clone()));
+        let ticket = self.insert_locked(g, now, costs, class, None, Some(at), Wake::Thread(slot.clone()));
         Ok(QueuedReservation {
             ticket,
             at_ns: at,
@@ -921,12 +933,25 @@ impl WaitQueue {
         best.map(|(_, i, t)| (i, t))
     }
 
+    /// The waiter to grant next and when. With several classes, a queued reservation
+    /// whose promised time has come goes before the fair-share head (it was promised the
+    /// backlog's drain time; later arrivals of heavier classes must not make it late).
     fn head_time(&self, g: &Inner) -> Option<(usize, u64, Option<u64>)> {
         let (ci, t) = self.head(g)?;
+        let at = self.ready_time(g, ci, t);
+        if let Some(&(due, rt)) = g.reserved.first() {
+            if rt != t && g.classes.len() > 1 && at.is_none_or(|a| due <= a) {
+                let rci = g.where_is[&rt];
+                return Some((rci, rt, self.ready_time(g, rci, rt)));
+            }
+        }
+        Some((ci, t, at))
+    }
+
+    fn ready_time(&self, g: &Inner, ci: usize, t: u64) -> Option<u64> {
         let w = &g.classes[ci].waiters[&t];
         let from = w.arrival_ns.max(g.last_grant_ns);
-        let at = self.resource.ready_at(from, &w.costs).ok().flatten();
-        Some((ci, t, at))
+        self.resource.ready_at(from, &w.costs).ok().flatten()
     }
 
     fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
@@ -965,8 +990,11 @@ impl WaitQueue {
                         }
                         continue;
                     };
+                    let in_turn = self.head(g).is_some_and(|(_, h)| h == t);
                     let w = self.remove(g, ci, t);
-                    g.vtime = w.start_tag;
+                    if in_turn {
+                        g.vtime = w.start_tag;
+                    }
                     g.last_grant_ns = g.last_grant_ns.max(at);
                     bump(&self.counters.queued_grants);
                     let waited = at.saturating_sub(w.arrival_ns);
@@ -1010,6 +1038,9 @@ impl WaitQueue {
         g.where_is.remove(&t);
         if let Some(d) = w.deadline_ns {
             g.deadlines.remove(&(d, t));
+        }
+        if let Some(d) = w.due_ns {
+            g.reserved.remove(&(d, t));
         }
         g.len -= 1;
         self.waiting.store(g.len, Ordering::Release);
@@ -1324,5 +1355,41 @@ mod tests {
         assert!(r.outcome().is_some());
         assert!(!q.cancel_reservation(&r, &[1]));
         assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
+    }
+
+    #[test]
+    fn with_several_classes_a_reservation_is_granted_by_its_promised_time() {
+        let (q, clock) = setup(10.0, 1, vec![("a".into(), 1.0), ("b".into(), 8.0)]);
+        q.try_now(&[1], 0).unwrap();
+        let a: Vec<_> = (0..3).map(|_| queued_waiter(&q).1).collect();
+        let l = q.resource.clone();
+        let Ok(Reserved::Queued(r)) =
+            q.reserve(&[1], 0, None, move |_| l.try_take(0, &[1]).map_err(|d| l.error_for(d)))
+        else {
+            panic!("queued")
+        };
+        assert_eq!(r.at_ns, 400_000_000);
+        // Later arrivals of a heavier class have earlier fair-share tags than the
+        // reservation; it is still granted at its promised time.
+        let b: Vec<_> = (0..30)
+            .map(|_| {
+                let s = Slot::new();
+                let s2 = s.clone();
+                q.submit(&[1], 1, None, || Wake::Thread(s2)).unwrap();
+                s
+            })
+            .collect();
+        q.run_until(&clock, 10_000_000_000);
+        let Some(Outcome::Granted { at_ns, .. }) = r.outcome() else {
+            panic!("not granted")
+        };
+        assert!(at_ns <= r.at_ns, "{at_ns}");
+        let mut times: Vec<u64> = a.iter().chain(&b).filter_map(|s| granted(s)).collect();
+        times.push(at_ns);
+        times.sort_unstable();
+        assert_eq!(times.len(), 34);
+        for w in times.windows(2) {
+            assert!(w[1] - w[0] >= 99_999_999, "{times:?}");
+        }
     }
 }
