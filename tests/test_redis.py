@@ -66,8 +66,9 @@ def test_several_units_all_or_nothing(r: redis.Redis) -> None:
     assert lim.units == ["requests", "tokens"]
     assert lim.try_acquire(tokens=80)
     assert not lim.try_acquire(tokens=80)  # tokens refuse: requests untouched
-    assert lim.available() == pytest.approx(4, abs=0.05)
-    assert lim.available("tokens") == pytest.approx(20, abs=1)
+    # Real time: refills of 10 and 100 per second since (a loaded machine, up to 50 ms).
+    assert 3.99 <= lim.available() <= 4.5
+    assert 19 <= lim.available("tokens") <= 25
     with pytest.raises(TypeError, match="missing cost"):
         lim.try_acquire()
     with pytest.raises(TypeError, match="unexpected keyword"):

@@ -20,11 +20,21 @@ class RateQueueError(Exception):
 
 
 class Overloaded(RateQueueError):
-    """Refused at once: the queue is full or the deadline cannot be met. Nothing was consumed."""
+    """Refused at once: the queue is full or the deadline cannot be met. Nothing was consumed.
+
+    ``retry_after`` (no new arrivals assumed): for a full queue, when everyone queued
+    and this request will have been served (a ``try_acquire`` then is admitted); for a
+    predicted deadline miss, when the same request with the same deadline is accepted.
+    """
 
 
 class WaitTimeout(RateQueueError):
-    """Waited until the deadline without being granted. Nothing was consumed."""
+    """Waited until the deadline without being granted. Nothing was consumed.
+
+    ``retry_after``: on a rate, when everyone still queued and this request will have
+    been served (a ``try_acquire`` then is admitted); ``0.0`` on a concurrency limit,
+    where it depends on releases.
+    """
 
 
 class CostTooLarge(RateQueueError, ValueError):

@@ -281,11 +281,12 @@ class Limiter:
     def try_acquire(self, n: int | None = None, /, **costs: int) -> bool:
         """Admit now or return False; never waits."""
     def retry_after(self, n: int | None = None, /, **costs: int) -> float:
-        """Seconds until the costs would be admitted (0.0 = now); changes nothing."""
+        """Seconds after which try_acquire is admitted, everyone queued served first."""
     def reserve(
         self, n: int | None = None, /, *, max_wait: float | None = None, **costs: int
     ) -> Reservation:
-        """Reserve in arrival order; raises Overloaded if the wait would exceed max_wait."""
+        """Reserve in arrival order, behind any waiters; Overloaded when the queue is full
+        or the wait would exceed max_wait."""
     def available(self, unit: str | None = None) -> float: ...
     def set_rate(
         self,

@@ -108,6 +108,46 @@ pub enum Cancelled {
     NotQueued,
 }
 
+/// What a reservation got from [`WaitQueue::reserve`].
+#[derive(Clone, Debug)]
+pub enum Reserved<R> {
+    /// Nobody waited: what the resource's own reservation gave (debited at once).
+    Now(R),
+    /// Queued behind the waiters; debited when the queue grants it.
+    Queued(QueuedReservation),
+}
+
+/// A reservation waiting in the queue: the queue debits the resource when it grants
+/// it, at its schedule time, so no waiter ahead or behind is moved.
+#[derive(Clone)]
+pub struct QueuedReservation {
+    /// Its ticket in the queue.
+    pub ticket: u64,
+    /// The predicted grant time (exact for one class: the FIFO schedule; with several
+    /// weighted classes a prediction from the whole backlog).
+    pub at_ns: u64,
+    /// From the reservation until `at_ns`.
+    pub delay_ns: u64,
+    slot: Arc<Slot>,
+}
+
+impl std::fmt::Debug for QueuedReservation {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuedReservation")
+            .field("ticket", &self.ticket)
+            .field("at_ns", &self.at_ns)
+            .field("delay_ns", &self.delay_ns)
+            .finish()
+    }
+}
+
+impl QueuedReservation {
+    /// The queue's outcome so far: `Some` once granted, without consuming it.
+    pub fn outcome(&self) -> Option<Outcome> {
+        *lock(&self.slot.state)
+    }
+}
+
 /// A one-shot mailbox for a blocked thread.
 #[derive(Default)]
 pub struct Slot {
@@ -252,6 +292,8 @@ struct Waiter {
     costs: Box<[u64]>,
     arrival_ns: u64,
     deadline_ns: Option<u64>,
+    /// A reservation's promised grant time.
+    due_ns: Option<u64>,
     start_tag: f64,
     wake: Wake,
 }
@@ -307,6 +349,8 @@ struct Inner {
     last_grant_ns: u64,
     where_is: HashMap<u64, usize>,
     deadlines: BTreeSet<(u64, u64)>,
+    /// Queued reservations by promised grant time.
+    reserved: BTreeSet<(u64, u64)>,
     len: usize,
 }
 
@@ -440,6 +484,7 @@ impl WaitQueue {
                 last_grant_ns: 0,
                 where_is: HashMap::new(),
                 deadlines: BTreeSet::new(),
+                reserved: BTreeSet::new(),
                 len: 0,
             }),
             counters: Counters::default(),
@@ -495,6 +540,7 @@ impl WaitQueue {
             }
             g.where_is.clear();
             g.deadlines.clear();
+            g.reserved.clear();
             g.len = 0;
             g.vtime = 0.0;
             self.waiting.store(0, Ordering::Release);
@@ -657,8 +703,24 @@ impl WaitQueue {
                 }
             }
         }
-        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
+        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake());
+        Ok(Submitted::Queued(ticket))
+    }
+
+    /// Queues a waiter at the tail of `class`; returns its ticket.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_locked(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        deadline: Option<u64>,
+        due: Option<u64>,
+        wake: Wake,
+    ) -> u64 {
+        let ticket = NEXT_TICKET.fetch_add(1, Ordering::Relaxed);
         let c = &mut g.classes[class];
         let start = c.last_finish.max(g.vtime);
         c.last_finish = start + self.resource.service_ns(costs) / c.weight;
@@ -671,17 +733,143 @@ impl WaitQueue {
                 costs: costs.into(),
                 arrival_ns: now,
                 deadline_ns: deadline,
+                due_ns: due,
                 start_tag: start,
-                wake: wake(),
+                wake,
             },
         );
         g.where_is.insert(ticket, class);
         if let Some(d) = deadline {
             g.deadlines.insert((d, ticket));
         }
+        if let Some(d) = due {
+            g.reserved.insert((d, ticket));
+        }
         g.len += 1;
         self.waiting.store(g.len, Ordering::Release);
-        Ok(Submitted::Queued(ticket))
+        ticket
+    }
+
+    /// Without taking the queue's lock: `Some(now_path(now))` when nobody waits (the
+    /// resource reserves by itself, e.g. a GCRA debit at the Lindley time), `None` when
+    /// someone does (then call [`WaitQueue::reserve`], which may block on the lock).
+    #[inline]
+    pub fn reserve_if_idle<R>(&self, now_path: impl FnOnce(u64) -> Result<R, Error>) -> Option<Result<R, Error>> {
+        if self.waiting() != 0 {
+            return None;
+        }
+        Some(now_path(self.clock.now_ns()))
+    }
+
+    /// Reserves `costs` in arrival order without barging: when nobody waits, returns
+    /// what `now_path(now)` reserves; otherwise joins `class` behind the waiters, within
+    /// the queue's bounds (`max_queue`, and `timeout_ns` or max_wait: `Overloaded` at once
+    /// when the predicted wait exceeds it), and is granted — the resource debited — at
+    /// its schedule time like any waiter, its outcome kept in the returned handle. Its
+    /// `at_ns` is exact with one class (the FIFO schedule), a prediction with several.
+    pub fn reserve<R>(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        now_path: impl FnOnce(u64) -> Result<R, Error>,
+    ) -> Result<Reserved<R>, Error> {
+        if class >= self.config.classes.len() {
+            return Err(Error::invalid("priority", class, "is not a class of this limiter"));
+        }
+        if self.waiting() == 0 {
+            return now_path(self.clock.now_ns()).map(Reserved::Now);
+        }
+        let now = self.clock.now_ns();
+        let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        let mut g = lock(&self.inner);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, now, &mut out);
+        let result = if g.len == 0 {
+            now_path(now).map(Reserved::Now)
+        } else {
+            self.enqueue_reservation(&mut g, now, costs, class, max_wait)
+                .map(Reserved::Queued)
+        };
+        let next = matches!(result, Ok(Reserved::Queued(_)))
+            .then(|| self.next_wake_locked(&g))
+            .flatten();
+        deliver(out);
+        drop(g);
+        if let Some(t) = next {
+            self.schedule(t);
+        }
+        result
+    }
+
+    fn enqueue_reservation(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        max_wait: Option<u64>,
+    ) -> Result<QueuedReservation, Error> {
+        let at = match self.resource.ready_at(now, costs) {
+            Err(d) => return Err(self.deny_error(d)),
+            Ok(None) => None,
+            Ok(Some(_)) => self.predict_all(g, now, costs),
+        };
+        let Some(at) = at else {
+            return Err(Error::invalid(
+                "reserve",
+                "a permit resource",
+                "needs a resource whose grants are scheduled in time",
+            ));
+        };
+        let wait = at.saturating_sub(now);
+        if g.len >= self.config.max_queue {
+            bump(&self.counters.refused_full);
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the queue is full ({} waiting, max_queue={})",
+                    g.len, self.config.max_queue
+                ),
+                retry_after_ns: wait,
+            });
+        }
+        if let Some(mw) = max_wait.filter(|mw| wait > *mw) {
+            bump(&self.counters.refused_deadline);
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the predicted wait of {:.6} s exceeds max_wait={:.6} s",
+                    wait as f64 / 1e9,
+                    mw as f64 / 1e9
+                ),
+                retry_after_ns: wait - mw,
+            });
+        }
+        let slot = Slot::new();
+        let ticket = self.insert_locked(g, now, costs, class, None, Some(at), Wake::Thread(slot.clone()));
+        Ok(QueuedReservation {
+            ticket,
+            at_ns: at,
+            delay_ns: wait,
+            slot,
+        })
+    }
+
+    /// Cancels a queued reservation (once): before its grant it leaves the queue and
+    /// the waiters behind it move up; granted before its promised time (waiters ahead
+    /// left), the grant goes through [`WaitQueue::give_back`] (the one undo rule); at or
+    /// after that time it is kept (conservative: the caller may have used it). True when
+    /// it left the queue or its grant was handed back.
+    pub fn cancel_reservation(self: &Arc<Self>, r: &QueuedReservation, costs: &[u64]) -> bool {
+        if self.cancel(r.ticket) == Cancelled::Removed {
+            return true;
+        }
+        match r.slot.take() {
+            Some(Outcome::Granted { token, .. }) if self.clock.now_ns() < r.at_ns => {
+                self.give_back(costs, Some(token));
+                true
+            }
+            _ => false,
+        }
     }
 
     /// The predicted grant time of `costs` if submitted now behind everyone queued
@@ -727,6 +915,13 @@ impl WaitQueue {
         self.resource.error_for(d)
     }
 
+    /// Nanoseconds after which `costs` is admitted once everyone queued now has been
+    /// served (exact for a rate with no new arrivals, whatever the classes); 0 when that
+    /// depends on releases (permits) or can never happen.
+    pub fn retry_after_ns(&self, costs: &[u64]) -> u64 {
+        self.predict_delay(costs).ok().flatten().map_or(0, |(_, d)| d)
+    }
+
     /// Nanoseconds until the queue's next due time (0 when nothing is due).
     pub fn next_wake_delay(&self) -> u64 {
         self.next_wake().map_or(0, |t| t.saturating_sub(self.clock.now_ns()))
@@ -769,12 +964,25 @@ impl WaitQueue {
         best.map(|(_, i, t)| (i, t))
     }
 
+    /// The waiter to grant next and when. With several classes, a queued reservation
+    /// whose promised time has come goes before the fair-share head (it was promised the
+    /// backlog's drain time; later arrivals of heavier classes must not make it late).
     fn head_time(&self, g: &Inner) -> Option<(usize, u64, Option<u64>)> {
         let (ci, t) = self.head(g)?;
+        let at = self.ready_time(g, ci, t);
+        if let Some(&(due, rt)) = g.reserved.first() {
+            if rt != t && g.classes.len() > 1 && at.is_none_or(|a| due <= a) {
+                let rci = g.where_is[&rt];
+                return Some((rci, rt, self.ready_time(g, rci, rt)));
+            }
+        }
+        Some((ci, t, at))
+    }
+
+    fn ready_time(&self, g: &Inner, ci: usize, t: u64) -> Option<u64> {
         let w = &g.classes[ci].waiters[&t];
         let from = w.arrival_ns.max(g.last_grant_ns);
-        let at = self.resource.ready_at(from, &w.costs).ok().flatten();
-        Some((ci, t, at))
+        self.resource.ready_at(from, &w.costs).ok().flatten()
     }
 
     fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
@@ -813,8 +1021,11 @@ impl WaitQueue {
                         }
                         continue;
                     };
+                    let in_turn = self.head(g).is_some_and(|(_, h)| h == t);
                     let w = self.remove(g, ci, t);
-                    g.vtime = w.start_tag;
+                    if in_turn {
+                        g.vtime = w.start_tag;
+                    }
                     g.last_grant_ns = g.last_grant_ns.max(at);
                     bump(&self.counters.queued_grants);
                     let waited = at.saturating_sub(w.arrival_ns);
@@ -858,6 +1069,9 @@ impl WaitQueue {
         g.where_is.remove(&t);
         if let Some(d) = w.deadline_ns {
             g.deadlines.remove(&(d, t));
+        }
+        if let Some(d) = w.due_ns {
+            g.reserved.remove(&(d, t));
         }
         g.len -= 1;
         self.waiting.store(g.len, Ordering::Release);
@@ -1067,5 +1281,147 @@ mod tests {
         assert_eq!(q.waiting(), 0);
         clock.advance(100_000_000).unwrap();
         assert!(q.try_now(&[1], 0).is_ok());
+    }
+
+    fn rate_queue(per_sec: f64, burst: u64, max_queue: usize) -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(per_sec, 1e9, burst).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let q = WaitQueue::new(
+            lim.clone(),
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], max_queue, None).unwrap(),
+        );
+        (q, lim, clock)
+    }
+
+    fn reserve(
+        q: &Arc<WaitQueue>,
+        lim: &Arc<Limiter>,
+        max_wait: Option<u64>,
+    ) -> Result<Reserved<crate::Reservation>, Error> {
+        let l = lim.clone();
+        q.reserve(&[1], 0, max_wait, move |_| l.reserve(&[1], max_wait))
+    }
+
+    fn queued_waiter(q: &Arc<WaitQueue>) -> (u64, Arc<Slot>) {
+        let s = Slot::new();
+        let s2 = s.clone();
+        match q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap() {
+            Submitted::Queued(t) => (t, s),
+            other => panic!("not queued: {other:?}"),
+        }
+    }
+
+    #[test]
+    fn reserve_queues_behind_a_waiter_and_moves_nobody() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        let Reserved::Now(first) = reserve(&q, &lim, None).unwrap() else {
+            panic!("an idle queue reserves at once")
+        };
+        assert_eq!(first.delay_ns, 0);
+        let (_, waiter) = queued_waiter(&q);
+        let Reserved::Queued(r) = reserve(&q, &lim, None).unwrap() else {
+            panic!("a reservation must queue behind the waiter")
+        };
+        assert_eq!((r.at_ns, r.delay_ns), (200_000_000, 200_000_000));
+        let (_, behind) = queued_waiter(&q);
+        q.run_until(&clock, 1_000_000_000);
+        assert_eq!(granted(&waiter), Some(100_000_000));
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
+        assert_eq!(granted(&behind), Some(300_000_000));
+    }
+
+    #[test]
+    fn reserve_respects_max_queue_and_the_predicted_deadline() {
+        let (q, lim, _clock) = rate_queue(10.0, 1, 2);
+        lim.try_acquire(&[1]).unwrap();
+        queued_waiter(&q);
+        // 0.2 s predicted: refused at once against 0.15 s, retry 0.05 s later.
+        match reserve(&q, &lim, Some(150_000_000)) {
+            Err(Error::Overloaded { retry_after_ns, .. }) => assert_eq!(retry_after_ns, 50_000_000),
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(reserve(&q, &lim, Some(200_000_000)), Ok(Reserved::Queued(_))));
+        match reserve(&q, &lim, None) {
+            Err(Error::Overloaded { retry_after_ns, .. }) => assert_eq!(retry_after_ns, 300_000_000),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(q.waiting(), 2);
+        assert_eq!(q.counts().refused_full, 1);
+        assert_eq!(q.counts().refused_deadline, 1);
+    }
+
+    #[test]
+    fn cancelling_a_queued_reservation_moves_the_next_waiter_up() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        lim.try_acquire(&[1]).unwrap();
+        let (_, a) = queued_waiter(&q);
+        let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
+            panic!("queued")
+        };
+        let (_, b) = queued_waiter(&q);
+        assert!(q.cancel_reservation(&r, &[1]));
+        assert!(!q.cancel_reservation(&r, &[1]));
+        q.run_until(&clock, 1_000_000_000);
+        assert_eq!(granted(&a), Some(100_000_000));
+        assert_eq!(granted(&b), Some(200_000_000));
+        assert!(r.outcome().is_none());
+    }
+
+    #[test]
+    fn a_granted_reservation_cancelled_at_its_time_keeps_its_slot() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        lim.try_acquire(&[1]).unwrap();
+        queued_waiter(&q);
+        let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
+            panic!("queued")
+        };
+        q.run_until(&clock, r.at_ns);
+        assert!(r.outcome().is_some());
+        assert!(!q.cancel_reservation(&r, &[1]));
+        assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
+    }
+
+    #[test]
+    fn with_several_classes_a_reservation_is_granted_by_its_promised_time() {
+        let (q, clock) = setup(10.0, 1, vec![("a".into(), 1.0), ("b".into(), 8.0)]);
+        q.try_now(&[1], 0).unwrap();
+        let a: Vec<_> = (0..3).map(|_| queued_waiter(&q).1).collect();
+        let l = q.resource.clone();
+        let Ok(Reserved::Queued(r)) =
+            q.reserve(&[1], 0, None, move |_| l.try_take(0, &[1]).map_err(|d| l.error_for(d)))
+        else {
+            panic!("queued")
+        };
+        assert_eq!(r.at_ns, 400_000_000);
+        // Later arrivals of a heavier class have earlier fair-share tags than the
+        // reservation; it is still granted at its promised time.
+        let b: Vec<_> = (0..30)
+            .map(|_| {
+                let s = Slot::new();
+                let s2 = s.clone();
+                q.submit(&[1], 1, None, || Wake::Thread(s2)).unwrap();
+                s
+            })
+            .collect();
+        q.run_until(&clock, 10_000_000_000);
+        let Some(Outcome::Granted { at_ns, .. }) = r.outcome() else {
+            panic!("not granted")
+        };
+        assert!(at_ns <= r.at_ns, "{at_ns}");
+        let mut times: Vec<u64> = a.iter().chain(&b).filter_map(|s| granted(s)).collect();
+        times.push(at_ns);
+        times.sort_unstable();
+        assert_eq!(times.len(), 34);
+        for w in times.windows(2) {
+            assert!(w[1] - w[0] >= 99_999_999, "{times:?}");
+        }
     }
 }

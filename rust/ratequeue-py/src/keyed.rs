@@ -367,6 +367,16 @@ impl KeyedLimiterPy {
         self.keyed.gates.has_waiters(key)
     }
 
+    /// Nanoseconds until `cost` on `key` would be granted behind the key's waiters
+    /// (GIL released while the queue is read); None when nobody waits on it.
+    pub fn backlog_delay_ns(&self, py: Python<'_>, key: u64, cost: u64) -> Option<u64> {
+        let g = self.keyed.gates.existing(key).filter(|g| g.queue.waiting() != 0)?;
+        py.detach(move || g.queue.predict_delay(&[cost]))
+            .ok()
+            .flatten()
+            .map(|(_, d)| d)
+    }
+
     /// The core map (for policies).
     pub fn core(&self) -> &Arc<KeyedLimiter> {
         &self.core
@@ -613,13 +623,21 @@ impl KeyedLimiterPy {
         Ok(self.core.available(key_of(self.core.hasher(), key)?))
     }
 
-    /// Seconds until `cost` would be admitted on `key` (0.0 = now).
+    /// Seconds after which try_acquire of `cost` on `key` is admitted, the key's queued
+    /// requests served first (0.0 = now): exact with no new arrivals; changes nothing.
     #[pyo3(signature = (key, cost = None))]
     #[pyo3(text_signature = "($self, key, cost=1)")]
     fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
         let k = key_of(self.core.hasher(), key)?;
         let cost = cost_arg(cost)?;
-        match self.core.delay_for(k, self.core.clock().now_ns(), cost) {
+        let queued = self.keyed.gates.existing(k).filter(|g| g.queue.waiting() != 0);
+        let delay = match queued {
+            Some(g) => py
+                .detach(move || g.queue.predict_delay(&[cost]))
+                .map(|p| p.map_or(u64::MAX, |(_, d)| d)),
+            None => self.core.delay_for(k, self.core.clock().now_ns(), cost),
+        };
+        match delay {
             Ok(ns) => Ok(ns as f64 / 1e9),
             Err(Deny::TooLarge { cost, burst, .. }) => Err(to_py(
                 py,

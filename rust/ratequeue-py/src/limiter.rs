@@ -7,7 +7,7 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, Rate, Reservation, WaitQueue};
+use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue};
 
 use crate::args::{cost, opt_text, period_seconds, seconds_ns, size};
 use crate::clock::any_clock;
@@ -142,6 +142,16 @@ impl LimiterPy {
     /// True when someone waits in this limiter's queue (nobody overtakes them).
     pub fn has_waiters(&self) -> bool {
         self.gate.queue.waiting() != 0
+    }
+
+    /// Nanoseconds until `costs` (per unit) would be granted behind everyone queued now
+    /// (GIL released while the queue is read); None when nobody waits.
+    pub fn backlog_delay_ns(&self, py: Python<'_>, costs: &[u64]) -> Option<u64> {
+        if self.gate.queue.waiting() == 0 {
+            return None;
+        }
+        let q = self.gate.queue.clone();
+        py.detach(move || q.predict_delay(costs)).ok().flatten().map(|(_, d)| d)
     }
 
     /// The core limiter (for policies).
@@ -285,7 +295,9 @@ impl LimiterPy {
         }
     }
 
-    /// Seconds until the given costs would be admitted (0.0 = now); changes nothing.
+    /// Seconds after which try_acquire of the given costs is admitted, the requests
+    /// queued now served first (0.0 = now): exact with one class and no new arrivals
+    /// (equal to predicted_wait); changes nothing.
     #[pyo3(signature = (n = None, /, **costs))]
     fn retry_after(
         &self,
@@ -294,15 +306,25 @@ impl LimiterPy {
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<f64> {
         let c = self.costs(n, costs)?;
-        match self.core.delay_for(&c) {
-            Ok(ns) => Ok(ns as f64 / 1e9),
+        if self.gate.queue.waiting() == 0 {
+            return match self.core.delay_for(&c) {
+                Ok(ns) => Ok(ns as f64 / 1e9),
+                Err(d) => Err(self.deny(py, d)),
+            };
+        }
+        let (q, units) = (self.gate.queue.clone(), self.core.units().len());
+        match py.detach(move || q.predict_delay(&c[..units])) {
+            Ok(p) => Ok(p.map_or(f64::INFINITY, |(_, d)| d as f64 / 1e9)),
             Err(d) => Err(self.deny(py, d)),
         }
     }
 
     /// Reserves the costs in arrival order: returns a Reservation whose `delay` says how
-    /// long to wait before proceeding. Raises Overloaded at once (consuming nothing)
-    /// when the delay would exceed max_wait.
+    /// long to wait before proceeding. Nobody waiting: debited at once at its Lindley
+    /// time. Someone waiting: queued behind them in the first class, debited when the
+    /// queue grants it; its `delay` is the FIFO schedule with one class, a prediction
+    /// from the whole backlog with several. Raises Overloaded at once (consuming
+    /// nothing) when the queue is full or the delay would exceed max_wait.
     #[pyo3(signature = (n = None, /, *, max_wait = None, **costs))]
     fn reserve(
         slf: &Bound<'_, Self>,
@@ -317,10 +339,22 @@ impl LimiterPy {
             Some(m) => Some(seconds_ns("max_wait", m)?),
             None => me.max_wait_ns,
         };
-        let r = me.core.reserve(&c, mw).map_err(|e| to_py(py, e))?;
+        let core = me.core.clone();
+        let now_path = move |_| core.reserve(&c, mw);
+        let inner = match me.gate.queue.reserve_if_idle(now_path.clone()) {
+            Some(r) => Held::Now(r.map_err(|e| to_py(py, e))?),
+            None => {
+                let (q, units) = (me.gate.queue.clone(), me.core.units().len());
+                match py.detach(move || q.reserve(&c[..units], 0, mw, now_path)) {
+                    Ok(Reserved::Now(r)) => Held::Now(r),
+                    Ok(Reserved::Queued(r)) => Held::Queued(r, c[..units].to_vec()),
+                    Err(e) => return Err(to_py(py, e)),
+                }
+            }
+        };
         Ok(ReservationPy {
             limiter: slf.clone().unbind(),
-            inner: r,
+            inner,
             done: AtomicBool::new(false),
         })
     }
@@ -626,12 +660,27 @@ impl LimiterPy {
     }
 }
 
+/// What a reservation holds: a debit made at once, or a place in the queue (with its costs).
+enum Held {
+    Now(Reservation),
+    Queued(QueuedReservation, Vec<u64>),
+}
+
 /// Capacity held from `at` on; proceed after `delay` seconds.
 #[pyclass(frozen, name = "Reservation", module = "ratequeue")]
 pub struct ReservationPy {
     limiter: Py<LimiterPy>,
-    inner: Reservation,
+    inner: Held,
     done: AtomicBool,
+}
+
+impl ReservationPy {
+    fn at_delay_ns(&self) -> (u64, u64) {
+        match &self.inner {
+            Held::Now(r) => (r.at_ns, r.delay_ns),
+            Held::Queued(r, _) => (r.at_ns, r.delay_ns),
+        }
+    }
 }
 
 #[pymethods]
@@ -639,13 +688,13 @@ impl ReservationPy {
     /// Seconds from the reservation until the caller may proceed.
     #[getter]
     fn delay(&self) -> f64 {
-        self.inner.delay_ns as f64 / 1e9
+        self.at_delay_ns().1 as f64 / 1e9
     }
 
     /// The clock time (seconds) at which the caller may proceed.
     #[getter]
     fn at(&self) -> f64 {
-        self.inner.at_ns as f64 / 1e9
+        self.at_delay_ns().0 as f64 / 1e9
     }
 
     /// True once cancel() has been called.
@@ -654,22 +703,30 @@ impl ReservationPy {
         self.done.load(Ordering::Acquire)
     }
 
-    /// Cancels by the one undo rule: on each rate, exactly where nothing came after it,
-    /// else refunded while no grant is scheduled ahead (never past full), else kept
-    /// (counted in stats()["refunds_dropped"]); wakes the limiter's queue if capacity
-    /// came back. Returns True if anything was given back; only the first call acts.
+    /// Cancels by the one undo rule: a reservation still queued leaves the queue (the
+    /// waiters behind it move up); a debited one is undone on each rate exactly where
+    /// nothing came after it, else refunded while no grant is scheduled ahead (never
+    /// past full), else kept (counted in stats()["refunds_dropped"]); capacity given
+    /// back wakes the limiter's queue. Returns True if anything was given back; only
+    /// the first call acts.
     fn cancel(&self, py: Python<'_>) -> bool {
         if self.done.swap(true, Ordering::AcqRel) {
             return false;
         }
         let lim = self.limiter.get();
-        py.detach(|| {
-            let gave = lim.core.cancel(&self.inner) > 0;
-            if gave {
-                lim.gate.queue.poll_now();
+        match &self.inner {
+            Held::Now(r) => py.detach(|| {
+                let gave = lim.core.cancel(r) > 0;
+                if gave {
+                    lim.gate.queue.poll_now();
+                }
+                gave
+            }),
+            Held::Queued(r, costs) => {
+                let q = lim.gate.queue.clone();
+                py.detach(|| q.cancel_reservation(r, costs))
             }
-            gave
-        })
+        }
     }
 
     fn __repr__(&self) -> String {

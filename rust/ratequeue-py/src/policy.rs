@@ -179,6 +179,27 @@ impl PolicyPy {
         })
     }
 
+    /// The latest time, from now, at which the enforced rate levels that have waiters
+    /// would grant these costs behind them (0 when none can say).
+    fn backlog_delay_ns(&self, py: Python<'_>, args: &[LevelArgs]) -> u64 {
+        let mut wait = 0;
+        for (i, l) in self.levels.iter().enumerate() {
+            if self.core.levels()[i].shadow {
+                continue;
+            }
+            let o = l.obj.bind(py);
+            let d = if let Ok(x) = o.cast::<LimiterPy>() {
+                x.get().backlog_delay_ns(py, &args[i].costs)
+            } else if let Ok(x) = o.cast::<KeyedLimiterPy>() {
+                x.get().backlog_delay_ns(py, args[i].key, args[i].costs[0])
+            } else {
+                None
+            };
+            wait = wait.max(d.unwrap_or(0));
+        }
+        wait
+    }
+
     /// Waits (GIL released) in the queue of every enforced concurrency level, in order.
     fn wait_concurrency(
         &self,
@@ -341,7 +362,10 @@ impl PolicyPy {
 
     /// Reserves every rate level for one grant at the latest time any of them needs
     /// (concurrency levels must be free now): a PolicyPermit whose `delay` says how long
-    /// to wait. Raises Overloaded at once, holding nothing, beyond `max_wait`.
+    /// to wait. Raises Overloaded at once, holding nothing, beyond `max_wait`, and while
+    /// any enforced level has requests waiting (a reservation never overtakes them nor
+    /// moves them later); `retry_after` is then when those rate levels' queues will have
+    /// served their backlog and this request (0.0 when only a concurrency level waits).
     #[pyo3(signature = (*, max_wait = None, **kw))]
     fn reserve(
         &self,
@@ -350,6 +374,19 @@ impl PolicyPy {
         kw: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
+        if let Some(i) = self.waiters_ahead(py, &args) {
+            self.core.note_refused(i);
+            return Err(to_py(
+                py,
+                Error::Overloaded {
+                    reason: format!(
+                        "level {:?} has requests waiting: a reservation does not overtake them",
+                        self.levels[i].name
+                    ),
+                    retry_after_ns: self.backlog_delay_ns(py, &args),
+                },
+            ));
+        }
         let mw = max_wait
             .map(|m| seconds_ns("max_wait", m))
             .transpose()?

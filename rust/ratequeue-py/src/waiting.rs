@@ -142,7 +142,7 @@ impl Gate {
                 py,
                 Error::WaitTimeout {
                     waited_ns,
-                    retry_after_ns: self.queue.next_wake_delay(),
+                    retry_after_ns: self.queue.retry_after_ns(costs),
                 },
             )),
         }
@@ -520,7 +520,7 @@ impl AcquiringPy {
             py,
             Error::WaitTimeout {
                 waited_ns,
-                retry_after_ns: self.gate.queue.next_wake_delay(),
+                retry_after_ns: self.gate.queue.retry_after_ns(&self.costs),
             },
         )
     }
