@@ -263,7 +263,9 @@ class Limiter:
         **costs: int,
     ) -> Permit | int:
         """Without blocking: a Permit if granted at once, else a ticket drained from channel."""
-    def predicted_wait(self, n: int | None = None, /, **costs: int) -> float:
+    def predicted_wait(
+        self, n: int | None = None, /, *, priority: str | None = None, **costs: int
+    ) -> float:
         """Seconds a request would wait if it arrived now behind everyone queued."""
     def poll(self) -> float | None:
         """Grant and expire what is due now; the next due time or None."""

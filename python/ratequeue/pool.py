@@ -285,8 +285,9 @@ class Pool:
                 f"unexpected cost unit(s) {sorted(unknown)}: this pool counts {sorted(self._units)}"
             )
 
-    def waits(self, **costs: int) -> dict[str, float]:
-        """Per provider, the seconds a request would wait if it arrived now.
+    def waits(self, *, priority: str | None = None, **costs: int) -> dict[str, float]:
+        """Per provider, the seconds a request of class ``priority`` would wait if it
+        arrived now.
 
         That is the longer of the cooldown left and the predicted queue wait; ``inf``
         when the cost exceeds the provider's burst.
@@ -296,7 +297,7 @@ class Pool:
         out: dict[str, float] = {}
         for p in self._providers:
             try:
-                w = p.limiter.predicted_wait(**p.costs_for(costs))
+                w = p.limiter.predicted_wait(priority=priority, **p.costs_for(costs))
             except CostTooLarge:
                 w = math.inf
             out[p.name] = max(0.0 if w < _CLOCK_NOISE else w, p._cooldown_until - now)
@@ -307,9 +308,11 @@ class Pool:
         *,
         max_wait: float | None = None,
         exclude: Iterable[str] = (),
+        priority: str | None = None,
         **costs: int,
     ) -> tuple[Provider, float]:
-        """The provider a request would go to now, and its predicted wait.
+        """The provider a request of class ``priority`` would go to now, and its
+        predicted wait.
 
         Skips providers in cooldown, those named in ``exclude`` and those whose wait
         exceeds ``max_wait``. Raises :class:`PoolOverloaded` when none is left, or
@@ -323,7 +326,7 @@ class Pool:
         never = 0  # providers whose limits the cost can never fit
         for p in self._providers:
             try:
-                w = p.limiter.predicted_wait(**p.costs_for(costs))
+                w = p.limiter.predicted_wait(priority=priority, **p.costs_for(costs))
             except CostTooLarge:
                 w = math.inf
             if w < _CLOCK_NOISE:
@@ -379,8 +382,10 @@ class Pool:
     def _remaining(self, deadline: float | None) -> float | None:
         return None if deadline is None else max(0.0, deadline - self._clock.now())
 
-    def _give_up(self, deadline: float | None, costs: Mapping[str, int]) -> PoolOverloaded:
-        waits = self.waits(**costs)
+    def _give_up(
+        self, deadline: float | None, costs: Mapping[str, int], priority: str | None = None
+    ) -> PoolOverloaded:
+        waits = self.waits(priority=priority, **costs)
         smallest = min(waits.values())
         return PoolOverloaded(
             f"no provider could serve this request before its deadline (waits: {waits})",
@@ -417,7 +422,7 @@ class Pool:
         excluded: set[str] = set()
         for _ in range(self._max_rounds()):
             remaining = self._remaining(deadline)
-            p, _ = self.choose(max_wait=remaining, exclude=excluded, **costs)
+            p, _ = self.choose(max_wait=remaining, exclude=excluded, priority=priority, **costs)
             with self._lock:
                 p._routed += 1
             try:
@@ -429,7 +434,7 @@ class Pool:
                 continue
             if self.on_grant(p):
                 return p, permit
-        raise self._give_up(deadline, costs)
+        raise self._give_up(deadline, costs, priority)
 
     async def acquire_async(
         self, *, priority: str | None = None, timeout: float | None = None, **costs: int
@@ -440,7 +445,7 @@ class Pool:
         excluded: set[str] = set()
         for _ in range(self._max_rounds()):
             remaining = self._remaining(deadline)
-            p, _ = self.choose(max_wait=remaining, exclude=excluded, **costs)
+            p, _ = self.choose(max_wait=remaining, exclude=excluded, priority=priority, **costs)
             with self._lock:
                 p._routed += 1
             try:
@@ -452,7 +457,7 @@ class Pool:
                 continue
             if self.on_grant(p):
                 return p, permit
-        raise self._give_up(deadline, costs)
+        raise self._give_up(deadline, costs, priority)
 
     def submit(
         self,
@@ -473,7 +478,7 @@ class Pool:
         budget = self._budget(timeout)
         excluded = set(exclude)
         for _ in range(self._max_rounds()):
-            p, _ = self.choose(max_wait=budget, exclude=excluded, **costs)
+            p, _ = self.choose(max_wait=budget, exclude=excluded, priority=priority, **costs)
             with self._lock:
                 p._routed += 1
             try:
@@ -487,7 +492,7 @@ class Pool:
                 with self._lock:
                     p._sent += 1
             return p, r
-        raise self._give_up(None, costs)
+        raise self._give_up(None, costs, priority)
 
     # -- outcomes -----------------------------------------------------------------------
 

@@ -634,7 +634,8 @@ impl WaitQueue {
         let mut g = lock(&self.inner);
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        let result = self.enqueue_locked(&mut g, now, costs, class, max_wait, wake);
+        let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
+        let result = self.enqueue_locked(&mut g, now, costs, class, (max_wait, bound), wake);
         let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
             self.next_wake_locked(&g)
         } else {
@@ -656,7 +657,7 @@ impl WaitQueue {
         now: u64,
         costs: &[u64],
         class: usize,
-        max_wait: Option<u64>,
+        (max_wait, bound): (Option<u64>, &str),
         wake: impl FnOnce() -> Wake,
     ) -> Result<Submitted, Error> {
         if g.len == 0 {
@@ -694,7 +695,7 @@ impl WaitQueue {
                     bump(&self.counters.refused_deadline);
                     return Err(Error::Overloaded {
                         reason: format!(
-                            "the predicted wait of {:.6} s exceeds max_wait={:.6} s",
+                            "the predicted wait of {:.6} s exceeds {bound}={:.6} s",
                             wait as f64 / 1e9,
                             mw as f64 / 1e9
                         ),
@@ -702,6 +703,14 @@ impl WaitQueue {
                     });
                 }
             }
+        }
+        if max_wait == Some(0) {
+            // A deadline that has already passed on this clock: fail now, whichever clock.
+            bump(&self.counters.timed_out);
+            return Err(Error::WaitTimeout {
+                waited_ns: 0,
+                retry_after_ns: self.predict_all(g, now, costs).map_or(0, |t| t.saturating_sub(now)),
+            });
         }
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
         let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake());
@@ -893,6 +902,35 @@ impl WaitQueue {
         } else {
             self.predict_all(&g, now, costs)
         };
+        Ok(at.map(|t| (now, t.saturating_sub(now))))
+    }
+
+    /// The wait `costs` would have if submitted now in `class`, with the time it was read
+    /// at: the fair queue serves first every waiter whose start tag is at or before the
+    /// new request's (and every reservation with a promised time, which may go first),
+    /// then it. Exact when nothing else arrives (with one class: FIFO behind everyone);
+    /// later arrivals of other classes can only add their fair share. `Ok(None)` when
+    /// it depends on releases, `Err` when the cost can never be granted.
+    pub fn predict_delay_in(&self, costs: &[u64], class: usize) -> Result<Option<(u64, u64)>, Deny> {
+        let now = self.clock.now_ns();
+        let g = lock(&self.inner);
+        let ready = self.resource.ready_at(now, costs)?;
+        if g.len == 0 {
+            return Ok(ready.map(|t| (now, t.saturating_sub(now))));
+        }
+        let Some(c) = g.classes.get(class) else {
+            return Ok(self.predict_all(&g, now, costs).map(|t| (now, t.saturating_sub(now))));
+        };
+        let start = c.last_finish.max(g.vtime);
+        let mut ahead = vec![0u64; self.units];
+        for w in g.classes.iter().flat_map(|c| c.waiters.values()) {
+            if w.start_tag <= start || w.due_ns.is_some() {
+                for (a, x) in ahead.iter_mut().zip(w.costs.iter()) {
+                    *a = a.saturating_add(*x);
+                }
+            }
+        }
+        let at = self.resource.predict(now.max(g.last_grant_ns), &ahead, costs);
         Ok(at.map(|t| (now, t.saturating_sub(now))))
     }
 

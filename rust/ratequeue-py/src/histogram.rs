@@ -260,6 +260,22 @@ impl HistogramPy {
         HistogramPy { inner: Arc::new(h) }
     }
 
+    fn __copy__(&self) -> Self {
+        self.copy()
+    }
+
+    #[pyo3(signature = (_memo = None))]
+    fn __deepcopy__(&self, _memo: Option<&Bound<'_, PyAny>>) -> Self {
+        self.copy()
+    }
+
+    /// Pickles through the byte form: `Histogram.from_bytes(h.to_bytes())`.
+    fn __reduce__<'py>(slf: &Bound<'py, Self>) -> PyResult<(Bound<'py, PyAny>, (Bound<'py, PyBytes>,))> {
+        let py = slf.py();
+        let make = slf.get_type().getattr("from_bytes")?;
+        Ok((make, (slf.get().to_bytes(py),)))
+    }
+
     /// Empties the histogram; returns what it held, as a new Histogram.
     fn reset(&self) -> Self {
         let h = Histogram::new();

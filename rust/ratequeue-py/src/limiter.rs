@@ -507,18 +507,23 @@ impl LimiterPy {
         )
     }
 
-    /// Seconds a request with these costs would wait if it arrived now behind everyone
-    /// queued (exact for one class; a lower bound with several).
-    #[pyo3(signature = (n = None, /, **costs))]
+    /// Seconds a request with these costs would wait if it arrived now in class
+    /// `priority` (None: the first class): behind the waiters the fair queue serves
+    /// before it. Exact with one class, and with several as long as nothing else
+    /// arrives; inf when it depends on releases.
+    #[pyo3(signature = (n = None, /, *, priority = None, **costs))]
     fn predicted_wait(
         &self,
         py: Python<'_>,
         n: Option<&Bound<'_, PyAny>>,
+        priority: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<f64> {
         let c = self.costs(n, costs)?;
+        let class = self.gate.class(priority)?;
         let units = self.core.units().len();
-        match self.gate.queue.predict_delay(&c[..units]) {
+        let q = self.gate.queue.clone();
+        match py.detach(move || q.predict_delay_in(&c[..units], class)) {
             Ok(p) => Ok(p.map_or(f64::INFINITY, |(_, d)| d as f64 / 1e9)),
             Err(d) => Err(self.deny(py, d)),
         }
@@ -627,7 +632,16 @@ pub fn new_gate(
 impl LimiterPy {
     fn which(&self, which: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
         let n = self.core.rate_count();
-        let Some(w) = which else { return Ok(0) };
+        let Some(w) = which.filter(|w| !w.is_none()) else {
+            let first = self.core.rate(0).map(|(u, _)| u.to_owned()).unwrap_or_default();
+            let same = (0..n).filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == first)).count();
+            if same > 1 {
+                return Err(PyValueError::new_err(format!(
+                    "which= is required: this limiter has {same} rates in {first:?} (pass an index)"
+                )));
+            }
+            return Ok(0);
+        };
         if let Ok(s) = w.cast::<PyString>() {
             let s = s.to_str()?;
             let hits: Vec<usize> = (0..n)

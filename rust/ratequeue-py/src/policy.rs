@@ -335,6 +335,7 @@ impl PolicyPy {
                 )));
             }
         }
+        check_levels(py, &py_levels)?;
         let core = Policy::new(core_levels).map_err(|e| to_py(py, e))?;
         Ok(PolicyPy {
             core: Arc::new(core),
@@ -525,6 +526,45 @@ impl PolicyPy {
         d.set_item("levels", levels)?;
         Ok(d)
     }
+}
+
+/// Keywords of Policy calls: never a level's name.
+const KEYWORDS: [&str; 2] = ["timeout", "max_wait"];
+
+/// Refuses set-ups that can never work: a level named like a call keyword or like a
+/// unit of any level (its keyword would be ambiguous), one limit object at two levels.
+fn check_levels(py: Python<'_>, levels: &[LevelPy]) -> PyResult<()> {
+    let units: Vec<&str> = levels
+        .iter()
+        .flat_map(|l| match &l.shape {
+            Shape::Units(u) => u.iter().map(String::as_str).collect(),
+            Shape::KeyedUnit(u) => vec![u.as_str()],
+            Shape::Permits { .. } => Vec::new(),
+        })
+        .collect();
+    for (i, l) in levels.iter().enumerate() {
+        if KEYWORDS.contains(&l.name.as_str()) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a keyword of Policy calls {KEYWORDS:?}: rename the level",
+                l.name
+            )));
+        }
+        if units.contains(&l.name.as_str()) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a unit a level counts: its keyword would be both a key \
+                 and a cost; rename the level",
+                l.name
+            )));
+        }
+        if let Some(o) = levels[..i].iter().find(|o| o.obj.bind(py).is(l.obj.bind(py))) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is the same limit object as level {:?}: every request would take it \
+                 twice; pass it once",
+                l.name, o.name
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// Runs `f` (which takes a queue's lock) with the GIL released if this thread holds it:
