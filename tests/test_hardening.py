@@ -11,7 +11,9 @@ import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 import pytest
 import ratequeue as rq
 from prometheus_client import CollectorRegistry, Counter, generate_latest
@@ -349,3 +351,187 @@ def test_redis_limiters_check_their_settings_at_construction(
     args = {"client": client, **kwargs}
     with pytest.raises(error, match=match):
         RedisPolicy(args.pop("client"), {"a": rq.Rate(10)}, name="x", **args)
+
+
+# -- the bindings: one rule per kind of argument ------------------------------------------
+
+
+@pytest.mark.parametrize("cost", [-1, 2**64, 2**70, 1.5, True, "1", np.int64(-3)])
+def test_keyed_costs_follow_the_limiter_rule(cost: object) -> None:
+    clock = rq.ManualClock()
+    keyed = rq.KeyedLimiter(rq.Rate(10, burst=5), clock=clock)
+    single = rq.Limiter(rq.Rate(10, burst=5), clock=clock)
+    for call in (
+        lambda: keyed.try_acquire("k", cost),
+        lambda: keyed.retry_after("k", cost),
+        lambda: keyed.acquire("k", cost, timeout=0),
+    ):
+        with pytest.raises((ValueError, TypeError, rq.RateQueueError)) as info:
+            call()
+        assert not isinstance(info.value, OverflowError)
+        with pytest.raises(type(info.value)):
+            single.try_acquire(cost)
+        if not isinstance(info.value, rq.CostTooLarge):
+            assert "cost" in str(info.value)
+
+
+def test_a_cost_beyond_64_bits_is_shown_as_given() -> None:
+    keyed = rq.KeyedLimiter(rq.Rate(10, burst=5), clock=rq.ManualClock())
+    with pytest.raises(rq.CostTooLarge, match=str(2**70)):
+        keyed.try_acquire("k", 2**70)
+    with pytest.raises(rq.CostTooLarge, match="burst of 5"):
+        keyed.try_acquire("k", 2**64)
+
+
+@pytest.mark.parametrize("n", [0, True, False, -1, 1.0])
+def test_keyed_permits_follow_the_concurrency_rule(n: object) -> None:
+    kc = rq.KeyedConcurrency(3, clock=rq.ManualClock())
+    conc = rq.Concurrency(3, clock=rq.ManualClock())
+    with pytest.raises((ValueError, TypeError)) as info:
+        kc.try_acquire("k", n)
+    assert "n" in str(info.value)
+    with pytest.raises(type(info.value)):
+        conc.try_acquire(n)
+    assert kc.in_use("k") == 0
+
+
+def test_numpy_integers_are_costs_and_numbers_are_seconds() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=5), clock=clock)
+    assert lim.try_acquire(np.int64(2))
+    assert rq.KeyedLimiter(rq.Rate(10, burst=5), clock=clock).try_acquire("k", np.uint8(3))
+    assert rq.KeyedConcurrency(3, clock=clock).try_acquire("k", np.int32(2)) is not None
+    assert clock.advance(np.float32(0.5)) == 0.5
+    with pytest.raises(TypeError, match="seconds"):
+        clock.advance(np.bool_(True))
+
+
+@pytest.mark.parametrize(
+    ("make", "name"),
+    [
+        (lambda: rq.Rate(10, unit=5), "unit"),
+        (lambda: rq.Limiter(rq.Rate(10), name=5), "name"),
+        (lambda: rq.Limiter(rq.Rate(10)).acquire(priority=1), "priority"),
+        (lambda: rq.Limiter(rq.Rate(10)).available(0), "unit"),
+        (lambda: rq.Policy([]), "levels"),  # type: ignore[arg-type]
+        (lambda: rq.Policy({"a": rq.Limiter(rq.Rate(1))}, shadow=1), "shadow"),
+        (lambda: rq.Histogram().percentile("50"), "q"),
+        (lambda: rq.Histogram().percentile(101), "q"),
+        (lambda: rq.Histogram().percentiles("50"), "qs"),
+        (lambda: rq.Histogram().count_le(None), "le"),
+        (lambda: rq.Histogram().cumulative(1.0), "les"),
+        (lambda: rq.Histogram().record("1"), "seconds"),
+        (lambda: rq.Histogram().record_many(1.0), "values"),
+        (lambda: rq.KeyedLimiter(rq.Rate(10)).try_acquire_many(5), "keys"),
+    ],
+)
+def test_each_kind_of_argument_is_named_in_its_error(make: Any, name: str) -> None:
+    with pytest.raises((TypeError, ValueError)) as info:
+        make()
+    assert name in str(info.value)
+
+
+def test_record_many_converts_integer_float32_arrays_and_sequences() -> None:
+    h = rq.Histogram()
+    h.record_many(np.array([1.5, 2.5], dtype=np.float32))
+    h.record_many(np.array([1, 2], dtype=np.int64))
+    h.record_many([0.5, 3])
+    h.record_many(np.arange(6, dtype=np.float64)[::2])
+    assert h.count == 9
+    assert h.sum == pytest.approx(1.5 + 2.5 + 1 + 2 + 0.5 + 3 + 0 + 2 + 4)
+
+
+# -- Policy set-ups that can never work -------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["timeout", "max_wait", "tokens"])
+def test_policy_refuses_a_level_named_like_a_keyword_or_a_unit(name: str) -> None:
+    clock = rq.ManualClock()
+    levels = {
+        name: rq.KeyedLimiter(rq.Rate(10), clock=clock),
+        "cluster": rq.Limiter(rq.Rate(1000, unit="tokens"), clock=clock),
+    }
+    with pytest.raises(ValueError, match=f"level {name!r}".replace("'", '"')):
+        rq.Policy(levels)
+
+
+def test_policy_refuses_one_limiter_at_two_levels() -> None:
+    lim = rq.Limiter(rq.Rate(10), clock=rq.ManualClock())
+    with pytest.raises(ValueError, match='level "b" is the same limit object as level "a"'):
+        rq.Policy({"a": lim, "b": lim})
+
+
+# -- rough edges ----------------------------------------------------------------------------
+
+
+def test_messages_show_the_value_as_given() -> None:
+    with pytest.raises(ValueError, match=f"burst={2**64}"):
+        rq.Rate(10, burst=2**64)
+    with pytest.raises(ValueError, match=r"start=1000000000000\.0 "):
+        rq.ManualClock(1e12)
+    with pytest.raises(ValueError, match=r'classes\["a"\]=-1 must be a finite number > 0'):
+        rq.Limiter(rq.Rate(10), classes={"a": -1})
+    with pytest.raises(ValueError, match=f"max_keys={2**64}"):
+        rq.KeyedLimiter(rq.Rate(10), max_keys=2**64)
+
+
+def test_a_per_call_timeout_is_called_timeout() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    assert lim.try_acquire()
+    with pytest.raises(rq.Overloaded, match=r"exceeds timeout=0\.01"):
+        lim.acquire(timeout=0.01)
+
+
+def test_histogram_pickles_and_copies() -> None:
+    import copy
+    import pickle
+
+    h = rq.Histogram()
+    for v in (0.001, 0.5, 2.0):
+        h.record(v)
+    for c in (pickle.loads(pickle.dumps(h)), copy.copy(h), copy.deepcopy(h)):
+        assert c is not h
+        assert (c.count, c.sum, c.max) == (h.count, h.sum, h.max)
+        c.record(1.0)
+        assert h.count == 3
+
+
+def test_set_rate_needs_which_when_rates_share_a_unit() -> None:
+    lim = rq.Limiter(rq.Rate(10), rq.Rate(100, per="minute"), clock=rq.ManualClock())
+    with pytest.raises(ValueError, match="which="):
+        lim.set_rate(20)
+    with pytest.raises(ValueError, match="which="):
+        lim.set_burst(3)
+    lim.set_rate(20, which=1)
+    assert lim.rates[1].amount == 20 and lim.rates[0].amount == 10
+
+
+def test_timeout_zero_fails_at_once_on_a_manual_clock() -> None:
+    import threading
+
+    conc = rq.Concurrency(1, clock=rq.ManualClock())
+    held = conc.acquire()
+    box: list[BaseException | None] = []
+
+    def wait() -> None:
+        try:
+            conc.acquire(timeout=0)
+        except BaseException as e:
+            box.append(e)
+        else:
+            box.append(None)
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    t.join(5.0)
+    assert not t.is_alive(), "acquire(timeout=0) waited for the clock to move"
+    assert isinstance(box[0], rq.WaitTimeout)
+    assert conc.waiting == 0
+    held.release()
+
+
+def test_max_keys_beyond_the_supported_range_is_refused_not_wrapped() -> None:
+    with pytest.raises(ValueError, match="max_keys"):
+        rq.KeyedLimiter(rq.Rate(10), max_keys=2**64)
+    assert rq.KeyedLimiter(rq.Rate(10), max_keys=2**40).max_keys >= 2**40
