@@ -535,3 +535,27 @@ def test_max_keys_beyond_the_supported_range_is_refused_not_wrapped() -> None:
     with pytest.raises(ValueError, match="max_keys"):
         rq.KeyedLimiter(rq.Rate(10), max_keys=2**64)
     assert rq.KeyedLimiter(rq.Rate(10), max_keys=2**40).max_keys >= 2**40
+
+
+def test_acquire_async_works_with_create_task() -> None:
+    import asyncio
+
+    async def main() -> tuple[int, int]:
+        clock = rq.ManualClock()
+        lim = rq.Limiter(rq.Rate(100, burst=1), clock=clock)
+        first = asyncio.create_task(lim.acquire_async())  # the fast path
+        queued = asyncio.create_task(lim.acquire_async())  # waits in the queue
+        left = asyncio.create_task(lim.acquire_async())
+        assert isinstance(await first, rq.Permit)
+        await asyncio.sleep(0)
+        waiting = lim.waiting
+        left.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await left
+        clock.advance(0.01)
+        lim.poll()
+        permit = await asyncio.wait_for(queued, 5.0)
+        assert permit.waited == pytest.approx(0.01)
+        return waiting, lim.waiting
+
+    assert asyncio.run(main()) == (2, 0)

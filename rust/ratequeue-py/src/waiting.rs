@@ -322,6 +322,20 @@ impl Ready {
         Err(PyStopIteration::new_err((self.value.clone_ref(py),)))
     }
 
+    /// Coroutine protocol (so `asyncio.create_task` accepts it): done at once.
+    fn send(&self, py: Python<'_>, _value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.__next__(py)
+    }
+
+    /// Coroutine protocol: raises what is thrown in (nothing runs inside).
+    #[pyo3(signature = (typ, val = None, _tb = None))]
+    fn throw(&self, typ: &Bound<'_, PyAny>, val: Option<&Bound<'_, PyAny>>, _tb: Option<&Bound<'_, PyAny>>) -> PyErr {
+        thrown(typ, val)
+    }
+
+    /// Coroutine protocol: nothing to close.
+    fn close(&self) {}
+
     fn __aenter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
@@ -333,6 +347,20 @@ impl Ready {
         }
         done_false(py)
     }
+}
+
+/// The exception `throw(typ, val)` raises: `val` if given, else `typ` (an instance, or a
+/// class to instantiate).
+fn thrown(typ: &Bound<'_, PyAny>, val: Option<&Bound<'_, PyAny>>) -> PyErr {
+    let e = match val.filter(|v| !v.is_none()) {
+        Some(v) => v.clone(),
+        None if typ.is_instance_of::<pyo3::types::PyType>() => match typ.call0() {
+            Ok(e) => e,
+            Err(e) => return e,
+        },
+        None => typ.clone(),
+    };
+    PyErr::from_value(e)
 }
 
 /// The awaitable every `__aexit__` returns: done, False (exceptions propagate). Shared:
@@ -365,6 +393,8 @@ pub struct AcquiringPy {
     owner: Option<Arc<dyn PermitOwner>>,
     /// Run when this object goes away (e.g. drop a per-key queue nobody uses).
     on_drop: Option<Box<dyn Fn() + Send + Sync>>,
+    /// The wait driven through the coroutine protocol (send/throw/close), once started.
+    running: OnceLock<Py<PyAny>>,
 }
 
 impl Drop for AcquiringPy {
@@ -388,6 +418,7 @@ impl AcquiringPy {
             submitted_ns: OnceLock::new(),
             owner: None,
             on_drop: None,
+            running: OnceLock::new(),
         }
     }
 
@@ -475,6 +506,35 @@ impl AcquiringPy {
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
     }
 
+    /// Coroutine protocol (so `asyncio.create_task` accepts it): the first send starts
+    /// the wait that `await` would run; later calls drive it.
+    fn send(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        Ok(Self::running(slf)?.bind(slf.py()).call_method1("send", (value,))?.unbind())
+    }
+
+    /// Coroutine protocol: throws into the wait (a cancel leaves the queue cleanly).
+    #[pyo3(signature = (typ, val = None, tb = None))]
+    fn throw(
+        slf: &Bound<'_, Self>,
+        typ: &Bound<'_, PyAny>,
+        val: Option<&Bound<'_, PyAny>>,
+        tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let Some(r) = slf.get().running.get() else {
+            return Err(thrown(typ, val));
+        };
+        let args = (typ, val, tb);
+        Ok(r.bind(slf.py()).call_method1("throw", args)?.unbind())
+    }
+
+    /// Coroutine protocol: closes the wait if it started.
+    fn close(slf: &Bound<'_, Self>) -> PyResult<()> {
+        if let Some(r) = slf.get().running.get() {
+            r.bind(slf.py()).call_method0("close")?;
+        }
+        Ok(())
+    }
+
     fn __aenter__(slf: Py<Self>) -> Py<Self> {
         slf
     }
@@ -545,6 +605,18 @@ impl AcquiringPy {
     fn _give_back(&self, token: Option<u64>) {
         let token = token.or_else(|| self.token.get().copied());
         self.gate.queue.give_back(&self.costs, token);
+    }
+}
+
+impl AcquiringPy {
+    /// The iterator `await` runs, made once (for the coroutine protocol).
+    fn running(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        if let Some(r) = slf.get().running.get() {
+            return Ok(r.clone_ref(py));
+        }
+        let it = Self::__await__(slf)?;
+        Ok(slf.get().running.get_or_init(|| it).clone_ref(py))
     }
 }
 
