@@ -280,7 +280,11 @@ impl KeyedLimiter {
     /// A keyed limiter at `rate` per key, holding at most about `max_keys` keys.
     pub fn new(rate: Rate, max_keys: usize, clock: AnyClock) -> Result<KeyedLimiter, Error> {
         if max_keys == 0 || max_keys > MAX_KEYS {
-            return Err(Error::invalid("max_keys", max_keys, "must be an integer from 1 to 2**48"));
+            return Err(Error::invalid(
+                "max_keys",
+                max_keys,
+                "must be an integer from 1 to 2**48",
+            ));
         }
         let (n, per_shard) = shard_layout(max_keys);
         let cap = (per_shard * 4 / 3 + 1).next_power_of_two().max(8);

@@ -140,9 +140,8 @@ pub fn positive(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
 
 /// A whole number from 1 to `max` (a size: a limit, a queue bound, a burst).
 pub fn size(name: &str, v: &Bound<'_, PyAny>, max: u64) -> PyResult<u64> {
-    let out = |v: &Bound<'_, PyAny>| {
-        PyValueError::new_err(format!("{name}={} must be an integer from 1 to {max}", shown(v)))
-    };
+    let out =
+        |v: &Bound<'_, PyAny>| PyValueError::new_err(format!("{name}={} must be an integer from 1 to {max}", shown(v)));
     match int_u64(name, v)? {
         Ok(c) if (1..=max).contains(&c) => Ok(c),
         _ => Err(out(v)),

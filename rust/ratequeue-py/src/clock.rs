@@ -2,9 +2,9 @@
 
 use std::sync::Arc;
 
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ratequeue_core::clock::monotonic_ns;
-use pyo3::exceptions::PyValueError;
 use ratequeue_core::{AnyClock, Error, ManualClock};
 
 use crate::args::{seconds_ns, shown};
@@ -39,14 +39,21 @@ impl ManualClockPy {
     /// Moves forward by `seconds`; returns the new time.
     fn advance(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>) -> PyResult<f64> {
         let d = seconds_ns("seconds", seconds)?;
-        let t = self.inner.advance(d).map_err(|e| as_given(py, e, "seconds", Some(seconds)))?;
+        let t = self
+            .inner
+            .advance(d)
+            .map_err(|e| as_given(py, e, "seconds", Some(seconds)))?;
         Ok(t as f64 / 1e9)
     }
 
     /// Sets the time to `seconds` (never earlier than now); returns it.
     fn set(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>) -> PyResult<f64> {
         let t = seconds_ns("seconds", seconds)?;
-        Ok(self.inner.set(t).map_err(|e| as_given(py, e, "seconds", Some(seconds)))? as f64 / 1e9)
+        Ok(self
+            .inner
+            .set(t)
+            .map_err(|e| as_given(py, e, "seconds", Some(seconds)))? as f64
+            / 1e9)
     }
 
     fn __repr__(&self) -> String {

@@ -169,7 +169,9 @@ impl ConcurrencyPy {
 
     /// Changes the limit at run time (waiters are granted at once if it grew).
     fn set_limit(&self, py: Python<'_>, limit: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.sem.set_limit(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?;
+        self.sem
+            .set_limit(size("limit", limit, u64::MAX)?)
+            .map_err(|e| to_py(py, e))?;
         self.gate.queue.poll_now();
         Ok(())
     }

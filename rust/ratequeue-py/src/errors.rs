@@ -21,10 +21,12 @@ fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg:
 /// Maps a core error onto the Python hierarchy under ratequeue.RateQueueError.
 pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     let msg = match &e {
-        Error::CostTooLarge { unit, cost: u64::MAX, burst } => match crate::args::saturated_cost() {
-            Some(given) => format!(
-                "cost {given} {unit} exceeds the burst of {burst} {unit} and can never be admitted"
-            ),
+        Error::CostTooLarge {
+            unit,
+            cost: u64::MAX,
+            burst,
+        } => match crate::args::saturated_cost() {
+            Some(given) => format!("cost {given} {unit} exceeds the burst of {burst} {unit} and can never be admitted"),
             None => e.to_string(),
         },
         _ => e.to_string(),

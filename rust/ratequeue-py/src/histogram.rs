@@ -65,12 +65,8 @@ fn bound_ns(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     if le == f64::INFINITY {
         return Ok(u64::MAX);
     }
-    to_ns(name, le).map_err(|_| {
-        PyValueError::new_err(format!(
-            "{name}={} must be a number of seconds >= 0 (or inf)",
-            shown(v)
-        ))
-    })
+    to_ns(name, le)
+        .map_err(|_| PyValueError::new_err(format!("{name}={} must be a number of seconds >= 0 (or inf)", shown(v))))
 }
 
 static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();

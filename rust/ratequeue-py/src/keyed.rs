@@ -602,7 +602,8 @@ impl KeyedLimiterPy {
         cost: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
+        self.keyed
+            .acquire_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
     }
 
     /// Awaitable (and async context manager) version of acquire.
@@ -615,7 +616,8 @@ impl KeyedLimiterPy {
         cost: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
+        self.keyed
+            .acquire_async_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
     }
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
@@ -775,7 +777,12 @@ impl KeyedConcurrencyPy {
     /// Takes `n` permits on `key` now, or returns None; never waits.
     #[pyo3(signature = (key, n = None))]
     #[pyo3(text_signature = "($self, key, n=1)")]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: Option<&Bound<'_, PyAny>>) -> PyResult<Option<PermitPy>> {
+    fn try_acquire(
+        &self,
+        py: Python<'_>,
+        key: &Bound<'_, PyAny>,
+        n: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Option<PermitPy>> {
         let k = key_of(self.core.hasher(), key)?;
         let n = permits_arg(n)?;
         let p = self.keyed.try_now(py, k, n)?;
@@ -793,7 +800,8 @@ impl KeyedConcurrencyPy {
         n: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
+        self.keyed
+            .acquire_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
     }
 
     /// Awaitable and async context manager; the permits return on exit.
@@ -806,7 +814,8 @@ impl KeyedConcurrencyPy {
         n: Option<&Bound<'_, PyAny>>,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
+        self.keyed
+            .acquire_async_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
     }
 
     /// On a ManualClock: advances the clock through every due time (deadlines) of the

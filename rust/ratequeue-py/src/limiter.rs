@@ -634,7 +634,9 @@ impl LimiterPy {
         let n = self.core.rate_count();
         let Some(w) = which.filter(|w| !w.is_none()) else {
             let first = self.core.rate(0).map(|(u, _)| u.to_owned()).unwrap_or_default();
-            let same = (0..n).filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == first)).count();
+            let same = (0..n)
+                .filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == first))
+                .count();
             if same > 1 {
                 return Err(PyValueError::new_err(format!(
                     "which= is required: this limiter has {same} rates in {first:?} (pass an index)"

@@ -508,12 +508,16 @@ impl AcquiringPy {
 
     /// Coroutine protocol (so `asyncio.create_task` accepts it): the first send starts
     /// the wait that `await` would run; later calls drive it.
+    #[pyo3(signature = (value, /))]
     fn send(slf: &Bound<'_, Self>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
-        Ok(Self::running(slf)?.bind(slf.py()).call_method1("send", (value,))?.unbind())
+        Ok(Self::running(slf)?
+            .bind(slf.py())
+            .call_method1("send", (value,))?
+            .unbind())
     }
 
     /// Coroutine protocol: throws into the wait (a cancel leaves the queue cleanly).
-    #[pyo3(signature = (typ, val = None, tb = None))]
+    #[pyo3(signature = (typ, val = None, tb = None, /))]
     fn throw(
         slf: &Bound<'_, Self>,
         typ: &Bound<'_, PyAny>,
