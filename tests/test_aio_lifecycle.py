@@ -337,3 +337,38 @@ def test_many_loops_in_many_threads_leak_no_descriptors_and_no_waiters():
     assert len(open_fds()) - before <= 2
     clock.advance(1)
     assert lim.try_acquire()
+
+
+def test_a_forked_child_never_writes_to_an_inherited_descriptor(tmp_path):
+    from ratequeue import aio
+
+    c = rq.Concurrency(1)
+    held = c.try_acquire()
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(run(c.acquire_async()))
+    loop.run_until_complete(settle())
+    inherited = aio._channels[loop].channel
+    fd = inherited.fileno()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child reports through its exit code
+        code = 1
+        try:
+            os.close(fd)  # the child reuses the number for a file of its own
+            mine = os.open(tmp_path / "child", os.O_RDWR | os.O_CREAT)
+            assert mine == fd
+            ticket = c.acquire_async()._submit(inherited)
+            assert isinstance(ticket, int)
+            held.release()  # granted to a waiter on the inherited channel
+            assert os.fstat(mine).st_size == 0
+            p = c.try_acquire()  # the channel handed the grant back
+            assert p is not None
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    held.release()  # the parent's channel still works
+    permit = loop.run_until_complete(asyncio.wait_for(task, 10))
+    permit.release()
+    loop.close()
+    assert c.waiting == 0
