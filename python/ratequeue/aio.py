@@ -60,13 +60,15 @@ class _Core:
             return
         self.closed = True
         channel, self.channel = self.channel, _CLOSED
-        undelivered = channel.close()
         acqs = dict(self.acqs)
         self.acqs.clear()
         holds = list(self.holds.values())
         self.holds.clear()
         if self.pid != os.getpid():
-            return  # inherited across fork: those waiters belong to the parent
+            # Inherited across fork: those waiters belong to the parent, and the native
+            # channel signals nothing in this process.
+            return
+        undelivered = channel.close()
         for ticket, granted, _waited_ns, token in undelivered:
             acq = acqs.pop(ticket, None)
             if acq is not None and granted:
@@ -185,7 +187,7 @@ def _leave(
     if ticket in acqs:
         futs.pop(ticket, None)
         if acq._cancel(ticket):
-            del acqs[ticket]
+            acqs.pop(ticket, None)
         # Else decided, the outcome in the channel: the reader (or close) gives a grant
         # back, as the ticket has no future any more.
     elif fut.done() and not fut.cancelled() and fut.exception() is None:
