@@ -105,15 +105,11 @@ impl Drop for WakeFd {
     }
 }
 
-#[derive(Default)]
-struct State {
-    ready: Vec<(u64, Outcome)>,
-    closed: bool,
-}
-
 /// Outcomes for one event loop, signalled at most once per drain.
 pub struct Channel {
-    state: Mutex<State>,
+    ready: Mutex<Vec<(u64, Outcome)>>,
+    /// Set under the `ready` lock (so no put lands after a close); read without it.
+    closed: AtomicBool,
     signalled: AtomicBool,
     fd: Option<WakeFd>,
 }
@@ -122,7 +118,8 @@ impl Channel {
     /// A channel that never signals: its owner drains it after each step (virtual time).
     pub fn new() -> Arc<Channel> {
         Arc::new(Channel {
-            state: Mutex::new(State::default()),
+            ready: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
             signalled: AtomicBool::new(false),
             fd: None,
         })
@@ -132,7 +129,8 @@ impl Channel {
     /// readable at [`Channel::fileno`] until the last reference goes.
     pub fn with_wakeup() -> io::Result<Arc<Channel>> {
         Ok(Arc::new(Channel {
-            state: Mutex::new(State::default()),
+            ready: Mutex::new(Vec::new()),
+            closed: AtomicBool::new(false),
             signalled: AtomicBool::new(false),
             fd: Some(WakeFd::new()?),
         }))
@@ -147,49 +145,76 @@ impl Channel {
     /// back when the channel is closed (or inherited across fork), so the caller can
     /// give a grant back to its resource.
     pub(crate) fn put(&self, ticket: u64, o: Outcome) -> Result<(), Outcome> {
-        let mut st = lock(&self.state);
-        if st.closed {
+        let mut ready = lock(&self.ready);
+        if self.closed.load(Ordering::Acquire) {
             return Err(o);
         }
         if let Some(fd) = &self.fd {
             if !self.signalled.swap(true, Ordering::AcqRel) {
                 if fd.pid != crate::driver::pid() {
-                    st.closed = true;
+                    self.closed.store(true, Ordering::Release);
                     return Err(o);
                 }
                 fd.signal();
             }
         }
-        st.ready.push((ticket, o));
+        ready.push((ticket, o));
         Ok(())
     }
 
     /// Takes every outcome delivered so far and re-arms the signal.
     pub fn drain(&self) -> Vec<(u64, Outcome)> {
+        self.rearm();
+        std::mem::take(&mut *lock(&self.ready))
+    }
+
+    /// [`Channel::drain`] without waiting: None when the lock is busy (call `drain`
+    /// then, e.g. after releasing the GIL).
+    pub fn try_drain(&self) -> Option<Vec<(u64, Outcome)>> {
+        self.rearm();
+        try_lock(&self.ready).map(|mut r| std::mem::take(&mut *r))
+    }
+
+    fn rearm(&self) {
         if let Some(fd) = &self.fd {
             fd.clear();
         }
         self.signalled.store(false, Ordering::Release);
-        std::mem::take(&mut lock(&self.state).ready)
     }
 
     /// Closes the channel: nothing is delivered or signalled after this (later outcomes
     /// go back to their queue). Returns the outcomes delivered but not yet drained, for
     /// the caller to settle (a grant among them must be given back).
     pub fn close(&self) -> Vec<(u64, Outcome)> {
-        let mut st = lock(&self.state);
-        st.closed = true;
-        std::mem::take(&mut st.ready)
+        Self::close_locked(&self.closed, lock(&self.ready))
+    }
+
+    /// [`Channel::close`] without waiting: None when the lock is busy.
+    pub fn try_close(&self) -> Option<Vec<(u64, Outcome)>> {
+        try_lock(&self.ready).map(|r| Self::close_locked(&self.closed, r))
+    }
+
+    fn close_locked(closed: &AtomicBool, mut ready: MutexGuard<'_, Vec<(u64, Outcome)>>) -> Vec<(u64, Outcome)> {
+        closed.store(true, Ordering::Release);
+        std::mem::take(&mut *ready)
     }
 
     /// True once closed.
     pub fn is_closed(&self) -> bool {
-        lock(&self.state).closed
+        self.closed.load(Ordering::Acquire)
     }
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
 }
 
 #[cfg(test)]
@@ -237,6 +262,13 @@ mod tests {
         c.put(3, granted(8)).unwrap();
         assert!(readable(fd));
         assert_eq!(c.drain(), vec![(3, granted(8))]);
+        c.put(4, granted(9)).unwrap();
+        let busy = c.ready.lock().unwrap();
+        assert_eq!(c.try_drain(), None);
+        assert_eq!(c.try_close(), None);
+        drop(busy);
+        assert_eq!(c.try_drain(), Some(vec![(4, granted(9))]));
+        assert_eq!(c.try_close(), Some(vec![]));
     }
 
     #[test]

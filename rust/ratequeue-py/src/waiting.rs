@@ -583,21 +583,26 @@ impl ChannelPy {
     }
 
     /// Outcomes since the last drain: (ticket, granted, waited_ns).
-    fn drain(&self) -> Vec<(u64, bool, u64)> {
-        self.drain_tokens().into_iter().map(|(t, g, w, _)| (t, g, w)).collect()
+    fn drain(&self, py: Python<'_>) -> Vec<(u64, bool, u64)> {
+        self.drain_tokens(py)
+            .into_iter()
+            .map(|(t, g, w, _)| (t, g, w))
+            .collect()
     }
 
     /// Outcomes since the last drain with each grant's token: (ticket, granted,
     /// waited_ns, token); clears the descriptor's signal.
-    fn drain_tokens(&self) -> Vec<(u64, bool, u64, u64)> {
-        outcome_tuples(self.inner.drain())
+    fn drain_tokens(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        outcome_tuples(c.try_drain().unwrap_or_else(|| py.detach(|| c.drain())))
     }
 
     /// Closes the channel: later outcomes go back to their queues (a grant is given
     /// back there). Returns the outcomes delivered but not drained, as drain_tokens;
     /// their grants are the caller's to give back.
-    fn close(&self) -> Vec<(u64, bool, u64, u64)> {
-        outcome_tuples(self.inner.close())
+    fn close(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        outcome_tuples(c.try_close().unwrap_or_else(|| py.detach(|| c.close())))
     }
 
     /// True once closed.
