@@ -265,16 +265,23 @@ def test_queued_awaitable_works_with_asyncio_helpers():
 def test_hundred_tasks_in_real_time():
     limiter = rq.Limiter(rq.Rate(200, burst=1))
 
+    done: list[int] = []
+
+    async def one(i):
+        permit = await limiter.acquire_async()
+        done.append(i)
+        return permit
+
     async def main():
         t0 = time.monotonic()
-        permits = await asyncio.gather(*(acquire_in_task(limiter) for _ in range(100)))
+        permits = await asyncio.gather(*(one(i) for i in range(100)))
         return time.monotonic() - t0, permits
 
     elapsed, permits = asyncio.run(main())
     assert 0.49 <= elapsed <= 3.0, elapsed
-    waits = [p.waited for p in permits]
-    assert waits == sorted(waits)  # FIFO: later arrivals wait at least as long
-    assert waits[-1] == pytest.approx(0.495, abs=0.05)
+    assert done == list(range(100))  # FIFO: resumed in arrival order
+    # Each waited at most its place in the schedule (a loaded loop may start late).
+    assert all(0.0 <= p.waited <= 0.5 + 1e-3 for p in permits)
     assert limiter.waiting == 0
 
 

@@ -414,7 +414,9 @@ def test_waits_on_one_key_are_spaced_by_the_rate():
     elapsed = time.monotonic() - t0
     assert 0.15 <= elapsed < 1.5
     assert permits[0].waited == 0.0
-    assert all(0.0 < p.waited < 0.1 for p in permits[1:])
+    # A thread woken late may find the next slot already due (an immediate grant, 0).
+    assert all(0.0 <= p.waited < 0.1 for p in permits[1:])
+    assert sum(p.waited > 0 for p in permits) >= 1
     assert kl.wait_histogram().count == 19
     assert kl.stats()["wait"].count == 19
     assert kl.stats()["waiting_keys"] == 0

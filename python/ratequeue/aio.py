@@ -1,18 +1,28 @@
 """asyncio adapter: the queued path of ``acquire_async``.
 
-Each event loop gets one pipe and one native ``Channel``. The native driver thread puts
-outcomes in the channel and writes one byte to the pipe; the loop's reader drains the
-channel and resolves the waiting futures. No polling, one wake per waiter, no GIL
-needed by the driver. Cancellation is exact: a waiter still queued is removed; a grant
-that raced the cancel is given back.
+Each event loop gets one native ``Channel``, which owns its wake-up descriptor (an
+eventfd on Linux, a pipe elsewhere). The native driver thread puts outcomes in the
+channel and signals the descriptor; the loop's reader drains the channel and resolves
+the waiting futures. No polling, one wake per waiter, no GIL needed by the driver.
+
+Every end of a queued wait other than its outcome (cancellation, GeneratorExit from a
+closed or collected coroutine, KeyboardInterrupt or SystemExit thrown into the task)
+removes the waiter or gives back the grant that raced it, exactly once. When a loop goes
+(closed, or collected without being closed) its channel is closed and every ticket still
+pending on it is cancelled in its queue; a grant that reaches a closed channel goes back
+to its queue in the core. The channel closes its descriptor only when no writer is left,
+so nothing is ever written to a closed (and possibly reused) descriptor number.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
+import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ._ratequeue import Channel
@@ -22,35 +32,74 @@ if TYPE_CHECKING:
 
 __all__ = ["PolicyAcquire"]
 
+# What a closed channel core points at: no descriptor, closed, so its own is released.
+_CLOSED = Channel()
+_CLOSED.close()
+
+
+class _Core:
+    """The native channel of one event loop and what its pending waits hold.
+
+    Refers to nothing of the loop (no loop, no future), so the registry and the loop's
+    finalizer can keep it without keeping the loop alive. ``acqs`` maps each pending
+    ticket to its awaitable; whoever removes the entry settles the ticket (the reader,
+    the waiter leaving, or :meth:`close`).
+    """
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.channel = Channel(wakeup=True)
+        self.acqs: dict[int, Acquiring] = {}
+        self.holds: dict[int, Callable[[], None]] = {}
+        self.closed = False
+        self.loop_part: weakref.ref[_LoopChannel] | None = None
+
+    def close(self) -> None:
+        """The loop is gone: cancel every pending ticket, give back what it holds."""
+        if self.closed:
+            return
+        self.closed = True
+        channel, self.channel = self.channel, _CLOSED
+        acqs = dict(self.acqs)
+        self.acqs.clear()
+        holds = list(self.holds.values())
+        self.holds.clear()
+        if self.pid != os.getpid():
+            # Inherited across fork: those waiters belong to the parent, and the native
+            # channel signals nothing in this process.
+            return
+        undelivered = channel.close()
+        for ticket, granted, _waited_ns, token in undelivered:
+            acq = acqs.pop(ticket, None)
+            if acq is not None and granted:
+                acq._give_back(token)
+        for ticket, acq in acqs.items():
+            # Not queued any more: decided after the close, and given back in the core.
+            acq._cancel(ticket)
+        for give_back in holds:
+            give_back()
+
 
 class _LoopChannel:
-    """The pipe, native channel and pending futures of one event loop."""
+    """The loop's side: the reader and the futures, reachable only from the loop (its
+    reader callback) and its tasks. A ticket in ``core.acqs`` without a future here is a
+    waiter that left while its outcome was on the way: a grant is given back."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        # No reference to the loop here: the registry maps loop -> channel weakly, and a
-        # value that held its key would keep every loop (and its pipe) alive forever.
-        self.pid = os.getpid()
-        self.rfd, self.wfd = os.pipe()
-        os.set_blocking(self.rfd, False)
-        os.set_blocking(self.wfd, False)
-        self.channel = Channel(self.wfd)
-        self.pending: dict[int, tuple[asyncio.Future[Permit], Acquiring]] = {}
-        loop.add_reader(self.rfd, self._drain)
-        weakref.finalize(loop, _close_fds, self.rfd, self.wfd)
+        self.core = _Core()
+        self.core.loop_part = weakref.ref(self)
+        self.futs: dict[int, asyncio.Future[Permit]] = {}
+        loop.add_reader(self.core.channel.fileno(), self._drain)
 
     def _drain(self) -> None:
-        try:
-            while os.read(self.rfd, 4096):
-                pass
-        except BlockingIOError:
-            pass
-        for ticket, granted, waited_ns, token in self.channel.drain_tokens():
-            entry = self.pending.pop(ticket, None)
-            if entry is None:
+        core, futs = self.core, self.futs
+        for ticket, granted, waited_ns, token in core.channel.drain_tokens():
+            acq = core.acqs.pop(ticket, None)
+            if acq is None:
                 continue
-            fut, acq = entry
-            if fut.done():
-                # Cancelled while the grant was on its way: give it back, exactly once.
+            fut = futs.pop(ticket, None)
+            if fut is None or fut.done():
+                # The waiter left while the grant was on its way: give it back, once.
                 if granted:
                     acq._give_back(token)
                 continue
@@ -60,44 +109,107 @@ class _LoopChannel:
                 fut.set_exception(acq._timeout_error(waited_ns))
 
 
-def _close_fds(*fds: int) -> None:
-    for fd in fds:
-        with contextlib.suppress(OSError):
-            os.close(fd)
-
-
-_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopChannel] = (
-    weakref.WeakKeyDictionary()
-)
+_channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Core] = weakref.WeakKeyDictionary()
+_observed: set[type] = set()
+_wrappers: set[Callable[..., None]] = set()
+_registry_lock = threading.Lock()
 
 
 def _channel_for(loop: asyncio.AbstractEventLoop) -> _LoopChannel:
-    ch = _channels.get(loop)
-    if ch is None or ch.pid != os.getpid():
-        # New loop, or a loop inherited across fork: a fresh pipe for this process.
-        ch = _LoopChannel(loop)
-        _channels[loop] = ch
-    return ch
+    core = _channels.get(loop)
+    if core is not None and core.pid == os.getpid() and core.loop_part is not None:
+        lc = core.loop_part()
+        if lc is not None:
+            return lc
+    return _new_channel(loop)
+
+
+def _new_channel(loop: asyncio.AbstractEventLoop) -> _LoopChannel:
+    with _registry_lock:
+        old = _channels.get(loop)
+        if old is not None and old.pid == os.getpid() and old.loop_part is not None:
+            lc = old.loop_part()
+            if lc is not None:
+                return lc
+        if old is not None:
+            old.close()  # a loop inherited across fork: a fresh channel for this process
+        # Loops whose close could not be observed (a class that cannot be changed) are
+        # caught here once closed, else when collected.
+        for other, core in list(_channels.items()):
+            if other.is_closed():
+                core.close()
+        lc = _LoopChannel(loop)
+        _channels[loop] = lc.core
+        weakref.finalize(loop, lc.core.close).atexit = False
+        _observe_close(loop)
+    return lc
+
+
+def _observe_close(loop: asyncio.AbstractEventLoop) -> None:
+    """Makes ``close()`` of the loop's class close the loop's channel once it succeeds.
+
+    Wraps the method on the class (once per class), so the loop is passed as ``self``
+    even from ``__del__``; a class that cannot be changed is left to the sweep in
+    :func:`_new_channel` and to the finalizer.
+    """
+    cls = type(loop)
+    if cls in _observed:
+        return
+    _observed.add(cls)
+    orig = cls.close
+    if orig in _wrappers:
+        return
+
+    @functools.wraps(orig)
+    def close(self: asyncio.AbstractEventLoop) -> None:
+        try:
+            orig(self)
+        finally:
+            if self.is_closed():
+                core = _channels.get(self)
+                if core is not None:
+                    core.close()
+
+    _wrappers.add(close)
+    with contextlib.suppress(TypeError, AttributeError):
+        setattr(cls, "close", close)  # noqa: B010
+
+
+def _leave(
+    acqs: dict[int, Acquiring],
+    futs: dict[int, asyncio.Future[Permit]],
+    ticket: int,
+    fut: asyncio.Future[Permit],
+    acq: Acquiring,
+) -> None:
+    """A queued wait ended without its outcome: leave the queue, or give back the grant
+    that raced the exit, exactly once."""
+    if ticket in acqs:
+        futs.pop(ticket, None)
+        if acq._cancel(ticket):
+            acqs.pop(ticket, None)
+        # Else decided, the outcome in the channel: the reader (or close) gives a grant
+        # back, as the ticket has no future any more.
+    elif fut.done() and not fut.cancelled() and fut.exception() is None:
+        # Granted, but the task left before it resumed: give it back once.
+        acq._abandon(fut.result())
 
 
 async def _wait(acq: Acquiring) -> Any:
     """Queue ``acq`` on the running loop's channel and wait for its one wake-up."""
     loop = asyncio.get_running_loop()
-    ch = _channel_for(loop)
-    ticket = acq._submit(ch.channel)
+    lc = _channel_for(loop)
+    fut: asyncio.Future[Permit] = loop.create_future()
+    ticket = acq._submit(lc.core.channel)
     if not isinstance(ticket, int):
         return ticket  # granted at once
-    fut: asyncio.Future[Permit] = loop.create_future()
-    ch.pending[ticket] = (fut, acq)
+    acqs, futs = lc.core.acqs, lc.futs
+    acqs[ticket] = acq
+    futs[ticket] = fut
     try:
         return await fut
-    except asyncio.CancelledError:
-        if acq._cancel(ticket):
-            ch.pending.pop(ticket, None)
-        elif fut.done() and not fut.cancelled() and fut.exception() is None:
-            # Granted, but the task was cancelled before it resumed: give it back once.
-            acq._abandon(fut.result())
-        # Otherwise the outcome is still in the channel: _drain gives a grant back.
+    except BaseException:
+        _leave(acqs, futs, ticket, fut, acq)
         raise
 
 
@@ -128,23 +240,32 @@ class PolicyAcquire:
             return max(0.0, self._timeout - (loop.time() - start))
 
         held: list[Permit] = []
+        reserved: list[PolicyPermit] = []
+
+        def give_back() -> None:
+            # Idempotent: a loop closing under this wait calls it, and so does the exit.
+            for r in reserved:
+                r.cancel()  # also returns the concurrency permits it holds
+            for p in held:
+                p.release()
+
+        holds = _channel_for(loop).core.holds
+        holds[id(give_back)] = give_back
         try:
             for level, key in self._policy._concurrency_steps(**self._kw):
                 if key is None:
                     held.append(await level.acquire_async(timeout=left()))
                 else:
                     held.append(await level.acquire_async(key, timeout=left()))
-        except BaseException:
-            for p in held:
-                p.release()
-            raise
-        permit = self._policy._reserve_rates(held, left(), **self._kw)
-        if permit.delay > 0 and not self._policy._manual:
-            try:
+            permit = self._policy._reserve_rates(held, left(), **self._kw)
+            reserved.append(permit)
+            if permit.delay > 0 and not self._policy._manual:
                 await asyncio.sleep(permit.delay)
-            except BaseException:
-                permit.cancel()
-                raise
+        except BaseException:
+            give_back()
+            raise
+        finally:
+            holds.pop(id(give_back), None)
         self._permit = permit
         return permit
 

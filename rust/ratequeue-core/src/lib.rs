@@ -2,6 +2,7 @@
 //! bucket, multi-rate limiters and the errors they report. No Python in here.
 
 pub mod bucket;
+pub mod channel;
 pub mod clock;
 pub mod concurrency;
 pub mod driver;

@@ -9,12 +9,12 @@
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::bucket::Deny;
+pub use crate::channel::Channel;
 use crate::clock::AnyClock;
 use crate::error::Error;
 use crate::histogram::Histogram;
@@ -76,7 +76,8 @@ pub struct GrantRef {
 pub enum Wake {
     /// A blocked thread.
     Thread(Arc<Slot>),
-    /// An event loop: the outcome goes to the channel, whose fd is written once.
+    /// An event loop: the outcome goes to the channel (a closed channel hands a grant
+    /// back to the queue, which returns it to the resource).
     Channel(Arc<Channel>),
 }
 
@@ -192,58 +193,17 @@ impl Slot {
     }
 }
 
-/// Outcomes for one event loop, signalled through a file descriptor written once per
-/// batch (the loop reads it with `add_reader` and drains).
-pub struct Channel {
-    ready: Mutex<Vec<(u64, Outcome)>>,
-    signalled: AtomicBool,
-    fd: RawFd,
-}
-
-impl Channel {
-    /// A channel that signals by writing one byte to `fd` (the write end of a pipe the
-    /// caller owns and keeps open while the channel lives); a negative `fd` never
-    /// signals (the owner drains after each step, e.g. in virtual time).
-    pub fn new(fd: RawFd) -> Arc<Channel> {
-        Arc::new(Channel {
-            ready: Mutex::new(Vec::new()),
-            signalled: AtomicBool::new(false),
-            fd,
-        })
-    }
-
-    fn put(&self, ticket: u64, o: Outcome) {
-        lock(&self.ready).push((ticket, o));
-        if self.fd >= 0 && !self.signalled.swap(true, Ordering::AcqRel) {
-            let byte = [1u8];
-            // SAFETY: writing one byte from a valid buffer to a descriptor the owner keeps
-            // open; a full pipe (EAGAIN) already holds a pending wake-up.
-            unsafe {
-                libc_write(self.fd, byte.as_ptr(), 1);
-            }
-        }
-    }
-
-    /// Takes every outcome delivered so far; re-arms the signal.
-    pub fn drain(&self) -> Vec<(u64, Outcome)> {
-        self.signalled.store(false, Ordering::Release);
-        std::mem::take(&mut *lock(&self.ready))
-    }
-}
-
-extern "C" {
-    #[link_name = "write"]
-    fn libc_write(fd: i32, buf: *const u8, n: usize) -> isize;
-}
-
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl Wake {
-    fn deliver(&self, ticket: u64, o: Outcome) {
+    fn deliver(&self, ticket: u64, o: Outcome) -> Result<(), Outcome> {
         match self {
-            Wake::Thread(s) => s.put(o),
+            Wake::Thread(s) => {
+                s.put(o);
+                Ok(())
+            }
             Wake::Channel(c) => c.put(ticket, o),
         }
     }
@@ -441,7 +401,11 @@ pub fn after_fork_in_child() {
 /// Tickets are unique in the process, so one event-loop channel can serve many queues.
 static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
 
-type Deliveries = Vec<(Wake, u64, Outcome)>;
+/// Outcomes to deliver: wake, ticket, outcome and the waiter's costs.
+type Deliveries = Vec<(Wake, u64, Outcome, Box<[u64]>)>;
+
+/// Grants whose waiter is gone (its channel closed), to give back: costs and token.
+type Gone = Vec<(Box<[u64]>, u64)>;
 
 impl WaitQueue {
     /// A queue over `resource` counting `units` cost components, read on `clock`.
@@ -643,11 +607,12 @@ impl WaitQueue {
         };
         // Delivered under the lock: grants reach their waiters in grant order, whichever
         // thread made them (slots and channels are leaf locks; nothing here waits).
-        deliver(out);
+        let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
             self.schedule(t);
         }
+        self.give_back_gone(gone);
         result
     }
 
@@ -803,11 +768,12 @@ impl WaitQueue {
         let next = matches!(result, Ok(Reserved::Queued(_)))
             .then(|| self.next_wake_locked(&g))
             .flatten();
-        deliver(out);
+        let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
             self.schedule(t);
         }
+        self.give_back_gone(gone);
         result
     }
 
@@ -972,12 +938,16 @@ impl WaitQueue {
         let mut g = lock(&self.inner);
         self.poll_locked(&mut g, now, &mut out);
         let next = self.next_wake_locked(&g);
-        deliver(out);
+        let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
             self.schedule(t);
         }
-        next
+        if gone.is_empty() {
+            return next;
+        }
+        self.give_back_gone(gone);
+        self.next_wake()
     }
 
     /// Polls at the clock's current time.
@@ -1076,6 +1046,7 @@ impl WaitQueue {
                             waited_ns: waited,
                             token,
                         },
+                        w.costs,
                     ));
                 }
                 (_, Some((dl, t))) if dl <= now => {
@@ -1091,7 +1062,7 @@ impl WaitQueue {
         let w = self.remove(g, ci, t);
         bump(&self.counters.timed_out);
         let waited = w.deadline_ns.unwrap_or(w.arrival_ns).saturating_sub(w.arrival_ns);
-        out.push((w.wake, t, Outcome::TimedOut { waited_ns: waited }));
+        out.push((w.wake, t, Outcome::TimedOut { waited_ns: waited }, w.costs));
     }
 
     fn remove(&self, g: &mut Inner, ci: usize, t: u64) -> Waiter {
@@ -1152,6 +1123,33 @@ impl WaitQueue {
         self.poll_now();
     }
 
+    /// Gives back the grants of waiters that are gone (see [`Channel::close`]). The
+    /// give-back may grant further gone waiters: they are handled by the outermost call on
+    /// this thread, in a loop rather than by recursion.
+    fn give_back_gone(self: &Arc<Self>, gone: Gone) {
+        if gone.is_empty() {
+            return;
+        }
+        let outermost = GIVING_BACK.with(|g| {
+            let mut g = g.borrow_mut();
+            g.1.extend(gone.into_iter().map(|(c, t)| (self.clone(), c, t)));
+            !std::mem::replace(&mut g.0, true)
+        });
+        if !outermost {
+            return;
+        }
+        struct Done;
+        impl Drop for Done {
+            fn drop(&mut self) {
+                GIVING_BACK.with(|g| g.borrow_mut().0 = false);
+            }
+        }
+        let _done = Done;
+        while let Some((q, costs, token)) = GIVING_BACK.with(|g| g.borrow_mut().1.pop()) {
+            q.give_back(&costs, Some(token));
+        }
+    }
+
     /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
     /// and polls there. Returns the number of wake-ups processed.
     pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> usize {
@@ -1193,10 +1191,23 @@ impl WaitQueue {
     }
 }
 
-fn deliver(out: Deliveries) {
-    for (wake, t, o) in out {
-        wake.deliver(t, o);
+/// Delivers each outcome; returns the grants a closed channel handed back.
+fn deliver(out: Deliveries) -> Gone {
+    let mut gone = Vec::new();
+    for (wake, t, o, costs) in out {
+        if let Err(Outcome::Granted { token, .. }) = wake.deliver(t, o) {
+            gone.push((costs, token));
+        }
     }
+    gone
+}
+
+/// Grants of gone waiters still to give back on this thread, and whether a loop below
+/// on the stack is already giving them back.
+type GivingBack = (bool, Vec<(Arc<WaitQueue>, Box<[u64]>, u64)>);
+
+thread_local! {
+    static GIVING_BACK: std::cell::RefCell<GivingBack> = const { std::cell::RefCell::new((false, Vec::new())) };
 }
 
 #[cfg(test)]
@@ -1461,5 +1472,49 @@ mod tests {
         for w in times.windows(2) {
             assert!(w[1] - w[0] >= 99_999_999, "{times:?}");
         }
+    }
+
+    #[test]
+    fn grants_to_a_closed_channel_go_back_to_the_resource_without_recursion() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let sem = Arc::new(crate::Semaphore::new(1).unwrap());
+        let q = WaitQueue::new(
+            sem.clone(),
+            1,
+            AnyClock::Manual(clock),
+            QueueConfig::new(vec![], 1_000_000, None).unwrap(),
+        );
+        q.try_now(&[1], 0).unwrap();
+        let ch = Channel::new();
+        for _ in 0..20_000 {
+            let c = ch.clone();
+            assert!(matches!(
+                q.submit(&[1], 0, None, || Wake::Channel(c)).unwrap(),
+                Submitted::Queued(_)
+            ));
+        }
+        assert!(ch.close().is_empty());
+        // The holder releases: each waiter in turn is granted, handed back by the closed
+        // channel and its permit given back, in a loop (20,000 nested give-backs would
+        // overflow the stack).
+        q.give_back(&[1], None);
+        assert_eq!(q.waiting(), 0);
+        assert_eq!(sem.in_use(), 0);
+        assert_eq!(q.counts().queued_grants, 20_000);
+        assert!(ch.drain().is_empty());
+    }
+
+    #[test]
+    fn a_rate_grant_to_a_closed_channel_is_refunded() {
+        let (q, clock) = setup(10.0, 1, vec![]);
+        q.try_now(&[1], 0).unwrap();
+        let ch = Channel::new();
+        let c = ch.clone();
+        q.submit(&[1], 0, None, || Wake::Channel(c)).unwrap();
+        ch.close();
+        q.run_until(&clock, 100_000_000);
+        assert_eq!(q.waiting(), 0);
+        assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
+        assert!(q.try_now(&[1], 0).is_err());
     }
 }

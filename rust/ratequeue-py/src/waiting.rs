@@ -552,8 +552,12 @@ impl AcquiringPy {
     }
 
     /// Queues on `channel`: returns a Permit if granted at once, else the ticket.
+    /// Raises RuntimeError on a closed channel (its outcomes would never be seen).
     fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
+        if chan.is_closed() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
+        }
         let _ = self.submitted_ns.set(self.gate.queue.now_ns());
         match self
             .gate
@@ -624,7 +628,8 @@ impl AcquiringPy {
     }
 }
 
-/// Outcomes for one event loop, signalled by one byte on a pipe the loop reads.
+/// Outcomes for one event loop, signalled through a wake-up descriptor the channel
+/// owns (the loop reads it, never closes it).
 #[pyclass(frozen, name = "Channel", module = "ratequeue")]
 pub struct ChannelPy {
     inner: Arc<Channel>,
@@ -632,34 +637,64 @@ pub struct ChannelPy {
 
 #[pymethods]
 impl ChannelPy {
-    /// A channel that writes one byte to `fd` (the write end of a non-blocking pipe
-    /// kept open) when outcomes arrive; with None it never signals and the owner drains
-    /// it after each step (virtual time).
+    /// With `wakeup`, a channel whose descriptor (`fileno()`) becomes readable when
+    /// outcomes arrive; without, it never signals and the owner drains it after each
+    /// step (virtual time).
     #[new]
-    #[pyo3(signature = (fd = None))]
-    fn new(fd: Option<i32>) -> Self {
-        ChannelPy {
-            inner: Channel::new(fd.unwrap_or(-1)),
-        }
+    #[pyo3(signature = (*, wakeup = false))]
+    fn new(wakeup: bool) -> PyResult<Self> {
+        let inner = if wakeup {
+            Channel::with_wakeup().map_err(PyErr::from)?
+        } else {
+            Channel::new()
+        };
+        Ok(ChannelPy { inner })
+    }
+
+    /// The descriptor to watch for readability (owned by the channel: do not close it).
+    fn fileno(&self) -> PyResult<i32> {
+        self.inner
+            .fileno()
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("this channel has no wake-up descriptor"))
     }
 
     /// Outcomes since the last drain: (ticket, granted, waited_ns).
-    fn drain(&self) -> Vec<(u64, bool, u64)> {
-        self.drain_tokens().into_iter().map(|(t, g, w, _)| (t, g, w)).collect()
+    fn drain(&self, py: Python<'_>) -> Vec<(u64, bool, u64)> {
+        self.drain_tokens(py)
+            .into_iter()
+            .map(|(t, g, w, _)| (t, g, w))
+            .collect()
     }
 
     /// Outcomes since the last drain with each grant's token: (ticket, granted,
-    /// waited_ns, token).
-    fn drain_tokens(&self) -> Vec<(u64, bool, u64, u64)> {
-        self.inner
-            .drain()
-            .into_iter()
-            .map(|(t, o)| match o {
-                Outcome::Granted { waited_ns, token, .. } => (t, true, waited_ns, token),
-                Outcome::TimedOut { waited_ns } => (t, false, waited_ns, 0),
-            })
-            .collect()
+    /// waited_ns, token); clears the descriptor's signal.
+    fn drain_tokens(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        outcome_tuples(c.try_drain().unwrap_or_else(|| py.detach(|| c.drain())))
     }
+
+    /// Closes the channel: later outcomes go back to their queues (a grant is given
+    /// back there). Returns the outcomes delivered but not drained, as drain_tokens;
+    /// their grants are the caller's to give back.
+    fn close(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        outcome_tuples(c.try_close().unwrap_or_else(|| py.detach(|| c.close())))
+    }
+
+    /// True once closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+}
+
+fn outcome_tuples(v: Vec<(u64, Outcome)>) -> Vec<(u64, bool, u64, u64)> {
+    v.into_iter()
+        .map(|(t, o)| match o {
+            Outcome::Granted { waited_ns, token, .. } => (t, true, waited_ns, token),
+            Outcome::TimedOut { waited_ns } => (t, false, waited_ns, 0),
+        })
+        .collect()
 }
 
 /// The live queue-wait histogram of a class (None: the first class).
