@@ -3,6 +3,7 @@ tell the truth about long waits."""
 
 from __future__ import annotations
 
+import pytest
 import ratequeue as rq
 from ratequeue._ratequeue import Channel
 
@@ -42,3 +43,33 @@ def test_pool_serves_a_priority_request_the_provider_grants_in_time() -> None:
     assert chosen is provider and isinstance(ticket, int)
     provider.limiter.run_until(2.0)
     assert (ticket, True, 2_000_000_000) in channel.drain()
+
+
+def test_histogram_sum_min_max_are_exact_beyond_hours() -> None:
+    h = rq.Histogram()
+    h.record(86400.0)
+    assert h.max == h.sum == h.mean == 86400.0
+    assert h.percentile(50) == pytest.approx(86400.0, rel=0.01)
+    years = 2**63 / 1e9  # about 292 years: the longest wait a 1/day rate can give
+    h.record(years)
+    assert h.max == years
+    assert h.sum == pytest.approx(86400.0 + years, rel=1e-12)
+    assert h.percentile(100) == pytest.approx(years, rel=0.01)
+    assert h.overflow == 0
+    copy = rq.Histogram.from_bytes(h.to_bytes())
+    assert (copy.count, copy.sum, copy.max) == (h.count, h.sum, h.max)
+
+
+def test_a_slow_limiter_reports_its_real_waits() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(1, per="hour", burst=1), clock=clock)
+    channel = Channel()
+    outcomes = [lim.submit(channel) for _ in range(5)]
+    assert isinstance(outcomes[0], rq.Permit)
+    lim.run_until(5 * 3600.0)
+    assert len([g for _, g, _ in channel.drain() if g]) == 4
+    waits = lim.wait_histogram()
+    assert waits.count == 5
+    assert waits.max == 14400.0
+    assert waits.sum == 36000.0
+    assert waits.percentile(100) == pytest.approx(14400.0, rel=0.01)

@@ -79,7 +79,7 @@ class Reservation:
 
 @final
 class Histogram:
-    """Durations in seconds: lock-free recording, <= 1 % relative error from 1 us to hours.
+    """Durations in seconds: lock-free recording, <= 1 % relative error from 1 us to centuries.
 
     Bucket edges have three significant digits in nanoseconds, so Prometheus ``le``
     boundaries such as 0.0025 or 300 are read off exactly.

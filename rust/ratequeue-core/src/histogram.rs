@@ -3,9 +3,11 @@
 //! of its value wide, a percentile read at the bucket's midpoint is within 0.5 % of the
 //! truth, and every boundary with three significant digits (1 ms, 2.5 ms, 300 s, …) is
 //! a bucket edge: Prometheus `le` buckets are read off exactly. Exact below 1 µs;
-//! tracked up to 10^13 ns (2.8 hours); longer values are clamped into the top bucket
-//! and counted as overflow; values under 1 µs are counted as underflow (and still
-//! recorded exactly).
+//! tracked up to 10^19 ns (317 years, beyond 2^63 ns: every wait a rate the library
+//! accepts can give); longer values go into the top bucket and are counted as
+//! overflow; values under 1 µs are counted as underflow (and still recorded exactly).
+//! Sum, min and max are exact for every value (the sum sticks at u64::MAX ns, 584
+//! years in total, rather than wrap).
 //!
 //! Recording is two relaxed atomic adds (bucket, sum) plus min/max updates only when
 //! they move. A snapshot reads each counter atomically but not all at one instant:
@@ -16,14 +18,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::Error;
 
-/// Number of buckets: 1001 exact ones up to 1 µs, then 900 per decade up to 10^13 ns.
-pub const BUCKETS: usize = 1001 + 10 * 900;
-/// The largest value tracked without clamping, in nanoseconds.
-pub const MAX_TRACKED_NS: u64 = 10_000_000_000_000;
+/// Number of buckets: 1001 exact ones up to 1 µs, then 900 per decade up to 10^19 ns.
+pub const BUCKETS: usize = 1001 + 16 * 900;
+/// The largest value a bucket tracks (larger ones go into the top bucket), in ns.
+pub const MAX_TRACKED_NS: u64 = 10_000_000_000_000_000_000;
 /// Values below this (1 µs) are counted as underflow.
 pub const UNDERFLOW_NS: u64 = 1_000;
 
-const POW10: [u64; 15] = [
+const POW10: [u64; 20] = [
     1,
     10,
     100,
@@ -39,9 +41,16 @@ const POW10: [u64; 15] = [
     1_000_000_000_000,
     10_000_000_000_000,
     100_000_000_000_000,
+    1_000_000_000_000_000,
+    10_000_000_000_000_000,
+    100_000_000_000_000_000,
+    1_000_000_000_000_000_000,
+    10_000_000_000_000_000_000,
 ];
 
-const INV_POW10: [f64; 12] = [1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11];
+const INV_POW10: [f64; 17] = [
+    1.0, 1e-1, 1e-2, 1e-3, 1e-4, 1e-5, 1e-6, 1e-7, 1e-8, 1e-9, 1e-10, 1e-11, 1e-12, 1e-13, 1e-14, 1e-15, 1e-16,
+];
 
 /// The bucket holding `v` nanoseconds. Buckets above 1 µs are closed at the top,
 /// (L, H] with L and H of three significant digits, as Prometheus' `le` buckets are.
@@ -155,7 +164,6 @@ impl Histogram {
         } else if v > MAX_TRACKED_NS {
             self.overflow.fetch_add(n, Ordering::Relaxed);
         }
-        let v = v.min(MAX_TRACKED_NS);
         self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
         if v != 0 {
             // Immediate grants record 0: their sum needs no write.
@@ -254,7 +262,6 @@ impl Snapshot {
         } else if v > MAX_TRACKED_NS {
             self.overflow += 1;
         }
-        let v = v.min(MAX_TRACKED_NS);
         self.counts[index_of(v)] += 1;
         self.sum = self.sum.saturating_add(v);
         self.min = self.min.min(v);
@@ -272,7 +279,6 @@ impl Snapshot {
             }
             let ns = (v * 1e9 + 0.5) as u64; // saturating cast
             over += (ns > MAX_TRACKED_NS) as u64;
-            let ns = ns.min(MAX_TRACKED_NS);
             s.counts[index_of(ns)] += 1;
             sum = sum.saturating_add(ns);
             min = min.min(ns);
@@ -391,7 +397,7 @@ impl Snapshot {
             overflow: word(4),
             ..Snapshot::default()
         };
-        if s.min != u64::MAX && (s.min > s.max || s.max > MAX_TRACKED_NS) {
+        if s.min != u64::MAX && s.min > s.max {
             return Err(bad("has an inconsistent min/max header"));
         }
         let mut pos = 44;
@@ -471,13 +477,46 @@ mod tests {
     }
 
     #[test]
+    fn every_bucket_edge_maps_to_its_bucket_up_to_the_top() {
+        for i in 0..BUCKETS {
+            let (lo, hi) = (lower_of(i), upper_of(i));
+            assert!(lo < hi, "bucket {i}");
+            assert_eq!(index_of(lo), i, "lower edge of {i}");
+            assert_eq!(index_of(hi - 1), i, "upper edge of {i}");
+            if i + 1 < BUCKETS {
+                assert_eq!(lower_of(i + 1), hi, "bucket {i} meets the next");
+            }
+        }
+        assert_eq!(upper_of(BUCKETS - 1) - 1, MAX_TRACKED_NS);
+        assert!(MAX_TRACKED_NS > 1 << 63);
+    }
+
+    #[test]
+    fn sum_min_max_are_exact_beyond_the_hours() {
+        let h = Histogram::new();
+        for v in [86_400_000_000_000u64, 1 << 63] {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        assert_eq!(
+            (s.sum, s.min, s.max, s.overflow),
+            (86_400_000_000_000 + (1 << 63), 86_400_000_000_000, 1 << 63, 0)
+        );
+        let p = s.percentile(100.0).unwrap();
+        assert!((p - (1u64 << 63) as f64).abs() / (1u64 << 63) as f64 <= 0.005);
+        let f = Snapshot::from_seconds(&[86_400.0, 1e10]).unwrap();
+        assert_eq!((f.max, f.overflow), (10_000_000_000_000_000_000, 0));
+    }
+
+    #[test]
     fn clamps_and_counts_out_of_range() {
         let h = Histogram::new();
         h.record(5);
         h.record(u64::MAX);
         let s = h.snapshot();
         assert_eq!((s.underflow, s.overflow), (1, 1));
-        assert_eq!(s.max, MAX_TRACKED_NS);
+        assert_eq!(s.max, u64::MAX);
+        assert_eq!(s.counts[BUCKETS - 1], 1);
     }
 
     #[test]

@@ -14,7 +14,7 @@ use crate::args::{number, numbers, shown};
 use crate::errors::{to_py, type_err};
 
 /// A histogram of durations (seconds): lock-free recording, ≤ 1 % relative error from
-/// 1 µs to hours, percentiles, numpy export, merge and bytes.
+/// 1 µs to centuries (exact sum, min and max), percentiles, numpy export, merge and bytes.
 #[pyclass(frozen, name = "Histogram", module = "ratequeue")]
 pub struct HistogramPy {
     pub inner: Arc<Histogram>,
@@ -183,7 +183,8 @@ impl HistogramPy {
         }
     }
 
-    /// Values under 1 µs (recorded exactly) and over the tracked range (clamped).
+    /// Values under 1 µs (recorded exactly) and over 10^10 s (in the top bucket; sum, min
+    /// and max stay exact).
     #[getter]
     fn underflow(&self) -> u64 {
         self.snap().underflow
