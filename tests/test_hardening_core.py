@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 import ratequeue as rq
+from prometheus_client import CollectorRegistry, generate_latest
 from ratequeue._ratequeue import Channel
+from ratequeue.prometheus import RateQueueCollector
 
 
 def _backlogged(clock: rq.ManualClock) -> tuple[rq.Provider, Channel]:
@@ -62,7 +64,7 @@ def test_histogram_sum_min_max_are_exact_beyond_hours() -> None:
 
 def test_a_slow_limiter_reports_its_real_waits() -> None:
     clock = rq.ManualClock()
-    lim = rq.Limiter(rq.Rate(1, per="hour", burst=1), clock=clock)
+    lim = rq.Limiter(rq.Rate(1, per="hour", burst=1), clock=clock, name="slow")
     channel = Channel()
     outcomes = [lim.submit(channel) for _ in range(5)]
     assert isinstance(outcomes[0], rq.Permit)
@@ -73,3 +75,7 @@ def test_a_slow_limiter_reports_its_real_waits() -> None:
     assert waits.max == 14400.0
     assert waits.sum == 36000.0
     assert waits.percentile(100) == pytest.approx(14400.0, rel=0.01)
+    registry = CollectorRegistry()
+    RateQueueCollector(lim, registry=registry)
+    text = generate_latest(registry).decode()
+    assert 'ratequeue_queue_wait_seconds_sum{class="default",limiter="slow"} 36000.0' in text
