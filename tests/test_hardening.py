@@ -559,3 +559,15 @@ def test_acquire_async_works_with_create_task() -> None:
         return waiting, lim.waiting
 
     assert asyncio.run(main()) == (2, 0)
+
+
+def test_from_bytes_says_what_is_wrong_with_an_extra_byte() -> None:
+    h = rq.Histogram()
+    h.record(1.0)
+    data = h.to_bytes()
+    with pytest.raises(
+        ValueError, match=r"ends with 1 byte\(s\) that are not a whole bucket entry"
+    ):
+        rq.Histogram.from_bytes(data + b"\x00")
+    with pytest.raises(ValueError, match="not a whole bucket entry"):
+        rq.Histogram.from_bytes(data[:-1])

@@ -403,8 +403,21 @@ impl Snapshot {
         let mut pos = 44;
         let mut idx = 0u64;
         while pos < b.len() {
-            let delta = get_varint(b, &mut pos).ok_or_else(|| bad("is truncated"))?;
-            let c = get_varint(b, &mut pos).ok_or_else(|| bad("is truncated"))?;
+            let entry = pos;
+            // A varint that runs off the end: the last entry is incomplete (bytes missing,
+            // or stray bytes after the last whole entry); one that never ends is malformed.
+            let cut = |pos: usize| {
+                if pos >= b.len() {
+                    bad(&format!(
+                        "ends with {} byte(s) that are not a whole bucket entry (truncated, or extra bytes)",
+                        b.len() - entry
+                    ))
+                } else {
+                    bad("has a varint longer than 64 bits")
+                }
+            };
+            let delta = get_varint(b, &mut pos).ok_or_else(|| cut(pos))?;
+            let c = get_varint(b, &mut pos).ok_or_else(|| cut(pos))?;
             idx = idx
                 .checked_add(delta)
                 .filter(|i| *i < BUCKETS as u64)
