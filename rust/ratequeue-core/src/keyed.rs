@@ -923,6 +923,15 @@ mod tests {
     }
 
     #[test]
+    fn max_keys_is_bounded_and_never_wraps() {
+        let rate = Rate::new(1.0, 1e9, 1).unwrap();
+        assert!(KeyedLimiter::new(rate, MAX_KEYS + 1, AnyClock::default()).is_err());
+        assert!(KeyedLimiter::new(rate, 0, AnyClock::default()).is_err());
+        let k = KeyedLimiter::new(rate, MAX_KEYS, AnyClock::default()).unwrap();
+        assert!(k.max_keys() >= MAX_KEYS);
+    }
+
+    #[test]
     fn decides_like_independent_buckets() {
         let (k, clock) = keyed(10.0, 3, 1000);
         let buckets: Vec<Bucket> = (0..20).map(|_| Bucket::new(k.rate())).collect();

@@ -1239,6 +1239,47 @@ mod tests {
     }
 
     #[test]
+    fn prediction_per_class_is_the_fair_queue_wait() {
+        let (q, clock) = setup(1.0, 1, vec![("hi".into(), 9.0), ("lo".into(), 1.0)]);
+        let slots: Vec<_> = (0..12).map(|_| Slot::new()).collect();
+        let mut tickets = vec![];
+        for s in &slots[..11] {
+            let s2 = s.clone();
+            tickets.push(q.submit(&[1], 1, None, || Wake::Thread(s2)).unwrap());
+        }
+        assert!(matches!(tickets[0], Submitted::Granted { .. }));
+        let hi = q.predict_delay_in(&[1], 0).unwrap().unwrap().1;
+        let lo = q.predict_delay_in(&[1], 1).unwrap().unwrap().1;
+        assert_eq!((hi, lo), (2_000_000_000, 11_000_000_000));
+        let s = slots[11].clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s)).unwrap();
+        q.run_until(&clock, 30_000_000_000);
+        assert_eq!(granted(&slots[11]), Some(hi));
+        assert_eq!(granted(&slots[10]), Some(11_000_000_000));
+    }
+
+    #[test]
+    fn a_passed_deadline_fails_at_once() {
+        let sem = Arc::new(crate::Semaphore::new(1).unwrap());
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let q = WaitQueue::new(
+            sem,
+            1,
+            AnyClock::Manual(clock),
+            QueueConfig::new(vec![], 10, None).unwrap(),
+        );
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(Slot::new())),
+            Ok(Submitted::Granted { .. })
+        ));
+        let r = q.submit(&[1], 0, Some(0), || Wake::Thread(Slot::new()));
+        assert!(matches!(r, Err(Error::WaitTimeout { waited_ns: 0, .. })), "{r:?}");
+        assert_eq!(q.waiting(), 0);
+        let r = q.submit(&[1], 0, Some(1), || Wake::Thread(Slot::new()));
+        assert!(matches!(r, Ok(Submitted::Queued(_))));
+    }
+
+    #[test]
     fn one_class_grants_follow_lindley() {
         let (q, clock) = setup(100.0, 2, vec![]);
         let slots: Vec<_> = (0..6).map(|_| Slot::new()).collect();
