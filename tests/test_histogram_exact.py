@@ -77,7 +77,7 @@ def test_snapshot_never_inconsistent_while_recording() -> None:
     try:
         deadline = time.monotonic() + 2.0
         while time.monotonic() < deadline and len(bad) < 5:
-            for name, s in (("reset", h.reset()), ("live", h)):
+            for name, s in (("reset", h.reset()), ("live", h.copy())):
                 n = s.count
                 if n == 0:
                     continue

@@ -149,3 +149,15 @@ def test_record_many_sum_saturates() -> None:
     h.record_many(np.full(10, 1e4))
     assert h.count == 2_000_010
     assert h.sum == pytest.approx((U64 - 1) / 1e9)
+
+
+@pytest.mark.parametrize("limit", [U64, 2**70])
+def test_limits_beyond_u64_are_refused_not_saturated(limit: int) -> None:
+    with pytest.raises(ValueError, match="limit="):
+        rq.Concurrency(limit)
+    with pytest.raises(ValueError, match="limit="):
+        rq.KeyedConcurrency(limit)
+    c = rq.Concurrency(1)
+    with pytest.raises(ValueError, match="limit="):
+        c.set_limit(limit)
+    assert c.limit == 1

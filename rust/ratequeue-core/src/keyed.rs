@@ -733,7 +733,7 @@ impl KeyedSemaphore {
         }
         let mut m = self.shard(key);
         let cur = m.get(&key).copied().unwrap_or(0);
-        if cur + n > self.limit {
+        if !crate::concurrency::fits(cur, n, self.limit) {
             return Err(Deny::Wait(u64::MAX));
         }
         m.insert(key, cur + n);
@@ -871,7 +871,7 @@ impl crate::queue::Resource for KeyPermits {
                 unit: 0,
             });
         }
-        Ok((self.sem.in_use(self.key) + costs[0] <= self.sem.limit()).then_some(at_ns))
+        Ok(crate::concurrency::fits(self.sem.in_use(self.key), costs[0], self.sem.limit()).then_some(at_ns))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
@@ -1012,5 +1012,16 @@ mod tests {
         s.release(a, 2);
         assert_eq!(s.in_use(a), 0);
         assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn keyed_semaphore_sums_never_wrap() {
+        let s = Arc::new(KeyedSemaphore::new(u64::MAX).unwrap());
+        let a = s.hasher().str("a");
+        assert!(s.try_take(a, 1 << 63).is_ok());
+        assert_eq!(s.try_take(a, (1 << 63) + 1), Err(Deny::Wait(u64::MAX)));
+        assert_eq!(s.in_use(a), 1 << 63);
+        let key = KeyPermits { sem: s.clone(), key: a };
+        assert_eq!(crate::queue::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
     }
 }

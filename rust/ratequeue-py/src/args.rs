@@ -3,6 +3,7 @@
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyFloat, PyInt, PyString};
+use pyo3::Borrowed;
 
 use crate::errors::type_err;
 
@@ -77,5 +78,37 @@ pub fn cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
                 Ok(u64::MAX)
             }
         }
+    }
+}
+
+/// A number of permits: an int from 0 to 2**64 - 1. Unlike a cost it never saturates,
+/// since a limit may itself be 2**64 - 1.
+pub fn permits(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    let n = cost(name, v)?;
+    if n == u64::MAX && v.extract::<u64>().is_err() {
+        return Err(PyValueError::new_err(format!("{name}={v} must be < 2**64")));
+    }
+    Ok(n)
+}
+
+/// A `cost` argument, read as [`cost`] reads it.
+pub struct Cost(pub u64);
+
+impl<'py> FromPyObject<'_, 'py> for Cost {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        cost("cost", &obj).map(Cost)
+    }
+}
+
+/// An `n` (permits) argument, read as [`permits`] reads it.
+pub struct Permits(pub u64);
+
+impl<'py> FromPyObject<'_, 'py> for Permits {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        permits("n", &obj).map(Permits)
     }
 }

@@ -7,7 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::Semaphore;
 
-use crate::args::{cost, seconds_ns};
+use crate::args::{permits, seconds_ns};
 use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
@@ -35,7 +35,7 @@ impl ConcurrencyPy {
     }
 
     fn permits(n: Option<&Bound<'_, PyAny>>) -> PyResult<[u64; 1]> {
-        let c = n.map(|n| cost("n", n)).transpose()?.unwrap_or(1);
+        let c = n.map(|n| permits("n", n)).transpose()?.unwrap_or(1);
         if c == 0 {
             return Err(PyValueError::new_err("n=0 must be >= 1 permit"));
         }
@@ -56,7 +56,7 @@ impl ConcurrencyPy {
         clock: Option<&Bound<'_, PyAny>>,
         name: Option<String>,
     ) -> PyResult<Self> {
-        let sem = Arc::new(Semaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let sem = Arc::new(Semaphore::new(permits("limit", limit)?).map_err(|e| to_py(py, e))?);
         let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
         let gate = new_gate(
             py,
@@ -173,7 +173,7 @@ impl ConcurrencyPy {
 
     /// Changes the limit at run time (waiters are granted at once if it grew).
     fn set_limit(&self, py: Python<'_>, limit: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.sem.set_limit(cost("limit", limit)?).map_err(|e| to_py(py, e))?;
+        self.sem.set_limit(permits("limit", limit)?).map_err(|e| to_py(py, e))?;
         self.gate.queue.poll_now();
         Ok(())
     }

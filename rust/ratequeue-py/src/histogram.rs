@@ -56,15 +56,21 @@ impl HistogramPy {
     /// nothing: a NaN, infinite or negative value raises and records none.
     fn record_many(&self, py: Python<'_>, values: PyReadonlyArray1<'_, f64>) -> PyResult<()> {
         let view = values.as_array();
-        let filled: Result<Snapshot, f64> = match view.as_slice() {
-            Some(slice) => py.detach(|| Snapshot::from_seconds(slice)),
-            None => Snapshot::from_seconds(&view.iter().copied().collect::<Vec<f64>>()),
+        let inner = &self.inner;
+        let fill = |values: &[f64]| {
+            let s = Snapshot::from_seconds(values)?;
+            inner.add_snapshot(&s);
+            Ok(())
+        };
+        let filled: Result<(), f64> = match view.as_slice() {
+            Some(slice) => py.detach(|| fill(slice)),
+            None => {
+                let owned = view.iter().copied().collect::<Vec<f64>>();
+                py.detach(|| fill(&owned))
+            }
         };
         match filled {
-            Ok(s) => {
-                self.inner.add_snapshot(&s);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(bad) => Err(PyValueError::new_err(format!(
                 "values holds {bad}: every value must be a finite number of seconds >= 0"
             ))),

@@ -17,7 +17,7 @@ use ratequeue_core::{
     WaitQueue,
 };
 
-use crate::args::{cost, seconds_ns};
+use crate::args::{cost, permits, seconds_ns, Cost, Permits};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -462,14 +462,14 @@ impl KeyedLimiterPy {
 
     /// Admits `cost` on `key` now or returns False; never waits (False while the key has
     /// waiters: nobody overtakes them).
-    #[pyo3(signature = (key, cost = 1))]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<bool> {
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Cost) -> PyResult<bool> {
         let k = key_of(self.core.hasher(), key)?;
         if self.keyed.gates.has_waiters(k) {
             self.keyed.note(false);
             return Ok(false);
         }
-        match self.core.try_acquire(k, cost) {
+        match self.core.try_acquire(k, cost.0) {
             Ok(()) => {
                 self.keyed.note(true);
                 Ok(true)
@@ -581,27 +581,28 @@ impl KeyedLimiterPy {
 
     /// Waits on `key` (its own FIFO queue, GIL released); a context manager whose
     /// permit can `settle` the cost.
-    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None), text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: u64,
+        cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, cost, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, cost.0, timeout)
     }
 
     /// Awaitable (and async context manager) version of acquire.
-    #[pyo3(signature = (key, cost = 1, *, timeout = None))]
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None), text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: u64,
+        cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, cost, timeout)
+        self.keyed
+            .acquire_async_py(py, self.core.hasher(), key, cost.0, timeout)
     }
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
@@ -611,8 +612,9 @@ impl KeyedLimiterPy {
 
     /// Seconds after which try_acquire of `cost` on `key` is admitted, the key's queued
     /// requests served first (0.0 = now): exact with no new arrivals; changes nothing.
-    #[pyo3(signature = (key, cost = 1))]
-    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: u64) -> PyResult<f64> {
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
+    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Cost) -> PyResult<f64> {
+        let cost = cost.0;
         let k = key_of(self.core.hasher(), key)?;
         let queued = self.keyed.gates.existing(k).filter(|g| g.queue.waiting() != 0);
         let delay = match queued {
@@ -739,7 +741,7 @@ impl KeyedConcurrencyPy {
         max_queue: Option<&Bound<'_, PyAny>>,
         name: Option<String>,
     ) -> PyResult<Self> {
-        let core = Arc::new(KeyedSemaphore::new(cost("limit", limit)?).map_err(|e| to_py(py, e))?);
+        let core = Arc::new(KeyedSemaphore::new(permits("limit", limit)?).map_err(|e| to_py(py, e))?);
         let c2 = core.clone();
         let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
             Box::new(move |key| Arc::new(KeyPermits { sem: c2.clone(), key }));
@@ -756,36 +758,36 @@ impl KeyedConcurrencyPy {
     }
 
     /// Takes `n` permits on `key` now, or returns None; never waits.
-    #[pyo3(signature = (key, n = 1))]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: u64) -> PyResult<Option<PermitPy>> {
+    #[pyo3(signature = (key, n = Permits(1)), text_signature = "($self, key, n=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: Permits) -> PyResult<Option<PermitPy>> {
         let k = key_of(self.core.hasher(), key)?;
-        let p = self.keyed.try_now(py, k, n)?;
+        let p = self.keyed.try_now(py, k, n.0)?;
         self.keyed.note(p.is_some());
         Ok(p)
     }
 
     /// Waits for `n` permits on `key` (GIL released); returned on exit.
-    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    #[pyo3(signature = (key, n = Permits(1), *, timeout = None), text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: u64,
+        n: Permits,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed.acquire_py(py, self.core.hasher(), key, n, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, n.0, timeout)
     }
 
     /// Awaitable and async context manager; the permits return on exit.
-    #[pyo3(signature = (key, n = 1, *, timeout = None))]
+    #[pyo3(signature = (key, n = Permits(1), *, timeout = None), text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: u64,
+        n: Permits,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed.acquire_async_py(py, self.core.hasher(), key, n, timeout)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, n.0, timeout)
     }
 
     /// On a ManualClock: advances the clock through every due time (deadlines) of the
