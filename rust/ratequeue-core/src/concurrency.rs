@@ -1,11 +1,10 @@
 //! A counting semaphore as a queue resource: at most `limit` permits in use; permits
 //! come back on release instead of refilling over time.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use crate::bucket::Deny;
 use crate::error::Error;
 use crate::queue::Resource;
+use crate::sync::{AtomicU64, Ordering};
 
 /// At most `limit` permits held at once; lock-free take and release.
 #[derive(Debug)]
