@@ -161,3 +161,10 @@ def test_limits_beyond_u64_are_refused_not_saturated(limit: int) -> None:
     with pytest.raises(ValueError, match="limit="):
         c.set_limit(limit)
     assert c.limit == 1
+
+
+def test_huge_max_keys_is_reported_not_wrapped() -> None:
+    k = rq.KeyedLimiter(rq.Rate(10, burst=3), max_keys=U64 - 1)
+    assert k.max_keys == U64 - 1
+    assert k.stats()["max_keys"] == U64 - 1
+    assert k.try_acquire("a")

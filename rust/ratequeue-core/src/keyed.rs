@@ -311,9 +311,10 @@ impl KeyedLimiter {
         &self.clock
     }
 
-    /// The most keys held at once (max_keys rounded up to a multiple of the shards).
+    /// The most keys held at once (max_keys rounded up to a multiple of the shards,
+    /// sticking at usize::MAX).
     pub fn max_keys(&self) -> usize {
-        self.per_shard * self.shards.len()
+        self.per_shard.saturating_mul(self.shards.len())
     }
 
     fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
