@@ -38,10 +38,12 @@ test: test-rust test-python
 test-rust: test-loom
 	cargo test -p ratequeue-core --release
 
-# Model checks (loom) of the core's lock-free protocols, bounded to a few seconds; a
-# --cfg loom build has a target directory of its own so it never invalidates the other.
+# Model checks (loom) of the core's lock-free protocols: 3 preemptions take seconds (6
+# take minutes: LOOM_MAX_PREEMPTIONS=6 make test-loom); a --cfg loom build has a target
+# directory of its own so it never invalidates the other.
 test-loom:
-	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 CARGO_TARGET_DIR="$${CARGO_TARGET_DIR:-target}/loom" \
+	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="$${LOOM_MAX_PREEMPTIONS:-3}" \
+		CARGO_TARGET_DIR="$${CARGO_TARGET_DIR:-target}/loom" \
 		cargo test -p ratequeue-core --release --test loom
 
 test-python: build

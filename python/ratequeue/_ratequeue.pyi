@@ -82,7 +82,9 @@ class Histogram:
     """Durations in seconds: lock-free recording, <= 1 % relative error from 1 us to hours.
 
     Bucket edges have three significant digits in nanoseconds, so Prometheus ``le``
-    boundaries such as 0.0025 or 300 are read off exactly.
+    boundaries such as 0.0025 or 300 are read off exactly. Read while other threads
+    record, count, min, max and percentiles agree (min <= max, each within the bucket
+    of a value counted); counts stick at 2**64 - 1 rather than wrap.
     """
 
     buckets: int
