@@ -114,6 +114,17 @@ fn add_sticky(c: &AtomicU64, x: u64) {
     }
 }
 
+/// Adds `n` to a count: one fetch_add for a single value (2^64 of them cannot happen),
+/// sticking at u64::MAX for a batch.
+#[inline]
+fn add_count(c: &AtomicU64, n: u64) {
+    if n == 1 {
+        c.fetch_add(1, Ordering::Relaxed);
+    } else {
+        add_sticky(c, n);
+    }
+}
+
 /// A concurrent histogram of nanosecond durations.
 pub struct Histogram {
     counts: Box<[AtomicU64]>,
@@ -163,12 +174,12 @@ impl Histogram {
             return;
         }
         if v < UNDERFLOW_NS {
-            self.underflow.fetch_add(n, Ordering::Relaxed);
+            add_count(&self.underflow, n);
         } else if v > MAX_TRACKED_NS {
-            self.overflow.fetch_add(n, Ordering::Relaxed);
+            add_count(&self.overflow, n);
         }
         let v = v.min(MAX_TRACKED_NS);
-        self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
+        add_count(&self.counts[index_of(v)], n);
         if v != 0 {
             // Immediate grants record 0: their sum needs no write.
             add_saturating(&self.sum, v.saturating_mul(n));
@@ -631,6 +642,14 @@ mod tests {
         h.add_snapshot(&s);
         h.add_snapshot(&s);
         assert_eq!(h.snapshot().count(), u64::MAX);
+        h.record_n(500, u64::MAX);
+        h.record_n(5, u64::MAX);
+        h.record_n(5, 2);
+        let r = h.snapshot();
+        assert_eq!(
+            (r.counts[500], r.counts[5], r.underflow),
+            (u64::MAX, u64::MAX, u64::MAX)
+        );
         let mut two = s.clone();
         two.counts[501] = 1;
         assert_eq!(two.count(), u64::MAX);
