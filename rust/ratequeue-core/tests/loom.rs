@@ -165,6 +165,25 @@ fn bucket_rate_change_keeps_content_under_a_take() {
     });
 }
 
+#[test]
+fn bucket_undo_across_a_rate_change_restores_exactly_or_is_refused() {
+    model(|| {
+        let b = bucket(2);
+        let first = b.take(0, 1, 0).unwrap();
+        let change = {
+            let b = b.clone();
+            thread::spawn(move || b.set_rate(0, Rate::new(1.0, 1e9, 3).unwrap()))
+        };
+        let undo = {
+            let b = b.clone();
+            thread::spawn(move || b.untake(&first))
+        };
+        change.join().unwrap();
+        let undone = undo.join().unwrap();
+        assert_eq!(b.available(0), if undone { 3.0 } else { 2.0 });
+    });
+}
+
 fn semaphore(limit: u64) -> Arc<Semaphore> {
     Arc::new(Semaphore::new(limit).unwrap())
 }
