@@ -12,6 +12,7 @@
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
+use ratequeue_core::bucket::Undo;
 use ratequeue_core::{Bucket, Rate, Resource, Semaphore};
 
 const SEC: u64 = 1_000_000_000;
@@ -110,19 +111,68 @@ fn bucket_two_undos_race_a_take() {
 }
 
 #[test]
+fn bucket_give_back_never_lets_a_newcomer_share_a_reserved_slot() {
+    model(|| {
+        let b = bucket(1);
+        let mut first = b.take(0, 1, 0).unwrap();
+        let back = {
+            let b = b.clone();
+            thread::spawn(move || b.give_back(&mut first, 1, 0))
+        };
+        let other = {
+            let b = b.clone();
+            thread::spawn(move || b.take(0, 1, u64::MAX).unwrap().delay_ns)
+        };
+        let undo = back.join().unwrap();
+        let delay = other.join().unwrap();
+        // Exact before the reservation; after it, a grant is scheduled ahead: kept.
+        match undo {
+            Undo::Exact => assert_eq!((delay, b.available(0)), (0, 0.0)),
+            Undo::Dropped => {
+                assert!(delay.abs_diff(SEC) <= 1, "{delay}");
+                assert_eq!(b.available(0), -1.0);
+            }
+            other => panic!("{other:?}"),
+        }
+    });
+}
+
+#[test]
+fn bucket_give_back_after_a_later_take_refunds_what_it_held() {
+    model(|| {
+        let b = bucket(2);
+        let mut first = b.take(0, 1, 0).unwrap();
+        let back = {
+            let b = b.clone();
+            thread::spawn(move || b.give_back(&mut first, 1, 0))
+        };
+        let other = {
+            let b = b.clone();
+            thread::spawn(move || b.take(0, 1, 0).is_ok())
+        };
+        let undo = back.join().unwrap();
+        assert!(other.join().unwrap());
+        // Exact, or refunded under the later take (nothing is scheduled ahead of now).
+        assert!(undo.gave(), "{undo:?}");
+        assert_eq!(b.available(0), 1.0);
+    });
+}
+
+#[test]
 fn bucket_refund_races_take() {
     model(|| {
         let b = bucket(1);
         b.take(0, 1, 0).unwrap();
         let refund = {
             let b = b.clone();
-            thread::spawn(move || b.refund(1))
+            thread::spawn(move || b.refund(0, 1))
         };
         let other = {
             let b = b.clone();
             thread::spawn(move || b.take(0, 1, 0).is_ok())
         };
-        refund.join().unwrap();
+        // Nothing is ever scheduled ahead here, so the refund always applies.
+        assert_eq!(refund.join().unwrap(), Undo::Refunded);
         let took = other.join().unwrap();
         assert_eq!(b.available(0), if took { 0.0 } else { 1.0 });
     });
