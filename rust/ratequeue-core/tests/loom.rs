@@ -2,18 +2,19 @@
 //! the preemption bound) of a few threads, with the weak memory orderings loom models.
 //!
 //! Run: `RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS=3 cargo test -p ratequeue-core
-//! --release --test loom` (`make test-loom`). The bucket and the semaphore are checked
-//! as they are (their atomics come from `crate::sync`, loom's under `cfg(loom)`). The
-//! channel's put/drain, the queue's grant-versus-cancel hand-off and the driver's
-//! schedule/wake protocol live beside process-wide statics that loom cannot model, so
-//! their protocols are checked here as faithful copies on loom types (see each test).
+//! --release --test loom` (`make test-loom`). The bucket, the semaphore and the event-
+//! loop channel are checked as they are (their atomics and locks come from
+//! `crate::sync`, loom's under `cfg(loom)`). The queue's grant-versus-cancel hand-off
+//! and the driver's schedule/wake protocol live beside process-wide statics that loom
+//! cannot build, so their protocols are checked here as faithful copies on loom types.
 #![cfg(loom)]
 
 use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use ratequeue_core::bucket::Undo;
-use ratequeue_core::{Bucket, Rate, Resource, Semaphore};
+use ratequeue_core::channel::Channel;
+use ratequeue_core::{Bucket, Outcome, Rate, Resource, Semaphore};
 
 const SEC: u64 = 1_000_000_000;
 
@@ -319,37 +320,43 @@ fn semaphore_limit_change_races_take() {
     });
 }
 
-/// queue.rs's Channel protocol: `put` pushes under the lock, then writes one byte to
-/// the loop's pipe unless a byte is already pending (`signalled`); `drain` re-arms the
-/// signal first, then takes everything. Copied on loom types (Channel keeps std types
-/// and owns a file descriptor); `bytes` counts the pipe's unread bytes.
+fn granted(token: u64) -> Outcome {
+    Outcome::Granted {
+        at_ns: 0,
+        waited_ns: 0,
+        token,
+    }
+}
+
+/// channel.rs's put/drain protocol: `put`, under the lock, signals the wake-up
+/// descriptor unless a signal is pending (`signalled`), then pushes; `drain` clears the
+/// descriptor and re-arms, then takes everything. Copied with the descriptor as a loom
+/// counter (`bytes`): the real eventfd orders the writer before the reader through the
+/// kernel, which loom cannot see, so checked on the real Channel it reports a false
+/// lost wake-up.
 struct Chan {
-    ready: Mutex<Vec<u32>>,
+    ready: Mutex<Vec<u64>>,
     signalled: AtomicBool,
     bytes: AtomicUsize,
 }
 
 impl Chan {
-    fn put(&self, x: u32) {
-        self.ready.lock().unwrap().push(x);
+    fn put(&self, x: u64) {
+        let mut ready = self.ready.lock().unwrap();
         if !self.signalled.swap(true, Ordering::AcqRel) {
             self.bytes.fetch_add(1, Ordering::AcqRel);
         }
+        ready.push(x);
     }
 
-    fn drain(&self) -> Vec<u32> {
+    fn drain(&self) -> Vec<u64> {
+        self.bytes.swap(0, Ordering::AcqRel);
         self.signalled.store(false, Ordering::Release);
         std::mem::take(&mut *self.ready.lock().unwrap())
     }
 
-    /// The event loop: on a readable pipe, read one byte and drain.
-    fn wake(&self) -> Option<Vec<u32>> {
-        let n = self.bytes.load(Ordering::Acquire);
-        if n == 0 {
-            return None;
-        }
-        self.bytes.fetch_sub(1, Ordering::AcqRel);
-        Some(self.drain())
+    fn readable(&self) -> bool {
+        self.bytes.load(Ordering::Acquire) > 0
     }
 }
 
@@ -367,13 +374,13 @@ fn channel_every_put_is_drained_once_and_never_without_a_wake_up() {
                 thread::spawn(move || ch.put(x))
             })
             .collect();
-        let lp = {
+        let event_loop = {
             let ch = ch.clone();
             thread::spawn(move || {
                 let mut got = Vec::new();
                 for _ in 0..2 {
-                    if let Some(v) = ch.wake() {
-                        got.extend(v);
+                    if ch.readable() {
+                        got.extend(ch.drain());
                     }
                 }
                 got
@@ -382,16 +389,36 @@ fn channel_every_put_is_drained_once_and_never_without_a_wake_up() {
         for p in producers {
             p.join().unwrap();
         }
-        let mut got = lp.join().unwrap();
-        // Whatever is still queued has a byte waiting for it: the loop will wake.
-        if !ch.ready.lock().unwrap().is_empty() {
-            assert!(ch.bytes.load(Ordering::Acquire) > 0, "an outcome with no wake-up");
-        }
-        while let Some(v) = ch.wake() {
-            got.extend(v);
-        }
+        let mut got = event_loop.join().unwrap();
+        let signalled = ch.readable();
+        let rest = ch.drain();
+        assert!(signalled || rest.is_empty(), "outcomes left with no wake-up");
+        got.extend(rest);
         got.sort_unstable();
         assert_eq!(got, vec![1, 2]);
+    });
+}
+
+/// The real Channel (its flags and lock are loom's under `cfg(loom)`):
+/// a put racing close lands before it (close hands it over) or comes back to the
+/// caller; nothing is delivered after a close.
+#[test]
+fn channel_close_never_loses_an_outcome() {
+    model(|| {
+        let ch = Channel::with_wakeup().unwrap();
+        let put = {
+            let ch = ch.clone();
+            thread::spawn(move || ch.put_for_model(1, granted(1)).is_ok())
+        };
+        let close = {
+            let ch = ch.clone();
+            thread::spawn(move || ch.close())
+        };
+        let delivered = put.join().unwrap();
+        let handed = close.join().unwrap();
+        assert_eq!(delivered, handed.iter().any(|(t, _)| *t == 1));
+        assert!(ch.drain().is_empty());
+        assert!(ch.put_for_model(2, granted(2)).is_err());
     });
 }
 
