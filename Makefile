@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-rust test-python build build-dev lint bench bench-rust bench-python bench-peers clean
+.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,8 +35,16 @@ demo: build
 
 test: test-rust test-python
 
-test-rust:
+test-rust: test-loom
 	cargo test -p ratequeue-core --release
+
+# Model checks (loom) of the core's lock-free protocols: 3 preemptions take seconds (6
+# take minutes: LOOM_MAX_PREEMPTIONS=6 make test-loom); a --cfg loom build has a target
+# directory of its own so it never invalidates the other.
+test-loom:
+	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="$${LOOM_MAX_PREEMPTIONS:-3}" \
+		CARGO_TARGET_DIR="$${CARGO_TARGET_DIR:-target}/loom" \
+		cargo test -p ratequeue-core --release --test loom
 
 test-python: build
 	cd tests && ../$(PY) -m pytest -q

@@ -15,10 +15,8 @@
 //! and only of what the debit can still hold, never past full; otherwise nothing
 //! (lowering the TAT under a scheduled grant would let a newcomer share its slot).
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
-
 use crate::rate::Rate;
+use crate::sync::{AtomicU64, Mutex, Ordering};
 
 const GEN_SHIFT: u32 = 60;
 const TAT_MASK: u64 = (1 << GEN_SHIFT) - 1;

@@ -9,10 +9,10 @@
 
 use std::io;
 use std::os::fd::RawFd;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::Arc;
 
 use crate::queue::Outcome;
+use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
 
 /// The descriptor(s) a channel signals through, owned by the process that made them.
 struct WakeFd {
@@ -160,6 +160,13 @@ impl Channel {
         }
         ready.push((ticket, o));
         Ok(())
+    }
+
+    /// [`Channel::put`] for the loom model checks (tests/loom.rs).
+    #[cfg(loom)]
+    #[doc(hidden)]
+    pub fn put_for_model(&self, ticket: u64, o: Outcome) -> Result<(), Outcome> {
+        self.put(ticket, o)
     }
 
     /// Takes every outcome delivered so far and re-arms the signal.

@@ -1,11 +1,10 @@
 //! A counting semaphore as a queue resource: at most `limit` permits in use; permits
 //! come back on release instead of refilling over time.
 
-use std::sync::atomic::{AtomicU64, Ordering};
-
 use crate::bucket::Deny;
 use crate::error::Error;
 use crate::queue::Resource;
+use crate::sync::{AtomicU64, Ordering};
 
 /// At most `limit` permits held at once; lock-free take and release.
 #[derive(Debug)]
@@ -46,6 +45,13 @@ impl Semaphore {
     }
 }
 
+/// True when `n` more permits fit beside `in_use` under `limit` (no overflow, whatever
+/// the numbers).
+#[inline]
+pub(crate) fn fits(in_use: u64, n: u64, limit: u64) -> bool {
+    in_use.checked_add(n).is_some_and(|total| total <= limit)
+}
+
 /// The error a denial of permits stands for (shared by every permit resource).
 pub(crate) fn permits_error(d: Deny) -> Error {
     match d {
@@ -75,7 +81,7 @@ impl Resource for Semaphore {
         }
         let mut cur = self.in_use.load(Ordering::Acquire);
         loop {
-            if cur + c > limit {
+            if !fits(cur, c, limit) {
                 return Err(Deny::Wait(u64::MAX));
             }
             match self
@@ -97,7 +103,7 @@ impl Resource for Semaphore {
                 unit: 0,
             });
         }
-        Ok((self.in_use() + costs[0] <= limit).then_some(at_ns))
+        Ok(fits(self.in_use(), costs[0], limit).then_some(at_ns))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
@@ -125,5 +131,23 @@ impl Resource for Semaphore {
 
     fn predict(&self, _now_ns: u64, _ahead: &[u64], _costs: &[u64]) -> Option<u64> {
         None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sums_never_wrap() {
+        let s = Semaphore::new(u64::MAX).unwrap();
+        assert!(s.try_take(0, &[1 << 63]).is_ok());
+        assert_eq!(s.try_take(0, &[(1 << 63) + 1]), Err(Deny::Wait(u64::MAX)));
+        assert_eq!(s.ready_at(7, &[(1 << 63) + 1]), Ok(None));
+        assert_eq!(s.in_use(), 1 << 63);
+        assert!(s.try_take(0, &[(1 << 63) - 1]).is_ok());
+        assert_eq!(s.in_use(), u64::MAX);
+        s.give_back(&[u64::MAX], None);
+        assert_eq!(s.ready_at(7, &[u64::MAX]), Ok(Some(7)));
     }
 }

@@ -10,9 +10,13 @@
 //! years in total, rather than wrap).
 //!
 //! Recording is two relaxed atomic adds (bucket, sum) plus min/max updates only when
-//! they move. A snapshot reads each counter atomically but not all at one instant:
-//! records racing the snapshot may be in its buckets and not yet in its sum (or the
-//! reverse); count and percentiles always agree, since count is the buckets' total.
+//! they move. A snapshot reads each counter atomically but not all at one instant, and
+//! guarantees: count is the buckets' total, so count and percentiles always agree; with
+//! count = 0, min = u64::MAX and max = 0; with count ≥ 1, min ≤ max, min lies in the
+//! lowest non-empty bucket and max in the highest (a value recorded while the snapshot
+//! is taken may be in its bucket before it reaches min or max: they are then read off
+//! that bucket's edge, within 1 % of it). The sum may include or miss such values.
+//! Counts stick at u64::MAX rather than wrap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -111,6 +115,25 @@ fn add_saturating(sum: &AtomicU64, x: u64) {
     }
 }
 
+/// Adds to an atomic counter, sticking at u64::MAX instead of wrapping (a CAS loop, for
+/// merges rather than recording).
+fn add_sticky(c: &AtomicU64, x: u64) {
+    if x != 0 {
+        let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| Some(v.saturating_add(x)));
+    }
+}
+
+/// Adds `n` to a count: one fetch_add for a single value (2^64 of them cannot happen),
+/// sticking at u64::MAX for a batch.
+#[inline]
+fn add_count(c: &AtomicU64, n: u64) {
+    if n == 1 {
+        c.fetch_add(1, Ordering::Relaxed);
+    } else {
+        add_sticky(c, n);
+    }
+}
+
 /// A concurrent histogram of nanosecond durations.
 pub struct Histogram {
     counts: Box<[AtomicU64]>,
@@ -160,11 +183,11 @@ impl Histogram {
             return;
         }
         if v < UNDERFLOW_NS {
-            self.underflow.fetch_add(n, Ordering::Relaxed);
+            add_count(&self.underflow, n);
         } else if v > MAX_TRACKED_NS {
-            self.overflow.fetch_add(n, Ordering::Relaxed);
+            add_count(&self.overflow, n);
         }
-        self.counts[index_of(v)].fetch_add(n, Ordering::Relaxed);
+        add_count(&self.counts[index_of(v)], n);
         if v != 0 {
             // Immediate grants record 0: their sum needs no write.
             add_saturating(&self.sum, v.saturating_mul(n));
@@ -177,21 +200,20 @@ impl Histogram {
         }
     }
 
-    /// Adds a batch counted elsewhere (e.g. a local array filled without atomics).
+    /// Adds a batch counted elsewhere (e.g. a local array filled without atomics);
+    /// counts stick at u64::MAX rather than wrap.
     pub fn add_snapshot(&self, s: &Snapshot) {
         for (i, c) in s.counts.iter().enumerate() {
-            if *c != 0 {
-                self.counts[i].fetch_add(*c, Ordering::Relaxed);
-            }
+            add_sticky(&self.counts[i], *c);
         }
         add_saturating(&self.sum, s.sum);
         self.min.fetch_min(s.min, Ordering::Relaxed);
         self.max.fetch_max(s.max, Ordering::Relaxed);
-        self.underflow.fetch_add(s.underflow, Ordering::Relaxed);
-        self.overflow.fetch_add(s.overflow, Ordering::Relaxed);
+        add_sticky(&self.underflow, s.underflow);
+        add_sticky(&self.overflow, s.overflow);
     }
 
-    /// A copy of the counters (see the module doc for its consistency).
+    /// A copy of the counters, consistent as the module doc says.
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             counts: self.counts.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
@@ -201,9 +223,11 @@ impl Histogram {
             underflow: self.underflow.load(Ordering::Relaxed),
             overflow: self.overflow.load(Ordering::Relaxed),
         }
+        .with_consistent_range()
     }
 
-    /// Empties the histogram, returning what it held (each counter swapped atomically).
+    /// Empties the histogram, returning what it held (each counter swapped atomically;
+    /// consistent as a snapshot is).
     pub fn reset(&self) -> Snapshot {
         Snapshot {
             counts: self.counts.iter().map(|c| c.swap(0, Ordering::Relaxed)).collect(),
@@ -213,6 +237,7 @@ impl Histogram {
             underflow: self.underflow.swap(0, Ordering::Relaxed),
             overflow: self.overflow.swap(0, Ordering::Relaxed),
         }
+        .with_consistent_range()
     }
 }
 
@@ -249,9 +274,39 @@ impl Default for Snapshot {
 const MAGIC: &[u8; 4] = b"RQH1";
 
 impl Snapshot {
-    /// Number of recorded values.
+    /// Number of recorded values (sticking at u64::MAX).
     pub fn count(&self) -> u64 {
-        self.counts.iter().sum()
+        u64::try_from(self.total()).unwrap_or(u64::MAX)
+    }
+
+    fn total(&self) -> u128 {
+        self.counts.iter().map(|c| *c as u128).sum()
+    }
+
+    /// Min and max made to agree with the bucket counts (see the module doc): empty
+    /// gives (u64::MAX, 0); otherwise a min or max outside its extreme non-empty bucket
+    /// (not yet written, or written by a record whose count was not read) becomes that
+    /// bucket's outer edge (the top bucket's is open: it holds values beyond the range).
+    fn with_consistent_range(mut self) -> Snapshot {
+        match self.counts.iter().position(|c| *c != 0) {
+            None => {
+                self.min = u64::MAX;
+                self.max = 0;
+            }
+            Some(lo) => {
+                let hi = self.counts.iter().rposition(|c| *c != 0).unwrap_or(lo);
+                if !(lower_of(lo)..upper_of(lo)).contains(&self.min) {
+                    self.min = lower_of(lo);
+                }
+                // The top bucket also holds every value beyond the tracked range.
+                let top = if hi == BUCKETS - 1 { u64::MAX } else { upper_of(hi) - 1 };
+                if !(lower_of(hi)..=top).contains(&self.max) {
+                    self.max = upper_of(hi) - 1;
+                }
+                self.max = self.max.max(self.min);
+            }
+        }
+        self
     }
 
     /// Records `v` (non-atomic; for batch filling).
@@ -292,20 +347,20 @@ impl Snapshot {
         Ok(s)
     }
 
-    /// Adds `other` into this one.
+    /// Adds `other` into this one; counts stick at u64::MAX rather than wrap.
     pub fn merge(&mut self, other: &Snapshot) {
         for (a, b) in self.counts.iter_mut().zip(&other.counts) {
-            *a += b;
+            *a = a.saturating_add(*b);
         }
         self.sum = self.sum.saturating_add(other.sum);
         self.min = self.min.min(other.min);
         self.max = self.max.max(other.max);
-        self.underflow += other.underflow;
-        self.overflow += other.overflow;
+        self.underflow = self.underflow.saturating_add(other.underflow);
+        self.overflow = self.overflow.saturating_add(other.overflow);
     }
 
     /// The value (ns) at percentile `q` in [0, 100]: the midpoint of the bucket holding
-    /// that rank (nearest-rank), clamped to [min, max]; None when empty.
+    /// the nearest rank (see [`rank`]), clamped to [min, max]; None when empty.
     pub fn percentile(&self, q: f64) -> Option<f64> {
         self.percentiles(&[q]).pop().flatten()
     }
@@ -316,17 +371,13 @@ impl Snapshot {
         if n == 0 {
             return vec![None; qs.len()];
         }
-        let mut order: Vec<(usize, u64)> = qs
-            .iter()
-            .enumerate()
-            .map(|(k, q)| (k, ((q.clamp(0.0, 100.0) / 100.0 * n as f64).ceil() as u64).clamp(1, n)))
-            .collect();
+        let mut order: Vec<(usize, u128)> = qs.iter().enumerate().map(|(k, q)| (k, rank(*q, n) as u128)).collect();
         order.sort_by_key(|(_, r)| *r);
         let mut out = vec![None; qs.len()];
-        let mut seen = 0u64;
+        let mut seen = 0u128;
         let mut j = 0;
         for (i, c) in self.counts.iter().enumerate() {
-            seen += c;
+            seen += *c as u128;
             while j < order.len() && order[j].1 <= seen {
                 let (lo, hi) = (lower_of(i), upper_of(i));
                 let mid = if hi - lo <= 1 {
@@ -402,6 +453,7 @@ impl Snapshot {
         }
         let mut pos = 44;
         let mut idx = 0u64;
+        let mut total = 0u64;
         while pos < b.len() {
             let entry = pos;
             // A varint that runs off the end: the last entry is incomplete (bytes missing,
@@ -422,12 +474,41 @@ impl Snapshot {
                 .checked_add(delta)
                 .filter(|i| *i < BUCKETS as u64)
                 .ok_or_else(|| bad("has a bucket out of range"))?;
-            s.counts[idx as usize] = s.counts[idx as usize]
+            total = total
                 .checked_add(c)
-                .ok_or_else(|| bad("overflows a count"))?;
+                .ok_or_else(|| bad("has counts that sum past 2**64 - 1"))?;
+            s.counts[idx as usize] += c;
         }
-        Ok(s)
+        Ok(s.with_consistent_range())
     }
+}
+
+/// The nearest rank of percentile `q` among `n` ≥ 1 values: ceil(q·n/100), at least 1,
+/// computed exactly with `q` read as the shortest decimal that prints as it (7 is 7,
+/// 99.9 is 999/10), so binary rounding never moves a rank.
+pub fn rank(q: f64, n: u64) -> u64 {
+    if q.is_nan() || q <= 0.0 {
+        return 1;
+    }
+    if q >= 100.0 {
+        return n.max(1);
+    }
+    let text = format!("{q:e}");
+    let parsed = text.split_once('e').and_then(|(mantissa, exp)| {
+        let exp: i32 = exp.parse().ok()?;
+        let (int, frac) = mantissa.split_once('.').unwrap_or((mantissa, ""));
+        let digits: u128 = format!("{int}{frac}").parse().ok()?;
+        Some((digits, exp - frac.len() as i32))
+    });
+    let Some((digits, exp)) = parsed else {
+        return ((q / 100.0 * n as f64).ceil() as u64).clamp(1, n.max(1));
+    };
+    // q·n/100 = digits·n·10^(exp−2), and exp − 2 < 0 since q < 100; digits < 10^17, so
+    // digits·n < 2^121 fits.
+    let scale = (2 - exp) as u32;
+    let num = digits * n as u128;
+    let r = if scale > 38 { 1 } else { num.div_ceil(10u128.pow(scale)) };
+    u64::try_from(r).unwrap_or(u64::MAX).clamp(1, n.max(1))
 }
 
 fn put_varint(out: &mut Vec<u8>, mut v: u64) {
@@ -548,6 +629,86 @@ mod tests {
         let mut bad = s.to_bytes();
         bad.push(0xff);
         assert!(Snapshot::from_bytes(&bad).is_err());
+    }
+
+    #[test]
+    fn ranks_are_exact() {
+        for n in [1u64, 2, 3, 7, 10, 99, 100, 101, 333, 1000, 1 << 40, u64::MAX] {
+            for q in 0..=100u64 {
+                let want = u64::try_from((q as u128 * n as u128).div_ceil(100)).unwrap().max(1);
+                assert_eq!(rank(q as f64, n), want, "q={q} n={n}");
+            }
+        }
+        assert_eq!(rank(7.0, 100), 7);
+        assert_eq!(rank(99.9, 1000), 999);
+        assert_eq!(rank(99.99, 10_000), 9999);
+        assert_eq!(rank(0.1, 1000), 1);
+        assert_eq!(rank(0.1, 1001), 2);
+        assert_eq!(rank(12.5, 16), 2);
+        assert_eq!(rank(1e-300, u64::MAX), 1);
+        assert_eq!(rank(f64::MIN_POSITIVE, 5), 1);
+        assert_eq!(rank(f64::NAN, 5), 1);
+    }
+
+    #[test]
+    fn percentile_of_1_to_100_is_the_exact_rank() {
+        let h = Histogram::new();
+        for v in 1..=100 {
+            h.record(v);
+        }
+        let s = h.snapshot();
+        for q in 0..=100u64 {
+            assert_eq!(s.percentile(q as f64), Some(q.max(1) as f64), "q={q}");
+        }
+    }
+
+    #[test]
+    fn a_snapshot_mid_record_is_consistent() {
+        // A record that has reached its bucket but not yet min and max.
+        let h = Histogram::new();
+        h.counts[index_of(123_456)].fetch_add(1, Ordering::Relaxed);
+        let s = h.snapshot();
+        assert_eq!(s.count(), 1);
+        let b = index_of(123_456);
+        assert_eq!((s.min, s.max), (lower_of(b), upper_of(b) - 1));
+        let p = s.percentile(50.0).unwrap();
+        assert!(s.min as f64 <= p && p <= s.max as f64);
+        // A min and max that ran ahead of the bucket counts read are pulled back.
+        h.record(5);
+        h.min.store(1, Ordering::Relaxed);
+        h.max.store(MAX_TRACKED_NS, Ordering::Relaxed);
+        let s = h.reset();
+        assert_eq!((s.min, s.max), (5, upper_of(b) - 1));
+        let e = h.snapshot();
+        assert_eq!((e.count(), e.min, e.max), (0, u64::MAX, 0));
+    }
+
+    #[test]
+    fn counts_never_wrap() {
+        let mut s = Snapshot::default();
+        s.counts[500] = u64::MAX;
+        s.min = 500;
+        s.max = 500;
+        let mut m = s.clone();
+        m.merge(&s);
+        assert_eq!(m.counts[500], u64::MAX);
+        let h = Histogram::new();
+        h.add_snapshot(&s);
+        h.add_snapshot(&s);
+        assert_eq!(h.snapshot().count(), u64::MAX);
+        h.record_n(500, u64::MAX);
+        h.record_n(5, u64::MAX);
+        h.record_n(5, 2);
+        let r = h.snapshot();
+        assert_eq!(
+            (r.counts[500], r.counts[5], r.underflow),
+            (u64::MAX, u64::MAX, u64::MAX)
+        );
+        let mut two = s.clone();
+        two.counts[501] = 1;
+        assert_eq!(two.count(), u64::MAX);
+        assert!(Snapshot::from_bytes(&two.to_bytes()).is_err());
+        assert_eq!(Snapshot::from_bytes(&s.to_bytes()).unwrap(), s);
     }
 
     #[test]

@@ -318,9 +318,10 @@ impl KeyedLimiter {
         &self.clock
     }
 
-    /// The most keys held at once (max_keys rounded up to a multiple of the shards).
+    /// The most keys held at once (max_keys rounded up to a multiple of the shards,
+    /// sticking at usize::MAX).
     pub fn max_keys(&self) -> usize {
-        self.per_shard * self.shards.len()
+        self.per_shard.saturating_mul(self.shards.len())
     }
 
     fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
@@ -740,7 +741,7 @@ impl KeyedSemaphore {
         }
         let mut m = self.shard(key);
         let cur = m.get(&key).copied().unwrap_or(0);
-        if cur + n > self.limit {
+        if !crate::concurrency::fits(cur, n, self.limit) {
             return Err(Deny::Wait(u64::MAX));
         }
         m.insert(key, cur + n);
@@ -878,7 +879,7 @@ impl crate::queue::Resource for KeyPermits {
                 unit: 0,
             });
         }
-        Ok((self.sem.in_use(self.key) + costs[0] <= self.sem.limit()).then_some(at_ns))
+        Ok(crate::concurrency::fits(self.sem.in_use(self.key), costs[0], self.sem.limit()).then_some(at_ns))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
@@ -1028,5 +1029,16 @@ mod tests {
         s.release(a, 2);
         assert_eq!(s.in_use(a), 0);
         assert_eq!(s.len(), 1);
+    }
+
+    #[test]
+    fn keyed_semaphore_sums_never_wrap() {
+        let s = Arc::new(KeyedSemaphore::new(u64::MAX).unwrap());
+        let a = s.hasher().str("a");
+        assert!(s.try_take(a, 1 << 63).is_ok());
+        assert_eq!(s.try_take(a, (1 << 63) + 1), Err(Deny::Wait(u64::MAX)));
+        assert_eq!(s.in_use(a), 1 << 63);
+        let key = KeyPermits { sem: s.clone(), key: a };
+        assert_eq!(crate::queue::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
     }
 }

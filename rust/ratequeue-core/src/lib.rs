@@ -13,6 +13,7 @@ pub mod limiter;
 pub mod policy;
 pub mod queue;
 pub mod rate;
+mod sync;
 
 pub use bucket::{Bucket, Deny};
 pub use clock::{AnyClock, ManualClock};

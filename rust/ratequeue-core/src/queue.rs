@@ -263,7 +263,8 @@ struct Class {
     weight: f64,
     waiters: BTreeMap<u64, Waiter>,
     last_finish: f64,
-    queued: Vec<u64>,
+    /// Cost per unit of this class's waiters, exact (no sum of u64 costs can overflow it).
+    queued: Vec<u128>,
 }
 
 /// Counters of what a queue decided.
@@ -653,8 +654,8 @@ impl WaitQueue {
         if let Some(mw) = max_wait {
             // With one class the FIFO wait is known now; with several, the own class's
             // backlog is a lower bound. Refuse at once what would surely miss its deadline.
-            let ahead = &g.classes[class].queued;
-            if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), ahead, costs) {
+            let ahead = saturated(&g.classes[class].queued);
+            if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), &ahead, costs) {
                 let wait = t.saturating_sub(now);
                 if wait > mw {
                     bump(&self.counters.refused_deadline);
@@ -699,7 +700,7 @@ impl WaitQueue {
         let start = c.last_finish.max(g.vtime);
         c.last_finish = start + self.resource.service_ns(costs) / c.weight;
         for (q, x) in c.queued.iter_mut().zip(costs) {
-            *q += x;
+            *q += *x as u128;
         }
         c.waiters.insert(
             ticket,
@@ -901,13 +902,14 @@ impl WaitQueue {
     }
 
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {
-        let mut ahead = vec![0u64; self.units];
+        let mut ahead = vec![0u128; self.units];
         for c in &g.classes {
             for (a, q) in ahead.iter_mut().zip(&c.queued) {
                 *a += q;
             }
         }
-        self.resource.predict(now.max(g.last_grant_ns), &ahead, costs)
+        self.resource
+            .predict(now.max(g.last_grant_ns), &saturated(&ahead), costs)
     }
 
     fn deny_error(&self, d: Deny) -> Error {
@@ -1069,7 +1071,7 @@ impl WaitQueue {
         let c = &mut g.classes[ci];
         let w = c.waiters.remove(&t).expect("ticket is queued in its class");
         for (q, x) in c.queued.iter_mut().zip(w.costs.iter()) {
-            *q -= x;
+            *q -= *x as u128;
         }
         if c.waiters.is_empty() {
             // An idle class restarts from the current virtual time, not from its past.
@@ -1189,6 +1191,11 @@ impl WaitQueue {
             .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
         self.poll_now();
     }
+}
+
+/// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
+fn saturated(totals: &[u128]) -> Vec<u64> {
+    totals.iter().map(|t| u64::try_from(*t).unwrap_or(u64::MAX)).collect()
 }
 
 /// Delivers each outcome; returns the grants a closed channel handed back.
@@ -1352,6 +1359,27 @@ mod tests {
                 waited_ns: 1_000_000_000,
                 ..
             })
+        ));
+    }
+
+    #[test]
+    fn queued_cost_totals_never_wrap() {
+        let big = 1u64 << 56;
+        let (q, _clock) = setup(1e9, big, vec![]);
+        q.try_now(&[big], 0).unwrap();
+        let mut last = q.predict(&[big]).unwrap();
+        for i in 0..300 {
+            assert!(matches!(
+                q.submit(&[big], 0, None, || Wake::Thread(Slot::new())).unwrap(),
+                Submitted::Queued(_)
+            ));
+            let t = q.predict(&[big]).unwrap();
+            assert!(t >= last, "after {} waiters: {t} < {last}", i + 1);
+            last = t;
+        }
+        assert!(matches!(
+            q.submit(&[big], 0, Some(1 << 50), || unreachable!()),
+            Err(Error::Overloaded { .. })
         ));
     }
 

@@ -5,6 +5,7 @@ use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
+use pyo3::Borrowed;
 
 use crate::errors::type_err;
 
@@ -221,4 +222,26 @@ pub fn texts(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
         out.push(text(&format!("{name}[{i}]"), &x?)?);
     }
     Ok(out)
+}
+
+/// A `cost` argument, read as [`cost`] reads it.
+pub struct Cost(pub u64);
+
+impl<'py> FromPyObject<'_, 'py> for Cost {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        cost("cost", &obj).map(Cost)
+    }
+}
+
+/// An `n` (permits) argument, read as [`permits`] reads it (>= 1).
+pub struct Permits(pub u64);
+
+impl<'py> FromPyObject<'_, 'py> for Permits {
+    type Error = PyErr;
+
+    fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
+        permits("n", &obj).map(Permits)
+    }
 }

@@ -118,15 +118,21 @@ impl HistogramPy {
             }
         };
         let view = values.as_array();
-        let filled: Result<Snapshot, f64> = match view.as_slice() {
-            Some(slice) => py.detach(|| Snapshot::from_seconds(slice)),
-            None => Snapshot::from_seconds(&view.iter().copied().collect::<Vec<f64>>()),
+        let inner = &self.inner;
+        let fill = |values: &[f64]| {
+            let s = Snapshot::from_seconds(values)?;
+            inner.add_snapshot(&s);
+            Ok(())
+        };
+        let filled: Result<(), f64> = match view.as_slice() {
+            Some(slice) => py.detach(|| fill(slice)),
+            None => {
+                let owned = view.iter().copied().collect::<Vec<f64>>();
+                py.detach(|| fill(&owned))
+            }
         };
         match filled {
-            Ok(s) => {
-                self.inner.add_snapshot(&s);
-                Ok(())
-            }
+            Ok(()) => Ok(()),
             Err(bad) => Err(PyValueError::new_err(format!(
                 "values holds {bad}: every value must be a finite number of seconds >= 0"
             ))),

@@ -17,7 +17,7 @@ use ratequeue_core::{
     WaitQueue,
 };
 
-use crate::args::{cost, opt_text, permits, seconds_ns, size};
+use crate::args::{cost, opt_text, seconds_ns, size, Cost, Permits};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -322,16 +322,6 @@ impl Keyed {
     }
 }
 
-/// A keyed cost argument (default 1), by the one rule for costs.
-fn cost_arg(c: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-    c.map_or(Ok(1), |c| cost("cost", c))
-}
-
-/// A keyed permit count (default 1), by the one rule for permits.
-fn permits_arg(n: Option<&Bound<'_, PyAny>>) -> PyResult<u64> {
-    n.map_or(Ok(1), |n| permits("n", n))
-}
-
 fn costs_array(py: Python<'_>, costs: Option<&Bound<'_, PyAny>>, n: usize) -> PyResult<Option<Vec<u64>>> {
     let Some(c) = costs else { return Ok(None) };
     let v: Vec<u64> = if let Ok(a) = c.extract::<PyReadonlyArray1<'_, u64>>() {
@@ -469,16 +459,14 @@ impl KeyedLimiterPy {
 
     /// Admits `cost` on `key` now or returns False; never waits (False while the key has
     /// waiters: nobody overtakes them).
-    #[pyo3(signature = (key, cost = None))]
-    #[pyo3(text_signature = "($self, key, cost=1)")]
-    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Cost) -> PyResult<bool> {
         let k = key_of(self.core.hasher(), key)?;
-        let cost = cost_arg(cost)?;
         if self.keyed.gates.has_waiters(k) {
             self.keyed.note(false);
             return Ok(false);
         }
-        match self.core.try_acquire(k, cost) {
+        match self.core.try_acquire(k, cost.0) {
             Ok(()) => {
                 self.keyed.note(true);
                 Ok(true)
@@ -593,31 +581,28 @@ impl KeyedLimiterPy {
 
     /// Waits on `key` (its own FIFO queue, GIL released); a context manager whose
     /// permit can `settle` the cost.
-    #[pyo3(signature = (key, cost = None, *, timeout = None))]
-    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None), text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: Option<&Bound<'_, PyAny>>,
+        cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed
-            .acquire_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, cost.0, timeout)
     }
 
     /// Awaitable (and async context manager) version of acquire.
-    #[pyo3(signature = (key, cost = None, *, timeout = None))]
-    #[pyo3(text_signature = "($self, key, cost=1, *, timeout=None)")]
+    #[pyo3(signature = (key, cost = Cost(1), *, timeout = None), text_signature = "($self, key, cost=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        cost: Option<&Bound<'_, PyAny>>,
+        cost: Cost,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         self.keyed
-            .acquire_async_py(py, self.core.hasher(), key, cost_arg(cost)?, timeout)
+            .acquire_async_py(py, self.core.hasher(), key, cost.0, timeout)
     }
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
@@ -627,11 +612,10 @@ impl KeyedLimiterPy {
 
     /// Seconds after which try_acquire of `cost` on `key` is admitted, the key's queued
     /// requests served first (0.0 = now): exact with no new arrivals; changes nothing.
-    #[pyo3(signature = (key, cost = None))]
-    #[pyo3(text_signature = "($self, key, cost=1)")]
-    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Option<&Bound<'_, PyAny>>) -> PyResult<f64> {
+    #[pyo3(signature = (key, cost = Cost(1)), text_signature = "($self, key, cost=1)")]
+    fn retry_after(&self, py: Python<'_>, key: &Bound<'_, PyAny>, cost: Cost) -> PyResult<f64> {
+        let cost = cost.0;
         let k = key_of(self.core.hasher(), key)?;
-        let cost = cost_arg(cost)?;
         let queued = self.keyed.gates.existing(k).filter(|g| g.queue.waiting() != 0);
         let delay = match queued {
             Some(g) => py
@@ -775,47 +759,36 @@ impl KeyedConcurrencyPy {
     }
 
     /// Takes `n` permits on `key` now, or returns None; never waits.
-    #[pyo3(signature = (key, n = None))]
-    #[pyo3(text_signature = "($self, key, n=1)")]
-    fn try_acquire(
-        &self,
-        py: Python<'_>,
-        key: &Bound<'_, PyAny>,
-        n: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Option<PermitPy>> {
+    #[pyo3(signature = (key, n = Permits(1)), text_signature = "($self, key, n=1)")]
+    fn try_acquire(&self, py: Python<'_>, key: &Bound<'_, PyAny>, n: Permits) -> PyResult<Option<PermitPy>> {
         let k = key_of(self.core.hasher(), key)?;
-        let n = permits_arg(n)?;
-        let p = self.keyed.try_now(py, k, n)?;
+        let p = self.keyed.try_now(py, k, n.0)?;
         self.keyed.note(p.is_some());
         Ok(p)
     }
 
     /// Waits for `n` permits on `key` (GIL released); returned on exit.
-    #[pyo3(signature = (key, n = None, *, timeout = None))]
-    #[pyo3(text_signature = "($self, key, n=1, *, timeout=None)")]
+    #[pyo3(signature = (key, n = Permits(1), *, timeout = None), text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: Option<&Bound<'_, PyAny>>,
+        n: Permits,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<PermitPy> {
-        self.keyed
-            .acquire_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
+        self.keyed.acquire_py(py, self.core.hasher(), key, n.0, timeout)
     }
 
     /// Awaitable and async context manager; the permits return on exit.
-    #[pyo3(signature = (key, n = None, *, timeout = None))]
-    #[pyo3(text_signature = "($self, key, n=1, *, timeout=None)")]
+    #[pyo3(signature = (key, n = Permits(1), *, timeout = None), text_signature = "($self, key, n=1, *, timeout=None)")]
     fn acquire_async(
         &self,
         py: Python<'_>,
         key: &Bound<'_, PyAny>,
-        n: Option<&Bound<'_, PyAny>>,
+        n: Permits,
         timeout: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        self.keyed
-            .acquire_async_py(py, self.core.hasher(), key, permits_arg(n)?, timeout)
+        self.keyed.acquire_async_py(py, self.core.hasher(), key, n.0, timeout)
     }
 
     /// On a ManualClock: advances the clock through every due time (deadlines) of the
