@@ -295,12 +295,12 @@ impl Snapshot {
             }
             Some(lo) => {
                 let hi = self.counts.iter().rposition(|c| *c != 0).unwrap_or(lo);
-                if !(lower_of(lo)..upper_of(lo)).contains(&self.min) {
+                // The top bucket also holds every value beyond the tracked range.
+                let top = |i: usize| if i == BUCKETS - 1 { u64::MAX } else { upper_of(i) - 1 };
+                if !(lower_of(lo)..=top(lo)).contains(&self.min) {
                     self.min = lower_of(lo);
                 }
-                // The top bucket also holds every value beyond the tracked range.
-                let top = if hi == BUCKETS - 1 { u64::MAX } else { upper_of(hi) - 1 };
-                if !(lower_of(hi)..=top).contains(&self.max) {
+                if !(lower_of(hi)..=top(hi)).contains(&self.max) {
                     self.max = upper_of(hi) - 1;
                 }
                 self.max = self.max.max(self.min);
@@ -611,6 +611,11 @@ mod tests {
         assert_eq!((s.underflow, s.overflow), (1, 1));
         assert_eq!(s.max, u64::MAX);
         assert_eq!(s.counts[BUCKETS - 1], 1);
+        let h = Histogram::new();
+        h.record(15_000_000_000_000_000_000);
+        let s = h.snapshot();
+        assert_eq!((s.min, s.max), (15_000_000_000_000_000_000, 15_000_000_000_000_000_000));
+        assert_eq!(s.percentile(50.0), Some(15e18));
     }
 
     #[test]

@@ -171,13 +171,14 @@ pub fn saturated_cost() -> Option<String> {
     SATURATED.with(|s| s.borrow_mut().take())
 }
 
-/// Permits >= 1 (concurrency): an integer; 0 is refused.
+/// Permits (concurrency): an integer from 1 to 2**64 - 1. Unlike a cost it never
+/// saturates, since a limit may itself be 2**64 - 1.
 pub fn permits(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
-    let n = cost(name, v)?;
-    if n == 0 {
-        return Err(PyValueError::new_err(format!("{name}=0 must be >= 1 permit")));
+    match int_u64(name, v)? {
+        Ok(0) => Err(PyValueError::new_err(format!("{name}=0 must be >= 1 permit"))),
+        Ok(n) => Ok(n),
+        Err(()) => Err(PyValueError::new_err(format!("{name}={} must be < 2**64", shown(v)))),
     }
-    Ok(n)
 }
 
 /// An integer >= 0: Ok(Ok(v)) within u64, Ok(Err(())) above it; errors otherwise.

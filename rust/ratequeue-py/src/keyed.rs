@@ -436,7 +436,7 @@ impl KeyedLimiterPy {
         let name = opt_text("name", name)?;
         let max_keys = match max_keys {
             None => DEFAULT_MAX_KEYS,
-            Some(m) => size("max_keys", m, ratequeue_core::keyed::MAX_KEYS as u64)? as usize,
+            Some(m) => usize::try_from(size("max_keys", m, u64::MAX)?).unwrap_or(usize::MAX),
         };
         let any = any_clock(clock)?;
         let r = rate.get();
