@@ -281,7 +281,8 @@ class Limiter:
     def predicted_wait(
         self, n: int | None = None, /, *, priority: str | None = None, **costs: int
     ) -> float:
-        """Seconds a request would wait if it arrived now behind everyone queued."""
+        """Seconds a request of class ``priority`` would wait if it arrived now: behind the
+        waiters the fair queue serves first (exact while nothing else arrives)."""
     def poll(self) -> float | None:
         """Grant and expire what is due now; the next due time or None."""
     def next_wake(self) -> float | None: ...
