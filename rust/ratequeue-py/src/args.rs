@@ -1,13 +1,13 @@
 //! The one validation path for every Python argument: text, numbers, seconds, periods,
 //! counts and costs, sequences. Errors name the argument and show the value as given.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
 use pyo3::Borrowed;
 
-use crate::errors::type_err;
+use crate::errors::{type_err, value_err};
 
 static INDEX: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
@@ -85,10 +85,7 @@ pub fn number(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
 pub fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
     let s = number(name, v).map_err(|_| type_err(name, "a number of seconds", v))?;
     if !s.is_finite() {
-        return Err(PyValueError::new_err(format!(
-            "{name}={} must be a finite number of seconds",
-            shown(v)
-        )));
+        return Err(value_err(name, &shown(v), "must be a finite number of seconds"));
     }
     Ok(s)
 }
@@ -98,10 +95,7 @@ pub fn seconds(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
 pub fn seconds_ns(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     let s = seconds(name, v)?;
     if s < 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "{name}={} must be >= 0 seconds",
-            shown(v)
-        )));
+        return Err(value_err(name, &shown(v), "must be >= 0 seconds"));
     }
     Ok((s * 1e9).round().min(u64::MAX as f64) as u64)
 }
@@ -115,14 +109,16 @@ pub fn period_seconds(v: &Bound<'_, PyAny>) -> PyResult<f64> {
             "minute" | "min" => Ok(60.0),
             "hour" => Ok(3600.0),
             "day" => Ok(86_400.0),
-            _ => Err(PyValueError::new_err(format!(
-                "per={s:?} is not a period: use seconds or 'second', 'minute', 'hour', 'day'"
-            ))),
+            _ => Err(value_err(
+                "per",
+                &format!("{s:?}"),
+                "is not a period: use seconds or 'second', 'minute', 'hour', 'day'",
+            )),
         };
     }
     let s = seconds("per", v)?;
     if s <= 0.0 {
-        return Err(PyValueError::new_err(format!("per={} must be > 0 seconds", shown(v))));
+        return Err(value_err("per", &shown(v), "must be > 0 seconds"));
     }
     Ok(s)
 }
@@ -131,21 +127,20 @@ pub fn period_seconds(v: &Bound<'_, PyAny>) -> PyResult<f64> {
 pub fn positive(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
     let x = number(name, v)?;
     if !x.is_finite() || x <= 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "{name}={} must be a finite number > 0",
-            shown(v)
-        )));
+        return Err(value_err(name, &shown(v), "must be a finite number > 0"));
     }
     Ok(x)
 }
 
 /// A whole number from 1 to `max` (a size: a limit, a queue bound, a burst).
 pub fn size(name: &str, v: &Bound<'_, PyAny>, max: u64) -> PyResult<u64> {
-    let out =
-        |v: &Bound<'_, PyAny>| PyValueError::new_err(format!("{name}={} must be an integer from 1 to {max}", shown(v)));
     match int_u64(name, v)? {
         Ok(c) if (1..=max).contains(&c) => Ok(c),
-        _ => Err(out(v)),
+        _ => Err(value_err(
+            name,
+            &shown(v),
+            &format!("must be an integer from 1 to {max}"),
+        )),
     }
 }
 
@@ -175,9 +170,9 @@ pub fn saturated_cost() -> Option<String> {
 /// saturates, since a limit may itself be 2**64 - 1.
 pub fn permits(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     match int_u64(name, v)? {
-        Ok(0) => Err(PyValueError::new_err(format!("{name}=0 must be >= 1 permit"))),
+        Ok(0) => Err(value_err(name, "0", "must be >= 1 permit")),
         Ok(n) => Ok(n),
-        Err(()) => Err(PyValueError::new_err(format!("{name}={} must be < 2**64", shown(v)))),
+        Err(()) => Err(value_err(name, &shown(v), "must be < 2**64")),
     }
 }
 
@@ -190,7 +185,7 @@ fn int_u64(name: &str, v: &Bound<'_, PyAny>) -> PyResult<Result<u64, ()>> {
         return Ok(Ok(c));
     }
     if i.lt(0)? {
-        return Err(PyValueError::new_err(format!("{name}={} must be >= 0", shown(v))));
+        return Err(value_err(name, &shown(v), "must be >= 0"));
     }
     Ok(Err(()))
 }

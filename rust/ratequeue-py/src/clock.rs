@@ -2,7 +2,6 @@
 
 use std::sync::Arc;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use ratequeue_core::clock::monotonic_ns;
 use ratequeue_core::{AnyClock, Error, ManualClock};
@@ -67,7 +66,7 @@ fn as_given(py: Python<'_>, e: Error, name: &str, given: Option<&Bound<'_, PyAny
     match e {
         Error::Invalid { reason, .. } => {
             let v = given.map_or_else(|| "0".to_owned(), shown);
-            PyValueError::new_err(format!("{name}={v} {reason}"))
+            crate::errors::value_err(name, &v, &reason)
         }
         e => to_py(py, e),
     }

@@ -43,6 +43,12 @@ pub fn to_py(py: Python<'_>, e: Error) -> PyErr {
     }
 }
 
+/// A ValueError naming the argument, its value as given and the rule it breaks:
+/// "`name`=`given` `rule`".
+pub fn value_err(name: &str, given: &str, rule: &str) -> PyErr {
+    PyValueError::new_err(format!("{name}={given} {rule}"))
+}
+
 /// A TypeError naming the argument and what it got.
 pub fn type_err(name: &str, want: &str, got: &Bound<'_, PyAny>) -> PyErr {
     let ty = got

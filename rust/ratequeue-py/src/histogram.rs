@@ -11,7 +11,7 @@ use ratequeue_core::histogram::{lower_of, upper_of, BUCKETS};
 use ratequeue_core::{Histogram, Snapshot};
 
 use crate::args::{number, numbers, shown};
-use crate::errors::{to_py, type_err};
+use crate::errors::{to_py, type_err, value_err};
 
 /// A histogram of durations (seconds): lock-free recording, ≤ 1 % relative error from
 /// 1 µs to centuries (exact sum, min and max), percentiles, numpy export, merge and bytes.
@@ -22,9 +22,11 @@ pub struct HistogramPy {
 
 fn to_ns(name: &str, s: f64) -> PyResult<u64> {
     if !s.is_finite() || s < 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "{name}={s} must be a finite number of seconds >= 0"
-        )));
+        return Err(value_err(
+            name,
+            &s.to_string(),
+            "must be a finite number of seconds >= 0",
+        ));
     }
     Ok((s * 1e9).round().min(u64::MAX as f64) as u64)
 }
@@ -51,10 +53,7 @@ impl HistogramPy {
 fn percent(name: &str, v: &Bound<'_, PyAny>) -> PyResult<f64> {
     let q = number(name, v)?;
     if !(0.0..=100.0).contains(&q) {
-        return Err(PyValueError::new_err(format!(
-            "{name}={} must be a percentile within [0, 100]",
-            shown(v)
-        )));
+        return Err(value_err(name, &shown(v), "must be a percentile within [0, 100]"));
     }
     Ok(q)
 }
@@ -65,8 +64,7 @@ fn bound_ns(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     if le == f64::INFINITY {
         return Ok(u64::MAX);
     }
-    to_ns(name, le)
-        .map_err(|_| PyValueError::new_err(format!("{name}={} must be a number of seconds >= 0 (or inf)", shown(v))))
+    to_ns(name, le).map_err(|_| value_err(name, &shown(v), "must be a number of seconds >= 0 (or inf)"))
 }
 
 static ASARRAY: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
