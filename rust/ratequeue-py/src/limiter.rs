@@ -113,8 +113,8 @@ fn new_rate(amount: f64, period_ns: f64, burst: u64) -> PyResult<Rate> {
     Rate::new(amount, period_ns, burst).map_err(|e| match &e {
         ratequeue_core::Error::Invalid { name, reason, .. } if name == "burst" && reason.contains("window") => {
             PyValueError::new_err(format!(
-                "burst={burst} at amount={amount} per={} s makes the burst window (burst / rate) longer \
-                 than 2**56 ns (about 2.3 years): raise amount, shorten per or lower burst",
+                "burst={burst} at amount={amount:?} per={:?} s makes the burst window (burst / rate) \
+                 longer than 2**56 ns (about 2.3 years): raise amount, shorten per or lower burst",
                 period_ns / 1e9
             ))
         }
