@@ -261,10 +261,12 @@ impl HistogramPy {
         HistogramPy { inner: Arc::new(h) }
     }
 
+    /// An independent copy (as `copy`).
     fn __copy__(&self) -> Self {
         self.copy()
     }
 
+    /// An independent copy (as `copy`; nothing inside is shared).
     #[pyo3(signature = (_memo = None))]
     fn __deepcopy__(&self, _memo: Option<&Bound<'_, PyAny>>) -> Self {
         self.copy()
