@@ -571,3 +571,12 @@ def test_from_bytes_says_what_is_wrong_with_an_extra_byte() -> None:
         rq.Histogram.from_bytes(data + b"\x00")
     with pytest.raises(ValueError, match="not a whole bucket entry"):
         rq.Histogram.from_bytes(data[:-1])
+
+
+def test_policy_acquire_async_checks_its_timeout_like_acquire() -> None:
+    policy = rq.Policy({"a": rq.Limiter(rq.Rate(1), clock=rq.ManualClock())})
+    for bad, error in ((-1, ValueError), ("1", TypeError), (math.nan, ValueError)):
+        with pytest.raises(error, match="timeout"):
+            policy.acquire(timeout=bad)
+        with pytest.raises(error, match="timeout"):
+            policy.acquire_async(timeout=bad)

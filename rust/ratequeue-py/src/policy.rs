@@ -492,7 +492,10 @@ impl PolicyPy {
     ) -> PyResult<Py<PyAny>> {
         let py = slf.py();
         slf.get().args(kw)?;
-        let t = timeout.map(|t| crate::args::seconds("timeout", t)).transpose()?;
+        let t = timeout
+            .map(|t| seconds_ns("timeout", t))
+            .transpose()?
+            .map(|ns| ns as f64 / 1e9);
         let make = POLICY_ACQUIRE.import(py, "ratequeue.aio", "PolicyAcquire")?;
         let kw = kw.map_or_else(|| PyDict::new(py), |d| d.clone());
         Ok(make.call1((slf, t, kw))?.unbind())
