@@ -60,6 +60,11 @@ def test_histogram_sum_min_max_are_exact_beyond_hours() -> None:
     assert h.overflow == 0
     copy = rq.Histogram.from_bytes(h.to_bytes())
     assert (copy.count, copy.sum, copy.max) == (h.count, h.sum, h.max)
+    # A 1/day limiter's thousand waiters: 500,500 days in all, past 2**64 ns.
+    days = rq.Histogram()
+    days.record_many([k * 86400.0 for k in range(1, 1001)])
+    assert days.sum == 500_500 * 86400.0
+    assert rq.Histogram.from_bytes(days.to_bytes()).sum == days.sum
 
 
 def test_a_slow_limiter_reports_its_real_waits() -> None:

@@ -6,8 +6,8 @@
 //! tracked up to 10^19 ns (317 years, beyond 2^63 ns: every wait a rate the library
 //! accepts can give); longer values go into the top bucket and are counted as
 //! overflow; values under 1 µs are counted as underflow (and still recorded exactly).
-//! Sum, min and max are exact for every value (the sum sticks at u64::MAX ns, 584
-//! years in total, rather than wrap).
+//! Sum, min and max are exact for every value (the sum is 128 bits wide: waits of
+//! centuries, counted billions of times).
 //!
 //! Recording is two relaxed atomic adds (bucket, sum) plus min/max updates only when
 //! they move. A snapshot reads each counter atomically but not all at one instant, and
@@ -105,13 +105,27 @@ pub fn upper_of(i: usize) -> u64 {
     }
 }
 
-/// Adds to an atomic sum, sticking at u64::MAX (584 years of nanoseconds) instead of
-/// wrapping; the common case is one fetch_add.
+/// Adds `x` to the 128-bit sum kept as two words (`lo`, `hi`); the common case is one
+/// fetch_add, a carry or a wide `x` adds to `hi` (2^128 ns is never reached).
 #[inline]
-fn add_saturating(sum: &AtomicU64, x: u64) {
-    let prev = sum.fetch_add(x, Ordering::Relaxed);
-    if prev.checked_add(x).is_none() {
-        sum.store(u64::MAX, Ordering::Relaxed);
+fn add_wide(lo: &AtomicU64, hi: &AtomicU64, x: u128) {
+    let (xl, xh) = (x as u64, (x >> 64) as u64);
+    let prev = lo.fetch_add(xl, Ordering::Relaxed);
+    let up = xh.wrapping_add(prev.checked_add(xl).is_none() as u64);
+    if up != 0 {
+        hi.fetch_add(up, Ordering::Relaxed);
+    }
+}
+
+/// Reads the two-word sum (retried while its high word moves under the read).
+#[inline]
+fn load_wide(lo: &AtomicU64, hi: &AtomicU64) -> u128 {
+    loop {
+        let h = hi.load(Ordering::Relaxed);
+        let l = lo.load(Ordering::Relaxed);
+        if hi.load(Ordering::Relaxed) == h {
+            return (h as u128) << 64 | l as u128;
+        }
     }
 }
 
@@ -138,6 +152,8 @@ fn add_count(c: &AtomicU64, n: u64) {
 pub struct Histogram {
     counts: Box<[AtomicU64]>,
     sum: AtomicU64,
+    /// The high word of the sum.
+    sum_hi: AtomicU64,
     min: AtomicU64,
     max: AtomicU64,
     underflow: AtomicU64,
@@ -163,6 +179,7 @@ impl Histogram {
         Histogram {
             counts: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
             sum: AtomicU64::new(0),
+            sum_hi: AtomicU64::new(0),
             min: AtomicU64::new(u64::MAX),
             max: AtomicU64::new(0),
             underflow: AtomicU64::new(0),
@@ -190,7 +207,7 @@ impl Histogram {
         add_count(&self.counts[index_of(v)], n);
         if v != 0 {
             // Immediate grants record 0: their sum needs no write.
-            add_saturating(&self.sum, v.saturating_mul(n));
+            add_wide(&self.sum, &self.sum_hi, v as u128 * n as u128);
         }
         if v < self.min.load(Ordering::Relaxed) {
             self.min.fetch_min(v, Ordering::Relaxed);
@@ -206,7 +223,7 @@ impl Histogram {
         for (i, c) in s.counts.iter().enumerate() {
             add_sticky(&self.counts[i], *c);
         }
-        add_saturating(&self.sum, s.sum);
+        add_wide(&self.sum, &self.sum_hi, s.sum);
         self.min.fetch_min(s.min, Ordering::Relaxed);
         self.max.fetch_max(s.max, Ordering::Relaxed);
         add_sticky(&self.underflow, s.underflow);
@@ -217,7 +234,7 @@ impl Histogram {
     pub fn snapshot(&self) -> Snapshot {
         Snapshot {
             counts: self.counts.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
-            sum: self.sum.load(Ordering::Relaxed),
+            sum: load_wide(&self.sum, &self.sum_hi),
             min: self.min.load(Ordering::Relaxed),
             max: self.max.load(Ordering::Relaxed),
             underflow: self.underflow.load(Ordering::Relaxed),
@@ -231,7 +248,7 @@ impl Histogram {
     pub fn reset(&self) -> Snapshot {
         Snapshot {
             counts: self.counts.iter().map(|c| c.swap(0, Ordering::Relaxed)).collect(),
-            sum: self.sum.swap(0, Ordering::Relaxed),
+            sum: (self.sum_hi.swap(0, Ordering::Relaxed) as u128) << 64 | self.sum.swap(0, Ordering::Relaxed) as u128,
             min: self.min.swap(u64::MAX, Ordering::Relaxed),
             max: self.max.swap(0, Ordering::Relaxed),
             underflow: self.underflow.swap(0, Ordering::Relaxed),
@@ -246,8 +263,8 @@ impl Histogram {
 pub struct Snapshot {
     /// Count per bucket (`BUCKETS` entries).
     pub counts: Vec<u64>,
-    /// Sum of recorded values, nanoseconds.
-    pub sum: u64,
+    /// Sum of recorded values, nanoseconds (exact: 128 bits).
+    pub sum: u128,
     /// Smallest recorded value (u64::MAX when empty).
     pub min: u64,
     /// Largest recorded value (0 when empty).
@@ -272,6 +289,9 @@ impl Default for Snapshot {
 }
 
 const MAGIC: &[u8; 4] = b"RQH1";
+/// The form whose header adds the sum's high word (written only when it is not 0, so
+/// every sum below 2^64 ns keeps the first form).
+const MAGIC_WIDE: &[u8; 4] = b"RQH2";
 
 impl Snapshot {
     /// Number of recorded values (sticking at u64::MAX).
@@ -318,7 +338,7 @@ impl Snapshot {
             self.overflow += 1;
         }
         self.counts[index_of(v)] += 1;
-        self.sum = self.sum.saturating_add(v);
+        self.sum = self.sum.saturating_add(v as u128);
         self.min = self.min.min(v);
         self.max = self.max.max(v);
     }
@@ -327,7 +347,7 @@ impl Snapshot {
     /// of `record_many`); `Err(v)` names the first value that is negative or not finite.
     pub fn from_seconds(values: &[f64]) -> Result<Snapshot, f64> {
         let mut s = Snapshot::default();
-        let (mut sum, mut min, mut max, mut over) = (0u64, u64::MAX, 0u64, 0u64);
+        let (mut sum, mut min, mut max, mut over) = (0u128, u64::MAX, 0u64, 0u64);
         for &v in values {
             if !(v >= 0.0 && v.is_finite()) {
                 return Err(v);
@@ -335,7 +355,7 @@ impl Snapshot {
             let ns = (v * 1e9 + 0.5) as u64; // saturating cast
             over += (ns > MAX_TRACKED_NS) as u64;
             s.counts[index_of(ns)] += 1;
-            sum = sum.saturating_add(ns);
+            sum = sum.saturating_add(ns as u128);
             min = min.min(ns);
             max = max.max(ns);
         }
@@ -418,9 +438,13 @@ impl Snapshot {
     /// A compact byte form (sparse, varint) for shipping between processes.
     pub fn to_bytes(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
-        out.extend_from_slice(MAGIC);
-        for v in [self.sum, self.min, self.max, self.underflow, self.overflow] {
+        let hi = (self.sum >> 64) as u64;
+        out.extend_from_slice(if hi == 0 { MAGIC } else { MAGIC_WIDE });
+        for v in [self.sum as u64, self.min, self.max, self.underflow, self.overflow] {
             out.extend_from_slice(&v.to_le_bytes());
+        }
+        if hi != 0 {
+            out.extend_from_slice(&hi.to_le_bytes());
         }
         let mut last = 0usize;
         for (i, c) in self.counts.iter().enumerate() {
@@ -436,12 +460,18 @@ impl Snapshot {
     /// Parses `to_bytes` output; an error names what is wrong.
     pub fn from_bytes(b: &[u8]) -> Result<Snapshot, Error> {
         let bad = |why: &str| Error::invalid("data", format!("<{} bytes>", b.len()), why);
-        if b.len() < 44 || &b[..4] != MAGIC {
+        let header = match b.get(..4) {
+            Some(m) if m == MAGIC => 44,
+            Some(m) if m == MAGIC_WIDE => 52,
+            _ => 0,
+        };
+        if header == 0 || b.len() < header {
             return Err(bad("is not a serialised ratequeue histogram"));
         }
         let word = |k: usize| u64::from_le_bytes(b[4 + 8 * k..12 + 8 * k].try_into().expect("8 bytes"));
+        let hi = if header == 52 { word(5) as u128 } else { 0 };
         let mut s = Snapshot {
-            sum: word(0),
+            sum: hi << 64 | word(0) as u128,
             min: word(1),
             max: word(2),
             underflow: word(3),
@@ -451,7 +481,7 @@ impl Snapshot {
         if s.min != u64::MAX && s.min > s.max {
             return Err(bad("has an inconsistent min/max header"));
         }
-        let mut pos = 44;
+        let mut pos = header;
         let mut idx = 0u64;
         let mut total = 0u64;
         while pos < b.len() {
@@ -600,6 +630,31 @@ mod tests {
         assert!((p - (1u64 << 63) as f64).abs() / (1u64 << 63) as f64 <= 0.005);
         let f = Snapshot::from_seconds(&[86_400.0, 1e10]).unwrap();
         assert_eq!((f.max, f.overflow), (10_000_000_000_000_000_000, 0));
+    }
+
+    #[test]
+    fn the_sum_is_exact_past_64_bits_and_survives_bytes() {
+        let h = Histogram::new();
+        let day = 86_400_000_000_000u64;
+        // A 1/day limiter with a thousand waiters: 500,500 days of waiting in all.
+        for k in 1..=1000u64 {
+            h.record(k * day);
+        }
+        h.record_n(u64::MAX, 3);
+        let want = 500_500u128 * day as u128 + 3 * u64::MAX as u128;
+        let s = h.snapshot();
+        assert_eq!(s.sum, want);
+        let back = Snapshot::from_bytes(&s.to_bytes()).unwrap();
+        assert_eq!(back, s);
+        let copy = Histogram::new();
+        copy.add_snapshot(&s);
+        copy.add_snapshot(&s);
+        assert_eq!(copy.snapshot().sum, 2 * want);
+        assert_eq!(copy.reset().sum, 2 * want);
+        assert_eq!(copy.snapshot().sum, 0);
+        let small = Histogram::new();
+        small.record(5);
+        assert_eq!(&small.snapshot().to_bytes()[..4], b"RQH1");
     }
 
     #[test]
