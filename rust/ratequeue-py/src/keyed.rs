@@ -258,9 +258,14 @@ impl Keyed {
         let r = (self.gates.make)(key);
         let at_ns = self.gates.clock.now_ns();
         match r.try_take_token(at_ns, &[c]) {
-            Ok(token) => Ok(Some(
-                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
-            )),
+            Ok(token) => {
+                // Every grant of an acquire records its wait, an immediate one 0 (as
+                // Limiter and Concurrency do).
+                self.gates.waits[0].record(0);
+                Ok(Some(
+                    PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+                ))
+            }
             Err(Deny::Wait(_)) => Ok(None),
             Err(d) => Err(to_py(py, r.error_for(d))),
         }
