@@ -65,7 +65,7 @@ impl Limiter {
                 units.len() - 1
             });
             bucket_unit.push(idx);
-            buckets.push(Bucket::new(rate));
+            buckets.push(Bucket::new_at(rate, clock.now_ns()));
         }
         Ok(Limiter {
             clock,

@@ -1115,20 +1115,34 @@ impl WaitQueue {
     }
 
     /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
-    /// and polls there. Returns the number of wake-ups processed.
-    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> usize {
+    /// and polls there. Returns the number of wake-ups processed. Never spins: an
+    /// `until_ns` beyond the clock's range is refused before anything moves, and a
+    /// waiter that stays due without being granted or expired ends the run with an error.
+    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> Result<usize, Error> {
+        crate::clock::check_time("until", until_ns)?;
         let mut n = 0;
+        let mut stalled = Stalled::default();
         while let Some(t) = self.next_wake() {
             if t > until_ns {
                 break;
             }
-            let _ = clock.set(t.max(clock.now_ns()));
-            self.poll(clock.now_ns());
+            let before = (clock.now_ns(), self.progress());
+            let now = clock.set(t.max(before.0))?;
+            self.poll(now);
             n += 1;
+            stalled.check(before != (now, self.progress()), until_ns, now)?;
         }
-        let _ = clock.set(until_ns.max(clock.now_ns()));
+        clock.set(until_ns.max(clock.now_ns()))?;
         self.poll(clock.now_ns());
-        n
+        Ok(n)
+    }
+
+    /// Grants, expiries and cancellations so far: it moves whenever a poll changed the queue.
+    pub fn progress(&self) -> u64 {
+        let c = &self.counters;
+        [&c.queued_grants, &c.timed_out, &c.cancelled]
+            .iter()
+            .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then.
@@ -1158,6 +1172,37 @@ impl WaitQueue {
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
 fn saturated(totals: &[u128]) -> Vec<u64> {
     totals.iter().map(|t| u64::try_from(*t).unwrap_or(u64::MAX)).collect()
+}
+
+/// Counts the rounds of a virtual-time run in which neither the clock nor the queue moved.
+#[derive(Default)]
+pub struct Stalled(u32);
+
+impl Stalled {
+    /// Rounds without progress tolerated (another thread may take the capacity a due
+    /// waiter was about to get; the next round then finds a later due time).
+    const LIMIT: u32 = 64;
+
+    /// Notes one round; an error once virtual time has stood still too long at `now_ns`.
+    pub fn check(&mut self, moved: bool, until_ns: u64, now_ns: u64) -> Result<(), Error> {
+        if moved {
+            self.0 = 0;
+            return Ok(());
+        }
+        self.0 += 1;
+        if self.0 < Self::LIMIT {
+            std::thread::yield_now();
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "until",
+            until_ns as f64 / 1e9,
+            &format!(
+                "cannot be reached: at {:.9} s a waiter is due but can be neither granted nor expired",
+                now_ns as f64 / 1e9
+            ),
+        ))
+    }
 }
 
 /// Delivers each outcome; returns the grants a closed channel handed back.
@@ -1218,7 +1263,7 @@ mod tests {
         }
         assert!(matches!(tickets[0], Submitted::Granted { .. }));
         assert!(matches!(tickets[2], Submitted::Queued(_)));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         for (k, s) in slots[2..].iter().enumerate() {
             let at = granted(s).unwrap();
             assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
@@ -1249,7 +1294,7 @@ mod tests {
             q.submit(&[1], class, None, || Wake::Thread(s2)).unwrap();
             slots.push((class, s));
         }
-        q.run_until(&clock, 900_000_000);
+        q.run_until(&clock, 900_000_000).unwrap();
         let mut got = [0usize; 2];
         for (c, s) in &slots {
             if granted(s).is_some() {
@@ -1272,7 +1317,7 @@ mod tests {
         let s = Slot::new();
         let s2 = s.clone();
         q.submit(&[1], 0, Some(2_000_000_000), || Wake::Thread(s2)).unwrap();
-        q.run_until(&clock, 3_000_000_000);
+        q.run_until(&clock, 3_000_000_000).unwrap();
         assert!(matches!(
             s.take(),
             Some(Outcome::Granted {

@@ -540,7 +540,7 @@ impl LimiterPy {
         };
         let t = seconds_ns("until", until)?;
         let (q, m) = (self.gate.queue.clone(), m.clone());
-        Ok(py.detach(move || q.run_until(&m, t)))
+        py.detach(move || q.run_until(&m, t)).map_err(|e| to_py(py, e))
     }
 
     /// Requests now waiting in the queue.
