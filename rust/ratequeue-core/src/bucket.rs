@@ -850,3 +850,177 @@ mod tests {
         assert_eq!(b.available(3_000_000_000), 2.0);
     }
 }
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+
+    const DAY_NS: u64 = 86_400_000_000_000;
+    const YEAR_NS: u64 = 365 * DAY_NS + DAY_NS / 4;
+
+    fn rate(per_sec: f64, burst: u64) -> Rate {
+        Rate::new(per_sec, 1e9, burst).unwrap()
+    }
+
+    /// A random schedule of every operation on two buckets whose clocks differ by
+    /// `offset_b - offset_a`; every answer must be identical.
+    fn differential(a: &Bucket, offset_a: u64, b: &Bucket, offset_b: u64, seed: u64, steps: usize, max_step_ns: u64) {
+        let mut x = seed;
+        let mut t = 0u64;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let room = u64::MAX - (1 << 61) - offset_a.max(offset_b);
+        for step in 0..steps {
+            let r = next();
+            let (ta, tb) = (offset_a + t, offset_b + t);
+            let cost = 1 + next() % 3;
+            match r % 16 {
+                0..=4 => assert_eq!(
+                    a.take(ta, cost, 0).map(|t| t.delay_ns),
+                    b.take(tb, cost, 0).map(|t| t.delay_ns),
+                    "take, step {step}"
+                ),
+                5..=7 => {
+                    let max = next() % (10 * max_step_ns);
+                    let (ra, rb) = (a.take(ta, cost, max), b.take(tb, cost, max));
+                    assert_eq!(ra.map(|t| t.delay_ns), rb.map(|t| t.delay_ns), "reserve, step {step}");
+                }
+                8 => {
+                    a.charge(ta, cost * 7);
+                    b.charge(tb, cost * 7);
+                }
+                9 => {
+                    a.refund(cost);
+                    b.refund(cost);
+                }
+                10 => {
+                    let r = rate(0.001 + (next() % 10_000) as f64 / 100.0, 1 + next() % 9);
+                    a.set_rate(ta, r);
+                    b.set_rate(tb, r);
+                }
+                11 => assert_eq!(a.delay_for(ta, cost), b.delay_for(tb, cost), "delay_for, step {step}"),
+                12 => assert_eq!(
+                    a.predict(ta, cost * 5, cost) - offset_a,
+                    b.predict(tb, cost * 5, cost) - offset_b,
+                    "predict, step {step}"
+                ),
+                _ => t += (next() % max_step_ns).min(room - t),
+            }
+            assert_eq!(
+                a.available(ta).to_bits(),
+                b.available(tb).to_bits(),
+                "available, step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bucket_at_2_pow_62_behaves_exactly_like_one_at_0() {
+        for (seed, per_sec) in [(1u64, 10.0), (2, 0.37), (3, 1.0 / 86_400.0), (4, 123_457.0)] {
+            let r = rate(per_sec, 5);
+            let (a, b) = (Bucket::new(r), Bucket::new(r));
+            differential(&a, 0, &b, 1 << 62, seed, 20_000, 2_000_000_000);
+            let (a, b) = (Bucket::new(r), Bucket::new_at(r, 1 << 62));
+            differential(&a, 0, &b, 1 << 62, seed, 20_000, 2_000_000_000);
+        }
+    }
+
+    #[test]
+    fn rebases_keep_content_exactly() {
+        // Steps of up to 2 years: both buckets rebase many times, at different moments
+        // (their epochs differ), mid-debt and between rate changes.
+        for seed in 1..=8u64 {
+            let r = rate(1.0 / 3600.0, 3);
+            let (a, b) = (Bucket::new(r), Bucket::new_at(r, 3 * YEAR_NS));
+            differential(&a, 0, &b, 1 << 62, seed, 2_000, 2 * YEAR_NS);
+            let (a, b) = (Bucket::new(r), Bucket::new(r));
+            differential(&a, 0, &b, 5 << 52, seed, 500, 11 * YEAR_NS);
+        }
+    }
+
+    #[test]
+    fn rebase_mid_debt_keeps_the_debt() {
+        let b = Bucket::new(rate(1.0, 2));
+        let t0 = REBASE_NS - 3_000_000_000;
+        b.charge(t0, 10);
+        let before = b.available(t0);
+        assert!((before + 8.0).abs() < 1e-6, "{before}");
+        let gen = b.word() >> GEN_SHIFT;
+        let (wait, tat) = (b.delay_for(t0, 1).unwrap(), b.word() & TAT_MASK);
+        // 4 s later, past the rebase point: the TAT moved by exactly the epoch's shift.
+        let t1 = t0 + 4_000_000_000;
+        let after = b.available(t1);
+        assert_ne!(b.word() >> GEN_SHIFT, gen, "rebased");
+        let p = b.params(b.word());
+        assert_eq!(b.word() & TAT_MASK, tat - Params::of(&rate(1.0, 2)).shift_to(p.epoch));
+        assert!((after + 4.0).abs() < 1e-6, "{after}");
+        assert_eq!(b.delay_for(t1, 1), Ok(wait - 4_000_000_000));
+        assert_eq!(b.take(t1, 1, 0), Err(Deny::Wait(wait - 4_000_000_000)));
+        assert_eq!(b.take(t1, 1, u64::MAX).map(|t| t.delay_ns), Ok(wait - 4_000_000_000));
+        assert_eq!(b.available(t1 + 8_000_000_000), 2.0);
+    }
+
+    #[test]
+    fn one_a_day_for_120_years_admits_one_a_day() {
+        let days = 120 * YEAR_NS / DAY_NS;
+        for start in [0, 1_764_000_000_123_456_789, 1 << 62] {
+            for b in [
+                Bucket::new(rate(1.0 / 86_400.0, 1)),
+                Bucket::new_at(rate(1.0 / 86_400.0, 1), start),
+            ] {
+                let mut admitted = 0;
+                for d in 0..days {
+                    let t = start + d * DAY_NS;
+                    admitted += b.take(t, 1, 0).is_ok() as u64;
+                    assert_eq!(b.take(t, 1, 0), Err(Deny::Wait(DAY_NS)), "day {d}");
+                }
+                assert_eq!(admitted, days, "start {start}");
+            }
+        }
+    }
+
+    #[test]
+    fn any_time_in_u64_is_decided() {
+        let b = Bucket::new(rate(10.0, 2));
+        for t in [0, 1 << 59, 1 << 62, 1 << 63, u64::MAX - (1 << 40)] {
+            assert!(b.take(t, 2, 0).is_ok(), "{t}");
+            assert_eq!(b.delay_for(t, 1), Ok(100_000_000));
+            assert_eq!(b.predict(t, 1, 1), t + 200_000_000);
+        }
+    }
+
+    #[test]
+    fn a_time_before_the_epoch_counts_as_the_epoch() {
+        let start = 1u64 << 62;
+        let b = Bucket::new_at(rate(1.0, 1), start);
+        let epoch = b.params(b.word()).epoch;
+        assert!(epoch <= start && start - epoch <= EPOCH_MARGIN_NS + (1 << EPOCH_BITS));
+        assert!(b.take(epoch - 5, 1, 0).is_ok());
+        // Counted as taken at the epoch: conforms again 1 s after the epoch.
+        assert_eq!(b.delay_for(epoch - 5, 1), Ok(1_000_000_005));
+        assert_eq!(b.delay_for(epoch + 1_000_000_000, 1), Ok(0));
+    }
+
+    #[test]
+    fn beyond_the_word_the_wait_is_the_true_one() {
+        let b = Bucket::new(rate(1.0 / 86_400.0, 1));
+        let mut n = 0u64;
+        let err = loop {
+            match b.take(0, 1, u64::MAX) {
+                Ok(t) => assert!(t.delay_ns.abs_diff(n * DAY_NS) <= 1 + n * DAY_NS / 1_000_000_000_000),
+                Err(e) => break e,
+            }
+            n += 1;
+        };
+        // Years of reservations fill the word; the refusal tells the real wait.
+        assert!(n * DAY_NS > 8 * YEAR_NS, "{n}");
+        assert!(
+            matches!(err, Deny::Wait(w) if w.abs_diff(n * DAY_NS) <= n * DAY_NS / 1_000_000_000_000),
+            "{err:?}"
+        );
+    }
+}

@@ -1110,3 +1110,103 @@ mod tests {
         assert_eq!(crate::queue::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
     }
 }
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+    use crate::{Bucket, ManualClock};
+    use std::sync::Arc;
+
+    const DAY_NS: u64 = 86_400_000_000_000;
+    const YEAR_NS: u64 = 365 * DAY_NS + DAY_NS / 4;
+
+    fn keyed_at(rate: Rate, start_ns: u64) -> (KeyedLimiter, Arc<ManualClock>) {
+        let c = Arc::new(ManualClock::new(start_ns).unwrap());
+        (KeyedLimiter::new(rate, 1000, AnyClock::Manual(c.clone())).unwrap(), c)
+    }
+
+    /// Random operations on a keyed map and on one bucket per key, the clock jumping by
+    /// up to `max_step_ns` (so shards rebase, each at its own moment): same answers.
+    fn like_buckets(rate: Rate, start_ns: u64, seed: u64, steps: usize, max_step_ns: u64) {
+        let (k, clock) = keyed_at(rate, start_ns);
+        let buckets: Vec<Bucket> = (0..20).map(|_| Bucket::new(rate)).collect();
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        for step in 0..steps {
+            let key = next() % 20;
+            let (h, b) = (k.hasher().int(key), &buckets[key as usize]);
+            let cost = 1 + next() % 3;
+            let now = clock.now_ns();
+            match next() % 12 {
+                0..=3 => assert_eq!(
+                    k.try_acquire(h, cost).is_ok(),
+                    b.take(now, cost, 0).is_ok(),
+                    "step {step}"
+                ),
+                4..=5 => {
+                    let max = next() % (4 * max_step_ns);
+                    let got = k.take(h, now, cost, max).map(|t| t.delay_ns);
+                    assert_eq!(got, b.take(now, cost, max).map(|t| t.delay_ns), "step {step}");
+                }
+                6 => assert_eq!(k.delay_for(h, now, cost), b.delay_for(now, cost), "step {step}"),
+                7 => assert_eq!(
+                    k.predict(h, now, 3 * cost),
+                    b.predict(now, 2 * cost, cost),
+                    "step {step}"
+                ),
+                8 => {
+                    k.charge(h, 5 * cost);
+                    b.charge(now, 5 * cost);
+                }
+                _ => {
+                    let dt = next() % max_step_ns;
+                    if clock.advance(dt).is_err() {
+                        break;
+                    }
+                }
+            }
+            let now = clock.now_ns();
+            assert_eq!(k.available(h).to_bits(), b.available(now).to_bits(), "step {step}");
+        }
+    }
+
+    #[test]
+    fn a_keyed_map_far_from_zero_decides_like_buckets() {
+        for seed in 1..=4u64 {
+            let r = Rate::new(10.0, 1e9, 3).unwrap();
+            like_buckets(r, 0, seed, 20_000, 2_000_000_000);
+            like_buckets(r, 1 << 62, seed, 20_000, 2_000_000_000);
+            like_buckets(r, 1_764_000_000_123_456_789, seed, 20_000, 2_000_000_000);
+            let slow = Rate::new(1.0, 3_600e9, 3).unwrap();
+            like_buckets(slow, 1 << 62, seed, 3_000, 2 * YEAR_NS);
+            like_buckets(slow, 0, seed, 1_000, 11 * YEAR_NS);
+        }
+    }
+
+    #[test]
+    fn keyed_one_a_day_for_120_years() {
+        for start in [0, 1_764_000_000_123_456_789, 1 << 62] {
+            let (k, clock) = keyed_at(Rate::new(1.0, 86_400e9, 1).unwrap(), start);
+            let (a, b) = (k.hasher().str("a"), k.hasher().str("b"));
+            let days = 120 * YEAR_NS / DAY_NS;
+            let mut admitted = 0;
+            for d in 0..days {
+                admitted += k.try_acquire(a, 1).is_ok() as u64;
+                assert!(k.try_acquire(a, 1).is_err(), "day {d}");
+                if d % 1000 == 0 {
+                    let mut out = [false; 3];
+                    k.try_acquire_many(&[b, b, a], None, &mut out).unwrap();
+                    assert_eq!(out, [true, false, false], "day {d}");
+                }
+                clock.advance(DAY_NS).unwrap();
+            }
+            assert_eq!(admitted, days, "start {start}");
+            assert_eq!(k.sweep(), 2);
+        }
+    }
+}

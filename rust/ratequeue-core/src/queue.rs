@@ -1328,6 +1328,76 @@ mod tests {
         ));
     }
 
+    /// Says it is ready now but never lets a take through.
+    struct Stuck;
+
+    impl Resource for Stuck {
+        fn try_take(&self, _: u64, _: &[u64]) -> Result<(), Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn ready_at(&self, at_ns: u64, _: &[u64]) -> Result<Option<u64>, Deny> {
+            Ok(Some(at_ns))
+        }
+        fn take_at(&self, _: u64, _: &[u64]) -> Result<u64, Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn give_back(&self, _: &[u64], _: Option<u64>) {}
+        fn service_ns(&self, _: &[u64]) -> f64 {
+            1.0
+        }
+        fn error_for(&self, d: Deny) -> Error {
+            Error::Overloaded {
+                reason: format!("{d:?}"),
+                retry_after_ns: 0,
+            }
+        }
+        fn predict(&self, _: u64, _: &[u64], _: &[u64]) -> Option<u64> {
+            None
+        }
+    }
+
+    #[test]
+    fn run_until_never_spins() {
+        let clock = Arc::new(ManualClock::new(1 << 62).unwrap());
+        let cfg = QueueConfig::new(vec![], 10, None).unwrap();
+        let q = WaitQueue::new(Arc::new(Stuck), 1, AnyClock::Manual(clock.clone()), cfg);
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(Slot::new())),
+            Ok(Submitted::Queued(_))
+        ));
+        // A waiter due now that can be neither granted nor expired: an error, not a spin.
+        let e = q.run_until(&clock, (1 << 62) + 1_000).unwrap_err();
+        assert!(e.to_string().contains("cannot be reached"), "{e}");
+        // A time beyond the clock's range: refused before the clock moves.
+        let e = q.run_until(&clock, u64::MAX).unwrap_err();
+        assert!(e.to_string().starts_with("until="), "{e}");
+        assert_eq!(clock.now_ns(), 1 << 62);
+    }
+
+    #[test]
+    fn run_until_far_from_zero_grants_like_at_zero() {
+        for start in [1u64 << 62, 1_764_000_000_123_456_789] {
+            let clock = Arc::new(ManualClock::new(start).unwrap());
+            let lim = Limiter::new(
+                vec![("requests".into(), Rate::new(100.0, 1e9, 2).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap();
+            let cfg = QueueConfig::new(vec![], 100, None).unwrap();
+            let q = WaitQueue::new(Arc::new(lim), 1, AnyClock::Manual(clock.clone()), cfg);
+            let slots: Vec<_> = (0..6).map(|_| Slot::new()).collect();
+            for s in &slots {
+                let s2 = s.clone();
+                q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+            }
+            assert_eq!(q.run_until(&clock, start + 1_000_000_000).unwrap(), 4);
+            for (k, s) in slots[2..].iter().enumerate() {
+                let at = granted(s).unwrap() - start;
+                assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
+            }
+        }
+    }
+
     #[test]
     fn queued_cost_totals_never_wrap() {
         let big = 1u64 << 56;
