@@ -126,6 +126,7 @@ impl Undo {
 }
 
 #[derive(Debug, Default)]
+#[repr(align(64))]
 struct Slot {
     m: AtomicU64,
     tau: AtomicU64,
@@ -251,8 +252,10 @@ impl Params {
     /// The first clock nanosecond at which `ticks` reaches `target` (exact, unbounded).
     #[inline]
     fn time_of(&self, target: u128) -> Option<u128> {
-        let scaled = target.checked_mul(1 << Q_BITS)?;
-        Some(self.epoch as u128 + scaled.div_ceil(self.q_ticks as u128))
+        if target >> (128 - Q_BITS) != 0 {
+            return None;
+        }
+        Some(self.epoch as u128 + (target << Q_BITS).div_ceil(self.q_ticks as u128))
     }
 
     /// True when `d` ticks last less than one nanosecond.
@@ -277,8 +280,10 @@ impl Params {
     /// 2^59 for any `ns` less than 2^58 ns past the epoch, which rebasing keeps so.
     #[inline]
     pub(crate) fn ticks(&self, ns: u64) -> u64 {
-        let rel = ns.saturating_sub(self.epoch) as u128;
-        ((rel * self.q_ticks as u128) >> Q_BITS).min(u64::MAX as u128) as u64
+        // At most 2^62 ns (146 years, ticks < 2^63: long past any TAT) so the product
+        // shifted back fits a u64.
+        let rel = ns.saturating_sub(self.epoch).min(1 << 62) as u128;
+        ((rel * self.q_ticks as u128) >> Q_BITS) as u64
     }
 
     /// Nanoseconds from `at_ns` until the clock reaches tick `target`: the least x with
@@ -425,7 +430,7 @@ impl Bucket {
     }
 
     /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.
-    #[inline]
+    #[inline(always)]
     pub fn take_with(&self, at_ns: u64, cost: u64, max_delay_ns: u64, scheduled: bool) -> Result<Taken, Deny> {
         let (mut w, mut p) = self.load_at(at_ns);
         loop {
