@@ -34,7 +34,7 @@ def _bounded(fn, limit: float = 20.0):
     def run() -> None:
         try:
             out.append(fn())
-        except BaseException as e:  # noqa: BLE001 - re-raised in the test thread
+        except BaseException as e:
             err.append(e)
 
     th = threading.Thread(target=run, daemon=True)
@@ -168,15 +168,31 @@ def test_a_long_jump_keeps_the_bucket_exact(start: float) -> None:
 def test_a_time_beyond_the_range_is_a_clear_error(start: float) -> None:
     clock = rq.ManualClock(start)
     lim = rq.Limiter(rq.Rate(1, per="second"), clock=clock)
-    with pytest.raises(ValueError, match="seconds=.*range"):
+    with pytest.raises(ValueError, match=r"seconds=.*range"):
         clock.advance(400 * YEAR)
-    with pytest.raises(ValueError, match="until=.*range"):
+    with pytest.raises(ValueError, match=r"until=.*range"):
         _bounded(lambda: lim.run_until(start + 400 * YEAR))
     assert clock.now() == start
-    with pytest.raises(ValueError, match="start=.*range"):
+    with pytest.raises(ValueError, match=r"start=.*range"):
         rq.ManualClock(400 * YEAR)
 
 
 def test_the_clock_reaches_a_century_after_an_epoch_start() -> None:
     clock = rq.ManualClock(2**62 / 1e9)
     assert clock.advance(120 * YEAR) == pytest.approx(2**62 / 1e9 + 120 * YEAR)
+
+
+def test_due_times_in_float_seconds_reach_their_nanosecond(start: float) -> None:
+    """Far from zero a float second is coarser than a nanosecond: a due time read as
+    seconds and passed back to run_until must still reach it (the lab's loop spun)."""
+    from ratequeue.lab.engine import VirtualTime
+
+    t0 = start + 0.123456789
+    vt = VirtualTime(rq.ManualClock(t0))
+    lim = vt.limiter(rq.Rate(7, per="second", burst=1))
+    seen: list[float] = []
+    for i in range(50):
+        vt.at(t0 + i * 0.01, lambda: vt.submit(lim, lambda ok, w: seen.append(w)))
+    _bounded(lambda: vt.run(t0 + 100))
+    assert len(seen) == 50
+    assert seen[-1] == pytest.approx(49 / 7 - 0.49, abs=1e-6)

@@ -79,6 +79,16 @@ impl MonotonicClockPy {
     }
 }
 
+/// Clock seconds of a due time `ns`, rounded up so that passing them back (e.g. to
+/// `run_until`) reaches it: far from zero a float second is coarser than a nanosecond.
+pub fn due_seconds(ns: u64) -> f64 {
+    let mut s = ns as f64 / 1e9;
+    while ((s * 1e9).round() as u64) < ns {
+        s = f64::from_bits(s.to_bits() + 1);
+    }
+    s
+}
+
 /// The core clock behind a Python clock object (None = monotonic).
 pub fn any_clock(clock: Option<&Bound<'_, PyAny>>) -> PyResult<AnyClock> {
     match clock {

@@ -652,7 +652,7 @@ impl KeyedLimiterPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
+        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
     }
 
     /// Drops every key whose bucket is full again (changes no decision); returns how
@@ -805,7 +805,7 @@ impl KeyedConcurrencyPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
+        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
     }
 
     /// Permits held on `key` now.

@@ -523,12 +523,12 @@ impl LimiterPy {
     /// Grants and expires whatever is due now; returns the next due time (clock
     /// seconds) or None. The virtual-time driver calls this on a ManualClock.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(|t| t as f64 / 1e9)
+        self.gate.queue.poll_now().map(crate::clock::due_seconds)
     }
 
     /// The next due time (clock seconds) of the queue, or None when nobody waits.
     fn next_wake(&self) -> Option<f64> {
-        self.gate.queue.next_wake().map(|t| t as f64 / 1e9)
+        self.gate.queue.next_wake().map(crate::clock::due_seconds)
     }
 
     /// On a ManualClock: advances the clock through every due time up to `until`
