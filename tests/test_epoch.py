@@ -196,3 +196,16 @@ def test_due_times_in_float_seconds_reach_their_nanosecond(start: float) -> None
     _bounded(lambda: vt.run(t0 + 100))
     assert len(seen) == 50
     assert seen[-1] == pytest.approx(49 / 7 - 0.49, abs=1e-6)
+
+
+def test_set_rate_far_from_zero_keeps_the_content(start: float) -> None:
+    clock = rq.ManualClock(start)
+    lim = rq.Limiter(rq.Rate(10, per="second", burst=4), clock=clock)
+    assert lim.try_acquire(3)
+    lim.set_rate(100, per="second", burst=8)
+    assert lim.available() == pytest.approx(5.0, abs=1e-6)
+    clock.advance(20 * YEAR)
+    lim.set_rate(1, per="second", burst=2)
+    assert lim.available() == 2.0
+    assert lim.try_acquire(2)
+    assert lim.retry_after() == pytest.approx(1.0, abs=1e-6)
