@@ -209,3 +209,15 @@ def test_set_rate_far_from_zero_keeps_the_content(start: float) -> None:
     assert lim.available() == 2.0
     assert lim.try_acquire(2)
     assert lim.retry_after() == pytest.approx(1.0, abs=1e-6)
+
+
+def test_setting_the_clock_to_its_own_reading_is_no_step_back(start: float) -> None:
+    clock = rq.ManualClock(start)
+    for _ in range(200):
+        clock.advance(0.0000003)
+        ns = clock.now_ns()
+        assert clock.set(clock.now()) == clock.now()
+        assert clock.now_ns() == ns
+    clock.advance(1)
+    with pytest.raises(ValueError, match="never goes back"):
+        clock.set(clock.now() - 0.001)
