@@ -898,10 +898,7 @@ mod epoch_tests {
                     a.charge(ta, cost * 7);
                     b.charge(tb, cost * 7);
                 }
-                9 => {
-                    a.refund(cost);
-                    b.refund(cost);
-                }
+                9 => assert_eq!(a.refund(ta, cost), b.refund(tb, cost), "refund, step {step}"),
                 10 => {
                     let r = rate(0.001 + (next() % 10_000) as f64 / 100.0, 1 + next() % 9);
                     a.set_rate(ta, r);
@@ -967,6 +964,20 @@ mod epoch_tests {
         assert_eq!(b.take(t1, 1, 0), Err(Deny::Wait(wait - 4_000_000_000)));
         assert_eq!(b.take(t1, 1, u64::MAX).map(|t| t.delay_ns), Ok(wait - 4_000_000_000));
         assert_eq!(b.available(t1 + 8_000_000_000), 2.0);
+    }
+
+    #[test]
+    fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
+        let b = Bucket::new(rate(1.0, 10));
+        let t0 = REBASE_NS - 500_000_000;
+        let mut a = b.take(t0, 1, 0).unwrap();
+        b.take(t0, 5, 0).unwrap();
+        let t1 = t0 + 750_000_000;
+        assert!((b.available(t1) - 4.75).abs() < 1e-6);
+        assert_eq!(b.params(b.word()).epoch, epoch_for(t1), "rebased");
+        // Not the latest: refunded only the 0.25 s the first debit still holds.
+        assert_eq!(b.give_back(&mut a, 1, t1), Undo::Refunded);
+        assert!((b.available(t1) - 5.0).abs() < 1e-6, "{}", b.available(t1));
     }
 
     #[test]

@@ -1189,6 +1189,30 @@ mod epoch_tests {
     }
 
     #[test]
+    fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
+        let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
+        let key = k.hasher().int(7);
+        let t0 = (1 << 57) - 500_000_000;
+        let mut a = k.take(key, t0, 1, 0).unwrap();
+        let mut b = k.take(key, t0, 5, 0).unwrap();
+        let token = b.token();
+        let t1 = t0 + 750_000_000;
+        clock.set(t1).unwrap();
+        assert!((k.available(key) - 4.75).abs() < 1e-6);
+        assert_eq!(lock(&k.shards[0].0).rebases, 1, "rebased");
+        // The latest, across the rebase: undone exactly.
+        assert_eq!(k.give_back(&mut b, 2, t1), Undo::Exact);
+        assert!((k.available(key) - 6.75).abs() < 1e-6, "{}", k.available(key));
+        // Not the latest: refunded only the 0.25 s the first debit still holds.
+        assert_eq!(k.give_back(&mut a, 1, t1), Undo::Refunded);
+        assert!((k.available(key) - 7.0).abs() < 1e-6, "{}", k.available(key));
+        // A token from before the rebase still caps by what its debit holds.
+        let mut c = KeyTaken::from_token(key, token, 5);
+        assert_eq!(k.give_back(&mut c, 3, t1), Undo::Refunded);
+        assert!((k.available(key) - 10.0).abs() < 1e-6, "{}", k.available(key));
+    }
+
+    #[test]
     fn keyed_one_a_day_for_120_years() {
         for start in [0, 1_764_000_000_123_456_789, 1 << 62] {
             let (k, clock) = keyed_at(Rate::new(1.0, 86_400e9, 1).unwrap(), start);
