@@ -129,6 +129,9 @@ def test_policy(start: float) -> None:
     assert p.delay == pytest.approx(0.1, abs=1e-6)
     p = policy.reserve(user="u")
     assert p.delay == pytest.approx(1.0, abs=1e-6)
+    # Policy.acquire on a ManualClock: no sleep, the delay tells the wait
+    p = _bounded(lambda: policy.acquire(user="x"))
+    assert p.delay == pytest.approx(0.9, abs=1e-6)  # behind the cluster grant at 1.0
 
 
 def test_one_per_day_for_120_years_admits_the_exact_count(start: float) -> None:
