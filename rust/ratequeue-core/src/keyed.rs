@@ -662,11 +662,11 @@ impl KeyedLimiter {
     pub fn refund(&self, key: u64, cost: u64) -> Undo {
         let now = self.clock.now_ns();
         let mut t = self.shard(key);
+        let p = self.params_at(&mut t, now);
         let Some(i) = t.find(key) else {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let p = self.params_at(&mut t, now);
         let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
@@ -1210,6 +1210,20 @@ mod epoch_tests {
         let mut c = KeyTaken::from_token(key, token, 5);
         assert_eq!(k.give_back(&mut c, 3, t1), Undo::Refunded);
         assert!((k.available(key) - 10.0).abs() < 1e-6, "{}", k.available(key));
+    }
+
+    #[test]
+    fn a_refund_that_rebases_the_shard_refunds_in_the_new_epoch() {
+        let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
+        let key = k.hasher().int(7);
+        let t0 = (1 << 57) - 500_000_000;
+        clock.set(t0).unwrap();
+        k.try_acquire(key, 6).unwrap();
+        clock.set(t0 + 750_000_000).unwrap();
+        // The refund is the first call past the rebase point: it rebases, then refunds.
+        assert_eq!(k.refund(key, 2), Undo::Refunded);
+        assert_eq!(lock(&k.shards[0].0).rebases, 1, "rebased");
+        assert!((k.available(key) - 6.75).abs() < 1e-6, "{}", k.available(key));
     }
 
     #[test]
