@@ -1163,6 +1163,7 @@ mod epoch_tests {
                     k.charge(h, 5 * cost);
                     b.charge(now, 5 * cost);
                 }
+                9 => assert_eq!(k.refund(h, cost), b.refund(now, cost), "step {step}"),
                 _ => {
                     let dt = next() % max_step_ns;
                     if clock.advance(dt).is_err() {
