@@ -1486,7 +1486,7 @@ mod tests {
         };
         assert_eq!((r.at_ns, r.delay_ns), (200_000_000, 200_000_000));
         let (_, behind) = queued_waiter(&q);
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&waiter), Some(100_000_000));
         assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
         assert_eq!(granted(&behind), Some(300_000_000));
@@ -1523,7 +1523,7 @@ mod tests {
         let (_, b) = queued_waiter(&q);
         assert!(q.cancel_reservation(&r, &[1]));
         assert!(!q.cancel_reservation(&r, &[1]));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&a), Some(100_000_000));
         assert_eq!(granted(&b), Some(200_000_000));
         assert!(r.outcome().is_none());
@@ -1537,7 +1537,7 @@ mod tests {
         let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
             panic!("queued")
         };
-        q.run_until(&clock, r.at_ns);
+        q.run_until(&clock, r.at_ns).unwrap();
         assert!(r.outcome().is_some());
         assert!(!q.cancel_reservation(&r, &[1]));
         assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
@@ -1565,7 +1565,7 @@ mod tests {
                 s
             })
             .collect();
-        q.run_until(&clock, 10_000_000_000);
+        q.run_until(&clock, 10_000_000_000).unwrap();
         let Some(Outcome::Granted { at_ns, .. }) = r.outcome() else {
             panic!("not granted")
         };
