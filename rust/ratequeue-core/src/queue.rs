@@ -1617,7 +1617,7 @@ mod tests {
         let c = ch.clone();
         q.submit(&[1], 0, None, || Wake::Channel(c)).unwrap();
         ch.close();
-        q.run_until(&clock, 100_000_000);
+        q.run_until(&clock, 100_000_000).unwrap();
         assert_eq!(q.waiting(), 0);
         assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
         assert!(q.try_now(&[1], 0).is_err());
