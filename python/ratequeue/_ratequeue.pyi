@@ -19,7 +19,11 @@ Period: TypeAlias = (
 
 @final
 class ManualClock:
-    """A clock that moves only when told to; share it between limiters and tests."""
+    """A clock that moves only when told to; share it between limiters and tests.
+
+    It may start anywhere (a Unix timestamp for replays works like 0); it shows at most
+    2**63 ns (about 292 years): moving it beyond raises ValueError.
+    """
 
     def __new__(cls, start: float | None = None) -> ManualClock: ...
     def now(self) -> float:
@@ -287,7 +291,11 @@ class Limiter:
         """Grant and expire what is due now; the next due time or None."""
     def next_wake(self) -> float | None: ...
     def run_until(self, until: float) -> int:
-        """On a ManualClock: advance through every due time up to ``until``."""
+        """On a ManualClock: advance through every due time up to ``until``.
+
+        ValueError if ``until`` is beyond the clock's range (nothing moves), or if a
+        waiter stays due without being granted or expired (instead of spinning).
+        """
     @property
     def waiting(self) -> int: ...
     def stats(self) -> dict[str, Any]:

@@ -65,7 +65,7 @@ impl Limiter {
                 units.len() - 1
             });
             bucket_unit.push(idx);
-            buckets.push(Bucket::new(rate));
+            buckets.push(Bucket::new_at(rate, clock.now_ns()));
         }
         Ok(Limiter {
             clock,
@@ -325,6 +325,15 @@ impl Limiter {
             self.take_all(now, costs, max, false)
         };
         r.map_err(|d| match d {
+            // Within max_wait, yet refused: the reservations already queued reach beyond
+            // what a bucket can hold (over 9 years ahead).
+            Deny::Wait(ns) if ns <= max => Error::Overloaded {
+                reason: format!(
+                    "the wait of {:.6} s reaches beyond the bucket's range of reservations ahead",
+                    ns as f64 / 1e9
+                ),
+                retry_after_ns: ns,
+            },
             Deny::Wait(ns) => Error::Overloaded {
                 reason: format!(
                     "the wait of {:.6} s exceeds max_wait={:.6} s",
@@ -633,5 +642,29 @@ mod tests {
         assert_eq!(l.units().len(), 1);
         assert!(l.try_acquire(&[2]).is_ok());
         assert!(l.try_acquire(&[1]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use std::sync::Arc;
+
+    #[test]
+    fn reserving_beyond_the_range_says_so() {
+        let clock = Arc::new(ManualClock::new(1 << 62).unwrap());
+        let rate = Rate::new(1.0, 86_400e9, 1).unwrap();
+        let l = Limiter::new(vec![("requests".into(), rate)], AnyClock::Manual(clock)).unwrap();
+        let e = loop {
+            if let Err(e) = l.reserve(&[1], None) {
+                break e;
+            }
+        };
+        let Error::Overloaded { reason, retry_after_ns } = e else {
+            panic!("{e:?}")
+        };
+        assert!(reason.contains("beyond the bucket's range"), "{reason}");
+        assert!(retry_after_ns > 9 * 365 * 86_400 * 1_000_000_000, "{retry_after_ns}");
     }
 }

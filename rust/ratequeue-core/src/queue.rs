@@ -1153,20 +1153,34 @@ impl WaitQueue {
     }
 
     /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
-    /// and polls there. Returns the number of wake-ups processed.
-    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> usize {
+    /// and polls there. Returns the number of wake-ups processed. Never spins: an
+    /// `until_ns` beyond the clock's range is refused before anything moves, and a
+    /// waiter that stays due without being granted or expired ends the run with an error.
+    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> Result<usize, Error> {
+        crate::clock::check_time("until", until_ns)?;
         let mut n = 0;
+        let mut stalled = Stalled::default();
         while let Some(t) = self.next_wake() {
             if t > until_ns {
                 break;
             }
-            let _ = clock.set(t.max(clock.now_ns()));
-            self.poll(clock.now_ns());
+            let before = (clock.now_ns(), self.progress());
+            let now = clock.set(t.max(before.0))?;
+            self.poll(now);
             n += 1;
+            stalled.check(before != (now, self.progress()), until_ns, now)?;
         }
-        let _ = clock.set(until_ns.max(clock.now_ns()));
+        clock.set(until_ns.max(clock.now_ns()))?;
         self.poll(clock.now_ns());
-        n
+        Ok(n)
+    }
+
+    /// Grants, expiries and cancellations so far: it moves whenever a poll changed the queue.
+    pub fn progress(&self) -> u64 {
+        let c = &self.counters;
+        [&c.queued_grants, &c.timed_out, &c.cancelled]
+            .iter()
+            .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then.
@@ -1196,6 +1210,37 @@ impl WaitQueue {
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
 fn saturated(totals: &[u128]) -> Vec<u64> {
     totals.iter().map(|t| u64::try_from(*t).unwrap_or(u64::MAX)).collect()
+}
+
+/// Counts the rounds of a virtual-time run in which neither the clock nor the queue moved.
+#[derive(Default)]
+pub struct Stalled(u32);
+
+impl Stalled {
+    /// Rounds without progress tolerated (another thread may take the capacity a due
+    /// waiter was about to get; the next round then finds a later due time).
+    const LIMIT: u32 = 64;
+
+    /// Notes one round; an error once virtual time has stood still too long at `now_ns`.
+    pub fn check(&mut self, moved: bool, until_ns: u64, now_ns: u64) -> Result<(), Error> {
+        if moved {
+            self.0 = 0;
+            return Ok(());
+        }
+        self.0 += 1;
+        if self.0 < Self::LIMIT {
+            std::thread::yield_now();
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "until",
+            until_ns as f64 / 1e9,
+            &format!(
+                "cannot be reached: at {:.9} s a waiter is due but can be neither granted nor expired",
+                now_ns as f64 / 1e9
+            ),
+        ))
+    }
 }
 
 /// Delivers each outcome; returns the grants a closed channel handed back.
@@ -1260,7 +1305,7 @@ mod tests {
         assert_eq!((hi, lo), (2_000_000_000, 11_000_000_000));
         let s = slots[11].clone();
         q.submit(&[1], 0, None, || Wake::Thread(s)).unwrap();
-        q.run_until(&clock, 30_000_000_000);
+        q.run_until(&clock, 30_000_000_000).unwrap();
         assert_eq!(granted(&slots[11]), Some(hi));
         assert_eq!(granted(&slots[10]), Some(11_000_000_000));
     }
@@ -1297,7 +1342,7 @@ mod tests {
         }
         assert!(matches!(tickets[0], Submitted::Granted { .. }));
         assert!(matches!(tickets[2], Submitted::Queued(_)));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         for (k, s) in slots[2..].iter().enumerate() {
             let at = granted(s).unwrap();
             assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
@@ -1328,7 +1373,7 @@ mod tests {
             q.submit(&[1], class, None, || Wake::Thread(s2)).unwrap();
             slots.push((class, s));
         }
-        q.run_until(&clock, 900_000_000);
+        q.run_until(&clock, 900_000_000).unwrap();
         let mut got = [0usize; 2];
         for (c, s) in &slots {
             if granted(s).is_some() {
@@ -1351,7 +1396,7 @@ mod tests {
         let s = Slot::new();
         let s2 = s.clone();
         q.submit(&[1], 0, Some(2_000_000_000), || Wake::Thread(s2)).unwrap();
-        q.run_until(&clock, 3_000_000_000);
+        q.run_until(&clock, 3_000_000_000).unwrap();
         assert!(matches!(
             s.take(),
             Some(Outcome::Granted {
@@ -1360,6 +1405,76 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Says it is ready now but never lets a take through.
+    struct Stuck;
+
+    impl Resource for Stuck {
+        fn try_take(&self, _: u64, _: &[u64]) -> Result<(), Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn ready_at(&self, at_ns: u64, _: &[u64]) -> Result<Option<u64>, Deny> {
+            Ok(Some(at_ns))
+        }
+        fn take_at(&self, _: u64, _: &[u64]) -> Result<u64, Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn give_back(&self, _: &[u64], _: Option<u64>) {}
+        fn service_ns(&self, _: &[u64]) -> f64 {
+            1.0
+        }
+        fn error_for(&self, d: Deny) -> Error {
+            Error::Overloaded {
+                reason: format!("{d:?}"),
+                retry_after_ns: 0,
+            }
+        }
+        fn predict(&self, _: u64, _: &[u64], _: &[u64]) -> Option<u64> {
+            None
+        }
+    }
+
+    #[test]
+    fn run_until_never_spins() {
+        let clock = Arc::new(ManualClock::new(1 << 62).unwrap());
+        let cfg = QueueConfig::new(vec![], 10, None).unwrap();
+        let q = WaitQueue::new(Arc::new(Stuck), 1, AnyClock::Manual(clock.clone()), cfg);
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(Slot::new())),
+            Ok(Submitted::Queued(_))
+        ));
+        // A waiter due now that can be neither granted nor expired: an error, not a spin.
+        let e = q.run_until(&clock, (1 << 62) + 1_000).unwrap_err();
+        assert!(e.to_string().contains("cannot be reached"), "{e}");
+        // A time beyond the clock's range: refused before the clock moves.
+        let e = q.run_until(&clock, u64::MAX).unwrap_err();
+        assert!(e.to_string().starts_with("until="), "{e}");
+        assert_eq!(clock.now_ns(), 1 << 62);
+    }
+
+    #[test]
+    fn run_until_far_from_zero_grants_like_at_zero() {
+        for start in [1u64 << 62, 1_764_000_000_123_456_789] {
+            let clock = Arc::new(ManualClock::new(start).unwrap());
+            let lim = Limiter::new(
+                vec![("requests".into(), Rate::new(100.0, 1e9, 2).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap();
+            let cfg = QueueConfig::new(vec![], 100, None).unwrap();
+            let q = WaitQueue::new(Arc::new(lim), 1, AnyClock::Manual(clock.clone()), cfg);
+            let slots: Vec<_> = (0..6).map(|_| Slot::new()).collect();
+            for s in &slots {
+                let s2 = s.clone();
+                q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+            }
+            assert_eq!(q.run_until(&clock, start + 1_000_000_000).unwrap(), 4);
+            for (k, s) in slots[2..].iter().enumerate() {
+                let at = granted(s).unwrap() - start;
+                assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
+            }
+        }
     }
 
     #[test]
@@ -1450,7 +1565,7 @@ mod tests {
         };
         assert_eq!((r.at_ns, r.delay_ns), (200_000_000, 200_000_000));
         let (_, behind) = queued_waiter(&q);
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&waiter), Some(100_000_000));
         assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
         assert_eq!(granted(&behind), Some(300_000_000));
@@ -1487,7 +1602,7 @@ mod tests {
         let (_, b) = queued_waiter(&q);
         assert!(q.cancel_reservation(&r, &[1]));
         assert!(!q.cancel_reservation(&r, &[1]));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&a), Some(100_000_000));
         assert_eq!(granted(&b), Some(200_000_000));
         assert!(r.outcome().is_none());
@@ -1501,7 +1616,7 @@ mod tests {
         let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
             panic!("queued")
         };
-        q.run_until(&clock, r.at_ns);
+        q.run_until(&clock, r.at_ns).unwrap();
         assert!(r.outcome().is_some());
         assert!(!q.cancel_reservation(&r, &[1]));
         assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
@@ -1529,7 +1644,7 @@ mod tests {
                 s
             })
             .collect();
-        q.run_until(&clock, 10_000_000_000);
+        q.run_until(&clock, 10_000_000_000).unwrap();
         let Some(Outcome::Granted { at_ns, .. }) = r.outcome() else {
             panic!("not granted")
         };
@@ -1581,7 +1696,7 @@ mod tests {
         let c = ch.clone();
         q.submit(&[1], 0, None, || Wake::Channel(c)).unwrap();
         ch.close();
-        q.run_until(&clock, 100_000_000);
+        q.run_until(&clock, 100_000_000).unwrap();
         assert_eq!(q.waiting(), 0);
         assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
         assert!(q.try_now(&[1], 0).is_err());

@@ -184,7 +184,7 @@ impl ConcurrencyPy {
 
     /// Grants and expires whatever is due now; returns the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(|t| t as f64 / 1e9)
+        self.gate.queue.poll_now().map(crate::clock::due_seconds)
     }
 
     /// Counters and queue depths in one snapshot.

@@ -12,6 +12,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyDict, PyString};
 use ratequeue_core::keyed::{KeyBucket, KeyPermits};
+use ratequeue_core::queue::Stalled;
 use ratequeue_core::{
     AnyClock, Deny, Error, GrantRef, Histogram, KeyHasher, KeyedLimiter, KeyedSemaphore, QueueConfig, Resource,
     WaitQueue,
@@ -160,26 +161,32 @@ impl KeyGates {
     }
 
     /// On a ManualClock: moves the clock through every due time of every key's queue up
-    /// to `until_ns`, polling there (the virtual-time driver of a keyed limit).
-    pub fn run_until(&self, clock: &ratequeue_core::ManualClock, until_ns: u64) -> usize {
+    /// to `until_ns`, polling there (the virtual-time driver of a keyed limit). Never
+    /// spins (see [`ratequeue_core::WaitQueue::run_until`]).
+    pub fn run_until(&self, clock: &ratequeue_core::ManualClock, until_ns: u64) -> Result<usize, Error> {
+        ratequeue_core::clock::check_time("until", until_ns)?;
         let mut n = 0;
+        let mut stalled = Stalled::default();
         loop {
             let gates = self.all();
             let next = gates.iter().filter_map(|g| g.queue.next_wake()).min();
             match next {
                 Some(t) if t <= until_ns => {
-                    let _ = clock.set(t.max(clock.now_ns()));
+                    let progress = || gates.iter().fold(0u64, |a, g| a.wrapping_add(g.queue.progress()));
+                    let before = (clock.now_ns(), progress());
+                    let now = clock.set(t.max(before.0))?;
                     for g in &gates {
-                        g.queue.poll(clock.now_ns());
+                        g.queue.poll(now);
                     }
                     n += 1;
+                    stalled.check(before != (now, progress()), until_ns, now)?;
                 }
                 _ => break,
             }
         }
-        let _ = clock.set(until_ns.max(clock.now_ns()));
+        clock.set(until_ns.max(clock.now_ns()))?;
         self.poll_all();
-        n
+        Ok(n)
     }
 
     /// Keys with a queue now.
@@ -230,7 +237,7 @@ impl Keyed {
         };
         let t = seconds_ns("until", until)?;
         let (gates, m) = (self.gates.clone(), m.clone());
-        Ok(py.detach(move || gates.run_until(&m, t)))
+        py.detach(move || gates.run_until(&m, t)).map_err(|e| to_py(py, e))
     }
 
     fn owner(&self, key: u64) -> Arc<dyn PermitOwner> {
@@ -258,9 +265,14 @@ impl Keyed {
         let r = (self.gates.make)(key);
         let at_ns = self.gates.clock.now_ns();
         match r.try_take_token(at_ns, &[c]) {
-            Ok(token) => Ok(Some(
-                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
-            )),
+            Ok(token) => {
+                // Every grant of an acquire records its wait, an immediate one 0 (as
+                // Limiter and Concurrency do).
+                self.gates.waits[0].record(0);
+                Ok(Some(
+                    PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+                ))
+            }
             Err(Deny::Wait(_)) => Ok(None),
             Err(d) => Err(to_py(py, r.error_for(d))),
         }
@@ -645,7 +657,7 @@ impl KeyedLimiterPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
+        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
     }
 
     /// Drops every key whose bucket is full again (changes no decision); returns how
@@ -799,7 +811,7 @@ impl KeyedConcurrencyPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(|t| t as f64 / 1e9)
+        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
     }
 
     /// Permits held on `key` now.

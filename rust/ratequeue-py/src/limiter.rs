@@ -532,12 +532,12 @@ impl LimiterPy {
     /// Grants and expires whatever is due now; returns the next due time (clock
     /// seconds) or None. The virtual-time driver calls this on a ManualClock.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(|t| t as f64 / 1e9)
+        self.gate.queue.poll_now().map(crate::clock::due_seconds)
     }
 
     /// The next due time (clock seconds) of the queue, or None when nobody waits.
     fn next_wake(&self) -> Option<f64> {
-        self.gate.queue.next_wake().map(|t| t as f64 / 1e9)
+        self.gate.queue.next_wake().map(crate::clock::due_seconds)
     }
 
     /// On a ManualClock: advances the clock through every due time up to `until`
@@ -549,7 +549,7 @@ impl LimiterPy {
         };
         let t = seconds_ns("until", until)?;
         let (q, m) = (self.gate.queue.clone(), m.clone());
-        Ok(py.detach(move || q.run_until(&m, t)))
+        py.detach(move || q.run_until(&m, t)).map_err(|e| to_py(py, e))
     }
 
     /// Requests now waiting in the queue.
