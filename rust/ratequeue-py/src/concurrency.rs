@@ -7,6 +7,7 @@ use pyo3::types::PyDict;
 use ratequeue_core::Semaphore;
 
 use crate::args::{opt_text, permits, seconds_ns, size};
+use crate::blocking::unblocked;
 use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
@@ -53,6 +54,7 @@ impl ConcurrencyPy {
     ) -> PyResult<Self> {
         let name = opt_text("name", name)?;
         let sem = Arc::new(Semaphore::new(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?);
+        unblocked(|| ratequeue_core::fork::register_arc(&sem));
         let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
         let gate = new_gate(
             py,
@@ -151,7 +153,7 @@ impl ConcurrencyPy {
     #[pyo3(signature = (n = None))]
     fn give_back(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let c = Self::permits(n)?;
-        self.gate.queue.give_back(&c, None);
+        unblocked(|| self.gate.queue.give_back(&c, None));
         Ok(())
     }
 
@@ -172,7 +174,7 @@ impl ConcurrencyPy {
         self.sem
             .set_limit(size("limit", limit, u64::MAX)?)
             .map_err(|e| to_py(py, e))?;
-        self.gate.queue.poll_now();
+        py.detach(|| self.gate.queue.poll_now());
         Ok(())
     }
 
@@ -184,7 +186,7 @@ impl ConcurrencyPy {
 
     /// Grants and expires whatever is due now; returns the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(crate::clock::due_seconds)
+        unblocked(|| self.gate.queue.poll_now()).map(crate::clock::due_seconds)
     }
 
     /// Counters and queue depths in one snapshot.
