@@ -1,0 +1,111 @@
+"""Adversarial review of the one undo rule (defects 2 and 3) and the one key identity
+(defect 12): each test shows a way the landed changes could break a guarantee.
+
+Timing on a ManualClock. A test here fails when the defect it names is present.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import ratequeue as rq
+
+
+def grants_at_once(lim: rq.Limiter, most: int = 10) -> int:
+    """How many single grants the limiter gives at this instant (at most ``most``)."""
+    n = 0
+    while n < most and lim.try_acquire():
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------------
+# A rate change between take and undo: the refund must stay capped by what the debit
+# still holds (the cap was only applied while the bucket kept its generation).
+
+
+def test_cancel_after_a_rate_change_refunds_nothing_time_already_restored(clock):
+    # r's debit at 0 s is fully restored by time at 5 s. A set_rate (even to the same
+    # rate) moves the bucket to a new generation; the cancel must still refund nothing,
+    # else one try_acquire and two more at 5 s make three grants in one instant (burst 2).
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    r = lim.reserve()
+    clock.set(5.0)
+    lim.set_rate(1, per="second")
+    assert lim.try_acquire()
+    r.cancel()
+    assert grants_at_once(lim) == 1
+
+
+def test_permit_settle_after_a_rate_change_refunds_nothing_time_already_restored(clock):
+    # The same through Permit.settle (a fast-path grant carries its word as a token).
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    p = lim.acquire()
+    clock.set(5.0)
+    lim.set_burst(2)
+    assert lim.try_acquire()
+    p.settle(requests=0)
+    assert grants_at_once(lim) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# A multi-rate limiter's queue give-back after any later change refunds uncapped.
+
+
+def test_multi_rate_abandoned_grant_given_back_late_refunds_nothing_time_restored(clock):
+    # A waiter is granted at 1 s; its task is cancelled before it resumes, and the loop
+    # gives the grant back only after the clock moved to 5 s and another grant was taken
+    # (so the multi-rate token no longer matches). By then time has restored everything
+    # the grant took: giving back anything lets three requests through at 5 s (burst 2).
+    lim = rq.Limiter(
+        rq.Rate(1, per="second", burst=2),
+        rq.Rate(1000, per="second", unit="tokens"),
+        clock=clock,
+    )
+
+    async def main() -> int:
+        assert lim.try_acquire(tokens=1) and lim.try_acquire(tokens=1)
+        task = asyncio.ensure_future(lim.acquire_async(tokens=1))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert lim.waiting == 1
+        lim.run_until(1.0)  # granted at 1 s; the outcome waits in the loop's channel
+        task.cancel()
+        clock.set(5.0)
+        assert lim.try_acquire(tokens=1)
+        for _ in range(10):  # the loop drains the channel and gives the grant back
+            await asyncio.sleep(0)
+        assert task.cancelled()
+        n = 0
+        while n < 10 and lim.try_acquire(tokens=1):
+            n += 1
+        return n
+
+    assert asyncio.run(main()) == 1
+
+
+# ---------------------------------------------------------------------------------------
+# Keyed eviction between take and undo: the key's new bucket is not the old one.
+
+
+def test_keyed_settle_after_the_key_was_evicted_and_recreated_keeps_the_new_debit(clock):
+    # max_keys=1: taking "b" evicts "a" (live). "a" is taken again at the same instant,
+    # leaving the very TAT the first permit's token names; settling the first permit to
+    # zero must not erase the second grant's debit (burst 1: two more grants at 0 s).
+    k = rq.KeyedLimiter(rq.Rate(1, per="second", burst=1), max_keys=1, clock=clock)
+    p = k.acquire("a")
+    assert k.try_acquire("b")
+    assert k.try_acquire("a")
+    p.settle(requests=0)
+    assert not k.try_acquire("a")
+
+
+def test_keyed_policy_cancel_after_the_key_was_evicted_and_recreated_keeps_the_new_debit(clock):
+    k = rq.KeyedLimiter(rq.Rate(1, per="second", burst=1), max_keys=1, clock=clock)
+    policy = rq.Policy({"user": k})
+    p1 = policy.try_acquire(user="a")
+    assert p1 is not None
+    assert k.try_acquire("b")
+    assert policy.try_acquire(user="a") is not None
+    p1.cancel()
+    assert not k.try_acquire("a")
