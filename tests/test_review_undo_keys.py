@@ -109,3 +109,21 @@ def test_keyed_policy_cancel_after_the_key_was_evicted_and_recreated_keeps_the_n
     assert policy.try_acquire(user="a") is not None
     p1.cancel()
     assert not k.try_acquire("a")
+
+
+# ---------------------------------------------------------------------------------------
+# The refund cap ignores refunds of the debits beneath a debit.
+
+
+def test_cancel_of_a_reservation_whose_predecessor_was_refunded_is_capped(clock):
+    # b sits on a; a's cancel refunds a, which moves b's units down: at 3 s b (2 units at
+    # 0 s) holds nothing. After one grant at 3 s, b's cancel must give nothing back, else
+    # ten more pass at 3 s (eleven at one instant, burst 10).
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=10), clock=clock)
+    a = lim.reserve(5)
+    b = lim.reserve(2)
+    a.cancel()
+    clock.set(3.0)
+    assert lim.try_acquire()
+    b.cancel()
+    assert grants_at_once(lim, 20) == 9
