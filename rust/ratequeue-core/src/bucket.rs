@@ -48,6 +48,9 @@ pub struct Taken {
     after: u64,
     cost: u64,
     latest: bool,
+    /// The clock time (ns) until which `after` holds capacity: the cap of a refund
+    /// after a rate change, when `after` is in another generation's ticks (0: unknown).
+    held_ns: u64,
 }
 
 impl Taken {
@@ -74,6 +77,7 @@ impl Taken {
             after,
             cost,
             latest: true,
+            held_ns: 0,
         }
     }
 }
@@ -323,6 +327,7 @@ impl Bucket {
                     after: w,
                     cost,
                     latest: true,
+                    held_ns: self.held_ns(w),
                 });
             }
             match self
@@ -336,6 +341,7 @@ impl Bucket {
                         after: next,
                         cost,
                         latest: true,
+                        held_ns: self.held_ns(next),
                     })
                 }
                 Err(seen) => w = seen,
@@ -365,6 +371,16 @@ impl Bucket {
     pub fn predict(&self, at_ns: u64, ahead: u64, cost: u64) -> u64 {
         let w = self.word.load(Ordering::Acquire);
         self.params(w).predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
+    }
+
+    /// The clock time (ns) at which the TAT of `word` is reached, in its generation.
+    fn held_ns(&self, word: u64) -> u64 {
+        self.params(word).ns_until(0, word & TAT_MASK)
+    }
+
+    /// True when `word` is of the bucket's current generation (no rate change since).
+    pub fn same_generation(&self, word: u64) -> bool {
+        (self.word() ^ word) >> GEN_SHIFT == 0
     }
 
     /// Undoes `t` if no other debit came after it; true when undone.
@@ -398,8 +414,14 @@ impl Bucket {
                     (w & !TAT_MASK) | (w & TAT_MASK).saturating_sub(p.cost_ticks(ret))
                 }
             } else {
-                let held = ((w ^ t.after) >> GEN_SHIFT == 0).then_some(t.after & TAT_MASK);
-                match p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), held) {
+                // After a rate change `after` is in another generation's ticks: the cap
+                // is the time until which it held, read in the current ones.
+                let held = if (w ^ t.after) >> GEN_SHIFT == 0 {
+                    t.after & TAT_MASK
+                } else {
+                    p.ticks(t.held_ns)
+                };
+                match p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) {
                     Some(tat) => (w & !TAT_MASK) | tat,
                     None => {
                         t.latest = false;
@@ -421,9 +443,15 @@ impl Bucket {
                     t.cost -= ret;
                     if exact {
                         t.after = next;
+                        t.held_ns = self.held_ns(next);
                         return Undo::Exact;
                     }
-                    t.after -= (w - next).min(t.after & TAT_MASK);
+                    if (w ^ t.after) >> GEN_SHIFT == 0 {
+                        t.after -= (w - next).min(t.after & TAT_MASK);
+                        t.held_ns = self.held_ns(t.after);
+                    } else {
+                        t.held_ns = p.ns_until(0, p.ticks(t.held_ns).saturating_sub(w - next));
+                    }
                     t.latest = false;
                     return Undo::Refunded;
                 }
@@ -495,6 +523,7 @@ impl Bucket {
         let (w, next) = self.charge_word(at_ns, extra);
         if t.latest && w == t.after {
             t.after = next;
+            t.held_ns = self.held_ns(next);
         } else {
             t.latest = false;
         }
