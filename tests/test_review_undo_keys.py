@@ -158,3 +158,18 @@ def test_redis_policy_keyed_level_key_never_names_another_levels_bucket(r: redis
     assert p.try_acquire(user=0) is not None
     clock.advance(0.01)
     assert p.try_acquire(user=0) is None
+
+
+# ---------------------------------------------------------------------------------------
+# Policies whose levels share a limiter.
+
+
+def test_policy_levels_sharing_a_limiter_reserve_behind_each_other(clock):
+    # Both levels debit one bucket (1/s, burst 2): the first reservation fills it; the
+    # second needs two more units, so it is due at 2 s. Each level's delay alone (1 s)
+    # is too early for the pair: the take of the second level is refused, and reserve
+    # gave up after its retries with Overloaded and retry_after 0 (no max_wait set).
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    policy = rq.Policy({"a": lim, "b": lim})
+    assert policy.reserve().delay == 0.0
+    assert policy.reserve().delay == 2.0
