@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import pytest
 import ratequeue as rq
 import redis
 from ratequeue.redis import RedisPolicy
@@ -173,3 +174,30 @@ def test_policy_levels_sharing_a_limiter_reserve_behind_each_other(clock):
     policy = rq.Policy({"a": lim, "b": lim})
     assert policy.reserve().delay == 0.0
     assert policy.reserve().delay == 2.0
+
+
+def test_policy_refused_by_a_later_level_consumes_nothing_on_a_shared_limiter(clock):
+    # Levels a and b share a limiter (1/s, burst 2), c is a full Concurrency. The
+    # reservation takes a and b for a grant at 2 s, then c refuses: the undo must give
+    # both back. Undone first, a is not the latest change (b sits on it) and a grant is
+    # scheduled ahead, so a's unit was kept: a refused request consumed capacity.
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    conc = rq.Concurrency(1)
+    policy = rq.Policy({"a": lim, "b": lim, "c": conc})
+    held = policy.try_acquire()
+    assert held is not None
+    with pytest.raises(rq.Overloaded):
+        policy.reserve()
+    assert lim.reserve().delay == 1.0
+    assert lim.stats()["refunds_dropped"] == 0
+
+
+def test_policy_cancel_of_levels_sharing_a_limiter_gives_both_back(clock):
+    # The same through PolicyPermit.cancel of a reservation due at 2 s.
+    lim = rq.Limiter(rq.Rate(1, per="second", burst=2), clock=clock)
+    policy = rq.Policy({"a": lim, "b": lim})
+    assert policy.reserve().delay == 0.0
+    p = policy.reserve()
+    p.cancel()
+    assert lim.reserve().delay == 1.0
+    assert lim.stats()["refunds_dropped"] == 0
