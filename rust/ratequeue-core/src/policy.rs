@@ -290,8 +290,10 @@ impl Policy {
         }
     }
 
-    fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
-        for (i, h) in held.iter_mut().enumerate() {
+    /// Undoes every level, the last taken first: each undo is then exact where levels
+    /// share a limiter (the later debit sits on the earlier one).
+    pub fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate().rev() {
             self.undo(i, h, &args[i], now_ns);
         }
     }
