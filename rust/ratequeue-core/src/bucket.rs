@@ -48,9 +48,6 @@ pub struct Taken {
     after: u64,
     cost: u64,
     latest: bool,
-    /// The clock time (ns) until which `after` holds capacity: the cap of a refund
-    /// after a rate change, when `after` is in another generation's ticks (0: unknown).
-    held_ns: u64,
 }
 
 impl Taken {
@@ -77,7 +74,6 @@ impl Taken {
             after,
             cost,
             latest: true,
-            held_ns: 0,
         }
     }
 }
@@ -327,7 +323,6 @@ impl Bucket {
                     after: w,
                     cost,
                     latest: true,
-                    held_ns: self.held_ns(w),
                 });
             }
             match self
@@ -341,7 +336,6 @@ impl Bucket {
                         after: next,
                         cost,
                         latest: true,
-                        held_ns: self.held_ns(next),
                     })
                 }
                 Err(seen) => w = seen,
@@ -373,16 +367,6 @@ impl Bucket {
         self.params(w).predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
     }
 
-    /// The clock time (ns) at which the TAT of `word` is reached, in its generation.
-    fn held_ns(&self, word: u64) -> u64 {
-        self.params(word).ns_until(0, word & TAT_MASK)
-    }
-
-    /// True when `word` is of the bucket's current generation (no rate change since).
-    pub fn same_generation(&self, word: u64) -> bool {
-        (self.word() ^ word) >> GEN_SHIFT == 0
-    }
-
     /// Undoes `t` if no other debit came after it; true when undone.
     pub fn untake(&self, t: &Taken) -> bool {
         t.before == t.after
@@ -396,8 +380,9 @@ impl Bucket {
     /// `at_ns`. Exact while `t` is still the bucket's latest change: a CAS from the word
     /// it left back to the word before it (or to `ret` less). Otherwise a refund, only
     /// while no grant is scheduled in the future (TAT ≤ now + tau), capped by what `t`
-    /// can still hold and never past full; else nothing ([`Undo::Dropped`]). Check and
-    /// act are one CAS loop. `t` is updated, so a later give-back starts from here.
+    /// can still hold (nothing after a rate change) and never past full; else nothing
+    /// ([`Undo::Dropped`]). Check and act are one CAS loop. `t` is updated, so a later
+    /// give-back starts from here.
     pub fn give_back(&self, t: &mut Taken, ret: u64, at_ns: u64) -> Undo {
         let ret = ret.min(t.cost);
         if ret == 0 {
@@ -414,12 +399,12 @@ impl Bucket {
                     (w & !TAT_MASK) | (w & TAT_MASK).saturating_sub(p.cost_ticks(ret))
                 }
             } else {
-                // After a rate change `after` is in another generation's ticks: the cap
-                // is the time until which it held, read in the current ones.
+                // After a rate change what `t` still holds is unknown (it decayed at
+                // rates no longer at hand): nothing is refunded.
                 let held = if (w ^ t.after) >> GEN_SHIFT == 0 {
                     t.after & TAT_MASK
                 } else {
-                    p.ticks(t.held_ns)
+                    0
                 };
                 match p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) {
                     Some(tat) => (w & !TAT_MASK) | tat,
@@ -443,15 +428,9 @@ impl Bucket {
                     t.cost -= ret;
                     if exact {
                         t.after = next;
-                        t.held_ns = self.held_ns(next);
                         return Undo::Exact;
                     }
-                    if (w ^ t.after) >> GEN_SHIFT == 0 {
-                        t.after -= (w - next).min(t.after & TAT_MASK);
-                        t.held_ns = self.held_ns(t.after);
-                    } else {
-                        t.held_ns = p.ns_until(0, p.ticks(t.held_ns).saturating_sub(w - next));
-                    }
+                    t.after -= (w - next).min(t.after & TAT_MASK);
                     t.latest = false;
                     return Undo::Refunded;
                 }
@@ -523,7 +502,6 @@ impl Bucket {
         let (w, next) = self.charge_word(at_ns, extra);
         if t.latest && w == t.after {
             t.after = next;
-            t.held_ns = self.held_ns(next);
         } else {
             t.latest = false;
         }

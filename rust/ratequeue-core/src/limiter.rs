@@ -456,12 +456,10 @@ impl Resource for Limiter {
         for (i, b) in self.buckets.iter().enumerate() {
             let u = self.bucket_unit[i];
             let (e, a) = (estimated[u], actual[u]);
-            // While exact, the grant's words: the token itself (one rate; after a rate
-            // change, capped by the grant time instead), or the current words, since
-            // nothing changed (several).
+            // While exact, the grant's words: the token itself (one rate), or the current
+            // words, since nothing changed (several).
             let mut t = match grant.token {
-                Some(w) if exact && self.buckets.len() == 1 && b.same_generation(w) => Some(Taken::from_token(w, e)),
-                Some(_) if exact && self.buckets.len() == 1 => None,
+                Some(w) if exact && self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
                 Some(_) if exact => Some(Taken::from_token(b.word(), e)),
                 _ => None,
             };
