@@ -201,3 +201,29 @@ def test_policy_cancel_of_levels_sharing_a_limiter_gives_both_back(clock):
     p.cancel()
     assert lim.reserve().delay == 1.0
     assert lim.stats()["refunds_dropped"] == 0
+
+
+# ---------------------------------------------------------------------------------------
+# A settle without an exact token is capped from the grant time at the *current* rate:
+# after the rate slowed down, that overstates what the grant still holds.
+
+
+def test_multi_rate_settle_after_the_rate_slowed_refunds_only_what_the_grant_holds(clock):
+    # p (1 request at 0 s, 1/s) holds 0.1 of it at 0.9 s, when the rate drops to 0.1/s.
+    # B is granted at 0.9 s and p settles to 0 requests. Only p's 0.1 may come back: one
+    # more grant at 0.9 s (C), then the next is due at 10.9 s. The cap counted p's unit
+    # from 0 s at the new rate (held until 10 s), refunding 0.91, so a grant at 3 s
+    # passed: three grants in [0.9 s, 3 s] where burst 2 + 0.1/s * 2.1 s allows 2.21.
+    lim = rq.Limiter(
+        rq.Rate(1, per="second", burst=2),
+        rq.Rate(1000, per="second", unit="tokens"),
+        clock=clock,
+    )
+    p = lim.acquire(tokens=1)
+    clock.set(0.9)
+    lim.set_rate(0.1, per=1, which=0)
+    assert lim.try_acquire(tokens=1)
+    p.settle(requests=0)
+    assert lim.try_acquire(tokens=1)
+    clock.set(3.0)
+    assert not lim.try_acquire(tokens=1)
