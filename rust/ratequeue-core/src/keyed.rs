@@ -23,6 +23,11 @@ use crate::rate::Rate;
 
 const EMPTY: u64 = 0;
 const SAMPLE: usize = 32;
+const TOKEN_SHIFT: u32 = 60;
+const TOKEN_TAT: u64 = (1 << TOKEN_SHIFT) - 1;
+const TOKEN_EVICTIONS: u64 = 0xF;
+/// Evictions of a debit known only by its grant time (not checked).
+const UNKNOWN_EVICTIONS: u64 = u64::MAX;
 
 #[derive(Clone, Copy, Default)]
 struct Slot {
@@ -38,6 +43,9 @@ struct Table {
     cursor: usize,
     /// No bucket is full again before this tick (from the last sweep).
     next_full: u64,
+    /// Live keys dropped from this shard so far: a key held before one may be a new
+    /// bucket now.
+    evicted_live: u64,
 }
 
 impl Table {
@@ -229,21 +237,32 @@ pub struct KeyTaken {
     after: u64,
     cost: u64,
     latest: bool,
+    /// The shard's live evictions when taken (only its low bits for a token).
+    evictions: u64,
+    token: bool,
     /// Nanoseconds from the arrival until the grant.
     pub delay_ns: u64,
 }
 
 impl KeyTaken {
-    /// A debit of `cost` on `key` known only by the TAT `after` it left (a grant's token).
-    pub fn from_token(key: u64, after: u64, cost: u64) -> KeyTaken {
+    /// A debit of `cost` on `key` known only by its grant's token ([`KeyTaken::token`]).
+    pub fn from_token(key: u64, token: u64, cost: u64) -> KeyTaken {
         KeyTaken {
             key,
             before: None,
-            after,
+            after: token & TOKEN_TAT,
             cost,
             latest: true,
+            evictions: token >> TOKEN_SHIFT,
+            token: true,
             delay_ns: 0,
         }
+    }
+
+    /// A token of this debit: the TAT it left and the low bits of the shard's live
+    /// evictions (a TAT is below 2^60).
+    pub fn token(&self) -> u64 {
+        ((self.evictions & TOKEN_EVICTIONS) << TOKEN_SHIFT) | (self.after & TOKEN_TAT)
     }
 
     /// The cost this debit stands for now (after any settle).
@@ -401,6 +420,7 @@ impl KeyedLimiter {
         t.cursor = (t.cursor + k) % n;
         if let Some((_, i)) = nearest {
             t.remove_at(i);
+            t.evicted_live += 1;
             self.evicted_live.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -437,6 +457,8 @@ impl KeyedLimiter {
             after: new,
             cost,
             latest: true,
+            evictions: t.evicted_live,
+            token: false,
             delay_ns,
         })
     }
@@ -550,8 +572,17 @@ impl KeyedLimiter {
             return Undo::Nothing;
         }
         let mut g = self.shard(t.key);
-        let Some(i) = g.find(t.key) else {
-            // Dropped as full (or evicted): nothing is held on the key any more.
+        let evictions = if t.token {
+            g.evicted_live & TOKEN_EVICTIONS
+        } else {
+            g.evicted_live
+        };
+        let found = g
+            .find(t.key)
+            .filter(|_| t.evictions == UNKNOWN_EVICTIONS || evictions == t.evictions);
+        let Some(i) = found else {
+            // Dropped as full (nothing is held on the key any more), or a live key was
+            // dropped since (the key's bucket may be a new one, holding others' debits).
             t.latest = false;
             t.cost -= ret;
             return Undo::Nothing;
@@ -790,7 +821,7 @@ impl crate::queue::Resource for KeyBucket {
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
         self.keyed
             .take_with(self.key, at_ns, costs[0], 0, true)
-            .map(|t| t.after)
+            .map(|t| t.token())
     }
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
@@ -806,7 +837,7 @@ impl crate::queue::Resource for KeyBucket {
     }
 
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
-        self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.after))
+        self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.token()))
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
@@ -816,7 +847,10 @@ impl crate::queue::Resource for KeyBucket {
         let p = &self.keyed.params;
         let held = p.ticks(grant.at_ns.saturating_sub(1)).saturating_add(p.cost_ticks(e));
         let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
-        t.latest = grant.token.is_some();
+        if grant.token.is_none() {
+            t.latest = false;
+            t.evictions = UNKNOWN_EVICTIONS;
+        }
         if a < e {
             self.keyed.give_back(&mut t, e - a, now);
         } else if a > e {
@@ -824,7 +858,7 @@ impl crate::queue::Resource for KeyBucket {
         }
         GrantRef {
             at_ns: grant.at_ns,
-            token: t.latest.then_some(t.after),
+            token: t.latest.then_some(t.token()),
         }
     }
 
