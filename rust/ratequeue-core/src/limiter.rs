@@ -1,8 +1,8 @@
 //! A limiter over one or more rates in named units (e.g. requests and tokens): every
 //! decision is all-or-nothing across its buckets, lock-free on the fast path.
 
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::MutexGuard;
 
 use crate::bucket::{Bucket, Deny, Taken, Undo};
