@@ -329,13 +329,13 @@ impl Bucket {
     /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.
     #[inline]
     pub fn take_with(&self, at_ns: u64, cost: u64, max_delay_ns: u64, scheduled: bool) -> Result<Taken, Deny> {
-        // Read before the debit: a refund it counts was applied before it (never after).
-        let refunded = self.refunded.load(Ordering::Acquire);
         let mut w = self.word.load(Ordering::Acquire);
         loop {
             let (new, delay_ns) = self
                 .params(w)
                 .step(w & TAT_MASK, at_ns, cost, max_delay_ns, scheduled)?;
+            // Read before the debit: a refund it counts was applied before it.
+            let refunded = self.refunded.load(Ordering::Acquire);
             let next = (w & !TAT_MASK) | new;
             if next == w {
                 return Ok(Taken {
