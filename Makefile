@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean
+.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress-fork
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,11 @@ test-loom:
 
 test-python: build
 	cd tests && ../$(PY) -m pytest -q
+
+# The fork stress test 200 times (forks from many threads while others use every lock).
+stress-fork: build
+	cd tests && RATEQUEUE_FORK_STRESS_RUNS=200 ../$(PY) -m pytest -q \
+		test_fork_safety.py -k stress
 
 lint: build
 	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"

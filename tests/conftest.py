@@ -33,3 +33,39 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", _default))
 def clock() -> rq.ManualClock:
     """A manual clock at 0 s; timing tests never sleep."""
     return rq.ManualClock()
+
+
+#: Seconds after which a test that has not ended kills the run with every thread's stack.
+#: pytest-timeout (thread method, pyproject) fires first; this is the backstop for a hang
+#: that holds the GIL (its timer thread then cannot run): faulthandler's watchdog is a C
+#: thread that needs no GIL, so a deadlock fails CI in minutes, never runs out its clock.
+HANG_SECONDS = float(os.environ.get("RATEQUEUE_HANG_SECONDS", "240"))
+
+
+_real_stderr: object = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Keeps a handle on the process's real stderr (pytest captures fd 2 during tests):
+    the stacks of a hang must reach CI's log, not a capture file that dies with it."""
+    global _real_stderr
+    import sys
+
+    capman = config.pluginmanager.getplugin("capturemanager")
+    fd = getattr(
+        getattr(getattr(capman, "_global_capturing", None), "err", None), "targetfd_save", None
+    )
+    _real_stderr = os.fdopen(os.dup(fd), "w") if isinstance(fd, int) else sys.__stderr__
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_on_a_hang(request: pytest.FixtureRequest) -> object:
+    import faulthandler
+
+    marker = request.node.get_closest_marker("timeout")
+    limit = HANG_SECONDS
+    if marker is not None and marker.args:
+        limit = max(limit, float(marker.args[0]) + 60.0)
+    faulthandler.dump_traceback_later(limit, exit=True, file=_real_stderr)
+    yield
+    faulthandler.cancel_dump_traceback_later()

@@ -9,9 +9,8 @@ import numpy.typing as npt
 
 __version__: str
 
-def _after_fork() -> None: ...
-def _before_fork() -> None: ...
-def _after_fork_parent() -> None: ...
+def _hold_locks_for_test(obj: Limiter | KeyedLimiter, seconds: float) -> None: ...
+def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
 
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
@@ -19,7 +18,11 @@ Period: TypeAlias = (
 
 @final
 class ManualClock:
-    """A clock that moves only when told to; share it between limiters and tests."""
+    """A clock that moves only when told to; share it between limiters and tests.
+
+    It may start anywhere (a Unix timestamp for replays works like 0); it shows at most
+    2**63 ns (about 292 years): moving it beyond raises ValueError.
+    """
 
     def __new__(cls, start: float | None = None) -> ManualClock: ...
     def now(self) -> float:
@@ -276,7 +279,11 @@ class Limiter:
         """Grant and expire what is due now; the next due time or None."""
     def next_wake(self) -> float | None: ...
     def run_until(self, until: float) -> int:
-        """On a ManualClock: advance through every due time up to ``until``."""
+        """On a ManualClock: advance through every due time up to ``until``.
+
+        ValueError if ``until`` is beyond the clock's range (nothing moves), or if a
+        waiter stays due without being granted or expired (instead of spinning).
+        """
     @property
     def waiting(self) -> int: ...
     def stats(self) -> dict[str, Any]:

@@ -6,8 +6,13 @@
 //! multiples of 2^m ticks, so the long-run rate carries no rounding drift at all; only
 //! reading the clock is quantised, to under a nanosecond, and that error never adds up.
 //! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
-//! (2^60 ticks ≥ 18 years of clock). A rate change writes the next slot, then moves the
-//! word to the new generation with the bucket's content converted, in one CAS.
+//! counted from the slot's *epoch*, a multiple of 2^52 ns at or before the bucket's
+//! first use, so any clock reading works, however far from the clock's origin. 2^60
+//! ticks last at least 18 years; a decision that finds its time 2^57 ns (4.5 years) past
+//! the epoch *rebases*: it writes the next slot with a later epoch and moves the word to
+//! it with the TAT shifted by exactly the ticks between the two epochs (whole multiples
+//! of 2^52 ns are a whole number of ticks, so nothing is rounded), in one CAS. A rate
+//! change works the same way, with the bucket's content converted to the new rate.
 //!
 //! Capacity comes back by one undo rule ([`Bucket::give_back`]), shared by every level:
 //! exact (a CAS back from the word a debit left) while the debit is the latest change;
@@ -16,7 +21,7 @@
 //! (lowering the TAT under a scheduled grant would let a newcomer share its slot).
 
 use crate::rate::Rate;
-use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
+use crate::sync::{AtomicU64, Mutex, Ordering};
 
 const GEN_SHIFT: u32 = 60;
 const TAT_MASK: u64 = (1 << GEN_SHIFT) - 1;
@@ -25,6 +30,26 @@ pub(crate) const TAT_LIMIT: u64 = TAT_MASK;
 const GENS: usize = 16;
 const Q_BITS: u32 = 52;
 const Q_ONE: f64 = (1u64 << Q_BITS) as f64;
+/// Epochs are multiples of 2^52 ns: moving one shifts ticks by exactly `q_ticks` per unit.
+const EPOCH_BITS: u32 = Q_BITS;
+/// A decision this far past its epoch rebases when the change lock is free.
+const REBASE_NS: u64 = 1 << 57;
+/// A decision this far past its epoch always rebases first (ticks stay below 2^59).
+const MUST_REBASE_NS: u64 = 1 << 58;
+/// A new epoch lies this far before the reading that set it (earlier arrivals stay exact).
+const EPOCH_MARGIN_NS: u64 = 1 << 55;
+
+/// The epoch for a bucket read at `ns`: at most 2^55 + 2^52 ns before it.
+#[inline]
+pub(crate) fn epoch_for(ns: u64) -> u64 {
+    ns.saturating_sub(EPOCH_MARGIN_NS) & !((1u64 << EPOCH_BITS) - 1)
+}
+
+/// True when a decision at `ns` should move an epoch `epoch` forward first.
+#[inline]
+pub(crate) fn needs_rebase(epoch: u64, ns: u64) -> bool {
+    ns.saturating_sub(epoch) >= REBASE_NS
+}
 
 /// Why a bucket did not admit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -109,11 +134,13 @@ impl Undo {
 }
 
 #[derive(Debug, Default)]
+#[repr(align(64))]
 struct Slot {
     m: AtomicU64,
     tau: AtomicU64,
     burst: AtomicU64,
     q_ticks: AtomicU64,
+    epoch: AtomicU64,
     amount: AtomicU64,
     period: AtomicU64,
     /// When this generation became current (ns).
@@ -128,6 +155,8 @@ pub(crate) struct Params {
     pub(crate) tau: u64,
     pub(crate) burst: u64,
     q_ticks: u64,
+    /// Clock nanoseconds of tick 0 (a multiple of 2^52); earlier times count as it.
+    pub(crate) epoch: u64,
 }
 
 impl Params {
@@ -143,7 +172,21 @@ impl Params {
             // Q52 fixed point, rounded up (plus one ulp for the rounding of T itself) so
             // the clock is never read late: a retry after `ns_until` always conforms.
             q_ticks: (ticks_per_ns * Q_ONE).ceil() as u64 + 1,
+            epoch: 0,
         }
+    }
+
+    /// The same arithmetic counting from `epoch` (a multiple of 2^52 ns).
+    #[inline]
+    pub(crate) fn at_epoch(self, epoch: u64) -> Params {
+        debug_assert_eq!(epoch & ((1 << EPOCH_BITS) - 1), 0);
+        Params { epoch, ..self }
+    }
+
+    /// Ticks from the epoch `self` counts from to the later epoch `to` (exact).
+    pub(crate) fn shift_to(&self, to: u64) -> u64 {
+        let units = (to.saturating_sub(self.epoch) >> EPOCH_BITS) as u128;
+        (units * self.q_ticks as u128).min(u64::MAX as u128) as u64
     }
 
     /// One GCRA decision: the TAT after admitting `cost` at `at_ns` and the delay until
@@ -177,11 +220,9 @@ impl Params {
             tat.max(now)
         };
         let new = base + (cost << self.m);
-        if new > TAT_MASK {
-            return Err(Deny::Wait(u64::MAX));
-        }
         let delay_ns = self.ns_until(at_ns, new.saturating_sub(self.tau));
-        if delay_ns > max_delay_ns {
+        if delay_ns > max_delay_ns || new > TAT_MASK {
+            // Beyond the word (years of reservations ahead): refused, with the true wait.
             return Err(Deny::Wait(delay_ns));
         }
         Ok((new, delay_ns))
@@ -206,14 +247,25 @@ impl Params {
 
     /// The time at which a backlog of `total` cost, served back to back from `at_ns`,
     /// would have its last grant (Lindley recursion of the whole backlog).
+    /// `u64::MAX` when that lies beyond the range of a u64 of nanoseconds.
     pub(crate) fn predict(&self, tat: u64, at_ns: u64, total: u64) -> u64 {
         let now = self.ticks(at_ns);
         let end = ((total as u128) << self.m) + tat.max(now) as u128;
         let target = end.saturating_sub(self.tau as u128);
-        if target > TAT_MASK as u128 {
-            return u64::MAX;
+        if target <= now as u128 {
+            return at_ns;
         }
-        at_ns.saturating_add(self.ns_until(at_ns, target as u64))
+        self.time_of(target)
+            .map_or(u64::MAX, |t| t.max(at_ns as u128).min(u64::MAX as u128) as u64)
+    }
+
+    /// The first clock nanosecond at which `ticks` reaches `target` (exact, unbounded).
+    #[inline]
+    fn time_of(&self, target: u128) -> Option<u128> {
+        if target >> (128 - Q_BITS) != 0 {
+            return None;
+        }
+        Some(self.epoch as u128 + (target << Q_BITS).div_ceil(self.q_ticks as u128))
     }
 
     /// True when `d` ticks last less than one nanosecond.
@@ -234,9 +286,14 @@ impl Params {
         (self.tau as f64 - used as f64) / (1u64 << self.m) as f64
     }
 
+    /// Ticks from the epoch to `ns` (a time before the epoch counts as the epoch). Below
+    /// 2^59 for any `ns` less than 2^58 ns past the epoch, which rebasing keeps so.
     #[inline]
     pub(crate) fn ticks(&self, ns: u64) -> u64 {
-        (((ns as u128) * (self.q_ticks as u128)) >> Q_BITS).min(TAT_MASK as u128) as u64
+        // At most 2^62 ns (146 years, ticks < 2^63: long past any TAT) so the product
+        // shifted back fits a u64.
+        let rel = ns.saturating_sub(self.epoch).min(1 << 62) as u128;
+        ((rel * self.q_ticks as u128) >> Q_BITS) as u64
     }
 
     /// Nanoseconds from `at_ns` until the clock reaches tick `target`: the least x with
@@ -245,8 +302,8 @@ impl Params {
         if target <= self.ticks(at_ns) {
             return 0;
         }
-        let need = ((target as u128) << Q_BITS).div_ceil(self.q_ticks as u128);
-        need.min(u64::MAX as u128) as u64 - at_ns.min(need as u64)
+        let t = self.time_of(target as u128).expect("a u64 tick times 2^52 fits a u128");
+        (t - at_ns as u128).min(u64::MAX as u128) as u64
     }
 }
 
@@ -262,19 +319,25 @@ pub struct Bucket {
 }
 
 impl Bucket {
-    /// A full bucket at `rate`.
+    /// A full bucket at `rate` counting from clock time 0 (it rebases on first use
+    /// far from 0; [`Bucket::new_at`] avoids that).
     pub fn new(rate: Rate) -> Bucket {
+        Bucket::new_at(rate, 0)
+    }
+
+    /// A full bucket at `rate` whose epoch suits a clock now showing `now_ns`.
+    pub fn new_at(rate: Rate, now_ns: u64) -> Bucket {
         let b = Bucket {
             word: AtomicU64::new(0),
             refunded: AtomicU64::new(0),
             slots: Default::default(),
             change: Mutex::new(()),
         };
-        b.write_slot(0, &rate, 0);
+        b.write_slot(0, &rate, epoch_for(now_ns), 0);
         b
     }
 
-    fn write_slot(&self, gen: usize, rate: &Rate, since_ns: u64) {
+    fn write_slot(&self, gen: usize, rate: &Rate, epoch: u64, since_ns: u64) {
         let p = Params::of(rate);
         let s = &self.slots[gen];
         s.since.store(since_ns, Ordering::Relaxed);
@@ -282,6 +345,7 @@ impl Bucket {
         s.tau.store(p.tau, Ordering::Relaxed);
         s.burst.store(p.burst, Ordering::Relaxed);
         s.q_ticks.store(p.q_ticks, Ordering::Relaxed);
+        s.epoch.store(epoch, Ordering::Relaxed);
         s.amount.store(rate.amount.to_bits(), Ordering::Relaxed);
         s.period.store(rate.period_ns.to_bits(), Ordering::Relaxed);
     }
@@ -299,6 +363,70 @@ impl Bucket {
             tau: s.tau.load(Ordering::Relaxed),
             burst: s.burst.load(Ordering::Relaxed),
             q_ticks: s.q_ticks.load(Ordering::Relaxed),
+            epoch: s.epoch.load(Ordering::Relaxed),
+        }
+    }
+
+    /// The word and its parameters for a decision at `at_ns`, rebased first if `at_ns`
+    /// lies far past the epoch.
+    #[inline]
+    fn load_at(&self, at_ns: u64) -> (u64, Params) {
+        let w = self.word.load(Ordering::Acquire);
+        let p = self.params(w);
+        if needs_rebase(p.epoch, at_ns) {
+            return self.rebase(at_ns);
+        }
+        (w, p)
+    }
+
+    /// Moves the epoch forward for a decision at `at_ns`, keeping the bucket's content
+    /// exactly (a TAT before the new epoch becomes 0: full either way). Skipped while a
+    /// rate change or another rebase holds the change lock, unless `at_ns` is so far
+    /// ahead that the ticks would leave their range.
+    #[cold]
+    #[inline(never)]
+    fn rebase(&self, at_ns: u64) -> (u64, Params) {
+        loop {
+            let w = self.word.load(Ordering::Acquire);
+            let p = self.params(w);
+            if !needs_rebase(p.epoch, at_ns) {
+                return (w, p);
+            }
+            let _guard = match self.change.try_lock() {
+                Ok(g) => g,
+                Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+                Err(std::sync::TryLockError::WouldBlock) if at_ns - p.epoch < MUST_REBASE_NS => return (w, p),
+                Err(std::sync::TryLockError::WouldBlock) => self.change.lock().unwrap_or_else(|e| e.into_inner()),
+            };
+            let w = self.word.load(Ordering::Acquire);
+            let p = self.params(w);
+            if !needs_rebase(p.epoch, at_ns) {
+                return (w, p);
+            }
+            let epoch = epoch_for(at_ns);
+            let gen = (((w >> GEN_SHIFT) as usize) + 1) % GENS;
+            self.write_slot(gen, &self.rate_of(w), epoch, at_ns);
+            let shift = p.shift_to(epoch);
+            let mut w = w;
+            loop {
+                let next = ((gen as u64) << GEN_SHIFT) | (w & TAT_MASK).saturating_sub(shift);
+                match self
+                    .word
+                    .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    Ok(_) => break,
+                    Err(seen) => w = seen,
+                }
+            }
+        }
+    }
+
+    fn rate_of(&self, word: u64) -> Rate {
+        let s = &self.slots[(word >> GEN_SHIFT) as usize];
+        Rate {
+            amount: f64::from_bits(s.amount.load(Ordering::Relaxed)),
+            period_ns: f64::from_bits(s.period.load(Ordering::Relaxed)),
+            burst: s.burst.load(Ordering::Relaxed),
         }
     }
 
@@ -309,13 +437,7 @@ impl Bucket {
 
     /// The current rate.
     pub fn rate(&self) -> Rate {
-        let w = self.word.load(Ordering::Acquire);
-        let s = &self.slots[(w >> GEN_SHIFT) as usize];
-        Rate {
-            amount: f64::from_bits(s.amount.load(Ordering::Relaxed)),
-            period_ns: f64::from_bits(s.period.load(Ordering::Relaxed)),
-            burst: s.burst.load(Ordering::Relaxed),
-        }
+        self.rate_of(self.word.load(Ordering::Acquire))
     }
 
     /// Debits `cost` for an arrival at `at_ns` if it is granted within `max_delay_ns`;
@@ -327,13 +449,11 @@ impl Bucket {
     }
 
     /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.
-    #[inline]
+    #[inline(always)]
     pub fn take_with(&self, at_ns: u64, cost: u64, max_delay_ns: u64, scheduled: bool) -> Result<Taken, Deny> {
-        let mut w = self.word.load(Ordering::Acquire);
+        let (mut w, mut p) = self.load_at(at_ns);
         loop {
-            let (new, delay_ns) = self
-                .params(w)
-                .step(w & TAT_MASK, at_ns, cost, max_delay_ns, scheduled)?;
+            let (new, delay_ns) = p.step(w & TAT_MASK, at_ns, cost, max_delay_ns, scheduled)?;
             // Read before the debit: a refund it counts was applied before it.
             let refunded = self.refunded.load(Ordering::Acquire);
             let next = (w & !TAT_MASK) | new;
@@ -363,7 +483,8 @@ impl Bucket {
                         slot: if delay_ns > 0 { new } else { 0 },
                     })
                 }
-                Err(seen) => w = seen,
+                Err(seen) if seen >> GEN_SHIFT == w >> GEN_SHIFT => w = seen,
+                Err(_) => (w, p) = self.load_at(at_ns),
             }
         }
     }
@@ -371,8 +492,7 @@ impl Bucket {
     /// Nanoseconds from `at_ns` until `cost` would conform (0 = now); changes nothing.
     #[inline]
     pub fn delay_for(&self, at_ns: u64, cost: u64) -> Result<u64, Deny> {
-        let w = self.word.load(Ordering::Acquire);
-        let p = self.params(w);
+        let (w, p) = self.load_at(at_ns);
         if cost > p.burst {
             return Err(Deny::TooLarge {
                 cost,
@@ -388,8 +508,8 @@ impl Bucket {
     /// The earliest time ≥ `at_ns` at which `ahead` and then `cost` would all have
     /// conformed if served back to back (the FIFO schedule of a backlog).
     pub fn predict(&self, at_ns: u64, ahead: u64, cost: u64) -> u64 {
-        let w = self.word.load(Ordering::Acquire);
-        self.params(w).predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
+        let (w, p) = self.load_at(at_ns);
+        p.predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
     }
 
     /// Undoes `t` if no other debit came after it; true when undone.
@@ -415,7 +535,7 @@ impl Bucket {
             return Undo::Nothing;
         }
         if t.latest && (t.refunded == UNKNOWN || t.refunded == self.refunded.load(Ordering::Acquire)) {
-            let w = self.word.load(Ordering::Acquire);
+            let (w, _) = self.load_at(at_ns);
             if w == t.after {
                 let p = self.params(w);
                 let full = ret == t.cost && t.before != UNKNOWN;
@@ -446,7 +566,8 @@ impl Bucket {
             }
         }
         t.latest = false;
-        let _guard = self.lock_change();
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
         let since = match t.refunded {
             UNKNOWN => None,
             r => Some(self.refunded.load(Ordering::Acquire).wrapping_sub(r)),
@@ -454,8 +575,8 @@ impl Bucket {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
             let p = self.params(w);
-            let held = match since {
-                Some(since) if (w ^ t.after) >> GEN_SHIFT == 0 => (t.after & TAT_MASK).saturating_sub(since),
+            let held = match (since, self.held_in(t.after, w, &p)) {
+                (Some(since), Some(h)) => h.saturating_sub(since),
                 _ => 0,
             };
             let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
@@ -484,10 +605,22 @@ impl Bucket {
         }
     }
 
+    /// The TAT the debit that left word `after` holds, in the ticks of word `w` (params
+    /// `p`): exact across rebases (same rate, a later epoch); None after a rate change.
+    fn held_in(&self, after: u64, w: u64, p: &Params) -> Option<u64> {
+        if (w ^ after) >> GEN_SHIFT == 0 {
+            return Some(after & TAT_MASK);
+        }
+        let old = self.params(after);
+        (old.q_ticks == p.q_ticks && old.m == p.m && old.epoch < p.epoch)
+            .then(|| (after & TAT_MASK).saturating_sub(old.shift_to(p.epoch)))
+    }
+
     /// Refunds `cost` at `at_ns` by the refund rule of [`Bucket::give_back`], uncapped
     /// (for a debit that is not held, e.g. a permit settled without its grant's token).
     pub fn refund(&self, at_ns: u64, cost: u64) -> Undo {
-        let _guard = self.lock_change();
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
         self.refund_locked(at_ns, cost, |_| None)
     }
 
@@ -496,7 +629,8 @@ impl Bucket {
     /// TAT was at least the tick of `taken_at_ns` plus its cost; across rate changes, what
     /// was left of it at each change, converted as the change converted the content).
     pub fn refund_since(&self, at_ns: u64, ret: u64, taken_at_ns: u64, cost: u64) -> Undo {
-        let _guard = self.lock_change();
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
         self.refund_locked(at_ns, ret, |w| Some(self.held_since(w, taken_at_ns, cost)))
     }
 
@@ -560,10 +694,6 @@ impl Bucket {
         }
     }
 
-    fn lock_change(&self) -> MutexGuard<'_, ()> {
-        self.change.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
     /// Debits `cost` at `at_ns` unconditionally; the bucket may go into debt, which
     /// delays later admissions until time repays it.
     pub fn charge(&self, at_ns: u64, cost: u64) {
@@ -583,7 +713,7 @@ impl Bucket {
     }
 
     fn charge_word(&self, at_ns: u64, cost: u64) -> (u64, u64) {
-        let mut w = self.word.load(Ordering::Acquire);
+        let (mut w, _) = self.load_at(at_ns);
         loop {
             let p = self.params(w);
             let add = p.cost_ticks(cost);
@@ -601,20 +731,30 @@ impl Bucket {
 
     /// Units that could be admitted at `at_ns` (negative while in debt).
     pub fn available(&self, at_ns: u64) -> f64 {
-        let w = self.word.load(Ordering::Acquire);
-        let p = self.params(w);
+        let (w, p) = self.load_at(at_ns);
         let used = (w & TAT_MASK).saturating_sub(p.ticks(at_ns));
         (p.tau as f64 - used as f64) / (1u64 << p.m) as f64
+    }
+
+    /// Holds the rate-change lock (for a fork).
+    pub(crate) fn change_lock(&self) -> crate::sync::MutexGuard<'_, ()> {
+        self.change.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// Changes the rate and burst at `at_ns`, keeping the content used so far (in units):
     /// from the change on, admissions obey the new rate and burst.
     pub fn set_rate(&self, at_ns: u64, rate: Rate) {
-        let _guard = self.lock_change();
+        let _guard = self.change_lock();
         let w = self.word.load(Ordering::Acquire);
         let gen = (((w >> GEN_SHIFT) as usize) + 1) % GENS;
-        self.write_slot(gen, &rate, at_ns);
-        let new_p = Params::of(&rate);
+        let old_epoch = self.params(w).epoch;
+        let epoch = if needs_rebase(old_epoch, at_ns) {
+            epoch_for(at_ns)
+        } else {
+            old_epoch
+        };
+        self.write_slot(gen, &rate, epoch, at_ns);
+        let new_p = Params::of(&rate).at_epoch(epoch);
         let mut w = w;
         loop {
             let p = self.params(w);
@@ -798,5 +938,190 @@ mod tests {
         assert_eq!(b.available(0), -3.0);
         assert_eq!(b.refund(3_000_000_000, 100), Undo::Refunded);
         assert_eq!(b.available(3_000_000_000), 2.0);
+    }
+}
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+
+    const DAY_NS: u64 = 86_400_000_000_000;
+    const YEAR_NS: u64 = 365 * DAY_NS + DAY_NS / 4;
+
+    fn rate(per_sec: f64, burst: u64) -> Rate {
+        Rate::new(per_sec, 1e9, burst).unwrap()
+    }
+
+    /// A random schedule of every operation on two buckets whose clocks differ by
+    /// `offset_b - offset_a`; every answer must be identical.
+    fn differential(a: &Bucket, offset_a: u64, b: &Bucket, offset_b: u64, seed: u64, steps: usize, max_step_ns: u64) {
+        let mut x = seed;
+        let mut t = 0u64;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        let room = u64::MAX - (1 << 61) - offset_a.max(offset_b);
+        for step in 0..steps {
+            let r = next();
+            let (ta, tb) = (offset_a + t, offset_b + t);
+            let cost = 1 + next() % 3;
+            match r % 16 {
+                0..=4 => assert_eq!(
+                    a.take(ta, cost, 0).map(|t| t.delay_ns),
+                    b.take(tb, cost, 0).map(|t| t.delay_ns),
+                    "take, step {step}"
+                ),
+                5..=7 => {
+                    let max = next() % (10 * max_step_ns);
+                    let (ra, rb) = (a.take(ta, cost, max), b.take(tb, cost, max));
+                    assert_eq!(ra.map(|t| t.delay_ns), rb.map(|t| t.delay_ns), "reserve, step {step}");
+                }
+                8 => {
+                    a.charge(ta, cost * 7);
+                    b.charge(tb, cost * 7);
+                }
+                9 => assert_eq!(a.refund(ta, cost), b.refund(tb, cost), "refund, step {step}"),
+                10 => {
+                    let r = rate(0.001 + (next() % 10_000) as f64 / 100.0, 1 + next() % 9);
+                    a.set_rate(ta, r);
+                    b.set_rate(tb, r);
+                }
+                11 => assert_eq!(a.delay_for(ta, cost), b.delay_for(tb, cost), "delay_for, step {step}"),
+                12 => assert_eq!(
+                    a.predict(ta, cost * 5, cost) - offset_a,
+                    b.predict(tb, cost * 5, cost) - offset_b,
+                    "predict, step {step}"
+                ),
+                _ => t += (next() % max_step_ns).min(room - t),
+            }
+            assert_eq!(
+                a.available(ta).to_bits(),
+                b.available(tb).to_bits(),
+                "available, step {step}"
+            );
+        }
+    }
+
+    #[test]
+    fn a_bucket_at_2_pow_62_behaves_exactly_like_one_at_0() {
+        for (seed, per_sec) in [(1u64, 10.0), (2, 0.37), (3, 1.0 / 86_400.0), (4, 123_457.0)] {
+            let r = rate(per_sec, 5);
+            let (a, b) = (Bucket::new(r), Bucket::new(r));
+            differential(&a, 0, &b, 1 << 62, seed, 20_000, 2_000_000_000);
+            let (a, b) = (Bucket::new(r), Bucket::new_at(r, 1 << 62));
+            differential(&a, 0, &b, 1 << 62, seed, 20_000, 2_000_000_000);
+        }
+    }
+
+    #[test]
+    fn rebases_keep_content_exactly() {
+        // Steps of up to 2 years: both buckets rebase many times, at different moments
+        // (their epochs differ), mid-debt and between rate changes.
+        for seed in 1..=8u64 {
+            let r = rate(1.0 / 3600.0, 3);
+            let (a, b) = (Bucket::new(r), Bucket::new_at(r, 3 * YEAR_NS));
+            differential(&a, 0, &b, 1 << 62, seed, 2_000, 2 * YEAR_NS);
+            let (a, b) = (Bucket::new(r), Bucket::new(r));
+            differential(&a, 0, &b, 5 << 52, seed, 500, 11 * YEAR_NS);
+        }
+    }
+
+    #[test]
+    fn rebase_mid_debt_keeps_the_debt() {
+        let b = Bucket::new(rate(1.0, 2));
+        let t0 = REBASE_NS - 3_000_000_000;
+        b.charge(t0, 10);
+        let before = b.available(t0);
+        assert!((before + 8.0).abs() < 1e-6, "{before}");
+        let gen = b.word() >> GEN_SHIFT;
+        let (wait, tat) = (b.delay_for(t0, 1).unwrap(), b.word() & TAT_MASK);
+        // 4 s later, past the rebase point: the TAT moved by exactly the epoch's shift.
+        let t1 = t0 + 4_000_000_000;
+        let after = b.available(t1);
+        assert_ne!(b.word() >> GEN_SHIFT, gen, "rebased");
+        let p = b.params(b.word());
+        assert_eq!(b.word() & TAT_MASK, tat - Params::of(&rate(1.0, 2)).shift_to(p.epoch));
+        assert!((after + 4.0).abs() < 1e-6, "{after}");
+        assert_eq!(b.delay_for(t1, 1), Ok(wait - 4_000_000_000));
+        assert_eq!(b.take(t1, 1, 0), Err(Deny::Wait(wait - 4_000_000_000)));
+        assert_eq!(b.take(t1, 1, u64::MAX).map(|t| t.delay_ns), Ok(wait - 4_000_000_000));
+        assert_eq!(b.available(t1 + 8_000_000_000), 2.0);
+    }
+
+    #[test]
+    fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
+        let b = Bucket::new(rate(1.0, 10));
+        let t0 = REBASE_NS - 500_000_000;
+        let mut a = b.take(t0, 1, 0).unwrap();
+        b.take(t0, 5, 0).unwrap();
+        let t1 = t0 + 750_000_000;
+        assert!((b.available(t1) - 4.75).abs() < 1e-6);
+        assert_eq!(b.params(b.word()).epoch, epoch_for(t1), "rebased");
+        // Not the latest: refunded only the 0.25 s the first debit still holds.
+        assert_eq!(b.give_back(&mut a, 1, t1), Undo::Refunded);
+        assert!((b.available(t1) - 5.0).abs() < 1e-6, "{}", b.available(t1));
+    }
+
+    #[test]
+    fn one_a_day_for_120_years_admits_one_a_day() {
+        let days = 120 * YEAR_NS / DAY_NS;
+        for start in [0, 1_764_000_000_123_456_789, 1 << 62] {
+            for b in [
+                Bucket::new(rate(1.0 / 86_400.0, 1)),
+                Bucket::new_at(rate(1.0 / 86_400.0, 1), start),
+            ] {
+                let mut admitted = 0;
+                for d in 0..days {
+                    let t = start + d * DAY_NS;
+                    admitted += b.take(t, 1, 0).is_ok() as u64;
+                    assert_eq!(b.take(t, 1, 0), Err(Deny::Wait(DAY_NS)), "day {d}");
+                }
+                assert_eq!(admitted, days, "start {start}");
+            }
+        }
+    }
+
+    #[test]
+    fn any_time_in_u64_is_decided() {
+        let b = Bucket::new(rate(10.0, 2));
+        for t in [0, 1 << 59, 1 << 62, 1 << 63, u64::MAX - (1 << 40)] {
+            assert!(b.take(t, 2, 0).is_ok(), "{t}");
+            assert_eq!(b.delay_for(t, 1), Ok(100_000_000));
+            assert_eq!(b.predict(t, 1, 1), t + 200_000_000);
+        }
+    }
+
+    #[test]
+    fn a_time_before_the_epoch_counts_as_the_epoch() {
+        let start = 1u64 << 62;
+        let b = Bucket::new_at(rate(1.0, 1), start);
+        let epoch = b.params(b.word()).epoch;
+        assert!(epoch <= start && start - epoch <= EPOCH_MARGIN_NS + (1 << EPOCH_BITS));
+        assert!(b.take(epoch - 5, 1, 0).is_ok());
+        // Counted as taken at the epoch: conforms again 1 s after the epoch.
+        assert_eq!(b.delay_for(epoch - 5, 1), Ok(1_000_000_005));
+        assert_eq!(b.delay_for(epoch + 1_000_000_000, 1), Ok(0));
+    }
+
+    #[test]
+    fn beyond_the_word_the_wait_is_the_true_one() {
+        let b = Bucket::new(rate(1.0 / 86_400.0, 1));
+        let mut n = 0u64;
+        let err = loop {
+            match b.take(0, 1, u64::MAX) {
+                Ok(t) => assert!(t.delay_ns.abs_diff(n * DAY_NS) <= 1 + n * DAY_NS / 1_000_000_000_000),
+                Err(e) => break e,
+            }
+            n += 1;
+        };
+        // Years of reservations fill the word; the refusal tells the real wait.
+        assert!(n * DAY_NS > 8 * YEAR_NS, "{n}");
+        assert!(
+            matches!(err, Deny::Wait(w) if w.abs_diff(n * DAY_NS) <= n * DAY_NS / 1_000_000_000_000),
+            "{err:?}"
+        );
     }
 }

@@ -22,8 +22,9 @@ pub fn monotonic_ns() -> u64 {
     clock.delta_as_nanos(*origin, clock.raw())
 }
 
-/// The largest time a clock may show: about 146 years, far beyond any uptime.
-pub const MAX_CLOCK_NS: u64 = 1 << 62;
+/// The largest time a clock may show: 2^63 ns, about 292 years, so a manual clock set
+/// to a Unix timestamp (or even 2^62 ns) still has well over a century ahead of it.
+pub const MAX_CLOCK_NS: u64 = 1 << 63;
 
 /// A clock that moves only when told to; safe to share between threads.
 #[derive(Debug, Default)]
@@ -34,7 +35,7 @@ pub struct ManualClock {
 impl ManualClock {
     /// A manual clock showing `start_ns`.
     pub fn new(start_ns: u64) -> Result<Self, Error> {
-        check_time(start_ns)?;
+        check_time("start", start_ns)?;
         Ok(Self {
             ns: AtomicU64::new(start_ns),
         })
@@ -66,7 +67,7 @@ impl ManualClock {
 
     /// Sets the clock to `t_ns`, which may not be earlier than the time it shows.
     pub fn set(&self, t_ns: u64) -> Result<u64, Error> {
-        check_time(t_ns)?;
+        check_time("seconds", t_ns)?;
         let prev = self.ns.fetch_max(t_ns, Ordering::AcqRel);
         if t_ns < prev {
             return Err(Error::invalid(
@@ -82,12 +83,13 @@ impl ManualClock {
     }
 }
 
-fn check_time(t_ns: u64) -> Result<(), Error> {
+/// Checks that a time `name` = `t_ns` lies within every clock's range.
+pub fn check_time(name: &str, t_ns: u64) -> Result<(), Error> {
     if t_ns > MAX_CLOCK_NS {
         return Err(Error::invalid(
-            "seconds",
+            name,
             t_ns as f64 / 1e9,
-            "is beyond the clock's range (2**62 ns)",
+            "is beyond the clock's range (2**63 ns, about 292 years)",
         ));
     }
     Ok(())

@@ -15,17 +15,20 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-use crate::bucket::{Deny, Params, Undo};
+use crate::bucket::{epoch_for, needs_rebase, Deny, Params, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
 use crate::queue::GrantRef;
 use crate::rate::Rate;
 
 const EMPTY: u64 = 0;
+/// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 4) and its
+/// live evictions (mod 4) above.
+const ERA_SHIFT: u32 = 62;
+const ERA_MASK: u64 = 0x3;
 const SAMPLE: usize = 32;
 const TOKEN_SHIFT: u32 = 60;
-const TOKEN_TAT: u64 = (1 << TOKEN_SHIFT) - 1;
-const TOKEN_EVICTIONS: u64 = 0xF;
+const TOKEN_EVICTIONS: u64 = 0x3;
 /// Evictions of a debit known only by its grant time (not checked).
 const UNKNOWN_EVICTIONS: u64 = u64::MAX;
 
@@ -46,6 +49,11 @@ struct Table {
     /// Live keys dropped from this shard so far: a key held before one may be a new
     /// bucket now.
     evicted_live: u64,
+    /// Clock nanoseconds of tick 0 for this shard's TATs (see [`crate::Bucket`]).
+    epoch: u64,
+    /// Rebases so far, and the ticks the last one moved every TAT by.
+    rebases: u64,
+    last_shift: u64,
 }
 
 impl Table {
@@ -118,6 +126,37 @@ impl Table {
         }
         #[cfg(not(target_arch = "x86_64"))]
         let _ = p;
+    }
+
+    /// Moves the epoch to suit a reading at `at_ns`, shifting every TAT by exactly the
+    /// ticks between the epochs (a TAT before the new epoch becomes 0: full either way).
+    #[cold]
+    fn rebase(&mut self, params: &Params, at_ns: u64) {
+        let epoch = epoch_for(at_ns);
+        let shift = params.at_epoch(self.epoch).shift_to(epoch);
+        for s in self.slots.iter_mut().filter(|s| s.key != EMPTY) {
+            s.tat = s.tat.saturating_sub(shift);
+        }
+        self.next_full = self.next_full.saturating_sub(shift);
+        self.epoch = epoch;
+        self.rebases += 1;
+        self.last_shift = shift;
+    }
+
+    /// Brings a debit recorded before the latest rebase(s) to this shard's epoch: exact
+    /// across one rebase; across more (years later) it holds nothing any more.
+    fn align(&self, t: &mut KeyTaken) {
+        let era = self.rebases & ERA_MASK;
+        if t.era == era {
+            return;
+        }
+        if (t.era + 1) & ERA_MASK == era {
+            t.after = t.after.saturating_sub(self.last_shift);
+            t.before = t.before.map(|b| b.saturating_sub(self.last_shift));
+        } else {
+            (t.after, t.before, t.latest) = (0, None, false);
+        }
+        t.era = era;
     }
 
     fn grow(&mut self, cap: usize) {
@@ -210,6 +249,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Eviction counters of a keyed map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyedCounts {
@@ -240,6 +287,8 @@ pub struct KeyTaken {
     /// The shard's live evictions when taken (only its low bits for a token).
     evictions: u64,
     token: bool,
+    /// The shard's rebase count (mod 16) when `before` and `after` were read.
+    era: u64,
     /// Nanoseconds from the arrival until the grant.
     pub delay_ns: u64,
 }
@@ -250,19 +299,20 @@ impl KeyTaken {
         KeyTaken {
             key,
             before: None,
-            after: token & TOKEN_TAT,
+            after: token & crate::bucket::TAT_LIMIT,
             cost,
             latest: true,
-            evictions: token >> TOKEN_SHIFT,
+            evictions: (token >> TOKEN_SHIFT) & TOKEN_EVICTIONS,
             token: true,
+            era: token >> ERA_SHIFT,
             delay_ns: 0,
         }
     }
 
-    /// A token of this debit: the TAT it left and the low bits of the shard's live
-    /// evictions (a TAT is below 2^60).
+    /// The state this debit left on its key (its TAT, the shard's epoch and the low bits
+    /// of its live evictions), as a token.
     pub fn token(&self) -> u64 {
-        ((self.evictions & TOKEN_EVICTIONS) << TOKEN_SHIFT) | (self.after & TOKEN_TAT)
+        (self.era << ERA_SHIFT) | ((self.evictions & TOKEN_EVICTIONS) << TOKEN_SHIFT) | self.after
     }
 
     /// The cost this debit stands for now (after any settle).
@@ -300,12 +350,17 @@ impl KeyedLimiter {
         }
         let (n, per_shard) = shard_layout(max_keys);
         let cap = (per_shard * 4 / 3 + 1).next_power_of_two().max(8);
+        let epoch = epoch_for(clock.now_ns());
+        let table = || Table {
+            epoch,
+            ..Table::default()
+        };
         Ok(KeyedLimiter {
             params: Params::of(&rate),
             rate,
             clock,
             hasher: KeyHasher::default(),
-            shards: (0..n).map(|_| Shard(Mutex::new(Table::default()))).collect(),
+            shards: (0..n).map(|_| Shard(Mutex::new(table()))).collect(),
             shard_bits: n.trailing_zeros(),
             per_shard,
             cap,
@@ -336,13 +391,26 @@ impl KeyedLimiter {
         self.per_shard.saturating_mul(self.shards.len())
     }
 
-    fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
-        let i = if self.shard_bits == 0 {
+    fn shard_index(&self, key: u64) -> usize {
+        if self.shard_bits == 0 {
             0
         } else {
             (key >> (64 - self.shard_bits)) as usize
-        };
-        lock(&self.shards[i].0)
+        }
+    }
+
+    fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
+        lock(&self.shards[self.shard_index(key)].0)
+    }
+
+    /// The arithmetic of shard `t` for a reading at `at_ns`, rebasing the shard first
+    /// when `at_ns` lies far past its epoch.
+    #[inline]
+    fn params_at(&self, t: &mut Table, at_ns: u64) -> Params {
+        if needs_rebase(t.epoch, at_ns) {
+            t.rebase(&self.params, at_ns);
+        }
+        self.params.at_epoch(t.epoch)
     }
 
     /// Keys held now.
@@ -441,13 +509,41 @@ impl KeyedLimiter {
         scheduled: bool,
     ) -> Result<KeyTaken, Deny> {
         let mut t = self.shard(key);
+        self.take_in(&mut t, key, at_ns, cost, max_delay_ns, scheduled)
+    }
+
+    /// [`KeyedLimiter::take`] without waiting for the key's shard lock: None (nothing
+    /// changed) when it is busy.
+    #[inline]
+    pub fn take_nowait(&self, key: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Option<Result<KeyTaken, Deny>> {
+        let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
+        Some(self.take_in(&mut t, key, at_ns, cost, max_delay_ns, false))
+    }
+
+    /// [`KeyedLimiter::try_acquire`] without waiting for a lock: None when it is busy.
+    #[inline]
+    pub fn try_acquire_nowait(&self, key: u64, cost: u64) -> Option<Result<(), Deny>> {
+        self.take_nowait(key, self.clock.now_ns(), cost, 0)
+            .map(|r| r.map(|_| ()))
+    }
+
+    fn take_in(
+        &self,
+        t: &mut Table,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
+        let p = self.params_at(t, at_ns);
         let found = t.find(key);
         let before = found.map_or(0, |i| t.slots[i].tat);
-        let (new, delay_ns) = self.params.step(before, at_ns, cost, max_delay_ns, scheduled)?;
+        let (new, delay_ns) = p.step(before, at_ns, cost, max_delay_ns, scheduled)?;
         match found {
             Some(i) => t.slots[i].tat = new,
             None => {
-                self.make_room(&mut t, self.params.ticks(at_ns));
+                self.make_room(t, p.ticks(at_ns));
                 t.insert_new(key, new);
             }
         }
@@ -459,6 +555,7 @@ impl KeyedLimiter {
             latest: true,
             evictions: t.evicted_live,
             token: false,
+            era: t.rebases & ERA_MASK,
             delay_ns,
         })
     }
@@ -494,7 +591,6 @@ impl KeyedLimiter {
                 (k >> (64 - self.shard_bits)) as usize
             }
         };
-        let now_ticks = self.params.ticks(now);
         let mut start = vec![0usize; n + 1];
         let mut order = vec![0u32; CHUNK.min(keys.len())];
         for base in (0..keys.len()).step_by(CHUNK) {
@@ -518,6 +614,8 @@ impl KeyedLimiter {
                     continue;
                 }
                 let mut t = lock(&self.shards[sh].0);
+                let p = self.params_at(&mut t, now);
+                let now_ticks = p.ticks(now);
                 for (j, &i) in group.iter().enumerate() {
                     if let Some(&ahead) = group.get(j + 8) {
                         t.prefetch(chunk[ahead as usize]);
@@ -525,7 +623,7 @@ impl KeyedLimiter {
                     let (i, key) = (base + i as usize, chunk[i as usize]);
                     let found = t.find(key);
                     let before = found.map_or(0, |x| t.slots[x].tat);
-                    out[i] = match self.params.step(before, now, cost_of(i), 0, false) {
+                    out[i] = match p.step(before, now, cost_of(i), 0, false) {
                         Ok((new, _)) => {
                             match found {
                                 Some(x) => t.slots[x].tat = new,
@@ -546,9 +644,10 @@ impl KeyedLimiter {
 
     /// Nanoseconds from `at_ns` until `cost` would conform on `key`; changes nothing.
     pub fn delay_for(&self, key: u64, at_ns: u64, cost: u64) -> Result<u64, Deny> {
-        let t = self.shard(key);
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
         let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
-        match self.params.step(tat, at_ns, cost, u64::MAX, false) {
+        match p.step(tat, at_ns, cost, u64::MAX, false) {
             Ok((_, d)) => Ok(d),
             Err(e) => Err(e),
         }
@@ -557,9 +656,10 @@ impl KeyedLimiter {
     /// When a backlog of `total` cost on `key`, served back to back from `at_ns`, would
     /// have its last grant.
     pub fn predict(&self, key: u64, at_ns: u64, total: u64) -> u64 {
-        let t = self.shard(key);
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
         let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
-        self.params.predict(tat, at_ns, total)
+        p.predict(tat, at_ns, total)
     }
 
     /// The one undo rule on `t`'s key (as [`crate::Bucket::give_back`], under the
@@ -572,6 +672,8 @@ impl KeyedLimiter {
             return Undo::Nothing;
         }
         let mut g = self.shard(t.key);
+        let p = self.params_at(&mut g, at_ns);
+        g.align(t);
         let evictions = if t.token {
             g.evicted_live & TOKEN_EVICTIONS
         } else {
@@ -598,10 +700,7 @@ impl KeyedLimiter {
             (new, Undo::Exact)
         } else {
             t.latest = false;
-            match self
-                .params
-                .refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after))
-            {
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after)) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
                     (new, Undo::Refunded)
@@ -627,11 +726,12 @@ impl KeyedLimiter {
     pub fn refund(&self, key: u64, cost: u64) -> Undo {
         let now = self.clock.now_ns();
         let mut t = self.shard(key);
+        let p = self.params_at(&mut t, now);
         let Some(i) = t.find(key) else {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let Some(new) = self.params.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
         };
@@ -645,13 +745,13 @@ impl KeyedLimiter {
 
     /// Charges `cost` to `key` now regardless of conformance (it may go into debt).
     pub fn charge(&self, key: u64, cost: u64) {
-        self.charge_tat(key, self.clock.now_ns(), cost);
+        self.charge_tat(key, self.clock.now_ns(), cost, None);
     }
 
     /// Charges `extra` more on the debit `t` at `at_ns` (may go into debt); `t` stays
     /// exactly undoable while it is still its key's latest change.
     pub fn charge_more(&self, t: &mut KeyTaken, extra: u64, at_ns: u64) {
-        let (old, new) = self.charge_tat(t.key, at_ns, extra);
+        let (old, new) = self.charge_tat(t.key, at_ns, extra, Some(t));
         if t.latest && old == Some(t.after) {
             t.after = new;
         } else {
@@ -660,10 +760,14 @@ impl KeyedLimiter {
         t.cost = t.cost.saturating_add(extra);
     }
 
-    /// Returns the key's TAT before (None: not held) and after the charge.
-    fn charge_tat(&self, key: u64, at_ns: u64, cost: u64) -> (Option<u64>, u64) {
+    /// Returns the key's TAT before (None: not held) and after the charge, with `held`
+    /// brought to the shard's epoch.
+    fn charge_tat(&self, key: u64, at_ns: u64, cost: u64, held: Option<&mut KeyTaken>) -> (Option<u64>, u64) {
         let mut t = self.shard(key);
-        let now_ticks = self.params.ticks(at_ns);
+        let now_ticks = self.params_at(&mut t, at_ns).ticks(at_ns);
+        if let Some(h) = held {
+            t.align(h);
+        }
         let add = self.params.cost_ticks(cost);
         match t.find(key) {
             Some(i) => {
@@ -681,6 +785,17 @@ impl KeyedLimiter {
         }
     }
 
+    /// The token of the least TAT a debit of `cost` on `key` taken at `at_ns` left.
+    fn held_token(&self, key: u64, at_ns: u64, cost: u64) -> u64 {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = p
+            .ticks(at_ns)
+            .saturating_add(p.cost_ticks(cost))
+            .min(crate::bucket::TAT_LIMIT);
+        ((t.rebases & ERA_MASK) << ERA_SHIFT) | tat
+    }
+
     /// Give-backs kept so far because a later grant stood on them.
     pub fn refunds_dropped(&self) -> u64 {
         self.refunds_dropped.load(Ordering::Relaxed)
@@ -688,17 +803,28 @@ impl KeyedLimiter {
 
     /// Units `key` could be admitted now (a key not held has a full bucket).
     pub fn available(&self, key: u64) -> f64 {
-        let t = self.shard(key);
+        let now = self.clock.now_ns();
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, now);
         let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
-        self.params.available(tat, self.clock.now_ns())
+        p.available(tat, now)
+    }
+
+    /// Test hook: holds every shard's lock for `d` (as a long decision would).
+    #[doc(hidden)]
+    pub fn hold_locks_for(&self, d: std::time::Duration) {
+        let held: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        std::thread::sleep(d);
+        drop(held);
     }
 
     /// Drops every key whose bucket is full again; returns how many.
     pub fn sweep(&self) -> usize {
-        let now = self.params.ticks(self.clock.now_ns());
+        let now_ns = self.clock.now_ns();
         let mut dropped = 0;
         for s in self.shards.iter() {
             let mut t = lock(&s.0);
+            let now = self.params_at(&mut t, now_ns).ticks(now_ns);
             let full: Vec<u64> = t
                 .slots
                 .iter()
@@ -756,6 +882,18 @@ impl KeyedSemaphore {
 
     /// Takes `n` permits on `key` now or refuses.
     pub fn try_take(&self, key: u64, n: u64) -> Result<(), Deny> {
+        self.take_in(&mut self.shard(key), key, n)
+    }
+
+    /// [`KeyedSemaphore::try_take`] without waiting for the key's shard lock: None
+    /// (nothing changed) when it is busy.
+    #[inline]
+    pub fn try_take_nowait(&self, key: u64, n: u64) -> Option<Result<(), Deny>> {
+        let mut m = try_lock(&self.shards[(key >> (64 - self.shard_bits)) as usize].0)?;
+        Some(self.take_in(&mut m, key, n))
+    }
+
+    fn take_in(&self, m: &mut HashMap<u64, u64>, key: u64, n: u64) -> Result<(), Deny> {
         if n > self.limit {
             return Err(Deny::TooLarge {
                 cost: n,
@@ -763,7 +901,6 @@ impl KeyedSemaphore {
                 unit: 0,
             });
         }
-        let mut m = self.shard(key);
         let cur = m.get(&key).copied().unwrap_or(0);
         if !crate::concurrency::fits(cur, n, self.limit) {
             return Err(Deny::Wait(u64::MAX));
@@ -799,6 +936,38 @@ impl KeyedSemaphore {
     }
 }
 
+impl crate::fork::ForkLocks for KeyedLimiter {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        let shards: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        held.push(Box::new(shards));
+    }
+}
+
+/// A keyed semaphore's shard held across a fork; in the child every permit is free (see
+/// [`crate::Semaphore`]'s fork note).
+struct ShardReset<'a>(MutexGuard<'a, HashMap<u64, u64>>);
+
+impl crate::fork::Held for ShardReset<'_> {
+    fn in_child(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl crate::fork::ForkLocks for KeyedSemaphore {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        let shards: Vec<_> = self.shards.iter().map(|s| ShardReset(lock(&s.0))).collect();
+        held.push(Box::new(shards));
+    }
+}
+
 /// One key of a [`KeyedLimiter`] as a queue resource (waiting per key).
 pub struct KeyBucket {
     /// The map.
@@ -826,8 +995,8 @@ impl crate::queue::Resource for KeyBucket {
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
         match token {
-            Some(after) => {
-                let mut t = KeyTaken::from_token(self.key, after, costs[0]);
+            Some(token) => {
+                let mut t = KeyTaken::from_token(self.key, token, costs[0]);
                 self.keyed.give_back(&mut t, costs[0], self.keyed.clock.now_ns());
             }
             None => {
@@ -840,12 +1009,17 @@ impl crate::queue::Resource for KeyBucket {
         self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.token()))
     }
 
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        self.keyed
+            .take_nowait(self.key, now_ns, costs[0], 0)
+            .map(|r| r.map(|t| Some(t.token())))
+    }
+
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let (e, a) = (estimated[0], actual[0]);
         let now = self.keyed.clock.now_ns();
         // Without a token: capped by what a debit of `e` taken at `grant.at_ns` holds.
-        let p = &self.keyed.params;
-        let held = p.ticks(grant.at_ns.saturating_sub(1)).saturating_add(p.cost_ticks(e));
+        let held = self.keyed.held_token(self.key, grant.at_ns.saturating_sub(1), e);
         let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
         if grant.token.is_none() {
             t.latest = false;
@@ -896,6 +1070,10 @@ pub struct KeyPermits {
 impl crate::queue::Resource for KeyPermits {
     fn try_take(&self, _now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
         self.sem.try_take(self.key, costs[0])
+    }
+
+    fn try_take_token_nowait(&self, _now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        self.sem.try_take_nowait(self.key, costs[0]).map(|r| r.map(|_| None))
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
@@ -1058,5 +1236,144 @@ mod tests {
         assert_eq!(s.in_use(a), 1 << 63);
         let key = KeyPermits { sem: s.clone(), key: a };
         assert_eq!(crate::queue::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
+    }
+}
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+    use crate::{Bucket, ManualClock};
+    use std::sync::Arc;
+
+    const DAY_NS: u64 = 86_400_000_000_000;
+    const YEAR_NS: u64 = 365 * DAY_NS + DAY_NS / 4;
+
+    fn keyed_at(rate: Rate, start_ns: u64) -> (KeyedLimiter, Arc<ManualClock>) {
+        let c = Arc::new(ManualClock::new(start_ns).unwrap());
+        (KeyedLimiter::new(rate, 1000, AnyClock::Manual(c.clone())).unwrap(), c)
+    }
+
+    /// Random operations on a keyed map and on one bucket per key, the clock jumping by
+    /// up to `max_step_ns` (so shards rebase, each at its own moment): same answers.
+    fn like_buckets(rate: Rate, start_ns: u64, seed: u64, steps: usize, max_step_ns: u64) {
+        let (k, clock) = keyed_at(rate, start_ns);
+        let buckets: Vec<Bucket> = (0..20).map(|_| Bucket::new(rate)).collect();
+        let mut x = seed;
+        let mut next = || {
+            x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+            let z = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+            let z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+            z ^ (z >> 31)
+        };
+        for step in 0..steps {
+            let key = next() % 20;
+            let (h, b) = (k.hasher().int(key), &buckets[key as usize]);
+            let cost = 1 + next() % 3;
+            let now = clock.now_ns();
+            match next() % 12 {
+                0..=3 => assert_eq!(
+                    k.try_acquire(h, cost).is_ok(),
+                    b.take(now, cost, 0).is_ok(),
+                    "step {step}"
+                ),
+                4..=5 => {
+                    let max = next() % (4 * max_step_ns);
+                    let got = k.take(h, now, cost, max).map(|t| t.delay_ns);
+                    assert_eq!(got, b.take(now, cost, max).map(|t| t.delay_ns), "step {step}");
+                }
+                6 => assert_eq!(k.delay_for(h, now, cost), b.delay_for(now, cost), "step {step}"),
+                7 => assert_eq!(
+                    k.predict(h, now, 3 * cost),
+                    b.predict(now, 2 * cost, cost),
+                    "step {step}"
+                ),
+                8 => {
+                    k.charge(h, 5 * cost);
+                    b.charge(now, 5 * cost);
+                }
+                9 => assert_eq!(k.refund(h, cost), b.refund(now, cost), "step {step}"),
+                _ => {
+                    let dt = next() % max_step_ns;
+                    if clock.advance(dt).is_err() {
+                        break;
+                    }
+                }
+            }
+            let now = clock.now_ns();
+            assert_eq!(k.available(h).to_bits(), b.available(now).to_bits(), "step {step}");
+        }
+    }
+
+    #[test]
+    fn a_keyed_map_far_from_zero_decides_like_buckets() {
+        for seed in 1..=4u64 {
+            let r = Rate::new(10.0, 1e9, 3).unwrap();
+            like_buckets(r, 0, seed, 20_000, 2_000_000_000);
+            like_buckets(r, 1 << 62, seed, 20_000, 2_000_000_000);
+            like_buckets(r, 1_764_000_000_123_456_789, seed, 20_000, 2_000_000_000);
+            let slow = Rate::new(1.0, 3_600e9, 3).unwrap();
+            like_buckets(slow, 1 << 62, seed, 3_000, 2 * YEAR_NS);
+            like_buckets(slow, 0, seed, 1_000, 11 * YEAR_NS);
+        }
+    }
+
+    #[test]
+    fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
+        let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
+        let key = k.hasher().int(7);
+        let t0 = (1 << 57) - 500_000_000;
+        let mut a = k.take(key, t0, 1, 0).unwrap();
+        let mut b = k.take(key, t0, 5, 0).unwrap();
+        let token = b.token();
+        let t1 = t0 + 750_000_000;
+        clock.set(t1).unwrap();
+        assert!((k.available(key) - 4.75).abs() < 1e-6);
+        assert_eq!(lock(&k.shards[0].0).rebases, 1, "rebased");
+        // The latest, across the rebase: undone exactly.
+        assert_eq!(k.give_back(&mut b, 2, t1), Undo::Exact);
+        assert!((k.available(key) - 6.75).abs() < 1e-6, "{}", k.available(key));
+        // Not the latest: refunded only the 0.25 s the first debit still holds.
+        assert_eq!(k.give_back(&mut a, 1, t1), Undo::Refunded);
+        assert!((k.available(key) - 7.0).abs() < 1e-6, "{}", k.available(key));
+        // A token from before the rebase still caps by what its debit holds.
+        let mut c = KeyTaken::from_token(key, token, 5);
+        assert_eq!(k.give_back(&mut c, 3, t1), Undo::Refunded);
+        assert!((k.available(key) - 10.0).abs() < 1e-6, "{}", k.available(key));
+    }
+
+    #[test]
+    fn a_refund_that_rebases_the_shard_refunds_in_the_new_epoch() {
+        let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
+        let key = k.hasher().int(7);
+        let t0 = (1 << 57) - 500_000_000;
+        clock.set(t0).unwrap();
+        k.try_acquire(key, 6).unwrap();
+        clock.set(t0 + 750_000_000).unwrap();
+        // The refund is the first call past the rebase point: it rebases, then refunds.
+        assert_eq!(k.refund(key, 2), Undo::Refunded);
+        assert_eq!(lock(&k.shards[0].0).rebases, 1, "rebased");
+        assert!((k.available(key) - 6.75).abs() < 1e-6, "{}", k.available(key));
+    }
+
+    #[test]
+    fn keyed_one_a_day_for_120_years() {
+        for start in [0, 1_764_000_000_123_456_789, 1 << 62] {
+            let (k, clock) = keyed_at(Rate::new(1.0, 86_400e9, 1).unwrap(), start);
+            let (a, b) = (k.hasher().str("a"), k.hasher().str("b"));
+            let days = 120 * YEAR_NS / DAY_NS;
+            let mut admitted = 0;
+            for d in 0..days {
+                admitted += k.try_acquire(a, 1).is_ok() as u64;
+                assert!(k.try_acquire(a, 1).is_err(), "day {d}");
+                if d % 1000 == 0 {
+                    let mut out = [false; 3];
+                    k.try_acquire_many(&[b, b, a], None, &mut out).unwrap();
+                    assert_eq!(out, [true, false, false], "day {d}");
+                }
+                clock.advance(DAY_NS).unwrap();
+            }
+            assert_eq!(admitted, days, "start {start}");
+            assert_eq!(k.sweep(), 2);
+        }
     }
 }

@@ -38,6 +38,19 @@ pub struct Limiter {
     refunds_dropped: AtomicU64,
 }
 
+impl crate::fork::ForkLocks for Limiter {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(self.lock_multi()));
+        for b in self.buckets.iter() {
+            held.push(Box::new(b.change_lock()));
+        }
+    }
+}
+
 /// Capacity held for a caller from `at_ns` on, with every bucket's debit; given back by
 /// the one undo rule ([`Limiter::undo_reservation`]).
 #[derive(Clone, Debug)]
@@ -72,7 +85,7 @@ impl Limiter {
                 units.len() - 1
             });
             bucket_unit.push(idx);
-            buckets.push(Bucket::new(rate));
+            buckets.push(Bucket::new_at(rate, clock.now_ns()));
         }
         Ok(Limiter {
             clock,
@@ -185,6 +198,33 @@ impl Limiter {
     /// at most `max_delay_ns`; all or nothing.
     fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
         let _serial = self.lock_multi();
+        self.take_all_serial(now, costs, max_delay_ns, scheduled)
+    }
+
+    /// [`Limiter::try_acquire`] without waiting for the multi-rate lock: None (nothing
+    /// changed) when another decision holds it.
+    #[inline]
+    pub fn try_acquire_nowait(&self, costs: &[u64]) -> Option<Result<(), Deny>> {
+        self.try_acquire_at_nowait(self.clock.now_ns(), costs)
+    }
+
+    #[inline]
+    fn try_acquire_at_nowait(&self, now: u64, costs: &[u64]) -> Option<Result<(), Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_acquire_at(now, costs));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(self.take_all_serial(now, costs, 0, false).map(|_| ()))
+    }
+
+    /// The body of [`Limiter::take_all`], with the multi-rate lock held.
+    fn take_all_serial(
+        &self,
+        now: u64,
+        costs: &[u64],
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<Reservation, Deny> {
         loop {
             let delay = self.delay_at(now, costs)?;
             if delay > max_delay_ns {
@@ -244,6 +284,15 @@ impl Limiter {
 
     fn lock_multi(&self) -> MutexGuard<'_, ()> {
         self.multi.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`Limiter::lock_multi`] if it is free now.
+    fn try_lock_multi(&self) -> Option<MutexGuard<'_, ()>> {
+        match self.multi.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// The lock every change of a multi-rate limiter holds (None for a single rate).
@@ -338,6 +387,15 @@ impl Limiter {
             self.take_all(now, costs, max, false)
         };
         r.map_err(|d| match d {
+            // Within max_wait, yet refused: the reservations already queued reach beyond
+            // what a bucket can hold (over 9 years ahead).
+            Deny::Wait(ns) if ns <= max => Error::Overloaded {
+                reason: format!(
+                    "the wait of {:.6} s reaches beyond the bucket's range of reservations ahead",
+                    ns as f64 / 1e9
+                ),
+                retry_after_ns: ns,
+            },
             Deny::Wait(ns) => Error::Overloaded {
                 reason: format!(
                     "the wait of {:.6} s exceeds max_wait={:.6} s",
@@ -418,6 +476,18 @@ impl Resource for Limiter {
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.take_at_with(now_ns, costs, 0, false)
             .map(|r| Some(self.token_of(&r)))
+    }
+
+    #[inline]
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_take_token(now_ns, costs));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(
+            self.take_all_serial(now_ns, costs, 0, false)
+                .map(|r| Some(self.token_of(&r))),
+        )
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
@@ -652,5 +722,29 @@ mod tests {
         assert_eq!(l.units().len(), 1);
         assert!(l.try_acquire(&[2]).is_ok());
         assert!(l.try_acquire(&[1]).is_err());
+    }
+}
+
+#[cfg(test)]
+mod epoch_tests {
+    use super::*;
+    use crate::clock::ManualClock;
+    use std::sync::Arc;
+
+    #[test]
+    fn reserving_beyond_the_range_says_so() {
+        let clock = Arc::new(ManualClock::new(1 << 62).unwrap());
+        let rate = Rate::new(1.0, 86_400e9, 1).unwrap();
+        let l = Limiter::new(vec![("requests".into(), rate)], AnyClock::Manual(clock)).unwrap();
+        let e = loop {
+            if let Err(e) = l.reserve(&[1], None) {
+                break e;
+            }
+        };
+        let Error::Overloaded { reason, retry_after_ns } = e else {
+            panic!("{e:?}")
+        };
+        assert!(reason.contains("beyond the bucket's range"), "{reason}");
+        assert!(retry_after_ns > 9 * 365 * 86_400 * 1_000_000_000, "{retry_after_ns}");
     }
 }

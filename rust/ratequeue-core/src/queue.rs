@@ -28,6 +28,12 @@ pub trait Resource: Send + Sync {
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.try_take(now_ns, costs).map(|_| None)
     }
+    /// [`Resource::try_take_token`] without waiting for a lock: None (nothing changed)
+    /// when one it needs is busy.
+    #[inline]
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        Some(self.try_take_token(now_ns, costs))
+    }
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
@@ -330,73 +336,28 @@ pub struct WaitQueue {
     waits: Vec<Arc<Histogram>>,
 }
 
-/// Incremented in a forked child (see [`after_fork_in_child`]).
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-/// Every live queue, for the fork protocol.
-static QUEUES: Mutex<Vec<std::sync::Weak<WaitQueue>>> = Mutex::new(Vec::new());
-
-/// Locks held across a fork by the forking thread, released on both sides after it.
-type ForkHold = (
-    Vec<(MutexGuard<'static, Inner>, Arc<WaitQueue>)>,
-    Option<MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>>>,
-);
-
-thread_local! {
-    static FORK_HOLD: std::cell::RefCell<ForkHold> = const { std::cell::RefCell::new((Vec::new(), None)) };
+struct QueueHold<'a> {
+    queue: &'a WaitQueue,
+    inner: MutexGuard<'a, Inner>,
 }
 
-fn register(q: &Arc<WaitQueue>) {
-    let mut all = lock(&QUEUES);
-    if all.len() >= 64 && all.len().is_power_of_two() {
-        all.retain(|w| w.strong_count() > 0);
+impl crate::fork::Held for QueueHold<'_> {
+    fn in_child(&mut self) {
+        self.queue.forget_inherited(&mut self.inner);
     }
-    all.push(Arc::downgrade(q));
 }
 
-/// Call right before `fork` (ratequeue registers it with os.register_at_fork): takes
-/// every queue's lock, so that no queue is copied into the child in the middle of a
-/// change by another thread (the child would find it locked forever). A queue's lock
-/// is never held while waiting for another queue, the GIL or the driver, so this takes
-/// them all without deadlock.
-pub fn before_fork() {
-    let all = lock(&QUEUES);
-    let live: Vec<Arc<WaitQueue>> = all.iter().filter_map(|w| w.upgrade()).collect();
-    let mut held = Vec::with_capacity(live.len());
-    for q in live {
-        let g = lock(&q.inner);
-        // SAFETY: the guard borrows the mutex inside `q`, which is kept alive beside it
-        // and dropped after it (tuple order), on this thread, in `release_after_fork`.
-        let g: MutexGuard<'static, Inner> = unsafe { std::mem::transmute(g) };
-        held.push((g, q));
+impl crate::fork::ForkLocks for WaitQueue {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Queue
     }
-    // SAFETY: QUEUES is a static.
-    let all: MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>> = unsafe { std::mem::transmute(all) };
-    FORK_HOLD.with(|h| *h.borrow_mut() = (held, Some(all)));
-}
 
-/// Releases what `before_fork` took (a plain futex unlock: safe in the child, where the
-/// threads that may have waited for these locks do not exist).
-fn release_after_fork() {
-    let (held, all) = FORK_HOLD.with(|h| std::mem::take(&mut *h.borrow_mut()));
-    for (g, q) in held {
-        drop(g);
-        drop(q);
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(QueueHold {
+            queue: self,
+            inner: lock(&self.inner),
+        }));
     }
-    drop(all);
-}
-
-/// Call in the parent right after `fork`.
-pub fn after_fork_in_parent() {
-    release_after_fork();
-}
-
-/// Call in a child process right after `fork`: releases the locks `before_fork` took;
-/// waiters queued in the parent belong to threads and loops that do not exist here, so
-/// every queue drops them on next use.
-pub fn after_fork_in_child() {
-    release_after_fork();
-    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Tickets are unique in the process, so one event-loop channel can serve many queues.
@@ -456,10 +417,10 @@ impl WaitQueue {
             waits,
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
-            generation: AtomicU64::new(FORK_GENERATION.load(Ordering::Acquire)),
+            generation: AtomicU64::new(crate::fork::generation()),
             config,
         });
-        register(&q);
+        crate::fork::register_arc(&q);
         q
     }
 
@@ -492,11 +453,18 @@ impl WaitQueue {
     /// queue is now empty because of that.
     #[cold]
     fn drop_inherited(&self) -> bool {
-        let now_gen = FORK_GENERATION.load(Ordering::Acquire);
-        if self.generation.load(Ordering::Acquire) == now_gen {
+        if self.generation.load(Ordering::Acquire) == crate::fork::generation() {
             return false;
         }
         let mut g = lock(&self.inner);
+        self.forget_inherited(&mut g);
+        g.len == 0
+    }
+
+    /// Drops the waiters queued before the last fork (their threads and loops are not
+    /// in this process), once.
+    fn forget_inherited(&self, g: &mut Inner) {
+        let now_gen = crate::fork::generation();
         if self.generation.swap(now_gen, Ordering::AcqRel) != now_gen {
             for c in g.classes.iter_mut() {
                 c.waiters.clear();
@@ -511,7 +479,14 @@ impl WaitQueue {
             self.waiting.store(0, Ordering::Release);
             self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        g.len == 0
+    }
+
+    /// Test hook: holds the queue's lock for `d` (as a long decision would).
+    #[doc(hidden)]
+    pub fn hold_lock_for(&self, d: Duration) {
+        let g = lock(&self.inner);
+        std::thread::sleep(d);
+        drop(g);
     }
 
     /// Waiters now queued in each class.
@@ -554,8 +529,9 @@ impl WaitQueue {
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 
-    /// The fast path: grants now if nobody waits and the resource admits. No lock, no
-    /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
+    /// The fast path: grants now if nobody waits and the resource admits. No allocation,
+    /// and no wait for a lock. `Err(None)`: must queue (or a lock was busy: `submit`
+    /// decides); `Err(Some(e))`: can never be granted.
     #[inline]
     pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
         self.try_now_token(costs, class).map(|(now, _)| now)
@@ -568,7 +544,10 @@ impl WaitQueue {
             return Err(None);
         }
         let now = self.clock.now_ns();
-        match self.resource.try_take_token(now, costs) {
+        let Some(taken) = self.resource.try_take_token_nowait(now, costs) else {
+            return Err(None);
+        };
+        match taken {
             Ok(token) => {
                 bump(&self.counters.immediate);
                 if let Some(h) = self.waits.get(class) {
@@ -609,11 +588,22 @@ impl WaitQueue {
         // thread made them (slots and channels are leaf locks; nothing here waits).
         let gone = deliver(out);
         drop(g);
+        let mut refused = None;
         if let Some(t) = next {
-            self.schedule(t);
+            if let Err(e) = self.schedule(t) {
+                // Nothing would ever wake this waiter: refuse it instead.
+                if let Ok(Submitted::Queued(ticket)) = result {
+                    if self.cancel(ticket) == Cancelled::Removed {
+                        refused = Some(e);
+                    }
+                }
+            }
         }
         self.give_back_gone(gone);
-        result
+        match refused {
+            Some(e) => Err(e),
+            None => result,
+        }
     }
 
     fn enqueue_locked(
@@ -763,7 +753,8 @@ impl WaitQueue {
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            // Without a driver the wake-up stays pending for the next one that starts.
+            let _ = self.schedule(t);
         }
         self.give_back_gone(gone);
         result
@@ -905,7 +896,7 @@ impl WaitQueue {
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            let _ = self.schedule(t);
         }
         if gone.is_empty() {
             return next;
@@ -1065,7 +1056,7 @@ impl WaitQueue {
         let next = self.next_wake_locked(&g);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            let _ = self.schedule(t);
         }
         Cancelled::Removed
     }
@@ -1085,6 +1076,28 @@ impl WaitQueue {
     pub fn give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) {
         self.resource.give_back(costs, token);
         self.poll_now();
+    }
+
+    /// [`WaitQueue::give_back`] without waiting for the queue's lock: false (nothing
+    /// done) when it is busy.
+    pub fn try_give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) -> bool {
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        self.forget_inherited(&mut g);
+        self.resource.give_back(costs, token);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, self.clock.now_ns(), &mut out);
+        let next = self.next_wake_locked(&g);
+        let gone = deliver(out);
+        drop(g);
+        if let Some(t) = next {
+            let _ = self.schedule(t);
+        }
+        self.give_back_gone(gone);
+        true
     }
 
     /// Gives back the grants of waiters that are gone (see [`Channel::close`]). The
@@ -1115,35 +1128,64 @@ impl WaitQueue {
     }
 
     /// Runs the queue on a manual clock: moves the clock to each due time up to `until_ns`
-    /// and polls there. Returns the number of wake-ups processed.
-    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> usize {
+    /// and polls there. Returns the number of wake-ups processed. Never spins: an
+    /// `until_ns` beyond the clock's range is refused before anything moves, and a
+    /// waiter that stays due without being granted or expired ends the run with an error.
+    pub fn run_until(self: &Arc<Self>, clock: &crate::ManualClock, until_ns: u64) -> Result<usize, Error> {
+        crate::clock::check_time("until", until_ns)?;
         let mut n = 0;
+        let mut stalled = Stalled::default();
         while let Some(t) = self.next_wake() {
             if t > until_ns {
                 break;
             }
-            let _ = clock.set(t.max(clock.now_ns()));
-            self.poll(clock.now_ns());
+            let before = (clock.now_ns(), self.progress());
+            let now = clock.set(t.max(before.0))?;
+            self.poll(now);
             n += 1;
+            stalled.check(before != (now, self.progress()), until_ns, now)?;
         }
-        let _ = clock.set(until_ns.max(clock.now_ns()));
+        clock.set(until_ns.max(clock.now_ns()))?;
         self.poll(clock.now_ns());
-        n
+        Ok(n)
     }
 
-    /// Asks the driver for a wake-up at `t` unless one is already due by then.
-    fn schedule(self: &Arc<Self>, t: u64) {
+    /// Grants, expiries and cancellations so far: it moves whenever a poll changed the queue.
+    pub fn progress(&self) -> u64 {
+        let c = &self.counters;
+        [&c.queued_grants, &c.timed_out, &c.cancelled]
+            .iter()
+            .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
+    }
+
+    /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
+    /// no driver thread can run (the wake-up stays pending for the next one that starts).
+    fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {
         if self.clock.is_manual() {
-            return;
+            return Ok(());
         }
         let pid = crate::driver::pid();
         if self.scheduled_pid.swap(pid, Ordering::AcqRel) != pid {
             // First use, or a forked child: the parent's wake-ups are not ours.
             self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        if t < self.scheduled.fetch_min(t, Ordering::AcqRel) {
-            crate::driver::driver().schedule(Arc::downgrade(self), t);
+        let driver = crate::driver::driver();
+        // A wake-up already pending counts only while a driver runs to serve it.
+        if t < self.scheduled.fetch_min(t, Ordering::AcqRel) || !driver.is_running() {
+            let asked = driver.schedule(Arc::downgrade(self), t);
+            if asked.is_err() {
+                // Not pending with any running driver: the next call asks again.
+                self.scheduled.store(u64::MAX, Ordering::Release);
+            }
+            return asked;
         }
+        Ok(())
+    }
+
+    /// Called by the driver after a wake of this queue panicked: the next `schedule`
+    /// asks for a wake-up again whatever the queue believed was pending.
+    pub(crate) fn driver_rearm(&self) {
+        self.scheduled.store(u64::MAX, Ordering::Release);
     }
 
     /// Called by the driver at a due time `t` it was asked for.
@@ -1158,6 +1200,37 @@ impl WaitQueue {
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
 fn saturated(totals: &[u128]) -> Vec<u64> {
     totals.iter().map(|t| u64::try_from(*t).unwrap_or(u64::MAX)).collect()
+}
+
+/// Counts the rounds of a virtual-time run in which neither the clock nor the queue moved.
+#[derive(Default)]
+pub struct Stalled(u32);
+
+impl Stalled {
+    /// Rounds without progress tolerated (another thread may take the capacity a due
+    /// waiter was about to get; the next round then finds a later due time).
+    const LIMIT: u32 = 64;
+
+    /// Notes one round; an error once virtual time has stood still too long at `now_ns`.
+    pub fn check(&mut self, moved: bool, until_ns: u64, now_ns: u64) -> Result<(), Error> {
+        if moved {
+            self.0 = 0;
+            return Ok(());
+        }
+        self.0 += 1;
+        if self.0 < Self::LIMIT {
+            std::thread::yield_now();
+            return Ok(());
+        }
+        Err(Error::invalid(
+            "until",
+            until_ns as f64 / 1e9,
+            &format!(
+                "cannot be reached: at {:.9} s a waiter is due but can be neither granted nor expired",
+                now_ns as f64 / 1e9
+            ),
+        ))
+    }
 }
 
 /// Delivers each outcome; returns the grants a closed channel handed back.
@@ -1218,7 +1291,7 @@ mod tests {
         }
         assert!(matches!(tickets[0], Submitted::Granted { .. }));
         assert!(matches!(tickets[2], Submitted::Queued(_)));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         for (k, s) in slots[2..].iter().enumerate() {
             let at = granted(s).unwrap();
             assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
@@ -1249,7 +1322,7 @@ mod tests {
             q.submit(&[1], class, None, || Wake::Thread(s2)).unwrap();
             slots.push((class, s));
         }
-        q.run_until(&clock, 900_000_000);
+        q.run_until(&clock, 900_000_000).unwrap();
         let mut got = [0usize; 2];
         for (c, s) in &slots {
             if granted(s).is_some() {
@@ -1272,7 +1345,7 @@ mod tests {
         let s = Slot::new();
         let s2 = s.clone();
         q.submit(&[1], 0, Some(2_000_000_000), || Wake::Thread(s2)).unwrap();
-        q.run_until(&clock, 3_000_000_000);
+        q.run_until(&clock, 3_000_000_000).unwrap();
         assert!(matches!(
             s.take(),
             Some(Outcome::Granted {
@@ -1281,6 +1354,76 @@ mod tests {
                 ..
             })
         ));
+    }
+
+    /// Says it is ready now but never lets a take through.
+    struct Stuck;
+
+    impl Resource for Stuck {
+        fn try_take(&self, _: u64, _: &[u64]) -> Result<(), Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn ready_at(&self, at_ns: u64, _: &[u64]) -> Result<Option<u64>, Deny> {
+            Ok(Some(at_ns))
+        }
+        fn take_at(&self, _: u64, _: &[u64]) -> Result<u64, Deny> {
+            Err(Deny::Wait(0))
+        }
+        fn give_back(&self, _: &[u64], _: Option<u64>) {}
+        fn service_ns(&self, _: &[u64]) -> f64 {
+            1.0
+        }
+        fn error_for(&self, d: Deny) -> Error {
+            Error::Overloaded {
+                reason: format!("{d:?}"),
+                retry_after_ns: 0,
+            }
+        }
+        fn predict(&self, _: u64, _: &[u64], _: &[u64]) -> Option<u64> {
+            None
+        }
+    }
+
+    #[test]
+    fn run_until_never_spins() {
+        let clock = Arc::new(ManualClock::new(1 << 62).unwrap());
+        let cfg = QueueConfig::new(vec![], 10, None).unwrap();
+        let q = WaitQueue::new(Arc::new(Stuck), 1, AnyClock::Manual(clock.clone()), cfg);
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(Slot::new())),
+            Ok(Submitted::Queued(_))
+        ));
+        // A waiter due now that can be neither granted nor expired: an error, not a spin.
+        let e = q.run_until(&clock, (1 << 62) + 1_000).unwrap_err();
+        assert!(e.to_string().contains("cannot be reached"), "{e}");
+        // A time beyond the clock's range: refused before the clock moves.
+        let e = q.run_until(&clock, u64::MAX).unwrap_err();
+        assert!(e.to_string().starts_with("until="), "{e}");
+        assert_eq!(clock.now_ns(), 1 << 62);
+    }
+
+    #[test]
+    fn run_until_far_from_zero_grants_like_at_zero() {
+        for start in [1u64 << 62, 1_764_000_000_123_456_789] {
+            let clock = Arc::new(ManualClock::new(start).unwrap());
+            let lim = Limiter::new(
+                vec![("requests".into(), Rate::new(100.0, 1e9, 2).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap();
+            let cfg = QueueConfig::new(vec![], 100, None).unwrap();
+            let q = WaitQueue::new(Arc::new(lim), 1, AnyClock::Manual(clock.clone()), cfg);
+            let slots: Vec<_> = (0..6).map(|_| Slot::new()).collect();
+            for s in &slots {
+                let s2 = s.clone();
+                q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+            }
+            assert_eq!(q.run_until(&clock, start + 1_000_000_000).unwrap(), 4);
+            for (k, s) in slots[2..].iter().enumerate() {
+                let at = granted(s).unwrap() - start;
+                assert!(at.abs_diff(10_000_000 * (k as u64 + 1)) <= 1, "{at}");
+            }
+        }
     }
 
     #[test]
@@ -1371,7 +1514,7 @@ mod tests {
         };
         assert_eq!((r.at_ns, r.delay_ns), (200_000_000, 200_000_000));
         let (_, behind) = queued_waiter(&q);
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&waiter), Some(100_000_000));
         assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
         assert_eq!(granted(&behind), Some(300_000_000));
@@ -1408,7 +1551,7 @@ mod tests {
         let (_, b) = queued_waiter(&q);
         assert!(q.cancel_reservation(&r, &[1]));
         assert!(!q.cancel_reservation(&r, &[1]));
-        q.run_until(&clock, 1_000_000_000);
+        q.run_until(&clock, 1_000_000_000).unwrap();
         assert_eq!(granted(&a), Some(100_000_000));
         assert_eq!(granted(&b), Some(200_000_000));
         assert!(r.outcome().is_none());
@@ -1422,7 +1565,7 @@ mod tests {
         let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
             panic!("queued")
         };
-        q.run_until(&clock, r.at_ns);
+        q.run_until(&clock, r.at_ns).unwrap();
         assert!(r.outcome().is_some());
         assert!(!q.cancel_reservation(&r, &[1]));
         assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
@@ -1450,7 +1593,7 @@ mod tests {
                 s
             })
             .collect();
-        q.run_until(&clock, 10_000_000_000);
+        q.run_until(&clock, 10_000_000_000).unwrap();
         let Some(Outcome::Granted { at_ns, .. }) = r.outcome() else {
             panic!("not granted")
         };
@@ -1502,7 +1645,7 @@ mod tests {
         let c = ch.clone();
         q.submit(&[1], 0, None, || Wake::Channel(c)).unwrap();
         ch.close();
-        q.run_until(&clock, 100_000_000);
+        q.run_until(&clock, 100_000_000).unwrap();
         assert_eq!(q.waiting(), 0);
         assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
         assert!(q.try_now(&[1], 0).is_err());

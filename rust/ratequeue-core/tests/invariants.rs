@@ -147,6 +147,8 @@ enum Op {
     /// Cost and max_wait in emission intervals (None: unbounded).
     Reserve(u64, Option<f64>),
     SetRate(RateSpec),
+    /// Move the clock by this many nanoseconds (years: the bucket rebases its epoch).
+    Leap(u64),
 }
 
 fn op(burst_hi: u64) -> impl Strategy<Value = Op> {
@@ -175,7 +177,7 @@ fn run_single(first: RateSpec, start_ns: u64, ops: &[Op], allow_set_rate: bool, 
                 let dt = (k * spec.interval_ns()).round() as u64;
                 let _ = clock.advance(dt); // beyond the clock's range: ignored
             }
-            Op::Nudge(ns) => {
+            Op::Nudge(ns) | Op::Leap(ns) => {
                 let _ = clock.advance(*ns);
             }
             Op::TryAcquire(c) => match l.try_acquire(&[*c]) {
@@ -192,6 +194,11 @@ fn run_single(first: RateSpec, start_ns: u64, ops: &[Op], allow_set_rate: bool, 
                         );
                     } else {
                         prop_assert!(matches!(d, Deny::Wait(ns) if ns > 0), "{d:?}");
+                        // The wait it tells is the true one: from then on it conforms.
+                        if let Deny::Wait(ns) = d {
+                            let at = clock.now_ns().saturating_add(ns);
+                            prop_assert_eq!(l.delay_at(at, &[*c]), Ok(0), "retry after {} ns", ns);
+                        }
                     }
                     // (b): nothing changed, and the same call says the same thing.
                     prop_assert_eq!(l.available(0).to_bits(), before.to_bits());
@@ -290,6 +297,30 @@ proptest! {
     ) {
         prop_assert!(spec.per_ns() <= 1e-7);
         run_single(spec, 0, &ops, false, Tol::Strict)?;
+    }
+}
+
+/// Leaps of up to 12 years between ordinary operations.
+fn op_or_leap(burst_hi: u64) -> impl Strategy<Value = Op> {
+    prop_oneof![
+        12 => op(burst_hi),
+        1 => (0u64..12 * 366 * 86_400 * NS).prop_map(Op::Leap),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 1000, ..ProptestConfig::default() })]
+
+    /// (a) + (b) on a clock started anywhere in its range (epoch timestamps, 2^62 ns and
+    /// beyond), leaping years at a time: a bucket counts from its own epoch.
+    #[test]
+    fn window_bound_from_any_start_time(
+        spec in rate_spec(1.0 / DAY_S, 1e8, 1..=20),
+        start_ns in prop_oneof![0u64..1 << 63, Just(1u64 << 62), Just(1_764_000_000_123_456_789u64)],
+        ops in prop::collection::vec(op_or_leap(20), 1..120),
+        rate_changes in any::<bool>(),
+    ) {
+        run_single(spec, start_ns, &ops, rate_changes, Tol::Tick)?;
     }
 }
 

@@ -44,7 +44,13 @@ impl ManualClockPy {
 
     /// Sets the time to `seconds` (never earlier than now); returns it.
     fn set(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>) -> PyResult<f64> {
-        let t = seconds_ns("seconds", seconds)?;
+        let mut t = seconds_ns("seconds", seconds)?;
+        let shown = self.inner.now_ns();
+        // Far from zero a float second is coarser than a nanosecond: the clock's own
+        // reading (as `now()` gives it) stands for the time it shows, not a step back.
+        if t != shown && seconds.extract::<f64>()? == shown as f64 / 1e9 {
+            t = shown;
+        }
         Ok(self.inner.set(t).map_err(|e| to_py(py, e))? as f64 / 1e9)
     }
 
@@ -77,6 +83,16 @@ impl MonotonicClockPy {
     fn __repr__(&self) -> &'static str {
         "MonotonicClock()"
     }
+}
+
+/// Clock seconds of a due time `ns`, rounded up so that passing them back (e.g. to
+/// `run_until`) reaches it: far from zero a float second is coarser than a nanosecond.
+pub fn due_seconds(ns: u64) -> f64 {
+    let mut s = ns as f64 / 1e9;
+    while ((s * 1e9).round() as u64) < ns {
+        s = f64::from_bits(s.to_bits() + 1);
+    }
+    s
 }
 
 /// The core clock behind a Python clock object (None = monotonic).
