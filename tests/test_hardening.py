@@ -455,12 +455,6 @@ def test_policy_refuses_a_level_named_like_a_keyword_or_a_unit(name: str) -> Non
         rq.Policy(levels)
 
 
-def test_policy_refuses_one_limiter_at_two_levels() -> None:
-    lim = rq.Limiter(rq.Rate(10), clock=rq.ManualClock())
-    with pytest.raises(ValueError, match='level "b" is the same limit object as level "a"'):
-        rq.Policy({"a": lim, "b": lim})
-
-
 # -- rough edges ----------------------------------------------------------------------------
 
 

@@ -337,7 +337,7 @@ impl PolicyPy {
                 )));
             }
         }
-        check_levels(py, &py_levels)?;
+        check_levels(&py_levels)?;
         let core = Policy::new(core_levels).map_err(|e| to_py(py, e))?;
         Ok(PolicyPy {
             core: Arc::new(core),
@@ -541,8 +541,8 @@ impl PolicyPy {
 const KEYWORDS: [&str; 2] = ["timeout", "max_wait"];
 
 /// Refuses set-ups that can never work: a level named like a call keyword or like a
-/// unit of any level (its keyword would be ambiguous), one limit object at two levels.
-fn check_levels(py: Python<'_>, levels: &[LevelPy]) -> PyResult<()> {
+/// unit of any level (its keyword would be ambiguous).
+fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
     let units: Vec<&str> = levels
         .iter()
         .flat_map(|l| match &l.shape {
@@ -551,7 +551,7 @@ fn check_levels(py: Python<'_>, levels: &[LevelPy]) -> PyResult<()> {
             Shape::Permits { .. } => Vec::new(),
         })
         .collect();
-    for (i, l) in levels.iter().enumerate() {
+    for l in levels {
         if KEYWORDS.contains(&l.name.as_str()) {
             return Err(PyValueError::new_err(format!(
                 "level {:?} is named like a keyword of Policy calls {KEYWORDS:?}: rename the level",
@@ -563,13 +563,6 @@ fn check_levels(py: Python<'_>, levels: &[LevelPy]) -> PyResult<()> {
                 "level {:?} is named like a unit a level counts: its keyword would be both a key \
                  and a cost; rename the level",
                 l.name
-            )));
-        }
-        if let Some(o) = levels[..i].iter().find(|o| o.obj.bind(py).is(l.obj.bind(py))) {
-            return Err(PyValueError::new_err(format!(
-                "level {:?} is the same limit object as level {:?}: every request would take it \
-                 twice; pass it once",
-                l.name, o.name
             )));
         }
     }
