@@ -8,23 +8,8 @@ use ratequeue_core::keyed::KeyTaken;
 use ratequeue_core::{AnyClock, Bucket, KeyedLimiter, Limiter, ManualClock, Rate, Resource};
 use std::sync::Arc;
 
-const S: u64 = 1_000_000_000;
-
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
+mod common;
+use common::{check_windows, Lcg, S};
 
 struct Grant {
     at: u64,
@@ -32,20 +17,6 @@ struct Grant {
     net: f64,
     /// None: given back without its record (`refund_since`, from its time and cost).
     held: Option<Taken>,
-}
-
-fn check_windows(grants: &[Grant], per_sec: f64, burst: u64) {
-    let mut g: Vec<(u64, f64)> = grants.iter().map(|g| (g.at, g.net)).collect();
-    g.sort_by_key(|x| x.0);
-    for i in 0..g.len() {
-        let mut total = 0.0;
-        for j in i..g.len() {
-            total += g[j].1;
-            let d = (g[j].0 - g[i].0) as f64 / S as f64;
-            let bound = burst as f64 + per_sec * d + 1e-6;
-            assert!(total <= bound, "window [{}, {}]: {total} > {bound}", g[i].0, g[j].0);
-        }
-    }
 }
 
 /// Takes now or ahead; give-backs by the full record, by a token (a grant whose time
@@ -100,7 +71,7 @@ fn run(seed: u64, per_sec: f64, burst: u64, rate_changes: bool) {
             _ => {}
         }
     }
-    check_windows(&grants, per_sec, burst);
+    check_windows(grants.iter().map(|g| (g.at, g.net)), per_sec, burst);
 }
 
 #[test]
