@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean
+.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,12 @@ test-loom:
 
 test-python: build
 	cd tests && ../$(PY) -m pytest -q
+
+# The history checker over >= 10^6 random operations (threads, asyncio tasks, virtual
+# time; prints the totals and the violations), then the fork stress when there is one.
+stress: build
+	cd tests && ../$(PY) stress_history.py --ops 1000000 --quiet
+	if $(MAKE) -n stress-fork >/dev/null 2>&1; then $(MAKE) stress-fork; fi
 
 lint: build
 	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"
