@@ -932,8 +932,11 @@ class Ops(History):
 
 
 class Single(Ops):
-    def __init__(self, seed: int):
+    """``only``: the operation kinds to draw from (all by default), to narrow a repro."""
+
+    def __init__(self, seed: int, only: set[str] | None = None):
         super().__init__(seed, "single")
+        self.only = only
         self.tasks: list[tuple[asyncio.Task[Any], list[Req], dict[str, Any]]] = []
 
     async def settle(self, rounds: int = 5) -> None:
@@ -1085,19 +1088,20 @@ class Single(Ops):
 
     async def main(self, n_ops: int) -> None:
         r = self.rng
-        ops = [
-            (self.op_try, 14, True),
-            (self.op_reserve, 6, True),
-            (self.op_wait, 14, False),
-            (self.op_policy_wait, 5, False),
-            (lambda h: self.op_policy_try(h, False), 5, True),
-            (lambda h: self.op_policy_try(h, True), 4, True),
-            (self.op_finish, 16, True),
-            (self.op_cancel_task, 4, False),
-            (self.op_retry_after, 3, False),
-            (self.op_reserve_retry, 2, True),
-            (None, 18, False),  # the driver: time moves
-        ]
+        table = {
+            "try": (self.op_try, 14, True),
+            "reserve": (self.op_reserve, 6, True),
+            "wait": (self.op_wait, 14, False),
+            "policy_wait": (self.op_policy_wait, 5, False),
+            "policy_try": (lambda h: self.op_policy_try(h, False), 5, True),
+            "policy_reserve": (lambda h: self.op_policy_try(h, True), 4, True),
+            "finish": (self.op_finish, 16, True),
+            "cancel_task": (self.op_cancel_task, 4, False),
+            "retry_after": (self.op_retry_after, 3, False),
+            "reserve_retry": (self.op_reserve_retry, 2, True),
+            "clock": (None, 18, False),  # the driver: time moves
+        }
+        ops = [v for k, v in table.items() if self.only is None or k in self.only]
         cum = list(itertools.accumulate(w for _, w, _ in ops))
         for i in range(n_ops):
             if i % 256 == 0:
@@ -1393,10 +1397,17 @@ class Threads(Ops):
         self.final_checks()
 
 
-def run(seed: int, ops: int = 2000, mode: str = "single", hang_after: float = 60.0) -> Result:
-    """One randomized run; returns its violations (empty when every promise held)."""
+def run(
+    seed: int,
+    ops: int = 2000,
+    mode: str = "single",
+    hang_after: float = 60.0,
+    only: set[str] | None = None,
+) -> Result:
+    """One randomized run; returns its violations (empty when every promise held).
+    ``only`` (single mode): the operation kinds drawn, e.g. {"try", "wait", "clock"}."""
     if mode == "single":
-        h: Ops = Single(seed)
+        h: Ops = Single(seed, only)
         try:
             asyncio.run(h.main(ops))  # type: ignore[attr-defined]
         except Exception as e:

@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["single", "threads", "both"], default="both")
     ap.add_argument("--hang-after", type=float, default=120.0, help="seconds per run")
     ap.add_argument("--quiet", action="store_true", help="no line per run")
+    ap.add_argument(
+        "--only", nargs="*", help="single mode: draw only these operation kinds (narrow a repro)"
+    )
     a = ap.parse_args(argv)
 
     modes = ["single", "threads"] if a.mode == "both" else [a.mode]
@@ -57,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
         # A hang (a deadlock, a spin holding the GIL) dumps every stack and exits.
         faulthandler.dump_traceback_later(a.hang_after * 1.5 + 5, exit=True)
         t0 = time.monotonic()
-        res = history.run(s, a.per_run, mode, hang_after=a.hang_after)
+        only = set(a.only) if a.only else None
+        res = history.run(s, a.per_run, mode, hang_after=a.hang_after, only=only)
         faulthandler.cancel_dump_traceback_later()
         runs += 1
         total_ops += res.ops
