@@ -9,6 +9,7 @@ operations.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +19,14 @@ from history import NS, History, Req
 
 HERE = Path(__file__).resolve().parent
 STRESS = HERE / "stress_history.py"
+
+
+def _passed(r: subprocess.CompletedProcess[str], least: int) -> None:
+    """No violation, and the checks were not vacuous (enough grants and orders checked)."""
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
+    m = re.search(r", 0 violations .*?([\d,]+) rate grants and ([\d,]+) ordered grants", r.stdout)
+    assert m, r.stdout[-2000:]
+    assert min(int(x.replace(",", "")) for x in m.groups()) >= least, m.group(0)
 
 
 def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
@@ -34,16 +43,14 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 def test_random_histories_from_one_thread_keep_every_promise():
     seeds = [str(s) for s in range(1, 13)]
     r = _run("--seeds", *seeds, "--mode", "single", "--per-run", "1500", timeout=30)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
-    assert ", 0 violations" in r.stdout
+    _passed(r, 2000)
 
 
 @pytest.mark.timeout(170)
 def test_random_histories_from_threads_and_tasks_keep_every_promise():
     seeds = [str(s) for s in range(1, 5)]
     r = _run("--seeds", *seeds, "--mode", "threads", "--per-run", "1500", timeout=30)
-    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
-    assert ", 0 violations" in r.stdout
+    _passed(r, 500)
 
 
 # ---------------------------------------------------------------------------------------
