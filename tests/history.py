@@ -823,6 +823,18 @@ class Ops(History):
 
     # -- liveness and accounting ------------------------------------------------
 
+    def check_deadline(self, q: Req, waited: float, timeout: float | None) -> None:
+        """A waiter is never granted after its deadline (it times out instead)."""
+        if timeout is not None and waited > timeout + 1e-9:
+            self.violate(
+                "deadline",
+                f"request {q.rid} on {q.level!r} was granted after waiting {waited} s, beyond its"
+                f" timeout of {timeout} s",
+                [q],
+                tail=0,
+                dedupe=("deadline", q.level),
+            )
+
     def expected_in_use(self) -> dict[tuple[str, Any], int]:
         return dict(self.held)
 
@@ -1010,6 +1022,7 @@ class Single(Ops):
         self.granted(q, t + round(p.waited * NS))
         self.bump("queued_grant" if p.waited else "grant")
         self.oplog[op] += f" [req {q.rid} granted after {p.waited}]"
+        self.check_deadline(q, p.waited, timeout)
         self.holders.append(Holder(p, [q], "permit"))
 
     async def policy_waiter(self, info: dict[str, Any], qs: list[Req]) -> None:
@@ -1261,6 +1274,7 @@ class Threads(Ops):
         q = self.new_req(name, key, cls, clist, "wait", op, t)
         self.granted(q, t + round(p.waited * NS))
         self.bump("queued_grant" if p.waited else "grant")
+        self.check_deadline(q, p.waited, timeout)
         mine.append(Holder(p, [q], "permit"))
 
     def driver(self) -> None:
@@ -1295,9 +1309,13 @@ class Threads(Ops):
             q = self.new_req(lv.name, key, cls, clist, "wait", op, t)
             self.granted(q, t + round(p.waited * NS))
             self.bump("queued_grant" if p.waited else "grant")
+            self.check_deadline(q, p.waited, timeout)
             held.append(Holder(p, [q], "permit"))
 
         async def main() -> None:
+            # The loop's channel first: making it takes system calls (GIL switch points),
+            # which must not fall between a clock reading and the submit it dates.
+            aio._channel_for(asyncio.get_running_loop())
             held: list[Holder] = []
             tasks: list[asyncio.Task[Any]] = []
             for _ in range(n_ops):
