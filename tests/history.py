@@ -956,8 +956,16 @@ class Single(Ops):
         does not move meanwhile)."""
         if not self.live_tasks() and not any(c.pending for c in aio._channels.values()):
             return  # nothing to deliver: no waiting task, no outcome owed to a cancelled one
-        for _ in range(rounds):
+        # At least ``rounds`` loop iterations, then until nothing moved for three in a row
+        # (a wake-up can take several: the reader, the future, the task, its next await).
+        last, still = None, 0
+        for i in range(200):
             await asyncio.sleep(0)
+            sig = (len(self.reqs), sum(1 for t, _, _ in self.tasks if t.done()), len(self.oplog))
+            still = still + 1 if sig == last else 0
+            last = sig
+            if i + 1 >= rounds and still >= 3:
+                return
 
     def live_tasks(self) -> bool:
         return any(not t.done() for t, _, _ in self.tasks)

@@ -33,7 +33,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--only", nargs="*", help="single mode: draw only these operation kinds (narrow a repro)"
     )
+    ap.add_argument(
+        "--shrink",
+        action="store_true",
+        help="single mode: for each failing seed, find the shortest failing prefix of its"
+        " operations and print it whole (a minimal repro)",
+    )
+    ap.add_argument("--kind", help="with --shrink: look for a violation of this kind only")
     a = ap.parse_args(argv)
+    if a.shrink:
+        only = set(a.only) if a.only else None
+        return shrink(a.seeds or [a.first_seed], a.per_run, only, a.kind)
 
     modes = ["single", "threads"] if a.mode == "both" else [a.mode]
     plan = [(s, m) for s in a.seeds for m in modes] if a.seeds else None
@@ -88,6 +98,38 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print(f"failing seeds: {failed}")
     return 1 if total_violations else 0
+
+
+def shrink(seeds: list[int], ops: int, only: set[str] | None, kind: str | None = None) -> int:
+    """The shortest failing run of each seed: a single-thread run repeats its first n
+    operations exactly for any n, so a bisection on n finds the first one that breaks."""
+
+    def fails(s: int, n: int) -> bool:
+        vs = history.run(s, n, "single", only=only).violations
+        return any(kind is None or v.kind == kind for v in vs)
+
+    failed = 0
+    for s in seeds:
+        if not fails(s, ops):
+            print(f"seed={s}: no violation in {ops} operations")
+            continue
+        failed += 1
+        lo, hi = 0, ops  # run(lo) passes, run(hi) fails
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fails(s, mid):
+                hi = mid
+            else:
+                lo = mid
+        h = history.Single(s, only)
+        history.asyncio.run(h.main(hi))
+        h.check()
+        print(f"seed={s}: the first {hi} operations break a promise; setup: {h.setup}")
+        shown = [v for v in h.violations if kind is None or v.kind == kind]
+        print("\n".join(v.format(s, "single") for v in shown[:3]))
+        print("whole log:")
+        print("\n".join(h.oplog))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
