@@ -293,8 +293,15 @@ class History:
         self.reqs.append(q)
         return q
 
-    def granted(self, q: Req, at_ns: int | None) -> None:
+    def granted(self, q: Req, at_ns: int | None, t0: int | None = None) -> None:
+        """Logs a grant at schedule time ``at_ns``. With ``t0``, the clock reading taken
+        right before the call: if the clock moved during the call (another thread's
+        driver step while the call waited for a lock without the GIL), the time the
+        library saw is unknown and the grant is left out of the time-based checks."""
         q.outcome = "granted"
+        if t0 is not None and self.now() != t0:
+            q.arrival_ns, at_ns = None, None
+            self.bump("undated")
         q.grant_ns = at_ns
         if not self.levels[q.level].is_rate:
             with self.lock:
@@ -583,7 +590,7 @@ class Ops(History):
                 self.oplog[op] += f" -> {ok}"
                 if ok:
                     q = self.new_req("lim", None, None, list(costs.values()), "try", op, t)
-                    self.granted(q, t)
+                    self.granted(q, t0=t, at_ns=t)
             elif lv.kind == "krate":
                 key, c = r.choice(lv.keys), r.randint(1, lv.rates[0].burst)
                 op = self.note(f"klim.try_acquire({key!r}, {c})")
@@ -592,7 +599,7 @@ class Ops(History):
                 self.oplog[op] += f" -> {ok}"
                 if ok:
                     q = self.new_req("klim", key, None, [c], "try", op, t)
-                    self.granted(q, t)
+                    self.granted(q, t0=t, at_ns=t)
             else:
                 key = r.choice(lv.keys)
                 n = r.randint(1, lv.limit)
@@ -604,7 +611,7 @@ class Ops(History):
                 self.oplog[op] += f" -> {p is not None}"
                 if p is not None:
                     q = self.new_req(lv.name, key, None, [n], "try", op, t)
-                    self.granted(q, t)
+                    self.granted(q, t0=t, at_ns=t)
                     holders.append(Holder(p, [q], "permit"))
             self.bump("try_acquire")
         except rq.CostTooLarge:
@@ -629,7 +636,7 @@ class Ops(History):
         at = t + round(res.delay * NS)
         self.oplog[op] += f" -> delay={res.delay}"
         q = self.new_req("lim", None, None, list(costs.values()), "reserve", op, t)
-        self.granted(q, at)
+        self.granted(q, t0=t, at_ns=at)
         holders.append(Holder(res, [q], "reservation"))
         self.bump("reserve")
 
@@ -658,7 +665,7 @@ class Ops(History):
         qs = self.policy_reqs(kw, op, t, "policy_" + name, took)
         at = t + round(p.delay * NS)
         for q in qs:
-            self.granted(q, at if self.levels[q.level].is_rate else t)
+            self.granted(q, t0=t, at_ns=at if self.levels[q.level].is_rate else t)
         holders.append(Holder(p, qs, "policy"))
         self.bump("policy_" + name)
 
