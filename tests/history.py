@@ -18,10 +18,12 @@ Afterwards, for every level (and key, and unit):
   true ones);
 * order: grant times never decrease in arrival order within a class (a request without
   a class - try_acquire, reserve, a Policy - against every class): no barging;
-* retry_after: a request retried after the ``retry_after`` it was told is admitted;
+* retry_after: a request retried after the ``retry_after`` it was told is admitted
+  (``retry_after()`` then ``try_acquire``; ``Overloaded.retry_after`` then ``reserve``);
+* deadlines: no waiter is granted after its timeout;
 * accounting: every permit returned (``in_use`` equals the permits held, 0 at the end),
-  no waiter stuck while its level has room, no waiter or permit left, every bucket full
-  again once time has repaid it.
+  a second cancel gives nothing back, no waiter stuck while its level has room, no
+  waiter or permit left, every bucket full again once time has repaid it.
 
 ``run(seed, ops, mode)``: ``mode="single"`` issues every operation from one thread
 (asyncio tasks for the waits) in random order against virtual time: exactly
@@ -30,7 +32,11 @@ timeouts), one thread with an asyncio loop and a driver thread at once, for race
 reproducible per seed up to the interleaving. Each call to the library and the clock
 reading that dates it run without a GIL switch in between (a long switch interval
 during the run; threads yield between operations), so the clock reading is the time the
-library saw.
+library saw; a call that saw the clock move anyway is left out of the time-based checks.
+
+Reproduce a failure with ``python tests/stress_history.py --seeds N --mode single``;
+``--shrink`` finds the shortest failing prefix of a seed, ``--only`` narrows the
+operation kinds.
 """
 
 from __future__ import annotations
