@@ -369,7 +369,14 @@ class History:
                 continue
             key = kw.get(n) if lv.kind in ("krate", "kconc") else None
             costs = [kw.get(x.unit, 1) for x in lv.rates] if lv.is_rate else [1]
-            out.append(self.new_req(n, key, None, costs, kind, op, arrival))
+            # A Policy acquire waits in a concurrency level's queue in its first class;
+            # everything else a Policy does is decided at once, behind every class.
+            cls = (
+                lv.classes[0]
+                if kind == "policy_acquire" and not lv.is_rate and lv.classes
+                else None
+            )
+            out.append(self.new_req(n, key, cls, costs, kind, op, arrival))
         return out
 
     def shadow_refused(self) -> int:
@@ -398,7 +405,10 @@ class History:
 
     def advance_to(self, target: int) -> None:
         """Moves the clock to ``target`` through every due time on the way, polling
-        every level there (as the real driver would wake at each)."""
+        every level there (as the real driver would wake at each). A poll now first:
+        levels other than a Limiter tell their next due time only through a poll, and a
+        waiter queued since the last one may be due (its deadline) before the target."""
+        self.poll_all()
         for _ in range(10_000):
             now = self.now()
             nxt = self.next_due()
@@ -690,7 +700,8 @@ class Ops(History):
             gave = h.obj.cancel()
             self.oplog[op] += f" -> {gave}"
             if gave:
-                q.eff = [0] * len(q.eff)
+                # Given back: not counted, and later arrivals may take its place.
+                q.eff, q.lead = [0] * len(q.eff), False
                 self.bump("refunds")
             again = h.obj.cancel()
             if again:
@@ -705,6 +716,7 @@ class Ops(History):
             op = self.note(f"policy_permit(reqs {[q.rid for q in qs]}).cancel()")
             for q in qs:
                 self.ended(q)
+                q.lead = False  # later arrivals may take its place
                 if self.levels[q.level].is_rate:
                     q.eff = [0] * len(q.eff)  # given back where the rule allows: not counted
             h.obj.cancel()
@@ -1203,8 +1215,12 @@ class Single(Ops):
 
 
 class Threads(Ops):
-    def __init__(self, seed: int, workers: int = 3):
+    """``only``: the operation kinds of the worker threads (try, reserve, wait, policy,
+    finish; all by default) and "aio" for the asyncio thread."""
+
+    def __init__(self, seed: int, workers: int = 3, only: set[str] | None = None):
         super().__init__(seed, "threads")
+        self.only = only
         self.n_workers = workers
         self.stop = threading.Event()
         self.errors: list[str] = []
@@ -1214,18 +1230,17 @@ class Threads(Ops):
         self._local.rng = rng  # the helpers draw from this thread's generator
         mine: list[Holder] = []
         try:
+            kinds = [
+                ("try", 25, lambda: self.op_try(mine)),
+                ("reserve", 10, lambda: self.op_reserve(mine)),
+                ("wait", 25, lambda: self.blocking(rng, mine)),
+                ("policy", 8, lambda: self.op_policy_try(mine, rng.random() < 0.5)),
+                ("finish", 32, lambda: self.op_finish(mine)),
+            ]
+            kinds = [k for k in kinds if self.only is None or k[0] in self.only]
+            cum = list(itertools.accumulate(w for _, w, _ in kinds))
             for _ in range(n_ops):
-                x = rng.random()
-                if x < 0.25:
-                    self.op_try(mine)
-                elif x < 0.35:
-                    self.op_reserve(mine)
-                elif x < 0.6:
-                    self.blocking(rng, mine)
-                elif x < 0.68:
-                    self.op_policy_try(mine, rng.random() < 0.5)
-                else:
-                    self.op_finish(mine)
+                rng.choices(kinds, cum_weights=cum)[0][2]()
                 time.sleep(0)  # a GIL switch point between operations
         except Exception:
             self.errors.append(traceback.format_exc())
@@ -1404,9 +1419,12 @@ class Threads(Ops):
                 threading.Thread(target=self.worker, args=(i, per), daemon=True, name=f"hist-w{i}")
                 for i in range(self.n_workers)
             ]
-            workers.append(
-                threading.Thread(target=self.aio_thread, args=(per,), daemon=True, name="hist-aio")
-            )
+            if self.only is None or "aio" in self.only:
+                workers.append(
+                    threading.Thread(
+                        target=self.aio_thread, args=(per,), daemon=True, name="hist-aio"
+                    )
+                )
             drv = threading.Thread(target=self.driver, daemon=True, name="hist-driver")
             drv.start()
             for w in workers:
@@ -1444,7 +1462,8 @@ def run(
     only: set[str] | None = None,
 ) -> Result:
     """One randomized run; returns its violations (empty when every promise held).
-    ``only`` (single mode): the operation kinds drawn, e.g. {"try", "wait", "clock"}."""
+    ``only``: the operation kinds drawn, e.g. {"try", "wait", "clock"} (see Single and
+    Threads)."""
     if mode == "single":
         h: Ops = Single(seed, only)
         try:
@@ -1452,7 +1471,7 @@ def run(
         except Exception as e:
             h.violate("error", f"unexpected {type(e).__name__}: {e}", [])
     else:
-        h = Threads(seed)
+        h = Threads(seed, only=only)
         h.run(ops, hang_after)
     h.check()
     n = sum(1 for line in h.oplog if " clock +" not in line)

@@ -30,9 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", choices=["single", "threads", "both"], default="both")
     ap.add_argument("--hang-after", type=float, default=120.0, help="seconds per run")
     ap.add_argument("--quiet", action="store_true", help="no line per run")
-    ap.add_argument(
-        "--only", nargs="*", help="single mode: draw only these operation kinds (narrow a repro)"
-    )
+    ap.add_argument("--only", nargs="*", help="draw only these operation kinds (narrow a repro)")
     ap.add_argument(
         "--shrink",
         action="store_true",
