@@ -522,6 +522,7 @@ class History:
             by.setdefault((q.level, q.key), []).append(q)
         threads = self.mode == "threads"
         for (name, key), qs in by.items():
+            several = len(self.levels[name].classes) > 1
             if threads:
                 qs.sort(key=lambda q: (q.arrival_ns, q.arrival_seq))
             else:
@@ -539,7 +540,11 @@ class History:
                 if q is None:
                     break
                 if q.cls is None:
-                    ahead = [b for b in best.values()]
+                    ahead = list(best.values())
+                elif several:
+                    # Weighted shares may serve a class before an earlier reservation of
+                    # no class, as long as the reservation keeps its promised time.
+                    ahead = [b for c, b in best.items() if c == q.cls]
                 else:
                     ahead = [b for c, b in best.items() if c is None or c == q.cls]
                 for b in ahead:
