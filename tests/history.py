@@ -571,6 +571,15 @@ class History:
             self.bump("order_pairs_checked", len(qs))
 
 
+def _outcomes_owed() -> bool:
+    """True while an event loop's channel in ratequeue.aio still expects an outcome (a
+    look at the adapter's internals, for settling the loop; either of its shapes)."""
+    for c in list(aio._channels.values()):
+        if getattr(c, "acqs", None) or getattr(c, "pending", None):
+            return True
+    return False
+
+
 def _keep_max(best: dict[str | None, Req], q: Req) -> None:
     b = best.get(q.cls)
     if b is None or q.grant_ns > b.grant_ns:
@@ -984,7 +993,7 @@ class Single(Ops):
     async def settle(self, rounds: int = 5) -> None:
         """Lets the loop deliver every outcome and resume every task it woke (the clock
         does not move meanwhile)."""
-        if not self.live_tasks() and not any(c.pending for c in aio._channels.values()):
+        if not self.live_tasks() and not _outcomes_owed():
             return  # nothing to deliver: no waiting task, no outcome owed to a cancelled one
         # At least ``rounds`` loop iterations, then until nothing moved for three in a row
         # (a wake-up can take several: the reader, the future, the task, its next await).
@@ -1402,7 +1411,7 @@ class Threads(Ops):
             # let it, before the loop closes (a loop closed with outcomes owed is issue
             # 10's defect 5, tested on its own).
             end = time.monotonic() + 5
-            while any(c.pending for c in aio._channels.values()) and time.monotonic() < end:
+            while _outcomes_owed() and time.monotonic() < end:
                 await asyncio.sleep(0.001)
             while held:
                 h = held.pop()
