@@ -933,8 +933,6 @@ class Ops(History):
         """Nothing waits, nothing is held, and once time has repaid every bucket each is
         full and admits a whole burst."""
         for lv in self.levels.values():
-            if lv.kind in ("rate", "conc") and lv.obj.waiting:
-                self.violate("leftover", f"{lv.name}: {lv.obj.waiting} waiters left", [])
             if not lv.is_rate:
                 for key in lv.keys:
                     if self.in_use(lv, key):
@@ -951,6 +949,10 @@ class Ops(History):
             self.advance_to(self.now() + 2 * longest + NS)
             if all(self._full(lv) for lv in self.levels.values() if lv.is_rate):
                 break
+        # Every waiter's owner is gone; queued reservations are due by now.
+        for lv in self.levels.values():
+            if lv.kind in ("rate", "conc") and lv.obj.waiting:
+                self.violate("leftover", f"{lv.name}: {lv.obj.waiting} waiters left", [])
         for lv in self.levels.values():
             if lv.kind == "rate":
                 for x in lv.rates:
