@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress
+.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress stress-fork
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -53,7 +53,12 @@ test-python: build
 # time; prints the totals and the violations), then the fork stress when there is one.
 stress: build
 	cd tests && ../$(PY) stress_history.py --ops 1000000 --quiet
-	if $(MAKE) -n stress-fork >/dev/null 2>&1; then $(MAKE) stress-fork; fi
+	$(MAKE) stress-fork
+
+# The fork stress test 200 times (forks from many threads while others use every lock).
+stress-fork: build
+	cd tests && RATEQUEUE_FORK_STRESS_RUNS=200 ../$(PY) -m pytest -q \
+		test_fork_safety.py -k stress
 
 lint: build
 	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"

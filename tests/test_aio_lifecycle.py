@@ -356,9 +356,12 @@ def test_a_forked_child_never_writes_to_an_inherited_descriptor(tmp_path):
             os.close(fd)  # the child reuses the number for a file of its own
             mine = os.open(tmp_path / "child", os.O_RDWR | os.O_CREAT)
             assert mine == fd
+            # The child starts with every permit free (the parent's are not its own).
+            own = c.try_acquire()
+            assert own is not None
             ticket = c.acquire_async()._submit(inherited)
             assert isinstance(ticket, int)
-            held.release()  # granted to a waiter on the inherited channel
+            own.release()  # granted to a waiter on the inherited channel
             assert os.fstat(mine).st_size == 0
             p = c.try_acquire()  # the channel handed the grant back
             assert p is not None

@@ -6,8 +6,6 @@ its types and adds thin Python adapters.
 
 from __future__ import annotations
 
-import os as _os
-
 from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
@@ -27,14 +25,8 @@ from ._ratequeue import (
 )
 from .pool import Pool, PoolOverloaded, Provider
 
-# Fork safety: no queue is copied into a child while another thread changes it, and a
-# child drops the waiters it inherited (their threads and loops are not there).
-if hasattr(_os, "register_at_fork"):
-    from ._ratequeue import _after_fork, _after_fork_parent, _before_fork
-
-    _os.register_at_fork(
-        before=_before_fork, after_in_parent=_after_fork_parent, after_in_child=_after_fork
-    )
+# Fork safety needs no Python hook: the core takes and releases its locks in
+# pthread_atfork handlers, and a child drops the waiters it inherited.
 
 __all__ = [
     "Acquiring",

@@ -115,6 +115,16 @@ _wrappers: set[Callable[..., None]] = set()
 _registry_lock = threading.Lock()
 
 
+def _after_fork_in_child() -> None:
+    """A thread of the parent may have held the registry's lock at fork: a fresh one."""
+    global _registry_lock
+    _registry_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def _channel_for(loop: asyncio.AbstractEventLoop) -> _LoopChannel:
     core = _channels.get(loop)
     if core is not None and core.pid == os.getpid() and core.loop_part is not None:

@@ -656,6 +656,11 @@ impl Bucket {
         (p.tau as f64 - used as f64) / (1u64 << p.m) as f64
     }
 
+    /// Holds the rate-change lock (for a fork).
+    pub(crate) fn change_lock(&self) -> crate::sync::MutexGuard<'_, ()> {
+        self.change.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Changes the rate and burst at `at_ns`, keeping the content used so far (in units):
     /// from the change on, admissions obey the new rate and burst.
     pub fn set_rate(&self, at_ns: u64, rate: Rate) {

@@ -117,23 +117,27 @@ pub struct Channel {
 impl Channel {
     /// A channel that never signals: its owner drains it after each step (virtual time).
     pub fn new() -> Arc<Channel> {
-        Arc::new(Channel {
+        let c = Arc::new(Channel {
             ready: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
             signalled: AtomicBool::new(false),
             fd: None,
-        })
+        });
+        crate::fork::register_arc(&c);
+        c
     }
 
     /// A channel with a wake-up descriptor of its own (close-on-exec, non-blocking),
     /// readable at [`Channel::fileno`] until the last reference goes.
     pub fn with_wakeup() -> io::Result<Arc<Channel>> {
-        Ok(Arc::new(Channel {
+        let c = Arc::new(Channel {
             ready: Mutex::new(Vec::new()),
             closed: AtomicBool::new(false),
             signalled: AtomicBool::new(false),
             fd: Some(WakeFd::new()?),
-        }))
+        });
+        crate::fork::register_arc(&c);
+        Ok(c)
     }
 
     /// The descriptor that becomes readable when outcomes arrive (None: never signals).
@@ -209,6 +213,16 @@ impl Channel {
     /// True once closed.
     pub fn is_closed(&self) -> bool {
         self.closed.load(Ordering::Acquire)
+    }
+}
+
+impl crate::fork::ForkLocks for Channel {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Leaf
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(lock(&self.ready)));
     }
 }
 

@@ -45,6 +45,27 @@ impl Semaphore {
     }
 }
 
+/// In a child, the permits held before the fork belong to threads that are not there
+/// (or, for the forking thread, to a permit that gives nothing back in the child): the
+/// child starts with every permit free.
+struct Reset<'a>(&'a Semaphore);
+
+impl crate::fork::Held for Reset<'_> {
+    fn in_child(&mut self) {
+        self.0.in_use.store(0, Ordering::Release);
+    }
+}
+
+impl crate::fork::ForkLocks for Semaphore {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(Reset(self)));
+    }
+}
+
 /// True when `n` more permits fit beside `in_use` under `limit` (no overflow, whatever
 /// the numbers).
 #[inline]

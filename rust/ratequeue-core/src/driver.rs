@@ -3,14 +3,22 @@
 //! Queues ask for a wake-up when their next due time moves earlier; no queue is ever
 //! polled on a timer of its own. After `fork` the child gets a driver of its own on
 //! first use (the parent's thread does not exist there).
+//!
+//! Recovery: a panic in a wake is caught (the queue is looked at again shortly after);
+//! if the thread ends anyway, it starts its successor when wake-ups are pending, and
+//! otherwise the next `schedule` does; a driver that cannot start is reported to the
+//! caller (a waiter is then refused with a clear error instead of waiting forever).
 
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
-use std::sync::atomic::{AtomicPtr, Ordering};
-use std::sync::{Condvar, Mutex, Weak};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::{Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::clock::monotonic_ns;
+use crate::error::Error;
+use crate::fork::Held;
 use crate::queue::WaitQueue;
 
 extern "C" {
@@ -36,6 +44,46 @@ fn precise_timers() {
 pub fn pid() -> i32 {
     // SAFETY: getpid has no preconditions and cannot fail.
     unsafe { getpid() }
+}
+
+/// After a wake panicked, its queue is looked at again this much later.
+const RETRY_AFTER_PANIC_NS: u64 = 10_000_000;
+
+/// Faults a test can inject into the driver.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub enum Fault {
+    /// The next spawns of a driver thread fail.
+    FailSpawn,
+    /// The next wakes panic (before polling their queue).
+    PanicWake,
+    /// The driver thread ends at its next wake.
+    Exit,
+}
+
+static FAIL_SPAWNS: AtomicU32 = AtomicU32::new(0);
+static PANIC_WAKES: AtomicU32 = AtomicU32::new(0);
+static EXITS: AtomicU32 = AtomicU32::new(0);
+
+/// Test hook: injects `fault` the next `n` times it can happen.
+#[doc(hidden)]
+pub fn inject_fault(fault: Fault, n: u32) {
+    let c = match fault {
+        Fault::FailSpawn => &FAIL_SPAWNS,
+        Fault::PanicWake => &PANIC_WAKES,
+        Fault::Exit => &EXITS,
+    };
+    c.store(n, Ordering::Release);
+}
+
+fn take_fault(c: &AtomicU32) -> bool {
+    c.load(Ordering::Relaxed) != 0
+        && c.fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| n.checked_sub(1))
+            .is_ok()
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The driver's time resolution: it sleeps at least this long between wake-ups (grants
@@ -70,7 +118,6 @@ impl Ord for Entry {
 struct State {
     heap: BinaryHeap<Entry>,
     next_id: u64,
-    running: bool,
 }
 
 /// The process's driver.
@@ -78,6 +125,8 @@ pub struct Driver {
     pid: i32,
     state: Mutex<State>,
     cv: Condvar,
+    /// A driver thread runs (changed only under `state`'s lock).
+    running: AtomicBool,
 }
 
 static DRIVER: AtomicPtr<Driver> = AtomicPtr::new(std::ptr::null_mut());
@@ -97,6 +146,7 @@ pub fn driver() -> &'static Driver {
             pid: me,
             state: Mutex::default(),
             cv: Condvar::new(),
+            running: AtomicBool::new(false),
         }));
         match DRIVER.compare_exchange(p, fresh, Ordering::AcqRel, Ordering::Acquire) {
             // SAFETY: just leaked above.
@@ -107,27 +157,75 @@ pub fn driver() -> &'static Driver {
     }
 }
 
+/// Takes this process's driver state for a fork (see [`crate::fork`]).
+pub(crate) fn lock_for_fork() -> Option<Box<dyn Held>> {
+    // SAFETY: drivers are leaked, never freed.
+    let d = unsafe { DRIVER.load(Ordering::Acquire).as_ref() }?;
+    (d.pid == pid()).then(|| Box::new(lock(&d.state)) as Box<dyn Held>)
+}
+
+/// Ends the driver thread's turn: whatever way it ends, `running` is cleared, and a
+/// successor starts at once if wake-ups are pending.
+struct Exit(&'static Driver);
+
+impl Drop for Exit {
+    fn drop(&mut self) {
+        let mut s = lock(&self.0.state);
+        self.0.running.store(false, Ordering::Release);
+        if !s.heap.is_empty() {
+            let _ = self.0.start(&mut s);
+        }
+    }
+}
+
 impl Driver {
-    /// Wakes `queue` at `t` (monotonic nanoseconds) or soon after.
-    pub fn schedule(&'static self, queue: Weak<WaitQueue>, t: u64) {
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+    /// Wakes `queue` at `t` (monotonic nanoseconds) or soon after. Err when no driver
+    /// thread runs and none can be started (the wake-up stays pending for the next one).
+    pub fn schedule(&'static self, queue: Weak<WaitQueue>, t: u64) -> Result<(), Error> {
+        let mut s = lock(&self.state);
         let earliest = s.heap.peek().map(|e| e.t);
         let id = s.next_id;
         s.next_id += 1;
         s.heap.push(Entry { t, id, queue });
-        if !s.running {
-            let spawned = std::thread::Builder::new()
+        if !self.running.load(Ordering::Acquire) {
+            self.start(&mut s)
+        } else {
+            if earliest.is_none_or(|e| t < e) {
+                self.cv.notify_one();
+            }
+            Ok(())
+        }
+    }
+
+    /// True while a driver thread runs.
+    pub fn is_running(&self) -> bool {
+        self.running.load(Ordering::Acquire)
+    }
+
+    fn start(&'static self, _s: &mut State) -> Result<(), Error> {
+        let spawned = if take_fault(&FAIL_SPAWNS) {
+            Err(std::io::Error::other("injected by a test"))
+        } else {
+            std::thread::Builder::new()
                 .name("ratequeue-driver".into())
-                .spawn(move || self.run());
-            s.running = spawned.is_ok();
-        } else if earliest.is_none_or(|e| t < e) {
-            self.cv.notify_one();
+                .spawn(move || self.run())
+        };
+        match spawned {
+            Ok(_) => {
+                self.running.store(true, Ordering::Release);
+                Ok(())
+            }
+            Err(e) => Err(Error::Overloaded {
+                reason: format!("the ratequeue driver thread could not start ({e}), so nothing can wait"),
+                retry_after_ns: 0,
+            }),
         }
     }
 
     fn run(&'static self) {
+        let _exit = Exit(self);
         precise_timers();
-        let mut s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+        let mut s = lock(&self.state);
         loop {
             let now = monotonic_ns();
             match s.heap.peek().map(|e| e.t) {
@@ -141,13 +239,99 @@ impl Driver {
                 }
                 Some(_) => {
                     let e = s.heap.pop().expect("peeked");
+                    if take_fault(&EXITS) {
+                        s.heap.push(e);
+                        return;
+                    }
                     drop(s);
                     if let Some(q) = e.queue.upgrade() {
-                        q.driver_wake(e.t);
+                        let woke = catch_unwind(AssertUnwindSafe(|| {
+                            if take_fault(&PANIC_WAKES) {
+                                panic!("ratequeue driver: a panic injected into a wake by a test");
+                            }
+                            q.driver_wake(e.t);
+                        }));
+                        if woke.is_err() {
+                            // The queue may have stopped half-way: look at it again soon.
+                            q.driver_rearm();
+                            let mut s = lock(&self.state);
+                            let id = s.next_id;
+                            s.next_id += 1;
+                            s.heap.push(Entry {
+                                t: monotonic_ns().saturating_add(RETRY_AFTER_PANIC_NS),
+                                id,
+                                queue: e.queue,
+                            });
+                        }
                     }
-                    s = self.state.lock().unwrap_or_else(|e| e.into_inner());
+                    s = lock(&self.state);
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::queue::{Outcome, Slot};
+    use crate::{AnyClock, Limiter, QueueConfig, Rate, Submitted, Wake};
+    use std::sync::Arc;
+
+    const LONG: Duration = Duration::from_secs(10);
+
+    fn real_time_queue() -> Arc<WaitQueue> {
+        let lim = Limiter::new(
+            vec![("requests".into(), Rate::new(50.0, 1e9, 1).unwrap())],
+            AnyClock::Monotonic,
+        )
+        .unwrap();
+        WaitQueue::new(
+            Arc::new(lim),
+            1,
+            AnyClock::Monotonic,
+            QueueConfig::new(vec![], 1000, None).unwrap(),
+        )
+    }
+
+    /// Submits one request behind a used-up bucket: its slot, or the refusal.
+    fn submit(q: &Arc<WaitQueue>) -> Result<Arc<Slot>, Error> {
+        loop {
+            let s = Slot::new();
+            let s2 = s.clone();
+            if let Submitted::Queued(_) = q.submit(&[1], 0, None, || Wake::Thread(s2))? {
+                return Ok(s);
+            }
+        }
+    }
+
+    fn granted(s: &Slot, within: Duration) -> bool {
+        matches!(s.wait(Some(within)), Some(Outcome::Granted { .. }))
+    }
+
+    #[test]
+    fn recovers_from_a_panicking_wake_its_death_and_failed_spawns() {
+        // One test: the faults are process-wide.
+        let q = real_time_queue();
+        inject_fault(Fault::PanicWake, 1);
+        assert!(granted(&submit(&q).unwrap(), LONG), "served after a panicking wake");
+
+        inject_fault(Fault::Exit, 1);
+        assert!(granted(&submit(&q).unwrap(), LONG), "served by a successor");
+
+        // The thread ends and its successor cannot start: the pending wait-up is served
+        // by the driver the next `schedule` starts; a waiter that finds no driver and
+        // cannot start one is refused with a clear error.
+        inject_fault(Fault::Exit, 1);
+        inject_fault(Fault::FailSpawn, 1);
+        let first = submit(&q).unwrap();
+        assert!(!granted(&first, Duration::from_millis(300)));
+        inject_fault(Fault::FailSpawn, 1);
+        match submit(&q) {
+            Err(Error::Overloaded { reason, .. }) => assert!(reason.contains("driver"), "{reason}"),
+            other => panic!("{:?}", other.map(|_| ())),
+        }
+        let last = submit(&q).unwrap();
+        assert!(granted(&first, LONG) && granted(&last, LONG));
     }
 }

@@ -241,6 +241,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
 /// Eviction counters of a keyed map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyedCounts {
@@ -369,13 +377,16 @@ impl KeyedLimiter {
         self.per_shard.saturating_mul(self.shards.len())
     }
 
-    fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
-        let i = if self.shard_bits == 0 {
+    fn shard_index(&self, key: u64) -> usize {
+        if self.shard_bits == 0 {
             0
         } else {
             (key >> (64 - self.shard_bits)) as usize
-        };
-        lock(&self.shards[i].0)
+        }
+    }
+
+    fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
+        lock(&self.shards[self.shard_index(key)].0)
     }
 
     /// The arithmetic of shard `t` for a reading at `at_ns`, rebasing the shard first
@@ -483,14 +494,41 @@ impl KeyedLimiter {
         scheduled: bool,
     ) -> Result<KeyTaken, Deny> {
         let mut t = self.shard(key);
-        let p = self.params_at(&mut t, at_ns);
+        self.take_in(&mut t, key, at_ns, cost, max_delay_ns, scheduled)
+    }
+
+    /// [`KeyedLimiter::take`] without waiting for the key's shard lock: None (nothing
+    /// changed) when it is busy.
+    #[inline]
+    pub fn take_nowait(&self, key: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Option<Result<KeyTaken, Deny>> {
+        let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
+        Some(self.take_in(&mut t, key, at_ns, cost, max_delay_ns, false))
+    }
+
+    /// [`KeyedLimiter::try_acquire`] without waiting for a lock: None when it is busy.
+    #[inline]
+    pub fn try_acquire_nowait(&self, key: u64, cost: u64) -> Option<Result<(), Deny>> {
+        self.take_nowait(key, self.clock.now_ns(), cost, 0)
+            .map(|r| r.map(|_| ()))
+    }
+
+    fn take_in(
+        &self,
+        t: &mut Table,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
+        let p = self.params_at(t, at_ns);
         let found = t.find(key);
         let before = found.map_or(0, |i| t.slots[i].tat);
         let (new, delay_ns) = p.step(before, at_ns, cost, max_delay_ns, scheduled)?;
         match found {
             Some(i) => t.slots[i].tat = new,
             None => {
-                self.make_room(&mut t, p.ticks(at_ns));
+                self.make_room(t, p.ticks(at_ns));
                 t.insert_new(key, new);
             }
         }
@@ -746,6 +784,14 @@ impl KeyedLimiter {
         p.available(tat, now)
     }
 
+    /// Test hook: holds every shard's lock for `d` (as a long decision would).
+    #[doc(hidden)]
+    pub fn hold_locks_for(&self, d: std::time::Duration) {
+        let held: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        std::thread::sleep(d);
+        drop(held);
+    }
+
     /// Drops every key whose bucket is full again; returns how many.
     pub fn sweep(&self) -> usize {
         let now_ns = self.clock.now_ns();
@@ -810,6 +856,18 @@ impl KeyedSemaphore {
 
     /// Takes `n` permits on `key` now or refuses.
     pub fn try_take(&self, key: u64, n: u64) -> Result<(), Deny> {
+        self.take_in(&mut self.shard(key), key, n)
+    }
+
+    /// [`KeyedSemaphore::try_take`] without waiting for the key's shard lock: None
+    /// (nothing changed) when it is busy.
+    #[inline]
+    pub fn try_take_nowait(&self, key: u64, n: u64) -> Option<Result<(), Deny>> {
+        let mut m = try_lock(&self.shards[(key >> (64 - self.shard_bits)) as usize].0)?;
+        Some(self.take_in(&mut m, key, n))
+    }
+
+    fn take_in(&self, m: &mut HashMap<u64, u64>, key: u64, n: u64) -> Result<(), Deny> {
         if n > self.limit {
             return Err(Deny::TooLarge {
                 cost: n,
@@ -817,7 +875,6 @@ impl KeyedSemaphore {
                 unit: 0,
             });
         }
-        let mut m = self.shard(key);
         let cur = m.get(&key).copied().unwrap_or(0);
         if !crate::concurrency::fits(cur, n, self.limit) {
             return Err(Deny::Wait(u64::MAX));
@@ -850,6 +907,38 @@ impl KeyedSemaphore {
     /// True when no key holds a permit.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+}
+
+impl crate::fork::ForkLocks for KeyedLimiter {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        let shards: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        held.push(Box::new(shards));
+    }
+}
+
+/// A keyed semaphore's shard held across a fork; in the child every permit is free (see
+/// [`crate::Semaphore`]'s fork note).
+struct ShardReset<'a>(MutexGuard<'a, HashMap<u64, u64>>);
+
+impl crate::fork::Held for ShardReset<'_> {
+    fn in_child(&mut self) {
+        self.0.clear();
+    }
+}
+
+impl crate::fork::ForkLocks for KeyedSemaphore {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        let shards: Vec<_> = self.shards.iter().map(|s| ShardReset(lock(&s.0))).collect();
+        held.push(Box::new(shards));
     }
 }
 
@@ -892,6 +981,12 @@ impl crate::queue::Resource for KeyBucket {
 
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.keyed.take(self.key, now_ns, costs[0], 0).map(|t| Some(t.token()))
+    }
+
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        self.keyed
+            .take_nowait(self.key, now_ns, costs[0], 0)
+            .map(|r| r.map(|t| Some(t.after)))
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
@@ -946,6 +1041,10 @@ pub struct KeyPermits {
 impl crate::queue::Resource for KeyPermits {
     fn try_take(&self, _now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
         self.sem.try_take(self.key, costs[0])
+    }
+
+    fn try_take_token_nowait(&self, _now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        self.sem.try_take_nowait(self.key, costs[0]).map(|r| r.map(|_| None))
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {

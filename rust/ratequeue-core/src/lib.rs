@@ -7,6 +7,7 @@ pub mod clock;
 pub mod concurrency;
 pub mod driver;
 pub mod error;
+pub mod fork;
 pub mod histogram;
 pub mod keyed;
 pub mod limiter;

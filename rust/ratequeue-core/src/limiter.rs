@@ -31,6 +31,19 @@ pub struct Limiter {
     refunds_dropped: AtomicU64,
 }
 
+impl crate::fork::ForkLocks for Limiter {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(self.lock_multi()));
+        for b in self.buckets.iter() {
+            held.push(Box::new(b.change_lock()));
+        }
+    }
+}
+
 /// Capacity held for a caller from `at_ns` on, with every bucket's debit; given back by
 /// the one undo rule ([`Limiter::undo_reservation`]).
 #[derive(Clone, Debug)]
@@ -177,6 +190,33 @@ impl Limiter {
     /// at most `max_delay_ns`; all or nothing.
     fn take_all(&self, now: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
         let _serial = self.lock_multi();
+        self.take_all_serial(now, costs, max_delay_ns, scheduled)
+    }
+
+    /// [`Limiter::try_acquire`] without waiting for the multi-rate lock: None (nothing
+    /// changed) when another decision holds it.
+    #[inline]
+    pub fn try_acquire_nowait(&self, costs: &[u64]) -> Option<Result<(), Deny>> {
+        self.try_acquire_at_nowait(self.clock.now_ns(), costs)
+    }
+
+    #[inline]
+    fn try_acquire_at_nowait(&self, now: u64, costs: &[u64]) -> Option<Result<(), Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_acquire_at(now, costs));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(self.take_all_serial(now, costs, 0, false).map(|_| ()))
+    }
+
+    /// The body of [`Limiter::take_all`], with the multi-rate lock held.
+    fn take_all_serial(
+        &self,
+        now: u64,
+        costs: &[u64],
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<Reservation, Deny> {
         loop {
             let delay = self.delay_at(now, costs)?;
             if delay > max_delay_ns {
@@ -236,6 +276,15 @@ impl Limiter {
 
     fn lock_multi(&self) -> MutexGuard<'_, ()> {
         self.multi.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// [`Limiter::lock_multi`] if it is free now.
+    fn try_lock_multi(&self) -> Option<MutexGuard<'_, ()>> {
+        match self.multi.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 
     /// The lock every change of a multi-rate limiter holds (None for a single rate).
@@ -414,6 +463,18 @@ impl Resource for Limiter {
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.take_at_with(now_ns, costs, 0, false)
             .map(|r| Some(self.token_of(&r)))
+    }
+
+    #[inline]
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_take_token(now_ns, costs));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(
+            self.take_all_serial(now_ns, costs, 0, false)
+                .map(|r| Some(self.token_of(&r))),
+        )
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {

@@ -28,6 +28,12 @@ pub trait Resource: Send + Sync {
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.try_take(now_ns, costs).map(|_| None)
     }
+    /// [`Resource::try_take_token`] without waiting for a lock: None (nothing changed)
+    /// when one it needs is busy.
+    #[inline]
+    fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
+        Some(self.try_take_token(now_ns, costs))
+    }
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;
@@ -330,73 +336,28 @@ pub struct WaitQueue {
     waits: Vec<Arc<Histogram>>,
 }
 
-/// Incremented in a forked child (see [`after_fork_in_child`]).
-static FORK_GENERATION: AtomicU64 = AtomicU64::new(0);
-
-/// Every live queue, for the fork protocol.
-static QUEUES: Mutex<Vec<std::sync::Weak<WaitQueue>>> = Mutex::new(Vec::new());
-
-/// Locks held across a fork by the forking thread, released on both sides after it.
-type ForkHold = (
-    Vec<(MutexGuard<'static, Inner>, Arc<WaitQueue>)>,
-    Option<MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>>>,
-);
-
-thread_local! {
-    static FORK_HOLD: std::cell::RefCell<ForkHold> = const { std::cell::RefCell::new((Vec::new(), None)) };
+struct QueueHold<'a> {
+    queue: &'a WaitQueue,
+    inner: MutexGuard<'a, Inner>,
 }
 
-fn register(q: &Arc<WaitQueue>) {
-    let mut all = lock(&QUEUES);
-    if all.len() >= 64 && all.len().is_power_of_two() {
-        all.retain(|w| w.strong_count() > 0);
+impl crate::fork::Held for QueueHold<'_> {
+    fn in_child(&mut self) {
+        self.queue.forget_inherited(&mut self.inner);
     }
-    all.push(Arc::downgrade(q));
 }
 
-/// Call right before `fork` (ratequeue registers it with os.register_at_fork): takes
-/// every queue's lock, so that no queue is copied into the child in the middle of a
-/// change by another thread (the child would find it locked forever). A queue's lock
-/// is never held while waiting for another queue, the GIL or the driver, so this takes
-/// them all without deadlock.
-pub fn before_fork() {
-    let all = lock(&QUEUES);
-    let live: Vec<Arc<WaitQueue>> = all.iter().filter_map(|w| w.upgrade()).collect();
-    let mut held = Vec::with_capacity(live.len());
-    for q in live {
-        let g = lock(&q.inner);
-        // SAFETY: the guard borrows the mutex inside `q`, which is kept alive beside it
-        // and dropped after it (tuple order), on this thread, in `release_after_fork`.
-        let g: MutexGuard<'static, Inner> = unsafe { std::mem::transmute(g) };
-        held.push((g, q));
+impl crate::fork::ForkLocks for WaitQueue {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Queue
     }
-    // SAFETY: QUEUES is a static.
-    let all: MutexGuard<'static, Vec<std::sync::Weak<WaitQueue>>> = unsafe { std::mem::transmute(all) };
-    FORK_HOLD.with(|h| *h.borrow_mut() = (held, Some(all)));
-}
 
-/// Releases what `before_fork` took (a plain futex unlock: safe in the child, where the
-/// threads that may have waited for these locks do not exist).
-fn release_after_fork() {
-    let (held, all) = FORK_HOLD.with(|h| std::mem::take(&mut *h.borrow_mut()));
-    for (g, q) in held {
-        drop(g);
-        drop(q);
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(QueueHold {
+            queue: self,
+            inner: lock(&self.inner),
+        }));
     }
-    drop(all);
-}
-
-/// Call in the parent right after `fork`.
-pub fn after_fork_in_parent() {
-    release_after_fork();
-}
-
-/// Call in a child process right after `fork`: releases the locks `before_fork` took;
-/// waiters queued in the parent belong to threads and loops that do not exist here, so
-/// every queue drops them on next use.
-pub fn after_fork_in_child() {
-    release_after_fork();
-    FORK_GENERATION.fetch_add(1, Ordering::AcqRel);
 }
 
 /// Tickets are unique in the process, so one event-loop channel can serve many queues.
@@ -456,10 +417,10 @@ impl WaitQueue {
             waits,
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
-            generation: AtomicU64::new(FORK_GENERATION.load(Ordering::Acquire)),
+            generation: AtomicU64::new(crate::fork::generation()),
             config,
         });
-        register(&q);
+        crate::fork::register_arc(&q);
         q
     }
 
@@ -492,11 +453,18 @@ impl WaitQueue {
     /// queue is now empty because of that.
     #[cold]
     fn drop_inherited(&self) -> bool {
-        let now_gen = FORK_GENERATION.load(Ordering::Acquire);
-        if self.generation.load(Ordering::Acquire) == now_gen {
+        if self.generation.load(Ordering::Acquire) == crate::fork::generation() {
             return false;
         }
         let mut g = lock(&self.inner);
+        self.forget_inherited(&mut g);
+        g.len == 0
+    }
+
+    /// Drops the waiters queued before the last fork (their threads and loops are not
+    /// in this process), once.
+    fn forget_inherited(&self, g: &mut Inner) {
+        let now_gen = crate::fork::generation();
         if self.generation.swap(now_gen, Ordering::AcqRel) != now_gen {
             for c in g.classes.iter_mut() {
                 c.waiters.clear();
@@ -511,7 +479,14 @@ impl WaitQueue {
             self.waiting.store(0, Ordering::Release);
             self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        g.len == 0
+    }
+
+    /// Test hook: holds the queue's lock for `d` (as a long decision would).
+    #[doc(hidden)]
+    pub fn hold_lock_for(&self, d: Duration) {
+        let g = lock(&self.inner);
+        std::thread::sleep(d);
+        drop(g);
     }
 
     /// Waiters now queued in each class.
@@ -554,8 +529,9 @@ impl WaitQueue {
         c.store(c.load(Ordering::Relaxed).wrapping_add(1), Ordering::Relaxed);
     }
 
-    /// The fast path: grants now if nobody waits and the resource admits. No lock, no
-    /// allocation. `Err(None)`: must queue; `Err(Some(e))`: can never be granted.
+    /// The fast path: grants now if nobody waits and the resource admits. No allocation,
+    /// and no wait for a lock. `Err(None)`: must queue (or a lock was busy: `submit`
+    /// decides); `Err(Some(e))`: can never be granted.
     #[inline]
     pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
         self.try_now_token(costs, class).map(|(now, _)| now)
@@ -568,7 +544,10 @@ impl WaitQueue {
             return Err(None);
         }
         let now = self.clock.now_ns();
-        match self.resource.try_take_token(now, costs) {
+        let Some(taken) = self.resource.try_take_token_nowait(now, costs) else {
+            return Err(None);
+        };
+        match taken {
             Ok(token) => {
                 bump(&self.counters.immediate);
                 if let Some(h) = self.waits.get(class) {
@@ -609,11 +588,22 @@ impl WaitQueue {
         // thread made them (slots and channels are leaf locks; nothing here waits).
         let gone = deliver(out);
         drop(g);
+        let mut refused = None;
         if let Some(t) = next {
-            self.schedule(t);
+            if let Err(e) = self.schedule(t) {
+                // Nothing would ever wake this waiter: refuse it instead.
+                if let Ok(Submitted::Queued(ticket)) = result {
+                    if self.cancel(ticket) == Cancelled::Removed {
+                        refused = Some(e);
+                    }
+                }
+            }
         }
         self.give_back_gone(gone);
-        result
+        match refused {
+            Some(e) => Err(e),
+            None => result,
+        }
     }
 
     fn enqueue_locked(
@@ -763,7 +753,8 @@ impl WaitQueue {
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            // Without a driver the wake-up stays pending for the next one that starts.
+            let _ = self.schedule(t);
         }
         self.give_back_gone(gone);
         result
@@ -905,7 +896,7 @@ impl WaitQueue {
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            let _ = self.schedule(t);
         }
         if gone.is_empty() {
             return next;
@@ -1065,7 +1056,7 @@ impl WaitQueue {
         let next = self.next_wake_locked(&g);
         drop(g);
         if let Some(t) = next {
-            self.schedule(t);
+            let _ = self.schedule(t);
         }
         Cancelled::Removed
     }
@@ -1085,6 +1076,28 @@ impl WaitQueue {
     pub fn give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) {
         self.resource.give_back(costs, token);
         self.poll_now();
+    }
+
+    /// [`WaitQueue::give_back`] without waiting for the queue's lock: false (nothing
+    /// done) when it is busy.
+    pub fn try_give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) -> bool {
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return false,
+        };
+        self.forget_inherited(&mut g);
+        self.resource.give_back(costs, token);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, self.clock.now_ns(), &mut out);
+        let next = self.next_wake_locked(&g);
+        let gone = deliver(out);
+        drop(g);
+        if let Some(t) = next {
+            let _ = self.schedule(t);
+        }
+        self.give_back_gone(gone);
+        true
     }
 
     /// Gives back the grants of waiters that are gone (see [`Channel::close`]). The
@@ -1145,19 +1158,34 @@ impl WaitQueue {
             .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
     }
 
-    /// Asks the driver for a wake-up at `t` unless one is already due by then.
-    fn schedule(self: &Arc<Self>, t: u64) {
+    /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
+    /// no driver thread can run (the wake-up stays pending for the next one that starts).
+    fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {
         if self.clock.is_manual() {
-            return;
+            return Ok(());
         }
         let pid = crate::driver::pid();
         if self.scheduled_pid.swap(pid, Ordering::AcqRel) != pid {
             // First use, or a forked child: the parent's wake-ups are not ours.
             self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        if t < self.scheduled.fetch_min(t, Ordering::AcqRel) {
-            crate::driver::driver().schedule(Arc::downgrade(self), t);
+        let driver = crate::driver::driver();
+        // A wake-up already pending counts only while a driver runs to serve it.
+        if t < self.scheduled.fetch_min(t, Ordering::AcqRel) || !driver.is_running() {
+            let asked = driver.schedule(Arc::downgrade(self), t);
+            if asked.is_err() {
+                // Not pending with any running driver: the next call asks again.
+                self.scheduled.store(u64::MAX, Ordering::Release);
+            }
+            return asked;
         }
+        Ok(())
+    }
+
+    /// Called by the driver after a wake of this queue panicked: the next `schedule`
+    /// asks for a wake-up again whatever the queue believed was pending.
+    pub(crate) fn driver_rearm(&self) {
+        self.scheduled.store(u64::MAX, Ordering::Release);
     }
 
     /// Called by the driver at a due time `t` it was asked for.

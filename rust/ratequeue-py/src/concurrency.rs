@@ -8,6 +8,7 @@ use pyo3::types::PyDict;
 use ratequeue_core::Semaphore;
 
 use crate::args::{permits, seconds_ns};
+use crate::blocking::unblocked;
 use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
@@ -57,6 +58,7 @@ impl ConcurrencyPy {
         name: Option<String>,
     ) -> PyResult<Self> {
         let sem = Arc::new(Semaphore::new(permits("limit", limit)?).map_err(|e| to_py(py, e))?);
+        unblocked(|| ratequeue_core::fork::register_arc(&sem));
         let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
         let gate = new_gate(
             py,
@@ -155,7 +157,7 @@ impl ConcurrencyPy {
     #[pyo3(signature = (n = None))]
     fn give_back(&self, n: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
         let c = Self::permits(n)?;
-        self.gate.queue.give_back(&c, None);
+        unblocked(|| self.gate.queue.give_back(&c, None));
         Ok(())
     }
 
@@ -174,7 +176,7 @@ impl ConcurrencyPy {
     /// Changes the limit at run time (waiters are granted at once if it grew).
     fn set_limit(&self, py: Python<'_>, limit: &Bound<'_, PyAny>) -> PyResult<()> {
         self.sem.set_limit(permits("limit", limit)?).map_err(|e| to_py(py, e))?;
-        self.gate.queue.poll_now();
+        py.detach(|| self.gate.queue.poll_now());
         Ok(())
     }
 
@@ -186,7 +188,7 @@ impl ConcurrencyPy {
 
     /// Grants and expires whatever is due now; returns the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(crate::clock::due_seconds)
+        unblocked(|| self.gate.queue.poll_now()).map(crate::clock::due_seconds)
     }
 
     /// Counters and queue depths in one snapshot.

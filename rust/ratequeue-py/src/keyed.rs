@@ -19,6 +19,7 @@ use ratequeue_core::{
 };
 
 use crate::args::{cost, permits, seconds_ns, Cost, Permits};
+use crate::blocking::{try_or_unblocked, unblocked};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -82,12 +83,20 @@ impl KeyGates {
         self.map.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The queue of `key` if it has one.
+    /// The queue of `key` if it has one (never waits for the map's lock with the GIL).
     pub fn existing(&self, key: u64) -> Option<Arc<Gate>> {
         if self.live.load(Ordering::Acquire) == 0 {
             return None;
         }
-        self.lock().get(&key).cloned()
+        let now = match self.map.try_lock() {
+            Ok(m) => Some(m),
+            Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        };
+        match now {
+            Some(m) => m.get(&key).cloned(),
+            None => unblocked(|| self.lock().get(&key).cloned()),
+        }
     }
 
     /// True when someone waits on `key` (nobody overtakes them).
@@ -101,28 +110,29 @@ impl KeyGates {
         m.retain(|_, g| Arc::strong_count(g) > 1 || g.queue.waiting() > 0);
     }
 
-    /// The queue of `key`, created if needed.
+    /// The queue of `key`, created if needed (outside the map's lock: a new queue
+    /// registers for fork safety, and the registry comes first in the lock order).
     pub fn get(&self, key: u64) -> Arc<Gate> {
-        let mut m = self.lock();
-        if m.len() >= 64 && m.len().is_power_of_two() {
-            // Amortised: the map stays within about twice the keys that have waiters.
-            Self::sweep_idle(&mut m);
+        if let Some(g) = self.lock().get(&key) {
+            return g.clone();
         }
-        let g = m.entry(key).or_insert_with(|| {
-            let queue = WaitQueue::with_histograms(
+        let fresh = Arc::new(Gate {
+            queue: WaitQueue::with_histograms(
                 (self.make)(key),
                 1,
                 self.clock.clone(),
                 self.config.clone(),
                 self.waits.clone(),
-            );
-            Arc::new(Gate {
-                queue,
-                units: self.units.clone(),
-                returns_on_exit: self.returns_on_exit,
-            })
+            ),
+            units: self.units.clone(),
+            returns_on_exit: self.returns_on_exit,
         });
-        let g = g.clone();
+        let mut m = self.lock();
+        if m.len() >= 64 && m.len().is_power_of_two() {
+            // Amortised: the map stays within about twice the keys that have waiters.
+            Self::sweep_idle(&mut m);
+        }
+        let g = m.entry(key).or_insert(fresh).clone();
         self.live.store(m.len(), Ordering::Release);
         g
     }
@@ -195,6 +205,16 @@ impl KeyGates {
     }
 }
 
+impl ratequeue_core::fork::ForkLocks for KeyGates {
+    fn rank(&self) -> ratequeue_core::fork::Rank {
+        ratequeue_core::fork::Rank::KeyMap
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn ratequeue_core::fork::Held + 'a>>) {
+        held.push(Box::new(self.lock()));
+    }
+}
+
 /// A permit of one key: returns and settles on the key, then lets its waiters through.
 struct KeyOwner {
     gates: Arc<KeyGates>,
@@ -212,14 +232,18 @@ impl PermitOwner for KeyOwner {
     }
 
     fn give_back(&self, costs: &[u64]) {
-        self.resource.give_back(costs, None);
-        self.gates.poll(self.key);
+        unblocked(|| {
+            self.resource.give_back(costs, None);
+            self.gates.poll(self.key);
+        });
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        let grant = self.resource.settle(estimated, actual, grant);
-        self.gates.poll(self.key);
-        grant
+        unblocked(|| {
+            let grant = self.resource.settle(estimated, actual, grant);
+            self.gates.poll(self.key);
+            grant
+        })
     }
 }
 
@@ -264,7 +288,11 @@ impl Keyed {
         }
         let r = (self.gates.make)(key);
         let at_ns = self.gates.clock.now_ns();
-        match r.try_take_token(at_ns, &[c]) {
+        let taken = try_or_unblocked(
+            || r.try_take_token_nowait(at_ns, &[c]),
+            || r.try_take_token(at_ns, &[c]),
+        );
+        match taken {
             Ok(token) => {
                 // Every grant of an acquire records its wait, an immediate one 0 (as
                 // Limiter and Concurrency do).
@@ -308,12 +336,12 @@ impl Keyed {
         if let Some(p) = self.try_now(py, key, c)? {
             return Ok(p);
         }
-        let gate = self.gates.get(key);
+        let gate = py.detach(|| self.gates.get(key));
         let r = gate.acquire_blocking(py, &[c], 0, timeout_ns);
         let owner = self.owner(key);
         let out = r.map(|p| p.rehome(owner));
         drop(gate);
-        self.gates.done(key, 0);
+        py.detach(|| self.gates.done(key, 0));
         out
     }
 
@@ -321,14 +349,14 @@ impl Keyed {
         if let Some(p) = self.try_now(py, key, c)? {
             return Ok(Py::new(py, Ready::new(Py::new(py, p)?.into_any()))?.into_any());
         }
-        let gate = self.gates.get(key);
+        let gate = py.detach(|| self.gates.get(key));
         let gates = self.gates.clone();
         let a = AcquiringPy::queued(
             &gate,
             &[c],
             timeout_ns,
             self.owner(key),
-            Box::new(move || gates.done(key, 1)),
+            Box::new(move || unblocked(|| gates.done(key, 1))),
         );
         Ok(Py::new(py, a)?.into_any())
     }
@@ -413,7 +441,7 @@ fn gates(
         Some(m) => usize::try_from(cost("max_queue", m)?).unwrap_or(usize::MAX),
     };
     let config = QueueConfig::new(Vec::new(), max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
-    Ok(Arc::new(KeyGates {
+    let g = Arc::new(KeyGates {
         map: Mutex::new(HashMap::new()),
         live: AtomicUsize::new(0),
         clock,
@@ -422,7 +450,9 @@ fn gates(
         returns_on_exit: units.is_empty(),
         units,
         make,
-    }))
+    });
+    unblocked(|| ratequeue_core::fork::register_arc(&g));
+    Ok(g)
 }
 
 fn keyed_stats<'py>(py: Python<'py>, k: &Keyed) -> PyResult<Bound<'py, PyDict>> {
@@ -456,6 +486,7 @@ impl KeyedLimiterPy {
         let any = any_clock(clock)?;
         let r = rate.get();
         let core = Arc::new(KeyedLimiter::new(r.rate, max_keys, any.clone()).map_err(|e| to_py(py, e))?);
+        unblocked(|| ratequeue_core::fork::register_arc(&core));
         let c2 = core.clone();
         let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
             Box::new(move |key| Arc::new(KeyBucket { keyed: c2.clone(), key }));
@@ -481,7 +512,8 @@ impl KeyedLimiterPy {
             self.keyed.note(false);
             return Ok(false);
         }
-        match self.core.try_acquire(k, cost.0) {
+        let core = &self.core;
+        match try_or_unblocked(|| core.try_acquire_nowait(k, cost.0), || core.try_acquire(k, cost.0)) {
             Ok(()) => {
                 self.keyed.note(true);
                 Ok(true)
@@ -557,21 +589,19 @@ impl KeyedLimiterPy {
             py.detach(|| core.try_acquire_many(&hashed, costs.as_deref(), &mut out))
         } else {
             // Some keys have waiters: those are refused (no barging), one by one.
-            let mut res = Ok(());
-            for (i, k) in hashed.iter().enumerate() {
-                if gates.has_waiters(*k) {
-                    continue;
-                }
-                match core.try_acquire(*k, costs.as_ref().map_or(1, |c| c[i])) {
-                    Ok(()) => out[i] = true,
-                    Err(Deny::Wait(_)) => {}
-                    Err(d) => {
-                        res = Err(d);
-                        break;
+            py.detach(|| {
+                for (i, k) in hashed.iter().enumerate() {
+                    if gates.has_waiters(*k) {
+                        continue;
+                    }
+                    match core.try_acquire(*k, costs.as_ref().map_or(1, |c| c[i])) {
+                        Ok(()) => out[i] = true,
+                        Err(Deny::Wait(_)) => {}
+                        Err(d) => return Err(d),
                     }
                 }
-            }
-            res
+                Ok(())
+            })
         };
         if let Err(Deny::TooLarge { cost, burst, .. }) = r {
             return Err(to_py(
@@ -619,7 +649,8 @@ impl KeyedLimiterPy {
 
     /// Units `key` could be admitted now (a key never seen has a full bucket).
     fn available(&self, key: &Bound<'_, PyAny>) -> PyResult<f64> {
-        Ok(self.core.available(key_of(self.core.hasher(), key)?))
+        let k = key_of(self.core.hasher(), key)?;
+        Ok(unblocked(|| self.core.available(k)))
     }
 
     /// Seconds after which try_acquire of `cost` on `key` is admitted, the key's queued
@@ -633,7 +664,7 @@ impl KeyedLimiterPy {
             Some(g) => py
                 .detach(move || g.queue.predict_delay(&[cost]))
                 .map(|p| p.map_or(u64::MAX, |(_, d)| d)),
-            None => self.core.delay_for(k, self.core.clock().now_ns(), cost),
+            None => unblocked(|| self.core.delay_for(k, self.core.clock().now_ns(), cost)),
         };
         match delay {
             Ok(ns) => Ok(ns as f64 / 1e9),
@@ -657,17 +688,17 @@ impl KeyedLimiterPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
+        unblocked(|| self.keyed.gates.poll_all()).map(crate::clock::due_seconds)
     }
 
     /// Drops every key whose bucket is full again (changes no decision); returns how
     /// many. Eviction does this by itself when the map is full.
     fn sweep(&self) -> usize {
-        self.core.sweep()
+        unblocked(|| self.core.sweep())
     }
 
     fn __len__(&self) -> usize {
-        self.core.len()
+        unblocked(|| self.core.len())
     }
 
     /// The rate of every key.
@@ -688,7 +719,7 @@ impl KeyedLimiterPy {
     /// Keys, evictions, tries, waiting keys and the queue-wait histogram.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = keyed_stats(py, &self.keyed)?;
-        let c = self.core.counts();
+        let c = py.detach(|| self.core.counts());
         d.set_item("keys", c.keys)?;
         d.set_item("max_keys", self.core.max_keys())?;
         d.set_item("evicted_full", c.evicted_full)?;
@@ -706,7 +737,8 @@ impl KeyedLimiterPy {
     }
 
     fn __repr__(&self) -> String {
-        format!("KeyedLimiter({}, keys={})", self.rate().__repr__(), self.core.len())
+        let keys = unblocked(|| self.core.len());
+        format!("KeyedLimiter({}, keys={})", self.rate().__repr__(), keys)
     }
 }
 
@@ -754,6 +786,7 @@ impl KeyedConcurrencyPy {
         name: Option<String>,
     ) -> PyResult<Self> {
         let core = Arc::new(KeyedSemaphore::new(permits("limit", limit)?).map_err(|e| to_py(py, e))?);
+        unblocked(|| ratequeue_core::fork::register_arc(&core));
         let c2 = core.clone();
         let make: Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync> =
             Box::new(move |key| Arc::new(KeyPermits { sem: c2.clone(), key }));
@@ -810,12 +843,13 @@ impl KeyedConcurrencyPy {
 
     /// Grants and expires whatever is due now on every key; the next due time or None.
     fn poll(&self) -> Option<f64> {
-        self.keyed.gates.poll_all().map(crate::clock::due_seconds)
+        unblocked(|| self.keyed.gates.poll_all()).map(crate::clock::due_seconds)
     }
 
     /// Permits held on `key` now.
     fn in_use(&self, key: &Bound<'_, PyAny>) -> PyResult<u64> {
-        Ok(self.core.in_use(key_of(self.core.hasher(), key)?))
+        let k = key_of(self.core.hasher(), key)?;
+        Ok(unblocked(|| self.core.in_use(k)))
     }
 
     /// The per-key limit.
@@ -825,13 +859,13 @@ impl KeyedConcurrencyPy {
     }
 
     fn __len__(&self) -> usize {
-        self.core.len()
+        unblocked(|| self.core.len())
     }
 
     /// Keys holding permits, tries, waiting keys and the queue-wait histogram.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let d = keyed_stats(py, &self.keyed)?;
-        d.set_item("keys", self.core.len())?;
+        d.set_item("keys", py.detach(|| self.core.len()))?;
         d.set_item("limit", self.core.limit())?;
         d.set_item("name", self.name.clone())?;
         Ok(d)
@@ -841,7 +875,7 @@ impl KeyedConcurrencyPy {
         format!(
             "KeyedConcurrency(limit={}, keys={})",
             self.core.limit(),
-            self.core.len()
+            unblocked(|| self.core.len())
         )
     }
 }

@@ -10,6 +10,7 @@ use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue};
 
 use crate::args::{cost, period_seconds, seconds_ns};
+use crate::blocking::{try_or_unblocked, unblocked};
 use crate::clock::any_clock;
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
@@ -162,6 +163,18 @@ impl LimiterPy {
         &self.gate
     }
 
+    /// Changes rate `i`, then lets the queue re-read its schedule (waiters may be due
+    /// earlier or later now).
+    fn set_rate_now(&self, py: Python<'_>, i: usize, rate: Rate) -> PyResult<()> {
+        let (core, q) = (&self.core, &self.gate.queue);
+        py.detach(|| {
+            core.set_rate(i, rate)?;
+            q.poll_now();
+            Ok(())
+        })
+        .map_err(|e| to_py(py, e))
+    }
+
     fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
         let mut out = [0u64; MAX_RATES];
         let units = self.core.units();
@@ -222,6 +235,7 @@ impl LimiterPy {
         }
         let any = any_clock(clock)?;
         let core = Arc::new(Limiter::new(list, any.clone()).map_err(|e| to_py(py, e))?);
+        unblocked(|| ratequeue_core::fork::register_arc(&core));
         let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
         let gate = new_gate(
             py,
@@ -279,7 +293,9 @@ impl LimiterPy {
             self.gate.queue.note_try(false);
             return Ok(false);
         }
-        match self.core.try_acquire(&c) {
+        let core = &self.core;
+        let decided = try_or_unblocked(|| core.try_acquire_nowait(&c), || core.try_acquire(&c));
+        match decided {
             Ok(()) => {
                 self.gate.queue.note_try(true);
                 Ok(true)
@@ -338,7 +354,14 @@ impl LimiterPy {
         };
         let core = me.core.clone();
         let now_path = move |_| core.reserve(&c, mw);
-        let inner = match me.gate.queue.reserve_if_idle(now_path.clone()) {
+        // A multi-rate reservation takes the limiter's lock: without the GIL.
+        let idle = if me.core.rate_count() == 1 {
+            me.gate.queue.reserve_if_idle(now_path.clone())
+        } else {
+            let (q, now_path) = (&me.gate.queue, now_path.clone());
+            py.detach(|| q.reserve_if_idle(now_path))
+        };
+        let inner = match idle {
             Some(r) => Held::Now(r.map_err(|e| to_py(py, e))?),
             None => {
                 let (q, units) = (me.gate.queue.clone(), me.core.units().len());
@@ -389,10 +412,7 @@ impl LimiterPy {
             None => cur.burst,
         };
         let rate = Rate::new(amount, period_ns, burst).map_err(|e| to_py(py, e))?;
-        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
-        // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
-        self.gate.queue.poll_now();
-        Ok(())
+        self.set_rate_now(py, i, rate)
     }
 
     /// Changes the burst of a rate at run time, keeping its amount and period.
@@ -401,10 +421,7 @@ impl LimiterPy {
         let i = self.which(which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
         let rate = Rate::new(cur.amount, cur.period_ns, burst_arg(burst)?).map_err(|e| to_py(py, e))?;
-        self.core.set_rate(i, rate).map_err(|e| to_py(py, e))?;
-        // Waiters may be due earlier (or later) now: the driver re-reads the schedule.
-        self.gate.queue.poll_now();
-        Ok(())
+        self.set_rate_now(py, i, rate)
     }
 
     /// The current rates, in the order given.
@@ -514,7 +531,8 @@ impl LimiterPy {
     ) -> PyResult<f64> {
         let c = self.costs(n, costs)?;
         let units = self.core.units().len();
-        match self.gate.queue.predict_delay(&c[..units]) {
+        let q = &self.gate.queue;
+        match py.detach(|| q.predict_delay(&c[..units])) {
             Ok(p) => Ok(p.map_or(f64::INFINITY, |(_, d)| d as f64 / 1e9)),
             Err(d) => Err(self.deny(py, d)),
         }
@@ -523,12 +541,12 @@ impl LimiterPy {
     /// Grants and expires whatever is due now; returns the next due time (clock
     /// seconds) or None. The virtual-time driver calls this on a ManualClock.
     fn poll(&self) -> Option<f64> {
-        self.gate.queue.poll_now().map(crate::clock::due_seconds)
+        unblocked(|| self.gate.queue.poll_now()).map(crate::clock::due_seconds)
     }
 
     /// The next due time (clock seconds) of the queue, or None when nobody waits.
     fn next_wake(&self) -> Option<f64> {
-        self.gate.queue.next_wake().map(crate::clock::due_seconds)
+        unblocked(|| self.gate.queue.next_wake()).map(crate::clock::due_seconds)
     }
 
     /// On a ManualClock: advances the clock through every due time up to `until`
@@ -614,7 +632,8 @@ pub fn new_gate(
     };
     let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
     Ok(Arc::new(Gate {
-        queue: WaitQueue::new(resource, units, clock, config),
+        // A new queue registers for fork safety: without the GIL.
+        queue: py.detach(|| WaitQueue::new(resource, units, clock, config)),
         units: unit_names,
         returns_on_exit,
     }))

@@ -12,6 +12,7 @@ use ratequeue_core::policy::{Held, Refusal, Waker};
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
 
 use crate::args::{cost, seconds_ns};
+use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
 use crate::keyed::{key_named, KeyedConcurrencyPy, KeyedLimiterPy};
@@ -153,6 +154,7 @@ impl PolicyPy {
             delay_ns,
             released: AtomicBool::new(false),
             clock: self.clock.clone(),
+            fork_gen: ratequeue_core::fork::generation(),
         }
     }
 
@@ -265,7 +267,7 @@ impl PolicyPy {
                 let gate = l.get().gate().clone();
                 let wake = Arc::new(move |_| {
                     let gate = gate.clone();
-                    without_gil(move || {
+                    unblocked(move || {
                         gate.queue.poll_now();
                     })
                 });
@@ -280,7 +282,7 @@ impl PolicyPy {
                     Some(c),
                     Arc::new(move |key| {
                         let gates = gates.clone();
-                        without_gil(move || gates.poll(key))
+                        unblocked(move || gates.poll(key))
                     }),
                 )
             } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
@@ -291,7 +293,7 @@ impl PolicyPy {
                     None,
                     Arc::new(move |_| {
                         let gate = gate.clone();
-                        without_gil(move || {
+                        unblocked(move || {
                             gate.queue.poll_now();
                         })
                     }),
@@ -304,7 +306,7 @@ impl PolicyPy {
                     None,
                     Arc::new(move |key| {
                         let gates = gates.clone();
-                        without_gil(move || gates.poll(key))
+                        unblocked(move || gates.poll(key))
                     }),
                 )
             } else {
@@ -353,7 +355,8 @@ impl PolicyPy {
             self.core.note_refused(i);
             return Ok(None);
         }
-        match self.core.try_acquire(&args, self.clock.now_ns()) {
+        let (core, now) = (&self.core, self.clock.now_ns());
+        match unblocked(|| core.try_acquire(&args, now)) {
             Ok(held) => Ok(Some(self.permit(args, held, 0, Vec::new()))),
             Err(Refusal {
                 deny: Deny::Wait(_), ..
@@ -393,7 +396,8 @@ impl PolicyPy {
             .map(|m| seconds_ns("max_wait", m))
             .transpose()?
             .unwrap_or(u64::MAX);
-        match self.core.reserve(&args, self.clock.now_ns(), mw, false) {
+        let (core, now) = (&self.core, self.clock.now_ns());
+        match py.detach(|| core.reserve(&args, now, mw, false)) {
             Ok((delay, held)) => Ok(self.permit(args, held, delay, Vec::new())),
             Err(r) => Err(refusal_error(py, self, r, mw)),
         }
@@ -419,7 +423,8 @@ impl PolicyPy {
         let conc = self.wait_concurrency(py, &args, deadline)?;
         let now = self.clock.now_ns();
         let mw = deadline.map_or(u64::MAX, |d| d.saturating_sub(now));
-        let (delay, held) = match self.core.reserve(&args, now, mw, true) {
+        let core = &self.core;
+        let (delay, held) = match py.detach(|| core.reserve(&args, now, mw, true)) {
             Ok(x) => x,
             Err(r) => {
                 for p in &conc {
@@ -450,7 +455,8 @@ impl PolicyPy {
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
         let mw = max_wait.map_or(u64::MAX, |s| (s.max(0.0) * 1e9) as u64);
-        match self.core.reserve(&args, self.clock.now_ns(), mw, true) {
+        let (core, now) = (&self.core, self.clock.now_ns());
+        match py.detach(|| core.reserve(&args, now, mw, true)) {
             Ok((delay, held)) => Ok(self.permit(args, held, delay, permits)),
             Err(r) => {
                 for p in &permits {
@@ -529,19 +535,6 @@ impl PolicyPy {
     }
 }
 
-/// Runs `f` (which takes a queue's lock) with the GIL released if this thread holds it:
-/// a level is woken from refusals decided with the GIL held as well as from detached
-/// calls, and no thread may block on a core lock while holding the GIL.
-fn without_gil(f: impl FnOnce() + Send) {
-    // SAFETY: PyGILState_Check only reads the thread state; when it reports that this
-    // thread holds the GIL, that is exactly what `assume_attached` requires.
-    if unsafe { pyo3::ffi::PyGILState_Check() } == 1 {
-        unsafe { Python::assume_attached() }.detach(f)
-    } else {
-        f()
-    }
-}
-
 static POLICY_ACQUIRE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
 
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {
@@ -568,6 +561,9 @@ pub struct PolicyPermitPy {
     delay_ns: u64,
     released: AtomicBool,
     clock: AnyClock,
+    /// The fork generation it was granted in: in a forked child every permit starts
+    /// free, so one from before the fork gives nothing back there.
+    fork_gen: u64,
 }
 
 impl PolicyPermitPy {
@@ -575,7 +571,7 @@ impl PolicyPermitPy {
     /// waking the levels' queues; the GIL is released meanwhile (the permit's lock and
     /// the queues' are taken without it).
     pub fn cancel(&self, py: Python<'_>) {
-        if self.released.swap(true, Ordering::AcqRel) {
+        if self.released.swap(true, Ordering::AcqRel) || self.fork_gen != ratequeue_core::fork::generation() {
             return;
         }
         py.detach(|| {
@@ -612,6 +608,9 @@ impl PolicyPermitPy {
     fn release(&self, py: Python<'_>) -> bool {
         if self.released.swap(true, Ordering::AcqRel) {
             return false;
+        }
+        if self.fork_gen != ratequeue_core::fork::generation() {
+            return true;
         }
         py.detach(|| {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());

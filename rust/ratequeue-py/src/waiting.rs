@@ -14,6 +14,7 @@ use ratequeue_core::queue::{Cancelled, Channel, Slot};
 use ratequeue_core::{Error, GrantRef, Outcome, Submitted, WaitQueue, Wake};
 
 use crate::args::seconds_ns;
+use crate::blocking::{copy_unblocked, try_or_unblocked, unblocked};
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
 
@@ -44,11 +45,15 @@ impl PermitOwner for Gate {
     }
 
     fn give_back(&self, costs: &[u64]) {
-        self.queue.give_back(costs, None);
+        let q = &self.queue;
+        try_or_unblocked(
+            || q.try_give_back(costs, None).then_some(()),
+            || q.give_back(costs, None),
+        );
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        self.queue.settle(estimated, actual, grant)
+        unblocked(|| self.queue.settle(estimated, actual, grant))
     }
 }
 
@@ -101,10 +106,11 @@ impl Gate {
             Err(None) => {}
         }
         let slot = Slot::new();
-        let ticket = match self
-            .queue
-            .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
-        {
+        let submitted = py.detach(|| {
+            self.queue
+                .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
+        });
+        let ticket = match submitted {
             Ok(Submitted::Granted { at_ns }) => {
                 return Ok(self.permit(costs, 0).with_grant(GrantRef { at_ns, token: None }))
             }
@@ -118,7 +124,7 @@ impl Gate {
                 return self.outcome(py, costs, o);
             }
             if let Err(e) = py.check_signals() {
-                self.abandon(ticket, &slot, costs);
+                py.detach(|| self.abandon(ticket, &slot, costs));
                 return Err(e);
             }
         }
@@ -142,7 +148,7 @@ impl Gate {
                 py,
                 Error::WaitTimeout {
                     waited_ns,
-                    retry_after_ns: self.queue.retry_after_ns(costs),
+                    retry_after_ns: py.detach(|| self.queue.retry_after_ns(costs)),
                 },
             )),
         }
@@ -159,20 +165,19 @@ impl Gate {
     }
 }
 
+/// True on the interpreter's main thread, asked each time: a child forked from another
+/// thread has that thread as its main thread (and its signal handlers run there).
 fn is_main_thread(py: Python<'_>) -> bool {
-    static MAIN: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
     let Ok(threading) = py.import("threading") else {
         return true;
     };
-    let main = MAIN.get_or_init(py, || {
-        threading
-            .call_method0("main_thread")
-            .map(|m| m.unbind())
-            .unwrap_or(py.None())
-    });
-    threading
-        .call_method0("current_thread")
-        .is_ok_and(|c| c.is(main.bind(py)))
+    match (
+        threading.call_method0("main_thread"),
+        threading.call_method0("current_thread"),
+    ) {
+        (Ok(main), Ok(current)) => current.is(&main),
+        _ => true,
+    }
 }
 
 /// What a grant gave: context manager; a Concurrency permit is returned on exit.
@@ -184,6 +189,9 @@ pub struct PermitPy {
     released: AtomicBool,
     /// The grant, for settling by the one undo rule (locked after `costs`).
     grant: Mutex<GrantRef>,
+    /// The fork generation it was granted in: in a forked child every permit starts
+    /// free, so one from before the fork gives nothing back there.
+    fork_gen: u64,
 }
 
 impl PermitPy {
@@ -195,7 +203,13 @@ impl PermitPy {
             waited_ns,
             released: AtomicBool::new(false),
             grant: Mutex::new(GrantRef::default()),
+            fork_gen: ratequeue_core::fork::generation(),
         }
+    }
+
+    /// True when granted in this process (not inherited across a fork).
+    pub fn granted_here(&self) -> bool {
+        self.fork_gen == ratequeue_core::fork::generation()
     }
 
     /// The same permit, knowing its grant (when it was taken, and its token).
@@ -206,8 +220,8 @@ impl PermitPy {
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
-        let costs = self.costs.lock().unwrap_or_else(|e| e.into_inner()).clone();
-        let grant = *self.grant.lock().unwrap_or_else(|e| e.into_inner());
+        let costs = copy_unblocked(&self.costs);
+        let grant = copy_unblocked(&self.grant);
         PermitPy::new(owner, &costs, self.waited_ns).with_grant(grant)
     }
 }
@@ -232,9 +246,9 @@ impl PermitPy {
         if self.released.swap(true, Ordering::AcqRel) {
             return false;
         }
-        if self.owner.returns_on_exit() {
-            self.owner
-                .give_back(&self.costs.lock().unwrap_or_else(|e| e.into_inner()));
+        if self.owner.returns_on_exit() && self.granted_here() {
+            let costs = copy_unblocked(&self.costs);
+            self.owner.give_back(&costs);
         }
         true
     }
@@ -252,8 +266,7 @@ impl PermitPy {
                 "a Concurrency permit has no costs to settle",
             ));
         }
-        let mut cur = self.costs.lock().unwrap_or_else(|e| e.into_inner());
-        let mut actual = cur.clone();
+        let mut named = Vec::new();
         if let Some(kw) = costs {
             for (k, v) in kw.iter() {
                 let name: String = k.extract()?;
@@ -263,20 +276,28 @@ impl PermitPy {
                         units
                     ))
                 })?;
-                actual[i] = crate::args::cost(&name, &v)?;
+                named.push((i, crate::args::cost(&name, &v)?));
             }
         }
-        let mut grant = self.grant.lock().unwrap_or_else(|e| e.into_inner());
-        *grant = self.owner.settle(&cur, &actual, *grant);
-        *cur = actual;
+        // This permit's locks are held across the core call: taken without the GIL.
+        unblocked(|| {
+            let mut cur = self.costs.lock().unwrap_or_else(|e| e.into_inner());
+            let mut actual = cur.clone();
+            for &(i, c) in &named {
+                actual[i] = c;
+            }
+            let mut grant = self.grant.lock().unwrap_or_else(|e| e.into_inner());
+            *grant = self.owner.settle(&cur, &actual, *grant);
+            *cur = actual;
+        });
         Ok(())
     }
 
     /// The costs this permit holds, by unit.
     #[getter]
     fn costs(&self) -> std::collections::HashMap<String, u64> {
-        let c = self.costs.lock().unwrap_or_else(|e| e.into_inner());
-        self.owner.units().iter().cloned().zip(c.iter().copied()).collect()
+        let c = copy_unblocked(&self.costs);
+        self.owner.units().iter().cloned().zip(c).collect()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -495,11 +516,12 @@ impl AcquiringPy {
             return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
         }
         let _ = self.submitted_ns.set(self.gate.queue.now_ns());
-        match self
-            .gate
-            .queue
-            .submit(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
-        {
+        let submitted = py.detach(|| {
+            self.gate
+                .queue
+                .submit(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
+        });
+        match submitted {
             Ok(Submitted::Granted { .. }) => Ok(self._granted(py, 0, None)?.into_any()),
             Ok(Submitted::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
             Err(e) => Err(to_py(py, e)),
@@ -524,22 +546,22 @@ impl AcquiringPy {
             py,
             Error::WaitTimeout {
                 waited_ns,
-                retry_after_ns: self.gate.queue.retry_after_ns(&self.costs),
+                retry_after_ns: py.detach(|| self.gate.queue.retry_after_ns(&self.costs)),
             },
         )
     }
 
     /// Removes the ticket from the queue; False if it was already decided.
-    fn _cancel(&self, ticket: u64) -> bool {
-        self.gate.queue.cancel(ticket) == Cancelled::Removed
+    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+        py.detach(|| self.gate.queue.cancel(ticket)) == Cancelled::Removed
     }
 
     /// Gives back, exactly once, a grant whose permit was delivered to a waiter that was
     /// cancelled before it could use it (the permit is marked released).
     fn _abandon(&self, permit: &Bound<'_, PermitPy>) {
-        if !permit.get().released.swap(true, Ordering::AcqRel) {
+        if !permit.get().released.swap(true, Ordering::AcqRel) && permit.get().granted_here() {
             let token = self.token.get().copied();
-            self.gate.queue.give_back(&self.costs, token);
+            unblocked(|| self.gate.queue.give_back(&self.costs, token));
         }
     }
 
@@ -548,7 +570,7 @@ impl AcquiringPy {
     #[pyo3(signature = (token = None))]
     fn _give_back(&self, token: Option<u64>) {
         let token = token.or_else(|| self.token.get().copied());
-        self.gate.queue.give_back(&self.costs, token);
+        unblocked(|| self.gate.queue.give_back(&self.costs, token));
     }
 }
 
@@ -567,11 +589,15 @@ impl ChannelPy {
     #[new]
     #[pyo3(signature = (*, wakeup = false))]
     fn new(wakeup: bool) -> PyResult<Self> {
-        let inner = if wakeup {
-            Channel::with_wakeup().map_err(PyErr::from)?
-        } else {
-            Channel::new()
-        };
+        // A new channel registers for fork safety: without the GIL.
+        let inner = unblocked(|| {
+            if wakeup {
+                Channel::with_wakeup()
+            } else {
+                Ok(Channel::new())
+            }
+        })
+        .map_err(PyErr::from)?;
         Ok(ChannelPy { inner })
     }
 
@@ -650,6 +676,7 @@ pub fn submit(
 pub fn queue_stats<'py>(py: Python<'py>, q: &WaitQueue) -> PyResult<Bound<'py, PyDict>> {
     let d = PyDict::new(py);
     let c = q.counts();
+    let depths_now = py.detach(|| q.depths());
     d.set_item("waiting", q.waiting())?;
     d.set_item("tried_admitted", c.tried_admitted)?;
     d.set_item("tried_refused", c.tried_refused)?;
@@ -660,7 +687,7 @@ pub fn queue_stats<'py>(py: Python<'py>, q: &WaitQueue) -> PyResult<Bound<'py, P
     d.set_item("timed_out", c.timed_out)?;
     d.set_item("cancelled", c.cancelled)?;
     let depths = PyDict::new(py);
-    for ((name, _), n) in q.config().classes.iter().zip(q.depths()) {
+    for ((name, _), n) in q.config().classes.iter().zip(depths_now) {
         depths.set_item(name, n)?;
     }
     d.set_item("depths", depths)?;

@@ -1,0 +1,256 @@
+//! Fork safety: the core's locks are taken in a `pthread_atfork` prepare handler and
+//! released in the parent and child handlers, so no lock is copied into a child in the
+//! middle of a change by a thread that does not exist there, and no other code (Python
+//! included) runs while they are held for a fork.
+//!
+//! # The one lock order
+//!
+//! Every path that holds two core locks takes them in this order, and `prepare` takes
+//! them all in it:
+//!
+//! 1. the registry below (only `register` and `prepare` take it, holding nothing else);
+//! 2. [`Rank::KeyMap`]: the bindings' per-key queue maps (they look at a queue's state);
+//! 3. [`Rank::Queue`]: each wait queue (its decisions call its resource and deliver);
+//! 4. [`Rank::Resource`]: a limiter's multi-rate and rate-change locks, keyed shards;
+//! 5. [`Rank::Leaf`]: event-loop channels (a delivery writes to them);
+//! 6. the driver's state (a queue asks for a wake-up only after releasing its lock; the
+//!    driver wakes a queue only after releasing its state).
+//!
+//! Within a rank no path holds two locks at once. A thread slot's lock is a leaf taken
+//! only by its waiting thread and by a delivery under the queue's lock (held by
+//! `prepare`); the waiting thread does not exist in a child, so slots need no hold.
+//! No core lock is held while waiting for the GIL or calling Python, so `prepare`
+//! (which runs with the forking thread holding the GIL) always gets every lock.
+
+use std::cell::RefCell;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
+
+/// Where an object's locks sit in the lock order (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Rank {
+    /// Maps of per-key queues (bindings).
+    KeyMap,
+    /// Wait queues.
+    Queue,
+    /// What queues hand out: limiters, keyed maps, semaphores.
+    Resource,
+    /// Event-loop channels.
+    Leaf,
+}
+
+/// A lock held across a fork, or a change a child makes before its locks are released.
+pub trait Held {
+    /// Runs in the child, on its only thread, before the locks are released.
+    fn in_child(&mut self) {}
+}
+
+impl<T: ?Sized> Held for MutexGuard<'_, T> {}
+
+#[cfg(loom)]
+impl<T: ?Sized> Held for loom::sync::MutexGuard<'_, T> {}
+
+impl<H: Held> Held for Vec<H> {
+    fn in_child(&mut self) {
+        self.iter_mut().for_each(H::in_child);
+    }
+}
+
+/// Something shared between threads whose locks must not be copied into a child
+/// mid-change; register it with [`register`] when it is created.
+pub trait ForkLocks: Send + Sync {
+    /// Its place in the lock order.
+    fn rank(&self) -> Rank;
+    /// Takes each of its locks (in its own order), pushing what holds them to `held`.
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn Held + 'a>>);
+}
+
+struct Registry {
+    live: Vec<Weak<dyn ForkLocks>>,
+    prune_at: usize,
+}
+
+static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
+    live: Vec::new(),
+    prune_at: 64,
+});
+
+/// Incremented in each forked child, before its locks are released.
+static GENERATION: AtomicU64 = AtomicU64::new(0);
+
+/// How many forks this process descends from (0 in the original process).
+#[inline]
+pub fn generation() -> u64 {
+    GENERATION.load(Ordering::Acquire)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Registers `obj` for the fork protocol (held weakly: dropping it unregisters it; the
+/// registry stays within twice the live objects).
+pub fn register(obj: Weak<dyn ForkLocks>) {
+    install();
+    let mut r = lock(&REGISTRY);
+    if r.live.len() >= r.prune_at {
+        r.live.retain(|w| w.strong_count() > 0);
+        r.prune_at = (r.live.len() * 2).max(64);
+    }
+    r.live.push(obj);
+}
+
+/// [`register`] for an `Arc`.
+pub fn register_arc<T: ForkLocks + 'static>(obj: &Arc<T>) {
+    let w: Weak<dyn ForkLocks> = Arc::downgrade(obj) as Weak<dyn ForkLocks>;
+    register(w);
+}
+
+/// Objects registered now (tests).
+#[doc(hidden)]
+pub fn registered() -> usize {
+    lock(&REGISTRY).live.len()
+}
+
+extern "C" {
+    fn pthread_atfork(
+        prepare: Option<extern "C" fn()>,
+        parent: Option<extern "C" fn()>,
+        child: Option<extern "C" fn()>,
+    ) -> i32;
+}
+
+/// Installs the fork handlers (once per process; registering an object does it too).
+pub fn install() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: the handlers are plain functions that never unwind.
+        unsafe {
+            pthread_atfork(Some(prepare), Some(after_in_parent), Some(after_in_child));
+        }
+    });
+}
+
+/// What the forking thread holds between `prepare` and the parent or child handler.
+struct Hold {
+    held: Vec<Box<dyn Held>>,
+    registry: Option<MutexGuard<'static, Registry>>,
+    /// Keeps alive what the guards borrow.
+    _objects: Vec<Arc<dyn ForkLocks>>,
+}
+
+thread_local! {
+    static HOLD: RefCell<Option<Hold>> = const { RefCell::new(None) };
+}
+
+extern "C" fn prepare() {
+    let registry = lock(&REGISTRY);
+    let mut objects: Vec<Arc<dyn ForkLocks>> = registry.live.iter().filter_map(Weak::upgrade).collect();
+    objects.sort_by_key(|o| o.rank());
+    let mut held: Vec<Box<dyn Held + '_>> = Vec::with_capacity(objects.len() + 1);
+    for o in &objects {
+        o.lock_for_fork(&mut held);
+    }
+    if let Some(g) = crate::driver::lock_for_fork() {
+        held.push(g);
+    }
+    // SAFETY: each guard borrows an object kept alive in `objects` (moving the Vec does
+    // not move the objects), or a static; all are dropped before `objects`, on this
+    // thread, in `release`.
+    let held: Vec<Box<dyn Held + 'static>> = unsafe { std::mem::transmute(held) };
+    let hold = Hold {
+        held,
+        registry: Some(registry),
+        _objects: objects,
+    };
+    let _ = HOLD.try_with(|h| *h.borrow_mut() = Some(hold));
+}
+
+fn release(in_child: bool) {
+    let Ok(Some(mut hold)) = HOLD.try_with(|h| h.borrow_mut().take()) else {
+        return;
+    };
+    if in_child {
+        GENERATION.fetch_add(1, Ordering::AcqRel);
+        for h in hold.held.iter_mut() {
+            h.in_child();
+        }
+    }
+    // Guards first, then the registry (an object's drop may register), then the objects.
+    hold.held.clear();
+    drop(hold.registry.take());
+    drop(hold);
+}
+
+extern "C" fn after_in_parent() {
+    release(false);
+}
+
+extern "C" fn after_in_child() {
+    release(true);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    struct Two {
+        a: Mutex<u32>,
+        b: Mutex<u32>,
+    }
+
+    impl ForkLocks for Two {
+        fn rank(&self) -> Rank {
+            Rank::Resource
+        }
+        fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn Held + 'a>>) {
+            held.push(Box::new(lock(&self.a)));
+            held.push(Box::new(lock(&self.b)));
+        }
+    }
+
+    #[test]
+    fn prepare_holds_every_lock_until_release() {
+        let t = Arc::new(Two {
+            a: Mutex::new(0),
+            b: Mutex::new(0),
+        });
+        register_arc(&t);
+        prepare();
+        assert!(t.a.try_lock().is_err() && t.b.try_lock().is_err());
+        after_in_parent();
+        assert!(t.a.try_lock().is_ok() && t.b.try_lock().is_ok());
+    }
+
+    #[test]
+    fn a_child_starts_with_every_permit_free() {
+        use crate::queue::Resource;
+        let sem = crate::Semaphore::new(3).unwrap();
+        sem.try_take(0, &[2]).unwrap();
+        let keyed = crate::KeyedSemaphore::new(1).unwrap();
+        let k = keyed.hasher().str("k");
+        keyed.try_take(k, 1).unwrap();
+        let mut held: Vec<Box<dyn Held + '_>> = Vec::new();
+        sem.lock_for_fork(&mut held);
+        keyed.lock_for_fork(&mut held);
+        for h in held.iter_mut() {
+            h.in_child();
+        }
+        drop(held);
+        assert_eq!(sem.in_use(), 0);
+        assert_eq!(keyed.in_use(k), 0);
+        assert!(keyed.try_take(k, 1).is_ok());
+    }
+
+    #[test]
+    fn registry_stays_bounded() {
+        for _ in 0..10_000 {
+            let t = Arc::new(Two {
+                a: Mutex::new(0),
+                b: Mutex::new(0),
+            });
+            register_arc(&t);
+        }
+        assert!(registered() < 1_000, "{}", registered());
+    }
+}

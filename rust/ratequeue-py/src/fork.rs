@@ -1,0 +1,42 @@
+//! Test hooks for fork safety and driver recovery (private, underscore names).
+
+use std::time::Duration;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use ratequeue_core::driver::{inject_fault, Fault};
+
+use crate::args::seconds_ns;
+use crate::keyed::KeyedLimiterPy;
+use crate::limiter::LimiterPy;
+
+/// Test hook: holds the core locks of `obj` (a Limiter's queue, a KeyedLimiter's
+/// shards) for `seconds` on this thread, the GIL released, as a long decision would.
+#[pyfunction]
+pub fn _hold_locks_for_test(py: Python<'_>, obj: &Bound<'_, PyAny>, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
+    let d = Duration::from_nanos(seconds_ns("seconds", seconds)?);
+    if let Ok(l) = obj.cast::<LimiterPy>() {
+        let q = l.get().gate().queue.clone();
+        py.detach(move || q.hold_lock_for(d));
+    } else if let Ok(k) = obj.cast::<KeyedLimiterPy>() {
+        let core = k.get().core().clone();
+        py.detach(move || core.hold_locks_for(d));
+    } else {
+        return Err(PyTypeError::new_err("a Limiter or a KeyedLimiter"));
+    }
+    Ok(())
+}
+
+/// Test hook: the driver's next `n` spawns fail ("fail_spawn"), wakes panic
+/// ("panic_wake") or thread runs end ("exit").
+#[pyfunction]
+pub fn _driver_fault_for_test(kind: &str, n: u32) -> PyResult<()> {
+    let f = match kind {
+        "fail_spawn" => Fault::FailSpawn,
+        "panic_wake" => Fault::PanicWake,
+        "exit" => Fault::Exit,
+        _ => return Err(PyValueError::new_err(format!("kind={kind:?} is not a driver fault"))),
+    };
+    inject_fault(f, n);
+    Ok(())
+}
