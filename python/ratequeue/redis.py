@@ -2038,10 +2038,13 @@ PolicyLevel: TypeAlias = Limiter | KeyedLimiter | Rate | Sequence[Rate]
 
 
 class _Level:
-    __slots__ = ("buckets", "keyed", "name", "shadow", "units", "where")
+    __slots__ = ("buckets", "keyed", "name", "seg", "shadow", "units", "where")
 
     def __init__(self, name: str, spec: object, shadow: bool) -> None:
         self.name = name
+        # The name's segment of Redis key names: ":" escaped, so that a keyed level's
+        # key never spells another level's name (level "u" key 0 vs level "u:i").
+        self.seg = name.replace("\\", "\\\\").replace(":", "\\:")
         self.shadow = shadow
         self.where = f" (level {name!r})"
         if isinstance(spec, KeyedLimiter):
@@ -2108,7 +2111,7 @@ class _PolicyBase:
             for bi in range(len(lv.buckets)):
                 self._flat.append((li, bi))
                 self._static.append(
-                    None if lv.keyed else f"{prefix}:{{{self.tag}}}:{lv.name}:{bi}".encode()
+                    None if lv.keyed else f"{prefix}:{{{self.tag}}}:{lv.seg}:{bi}".encode()
                 )
         self._buckets = [self._levels[li].buckets[bi] for li, bi in self._flat]
         self._shadow = [self._levels[li].shadow for li, _ in self._flat]
@@ -2117,7 +2120,7 @@ class _PolicyBase:
         # Per Redis key: its fixed name, or the prefix its level's key is appended to.
         tagged = f"{prefix}:{{{self.tag}}}:"
         self._key_parts: list[tuple[bytes, str | None]] = [
-            (f"{tagged}{self._levels[li].name}:".encode(), self._levels[li].name)
+            (f"{tagged}{self._levels[li].seg}:".encode(), self._levels[li].name)
             if self._levels[li].keyed
             else (cast(bytes, self._static[j]), None)
             for j, (li, _) in enumerate(self._flat)
@@ -2180,7 +2183,7 @@ class _PolicyBase:
                 if lv.name not in kw:
                     raise TypeError(f"missing key for level {lv.name!r}: pass {lv.name}=...")
                 used.add(lv.name)
-                k = tagged + lv.name.encode() + b":" + _key_bytes(kw[lv.name], lv.name)
+                k = tagged + lv.seg.encode() + b":" + _key_bytes(kw[lv.name], lv.name)
             level_keys.append(k)
             for u in lv.units:
                 if u in units:

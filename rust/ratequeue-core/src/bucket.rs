@@ -73,6 +73,12 @@ pub struct Taken {
     after: u64,
     cost: u64,
     latest: bool,
+    /// The bucket's refund count when taken, plus this debit's own refunds.
+    refunded: u64,
+    /// For a grant scheduled ahead, the TAT it left (0 otherwise): until the grant's
+    /// time a partial give-back keeps the TAT there, so that "TAT > now + tau" still
+    /// says a grant is scheduled ahead.
+    slot: u64,
 }
 
 impl Taken {
@@ -99,6 +105,8 @@ impl Taken {
             after,
             cost,
             latest: true,
+            refunded: UNKNOWN,
+            slot: 0,
         }
     }
 }
@@ -135,6 +143,8 @@ struct Slot {
     epoch: AtomicU64,
     amount: AtomicU64,
     period: AtomicU64,
+    /// When this generation became current (ns).
+    since: AtomicU64,
 }
 
 /// The fixed-point GCRA arithmetic of one rate (shared by the atomic bucket and the
@@ -338,6 +348,8 @@ impl SimBucket {
 #[repr(align(64))]
 pub struct Bucket {
     word: AtomicU64,
+    /// Ticks given back by refunds so far (monotonic; written under `change`).
+    refunded: AtomicU64,
     slots: [Slot; GENS],
     change: Mutex<()>,
 }
@@ -353,16 +365,18 @@ impl Bucket {
     pub fn new_at(rate: Rate, now_ns: u64) -> Bucket {
         let b = Bucket {
             word: AtomicU64::new(0),
+            refunded: AtomicU64::new(0),
             slots: Default::default(),
             change: Mutex::new(()),
         };
-        b.write_slot(0, &rate, epoch_for(now_ns));
+        b.write_slot(0, &rate, epoch_for(now_ns), 0);
         b
     }
 
-    fn write_slot(&self, gen: usize, rate: &Rate, epoch: u64) {
+    fn write_slot(&self, gen: usize, rate: &Rate, epoch: u64, since_ns: u64) {
         let p = Params::of(rate);
         let s = &self.slots[gen];
+        s.since.store(since_ns, Ordering::Relaxed);
         s.m.store(p.m as u64, Ordering::Relaxed);
         s.tau.store(p.tau, Ordering::Relaxed);
         s.burst.store(p.burst, Ordering::Relaxed);
@@ -374,7 +388,12 @@ impl Bucket {
 
     #[inline]
     fn params(&self, word: u64) -> Params {
-        let s = &self.slots[(word >> GEN_SHIFT) as usize];
+        self.slot_params((word >> GEN_SHIFT) as usize)
+    }
+
+    #[inline]
+    fn slot_params(&self, gen: usize) -> Params {
+        let s = &self.slots[gen];
         Params {
             m: s.m.load(Ordering::Relaxed) as u32,
             tau: s.tau.load(Ordering::Relaxed),
@@ -422,7 +441,7 @@ impl Bucket {
             }
             let epoch = epoch_for(at_ns);
             let gen = (((w >> GEN_SHIFT) as usize) + 1) % GENS;
-            self.write_slot(gen, &self.rate_of(w), epoch);
+            self.write_slot(gen, &self.rate_of(w), epoch, at_ns);
             let shift = p.shift_to(epoch);
             let mut w = w;
             loop {
@@ -471,6 +490,8 @@ impl Bucket {
         let (mut w, mut p) = self.load_at(at_ns);
         loop {
             let (new, delay_ns) = p.step(w & TAT_MASK, at_ns, cost, max_delay_ns, scheduled)?;
+            // Read before the debit: a refund it counts was applied before it.
+            let refunded = self.refunded.load(Ordering::Acquire);
             let next = (w & !TAT_MASK) | new;
             if next == w {
                 return Ok(Taken {
@@ -479,6 +500,8 @@ impl Bucket {
                     after: w,
                     cost,
                     latest: true,
+                    refunded,
+                    slot: 0,
                 });
             }
             match self
@@ -492,6 +515,8 @@ impl Bucket {
                         after: next,
                         cost,
                         latest: true,
+                        refunded,
+                        slot: if delay_ns > 0 { new } else { 0 },
                     })
                 }
                 Err(seen) if seen >> GEN_SHIFT == w >> GEN_SHIFT => w = seen,
@@ -545,36 +570,66 @@ impl Bucket {
     /// `at_ns`. Exact while `t` is still the bucket's latest change: a CAS from the word
     /// it left back to the word before it (or to `ret` less). Otherwise a refund, only
     /// while no grant is scheduled in the future (TAT ≤ now + tau), capped by what `t`
-    /// can still hold and never past full; else nothing ([`Undo::Dropped`]). Check and
-    /// act are one CAS loop. `t` is updated, so a later give-back starts from here.
+    /// can still hold and never past full; else nothing ([`Undo::Dropped`]). What `t`
+    /// holds ends at the TAT it left, less every refund since it was taken (each moved
+    /// it down); nothing after a rate change, or for a debit known only by its token.
+    /// `t` is updated, so a later give-back starts from here.
     pub fn give_back(&self, t: &mut Taken, ret: u64, at_ns: u64) -> Undo {
         let ret = ret.min(t.cost);
         if ret == 0 {
             return Undo::Nothing;
         }
-        let (mut w, _) = self.load_at(at_ns);
-        loop {
-            let p = self.params(w);
-            let exact = t.latest && w == t.after;
-            let next = if exact {
-                if ret == t.cost && t.before != UNKNOWN {
+        if t.latest && (t.refunded == UNKNOWN || t.refunded == self.refunded.load(Ordering::Acquire)) {
+            let (w, _) = self.load_at(at_ns);
+            if w == t.after {
+                let p = self.params(w);
+                let full = ret == t.cost && t.before != UNKNOWN;
+                // Until its grant's time, the TAT keeps marking a grant scheduled ahead
+                // (see `slot`).
+                let lowered = (w & TAT_MASK).saturating_sub(p.cost_ticks(ret));
+                let kept = !full && t.slot > p.ticks(at_ns).saturating_add(p.tau) && lowered < t.slot;
+                let next = if full {
                     t.before
                 } else {
-                    (w & !TAT_MASK) | (w & TAT_MASK).saturating_sub(p.cost_ticks(ret))
-                }
-            } else {
-                let held = self.held_in(t.after, w, &p);
-                match p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), held) {
-                    Some(tat) => (w & !TAT_MASK) | tat,
-                    None => {
-                        t.latest = false;
-                        t.cost -= ret;
+                    (w & !TAT_MASK) | if kept { t.slot } else { lowered }
+                };
+                if next == w
+                    || self
+                        .word
+                        .compare_exchange(w, next, Ordering::AcqRel, Ordering::Acquire)
+                        .is_ok()
+                {
+                    t.cost -= ret;
+                    t.after = next;
+                    if kept {
+                        // The word no longer spans the whole debit that is left.
+                        t.before = UNKNOWN;
                         return Undo::Dropped;
                     }
+                    return if next == w { Undo::Nothing } else { Undo::Exact };
                 }
+            }
+        }
+        t.latest = false;
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
+        let since = match t.refunded {
+            UNKNOWN => None,
+            r => Some(self.refunded.load(Ordering::Acquire).wrapping_sub(r)),
+        };
+        let mut w = self.word.load(Ordering::Acquire);
+        loop {
+            let p = self.params(w);
+            let held = match (since, self.held_in(t.after, w, &p)) {
+                (Some(since), Some(h)) => h.saturating_sub(since),
+                _ => 0,
             };
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
+                t.cost -= ret;
+                return Undo::Dropped;
+            };
+            let next = (w & !TAT_MASK) | tat;
             if next == w {
-                t.latest &= exact;
                 t.cost -= ret;
                 return Undo::Nothing;
             }
@@ -583,13 +638,11 @@ impl Bucket {
                 .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
             {
                 Ok(_) => {
+                    let given = w - next;
+                    self.refunded.fetch_add(given, Ordering::Release);
+                    t.refunded = t.refunded.wrapping_add(given);
+                    t.after -= given.min(t.after & TAT_MASK);
                     t.cost -= ret;
-                    if exact {
-                        t.after = next;
-                        return Undo::Exact;
-                    }
-                    t.after -= (w - next).min(t.after & TAT_MASK);
-                    t.latest = false;
                     return Undo::Refunded;
                 }
                 Err(seen) => w = seen,
@@ -604,45 +657,69 @@ impl Bucket {
             return Some(after & TAT_MASK);
         }
         let old = self.params(after);
-        (old.q_ticks == p.q_ticks && old.m == p.m && old.epoch <= p.epoch)
+        (old.q_ticks == p.q_ticks && old.m == p.m && old.epoch < p.epoch)
             .then(|| (after & TAT_MASK).saturating_sub(old.shift_to(p.epoch)))
     }
 
     /// Refunds `cost` at `at_ns` by the refund rule of [`Bucket::give_back`], uncapped
     /// (for a debit that is not held, e.g. a permit settled without its grant's token).
     pub fn refund(&self, at_ns: u64, cost: u64) -> Undo {
-        let (mut w, _) = self.load_at(at_ns);
-        loop {
-            let p = self.params(w);
-            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(cost), None) else {
-                return Undo::Dropped;
-            };
-            let next = (w & !TAT_MASK) | tat;
-            if next == w {
-                return Undo::Nothing;
-            }
-            match self
-                .word
-                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
-            {
-                Ok(_) => return Undo::Refunded,
-                Err(seen) => w = seen,
-            }
-        }
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
+        self.refund_locked(at_ns, cost, |_| None)
     }
 
     /// Refunds `ret` at `at_ns` of a debit of `cost` taken at `taken_at_ns` that is not
-    /// held as a record: the refund rule, capped by what such a debit can still hold
-    /// (its TAT was at least the tick of `taken_at_ns` plus its cost).
+    /// held as a record: the refund rule, capped by what such a debit can still hold (its
+    /// TAT was at least the tick of `taken_at_ns` plus its cost; across rate changes, what
+    /// was left of it at each change, converted as the change converted the content).
     pub fn refund_since(&self, at_ns: u64, ret: u64, taken_at_ns: u64, cost: u64) -> Undo {
-        let (mut w, _) = self.load_at(at_ns);
+        self.load_at(at_ns);
+        let _guard = self.change_lock();
+        self.refund_locked(at_ns, ret, |w| Some(self.held_since(w, taken_at_ns, cost)))
+    }
+
+    /// What a debit of `cost` taken at `taken_at_ns` can still hold, as a TAT in the
+    /// ticks of the word `w`'s generation (0: nothing known). Called under `change`.
+    fn held_since(&self, w: u64, taken_at_ns: u64, cost: u64) -> u64 {
+        let cur = (w >> GEN_SHIFT) as usize;
+        // The generation current at `taken_at_ns`: walk back while it started later.
+        let mut back = 0;
+        let mut since = self.slots[cur].since.load(Ordering::Relaxed);
+        while since > taken_at_ns {
+            back += 1;
+            let prev = self.slots[(cur + GENS - back) % GENS].since.load(Ordering::Relaxed);
+            if back == GENS || prev > since {
+                return 0; // older than every kept generation
+            }
+            since = prev;
+        }
+        let mut g = (cur + GENS - back) % GENS;
+        let mut p = self.slot_params(g);
+        // Less a nanosecond: a scheduled grant may be debited from just before it.
+        let mut held = p
+            .ticks(taken_at_ns.saturating_sub(1))
+            .saturating_add(p.cost_ticks(cost));
+        while g != cur {
+            g = (g + 1) % GENS;
+            let at = self.slots[g].since.load(Ordering::Relaxed);
+            let q = self.slot_params(g);
+            let left = held.saturating_sub(p.ticks(at)) as u128;
+            // Converted as `set_rate` converts the content (rounded up).
+            let left = ((left << q.m) + (1u128 << p.m) - 1) >> p.m;
+            held = (q.ticks(at) as u128 + left).min(TAT_MASK as u128) as u64;
+            p = q;
+        }
+        held
+    }
+
+    /// The refund rule with the cap `held` gives for the word (see [`Params::refund_tat`]);
+    /// counts what it gave. Called under `change`.
+    fn refund_locked(&self, at_ns: u64, cost: u64, held: impl Fn(u64) -> Option<u64>) -> Undo {
+        let mut w = self.word.load(Ordering::Acquire);
         loop {
             let p = self.params(w);
-            // Less a nanosecond: a scheduled grant may be debited from just before it.
-            let held = p
-                .ticks(taken_at_ns.saturating_sub(1))
-                .saturating_add(p.cost_ticks(cost));
-            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(cost), held(w)) else {
                 return Undo::Dropped;
             };
             let next = (w & !TAT_MASK) | tat;
@@ -653,7 +730,10 @@ impl Bucket {
                 .word
                 .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
             {
-                Ok(_) => return Undo::Refunded,
+                Ok(_) => {
+                    self.refunded.fetch_add(w - next, Ordering::Release);
+                    return Undo::Refunded;
+                }
                 Err(seen) => w = seen,
             }
         }
@@ -709,7 +789,7 @@ impl Bucket {
     /// Changes the rate and burst at `at_ns`, keeping the content used so far (in units):
     /// from the change on, admissions obey the new rate and burst.
     pub fn set_rate(&self, at_ns: u64, rate: Rate) {
-        let _guard = self.change.lock().unwrap_or_else(|e| e.into_inner());
+        let _guard = self.change_lock();
         let w = self.word.load(Ordering::Acquire);
         let gen = (((w >> GEN_SHIFT) as usize) + 1) % GENS;
         let old_epoch = self.params(w).epoch;
@@ -718,7 +798,7 @@ impl Bucket {
         } else {
             old_epoch
         };
-        self.write_slot(gen, &rate, epoch);
+        self.write_slot(gen, &rate, epoch, at_ns);
         let new_p = Params::of(&rate).at_epoch(epoch);
         let mut w = w;
         loop {

@@ -22,10 +22,15 @@ use crate::queue::GrantRef;
 use crate::rate::Rate;
 
 const EMPTY: u64 = 0;
-/// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 16) above.
-const ERA_SHIFT: u32 = 60;
-const ERA_MASK: u64 = 0xF;
+/// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 4) and its
+/// live evictions (mod 4) above.
+const ERA_SHIFT: u32 = 62;
+const ERA_MASK: u64 = 0x3;
 const SAMPLE: usize = 32;
+const TOKEN_SHIFT: u32 = 60;
+const TOKEN_EVICTIONS: u64 = 0x3;
+/// Evictions of a debit known only by its grant time (not checked).
+const UNKNOWN_EVICTIONS: u64 = u64::MAX;
 
 #[derive(Clone, Copy, Default)]
 struct Slot {
@@ -41,6 +46,9 @@ struct Table {
     cursor: usize,
     /// No bucket is full again before this tick (from the last sweep).
     next_full: u64,
+    /// Live keys dropped from this shard so far: a key held before one may be a new
+    /// bucket now.
+    evicted_live: u64,
     /// Clock nanoseconds of tick 0 for this shard's TATs (see [`crate::Bucket`]).
     epoch: u64,
     /// Rebases so far, and the ticks the last one moved every TAT by.
@@ -276,6 +284,9 @@ pub struct KeyTaken {
     after: u64,
     cost: u64,
     latest: bool,
+    /// The shard's live evictions when taken (only its low bits for a token).
+    evictions: u64,
+    token: bool,
     /// The shard's rebase count (mod 16) when `before` and `after` were read.
     era: u64,
     /// Nanoseconds from the arrival until the grant.
@@ -283,7 +294,7 @@ pub struct KeyTaken {
 }
 
 impl KeyTaken {
-    /// A debit of `cost` on `key` known only by the token it left ([`KeyTaken::token`]).
+    /// A debit of `cost` on `key` known only by its grant's token ([`KeyTaken::token`]).
     pub fn from_token(key: u64, token: u64, cost: u64) -> KeyTaken {
         KeyTaken {
             key,
@@ -291,14 +302,17 @@ impl KeyTaken {
             after: token & crate::bucket::TAT_LIMIT,
             cost,
             latest: true,
+            evictions: (token >> TOKEN_SHIFT) & TOKEN_EVICTIONS,
+            token: true,
             era: token >> ERA_SHIFT,
             delay_ns: 0,
         }
     }
 
-    /// The state this debit left on its key (its TAT and the shard's epoch), as a token.
+    /// The state this debit left on its key (its TAT, the shard's epoch and the low bits
+    /// of its live evictions), as a token.
     pub fn token(&self) -> u64 {
-        (self.era << ERA_SHIFT) | self.after
+        (self.era << ERA_SHIFT) | ((self.evictions & TOKEN_EVICTIONS) << TOKEN_SHIFT) | self.after
     }
 
     /// The cost this debit stands for now (after any settle).
@@ -474,6 +488,7 @@ impl KeyedLimiter {
         t.cursor = (t.cursor + k) % n;
         if let Some((_, i)) = nearest {
             t.remove_at(i);
+            t.evicted_live += 1;
             self.evicted_live.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -538,6 +553,8 @@ impl KeyedLimiter {
             after: new,
             cost,
             latest: true,
+            evictions: t.evicted_live,
+            token: false,
             era: t.rebases & ERA_MASK,
             delay_ns,
         })
@@ -657,8 +674,17 @@ impl KeyedLimiter {
         let mut g = self.shard(t.key);
         let p = self.params_at(&mut g, at_ns);
         g.align(t);
-        let Some(i) = g.find(t.key) else {
-            // Dropped as full (or evicted): nothing is held on the key any more.
+        let evictions = if t.token {
+            g.evicted_live & TOKEN_EVICTIONS
+        } else {
+            g.evicted_live
+        };
+        let found = g
+            .find(t.key)
+            .filter(|_| t.evictions == UNKNOWN_EVICTIONS || evictions == t.evictions);
+        let Some(i) = found else {
+            // Dropped as full (nothing is held on the key any more), or a live key was
+            // dropped since (the key's bucket may be a new one, holding others' debits).
             t.latest = false;
             t.cost -= ret;
             return Undo::Nothing;
@@ -986,7 +1012,7 @@ impl crate::queue::Resource for KeyBucket {
     fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
         self.keyed
             .take_nowait(self.key, now_ns, costs[0], 0)
-            .map(|r| r.map(|t| Some(t.after)))
+            .map(|r| r.map(|t| Some(t.token())))
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
@@ -995,7 +1021,10 @@ impl crate::queue::Resource for KeyBucket {
         // Without a token: capped by what a debit of `e` taken at `grant.at_ns` holds.
         let held = self.keyed.held_token(self.key, grant.at_ns.saturating_sub(1), e);
         let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
-        t.latest = grant.token.is_some();
+        if grant.token.is_none() {
+            t.latest = false;
+            t.evictions = UNKNOWN_EVICTIONS;
+        }
         if a < e {
             self.keyed.give_back(&mut t, e - a, now);
         } else if a > e {

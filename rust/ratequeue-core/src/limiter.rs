@@ -1,6 +1,7 @@
 //! A limiter over one or more rates in named units (e.g. requests and tokens): every
 //! decision is all-or-nothing across its buckets, lock-free on the fast path.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::MutexGuard;
 
@@ -12,6 +13,8 @@ use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
 pub const MAX_RATES: usize = 16;
+/// How many multi-rate grants a limiter remembers for a late give-back.
+pub const RECENT: usize = 256;
 
 /// Several GCRA buckets, each counting one unit, decided together.
 #[derive(Debug)]
@@ -27,6 +30,10 @@ pub struct Limiter {
     /// Multi-rate: counts changes (under `multi`); a grant's token is its value right
     /// after the grant, so "unchanged" means no change on any bucket since.
     seq: AtomicU64,
+    /// Multi-rate: the debits of the latest tokened grants (at most [`RECENT`]), so that
+    /// a grant given back after other changes still follows the one undo rule on each
+    /// rate; a grant no longer listed gives nothing back.
+    recent: std::sync::Mutex<VecDeque<(u64, Vec<Taken>)>>,
     /// Give-backs kept because a later grant stood on them (per bucket).
     refunds_dropped: AtomicU64,
 }
@@ -86,6 +93,7 @@ impl Limiter {
             bucket_unit: bucket_unit.into(),
             units: units.into(),
             multi: std::sync::Mutex::new(()),
+            recent: std::sync::Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
             refunds_dropped: AtomicU64::new(0),
         })
@@ -298,6 +306,11 @@ impl Limiter {
         if self.buckets.len() == 1 {
             r.taken[0].after_word()
         } else {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            if recent.len() == RECENT {
+                recent.pop_front();
+            }
+            recent.push_back((r.seq, r.taken.clone()));
             r.seq
         }
     }
@@ -498,15 +511,21 @@ impl Resource for Limiter {
             return;
         }
         let _serial = self.lock_multi();
-        let unchanged = self.seq.load(Ordering::Acquire) == token;
+        let taken = {
+            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
+            let at = recent.iter().position(|(seq, _)| *seq == token);
+            at.and_then(|k| recent.remove(k)).map(|(_, taken)| taken)
+        };
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
-            let u = if unchanged {
-                // Nothing changed on any rate since the grant: its words are the current ones.
-                let mut t = Taken::from_token(b.word(), c);
-                b.give_back(&mut t, c, now)
-            } else {
-                b.refund(now, c)
+            let u = match &taken {
+                Some(taken) => {
+                    let mut t = taken[i];
+                    b.give_back(&mut t, c, now)
+                }
+                // Forgotten: what it still holds is unknown.
+                None if c > 0 => Undo::Dropped,
+                None => Undo::Nothing,
             };
             self.note(u);
         }

@@ -290,8 +290,10 @@ impl Policy {
         }
     }
 
-    fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
-        for (i, h) in held.iter_mut().enumerate() {
+    /// Undoes every level, the last taken first: each undo is then exact where levels
+    /// share a limiter (the later debit sits on the earlier one).
+    pub fn undo_all(&self, held: &mut [Held], args: &[LevelArgs], now_ns: u64) {
+        for (i, h) in held.iter_mut().enumerate().rev() {
             self.undo(i, h, &args[i], now_ns);
         }
     }
@@ -407,8 +409,11 @@ impl Policy {
         max_wait_ns: u64,
         rates_only: bool,
     ) -> Result<(u64, Vec<Held>), Refusal> {
+        // A level refused at the common time needs at least its wait more (another
+        // caller took capacity, or levels share a limiter and stack on each other).
+        let mut floor = 0u64;
         for _ in 0..64 {
-            let delay = self.rate_delay(args, now_ns)?;
+            let delay = self.rate_delay(args, now_ns)?.max(floor);
             if delay > max_wait_ns {
                 let level = self.slowest(args, now_ns).unwrap_or(0);
                 self.refused[level].fetch_add(1, Ordering::Relaxed);
@@ -424,9 +429,11 @@ impl Policy {
                 }
                 // Another caller took rate capacity in between: decide again.
                 Err(Refusal {
-                    deny: Deny::Wait(_),
+                    deny: Deny::Wait(d),
                     level,
-                }) if matches!(self.levels[level].kind, LevelKind::Rate(_) | LevelKind::KeyedRate(_)) => {}
+                }) if matches!(self.levels[level].kind, LevelKind::Rate(_) | LevelKind::KeyedRate(_)) => {
+                    floor = delay.saturating_add(d.max(1));
+                }
                 Err(r) => {
                     self.refused[r.level].fetch_add(1, Ordering::Relaxed);
                     return Err(r);

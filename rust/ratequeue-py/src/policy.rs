@@ -578,9 +578,7 @@ impl PolicyPermitPy {
             let now = self.clock.now_ns();
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let (args, held) = &mut *st;
-            for (i, h) in held.iter_mut().enumerate() {
-                self.policy.undo(i, h, &args[i], now);
-            }
+            self.policy.undo_all(held, args, now);
             drop(st);
             for p in &self.extra {
                 p.get().release();
