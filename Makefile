@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.deps-stamp
 
-.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress-fork
+.PHONY: demo test test-rust test-loom test-python build build-dev lint bench bench-rust bench-python bench-peers clean stress stress-fork
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ test-loom:
 
 test-python: build
 	cd tests && ../$(PY) -m pytest -q
+
+# The history checker over >= 10^6 random operations (threads, asyncio tasks, virtual
+# time; prints the totals and the violations), then the fork stress when there is one.
+# The fork stress test 200 times, the fuzzer with 20,000 mixed examples, then the
+# history checker over >= 10^6 operations (it reports every violation it finds).
+stress: build
+	$(MAKE) stress-fork
+	cd tests && RATEQUEUE_FUZZ_EXAMPLES=20000 ../$(PY) -m pytest -q test_fuzz.py
+	cd tests && ../$(PY) stress_history.py --ops 1000000 --quiet
 
 # The fork stress test 200 times (forks from many threads while others use every lock).
 stress-fork: build

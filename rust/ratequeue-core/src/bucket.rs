@@ -307,6 +307,42 @@ impl Params {
     }
 }
 
+/// A private copy of a bucket's schedule, to play a backlog forward without touching it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct SimBucket {
+    /// Exact past a u64: a long backlog may end beyond the range of the bucket's word.
+    tat: u128,
+    p: Params,
+}
+
+impl SimBucket {
+    /// The earliest time >= `at_ns` at which `cost` conforms (`u64::MAX` when beyond
+    /// the range of a u64 of nanoseconds); None when it never can.
+    pub(crate) fn ready(&self, at_ns: u64, cost: u64) -> Option<u64> {
+        if cost > self.p.burst {
+            return None;
+        }
+        let now = self.p.ticks(at_ns) as u128;
+        let target = (self.tat.max(now) + ((cost as u128) << self.p.m)).saturating_sub(self.p.tau as u128);
+        if target <= now {
+            return Some(at_ns);
+        }
+        Some(
+            self.p
+                .time_of(target)
+                .map_or(u64::MAX, |t| t.max(at_ns as u128).min(u64::MAX as u128) as u64),
+        )
+    }
+
+    /// Debits `cost` at `at_ns`, as a grant at that time would.
+    pub(crate) fn take(&mut self, at_ns: u64, cost: u64) {
+        self.tat = self
+            .tat
+            .max(self.p.ticks(at_ns) as u128)
+            .saturating_add((cost as u128) << self.p.m);
+    }
+}
+
 /// A lock-free GCRA token bucket.
 #[derive(Debug)]
 #[repr(align(64))]
@@ -510,6 +546,15 @@ impl Bucket {
     pub fn predict(&self, at_ns: u64, ahead: u64, cost: u64) -> u64 {
         let (w, p) = self.load_at(at_ns);
         p.predict(w & TAT_MASK, at_ns, ahead.saturating_add(cost))
+    }
+
+    /// A copy of the schedule as it stands at `at_ns`, for [`SimBucket`] simulations.
+    pub(crate) fn sim_at(&self, at_ns: u64) -> SimBucket {
+        let (w, p) = self.load_at(at_ns);
+        SimBucket {
+            tat: (w & TAT_MASK) as u128,
+            p,
+        }
     }
 
     /// Undoes `t` if no other debit came after it; true when undone.

@@ -594,6 +594,22 @@ impl Resource for Limiter {
         }
         Some(t)
     }
+
+    fn predict_backlog(&self, now_ns: u64, backlog: &[(&[u64], Option<u64>)], costs: &[u64]) -> Option<u64> {
+        let mut sims: Vec<_> = self.buckets.iter().map(|b| b.sim_at(now_ns)).collect();
+        let mut t = now_ns;
+        for (c, due) in backlog.iter().copied().chain(std::iter::once((costs, None))) {
+            let from = t.max(due.unwrap_or(0));
+            t = from;
+            for (i, s) in sims.iter().enumerate() {
+                t = t.max(s.ready(from, c[self.bucket_unit[i]])?);
+            }
+            for (i, s) in sims.iter_mut().enumerate() {
+                s.take(t, c[self.bucket_unit[i]]);
+            }
+        }
+        Some(t)
+    }
 }
 
 #[cfg(test)]

@@ -65,6 +65,22 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
+    /// Grant time of `costs` once `backlog` (queued costs in grant order, each with its
+    /// promised time) has been served by the joint FIFO schedule: each waiter at the
+    /// latest conformance time over the rates and every rate debited at that time.
+    /// By default [`Resource::predict`] of the summed backlog (exact for one rate
+    /// without promised times).
+    fn predict_backlog(&self, now_ns: u64, backlog: &[(&[u64], Option<u64>)], costs: &[u64]) -> Option<u64> {
+        let mut ahead = vec![0u128; costs.len()];
+        let mut due = now_ns;
+        for (c, d) in backlog {
+            for (a, x) in ahead.iter_mut().zip(c.iter()) {
+                *a += *x as u128;
+            }
+            due = due.max(d.unwrap_or(0));
+        }
+        self.predict(now_ns, &saturated(&ahead), costs).map(|t| t.max(due))
+    }
 }
 
 /// What a permit keeps of its grant, so that settling it follows the one undo rule.
@@ -326,7 +342,6 @@ pub struct WaitQueue {
     resource: Arc<dyn Resource>,
     clock: AnyClock,
     config: QueueConfig,
-    units: usize,
     waiting: AtomicUsize,
     inner: Mutex<Inner>,
     scheduled: AtomicU64,
@@ -402,7 +417,6 @@ impl WaitQueue {
         let q = Arc::new(WaitQueue {
             resource,
             clock,
-            units,
             waiting: AtomicUsize::new(0),
             inner: Mutex::new(Inner {
                 classes,
@@ -880,27 +894,32 @@ impl WaitQueue {
             return Ok(self.predict_all(&g, now, costs).map(|t| (now, t.saturating_sub(now))));
         };
         let start = c.last_finish.max(g.vtime);
-        let mut ahead = vec![0u64; self.units];
-        for w in g.classes.iter().flat_map(|c| c.waiters.values()) {
-            if w.start_tag <= start || w.due_ns.is_some() {
-                for (a, x) in ahead.iter_mut().zip(w.costs.iter()) {
-                    *a = a.saturating_add(*x);
-                }
-            }
-        }
-        let at = self.resource.predict(now.max(g.last_grant_ns), &ahead, costs);
+        let mut ahead: Vec<(f64, u64, &Waiter)> = g
+            .classes
+            .iter()
+            .flat_map(|c| c.waiters.iter().map(|(t, w)| (w.start_tag, *t, w)))
+            .filter(|(tag, _, w)| *tag <= start || w.due_ns.is_some())
+            .collect();
+        ahead.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let ahead: Vec<(&[u64], Option<u64>)> = ahead.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        let at = self.resource.predict_backlog(now.max(g.last_grant_ns), &ahead, costs);
         Ok(at.map(|t| (now, t.saturating_sub(now))))
     }
 
+    /// The grant time of `costs` behind everyone queued: exact with one class (the FIFO
+    /// schedule played forward); with several, the backlog in start-tag order, a
+    /// prediction that arrivals of other classes can move.
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {
-        let mut ahead = vec![0u128; self.units];
-        for c in &g.classes {
-            for (a, q) in ahead.iter_mut().zip(&c.queued) {
-                *a += q;
-            }
+        let mut backlog: Vec<(f64, u64, &Waiter)> = g
+            .classes
+            .iter()
+            .flat_map(|c| c.waiters.iter().map(|(t, w)| (w.start_tag, *t, w)))
+            .collect();
+        if g.classes.len() > 1 {
+            backlog.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         }
-        self.resource
-            .predict(now.max(g.last_grant_ns), &saturated(&ahead), costs)
+        let backlog: Vec<(&[u64], Option<u64>)> = backlog.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        self.resource.predict_backlog(now.max(g.last_grant_ns), &backlog, costs)
     }
 
     fn deny_error(&self, d: Deny) -> Error {
@@ -982,7 +1001,9 @@ impl WaitQueue {
 
     fn ready_time(&self, g: &Inner, ci: usize, t: u64) -> Option<u64> {
         let w = &g.classes[ci].waiters[&t];
-        let from = w.arrival_ns.max(g.last_grant_ns);
+        // A queued reservation is debited at its promised time, never earlier: its holder
+        // uses it then, and an earlier debit would let a later grant share its slot.
+        let from = w.arrival_ns.max(g.last_grant_ns).max(w.due_ns.unwrap_or(0));
         self.resource.ready_at(from, &w.costs).ok().flatten()
     }
 
@@ -1090,12 +1111,16 @@ impl WaitQueue {
         };
         self.remove(&mut g, ci, ticket);
         bump(&self.counters.cancelled);
-        // The head may have changed, and with it the next due time.
+        // The head may have changed: whoever behind it can be granted now is.
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, self.clock.now_ns(), &mut out);
         let next = self.next_wake_locked(&g);
+        let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
             let _ = self.schedule(t);
         }
+        self.give_back_gone(gone);
         Cancelled::Removed
     }
 
@@ -1728,5 +1753,145 @@ mod tests {
         assert_eq!(q.waiting(), 0);
         assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
         assert!(q.try_now(&[1], 0).is_err());
+    }
+
+    fn two_rate_queue() -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![
+                    ("requests".into(), Rate::new(5.0, 2e9, 1).unwrap()),
+                    ("tokens".into(), Rate::new(100.0, 1e9, 100).unwrap()),
+                ],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let q = WaitQueue::new(
+            lim.clone(),
+            2,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], 1000, None).unwrap(),
+        );
+        (q, lim, clock)
+    }
+
+    fn reserve_costs(q: &Arc<WaitQueue>, lim: &Arc<Limiter>, costs: &[u64]) -> QueuedReservation {
+        let l = lim.clone();
+        let c = costs.to_vec();
+        match q.reserve(costs, 0, None, move |_| l.reserve(&c, None)).unwrap() {
+            Reserved::Queued(r) => r,
+            Reserved::Now(_) => panic!("a reservation behind waiters must queue"),
+        }
+    }
+
+    fn near(a: u64, b: u64) -> bool {
+        a.abs_diff(b) <= 2
+    }
+
+    #[test]
+    fn two_rate_reservations_are_promised_the_joint_fifo_schedule() {
+        let (q, lim, clock) = two_rate_queue();
+        lim.try_acquire(&[1, 80]).unwrap();
+        let a = Slot::new();
+        let b = Slot::new();
+        let (a2, b2) = (a.clone(), b.clone());
+        q.submit(&[1, 63], 0, None, || Wake::Thread(a2)).unwrap();
+        q.submit(&[1, 26], 0, Some(1_000_000_000), || Wake::Thread(b2)).unwrap();
+        let r1 = reserve_costs(&q, &lim, &[1, 68]);
+        clock.advance(12_000_000).unwrap();
+        let r2 = reserve_costs(&q, &lim, &[1, 8]);
+        assert!(near(r1.at_ns, 1_370_000_000), "{}", r1.at_ns);
+        assert!(near(r2.at_ns, 1_770_000_000), "{}", r2.at_ns);
+        q.run_until(&clock, 3_000_000_000).unwrap();
+        let at = |r: &QueuedReservation| match r.outcome() {
+            Some(Outcome::Granted { at_ns, .. }) => at_ns,
+            o => panic!("{o:?}"),
+        };
+        assert_eq!((at(&r1), at(&r2)), (r1.at_ns, r2.at_ns));
+        assert!(granted(&a).is_some() && granted(&b).is_some());
+    }
+
+    #[test]
+    fn two_rate_retry_after_counts_the_joint_schedule_of_the_waiters() {
+        let (q, lim, clock) = two_rate_queue();
+        lim.try_acquire(&[1, 25]).unwrap();
+        let a = Slot::new();
+        let a2 = a.clone();
+        q.submit(&[1, 87], 0, None, || Wake::Thread(a2)).unwrap();
+        let retry = q.retry_after_ns(&[1, 96]);
+        assert!(near(retry, 1_230_000_000), "{retry}");
+        assert_eq!(q.predict(&[1, 96]), Some(retry));
+        q.run_until(&clock, retry).unwrap();
+        assert!(granted(&a).is_some());
+        assert!(
+            q.try_now(&[1, 96], 0).is_ok(),
+            "refused after the retry_after it was told"
+        );
+    }
+
+    #[test]
+    fn a_reservation_is_debited_at_its_promised_time_when_a_waiter_ahead_leaves() {
+        let (q, lim, clock) = rate_queue(10.0, 1, 100);
+        lim.try_acquire(&[1]).unwrap();
+        let (a, _) = queued_waiter(&q);
+        let Ok(Reserved::Queued(r)) = reserve(&q, &lim, None) else {
+            panic!("queued")
+        };
+        assert_eq!(r.at_ns, 200_000_000);
+        assert_eq!(q.cancel(a), Cancelled::Removed);
+        q.run_until(&clock, 150_000_000).unwrap();
+        assert!(r.outcome().is_none(), "granted before its promised time");
+        q.run_until(&clock, 200_000_000).unwrap();
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns: 200_000_000, .. })));
+        assert_eq!(lim.delay_for(&[1]).unwrap(), 100_000_000);
+    }
+
+    fn permit_queue(limit: u64) -> (Arc<WaitQueue>, Arc<ManualClock>) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let sem = Arc::new(crate::Semaphore::new(limit).unwrap());
+        let q = WaitQueue::new(
+            sem,
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], 1000, None).unwrap(),
+        );
+        (q, clock)
+    }
+
+    #[test]
+    fn cancelling_the_head_grants_the_next_waiter_a_free_permit() {
+        let (q, _clock) = permit_queue(2);
+        q.try_now(&[1], 0).unwrap();
+        let Submitted::Queued(a) = q.submit(&[2], 0, None, || Wake::Thread(Slot::new())).unwrap() else {
+            panic!("queued")
+        };
+        let b = Slot::new();
+        let b2 = b.clone();
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(b2)).unwrap(),
+            Submitted::Queued(_)
+        ));
+        assert_eq!(q.cancel(a), Cancelled::Removed);
+        assert_eq!(
+            granted(&b),
+            Some(0),
+            "a permit is free: the next waiter is granted at once"
+        );
+        assert_eq!(q.waiting(), 0);
+    }
+
+    #[test]
+    fn a_timed_out_head_grants_the_next_waiter_a_free_permit() {
+        let (q, clock) = permit_queue(2);
+        q.try_now(&[1], 0).unwrap();
+        q.submit(&[2], 0, Some(1_000_000_000), || Wake::Thread(Slot::new()))
+            .unwrap();
+        let b = Slot::new();
+        let b2 = b.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(b2)).unwrap();
+        q.run_until(&clock, 1_000_000_000).unwrap();
+        assert_eq!(granted(&b), Some(1_000_000_000));
+        assert_eq!(q.waiting(), 0);
     }
 }
