@@ -946,8 +946,19 @@ impl WaitQueue {
     /// Grants and expires everything due at `now`; returns the next wake-up time.
     pub fn poll(self: &Arc<Self>, now: u64) -> Option<u64> {
         self.drop_inherited();
+        match self.poll_and_unlock(lock(&self.inner), now) {
+            (next, false) => next,
+            // Grants handed back by gone waiters may have moved the next due time.
+            (_, true) => self.next_wake(),
+        }
+    }
+
+    /// Grants and expires what is due at `now` with the lock held, delivers the outcomes
+    /// in grant order, releases the lock, asks the driver for the next due time and gives
+    /// back the grants of waiters that are gone. Returns that due time and whether any
+    /// grant was given back.
+    fn poll_and_unlock(self: &Arc<Self>, mut g: MutexGuard<'_, Inner>, now: u64) -> (Option<u64>, bool) {
         let mut out = Vec::new();
-        let mut g = lock(&self.inner);
         self.poll_locked(&mut g, now, &mut out);
         let next = self.next_wake_locked(&g);
         let gone = deliver(out);
@@ -955,11 +966,9 @@ impl WaitQueue {
         if let Some(t) = next {
             let _ = self.schedule(t);
         }
-        if gone.is_empty() {
-            return next;
-        }
+        let any_gone = !gone.is_empty();
         self.give_back_gone(gone);
-        self.next_wake()
+        (next, any_gone)
     }
 
     /// Polls at the clock's current time.
@@ -1112,15 +1121,7 @@ impl WaitQueue {
         self.remove(&mut g, ci, ticket);
         bump(&self.counters.cancelled);
         // The head may have changed: whoever behind it can be granted now is.
-        let mut out = Vec::new();
-        self.poll_locked(&mut g, self.clock.now_ns(), &mut out);
-        let next = self.next_wake_locked(&g);
-        let gone = deliver(out);
-        drop(g);
-        if let Some(t) = next {
-            let _ = self.schedule(t);
-        }
-        self.give_back_gone(gone);
+        self.poll_and_unlock(g, self.clock.now_ns());
         Cancelled::Removed
     }
 
@@ -1151,15 +1152,7 @@ impl WaitQueue {
         };
         self.forget_inherited(&mut g);
         self.resource.give_back(costs, token);
-        let mut out = Vec::new();
-        self.poll_locked(&mut g, self.clock.now_ns(), &mut out);
-        let next = self.next_wake_locked(&g);
-        let gone = deliver(out);
-        drop(g);
-        if let Some(t) = next {
-            let _ = self.schedule(t);
-        }
-        self.give_back_gone(gone);
+        self.poll_and_unlock(g, self.clock.now_ns());
         true
     }
 
