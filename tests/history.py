@@ -376,8 +376,17 @@ class History:
                 if kind == "policy_acquire" and not lv.is_rate and lv.classes
                 else None
             )
-            out.append(self.new_req(n, key, cls, costs, kind, op, arrival))
+            q = self.new_req(n, key, cls, costs, kind, op, arrival)
+            if lv.is_rate and self.shared_time():
+                # Held for the time the slowest rate level needs: a later arrival on a
+                # level that could serve sooner may go first without moving it.
+                q.lead = False
+            out.append(q)
         return out
+
+    def shared_time(self) -> bool:
+        """True when the policy's rate levels are granted at a time another may set."""
+        return sum(1 for n in self.policy_levels if self.levels[n].is_rate and not self.levels[n].shadow) > 1
 
     def shadow_refused(self) -> int:
         if "shadow" not in self.policy_levels:

@@ -8,16 +8,37 @@ use std::time::Duration;
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use ratequeue_core::policy::{Held, Refusal, Waker};
+use ratequeue_core::policy::{Held, LevelQueues, QueueRef, Refusal, Refused, Waker};
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
 
 use crate::args::{cost, seconds_ns};
 use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
-use crate::keyed::{key_named, KeyedConcurrencyPy, KeyedLimiterPy};
+use crate::keyed::{key_named, KeyGates, KeyedConcurrencyPy, KeyedLimiterPy};
 use crate::limiter::LimiterPy;
-use crate::waiting::PermitPy;
+use crate::waiting::{Gate, PermitPy};
+
+/// A Limiter's one queue, for a policy to join.
+struct OneQueue(Arc<Gate>);
+
+impl LevelQueues for OneQueue {
+    fn existing(&self, _key: u64) -> Option<QueueRef> {
+        Some(QueueRef::new(self.0.queue.clone()))
+    }
+}
+
+/// A keyed level's queue of a key, kept in its map while the policy holds it.
+struct KeyQueues(Arc<KeyGates>);
+
+impl LevelQueues for KeyQueues {
+    fn existing(&self, key: u64) -> Option<QueueRef> {
+        self.0.existing(key).map(|g| QueueRef {
+            queue: g.queue.clone(),
+            keep: Some(g),
+        })
+    }
+}
 
 /// A concurrency level to wait on, and the key to wait on (None: unkeyed).
 type Step = (Py<PyAny>, Option<Py<PyAny>>);
@@ -44,6 +65,14 @@ pub struct PolicyPy {
     core: Arc<Policy>,
     levels: Vec<LevelPy>,
     clock: AnyClock,
+}
+
+/// The error for a refusal of [`Policy::reserve_queued`] (see [`refusal_error`]).
+fn refused_error(py: Python<'_>, p: &PolicyPy, r: Refused, max_wait_ns: u64) -> PyErr {
+    match r {
+        Refused::Level(r) => refusal_error(py, p, r, max_wait_ns),
+        Refused::Queue { error, .. } => to_py(py, error),
+    }
 }
 
 /// The error for a refusal; `max_wait_ns`: the bound a reservation was refused
@@ -258,11 +287,13 @@ impl PolicyPy {
         for (k, v) in levels.iter() {
             let name = crate::args::text("levels", &k).map_err(|_| type_err("levels", "str names", &k))?;
             // Each level's queue is woken whenever the policy gives capacity back to it.
+            let mut queues: Option<Arc<dyn LevelQueues>> = None;
             let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
                 let core = l.get().core().clone();
                 let units = core.units().to_vec();
                 let c = core.clock().clone();
                 let gate = l.get().gate().clone();
+                queues = Some(Arc::new(OneQueue(gate.clone())));
                 let wake = Arc::new(move |_| {
                     let gate = gate.clone();
                     unblocked(move || {
@@ -274,6 +305,7 @@ impl PolicyPy {
                 let core = l.get().core().clone();
                 let c = core.clock().clone();
                 let gates = l.get().key_gates().clone();
+                queues = Some(Arc::new(KeyQueues(gates.clone())));
                 (
                     LevelKind::KeyedRate(core),
                     Shape::KeyedUnit(l.get().unit().to_owned()),
@@ -323,6 +355,7 @@ impl PolicyPy {
                 kind,
                 shadow: is_shadow,
                 wake: Some(wake),
+                queues,
             });
             py_levels.push(LevelPy {
                 name,
@@ -423,13 +456,13 @@ impl PolicyPy {
         let now = self.clock.now_ns();
         let mw = deadline.map_or(u64::MAX, |d| d.saturating_sub(now));
         let core = &self.core;
-        let (delay, held) = match py.detach(|| core.reserve(&args, now, mw, true)) {
+        let (delay, held) = match py.detach(|| core.reserve_queued(&args, now, mw)) {
             Ok(x) => x,
             Err(r) => {
                 for p in &conc {
                     p.get().release();
                 }
-                return Err(refusal_error(py, self, r, mw));
+                return Err(refused_error(py, self, r, mw));
             }
         };
         let permit = self.permit(args, held, delay + now.saturating_sub(start), conc);
@@ -455,13 +488,13 @@ impl PolicyPy {
         let args = self.args(kw)?;
         let mw = max_wait.map_or(u64::MAX, |s| (s.max(0.0) * 1e9) as u64);
         let (core, now) = (&self.core, self.clock.now_ns());
-        match py.detach(|| core.reserve(&args, now, mw, true)) {
+        match py.detach(|| core.reserve_queued(&args, now, mw)) {
             Ok((delay, held)) => Ok(self.permit(args, held, delay, permits)),
             Err(r) => {
                 for p in &permits {
                     p.get().release();
                 }
-                Err(refusal_error(py, self, r, mw))
+                Err(refused_error(py, self, r, mw))
             }
         }
     }
