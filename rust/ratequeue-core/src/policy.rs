@@ -824,4 +824,222 @@ mod tests {
         p.release(0, &mut held[0]); // released once
         assert_eq!(sem.in_use(), 1);
     }
+
+    // ---------------------------------------------------------------------------------
+    // a policy's wait joins its rate levels' queues (issue 10)
+
+    use crate::queue::{QueueConfig, Slot, Submitted, Wake};
+
+    const MS: u64 = 1_000_000;
+
+    struct Queues(Arc<WaitQueue>);
+
+    impl LevelQueues for Queues {
+        fn existing(&self, _key: u64) -> Option<QueueRef> {
+            Some(QueueRef::new(self.0.clone()))
+        }
+    }
+
+    /// A Limiter of `per_sec` with `burst` and its queue, on `clock`.
+    fn queued_limiter(clock: &Arc<ManualClock>, per_sec: f64, burst: u64) -> (Arc<Limiter>, Arc<WaitQueue>) {
+        let lim = Arc::new(
+            Limiter::new(
+                vec![("requests".into(), Rate::new(per_sec, 1e9, burst).unwrap())],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let q = WaitQueue::new(
+            lim.clone(),
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], 100, None).unwrap(),
+        );
+        (lim, q)
+    }
+
+    fn rate_level(name: &str, lim: &Arc<Limiter>, q: &Arc<WaitQueue>) -> Level {
+        Level {
+            name: name.into(),
+            kind: LevelKind::Rate(lim.clone()),
+            shadow: false,
+            wake: None,
+            queues: Some(Arc::new(Queues(q.clone()))),
+        }
+    }
+
+    fn waiter(q: &Arc<WaitQueue>) -> Arc<Slot> {
+        let s = Slot::new();
+        let s2 = s.clone();
+        assert!(matches!(
+            q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(),
+            Submitted::Queued(_)
+        ));
+        s
+    }
+
+    fn granted(s: &Slot) -> Option<u64> {
+        match s.take() {
+            Some(Outcome::Granted { at_ns, .. }) => Some(at_ns),
+            _ => None,
+        }
+    }
+
+    /// Rate(10, burst 1) used at 0, a waiter due at 0.1 s and a reservation promised at
+    /// 0.2 s queued.
+    fn backlogged() -> (
+        Arc<ManualClock>,
+        Arc<Limiter>,
+        Arc<WaitQueue>,
+        Arc<Slot>,
+        QueuedReservation,
+    ) {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (lim, q) = queued_limiter(&clock, 10.0, 1);
+        lim.try_acquire(&[1]).unwrap();
+        let w = waiter(&q);
+        let l = lim.clone();
+        let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+            panic!("queued")
+        };
+        assert_eq!(r.at_ns, 200 * MS);
+        (clock, lim, q, w, r)
+    }
+
+    fn one() -> Vec<LevelArgs> {
+        vec![LevelArgs { key: 0, costs: vec![1] }]
+    }
+
+    #[test]
+    fn a_policy_waits_behind_a_levels_waiter_and_promised_reservation() {
+        let (clock, lim, q, w, r) = backlogged();
+        let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+        let (delay, held) = p.reserve_queued(&one(), 0, u64::MAX).unwrap();
+        assert_eq!(delay, 300 * MS, "behind the waiter (0.1 s) and the reservation (0.2 s)");
+        assert!(matches!(held[0], Held::Queued(_)));
+        let behind = waiter(&q);
+        q.run_until(&clock, 1_000 * MS).unwrap();
+        assert_eq!(granted(&w), Some(100 * MS));
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
+        let Held::Queued(h) = &held[0] else { unreachable!() };
+        assert_eq!(h.grant().map(|g| g.at_ns), Some(300 * MS));
+        assert_eq!(granted(&behind), Some(400 * MS));
+    }
+
+    #[test]
+    fn an_idle_level_is_debited_at_once_for_the_common_time() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (busy, bq) = queued_limiter(&clock, 10.0, 1);
+        let (idle, iq) = queued_limiter(&clock, 1.0, 2);
+        busy.try_acquire(&[1]).unwrap();
+        let w = waiter(&bq);
+        let p = Policy::new(vec![rate_level("idle", &idle, &iq), rate_level("busy", &busy, &bq)]).unwrap();
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
+        let (delay, held) = p.reserve_queued(&args, 0, u64::MAX).unwrap();
+        assert_eq!(delay, 200 * MS);
+        assert!(matches!(held[0], Held::Rate(_)), "nobody waits there: debited at once");
+        assert!(matches!(held[1], Held::Queued(_)));
+        assert_eq!(idle.delay_at(200 * MS, &[1]).unwrap(), 0);
+        assert!(idle.delay_at(200 * MS, &[2]).unwrap() > 0, "one unit held for 0.2 s");
+        q_run(&bq, &clock, 1_000 * MS);
+        assert_eq!(granted(&w), Some(100 * MS));
+    }
+
+    fn q_run(q: &Arc<WaitQueue>, clock: &ManualClock, until: u64) {
+        q.run_until(clock, until).unwrap();
+    }
+
+    #[test]
+    fn a_later_level_moves_the_common_time_and_nothing_is_left_behind() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (busy, bq) = queued_limiter(&clock, 10.0, 1);
+        let (slow, sq) = queued_limiter(&clock, 1.0, 1);
+        busy.try_acquire(&[1]).unwrap();
+        slow.try_acquire(&[1]).unwrap();
+        let w = waiter(&bq);
+        let p = Policy::new(vec![rate_level("busy", &busy, &bq), rate_level("slow", &slow, &sq)]).unwrap();
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
+        let (delay, held) = p.reserve_queued(&args, 0, u64::MAX).unwrap();
+        assert_eq!(delay, 1_000 * MS, "the slow level's time");
+        let Held::Queued(h) = &held[0] else {
+            panic!("queued behind the waiter")
+        };
+        assert_eq!(h.r.at_ns, 1_000 * MS);
+        assert_eq!(bq.waiting(), 2);
+        q_run(&bq, &clock, 2_000 * MS);
+        assert_eq!(granted(&w), Some(100 * MS));
+        assert_eq!(h.grant().map(|g| g.at_ns), Some(1_000 * MS));
+    }
+
+    #[test]
+    fn beyond_max_wait_nothing_is_held() {
+        let (clock, lim, q, w, _r) = backlogged();
+        let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+        let Err(Refused::Level(r)) = p.reserve_queued(&one(), 0, 250 * MS) else {
+            panic!("refused")
+        };
+        assert_eq!(r.deny, Deny::Wait(300 * MS));
+        assert_eq!(q.waiting(), 2);
+        assert_eq!(p.counts(0).refused, 1);
+        q_run(&q, &clock, 1_000 * MS);
+        assert_eq!(granted(&w), Some(100 * MS));
+        assert!(lim.try_acquire(&[1]).is_ok());
+    }
+
+    #[test]
+    fn undo_before_the_time_leaves_the_queue_and_after_it_keeps_the_slot() {
+        let (clock, lim, q, _w, _r) = backlogged();
+        let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+        let (_, mut held) = p.reserve_queued(&one(), 0, u64::MAX).unwrap();
+        let behind = waiter(&q);
+        p.undo_all(&mut held, &one(), 0);
+        p.undo_all(&mut held, &one(), 0); // once
+        q_run(&q, &clock, 1_000 * MS);
+        assert_eq!(granted(&behind), Some(300 * MS), "moved up into the policy's slot");
+
+        let (delay, mut held) = p.reserve_queued(&one(), clock.now_ns(), u64::MAX).unwrap();
+        assert_eq!(delay, 0, "idle: debited at once");
+        let now = clock.now_ns();
+        p.undo_all(&mut held, &one(), now);
+        assert!(lim.try_acquire(&[1]).is_ok(), "exact undo of the latest debit");
+
+        let (clock, lim, q, _w, _r) = backlogged();
+        let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+        let (_, mut held) = p.reserve_queued(&one(), 0, u64::MAX).unwrap();
+        q_run(&q, &clock, 300 * MS);
+        p.undo_all(&mut held, &one(), 300 * MS);
+        assert_eq!(
+            lim.delay_at(300 * MS, &[1]).unwrap(),
+            100 * MS,
+            "kept: granted at its time"
+        );
+    }
+
+    #[test]
+    fn settle_charges_before_the_grant_and_refunds_after_it() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (lim, q) = queued_limiter(&clock, 10.0, 5);
+        lim.try_acquire(&[5]).unwrap();
+        let _w = waiter(&q);
+        let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+        let est = vec![LevelArgs { key: 0, costs: vec![3] }];
+        let (delay, mut held) = p.reserve_queued(&est, 0, u64::MAX).unwrap();
+        assert_eq!(delay, 400 * MS);
+        let less = vec![LevelArgs { key: 0, costs: vec![1] }];
+        p.settle(&mut held, &est, &less, 0);
+        q_run(&q, &clock, 400 * MS);
+        assert_eq!(
+            lim.delay_at(400 * MS, &[1]).unwrap(),
+            100 * MS,
+            "no refund before the grant"
+        );
+        p.settle(&mut held, &est, &less, 400 * MS);
+        assert_eq!(lim.delay_at(400 * MS, &[2]).unwrap(), 0, "refunded once granted");
+    }
 }
