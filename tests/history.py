@@ -1104,7 +1104,8 @@ class Single(Ops):
             if not rate:
                 # Queued from t; granted at some time up to now (an upper bound only).
                 q.arrival_seq, q.lead = seq0, False
-            self.granted(q, now + round(p.delay * NS) if rate else now)
+            # ``delay`` counts from the start of the acquire to the rate levels' time.
+            self.granted(q, t + round(p.delay * NS) if rate else now)
         self.oplog[op] += f" [reqs {[q.rid for q in qs]} granted, delay {p.delay}]"
         self.holders.append(Holder(p, qs, "policy"))
         self.bump("policy_acquire")

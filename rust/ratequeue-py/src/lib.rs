@@ -34,6 +34,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<keyed::KeyedConcurrencyPy>()?;
     m.add_class::<policy::PolicyPy>()?;
     m.add_class::<policy::PolicyPermitPy>()?;
+    m.add_class::<policy::PolicyAcquiringPy>()?;
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;

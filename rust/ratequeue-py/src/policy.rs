@@ -1,15 +1,16 @@
 //! Python Policy: several limits passed at once (user quota → tenant concurrency →
 //! cluster bucket), all or nothing; one permit releases what must be released.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use ratequeue_core::policy::{Held, LevelQueues, QueueRef, Refusal, Refused, Waker};
-use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
+use ratequeue_core::policy::{Held, LevelQueues, PolicyAcquire, QueueRef, Refusal, Step, Waker};
+use ratequeue_core::queue::Slot;
+use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Outcome, Policy, Wake};
 
 use crate::args::{cost, seconds_ns};
 use crate::blocking::unblocked;
@@ -17,7 +18,10 @@ use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
 use crate::keyed::{key_named, KeyGates, KeyedConcurrencyPy, KeyedLimiterPy};
 use crate::limiter::LimiterPy;
-use crate::waiting::{Gate, PermitPy};
+use crate::waiting::{is_main_thread, ChannelPy, Gate, Ready};
+
+/// Interval at which a main-thread wait looks for signals (Ctrl-C).
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 /// A Limiter's one queue, for a policy to join.
 struct OneQueue(Arc<Gate>);
@@ -38,10 +42,19 @@ impl LevelQueues for KeyQueues {
             keep: Some(g),
         })
     }
-}
 
-/// A concurrency level to wait on, and the key to wait on (None: unkeyed).
-type Step = (Py<PyAny>, Option<Py<PyAny>>);
+    fn queue(&self, key: u64) -> Option<QueueRef> {
+        let g = self.0.get(key);
+        Some(QueueRef {
+            queue: g.queue.clone(),
+            keep: Some(g),
+        })
+    }
+
+    fn done(&self, key: u64) {
+        self.0.done(key, 0);
+    }
+}
 
 /// How a level reads its arguments from a call.
 enum Shape {
@@ -65,14 +78,6 @@ pub struct PolicyPy {
     core: Arc<Policy>,
     levels: Vec<LevelPy>,
     clock: AnyClock,
-}
-
-/// The error for a refusal of [`Policy::reserve_queued`] (see [`refusal_error`]).
-fn refused_error(py: Python<'_>, p: &PolicyPy, r: Refused, max_wait_ns: u64) -> PyErr {
-    match r {
-        Refused::Level(r) => refusal_error(py, p, r, max_wait_ns),
-        Refused::Queue { error, .. } => to_py(py, error),
-    }
 }
 
 /// The error for a refusal; `max_wait_ns`: the bound a reservation was refused
@@ -166,7 +171,7 @@ impl PolicyPy {
         Ok(out)
     }
 
-    fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64, extra: Vec<Py<PermitPy>>) -> PolicyPermitPy {
+    fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64) -> PolicyPermitPy {
         PolicyPermitPy {
             policy: self.core.clone(),
             units: self
@@ -179,7 +184,6 @@ impl PolicyPy {
                 })
                 .collect(),
             state: Mutex::new((args, held)),
-            extra,
             delay_ns,
             released: AtomicBool::new(false),
             clock: self.clock.clone(),
@@ -230,39 +234,6 @@ impl PolicyPy {
         }
         wait
     }
-
-    /// Waits (GIL released) in the queue of every enforced concurrency level, in order.
-    fn wait_concurrency(
-        &self,
-        py: Python<'_>,
-        args: &[LevelArgs],
-        deadline: Option<u64>,
-    ) -> PyResult<Vec<Py<PermitPy>>> {
-        let mut got: Vec<Py<PermitPy>> = Vec::new();
-        for (i, l) in self.levels.iter().enumerate() {
-            if !matches!(l.shape, Shape::Permits { .. }) || self.core.levels()[i].shadow {
-                continue;
-            }
-            let timeout = deadline.map(|d| d.saturating_sub(self.clock.now_ns()));
-            let r = if let Ok(c) = l.obj.bind(py).cast::<ConcurrencyPy>() {
-                c.get().gate().acquire_blocking(py, &[1], 0, timeout)
-            } else if let Ok(k) = l.obj.bind(py).cast::<KeyedConcurrencyPy>() {
-                k.get().acquire_key(py, args[i].key, 1, timeout)
-            } else {
-                continue;
-            };
-            match r.and_then(|p| Py::new(py, p)) {
-                Ok(p) => got.push(p),
-                Err(e) => {
-                    for p in &got {
-                        p.get().release();
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(got)
-    }
 }
 
 #[pymethods]
@@ -287,7 +258,7 @@ impl PolicyPy {
         for (k, v) in levels.iter() {
             let name = crate::args::text("levels", &k).map_err(|_| type_err("levels", "str names", &k))?;
             // Each level's queue is woken whenever the policy gives capacity back to it.
-            let mut queues: Option<Arc<dyn LevelQueues>> = None;
+            let queues: Option<Arc<dyn LevelQueues>>;
             let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
                 let core = l.get().core().clone();
                 let units = core.units().to_vec();
@@ -317,6 +288,7 @@ impl PolicyPy {
                 )
             } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
                 let gate = l.get().gate().clone();
+                queues = Some(Arc::new(OneQueue(gate.clone())));
                 (
                     LevelKind::Concurrency(l.get().semaphore().clone()),
                     Shape::Permits { keyed: false },
@@ -330,6 +302,7 @@ impl PolicyPy {
                 )
             } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
                 let gates = l.get().key_gates().clone();
+                queues = Some(Arc::new(KeyQueues(gates.clone())));
                 (
                     LevelKind::KeyedConcurrency(l.get().core().clone()),
                     Shape::Permits { keyed: true },
@@ -389,7 +362,7 @@ impl PolicyPy {
         }
         let (core, now) = (&self.core, self.clock.now_ns());
         match unblocked(|| core.try_acquire(&args, now)) {
-            Ok(held) => Ok(Some(self.permit(args, held, 0, Vec::new()))),
+            Ok(held) => Ok(Some(self.permit(args, held, 0))),
             Err(Refusal {
                 deny: Deny::Wait(_), ..
             }) => Ok(None),
@@ -430,14 +403,15 @@ impl PolicyPy {
             .unwrap_or(u64::MAX);
         let (core, now) = (&self.core, self.clock.now_ns());
         match py.detach(|| core.reserve(&args, now, mw, false)) {
-            Ok((delay, held)) => Ok(self.permit(args, held, delay, Vec::new())),
+            Ok((delay, held)) => Ok(self.permit(args, held, delay)),
             Err(r) => Err(refusal_error(py, self, r, mw)),
         }
     }
 
-    /// Waits for every level (GIL released): first in the queue of each concurrency
-    /// level, then for the latest rate level, all within `timeout`. Returns a
-    /// PolicyPermit (a context manager releasing the concurrency permits on exit).
+    /// Waits for every level (GIL released): in the queue of each concurrency level in
+    /// order, then every rate level held for one common time behind its queue, all
+    /// within `timeout` (the core's one policy lifecycle, `PolicyAcquire`). Returns a
+    /// PolicyPermit (a context manager releasing the concurrency permits on exit);
     /// Ctrl-C or an error gives back everything taken.
     #[pyo3(signature = (*, timeout = None, **kw))]
     fn acquire(
@@ -447,103 +421,60 @@ impl PolicyPy {
         kw: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
-        let start = self.clock.now_ns();
-        let deadline = timeout
-            .map(|t| seconds_ns("timeout", t))
-            .transpose()?
-            .map(|t| start.saturating_add(t));
-        let conc = self.wait_concurrency(py, &args, deadline)?;
-        let now = self.clock.now_ns();
-        let mw = deadline.map_or(u64::MAX, |d| d.saturating_sub(now));
-        let core = &self.core;
-        let (delay, held) = match py.detach(|| core.reserve_queued(&args, now, mw)) {
-            Ok(x) => x,
-            Err(r) => {
-                for p in &conc {
-                    p.get().release();
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        let pa = PolicyAcquire::new(self.core.clone(), args, self.clock.clone(), t);
+        let slice = is_main_thread(py).then_some(SIGNAL_SLICE);
+        loop {
+            let slot = Slot::new();
+            match py.detach(|| pa.advance(&|| Wake::Thread(slot.clone()))) {
+                Ok(Step::Queued(_)) => {}
+                Ok(Step::Done {
+                    delay_ns,
+                    waited_ns,
+                    held,
+                }) => {
+                    let permit = self.permit(pa.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                    if delay_ns > 0 && !self.clock.is_manual() {
+                        if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay_ns)) {
+                            permit.cancel(py);
+                            return Err(e);
+                        }
+                    }
+                    return Ok(permit);
                 }
-                return Err(refused_error(py, self, r, mw));
+                Err(e) => return Err(to_py(py, e)),
             }
-        };
-        let permit = self.permit(args, held, delay + now.saturating_sub(start), conc);
-        if delay > 0 && !self.clock.is_manual() {
-            if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay)) {
-                permit.cancel(py);
-                return Err(e);
-            }
-        }
-        Ok(permit)
-    }
-
-    /// The second half of an asyncio acquire (ratequeue.aio does the waiting): reserve
-    /// the rate levels within `max_wait` seconds, the concurrency `permits` being held.
-    #[pyo3(signature = (permits, max_wait, **kw))]
-    fn _reserve_rates(
-        &self,
-        py: Python<'_>,
-        permits: Vec<Py<PermitPy>>,
-        max_wait: Option<f64>,
-        kw: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<PolicyPermitPy> {
-        let args = self.args(kw)?;
-        let mw = max_wait.map_or(u64::MAX, |s| (s.max(0.0) * 1e9) as u64);
-        let (core, now) = (&self.core, self.clock.now_ns());
-        match py.detach(|| core.reserve_queued(&args, now, mw)) {
-            Ok((delay, held)) => Ok(self.permit(args, held, delay, permits)),
-            Err(r) => {
-                for p in &permits {
-                    p.get().release();
+            loop {
+                let s = slot.clone();
+                if let Some(o) = py.detach(move || s.wait(slice)) {
+                    py.detach(|| pa.outcome(o)).map_err(|e| to_py(py, e))?;
+                    break;
                 }
-                Err(refused_error(py, self, r, mw))
+                if let Err(e) = py.check_signals() {
+                    py.detach(|| pa.abandon_slot(&slot));
+                    return Err(e);
+                }
             }
         }
     }
 
-    /// The (name, level object, keyed) of each enforced concurrency level, in order,
-    /// with the key to wait on (for ratequeue.aio).
-    #[pyo3(signature = (**kw))]
-    fn _concurrency_steps<'py>(&self, py: Python<'py>, kw: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Step>> {
-        self.args(kw)?;
-        let mut out = Vec::new();
-        for (i, l) in self.levels.iter().enumerate() {
-            if let Shape::Permits { keyed } = l.shape {
-                if self.core.levels()[i].shadow {
-                    continue;
-                }
-                let key = if keyed {
-                    kw.and_then(|d| d.get_item(&l.name).ok().flatten()).map(|k| k.unbind())
-                } else {
-                    None
-                };
-                out.push((l.obj.clone_ref(py), key));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Awaitable (and async context manager) version of acquire: waits in each
-    /// concurrency level's queue, then for the latest rate level, within `timeout`.
+    /// Awaitable (and async context manager) version of acquire: the same lifecycle,
+    /// its waits bridged to the running event loop by ratequeue.aio.
     #[pyo3(signature = (*, timeout = None, **kw))]
     fn acquire_async(
         slf: &Bound<'_, Self>,
         timeout: Option<&Bound<'_, PyAny>>,
         kw: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Py<PyAny>> {
-        let py = slf.py();
-        slf.get().args(kw)?;
-        let t = timeout
-            .map(|t| seconds_ns("timeout", t))
-            .transpose()?
-            .map(|ns| ns as f64 / 1e9);
-        let make = POLICY_ACQUIRE.import(py, "ratequeue.aio", "PolicyAcquire")?;
-        let kw = kw.map_or_else(|| PyDict::new(py), |d| d.clone());
-        Ok(make.call1((slf, t, kw))?.unbind())
-    }
-
-    /// True on a ManualClock (nothing sleeps; `delay` tells the wait).
-    #[getter]
-    fn _manual(&self) -> bool {
-        self.clock.is_manual()
+    ) -> PyResult<PolicyAcquiringPy> {
+        let me = slf.get();
+        let args = me.args(kw)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        Ok(PolicyAcquiringPy {
+            policy: slf.clone().unbind(),
+            core: Arc::new(PolicyAcquire::new(me.core.clone(), args, me.clock.clone(), t)),
+            permit: OnceLock::new(),
+            left_ns: AtomicU64::new(0),
+        })
     }
 
     /// Level names, in order.
@@ -602,8 +533,6 @@ fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
     Ok(())
 }
 
-static POLICY_ACQUIRE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
-
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {
     let end = std::time::Instant::now() + d;
     loop {
@@ -624,7 +553,6 @@ pub struct PolicyPermitPy {
     policy: Arc<Policy>,
     units: Vec<Vec<String>>,
     state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
-    extra: Vec<Py<PermitPy>>,
     delay_ns: u64,
     released: AtomicBool,
     clock: AnyClock,
@@ -646,10 +574,6 @@ impl PolicyPermitPy {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             let (args, held) = &mut *st;
             self.policy.undo_all(held, args, now);
-            drop(st);
-            for p in &self.extra {
-                p.get().release();
-            }
         });
     }
 }
@@ -681,10 +605,6 @@ impl PolicyPermitPy {
             let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
             for (i, h) in st.1.iter_mut().enumerate() {
                 self.policy.release(i, h);
-            }
-            drop(st);
-            for p in &self.extra {
-                p.get().release();
             }
         });
         true
@@ -746,5 +666,130 @@ impl PolicyPermitPy {
 
     fn __repr__(&self) -> String {
         format!("PolicyPermit(delay={}, released={})", self.delay(), self.released())
+    }
+}
+
+/// What `Policy.acquire_async` returns: await it for a PolicyPermit, or use `async
+/// with`. The core decides every step (`PolicyAcquire`); ratequeue.aio only bridges its
+/// waits to the running event loop.
+#[pyclass(frozen, name = "PolicyAcquiring", module = "ratequeue")]
+pub struct PolicyAcquiringPy {
+    policy: Py<PolicyPy>,
+    core: Arc<PolicyAcquire>,
+    permit: OnceLock<Py<PolicyPermitPy>>,
+    /// Nanoseconds from the final step to the rate levels' common time.
+    left_ns: AtomicU64,
+}
+
+static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
+#[pymethods]
+impl PolicyAcquiringPy {
+    fn __await__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        let wait = POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?;
+        Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
+    }
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
+        if let Some(p) = self.permit.get() {
+            p.get().release(py);
+        }
+        Py::new(py, Ready::new(false.into_pyobject(py)?.to_owned().into_any().unbind()))
+    }
+
+    /// Goes on as far as it can on `channel`: the PolicyPermit when every level is
+    /// held, else the ticket whose outcome arrives in the channel. Raises the refusal
+    /// (everything given back). RuntimeError on a closed channel.
+    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+        let chan = channel.get().inner.clone();
+        if chan.is_closed() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
+        }
+        let core = &self.core;
+        match py.detach(|| core.advance(&|| Wake::Channel(chan.clone()))) {
+            Ok(Step::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+            Ok(Step::Done {
+                delay_ns,
+                waited_ns,
+                held,
+            }) => {
+                let policy = self.policy.get();
+                let permit = policy.permit(core.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                if !policy.clock.is_manual() {
+                    self.left_ns.store(delay_ns, Ordering::Release);
+                }
+                let p = Py::new(py, permit)?;
+                let _ = self.permit.set(p.clone_ref(py));
+                Ok(p.into_any())
+            }
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// The wait under way was granted (`token`: its grant): None, the next step is
+    /// `_submit` again.
+    #[pyo3(signature = (waited_ns, token = None))]
+    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
+        let o = Outcome::Granted {
+            at_ns: 0,
+            waited_ns,
+            token: token.unwrap_or(0),
+        };
+        let core = &self.core;
+        py.detach(|| core.outcome(o)).map_err(|e| to_py(py, e))?;
+        Ok(None)
+    }
+
+    /// The WaitTimeout for the wait under way, which expired (everything given back).
+    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+        let core = &self.core;
+        match py.detach(|| core.outcome(Outcome::TimedOut { waited_ns })) {
+            Err(e) => to_py(py, e),
+            Ok(()) => to_py(
+                py,
+                Error::WaitTimeout {
+                    waited_ns,
+                    retry_after_ns: 0,
+                },
+            ),
+        }
+    }
+
+    /// Gives back everything held; True if the wait under way left its queue, False if
+    /// its queue decided already (its grant then comes to `_give_back`).
+    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+        debug_assert!(self.core.waiting_ticket().is_none_or(|t| t == ticket));
+        py.detach(|| self.core.abandon())
+    }
+
+    /// Gives back everything held and the grant (`token`) of the wait under way, which
+    /// arrived after its waiter left.
+    #[pyo3(signature = (token = None))]
+    fn _give_back(&self, py: Python<'_>, token: Option<u64>) {
+        let core = &self.core;
+        py.detach(|| match token {
+            Some(t) => core.give_back_late(t),
+            None => {
+                core.abandon();
+            }
+        });
+    }
+
+    /// The task left after a step was granted but before it resumed: everything held
+    /// is given back, once.
+    fn _abandon(&self, py: Python<'_>, result: &Bound<'_, PyAny>) {
+        let _ = result; // None: the grant is already in the core's state
+        py.detach(|| self.core.abandon());
+    }
+
+    /// Seconds to sleep after the final step until the common time (0 on a ManualClock).
+    fn _left(&self) -> f64 {
+        self.left_ns.load(Ordering::Acquire) as f64 / 1e9
     }
 }
