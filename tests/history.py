@@ -386,7 +386,14 @@ class History:
 
     def shared_time(self) -> bool:
         """True when the policy's rate levels are granted at a time another may set."""
-        return sum(1 for n in self.policy_levels if self.levels[n].is_rate and not self.levels[n].shadow) > 1
+        return (
+            sum(
+                1
+                for n in self.policy_levels
+                if self.levels[n].is_rate and not self.levels[n].shadow
+            )
+            > 1
+        )
 
     def shadow_refused(self) -> int:
         if "shadow" not in self.policy_levels:

@@ -40,15 +40,16 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 
 # Known defects the checker still finds (issue 10 stays open until they are fixed):
-# Policy.acquire and the asyncio Policy path debit their rate levels without joining
-# those levels' queues (they pass queued waiters and promised reservations), queued
-# reservations of several weighted classes are granted by prediction, not in strict
-# order, and threaded keyed levels show violations not yet analysed. strict=True: the
-# day these runs pass, the xfail itself fails and must be removed.
+# queued reservations of several weighted classes are granted by prediction, not in
+# strict order; the joint schedule of a two-rate limiter's backlog can promise a
+# reservation a time a waiter ahead of it then takes (after a settle charges debt, or a
+# reservation is given back under a later one); threaded keyed levels show violations
+# not yet analysed. strict=True: the day these runs pass, the xfail itself fails and
+# must be removed.
 KNOWN = pytest.mark.xfail(
     strict=True,
-    reason="issue 10 open: Policy rate levels barge past their queues; multi-class "
-    "reservation order; threaded keyed levels",
+    reason="issue 10 open: multi-class reservation order; two-rate backlog promises; "
+    "threaded keyed levels",
 )
 
 

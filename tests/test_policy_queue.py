@@ -45,7 +45,7 @@ def backlogged(burst: int = 4) -> tuple[rq.ManualClock, rq.Limiter, Channel, int
 def test_policy_acquire_queues_behind_a_levels_waiter_and_promised_reservation() -> None:
     # The repro: the policy was debited at 0.1 s, ahead of the waiter (0.1 s) and
     # the reservation (0.2 s) queued before it: two grants in one slot.
-    clock, lim, ch, ticket, r = backlogged()
+    _clock, lim, ch, ticket, _r = backlogged()
     policy = rq.Policy({"api": lim})
     p = policy.acquire()
     assert p.delay == pytest.approx(0.3)
@@ -56,7 +56,7 @@ def test_policy_acquire_queues_behind_a_levels_waiter_and_promised_reservation()
 
 
 def test_units_granted_never_exceed_the_rate_with_a_policy_in_the_queue() -> None:
-    clock, lim, ch, ticket, r = backlogged()
+    clock, lim, _ch, _ticket, r = backlogged()
     policy = rq.Policy({"api": lim})
     times = [0.0] * 4 + [0.1, r.delay, policy.acquire().delay]
     lim.run_until(0.3)
@@ -72,7 +72,7 @@ def test_units_granted_never_exceed_the_rate_with_a_policy_in_the_queue() -> Non
 
 
 def test_policy_acquire_async_queues_behind_the_waiters() -> None:
-    clock, lim, ch, ticket, r = backlogged()
+    _clock, lim, ch, ticket, _r = backlogged()
     policy = rq.Policy({"api": lim})
 
     async def main() -> float:
@@ -106,7 +106,7 @@ def test_a_keyed_level_key_waiter_is_not_passed() -> None:
 
 
 def test_the_common_time_is_the_slowest_levels_and_every_level_is_held_for_it() -> None:
-    clock, lim, ch, ticket, r = backlogged(burst=1)
+    clock, lim, ch, ticket, _r = backlogged(burst=1)
     keyed = rq.KeyedLimiter(rq.Rate(1, burst=2), clock=clock)
     policy = rq.Policy({"api": lim, "user": keyed})
     p = policy.acquire(user="u")
@@ -120,7 +120,7 @@ def test_the_common_time_is_the_slowest_levels_and_every_level_is_held_for_it() 
 
 
 def test_cancel_before_the_common_time_leaves_the_queue_and_the_next_moves_up() -> None:
-    clock, lim, ch, ticket, r = backlogged(burst=1)
+    _clock, lim, ch, ticket, _r = backlogged(burst=1)
     policy = rq.Policy({"api": lim})
     p = policy.acquire()
     assert p.delay == pytest.approx(0.3)
@@ -133,7 +133,7 @@ def test_cancel_before_the_common_time_leaves_the_queue_and_the_next_moves_up() 
 
 
 def test_cancel_after_the_common_time_keeps_the_slot() -> None:
-    clock, lim, ch, ticket, r = backlogged(burst=1)
+    _clock, lim, _ch, _ticket, _r = backlogged(burst=1)
     policy = rq.Policy({"api": lim})
     p = policy.acquire()
     lim.run_until(0.3)
@@ -143,7 +143,7 @@ def test_cancel_after_the_common_time_keeps_the_slot() -> None:
 
 
 def test_a_backlog_beyond_the_timeout_is_refused_at_once_holding_nothing() -> None:
-    clock, lim, ch, ticket, r = backlogged(burst=1)
+    _clock, lim, ch, ticket, _r = backlogged(burst=1)
     policy = rq.Policy({"api": lim})
     with pytest.raises(rq.Overloaded) as e:
         policy.acquire(timeout=0.25)
@@ -183,7 +183,7 @@ def test_settle_after_the_queue_granted_refunds_and_before_only_charges() -> Non
 
 
 def test_a_concurrency_level_then_the_rate_queue() -> None:
-    clock, lim, ch, ticket, r = backlogged(burst=1)
+    clock, lim, _ch, _ticket, _r = backlogged(burst=1)
     slots = rq.Concurrency(1, clock=clock)
     policy = rq.Policy({"slots": slots, "api": lim})
 

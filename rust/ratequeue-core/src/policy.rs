@@ -1364,4 +1364,158 @@ mod tests {
         p.settle(&mut held, &est, &less, 400 * MS);
         assert_eq!(lim.delay_at(400 * MS, &[2]).unwrap(), 0, "refunded once granted");
     }
+
+    // ---------------------------------------------------------------------------------
+    // the one policy acquire lifecycle (PolicyAcquire)
+
+    fn sem_level(clock: &Arc<ManualClock>, limit: u64) -> (Level, Arc<Semaphore>, Arc<WaitQueue>) {
+        let sem = Arc::new(Semaphore::new(limit).unwrap());
+        let q = WaitQueue::new(
+            sem.clone(),
+            1,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(vec![], 100, None).unwrap(),
+        );
+        let q2 = q.clone();
+        let wake: Waker = Arc::new(move |_| {
+            q2.poll_now();
+        });
+        let level = Level {
+            name: "slots".into(),
+            kind: LevelKind::Concurrency(sem.clone()),
+            shadow: false,
+            wake: Some(wake),
+            queues: Some(Arc::new(Queues(q.clone()))),
+        };
+        (level, sem, q)
+    }
+
+    fn thread_wake(slot: &Arc<Slot>) -> impl Fn() -> Wake + '_ {
+        move || Wake::Thread(slot.clone())
+    }
+
+    #[test]
+    fn an_acquire_waits_in_the_concurrency_queue_behind_its_waiter_then_holds_the_rate() {
+        let (clock, lim, lq, w, _r) = backlogged();
+        let (slots, sem, sq) = sem_level(&clock, 1);
+        let p = Arc::new(Policy::new(vec![slots, rate_level("api", &lim, &lq)]).unwrap());
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        // A holder and a plain waiter on the semaphore before the policy.
+        sq.try_now(&[1], 0).unwrap();
+        let first = waiter(&sq);
+        let acq = PolicyAcquire::new(p.clone(), args.clone(), AnyClock::Manual(clock.clone()), None);
+        let slot = Slot::new();
+        let Step::Queued(_) = acq.advance(&thread_wake(&slot)).unwrap() else {
+            panic!("the semaphore is taken")
+        };
+        sq.give_back(&[1], None); // the holder leaves: the plain waiter goes first
+        assert_eq!(granted(&first), Some(0));
+        assert!(slot.take().is_none(), "FIFO: the policy is behind the waiter");
+        clock.advance(50 * MS).unwrap();
+        sq.give_back(&[1], None);
+        let o = slot.take().expect("granted when the waiter left");
+        acq.outcome(o).unwrap();
+        let Step::Done {
+            delay_ns,
+            waited_ns,
+            mut held,
+        } = acq.advance(&thread_wake(&slot)).unwrap()
+        else {
+            panic!("every level held")
+        };
+        assert_eq!((waited_ns, delay_ns), (50 * MS, 250 * MS), "rate level behind its two");
+        assert!(matches!(held[0], Held::Permits(1)) && matches!(held[1], Held::Queued(_)));
+        assert_eq!(sem.in_use(), 1);
+        q_run(&lq, &clock, 1_000 * MS);
+        assert_eq!(granted(&w), Some(100 * MS));
+        p.release(0, &mut held[0]);
+        assert_eq!(sem.in_use(), 0);
+    }
+
+    #[test]
+    fn a_timeout_in_a_queue_gives_everything_back() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (a, sem_a, _qa) = sem_level(&clock, 1);
+        let (b, sem_b, qb) = sem_level(&clock, 1);
+        let p = Arc::new(Policy::new(vec![a, b]).unwrap());
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        qb.try_now(&[1], 0).unwrap();
+        let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock.clone()), Some(200 * MS));
+        let slot = Slot::new();
+        assert!(matches!(acq.advance(&thread_wake(&slot)).unwrap(), Step::Queued(_)));
+        assert_eq!(sem_a.in_use(), 1, "the first level is held while waiting for the second");
+        q_run(&qb, &clock, 200 * MS);
+        let e = acq.outcome(slot.take().expect("timed out")).unwrap_err();
+        assert!(matches!(e, Error::WaitTimeout { waited_ns, .. } if waited_ns == 200 * MS), "{e:?}");
+        assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 1));
+        assert!(acq.advance(&thread_wake(&slot)).is_err(), "finished");
+    }
+
+    #[test]
+    fn abandon_leaves_the_queue_or_gives_back_the_grant_that_raced_it_once() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (a, sem_a, _qa) = sem_level(&clock, 1);
+        let (b, sem_b, qb) = sem_level(&clock, 1);
+        let p = Arc::new(Policy::new(vec![a, b]).unwrap());
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        qb.try_now(&[1], 0).unwrap();
+
+        let acq = PolicyAcquire::new(p.clone(), args.clone(), AnyClock::Manual(clock.clone()), None);
+        let slot = Slot::new();
+        acq.advance(&thread_wake(&slot)).unwrap();
+        let behind = waiter(&qb);
+        assert!(acq.abandon(), "left the queue");
+        assert!(acq.abandon(), "once");
+        assert_eq!(sem_a.in_use(), 0);
+        qb.give_back(&[1], None);
+        assert_eq!(granted(&behind), Some(0), "the waiter behind moved up");
+
+        // The queue grants the acquire, then the waiter abandons before seeing it.
+        let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock.clone()), None);
+        let slot = Slot::new();
+        acq.advance(&thread_wake(&slot)).unwrap();
+        assert_eq!((sem_a.in_use(), sem_b.in_use()), (1, 1));
+        qb.give_back(&[1], None); // released by the waiter that moved up: granted to the acquire
+        assert_eq!(sem_b.in_use(), 1);
+        acq.abandon_slot(&slot);
+        assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 0));
+        acq.abandon_slot(&slot);
+        assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 0));
+    }
+
+    #[test]
+    fn a_grant_to_a_closed_channel_goes_back_and_abandon_frees_the_rest() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (a, sem_a, _qa) = sem_level(&clock, 1);
+        let (b, sem_b, qb) = sem_level(&clock, 1);
+        let p = Arc::new(Policy::new(vec![a, b]).unwrap());
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        qb.try_now(&[1], 0).unwrap();
+        let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock), None);
+        let ch = crate::queue::Channel::new();
+        let c2 = ch.clone();
+        let Step::Queued(_) = acq.advance(&move || Wake::Channel(c2.clone())).unwrap() else {
+            panic!("queued")
+        };
+        assert!(ch.close().is_empty());
+        qb.give_back(&[1], None); // granted to the closed channel: back to the queue
+        assert_eq!(sem_b.in_use(), 0);
+        assert!(!acq.abandon(), "the queue decided already");
+        assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 0));
+        assert!(qb.try_now(&[1], 0).is_ok());
+    }
+
+    #[test]
+    fn a_cost_no_level_can_ever_grant_is_refused_before_any_wait() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let (a, sem_a, qa) = sem_level(&clock, 1);
+        let (lim, lq) = queued_limiter(&clock, 10.0, 1);
+        let p = Arc::new(Policy::new(vec![a, rate_level("api", &lim, &lq)]).unwrap());
+        qa.try_now(&[1], 0).unwrap();
+        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![2] }];
+        let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock), None);
+        let e = acq.advance(&|| Wake::Thread(Slot::new())).unwrap_err();
+        assert!(matches!(e, Error::CostTooLarge { .. }), "{e:?}");
+        assert_eq!((qa.waiting(), sem_a.in_use()), (0, 1));
+    }
 }
