@@ -1399,7 +1399,10 @@ mod tests {
         let (clock, lim, lq, w, _r) = backlogged();
         let (slots, sem, sq) = sem_level(&clock, 1);
         let p = Arc::new(Policy::new(vec![slots, rate_level("api", &lim, &lq)]).unwrap());
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
         // A holder and a plain waiter on the semaphore before the policy.
         sq.try_now(&[1], 0).unwrap();
         let first = waiter(&sq);
@@ -1438,15 +1441,25 @@ mod tests {
         let (a, sem_a, _qa) = sem_level(&clock, 1);
         let (b, sem_b, qb) = sem_level(&clock, 1);
         let p = Arc::new(Policy::new(vec![a, b]).unwrap());
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
         qb.try_now(&[1], 0).unwrap();
         let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock.clone()), Some(200 * MS));
         let slot = Slot::new();
         assert!(matches!(acq.advance(&thread_wake(&slot)).unwrap(), Step::Queued(_)));
-        assert_eq!(sem_a.in_use(), 1, "the first level is held while waiting for the second");
+        assert_eq!(
+            sem_a.in_use(),
+            1,
+            "the first level is held while waiting for the second"
+        );
         q_run(&qb, &clock, 200 * MS);
         let e = acq.outcome(slot.take().expect("timed out")).unwrap_err();
-        assert!(matches!(e, Error::WaitTimeout { waited_ns, .. } if waited_ns == 200 * MS), "{e:?}");
+        assert!(
+            matches!(e, Error::WaitTimeout { waited_ns, .. } if waited_ns == 200 * MS),
+            "{e:?}"
+        );
         assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 1));
         assert!(acq.advance(&thread_wake(&slot)).is_err(), "finished");
     }
@@ -1457,7 +1470,10 @@ mod tests {
         let (a, sem_a, _qa) = sem_level(&clock, 1);
         let (b, sem_b, qb) = sem_level(&clock, 1);
         let p = Arc::new(Policy::new(vec![a, b]).unwrap());
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
         qb.try_now(&[1], 0).unwrap();
 
         let acq = PolicyAcquire::new(p.clone(), args.clone(), AnyClock::Manual(clock.clone()), None);
@@ -1489,7 +1505,10 @@ mod tests {
         let (a, sem_a, _qa) = sem_level(&clock, 1);
         let (b, sem_b, qb) = sem_level(&clock, 1);
         let p = Arc::new(Policy::new(vec![a, b]).unwrap());
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![1] },
+        ];
         qb.try_now(&[1], 0).unwrap();
         let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock), None);
         let ch = crate::queue::Channel::new();
@@ -1512,7 +1531,10 @@ mod tests {
         let (lim, lq) = queued_limiter(&clock, 10.0, 1);
         let p = Arc::new(Policy::new(vec![a, rate_level("api", &lim, &lq)]).unwrap());
         qa.try_now(&[1], 0).unwrap();
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![2] }];
+        let args = vec![
+            LevelArgs { key: 0, costs: vec![1] },
+            LevelArgs { key: 0, costs: vec![2] },
+        ];
         let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock), None);
         let e = acq.advance(&|| Wake::Thread(Slot::new())).unwrap_err();
         assert!(matches!(e, Error::CostTooLarge { .. }), "{e:?}");
