@@ -203,3 +203,115 @@ def test_a_concurrency_level_then_the_rate_queue() -> None:
     d1, d2 = asyncio.run(main())
     assert d1 == pytest.approx(0.3)
     assert d2 == pytest.approx(0.4)
+
+
+# ---------------------------------------------------------------------------------------
+# the one lifecycle: every way a wait ends gives everything back, once
+
+
+def two_slots() -> tuple[rq.ManualClock, rq.Concurrency, rq.KeyedConcurrency, rq.Policy]:
+    clock = rq.ManualClock()
+    a = rq.Concurrency(1, clock=clock)
+    b = rq.KeyedConcurrency(1, clock=clock)
+    return clock, a, b, rq.Policy({"a": a, "b": b})
+
+
+def test_a_cancelled_async_acquire_gives_back_the_level_it_held_and_leaves_the_queue() -> None:
+    _clock, a, b, policy = two_slots()
+    holder = b.try_acquire("t")
+    assert holder is not None
+
+    async def main() -> None:
+        task = asyncio.ensure_future(policy.acquire_async(b="t"))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert (a.in_use, b.in_use("t")) == (1, 1)  # holds a, waits for b
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert (a.in_use, b.in_use("t")) == (0, 1)
+        holder.release()
+        assert b.in_use("t") == 0  # nobody left in b's queue to take it
+
+    asyncio.run(main())
+
+
+def test_an_async_acquire_timing_out_in_a_queue_holds_nothing() -> None:
+    _clock, a, b, policy = two_slots()
+    holder = b.try_acquire("t")
+    assert holder is not None
+
+    async def main() -> None:
+        task = asyncio.ensure_future(policy.acquire_async(b="t", timeout=0.5))
+        for _ in range(3):
+            await asyncio.sleep(0)
+        b.run_until(0.5)
+        with pytest.raises(rq.WaitTimeout):
+            await task
+        assert (a.in_use, b.in_use("t")) == (0, 1)
+
+    asyncio.run(main())
+
+
+def test_a_loop_closed_under_a_policy_wait_gives_everything_back() -> None:
+    _clock, a, b, policy = two_slots()
+    holder = b.try_acquire("t")
+    assert holder is not None
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(_awaited(policy.acquire_async(b="t")))
+    for _ in range(3):
+        loop.run_until_complete(asyncio.sleep(0))
+    assert a.in_use == 1
+    loop.close()  # the task never resumes
+    del task
+    import gc
+
+    gc.collect()
+    assert a.in_use == 0
+    holder.release()
+    assert b.in_use("t") == 0
+
+
+async def _awaited(aw: Any) -> Any:
+    return await aw
+
+
+def wait_for(pred: Any, timeout: float = 5.0) -> None:
+    import time
+
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.001)
+
+
+def test_a_blocked_thread_is_granted_in_turn_then_an_async_with_waiter() -> None:
+    import threading
+
+    _clock, a, b, policy = two_slots()
+    first = policy.acquire(b="t")
+    got: list[rq.PolicyPermit] = []
+    th = threading.Thread(target=lambda: got.append(policy.acquire(b="t")))
+    th.start()
+    wait_for(lambda: a.waiting == 1)
+    first.release()
+    th.join(5)
+    assert len(got) == 1 and got[0].delay >= 0.0  # the time it waited
+    assert (a.in_use, b.in_use("t")) == (1, 1)
+
+    done: list[bool] = []
+
+    async def main() -> None:
+        async with policy.acquire_async(b="u") as p:  # a is taken: waits in its queue
+            assert not p.released
+        assert p.released
+        done.append(True)
+
+    t2 = threading.Thread(target=lambda: asyncio.run(main()))
+    t2.start()
+    wait_for(lambda: a.waiting == 1)
+    assert not done
+    got[0].release()
+    t2.join(5)
+    assert done == [True]
+    assert (a.in_use, b.in_use("t"), b.in_use("u")) == (0, 0, 0)
