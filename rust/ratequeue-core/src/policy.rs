@@ -108,7 +108,7 @@ pub enum Held {
     KeyedPermits(u64, u64),
     /// A reservation queued behind the level's waiters, debited by its queue at the
     /// policy's grant time.
-    Queued(QueuedHold),
+    Queued(Box<QueuedHold>),
     /// A shadow level that would have refused: nothing held.
     Nothing,
 }
@@ -474,6 +474,16 @@ impl Policy {
         r
     }
 
+    /// Admits now on every level or on none, like [`Policy::try_acquire`] but without
+    /// counting a refusal (an acquire's fast path: it waits instead). The caller checks
+    /// first that nobody waits on any level.
+    pub fn try_now(&self, args: &[LevelArgs], now_ns: u64) -> Option<Vec<Held>> {
+        self.check_costs(args, now_ns).ok()?;
+        let held = self.take_all(args, now_ns, now_ns, false, false).ok()?;
+        self.admitted.fetch_add(1, Ordering::Relaxed);
+        Some(held)
+    }
+
     /// A cost above any level's burst (or limit) can never be admitted: refused as
     /// such, whatever the other levels' state.
     fn check_costs(&self, args: &[LevelArgs], now_ns: u64) -> Result<(), Refusal> {
@@ -674,12 +684,12 @@ impl Policy {
                 let limit = l.kind.limit();
                 match q.queue.reserve_at(&a.costs, 0, at_ns, |t| limit.take(a, t)) {
                     Ok(Joined::Held(Reserved::Now(h))) => Ok(h),
-                    Ok(Joined::Held(Reserved::Queued(r))) => Ok(Held::Queued(QueuedHold {
+                    Ok(Joined::Held(Reserved::Queued(r))) => Ok(Held::Queued(Box::new(QueuedHold {
                         queue: q.clone(),
                         r,
                         costs: a.costs.clone(),
                         grant: None,
-                    })),
+                    }))),
                     Ok(Joined::Later(t)) => Err(Ok(t)),
                     Err(error) => Err(Err(Refused::Queue { level: i, error })),
                 }

@@ -191,6 +191,16 @@ impl PolicyPy {
         }
     }
 
+    /// Every level now, when nobody waits on any and each admits (an acquire's fast
+    /// path: the queues would grant it at once too); None otherwise.
+    fn try_now(&self, py: Python<'_>, args: &[LevelArgs]) -> Option<Vec<Held>> {
+        if self.waiters_ahead(py, args).is_some() {
+            return None;
+        }
+        let (core, now) = (&self.core, self.clock.now_ns());
+        unblocked(|| core.try_now(args, now))
+    }
+
     /// The first enforced level where someone already waits (a policy does not
     /// overtake the waiters of its levels, as their own try_acquire does not).
     fn waiters_ahead(&self, py: Python<'_>, args: &[LevelArgs]) -> Option<usize> {
@@ -422,8 +432,11 @@ impl PolicyPy {
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        if let Some(held) = self.try_now(py, &args) {
+            return Ok(self.permit(args, held, 0));
+        }
         let pa = PolicyAcquire::new(self.core.clone(), args, self.clock.clone(), t);
-        let slice = is_main_thread(py).then_some(SIGNAL_SLICE);
+        let mut slice = None;
         loop {
             let slot = Slot::new();
             match py.detach(|| pa.advance(&|| Wake::Thread(slot.clone()))) {
@@ -444,6 +457,7 @@ impl PolicyPy {
                 }
                 Err(e) => return Err(to_py(py, e)),
             }
+            let slice = *slice.get_or_insert_with(|| is_main_thread(py).then_some(SIGNAL_SLICE));
             loop {
                 let s = slot.clone();
                 if let Some(o) = py.detach(move || s.wait(slice)) {
@@ -466,13 +480,18 @@ impl PolicyPy {
         timeout: Option<&Bound<'_, PyAny>>,
         kw: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PolicyAcquiringPy> {
+        let py = slf.py();
         let me = slf.get();
         let args = me.args(kw)?;
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        let permit = OnceLock::new();
+        if let Some(held) = me.try_now(py, &args) {
+            let _ = permit.set(Py::new(py, me.permit(args.clone(), held, 0))?);
+        }
         Ok(PolicyAcquiringPy {
             policy: slf.clone().unbind(),
             core: Arc::new(PolicyAcquire::new(me.core.clone(), args, me.clock.clone(), t)),
-            permit: OnceLock::new(),
+            permit,
             left_ns: AtomicU64::new(0),
         })
     }
@@ -687,6 +706,10 @@ static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::
 impl PolicyAcquiringPy {
     fn __await__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
         let py = slf.py();
+        if let Some(p) = slf.get().permit.get() {
+            // Granted at once (every level free, nobody waiting), or awaited again.
+            return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
+        }
         let wait = POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?;
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
     }
