@@ -315,3 +315,14 @@ def test_a_blocked_thread_is_granted_in_turn_then_an_async_with_waiter() -> None
     t2.join(5)
     assert done == [True]
     assert (a.in_use, b.in_use("t"), b.in_use("u")) == (0, 0, 0)
+
+
+def test_an_acquire_async_never_awaited_holds_nothing() -> None:
+    clock = rq.ManualClock()
+    slots = rq.Concurrency(1, clock=clock)
+    api = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    policy = rq.Policy({"slots": slots, "api": api})
+    aw = policy.acquire_async()
+    del aw
+    assert slots.in_use == 0
+    assert api.try_acquire()
