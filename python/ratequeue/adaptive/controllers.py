@@ -336,7 +336,7 @@ class QueueDepth(Controller):
       when q falls below ``reset_below`` (0.3): hysteresis, so a q hovering around 0.5
       asks once. A scale-out still not effective after ``scale_out_timeout`` seconds
       (q still >= ``scale_out_at``) counts as failed.
-    * q >= ``queue_at`` (0.8): the limit is held at ``hold * drained * queue_at / q``,
+    * q >= ``queue_at`` (0.8): the limit is held at ``hold * drained / max(1, q)``,
       where ``drained`` is what the backend completes (per the rate's period; for a
       concurrency limit, the completion rate times the mean latency), an exponential
       average over intervals with weight ``smoothing`` (0.3): the backend queue drains back below
@@ -482,7 +482,7 @@ class QueueDepth(Controller):
         if q >= self.queue_at:
             new, reason, detail = limit, "", ""
             drained = self._drained if self._drained is not None else math.nan
-            target = self.hold * drained * self.queue_at / q
+            target = self.hold * drained / max(1.0, q)
             if math.isfinite(target) and target < limit:
                 new, reason = target, "queue"
                 detail = f"q={q:.3f}: hold at {target:.4g} (drained {drained:.4g})"

@@ -62,9 +62,10 @@ class ReplicaSpec:
         return self.tpot_base * (1.0 + self.tpot_growth * (batch - 1) / self.max_batch)
 
     def throughput(self, mean_output: float) -> float:
-        """Requests per second of one replica kept full (mean output tokens given)."""
+        """Requests per second of one replica kept full (mean output tokens given): each
+        slot waits a batch window, then serves its request at the full batch's speed."""
         b = self.max_batch
-        return b / (self.ttft(b) + mean_output * self.tpot(b))
+        return b / (self.batch_window + self.ttft(b) + mean_output * self.tpot(b))
 
 
 @dataclass(frozen=True)

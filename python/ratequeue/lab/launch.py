@@ -23,6 +23,8 @@ Queue wait is arrival to admission into a batch (client queue plus backend queue
 
 from __future__ import annotations
 
+import csv
+import json
 import math
 import random
 import time
@@ -42,8 +44,12 @@ __all__ = [
     "LaunchRun",
     "LaunchScenario",
     "format_launch",
+    "main",
     "plot_launch",
     "run_launch",
+    "run_strategy",
+    "write_launch_csv",
+    "write_launch_json",
 ]
 
 CLASSES = {"interactive": 8.0, "batch": 1.0}
@@ -518,3 +524,65 @@ def plot_launch(report: LaunchReport, path: str | Path) -> Path:
     fig.tight_layout()
     fig.savefig(str(p))
     return p
+
+
+def write_launch_json(report: LaunchReport, path: str | Path) -> Path:
+    """The summary of every run and its timeline, as JSON (NaN as null)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+
+    def clean(x: Any) -> Any:
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [clean(v) for v in x]
+        return x
+
+    data = report.to_dict()
+    data["timelines"] = {
+        name: {r.key: r.timeline for r in runs}
+        for name, runs in (("launch", report.launch), ("drill", report.drill))
+    }
+    p.write_text(json.dumps(clean(data), indent=1) + "\n")
+    return p
+
+
+def write_launch_csv(report: LaunchReport, path: str | Path) -> Path:
+    """Every run's timeline, one line per (run, strategy, time bucket)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    with p.open("w", newline="") as f:
+        w: csv.DictWriter[str] | None = None
+        for name, runs in (("launch", report.launch), ("drill", report.drill)):
+            for r in runs:
+                for row in r.timeline:
+                    line = {"run": name, "strategy": r.key, **row}
+                    if w is None:
+                        w = csv.DictWriter(f, fieldnames=list(line))
+                        w.writeheader()
+                    w.writerow(line)
+    return p
+
+
+def main(
+    *,
+    out: str | Path = "lab-out",
+    formats: Sequence[str] = ("json", "csv", "png"),
+    seed: int = 1,
+) -> str:
+    """``python -m ratequeue lab --scenario launch``: run, write files, return the text."""
+    report = run_launch(LaunchScenario(seed=seed))
+    text = format_launch(report)
+    folder = Path(out)
+    written: list[Path] = []
+    if "json" in formats:
+        written.append(write_launch_json(report, folder / "launch.json"))
+    if "csv" in formats:
+        written.append(write_launch_csv(report, folder / "launch.csv"))
+    if "png" in formats:
+        written.append(plot_launch(report, folder / "launch.png"))
+    if written:
+        text += "\nwrote " + ", ".join(str(p) for p in written)
+    return text
