@@ -530,7 +530,7 @@ def test_prometheus_text_is_parsed_with_labels_escapes_and_special_values() -> N
         "bad value",
         "1bad 2",
         'm{a="x"',
-        'm{a=x} 1',
+        "m{a=x} 1",
         'm{a="x} 1',
         'm{9a="x"} 1',
         'm{a="x"}} 1',
@@ -553,7 +553,7 @@ def test_huge_input_is_bounded() -> None:
         parse_prometheus_text(b"m 1\n" * 10, max_bytes=16)
     with pytest.raises(TypeError):
         parse_prometheus_text(42)  # type: ignore[arg-type]
-    long_line = "m{a=\"" + "x" * 20_000 + "\"} 1\nok 1\n"
+    long_line = 'm{a="' + "x" * 20_000 + '"} 1\nok 1\n'
     parsed = parse_prometheus_text(long_line)
     assert parsed.malformed == 1 and len(parsed.samples) == 1
     many = parse_prometheus_text("m 1\n" * 1000, max_samples=10)

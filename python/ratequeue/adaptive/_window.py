@@ -15,10 +15,11 @@ class Window:
     """What the level saw during one control interval ``[start, end)``.
 
     ``kind`` says what the limit counts: ``"rate"`` (a Limiter's rate: units per ``per``
-    seconds, its own period) or ``"concurrency"`` (a Concurrency's holders; ``per`` 1). Latency figures are NaN when
-    no sample arrived. ``inflight`` is the load in the limit's units: the peak number of
-    holders for a concurrency limit; admissions per period for a rate, raised to the
-    limit when requests waited or were refused (the limit, not the demand, bound it).
+    seconds, its own period) or ``"concurrency"`` (a Concurrency's holders; ``per`` 1).
+    Latency figures are NaN when no sample arrived. ``inflight`` is the load in the
+    limit's units: the peak number of holders for a concurrency limit; admissions per
+    period for a rate, raised to the limit when requests waited or were refused (the
+    limit, not the demand, bound it).
     ``gauges`` holds the backend's last readings (``queue_depth``, ``queue_capacity``,
     ``kv_cache``, ...), pushed or scraped.
     """

@@ -339,13 +339,13 @@ class QueueDepth(Controller):
     * q >= ``queue_at`` (0.8): the limit is held at ``hold * drained / max(1, q)``,
       where ``drained`` is what the backend completes (per the rate's period; for a
       concurrency limit, the completion rate times the mean latency), an exponential
-      average over intervals with weight ``smoothing`` (0.3): the backend queue drains back below
-      ``queue_at`` while excess requests wait in the bounded queue in front of it
-      instead of being refused.
-    * only while q keeps rising despite the hold (>= ``queue_at`` and up on each of the last ``patience``
-      (3) intervals) after the scale-out failed or timed out: one more class is refused
-      per interval, lowest priority first (never the
-      highest: past that the limit is multiplied by ``backoff``).
+      average over intervals with weight ``smoothing`` (0.3): the backend queue drains
+      back below ``queue_at`` while excess requests wait in the bounded queue in front
+      of it instead of being refused.
+    * only while q keeps rising despite the hold (>= ``queue_at`` and up on each of the
+      last ``patience`` (3) intervals) after the scale-out failed or timed out: one more
+      class is refused per interval, lowest priority first (never the highest: past
+      that the limit is multiplied by ``backoff``).
     * q < ``scale_out_at``: one refused class is re-admitted per interval while q does
       not rise, and the limit climbs back by ``recovery`` (a share of itself) per interval
       up to ``nominal`` (default: the level's limit when the Adaptive was made).

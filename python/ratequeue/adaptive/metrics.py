@@ -30,14 +30,12 @@ __all__ = ["AdaptiveCollector"]
 class AdaptiveCollector:
     """A prometheus_client collector over Adaptive limits; a scrape never raises for them."""
 
-    def __init__(
-        self, *adaptives: Adaptive, registry: CollectorRegistry | None = None
-    ) -> None:
+    def __init__(self, *adaptives: Adaptive, registry: CollectorRegistry | None = None) -> None:
         self._items: list[Adaptive] = []
         for a in adaptives:
             self.add(a)
         if registry is not None:
-            registry.register(self)  # type: ignore[arg-type]
+            registry.register(self)
 
     def add(self, adaptive: Adaptive) -> None:
         """Export one more Adaptive (TypeError for anything else)."""
@@ -65,7 +63,9 @@ class AdaptiveCollector:
             "ratequeue_adaptive_signal", "Last interval's signals", labels=["name", "signal"]
         )
         scale = CounterMetricFamily(
-            "ratequeue_adaptive_scale_out", "Scale-out requests by outcome", labels=["name", "outcome"]
+            "ratequeue_adaptive_scale_out",
+            "Scale-out requests by outcome",
+            labels=["name", "outcome"],
         )
         for a in self._items:
             s = a.stats()

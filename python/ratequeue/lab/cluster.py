@@ -22,6 +22,7 @@ import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 from .engine import VirtualTime
 
@@ -132,6 +133,7 @@ class InferenceCluster:
         self.replica_log: list[tuple[float, int]] = [(vt.now, spec.replicas)]
         self._jobs: dict[int, tuple[_Replica, Job]] = {}
         self._next_id = 0
+        self._depth = 0
 
     # -- gauges ---------------------------------------------------------------------------
 
@@ -143,7 +145,7 @@ class InferenceCluster:
     @property
     def depth(self) -> int:
         """Requests waiting (not yet in a batch) on every replica."""
-        return sum(len(r.waiting) for r in self.replicas if r.alive)
+        return self._depth
 
     def gauges(self) -> dict[str, float]:
         """What the engine would export: queue depth and capacity, KV-cache use, replicas."""
@@ -172,9 +174,9 @@ class InferenceCluster:
             return False
         job.arrived = self.vt.now
         best.waiting.append(job)
-        d = self.depth
-        if d > self.max_depth:
-            self.max_depth = d
+        self._depth += 1
+        if self._depth > self.max_depth:
+            self.max_depth = self._depth
         self._schedule_admit(best)
         return True
 
@@ -196,6 +198,7 @@ class InferenceCluster:
             if r.kv_used + job.kv > rs.kv_capacity:
                 break
             r.waiting.popleft()
+            self._depth -= 1
             r.kv_used += job.kv
             admitted.append(job)
         if not admitted:
@@ -209,7 +212,7 @@ class InferenceCluster:
             r.running.add(jid)
             self._jobs[jid] = (r, job)
             job.on_first_token(now + ttft)
-            self.vt.at(now + ttft + job.output * tpot, lambda jid=jid: self._done(jid))
+            self.vt.at(now + ttft + job.output * tpot, partial(self._done, jid))
 
     def _done(self, jid: int) -> None:
         entry = self._jobs.pop(jid, None)
@@ -251,6 +254,7 @@ class InferenceCluster:
             r = self.replicas[index]
         r.alive = False
         lost = list(r.waiting)
+        self._depth -= len(lost)
         r.waiting.clear()
         for jid in list(r.running):
             _, job = self._jobs.pop(jid)

@@ -24,12 +24,14 @@ Queue wait is arrival to admission into a batch (client queue plus backend queue
 from __future__ import annotations
 
 import csv
+import itertools
 import json
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -137,7 +139,7 @@ def _workload(sc: LaunchScenario) -> list[_Req]:
 
     out: list[_Req] = []
     edges = [0.0, sc.before, sc.before + sc.surge_for, sc.duration]
-    for a, b in zip(edges, edges[1:], strict=False):
+    for a, b in itertools.pairwise(edges):
         rate = sc.rate_at(a)
         t = a + rng.expovariate(rate)
         while t < b:
@@ -357,7 +359,7 @@ def run_strategy(sc: LaunchScenario, key: str, *, drill: bool = False) -> Launch
             vt.after(sc.bucket, sample)
 
     for req in reqs:
-        vt.at(req.t, lambda req=req: arrive(req))
+        vt.at(req.t, partial(arrive, req))
     vt.at(sc.interval, control)
     vt.at(0.0, sample)
     if drill:
