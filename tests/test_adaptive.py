@@ -204,10 +204,13 @@ def _q(q: float, t: float, samples: int = 50, **kw: object) -> Window:
 
 
 def test_scale_out_is_asked_once_per_episode_with_hysteresis() -> None:
-    c, calls = _qd()
-    for t, q in enumerate([0.2, 0.51, 0.49, 0.55, 0.45, 0.6, 0.35, 0.52], start=1):
+    c, calls = _qd(scale_out_timeout=5.0)
+    for t, q in enumerate([0.2, 0.51, 0.49, 0.55, 0.25, 0.6, 0.35, 0.52], start=1):
         d = c.update(_q(q, t))
         assert d.limit == 100.0  # below 0.8 nothing is held
+        # While the scale-out is pending (5 s), even q < 0.3 does not end the episode.
+        if t >= 2:
+            assert c.episode and c.scale_out_state == ("pending" if t < 7 else "done")
     assert [r.time for r in calls] == [2.0]
     assert calls[0].q == 0.51 and calls[0].throughput == 50.0
     c.update(_q(0.29, 9.0))  # below reset_below: the episode ends

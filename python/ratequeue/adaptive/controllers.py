@@ -332,10 +332,11 @@ class QueueDepth(Controller):
     for a missing ``queue_capacity`` gauge). Each interval:
 
     * q >= ``scale_out_at`` (0.5) starts an *episode*: ``scale_out(ScaleOut)`` is called
-      once; it returns False (or raises) when it cannot add capacity. The episode ends
-      when q falls below ``reset_below`` (0.3): hysteresis, so a q hovering around 0.5
-      asks once. A scale-out still not effective after ``scale_out_timeout`` seconds
-      (q still >= ``scale_out_at``) counts as failed.
+      once; it returns False (or raises) when it cannot add capacity. A scale-out is
+      pending for ``scale_out_timeout`` seconds (300): then it is done if q is below
+      ``scale_out_at``, else it timed out (counts as failed). The episode ends when q
+      falls below ``reset_below`` (0.3) with no scale-out pending: hysteresis, so a q
+      hovering around 0.5, or dipping while new capacity starts, asks once.
     * q >= ``queue_at`` (0.8): the limit is held at ``hold * drained / max(1, q)``,
       where ``drained`` is what the backend completes (per the rate's period; for a
       concurrency limit, the completion rate times the mean latency), an exponential
@@ -394,7 +395,7 @@ class QueueDepth(Controller):
         self.nominal = None if nominal is None else _real("nominal", nominal, low=0.0)
         self.q: float | None = None
         self.episode = False
-        #: idle, pending (asked, waiting for capacity), failed, timed_out
+        #: idle, pending (asked, waiting for capacity), done, failed, timed_out
         self.scale_out_state = "idle"
         self._asked_at = -math.inf
         self._shed = 0
@@ -461,22 +462,21 @@ class QueueDepth(Controller):
         prev, self.q = self.q, q
         rising = prev is not None and q > prev
         self._rises = self._rises + 1 if rising and q >= self.queue_at else 0
+        if self.scale_out_state == "pending" and w.end - self._asked_at >= self.scale_out_timeout:
+            if q >= self.scale_out_at:
+                self.scale_out_state = "timed_out"
+                self.counts["timed_out"] += 1
+                self.events.append((w.end, "scale_out_timed_out", f"q={q:.3f}"))
+            else:
+                self.scale_out_state = "done"
         if not self.episode and q >= self.scale_out_at:
             self.episode = True
             self.events.append((w.end, "episode_start", f"q={q:.3f}"))
             self._ask(w, q)
-        elif self.episode and q < self.reset_below:
+        elif self.episode and q < self.reset_below and self.scale_out_state != "pending":
             self.episode = False
             self.scale_out_state = "idle"
             self.events.append((w.end, "episode_end", f"q={q:.3f}"))
-        if (
-            self.scale_out_state == "pending"
-            and q >= self.scale_out_at
-            and w.end - self._asked_at >= self.scale_out_timeout
-        ):
-            self.scale_out_state = "timed_out"
-            self.counts["timed_out"] += 1
-            self.events.append((w.end, "scale_out_timed_out", f"q={q:.3f}"))
         failed = self.scale_out_state in ("failed", "timed_out")
 
         if q >= self.queue_at:
