@@ -98,6 +98,8 @@ class Adaptive:
     own period; the burst is kept. For a Concurrency it is the number of holders
     (an integer >= 1). ``shed_order`` lists classes lowest priority first (default:
     the level's classes by ascending weight when ``weights`` are given, else as listed).
+    ``clock`` times the intervals: by default a Limiter's own clock; a Concurrency does
+    not expose its clock, so pass the ManualClock it runs on (else the real clock).
     """
 
     def __init__(
@@ -176,6 +178,7 @@ class Adaptive:
             order = classes
         self.shed_order: tuple[str, ...] = tuple(order)
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
         self._acc = _Accumulator()
         self._pushed: dict[str, float] = {}
         self._start = self.clock.now()
@@ -313,6 +316,10 @@ class Adaptive:
     def step(self, *, force: bool = False) -> Change | None:
         """Close the interval if ``interval`` seconds have passed (or ``force``), ask the
         controller and apply its limit; returns the Change made, if any."""
+        with self._step_lock:
+            return self._step(force)
+
+    def _step(self, force: bool) -> Change | None:
         now = self.clock.now()
         with self._lock:
             if not force and now - self._start < self.interval:
@@ -406,6 +413,7 @@ class Adaptive:
 
     def _after_fork(self) -> None:
         self._lock = threading.Lock()
+        self._step_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = None
         self.start()
