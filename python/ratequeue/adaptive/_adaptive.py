@@ -255,18 +255,22 @@ class Adaptive:
     def observe(self, latency: float | None = None, *, dropped: bool = False) -> None:
         """Record one completed call: its latency in seconds, and whether it was dropped
         (429/503/timeout). Any thread; O(1) memory."""
-        lat = None if latency is None else _seconds("latency", latency)
-        inflight = self.level.in_use if isinstance(self.level, Concurrency) else 0
+        if latency is not None and not (type(latency) is float and 0.0 <= latency < math.inf):
+            latency = _seconds("latency", latency)
+        inflight = self.level.in_use if self._kind == "concurrency" else 0  # type: ignore[union-attr]
         with self._lock:
             acc = self._acc
-            if lat is not None:
+            if latency is not None:
                 acc.samples += 1
-                acc.rtt_sum += lat
-                acc.rtt_min = min(acc.rtt_min, lat)
-                acc.rtt_max = max(acc.rtt_max, lat)
+                acc.rtt_sum += latency
+                if latency < acc.rtt_min:
+                    acc.rtt_min = latency
+                if latency > acc.rtt_max:
+                    acc.rtt_max = latency
             if dropped:
                 acc.drops += 1
-            acc.peak = max(acc.peak, inflight)
+            if inflight > acc.peak:
+                acc.peak = inflight
 
     def report(self, status: int | None = None, *, ok: bool | None = None) -> None:
         """Record a call's outcome as a Pool would: 429, 502, 503, 504 or ``ok=False``
@@ -483,14 +487,16 @@ class Adaptive:
         timeout: float | None,
         costs: dict[str, int],
     ) -> Any:
-        self.note_arrival()
-        self.check(priority)
+        with self._lock:
+            self._acc.arrivals += 1
+        if priority is not None and priority in self.controller.shed:
+            self.check(priority)
         fn = getattr(self.level, method)
         try:
-            if isinstance(self.level, Limiter):
-                return fn(n, priority=priority, timeout=timeout, **costs)
             if costs:
-                raise TypeError(f"a Concurrency takes no costs, got {sorted(costs)}")
+                if self._kind == "concurrency":
+                    raise TypeError(f"a Concurrency takes no costs, got {sorted(costs)}")
+                return fn(n, priority=priority, timeout=timeout, **costs)
             return fn(n, priority=priority, timeout=timeout)
         except RateQueueError:
             with self._lock:
@@ -499,7 +505,8 @@ class Adaptive:
 
     def _finish(self, started: float, exc: BaseException | None) -> None:
         if exc is None:
-            self.observe(max(0.0, self.clock.now() - started))
+            latency = self.clock.now() - started
+            self.observe(latency if latency > 0.0 else 0.0)
         elif isinstance(exc, (TimeoutError, asyncio.TimeoutError)):
             self.observe(None, dropped=True)
 
