@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 import ratequeue as rq
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 from ratequeue.adaptive import (
     AIMD,
@@ -708,3 +710,58 @@ def test_the_driver_thread_restarts_in_a_forked_child() -> None:
         assert os.waitstatus_to_exitcode(status) == 0
     finally:
         a.close()
+
+
+# -- invariants over random signals --------------------------------------------------------
+
+_windows = st.lists(
+    st.tuples(
+        st.integers(0, 50),  # samples
+        st.floats(0.001, 100.0),  # mean latency
+        st.integers(0, 5),  # drops
+        st.floats(0.0, 3.0),  # q
+    ),
+    max_size=60,
+)
+
+
+@given(
+    kind=st.sampled_from(["aimd", "vegas", "gradient2", "queue-depth"]),
+    windows=_windows,
+    hook=st.booleans(),
+)
+def test_any_signals_keep_the_limit_within_bounds_and_the_top_class_admitted(
+    kind: str, windows: list[tuple[int, float, int, float]], hook: bool
+) -> None:
+    ctrl: Controller = {
+        "aimd": AIMD,
+        "vegas": Vegas,
+        "gradient2": Gradient2,
+        "queue-depth": lambda: QueueDepth(scale_out=lambda r: hook),
+    }[kind]()
+    clock = rq.ManualClock()
+    lim = rq.Limiter(
+        rq.Rate(100, per="second"), clock=clock, classes={"interactive": 8, "batch": 1}
+    )
+    a = Adaptive(
+        lim, ctrl, clock=clock, min_limit=5, max_limit=300, shed_order=("batch", "interactive")
+    )
+    for samples, rtt, drops, q in windows:
+        for _ in range(samples):
+            a.observe(rtt)
+        for _ in range(drops):
+            a.report(503)
+        a.set_gauges(queue_depth=q * 10, queue_capacity=10)
+        clock.advance(1.0)
+        a.step()
+        assert 5.0 <= a.limit <= 300.0
+        assert a.admits("interactive")
+        assert lim.rates[0].amount == a.limit
+    assert len(a.changes) <= len(windows)
+
+
+@given(st.text(max_size=2000) | st.binary(max_size=2000).map(lambda b: b.decode("latin-1")))
+def test_the_parser_never_raises_on_junk_within_bounds(text: str) -> None:
+    parsed = parse_prometheus_text(text)
+    lines = [x for x in text.split("\n") if x.strip() and not x.strip().startswith("#")]
+    assert len(parsed.samples) + parsed.malformed == len(lines)
