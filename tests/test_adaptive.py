@@ -765,3 +765,15 @@ def test_the_parser_never_raises_on_junk_within_bounds(text: str) -> None:
     parsed = parse_prometheus_text(text)
     lines = [x for x in text.split("\n") if x.strip() and not x.strip().startswith("#")]
     assert len(parsed.samples) + parsed.malformed == len(lines)
+
+
+def test_a_limit_the_level_refuses_leaves_it_unchanged(caplog: pytest.LogCaptureFixture) -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10**9 - 1, per="second", burst=1), clock=clock)
+    a = Adaptive(lim, AIMD(increase=10.0**9), clock=clock)
+    assert lim.try_acquire() and not lim.try_acquire()  # in use: AIMD wants to grow
+    with caplog.at_level(logging.WARNING, logger="ratequeue.adaptive"):
+        clock.advance(1.0)
+        assert a.step() is None
+    assert "cannot set the limit" in caplog.text
+    assert a.limit == 10**9 - 1 and a.controller.estimate == 10**9 - 1

@@ -374,7 +374,16 @@ class Adaptive:
             target = float(max(1, int(target)))
         new = current
         if target != current:
-            new = self._apply(target)
+            try:
+                new = self._apply(target)
+            except ValueError as e:  # beyond what the level accepts: keep the limit
+                _log.warning("adaptive %s: cannot set the limit to %g: %s", self.name, target, e)
+                self.controller.reset(
+                    current,
+                    min_limit=self.min_limit,
+                    max_limit=self.max_limit,
+                    classes=self.shed_order,
+                )
             self._applied = new
         shed_after = self.controller.shed
         if new == current and shed_after == shed_before:
