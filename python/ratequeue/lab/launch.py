@@ -492,7 +492,7 @@ def plot_launch(report: LaunchReport, path: str | Path) -> Path:
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     columns = [(t, r) for t, r in (("launch day", report.launch), ("drill", report.drill)) if r]
-    fig = Figure(figsize=(7.5 * len(columns), 15), dpi=100)
+    fig = Figure(figsize=(7.5 * len(columns), 15), dpi=80)
     FigureCanvasAgg(fig)
     axes = fig.subplots(5, len(columns), sharex=True, squeeze=False)
     sc = report.scenario
