@@ -99,10 +99,8 @@ fn run(seed: u64) {
     let both = Arc::new(Policy::new(vec![level("busy", &busy), level("idle", &idle)]).unwrap());
     let levels = [&busy, &idle];
     let mut grants: [Vec<Grant>; 2] = [Vec::new(), Vec::new()];
-    let mut seq = 0;
-    for _ in 0..300 {
+    for seq in 1..=300 {
         let now = clock.now_ns();
-        seq += 1;
         let which = rng.below(2) as usize;
         let l = levels[which];
         let cost = 1 + rng.below(l.burst);
