@@ -877,7 +877,22 @@ impl PolicyAcquire {
             }
             let a = &self.args[i];
             let now = self.clock.now_ns();
-            let Some(q) = l.queues.as_ref().and_then(|qs| qs.queue(a.key)) else {
+            let q = match l.queues.as_ref() {
+                Some(qs) => match qs.existing(a.key) {
+                    Some(q) => Some(q),
+                    // A key nobody waits on: taken now without making it a queue.
+                    None => match self.policy.take_level(i, a, now) {
+                        Ok(h) => {
+                            st.held[i] = h;
+                            st.next += 1;
+                            continue;
+                        }
+                        Err(_) => qs.queue(a.key),
+                    },
+                },
+                None => None,
+            };
+            let Some(q) = q else {
                 // A level nobody waits on: taken now or refused.
                 match self.policy.take_level(i, a, now) {
                     Ok(h) => {
