@@ -416,7 +416,8 @@ class PolicyPermit:
     """What a Policy granted; returns concurrency permits on exit."""
 
     @property
-    def delay(self) -> float: ...
+    def delay(self) -> float:
+        """Seconds from the call to the time every level holds it (0.0: at once)."""
     @property
     def released(self) -> bool: ...
     def release(self) -> bool: ...

@@ -71,7 +71,7 @@ impl PolicyPermitPy {
 
 #[pymethods]
 impl PolicyPermitPy {
-    /// Seconds the caller waits (or waited) for the latest level.
+    /// Seconds from the call to the time every level holds it (0.0: at once).
     #[getter]
     fn delay(&self) -> f64 {
         self.delay_ns as f64 / 1e9
