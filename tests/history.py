@@ -369,11 +369,14 @@ class History:
                 continue
             key = kw.get(n) if lv.kind in ("krate", "kconc") else None
             costs = [kw.get(x.unit, 1) for x in lv.rates] if lv.is_rate else [1]
-            # A Policy acquire waits in a concurrency level's queue in its first class;
-            # everything else a Policy does is decided at once, behind every class.
+            # A Policy acquire waits in a level's queue in its first class (a rate level's
+            # share is a reservation joining it, as Limiter.reserve does); everything else
+            # a Policy does is decided at once, behind every class.
             cls = (
                 lv.classes[0]
-                if kind == "policy_acquire" and not lv.is_rate and lv.classes
+                if kind == "policy_acquire"
+                and lv.classes
+                and (not lv.is_rate or len(lv.classes) > 1)
                 else None
             )
             q = self.new_req(n, key, cls, costs, kind, op, arrival)

@@ -400,20 +400,43 @@ impl Policy {
     }
 
     /// Settles `held` from the `args` costs to the `actual` ones at `now_ns` on every
-    /// rate level ([`Limit::settle`]), waking a level's queue when capacity came back.
-    /// Levels already given back (`Nothing`) are skipped.
+    /// rate level by the one undo rule ([`Limit::settle`]), waking a level's queue when
+    /// capacity came back. While requests wait on a level, an overage is charged through
+    /// its queue ([`WaitQueue::settle`]) so that it never moves a waiter onto a
+    /// reservation's promised time. Levels already given back (`Nothing`) are skipped.
     pub fn settle(&self, held: &mut [Held], args: &[LevelArgs], actual: &[LevelArgs], now_ns: u64) {
         for (i, h) in held.iter_mut().enumerate() {
-            if let Held::Queued(q) = h {
-                q.settle(&actual[i].costs, now_ns);
-                continue;
+            match h {
+                Held::Queued(q) => {
+                    q.settle(&actual[i].costs, now_ns);
+                    continue;
+                }
+                Held::Nothing => continue,
+                _ => {}
             }
-            if self.levels[i]
-                .kind
-                .limit()
-                .settle(h, &args[i].costs, &actual[i].costs, now_ns)
-            {
+            let (est, act) = (&args[i].costs, &actual[i].costs);
+            let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
+            // While requests wait on the level, the overage joins its queue; otherwise it
+            // is charged on the debit itself (so that a later undo gives it back too).
+            let queue = over
+                .iter()
+                .any(|x| *x > 0)
+                .then(|| self.queue_of(i, args[i].key))
+                .flatten()
+                .filter(|q| q.queue.waiting() != 0);
+            let refund_only: Vec<u64>;
+            let act = if queue.is_some() {
+                refund_only = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
+                &refund_only
+            } else {
+                act
+            };
+            if self.levels[i].kind.limit().settle(h, est, act, now_ns) {
                 self.wake(i, args[i].key);
+            }
+            if let Some(q) = queue {
+                let none = vec![0; over.len()];
+                q.queue.settle(&none, &over, GrantRef::default());
             }
         }
     }
