@@ -350,3 +350,28 @@ def test_ctrl_c_while_a_policy_waits_in_a_queue_gives_everything_back() -> None:
     assert (first.in_use, second.waiting, second.in_use) == (0, 0, 1)
     holder.release()
     assert second.in_use == 0
+
+
+def test_a_keys_retry_after_counts_a_policy_share_held_for_a_later_time() -> None:
+    # The policy's share on the key waits for the slow level's time (1 s): the bucket
+    # cannot bank the capacity it leaves unused meanwhile, and the key's predictions
+    # (retry_after, deadlines, the next policy's time) must not count it.
+    clock = rq.ManualClock()
+    slow = rq.Limiter(rq.Rate(1, burst=1), clock=clock)
+    user = rq.KeyedLimiter(rq.Rate(5, burst=2), clock=clock)
+    policy = rq.Policy({"slow": slow, "user": user})
+    assert slow.try_acquire()
+    assert user.try_acquire("k", 2)
+
+    async def main() -> None:
+        waiter = asyncio.ensure_future(user.acquire_async("k"))
+        await asyncio.sleep(0)
+        p = await policy.acquire_async(user="k")
+        assert p.delay == pytest.approx(1.0)
+        ra = user.retry_after("k", 2)
+        user.run_until(ra)
+        slow.run_until(ra)
+        assert (await waiter).waited == pytest.approx(0.2)
+        assert user.try_acquire("k", 2), f"refused after retry_after={ra}"
+
+    asyncio.run(main())
