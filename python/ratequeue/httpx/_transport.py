@@ -1,0 +1,671 @@
+"""The transport: queue before sending, settle real usage, follow the provider's headers.
+
+One class serves httpx and httpx2, sync and async: it wraps any transport with
+``handle_request`` and/or ``handle_async_request`` and imports neither package itself
+(the response's own module provides the stream base classes).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from .._ratequeue import Histogram, Limiter, Policy
+from ..pool import Pool, Provider
+from . import _budget
+from ._caps import Cap, Capped, apply_caps
+from ._context import current_options
+from ._estimate import Estimate, default_estimator
+from ._headers import RateLimitHeaders, parse_rate_limit_headers
+from ._usage import SSEUsage, Usage, usage_from_json
+
+__all__ = ["ACCOUNT_HEADER", "PRIORITY_HEADER", "TASK_HEADER", "CallRecord", "Ledger", "RateLimitedTransport"]
+
+PRIORITY_HEADER = "x-ratequeue-priority"
+TASK_HEADER = "x-ratequeue-task"
+ACCOUNT_HEADER = "x-ratequeue-account"
+_OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
+_TOKEN_UNITS = ("tokens", "input_tokens", "output_tokens")
+
+
+class Ledger(Protocol):
+    """A quota ledger (e.g. ``ratequeue.ledger``): holds, settles or releases a call."""
+
+    def hold(
+        self,
+        request_id: str,
+        account: str,
+        *,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Any: ...
+
+    def settle(
+        self,
+        request_id: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        calls: int = 1,
+        model: str | None = None,
+    ) -> Any: ...
+
+    def release(self, request_id: str) -> Any: ...
+
+
+@dataclass(slots=True)
+class CallRecord:
+    """One call through the transport, in ``response.extensions["ratequeue"]``.
+
+    ``waited`` is the queue wait and ``http_seconds`` the time from sending to the
+    response headers, measured apart; ``usage`` is set when the call settles (the end of
+    the body or stream), from the provider's own count.
+    """
+
+    request_id: str
+    path: str
+    model: str | None
+    estimate: Estimate
+    capped: Capped | None
+    priority: str | None
+    task: str | None
+    provider: str | None = None
+    waited: float = 0.0
+    http_seconds: float | None = None
+    status: int | None = None
+    usage: Usage | None = None
+    settled: bool = False
+    rate_limits: RateLimitHeaders | None = None
+
+
+class _Call:
+    """What one call holds while it is in flight (settled exactly once)."""
+
+    __slots__ = (
+        "request", "record", "costs", "permit", "provider", "sub", "chain", "account",
+        "held", "done", "lock",
+    )
+
+    def __init__(self) -> None:
+        self.permit: Any = None
+        self.provider: Provider | None = None
+        self.sub: _budget.SubCall | None = None
+        self.chain: list[_budget.CallBudget] = []
+        self.held = False
+        self.done = False
+        self.lock = threading.Lock()
+
+
+def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TypeError(f"{name}={v!r} must be a number of seconds")
+    if not (v >= 0 and math.isfinite(v)):
+        raise ValueError(f"{name}={v!r} must be finite and >= 0")
+    return float(v)
+
+
+class RateLimitedTransport:
+    """An httpx / httpx2 transport that waits in ratequeue's queue before each call.
+
+    ``limit`` is a :class:`~ratequeue.Limiter`, :class:`~ratequeue.Policy` or
+    :class:`~ratequeue.Pool`. Each call is estimated (1 request; prompt + max output
+    tokens), capped (``caps``), checked against the :class:`CallBudget` of its context,
+    held in the ``ledger``, then acquired with ``timeout`` as the bound on its queue wait
+    (``Overloaded`` / ``WaitTimeout`` otherwise; nothing is sent). The response settles
+    the permit, budget and ledger with the real usage. A 429 puts the provider's limiter
+    in debt until the provider's reset (at most ``max_pause`` s; ``default_pause``
+    without headers) and a Pool in cooldown; ``calibrate=True`` sets the local rates to
+    the limits the headers state.
+    """
+
+    def __init__(
+        self,
+        inner: Any,
+        limit: Limiter | Policy | Pool,
+        *,
+        timeout: float | None = None,
+        priority: str | None = None,
+        estimator: Callable[[dict[str, Any] | None, str], Estimate] | None = None,
+        caps: Sequence[Cap] = (),
+        ledger: Ledger | None = None,
+        account: str | Callable[[Any], str] = "default",
+        calibrate: bool = False,
+        upstream: Limiter | None = None,
+        units: Sequence[str] | None = None,
+        keys: Callable[[Any], Mapping[str, Any]] | None = None,
+        urls: Mapping[str, str] | None = None,
+        max_pause: float = 300.0,
+        default_pause: float = 1.0,
+        retry_hint: bool = True,
+        stream_usage: bool = True,
+        max_body: int = 8 << 20,
+    ) -> None:
+        if not (hasattr(inner, "handle_request") or hasattr(inner, "handle_async_request")):
+            raise TypeError(f"inner={inner!r} is not an httpx or httpx2 transport")
+        if not isinstance(limit, (Limiter, Policy, Pool)):
+            raise TypeError(f"limit={limit!r} must be a Limiter, Policy or Pool")
+        self.inner = inner
+        self.limit = limit
+        self.timeout = _bound("timeout", timeout)
+        self.priority = priority
+        self.estimator = estimator if estimator is not None else default_estimator()
+        self.caps = tuple(caps)
+        for c in self.caps:
+            if not isinstance(c, Cap):
+                raise TypeError(f"caps must be Cap rules, got {c!r}")
+        self.ledger = ledger
+        self.account = account
+        self.calibrate = bool(calibrate)
+        self.keys = keys
+        self.max_pause = _bound("max_pause", max_pause, allow_none=False) or 0.0
+        self.default_pause = _bound("default_pause", default_pause, allow_none=False) or 0.0
+        self.retry_hint = bool(retry_hint)
+        self.stream_usage = bool(stream_usage)
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
+            raise ValueError(f"max_body={max_body!r} must be an int >= 0")
+        self.max_body = max_body
+        if isinstance(limit, Limiter):
+            self.upstream: Limiter | None = limit
+            self.units = frozenset(limit.units)
+        elif isinstance(limit, Pool):
+            self.upstream = None
+            self.units = frozenset().union(*(p.units for p in limit.providers))
+        else:
+            self.upstream = upstream
+            self.units = frozenset(units or (upstream.units if upstream is not None else ["requests"]))
+        if units is not None and not isinstance(limit, Policy):
+            raise ValueError("units= is for a Policy (a Limiter or Pool knows its units)")
+        self.urls = {k: v.rstrip("/") for k, v in (urls or {}).items()}
+        if urls and not isinstance(limit, Pool):
+            raise ValueError("urls= maps a Pool's providers to base URLs")
+        self._bursts = self._unit_bursts()
+        self.wait_histogram = Histogram()
+        self.http_histogram = Histogram()
+        self._applied: dict[tuple[int, str], tuple[float, float]] = {}
+        self._lock = threading.Lock()
+        self._counts = {"calls": 0, "sent": 0, "rate_limited": 0, "paused": 0, "calibrated": 0}
+
+    # -- the steps of a call -------------------------------------------------------------
+
+    def _unit_bursts(self) -> dict[str, int]:
+        """Per unit, the largest cost any route could admit (estimates are clamped to it)."""
+        limiters: list[Limiter] = []
+        if isinstance(self.limit, Pool):
+            limiters = [p.limiter for p in self.limit.providers]
+        elif self.upstream is not None:
+            limiters = [self.upstream]
+        out: dict[str, int] = {}
+        for lim in limiters:
+            per: dict[str, int] = {}
+            for r in lim.rates:
+                per[r.unit] = min(per.get(r.unit, r.burst), r.burst)
+            for u, b in per.items():
+                out[u] = max(out.get(u, 0), b)
+        return out
+
+    def _prepare(self, request: Any, body_bytes: bytes | None) -> _Call:
+        call = _Call()
+        headers = request.headers
+        opts = current_options()
+        priority = headers.get(PRIORITY_HEADER) or opts.priority or self.priority
+        task = headers.get(TASK_HEADER) or opts.task
+        account = headers.get(ACCOUNT_HEADER) or opts.account
+        for h in _OWN_HEADERS:
+            if h in headers:
+                del headers[h]
+        path = request.url.path
+        body: dict[str, Any] | None = None
+        if body_bytes:
+            try:
+                parsed = json.loads(body_bytes)
+            except ValueError:
+                parsed = None
+            body = parsed if isinstance(parsed, dict) else None
+        changed = False
+        capped = None
+        if body is not None:
+            if self.caps:
+                capped = apply_caps(self.caps, body, path, task)
+                changed = capped is not None
+            if self.stream_usage and body.get("stream") is True and path.endswith("/chat/completions"):
+                so = body.get("stream_options")
+                if not (isinstance(so, dict) and so.get("include_usage") is True):
+                    body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+                    changed = True
+        est = self.estimator(body, path)
+        model = body.get("model") if body is not None else None
+        model = model if isinstance(model, str) else None
+        request_id = headers.get("idempotency-key") or uuid.uuid4().hex
+        if changed and body is not None:
+            data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+            new_headers = headers.copy()
+            del new_headers["content-length"]
+            request = type(request)(
+                request.method, request.url, headers=new_headers, content=data,
+                extensions=request.extensions,
+            )
+        call.request = request
+        call.record = CallRecord(request_id, path, model, est, capped, priority, task)
+        call.costs = self._costs(est)
+        if callable(self.account):
+            account = account or self.account(request)
+        call.account = account or (self.account if isinstance(self.account, str) else "default")
+        sub = _budget.charge(request_id, model, est.input_tokens, est.output_tokens)
+        if sub is not None:
+            b = _budget.current_budget()
+            call.sub, call.chain = sub, (b.chain() if b is not None else [])
+        if self.ledger is not None:
+            try:
+                self.ledger.hold(
+                    request_id, call.account, input_tokens=est.input_tokens,
+                    output_tokens=est.output_tokens, calls=1, model=model,
+                    parent_id=call.chain[-1].id if call.chain else None,
+                    meta={"path": path, "task": task},
+                )
+            except BaseException:
+                self._unwind(call, None)
+                raise
+            call.held = True
+        with self._lock:
+            self._counts["calls"] += 1
+        return call
+
+    def _costs(self, est: Estimate) -> dict[str, int]:
+        all_costs = {
+            "requests": 1,
+            "tokens": est.tokens,
+            "input_tokens": est.input_tokens,
+            "output_tokens": est.output_tokens,
+        }
+        out = {}
+        for u in self.units:
+            c = all_costs.get(u, 1)
+            b = self._bursts.get(u)
+            out[u] = c if b is None else min(c, b)
+        return out
+
+    def _acquire_args(self, call: _Call) -> dict[str, Any]:
+        kw: dict[str, Any] = dict(call.costs)
+        if isinstance(self.limit, Policy):
+            keys = dict(current_options().keys)
+            if self.keys is not None:
+                keys.update(self.keys(call.request))
+            kw.update(keys)
+        elif call.record.priority is not None:
+            kw["priority"] = call.record.priority
+        kw["timeout"] = self.timeout
+        return kw
+
+    def _granted(self, call: _Call, grant: Any, waited: float) -> None:
+        if isinstance(self.limit, Pool):
+            call.provider, call.permit = grant
+            call.record.provider = call.provider.name
+            base = self.urls.get(call.provider.name)
+            if base is not None:
+                call.request.url = call.request.url.copy_with(**_split_base(base, call.request.url))
+        else:
+            call.permit = grant
+        call.record.waited = waited
+        self.wait_histogram.record(waited)
+
+    def _provider_limiter(self, call: _Call) -> Limiter | None:
+        return call.provider.limiter if call.provider is not None else self.upstream
+
+    def _received(self, call: _Call, response: Any, http_seconds: float, is_async: bool) -> Any:
+        rec = call.record
+        rec.http_seconds = http_seconds
+        rec.status = status = response.status_code
+        self.http_histogram.record(http_seconds)
+        with self._lock:
+            self._counts["sent"] += 1
+        info = parse_rate_limit_headers(response.headers, now=time.time())
+        rec.rate_limits = info if info else None
+        limiter = self._provider_limiter(call)
+        paused = False
+        if info and limiter is not None:
+            paused = self._follow(info, limiter)
+        if status == 429:
+            with self._lock:
+                self._counts["rate_limited"] += 1
+            wait = info.wait()
+            wait = min(self.max_pause, self.default_pause if wait is None else wait)
+            if limiter is not None and wait > 0:
+                limiter.pause(wait)
+                paused = True
+                with self._lock:
+                    self._counts["paused"] += 1
+            if isinstance(self.limit, Pool) and call.provider is not None:
+                self.limit.report(call.provider, 429, retry_after=wait)
+                paused = True
+            self._settle(call, None, status, rate_limited=True)
+            if paused and self.retry_hint:
+                _hint_retry(response.headers)
+        elif isinstance(self.limit, Pool) and call.provider is not None:
+            self.limit.report(call.provider, status)
+        if status >= 300 and status != 429:
+            self._settle(call, None, status)
+        response.extensions["ratequeue"] = rec
+        if call.done:
+            return response
+        _wrap(response, call, self, is_async)
+        return response
+
+    def _follow(self, info: RateLimitHeaders, limiter: Limiter) -> bool:
+        """Calibrate the limiter's rates (when asked) and pause exhausted units."""
+        units = limiter.units
+        paused = False
+        for dim, q in info.quotas.items():
+            if self.calibrate and q.limit and q.window and dim in units:
+                key = (id(limiter), dim)
+                if self._applied.get(key) != (q.limit, q.window):
+                    try:
+                        limiter.set_rate(q.limit, per=q.window, which=dim)
+                    except ValueError:
+                        pass
+                    else:
+                        with self._lock:
+                            self._counts["calibrated"] += 1
+                    self._applied[key] = (q.limit, q.window)
+            if q.remaining is not None and q.remaining <= 0 and q.reset:
+                limiter.pause(min(q.reset, self.max_pause), unit=dim if dim in units else None)
+                paused = True
+        return paused
+
+    def _settle(self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False) -> None:
+        """Settle the permit, budget and ledger once: real usage, or nothing used."""
+        with call.lock:
+            if call.done:
+                return
+            call.done = True
+        rec = call.record
+        rec.usage, rec.settled = usage, True
+        try:
+            if call.permit is not None:
+                used = usage if usage is not None else Usage(0, 0)
+                actual = {
+                    "requests": 1,
+                    "tokens": used.tokens,
+                    "input_tokens": used.input_tokens,
+                    "output_tokens": used.output_tokens,
+                }
+                costs = {u: actual.get(u, c) for u, c in call.costs.items()}
+                if call.provider is not None:
+                    costs = call.provider.costs_for(costs)
+                call.permit.settle(**costs)
+        finally:
+            try:
+                if call.permit is not None and hasattr(call.permit, "release"):
+                    call.permit.release()
+            finally:
+                if call.sub is not None:
+                    if rate_limited:
+                        _budget.uncount(call.sub, call.chain, status)
+                    else:
+                        u = usage if usage is not None else Usage(0, 0)
+                        _budget.settle(call.sub, call.chain, u.input_tokens, u.output_tokens, status)
+                if call.held and self.ledger is not None:
+                    if usage is None:
+                        self.ledger.release(rec.request_id)
+                    else:
+                        self.ledger.settle(
+                            rec.request_id, input_tokens=usage.input_tokens,
+                            output_tokens=usage.output_tokens, calls=1, model=rec.model,
+                        )
+
+    def _unwind(self, call: _Call, permit: Any) -> None:
+        """Nothing was sent: give back the budget, the ledger hold and the permit."""
+        call.done = True
+        if call.sub is not None:
+            _budget.uncount(call.sub, call.chain, None)
+        if call.held and self.ledger is not None:
+            self.ledger.release(call.record.request_id)
+        if permit is not None:
+            zero = {u: 0 for u in call.costs}
+            if call.provider is not None:
+                zero = call.provider.costs_for(zero)
+            permit.settle(**zero)
+            if hasattr(permit, "release"):
+                permit.release()
+
+    def _failed(self, call: _Call) -> None:
+        """Sent but no response (connection error, timeout, cancel): no tokens used."""
+        if isinstance(self.limit, Pool) and call.provider is not None:
+            self.limit.report(call.provider, ok=False)
+        self._settle(call, None, None)
+
+    # -- httpx entry points ----------------------------------------------------------------
+
+    def _body(self, request: Any) -> bytes | None:
+        if request.method not in ("POST", "PUT", "PATCH"):
+            return None
+        n = request.headers.get("content-length")
+        if n is None or not n.isdigit() or int(n) > self.max_body:
+            return None
+        try:
+            return bytes(request.content)
+        except Exception:  # a stream not read (RequestNotRead): estimate without it
+            return None
+
+    def handle_request(self, request: Any) -> Any:
+        """Wait for a permit (GIL released), send, and settle when the body is read."""
+        call = self._prepare(request, self._body(request))
+        t0 = time.perf_counter()
+        try:
+            kw = self._acquire_args(call)
+            if isinstance(self.limit, Pool):
+                grant: Any = self.limit.acquire(**kw)
+            else:
+                grant = self.limit.acquire(**kw)
+        except BaseException:
+            self._unwind(call, None)
+            raise
+        t1 = time.perf_counter()
+        self._granted(call, grant, t1 - t0)
+        try:
+            response = self.inner.handle_request(call.request)
+        except BaseException:
+            self._failed(call)
+            raise
+        return self._received(call, response, time.perf_counter() - t1, False)
+
+    async def handle_async_request(self, request: Any) -> Any:
+        """The asyncio form: one wake-up per grant, no polling; cancellation gives back."""
+        call = self._prepare(request, self._body(request))
+        t0 = time.perf_counter()
+        try:
+            kw = self._acquire_args(call)
+            grant: Any = await self.limit.acquire_async(**kw)
+        except BaseException:
+            self._unwind(call, None)
+            raise
+        t1 = time.perf_counter()
+        self._granted(call, grant, t1 - t0)
+        try:
+            response = await self.inner.handle_async_request(call.request)
+        except BaseException:
+            self._failed(call)
+            raise
+        return self._received(call, response, time.perf_counter() - t1, True)
+
+    def close(self) -> None:
+        """Close the inner transport."""
+        if hasattr(self.inner, "close"):
+            self.inner.close()
+
+    async def aclose(self) -> None:
+        """Close the inner async transport."""
+        if hasattr(self.inner, "aclose"):
+            await self.inner.aclose()
+
+    def __enter__(self) -> RateLimitedTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> RateLimitedTransport:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters (calls, sent, rate_limited, paused, calibrated) and the p50/p99 of the
+        queue wait and the HTTP time, in seconds."""
+        with self._lock:
+            out: dict[str, Any] = dict(self._counts)
+        for name, h in (("wait", self.wait_histogram), ("http", self.http_histogram)):
+            out[f"{name}_p50"], out[f"{name}_p99"] = (
+                h.percentiles([50, 99]) if h.count else (0.0, 0.0)
+            )
+        return out
+
+
+def _split_base(base: str, url: Any) -> dict[str, Any]:
+    """``copy_with`` arguments that move ``url`` to the scheme, host, port and path
+    prefix of ``base``."""
+    u = type(url)(base)
+    prefix = u.path.rstrip("/")
+    return {
+        "scheme": u.scheme,
+        "host": u.host,
+        "port": u.port,
+        "path": prefix + url.path if prefix else url.path,
+    }
+
+
+def _hint_retry(headers: Any) -> None:
+    """Tell the SDK to retry at once: its retry then waits in ratequeue's queue, which
+    holds it until the provider's reset (the original values are kept aside)."""
+    for h in ("retry-after", "retry-after-ms"):
+        v = headers.get(h)
+        if v is not None:
+            headers[f"x-ratequeue-original-{h}"] = v
+    headers["retry-after-ms"] = "1"
+    if "retry-after" in headers:
+        del headers["retry-after"]
+    headers["x-should-retry"] = "true"
+
+
+# -- the response body, read as it passes ---------------------------------------------------
+
+
+class _Reader:
+    """Finds the usage in a body as it is read; settles the call at its end."""
+
+    __slots__ = ("call", "transport", "sse", "buf", "size", "over")
+
+    def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
+        self.call, self.transport = call, transport
+        self.sse = SSEUsage() if sse else None
+        self.buf: list[bytes] = []
+        self.size = 0
+        self.over = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.sse is not None:
+            self.sse.feed(chunk)
+            if self.sse.final and not self.call.done:
+                self.finish()
+        elif not self.over:
+            self.size += len(chunk)
+            if self.size > self.transport.max_body:
+                self.over, self.buf = True, []
+            else:
+                self.buf.append(chunk)
+
+    def finish(self) -> None:
+        if self.call.done:
+            return
+        usage: Usage | None = None
+        if self.sse is not None:
+            usage = self.sse.usage
+        elif not self.over and self.buf:
+            try:
+                usage = usage_from_json(json.loads(b"".join(self.buf)))
+            except ValueError:
+                usage = None
+            self.buf = []
+        if usage is None:
+            # No usage reported: keep the estimate charged (never admit more than allowed).
+            usage_kept = self.call.record.estimate
+            usage = Usage(usage_kept.input_tokens, usage_kept.output_tokens)
+            self.transport._settle(self.call, usage, self.call.record.status)
+            self.call.record.usage = None
+            return
+        self.transport._settle(self.call, usage, self.call.record.status)
+
+
+_STREAMS: dict[str, tuple[type, type]] = {}
+
+
+def _stream_types(module: str) -> tuple[type, type]:
+    """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2."""
+    types = _STREAMS.get(module)
+    if types is not None:
+        return types
+    mod = importlib.import_module(module)
+
+    class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, inner: Any, reader: _Reader) -> None:
+            self._inner, self._reader = inner, reader
+
+        def __iter__(self) -> Iterator[bytes]:
+            for chunk in self._inner:
+                self._reader.feed(chunk)
+                yield chunk
+            self._reader.finish()
+
+        def close(self) -> None:
+            try:
+                if hasattr(self._inner, "close"):
+                    self._inner.close()
+            finally:
+                self._reader.finish()
+
+    class _AsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, inner: Any, reader: _Reader) -> None:
+            self._inner, self._reader = inner, reader
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            async for chunk in self._inner:
+                self._reader.feed(chunk)
+                yield chunk
+            self._reader.finish()
+
+        async def aclose(self) -> None:
+            try:
+                if hasattr(self._inner, "aclose"):
+                    await self._inner.aclose()
+            finally:
+                self._reader.finish()
+
+    types = (_SyncStream, _AsyncStream)
+    _STREAMS[module] = types
+    return types
+
+
+def _wrap(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
+    """Put a reader between the response's stream and its consumer (or read the body
+    at once when the response already holds it)."""
+    ctype = response.headers.get("content-type", "")
+    reader = _Reader(call, transport, ctype.startswith("text/event-stream"))
+    if response.is_stream_consumed:
+        reader.feed(response.content)
+        reader.finish()
+        return
+    sync_t, async_t = _stream_types(type(response).__module__.split(".", 1)[0])
+    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
