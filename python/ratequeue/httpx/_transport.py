@@ -343,7 +343,9 @@ class RateLimitedTransport:
             wait = info.wait()
             wait = min(self.max_pause, self.default_pause if wait is None else wait)
             if limiter is not None and wait > 0:
-                limiter.pause(wait)
+                # Every call costs one request: pausing that unit stops them all without
+                # emptying the token buckets (an exhausted quota was paused above).
+                limiter.pause(wait, unit="requests" if "requests" in limiter.units else None)
                 paused = True
                 with self._lock:
                     self._counts["paused"] += 1
