@@ -1,7 +1,7 @@
 """Cost of a call before it is sent: prompt tokens + the most output tokens it may produce.
 
 The prompt is the text of the request body's strings (messages, system, input, tools;
-not ``model`` and not base64 data such as images): counted by tiktoken when it is
+not ``model``, ``role``, ``type`` nor base64 data such as images): counted by tiktoken when it is
 installed and its encoding loads, otherwise by the documented fallback of one token per
 four characters (rounded up) plus four per message. The output is the request's
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, or
@@ -18,7 +18,7 @@ __all__ = ["Estimate", "Estimator", "TokenEstimator", "OUTPUT_FIELDS"]
 
 #: Body fields that bound a call's output, in the order they are read.
 OUTPUT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
-_SKIP = frozenset({"model", "data", "image_url", "source", "file_data", "b64_json"})
+_SKIP = frozenset({"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"})
 _MAX_DEPTH = 64
 
 
