@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import json
 import math
+import sys
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from collections.abc import Callable, Iterator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from .._errors import RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
 from ..pool import Pool, Provider
 from . import _budget
@@ -374,7 +376,9 @@ class RateLimitedTransport:
                 key = (id(limiter), dim)
                 if self._applied.get(key) != (q.limit, q.window):
                     try:
-                        limiter.set_rate(q.limit, per=q.window, which=dim)
+                        cur = next(r for r in limiter.rates if r.unit == dim)
+                        burst = max(1, min(cur.burst, int(q.limit)))
+                        limiter.set_rate(q.limit, per=q.window, burst=burst, which=dim)
                     except ValueError:
                         pass
                     else:
@@ -463,16 +467,16 @@ class RateLimitedTransport:
 
     def handle_request(self, request: Any) -> Any:
         """Wait for a permit (GIL released), send, and settle when the body is read."""
-        call = self._prepare(request, self._body(request))
-        t0 = time.perf_counter()
         try:
-            kw = self._acquire_args(call)
-            if isinstance(self.limit, Pool):
-                grant: Any = self.limit.acquire(**kw)
-            else:
-                grant = self.limit.acquire(**kw)
-        except BaseException:
-            self._unwind(call, None)
+            call = self._prepare(request, self._body(request))
+            t0 = time.perf_counter()
+            try:
+                grant: Any = self.limit.acquire(**self._acquire_args(call))
+            except BaseException:
+                self._unwind(call, None)
+                raise
+        except RateQueueError as e:
+            _for_sdk(e, request)
             raise
         t1 = time.perf_counter()
         self._granted(call, grant, t1 - t0)
@@ -485,13 +489,16 @@ class RateLimitedTransport:
 
     async def handle_async_request(self, request: Any) -> Any:
         """The asyncio form: one wake-up per grant, no polling; cancellation gives back."""
-        call = self._prepare(request, self._body(request))
-        t0 = time.perf_counter()
         try:
-            kw = self._acquire_args(call)
-            grant: Any = await self.limit.acquire_async(**kw)
-        except BaseException:
-            self._unwind(call, None)
+            call = self._prepare(request, self._body(request))
+            t0 = time.perf_counter()
+            try:
+                grant: Any = await self.limit.acquire_async(**self._acquire_args(call))
+            except BaseException:
+                self._unwind(call, None)
+                raise
+        except RateQueueError as e:
+            _for_sdk(e, request)
             raise
         t1 = time.perf_counter()
         self._granted(call, grant, t1 - t0)
@@ -534,6 +541,34 @@ class RateLimitedTransport:
                 h.percentiles([50, 99]) if h.count else (0.0, 0.0)
             )
         return out
+
+
+_SDK_ERRORS: dict[type, type] = {}
+
+
+def _for_sdk(err: RateQueueError, request: Any) -> None:
+    """Let a refusal pass through the anthropic SDK as itself, not retried.
+
+    That SDK wraps any other exception of its transport in a retried
+    ``APIConnectionError``; a ratequeue error raised for its requests is made an
+    instance of a subclass that is also ``anthropic.AnthropicError``, which it re-raises
+    as is (``except rq.Overloaded`` / ``BudgetExceeded`` still catch it).
+    """
+    mod = sys.modules.get("anthropic")
+    base = getattr(mod, "AnthropicError", None) if mod is not None else None
+    if not isinstance(base, type) or not request.headers.get("user-agent", "").startswith("Anthropic/"):
+        return
+    cls = type(err)
+    if issubclass(cls, base):
+        return
+    sub = _SDK_ERRORS.get(cls)
+    if sub is None:
+        sub = type(cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        _SDK_ERRORS[cls] = sub
+    try:
+        err.__class__ = sub
+    except TypeError:  # a layout that cannot change class: left as it is
+        pass
 
 
 def _split_base(base: str, url: Any) -> dict[str, Any]:
