@@ -8,7 +8,6 @@ import time
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
 from ratequeue.httpx import (
     Quota,
     parse_duration,
@@ -176,11 +175,24 @@ def test_huge_values_cost_bounded_work() -> None:
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.dictionaries(st.sampled_from([
-    "x-ratelimit-limit-requests", "x-ratelimit-reset-tokens", "anthropic-ratelimit-tokens-reset",
-    "anthropic-ratelimit-requests-remaining", "retry-after", "retry-after-ms", "ratelimit",
-    "ratelimit-policy", "ratelimit-reset",
-]), st.text(max_size=80)))
+@given(
+    st.dictionaries(
+        st.sampled_from(
+            [
+                "x-ratelimit-limit-requests",
+                "x-ratelimit-reset-tokens",
+                "anthropic-ratelimit-tokens-reset",
+                "anthropic-ratelimit-requests-remaining",
+                "retry-after",
+                "retry-after-ms",
+                "ratelimit",
+                "ratelimit-policy",
+                "ratelimit-reset",
+            ]
+        ),
+        st.text(max_size=80),
+    )
+)
 def test_any_text_parses_or_is_ignored(headers: dict[str, str]) -> None:
     info = parse_rate_limit_headers(headers, now=NOW)
     w = info.wait()

@@ -13,7 +13,6 @@ import httpx
 import httpx2
 import openai
 import pytest
-
 import ratequeue as rq
 from ratequeue.httpx import BudgetExceeded, CallBudget, RateLimitedTransport
 from ratequeue.mock_provider import MockProvider
@@ -38,7 +37,9 @@ def big_limiter() -> rq.Limiter:
 
 
 def real_limiter() -> rq.Limiter:
-    return rq.Limiter(rq.Rate(60_000, per="minute", burst=100), rq.Rate(10**7, per="minute", unit="tokens"))
+    return rq.Limiter(
+        rq.Rate(60_000, per="minute", burst=100), rq.Rate(10**7, per="minute", unit="tokens")
+    )
 
 
 def oa(mock: MockProvider, t: RateLimitedTransport | None, **kw: Any) -> openai.OpenAI:
@@ -47,7 +48,9 @@ def oa(mock: MockProvider, t: RateLimitedTransport | None, **kw: Any) -> openai.
 
 
 def an(mock: MockProvider, t: RateLimitedTransport, **kw: Any) -> anthropic.Anthropic:
-    return anthropic.Anthropic(api_key="k", base_url=mock.base_url, http_client=httpx2.Client(transport=t), **kw)
+    return anthropic.Anthropic(
+        api_key="k", base_url=mock.base_url, http_client=httpx2.Client(transport=t), **kw
+    )
 
 
 def test_openai_sync_chat_and_responses_settle_real_usage(mock: MockProvider) -> None:
@@ -74,7 +77,9 @@ def test_openai_sync_chat_and_responses_settle_real_usage(mock: MockProvider) ->
 
 def test_openai_over_legacy_httpx_client(mock: MockProvider) -> None:
     t = RateLimitedTransport(httpx.HTTPTransport(), big_limiter())
-    client = openai.OpenAI(api_key="k", base_url=mock.base_url + "/v1", http_client=httpx.Client(transport=t))
+    client = openai.OpenAI(
+        api_key="k", base_url=mock.base_url + "/v1", http_client=httpx.Client(transport=t)
+    )
     with CallBudget() as b:
         client.chat.completions.create(model="gpt", messages=MSG)
         list(client.chat.completions.create(model="gpt", messages=MSG, stream=True))
@@ -107,7 +112,9 @@ def test_async_sdks_stream_and_settle(mock: MockProvider) -> None:
             async for _ in await o.chat.completions.create(model="gpt", messages=MSG, stream=True):
                 pass
             await a.messages.create(model="claude", max_tokens=50, messages=MSG)
-            async for _ in await a.messages.create(model="claude", max_tokens=50, messages=MSG, stream=True):
+            async for _ in await a.messages.create(
+                model="claude", max_tokens=50, messages=MSG, stream=True
+            ):
                 pass
             with pytest.raises(BudgetExceeded):
                 await o.chat.completions.create(model="gpt", messages=MSG)
@@ -180,7 +187,9 @@ def test_calls_during_the_pause_wait_in_the_queue_instead_of_sending() -> None:
 def _burst(mock: MockProvider, transport: Any, n: int) -> tuple[int, int, float]:
     """n concurrent SDK calls; (requests the provider saw, successes, p99 latency)."""
     client = openai.OpenAI(
-        api_key="k", base_url=mock.base_url + "/v1", max_retries=50,
+        api_key="k",
+        base_url=mock.base_url + "/v1",
+        max_retries=50,
         http_client=httpx2.Client(transport=transport),
     )
     lat: list[float] = []
@@ -221,6 +230,6 @@ def test_calibration_from_the_providers_headers_learns_its_rate() -> None:
     with MockProvider(600, burst=1, gen_time=0.0) as mock:
         lim = rq.Limiter(rq.Rate(60_000, per="minute", burst=50))  # far too generous
         t = RateLimitedTransport(httpx2.HTTPTransport(), lim, calibrate=True)
-        sent, ok, _ = _burst(mock, t, 8)
+        _, ok, _ = _burst(mock, t, 8)
     assert (lim.rates[0].amount, lim.rates[0].burst) == (600, 50)  # burst kept (<= the limit)
     assert ok == 8

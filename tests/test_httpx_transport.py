@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
-
 import ratequeue as rq
 from ratequeue.httpx import (
     BudgetExceeded,
@@ -95,9 +94,21 @@ def test_chars_fallback_estimate() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 100}
     assert chars_estimate(body, CHAT) == Estimate(10 + 4, 100)
     # images as data URLs and the model name are not prompt text
-    body2 = {"model": "m" * 50, "messages": [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + "A" * 10_000}},
-        {"type": "text", "text": "abcd"}]}]}
+    body2 = {
+        "model": "m" * 50,
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {
+                        "type": "image_url",
+                        "image_url": {"url": "data:image/png;base64," + "A" * 10_000},
+                    },
+                    {"type": "text", "text": "abcd"},
+                ],
+            }
+        ],
+    }
     assert chars_estimate(body2, CHAT) == Estimate(1 + 4, 1024)
     assert chars_estimate(None, CHAT) == Estimate(0, 1024)
 
@@ -106,7 +117,9 @@ def test_tiktoken_path_with_a_real_encoding() -> None:
     tiktoken = importlib.import_module("tiktoken")
     # A byte-level encoding built locally: the real tiktoken code path, no download.
     enc = tiktoken.Encoding(
-        name="bytes", pat_str=r"[\s\S]", mergeable_ranks={bytes([i]): i for i in range(256)},
+        name="bytes",
+        pat_str=r"[\s\S]",
+        mergeable_ranks={bytes([i]): i for i in range(256)},
         special_tokens={},
     )
     est = TokenEstimator(enc)
@@ -149,12 +162,18 @@ def test_caps_lower_add_and_never_raise(mod: Any) -> None:
     r = chat(c, max_completion_tokens=4000)
     assert rec.body()["max_completion_tokens"] == 100
     rec_ = r.extensions["ratequeue"]
-    assert (rec_.capped.field, rec_.capped.requested, rec_.capped.sent) == ("max_completion_tokens", 4000, 100)
+    assert (rec_.capped.field, rec_.capped.requested, rec_.capped.sent) == (
+        "max_completion_tokens",
+        4000,
+        100,
+    )
     assert rec_.estimate.output_tokens == 100
     chat(c)
     assert rec.body()["max_completion_tokens"] == 100  # added where none was asked
     r = chat(c, max_tokens=10)
-    assert rec.body()["max_tokens"] == 10 and r.extensions["ratequeue"].capped is None  # never raised
+    assert (
+        rec.body()["max_tokens"] == 10 and r.extensions["ratequeue"].capped is None
+    )  # never raised
     chat(c, max_tokens=50, headers={"x-ratequeue-task": "summary"})
     assert rec.body()["max_tokens"] == 20
     assert "x-ratequeue-task" not in rec.sent[-1].headers
@@ -179,7 +198,10 @@ def test_cap_rules_are_checked() -> None:
 
 
 def test_settles_real_usage_from_json(mod: Any) -> None:
-    rec = Recorder(mod, lambda req: mod.Response(200, json={"usage": {"input_tokens": 30, "output_tokens": 12}}))
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(200, json={"usage": {"input_tokens": 30, "output_tokens": 12}}),
+    )
     lim = limiter()
     r = chat(client(mod, rec, lim), max_tokens=5_000)
     record = r.extensions["ratequeue"]
@@ -208,17 +230,23 @@ def test_sse_passes_through_unbuffered_and_settles_at_the_usage_event(mod: Any) 
         produced.append(4)
         yield b"data: [DONE]\n\n"
 
-    rec = Recorder(mod, lambda req: mod.Response(
-        200, headers={"content-type": "text/event-stream"}, stream=SyncStream(mod, events())))
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=SyncStream(mod, events())
+        ),
+    )
     c = client(mod, rec, lim)
-    with c.stream("POST", CHAT, json={"model": "m", "messages": [], "stream": True, "max_tokens": 500}) as r:
+    with c.stream(
+        "POST", CHAT, json={"model": "m", "messages": [], "stream": True, "max_tokens": 500}
+    ) as r:
         assert rec.body()["stream_options"] == {"include_usage": True}
         it = r.iter_raw()
         first = next(it)
         assert first.startswith(b"data:") and produced == [0]  # nothing read ahead
         record = r.extensions["ratequeue"]
         assert not record.settled
-        for chunk in it:
+        for _ in it:
             if produced[-1] == 3:
                 assert record.settled and record.usage == (9, 3)
     assert lim.available("tokens") == pytest.approx(10_000 - 12)
@@ -238,10 +266,16 @@ def test_stream_closed_early_keeps_the_estimate(mod: Any) -> None:
             yield b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
 
     lim = limiter()
-    rec = Recorder(mod, lambda req: mod.Response(
-        200, headers={"content-type": "text/event-stream"}, stream=SyncStream(mod, events())))
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=SyncStream(mod, events())
+        ),
+    )
     c = client(mod, rec, lim)
-    with c.stream("POST", CHAT, json={"model": "m", "messages": [], "stream": True, "max_tokens": 500}) as r:
+    with c.stream(
+        "POST", CHAT, json={"model": "m", "messages": [], "stream": True, "max_tokens": 500}
+    ) as r:
         next(r.iter_raw())
     record = r.extensions["ratequeue"]
     assert record.settled and record.usage is None
@@ -454,12 +488,11 @@ def test_budget_across_asyncio_tasks(mod: Any) -> None:
 
     async def main() -> tuple[list[Any], CallBudget]:
         t = RateLimitedTransport(mod.MockTransport(rec), lim)
-        async with mod.AsyncClient(transport=t, base_url="http://p") as c:
-            async with CallBudget(calls=3) as b:
-                body = {"model": "m", "messages": []}
-                out = await asyncio.gather(
-                    *(c.post(CHAT, json=body) for _ in range(4)), return_exceptions=True
-                )
+        async with mod.AsyncClient(transport=t, base_url="http://p") as c, CallBudget(calls=3) as b:
+            body = {"model": "m", "messages": []}
+            out = await asyncio.gather(
+                *(c.post(CHAT, json=body) for _ in range(4)), return_exceptions=True
+            )
         return out, b
 
     out, b = asyncio.run(main())
@@ -504,7 +537,9 @@ def test_ledger_holds_then_settles_with_the_idempotency_key(mod: Any) -> None:
     assert (rid, account) == ("req-42", "acme")
     assert kw["parent_id"] == "task-1" and kw["output_tokens"] == 50 and kw["calls"] == 1
     assert kw["model"] == "gpt-x"
-    assert ledger.settled == [("req-42", {"input_tokens": 5, "output_tokens": 7, "calls": 1, "model": "gpt-x"})]
+    assert ledger.settled == [
+        ("req-42", {"input_tokens": 5, "output_tokens": 7, "calls": 1, "model": "gpt-x"})
+    ]
     with using(account="other"):
         chat(c)
     assert ledger.held[1][1] == "other" and len(ledger.held[1][0]) == 32  # generated id
@@ -537,8 +572,12 @@ def test_ledger_refusal_sends_nothing_and_gives_back(mod: Any) -> None:
 def test_policy_with_keys_and_upstream(mod: Any) -> None:
     clock = rq.ManualClock()
     cluster = limiter(clock)
-    policy = rq.Policy({"user": rq.KeyedLimiter(rq.Rate(2, per="minute"), clock=clock), "cluster": cluster})
-    rec = Recorder(mod, lambda req: mod.Response(200, headers={"retry-after": "5"}, json=usage_body()))
+    policy = rq.Policy(
+        {"user": rq.KeyedLimiter(rq.Rate(2, per="minute"), clock=clock), "cluster": cluster}
+    )
+    rec = Recorder(
+        mod, lambda req: mod.Response(200, headers={"retry-after": "5"}, json=usage_body())
+    )
     c = client(mod, rec, policy, upstream=cluster, timeout=0)
     with using(keys={"user": "alice"}):
         chat(c)
@@ -551,7 +590,9 @@ def test_policy_with_keys_and_upstream(mod: Any) -> None:
 
 def test_pool_routes_and_cools_down_on_429(mod: Any) -> None:
     clock = rq.ManualClock()
-    pool = rq.Pool([rq.Provider("a", rpm=60, clock=clock), rq.Provider("b", rpm=60, clock=clock)], clock=clock)
+    pool = rq.Pool(
+        [rq.Provider("a", rpm=60, clock=clock), rq.Provider("b", rpm=60, clock=clock)], clock=clock
+    )
 
     def answer(req: Any) -> Any:
         if req.url.host == "a.example":
@@ -599,16 +640,26 @@ def test_async_sse_settles(mod: Any) -> None:
 
     class AStream(mod.AsyncByteStream):  # type: ignore[misc,name-defined]
         async def __aiter__(self) -> Any:
-            yield b'event: message_start\ndata: {"type":"message_start","message":{"usage":{"input_tokens":20,"output_tokens":1}}}\n\n'
-            yield b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":9}}\n\n'
+            start = {"type": "message_start", "message": {"usage": {"input_tokens": 20}}}
+            yield b"event: message_start\ndata: " + json.dumps(start).encode() + b"\n\n"
+            delta = {"type": "message_delta", "usage": {"output_tokens": 9}}
+            yield b"event: message_delta\ndata: " + json.dumps(delta).encode() + b"\n\n"
             yield b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
 
-    rec = Recorder(mod, lambda req: mod.Response(200, headers={"content-type": "text/event-stream"}, stream=AStream()))
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=AStream()
+        ),
+    )
 
     async def main() -> Any:
         t = RateLimitedTransport(mod.MockTransport(rec), lim)
         async with mod.AsyncClient(transport=t, base_url="http://p") as c:
-            r = await c.post("/v1/messages", json={"model": "c", "max_tokens": 300, "messages": [], "stream": True})
+            r = await c.post(
+                "/v1/messages",
+                json={"model": "c", "max_tokens": 300, "messages": [], "stream": True},
+            )
             return r.extensions["ratequeue"]
 
     record = asyncio.run(main())

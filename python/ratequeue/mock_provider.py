@@ -195,10 +195,16 @@ class MockProvider:
         if retry_style not in RETRY_STYLES:
             raise ValueError(f"retry_style={retry_style!r} must be one of {RETRY_STYLES}")
         if tpm is not None and (
-            isinstance(tpm, bool) or not isinstance(tpm, (int, float)) or not (math.isfinite(tpm) and tpm > 0)
+            isinstance(tpm, bool)
+            or not isinstance(tpm, (int, float))
+            or not (math.isfinite(tpm) and tpm > 0)
         ):
             raise ValueError(f"tpm={tpm!r} must be a finite number > 0 or None")
-        if isinstance(output_tokens, bool) or not isinstance(output_tokens, int) or output_tokens < 0:
+        if (
+            isinstance(output_tokens, bool)
+            or not isinstance(output_tokens, int)
+            or output_tokens < 0
+        ):
             raise ValueError(f"output_tokens={output_tokens!r} must be an int >= 0")
         if not (math.isfinite(stream_delay) and stream_delay >= 0):
             raise ValueError(f"stream_delay must be finite and >= 0, got {stream_delay!r}")
@@ -296,7 +302,9 @@ class MockProvider:
             error: dict[str, Any] = {
                 "type": "error",
                 "error": {
-                    "type": "rate_limit_exceeded" if route != "/v1/messages" else "rate_limit_error",
+                    "type": "rate_limit_exceeded"
+                    if route != "/v1/messages"
+                    else "rate_limit_error",
                     "message": f"Rate limit of {self.rpm:g} requests per minute reached; "
                     f"retry after {retry:.3f} s",
                 },
@@ -309,7 +317,9 @@ class MockProvider:
         if dialect == "auto":
             dialect = "anthropic" if route == "/v1/messages" else "openai"
         remaining = max(0, int(self.limiter.available()))
-        reset_s = reset if reset is not None else max(0.0, (self.burst - remaining) * 60.0 / self.rpm)
+        reset_s = (
+            reset if reset is not None else max(0.0, (self.burst - remaining) * 60.0 / self.rpm)
+        )
         dims = [("requests", self.rpm, remaining)]
         if self.tpm is not None:
             dims.append(("tokens", self.tpm, max(0, int(self.limiter.available("tokens")))))
@@ -491,9 +501,17 @@ def _events(route: str, req: dict[str, Any], body: dict[str, Any]) -> Iterator[b
         start = {**body, "content": [], "stop_reason": None}
         start["usage"] = {"input_tokens": u["input_tokens"], "output_tokens": 1}
         yield _sse({"type": "message_start", "message": start}, "message_start")
-        block = {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+        block = {
+            "type": "content_block_start",
+            "index": 0,
+            "content_block": {"type": "text", "text": ""},
+        }
         yield _sse(block, "content_block_start")
-        delta = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "ok"}}
+        delta = {
+            "type": "content_block_delta",
+            "index": 0,
+            "delta": {"type": "text_delta", "text": "ok"},
+        }
         yield _sse(delta, "content_block_delta")
         yield _sse({"type": "content_block_stop", "index": 0}, "content_block_stop")
         done = {
@@ -506,7 +524,10 @@ def _events(route: str, req: dict[str, Any], body: dict[str, Any]) -> Iterator[b
         return
     if route == "/v1/responses":
         created = {**body, "status": "in_progress", "output": [], "usage": None}
-        yield _sse({"type": "response.created", "sequence_number": 0, "response": created}, "response.created")
+        yield _sse(
+            {"type": "response.created", "sequence_number": 0, "response": created},
+            "response.created",
+        )
         text = {
             "type": "response.output_text.delta",
             "sequence_number": 1,
@@ -517,7 +538,10 @@ def _events(route: str, req: dict[str, Any], body: dict[str, Any]) -> Iterator[b
             "logprobs": [],
         }
         yield _sse(text, "response.output_text.delta")
-        yield _sse({"type": "response.completed", "sequence_number": 2, "response": body}, "response.completed")
+        yield _sse(
+            {"type": "response.completed", "sequence_number": 2, "response": body},
+            "response.completed",
+        )
         return
     chunk = {
         "id": body["id"],
@@ -525,7 +549,9 @@ def _events(route: str, req: dict[str, Any], body: dict[str, Any]) -> Iterator[b
         "created": body["created"],
         "model": body["model"],
     }
-    yield _sse({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]})
+    yield _sse(
+        {**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": "ok"}}]}
+    )
     yield _sse({**chunk, "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]})
     so = req.get("stream_options")
     if isinstance(so, dict) and so.get("include_usage") is True:

@@ -11,6 +11,7 @@ never pass the budget.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import uuid
@@ -69,7 +70,9 @@ class CallBudget:
     """At most ``calls`` model calls and ``tokens`` tokens inside this block (None: no
     bound), counted across tasks and threads carrying the context; nests."""
 
-    def __init__(self, calls: int | None = None, tokens: int | None = None, *, id: str | None = None) -> None:
+    def __init__(
+        self, calls: int | None = None, tokens: int | None = None, *, id: str | None = None
+    ) -> None:
         self.calls = _limit("calls", calls)
         self.tokens = _limit("tokens", tokens)
         if id is not None and not isinstance(id, str):
@@ -158,7 +161,9 @@ class CallBudget:
         return None
 
 
-def charge(request_id: str, model: str | None, input_tokens: int, output_tokens: int) -> SubCall | None:
+def charge(
+    request_id: str, model: str | None, input_tokens: int, output_tokens: int
+) -> SubCall | None:
     """Count one call against every budget of this context (all or none); raises
     :class:`BudgetExceeded` when one has no room. None outside any budget."""
     b = _CURRENT.get()
@@ -185,7 +190,13 @@ def charge(request_id: str, model: str | None, input_tokens: int, output_tokens:
             lk.release()
 
 
-def settle(sub: SubCall, budget_chain: list[CallBudget], input_tokens: int, output_tokens: int, status: int | None) -> None:
+def settle(
+    sub: SubCall,
+    budget_chain: list[CallBudget],
+    input_tokens: int,
+    output_tokens: int,
+    status: int | None,
+) -> None:
     """Correct a sub-call's reserved tokens to its real usage in every budget it counts in."""
     delta = input_tokens + output_tokens - sub.tokens
     for x in budget_chain:
@@ -202,9 +213,7 @@ def uncount(sub: SubCall, budget_chain: list[CallBudget], status: int | None) ->
         with x._lock:
             x._calls_used = max(0, x._calls_used - 1)
             x._tokens_used = max(0, x._tokens_used - sub.tokens)
-            try:
+            with contextlib.suppress(ValueError):
                 x._usage.remove(sub)
-            except ValueError:
-                pass
     sub.input_tokens = sub.output_tokens = 0
     sub.status, sub.settled = status, True

@@ -14,11 +14,13 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["Estimate", "Estimator", "TokenEstimator", "OUTPUT_FIELDS"]
+__all__ = ["OUTPUT_FIELDS", "Estimate", "Estimator", "TokenEstimator"]
 
 #: Body fields that bound a call's output, in the order they are read.
 OUTPUT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
-_SKIP = frozenset({"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"})
+_SKIP = frozenset(
+    {"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"}
+)
 _MAX_DEPTH = 64
 
 
@@ -94,7 +96,10 @@ class TokenEstimator:
         default_output_tokens: int = 1024,
         chars_per_token: int = 4,
     ) -> None:
-        for name, v in (("default_output_tokens", default_output_tokens), ("chars_per_token", chars_per_token)):
+        for name, v in (
+            ("default_output_tokens", default_output_tokens),
+            ("chars_per_token", chars_per_token),
+        ):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name}={v!r} must be an int")
         if default_output_tokens < 0 or chars_per_token < 1:

@@ -256,7 +256,7 @@ def parse_rate_limit_headers(
             if kind in ("limit", "remaining", "reset") and v is not None:
                 fields.setdefault(dim, {"window": 60.0})[kind] = v
         elif key.startswith(_ANTHROPIC):
-            # anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,remaining,reset}
+            # anthropic-ratelimit-{requests,tokens,input-tokens,output-tokens}-{limit,...}
             dim, _, kind = key[len(_ANTHROPIC) :].rpartition("-")
             dim = dim.replace("-", "_")
             if dim not in DIMENSIONS:

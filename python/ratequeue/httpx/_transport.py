@@ -7,6 +7,7 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 import math
@@ -14,7 +15,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -28,7 +29,14 @@ from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_rate_limit_headers
 from ._usage import SSEUsage, Usage, usage_from_json
 
-__all__ = ["ACCOUNT_HEADER", "PRIORITY_HEADER", "TASK_HEADER", "CallRecord", "Ledger", "RateLimitedTransport"]
+__all__ = [
+    "ACCOUNT_HEADER",
+    "PRIORITY_HEADER",
+    "TASK_HEADER",
+    "CallRecord",
+    "Ledger",
+    "RateLimitedTransport",
+]
 
 PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
@@ -95,9 +103,23 @@ class _Call:
     """What one call holds while it is in flight (settled exactly once)."""
 
     __slots__ = (
-        "request", "record", "costs", "permit", "provider", "sub", "chain", "account",
-        "held", "done", "lock",
+        "account",
+        "chain",
+        "costs",
+        "done",
+        "held",
+        "lock",
+        "permit",
+        "provider",
+        "record",
+        "request",
+        "sub",
     )
+
+    request: Any
+    record: CallRecord
+    costs: dict[str, int]
+    account: str
 
     def __init__(self) -> None:
         self.permit: Any = None
@@ -187,7 +209,9 @@ class RateLimitedTransport:
             self.units = frozenset().union(*(p.units for p in limit.providers))
         else:
             self.upstream = upstream
-            self.units = frozenset(units or (upstream.units if upstream is not None else ["requests"]))
+            self.units = frozenset(
+                units or (upstream.units if upstream is not None else ["requests"])
+            )
         if units is not None and not isinstance(limit, Policy):
             raise ValueError("units= is for a Policy (a Limiter or Pool knows its units)")
         self.urls = {k: v.rstrip("/") for k, v in (urls or {}).items()}
@@ -242,10 +266,17 @@ class RateLimitedTransport:
             if self.caps:
                 capped = apply_caps(self.caps, body, path, task)
                 changed = capped is not None
-            if self.stream_usage and body.get("stream") is True and path.endswith("/chat/completions"):
+            if (
+                self.stream_usage
+                and body.get("stream") is True
+                and path.endswith("/chat/completions")
+            ):
                 so = body.get("stream_options")
                 if not (isinstance(so, dict) and so.get("include_usage") is True):
-                    body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+                    body["stream_options"] = {
+                        **(so if isinstance(so, dict) else {}),
+                        "include_usage": True,
+                    }
                     changed = True
         est = self.estimator(body, path)
         model = body.get("model") if body is not None else None
@@ -256,7 +287,10 @@ class RateLimitedTransport:
             new_headers = headers.copy()
             del new_headers["content-length"]
             request = type(request)(
-                request.method, request.url, headers=new_headers, content=data,
+                request.method,
+                request.url,
+                headers=new_headers,
+                content=data,
                 extensions=request.extensions,
             )
         call.request = request
@@ -272,8 +306,12 @@ class RateLimitedTransport:
         if self.ledger is not None:
             try:
                 self.ledger.hold(
-                    request_id, call.account, input_tokens=est.input_tokens,
-                    output_tokens=est.output_tokens, calls=1, model=model,
+                    request_id,
+                    call.account,
+                    input_tokens=est.input_tokens,
+                    output_tokens=est.output_tokens,
+                    calls=1,
+                    model=model,
                     parent_id=call.chain[-1].id if call.chain else None,
                     meta={"path": path, "task": task},
                 )
@@ -390,7 +428,9 @@ class RateLimitedTransport:
                 paused = True
         return paused
 
-    def _settle(self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False) -> None:
+    def _settle(
+        self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False
+    ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used."""
         with call.lock:
             if call.done:
@@ -421,14 +461,19 @@ class RateLimitedTransport:
                         _budget.uncount(call.sub, call.chain, status)
                     else:
                         u = usage if usage is not None else Usage(0, 0)
-                        _budget.settle(call.sub, call.chain, u.input_tokens, u.output_tokens, status)
+                        _budget.settle(
+                            call.sub, call.chain, u.input_tokens, u.output_tokens, status
+                        )
                 if call.held and self.ledger is not None:
                     if usage is None:
                         self.ledger.release(rec.request_id)
                     else:
                         self.ledger.settle(
-                            rec.request_id, input_tokens=usage.input_tokens,
-                            output_tokens=usage.output_tokens, calls=1, model=rec.model,
+                            rec.request_id,
+                            input_tokens=usage.input_tokens,
+                            output_tokens=usage.output_tokens,
+                            calls=1,
+                            model=rec.model,
                         )
 
     def _unwind(self, call: _Call, permit: Any) -> None:
@@ -556,19 +601,21 @@ def _for_sdk(err: RateQueueError, request: Any) -> None:
     """
     mod = sys.modules.get("anthropic")
     base = getattr(mod, "AnthropicError", None) if mod is not None else None
-    if not isinstance(base, type) or not request.headers.get("user-agent", "").startswith("Anthropic/"):
+    if not isinstance(base, type) or not request.headers.get("user-agent", "").startswith(
+        "Anthropic/"
+    ):
         return
     cls = type(err)
     if issubclass(cls, base):
         return
     sub = _SDK_ERRORS.get(cls)
     if sub is None:
-        sub = type(cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__})
+        sub = type(
+            cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__}
+        )
         _SDK_ERRORS[cls] = sub
-    try:
+    with contextlib.suppress(TypeError):  # a layout that cannot change class stays
         err.__class__ = sub
-    except TypeError:  # a layout that cannot change class: left as it is
-        pass
 
 
 def _split_base(base: str, url: Any) -> dict[str, Any]:
@@ -603,7 +650,7 @@ def _hint_retry(headers: Any) -> None:
 class _Reader:
     """Finds the usage in a body as it is read; settles the call at its end."""
 
-    __slots__ = ("call", "transport", "sse", "buf", "size", "over")
+    __slots__ = ("buf", "call", "over", "size", "sse", "transport")
 
     def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
         self.call, self.transport = call, transport

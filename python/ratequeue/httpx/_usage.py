@@ -73,7 +73,7 @@ class SSEUsage:
     parsed as JSON.
     """
 
-    __slots__ = ("_buf", "_skip", "_input", "_output", "final", "max_event", "events")
+    __slots__ = ("_buf", "_input", "_output", "_skip", "events", "final", "max_event")
 
     def __init__(self, max_event: int = 1 << 20) -> None:
         self._buf = b""
@@ -149,4 +149,9 @@ class SSEUsage:
         u = usage_from_json(ev)
         if u is not None:
             self._input, self._output = u.input_tokens, u.output_tokens
-            self.final = kind in (None, "response.completed", "response.incomplete", "response.failed")
+            self.final = kind in (
+                None,
+                "response.completed",
+                "response.incomplete",
+                "response.failed",
+            )
