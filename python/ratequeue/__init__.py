@@ -23,6 +23,7 @@ from ._ratequeue import (
     Reservation,
     __version__,
 )
+from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
@@ -30,6 +31,8 @@ from .pool import Pool, PoolOverloaded, Provider
 
 __all__ = [
     "Acquiring",
+    "BudgetExceeded",
+    "CallBudget",
     "Concurrency",
     "CostTooLarge",
     "Histogram",
