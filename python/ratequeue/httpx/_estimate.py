@@ -61,6 +61,25 @@ def _strings(v: Any, depth: int = 0) -> Iterator[str]:
             yield from _strings(x, depth + 1)
 
 
+def _chars(v: Any, depth: int = 0) -> int:
+    """Characters of the prompt strings of ``v`` (what :func:`_strings` yields, with one
+    separator each), without building the text."""
+    t = type(v)
+    if t is str:
+        return 0 if v.startswith("data:") else len(v) + 1
+    if depth > _MAX_DEPTH:
+        return 0
+    n = 0
+    if t is dict:
+        for k, x in v.items():
+            if k not in _SKIP and type(x) is not int:
+                n += _chars(x, depth + 1)
+    elif t is list:
+        for x in v:
+            n += _chars(x, depth + 1)
+    return n
+
+
 def output_limit(body: dict[str, Any] | None) -> int | None:
     """The request's own bound on output tokens, if it names one (a non-negative int)."""
     if body is None:
@@ -132,8 +151,11 @@ class TokenEstimator:
         """The estimate of a call with this JSON body (None: one unknown request)."""
         if body is None:
             return Estimate(0, self.default_output_tokens)
-        text = "\n".join(_strings(body))
-        prompt = self.count(text) + 4 * _messages(body)
+        if self.encoding is None:
+            prompt = -(-max(0, _chars(body) - 1) // self.chars_per_token)
+        else:
+            prompt = self.count("\n".join(_strings(body)))
+        prompt += 4 * _messages(body)
         out = output_limit(body)
         return Estimate(prompt, self.default_output_tokens if out is None else out)
 

@@ -27,6 +27,7 @@ __all__ = [
     "parse_instant",
     "parse_number",
     "parse_rate_limit_headers",
+    "parse_raw_headers",
     "parse_retry_after",
 ]
 
@@ -224,6 +225,23 @@ def _ietf(policy: str | None, current: str | None) -> Quota | None:
 
 
 # -- all of them -------------------------------------------------------------------------
+
+_PREFIXES = (b"x-ratelimit-", b"anthropic-ratelimit-", b"retry-after", b"ratelimit")
+_NOTHING = RateLimitHeaders()
+
+
+def parse_raw_headers(
+    raw: Iterable[tuple[bytes, bytes]], *, now: float | None = None
+) -> RateLimitHeaders:
+    """:func:`parse_rate_limit_headers` over raw byte pairs (httpx ``Headers.raw``),
+    decoding only the rate-limit fields."""
+    items = [
+        (lk.decode("latin-1"), v.decode("latin-1"))
+        for k, v in raw
+        if (lk := k.lower()).startswith(_PREFIXES)
+    ]
+    return parse_rate_limit_headers(items, now=now) if items else _NOTHING
+
 
 _OPENAI = "x-ratelimit-"
 _ANTHROPIC = "anthropic-ratelimit-"

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import itertools
 import json
 import math
+import os
 import sys
 import threading
 import time
@@ -26,8 +28,8 @@ from . import _budget
 from ._caps import Cap, Capped, apply_caps
 from ._context import current_options
 from ._estimate import Estimate, default_estimator
-from ._headers import RateLimitHeaders, parse_rate_limit_headers
-from ._usage import SSEUsage, Usage, usage_from_json
+from ._headers import RateLimitHeaders, parse_raw_headers
+from ._usage import SSEUsage, Usage, usage_from_json, usage_of
 
 __all__ = [
     "ACCOUNT_HEADER",
@@ -242,16 +244,36 @@ class RateLimitedTransport:
                 out[u] = max(out.get(u, 0), b)
         return out
 
-    def _prepare(self, request: Any, body_bytes: bytes | None) -> _Call:
+    def _prepare(self, request: Any) -> _Call:
         call = _Call()
         headers = request.headers
+        priority = task = account = request_id = length = None
+        own = False
+        for k, v in headers.raw:  # one pass over the raw pairs: far cheaper than lookups
+            if k[:1] not in b"xXiIcC":
+                continue
+            lk = k.lower()
+            if lk.startswith(b"x-ratequeue-"):
+                own = True
+                if lk == b"x-ratequeue-priority":
+                    priority = v.decode("latin-1")
+                elif lk == b"x-ratequeue-task":
+                    task = v.decode("latin-1")
+                elif lk == b"x-ratequeue-account":
+                    account = v.decode("latin-1")
+            elif lk == b"idempotency-key":
+                request_id = v.decode("latin-1")
+            elif lk == b"content-length":
+                length = v
+        if own:
+            for h in _OWN_HEADERS:
+                if h in headers:
+                    del headers[h]
         opts = current_options()
-        priority = headers.get(PRIORITY_HEADER) or opts.priority or self.priority
-        task = headers.get(TASK_HEADER) or opts.task
-        account = headers.get(ACCOUNT_HEADER) or opts.account
-        for h in _OWN_HEADERS:
-            if h in headers:
-                del headers[h]
+        priority = priority or opts.priority or self.priority
+        task = task or opts.task
+        account = account or opts.account
+        body_bytes = self._body(request, length)
         path = request.url.path
         body: dict[str, Any] | None = None
         if body_bytes:
@@ -281,7 +303,7 @@ class RateLimitedTransport:
         est = self.estimator(body, path)
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
-        request_id = headers.get("idempotency-key") or uuid.uuid4().hex
+        request_id = request_id or _new_id()
         if changed and body is not None:
             data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             new_headers = headers.copy()
@@ -371,8 +393,12 @@ class RateLimitedTransport:
         self.http_histogram.record(http_seconds)
         with self._lock:
             self._counts["sent"] += 1
-        info = parse_rate_limit_headers(response.headers, now=time.time())
-        rec.rate_limits = info if info else None
+        info = _NO_LIMITS
+        raw = response.headers.raw
+        ctype, exhausted = _scan_response(raw)
+        if status == 429 or self.calibrate or exhausted:
+            info = parse_raw_headers(raw)
+            rec.rate_limits = info if info else None
         limiter = self._provider_limiter(call)
         paused = False
         if info and limiter is not None:
@@ -402,7 +428,7 @@ class RateLimitedTransport:
         response.extensions["ratequeue"] = rec
         if call.done:
             return response
-        _wrap(response, call, self, is_async)
+        _wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
         return response
 
     def _follow(self, info: RateLimitHeaders, limiter: Limiter) -> bool:
@@ -499,11 +525,10 @@ class RateLimitedTransport:
 
     # -- httpx entry points ----------------------------------------------------------------
 
-    def _body(self, request: Any) -> bytes | None:
-        if request.method not in ("POST", "PUT", "PATCH"):
+    def _body(self, request: Any, length: bytes | None) -> bytes | None:
+        if length is None or not length.isdigit() or int(length) > self.max_body:
             return None
-        n = request.headers.get("content-length")
-        if n is None or not n.isdigit() or int(n) > self.max_body:
+        if request.method not in ("POST", "PUT", "PATCH"):
             return None
         try:
             return bytes(request.content)
@@ -513,7 +538,7 @@ class RateLimitedTransport:
     def handle_request(self, request: Any) -> Any:
         """Wait for a permit (GIL released), send, and settle when the body is read."""
         try:
-            call = self._prepare(request, self._body(request))
+            call = self._prepare(request)
             t0 = time.perf_counter()
             try:
                 grant: Any = self.limit.acquire(**self._acquire_args(call))
@@ -535,7 +560,7 @@ class RateLimitedTransport:
     async def handle_async_request(self, request: Any) -> Any:
         """The asyncio form: one wake-up per grant, no polling; cancellation gives back."""
         try:
-            call = self._prepare(request, self._body(request))
+            call = self._prepare(request)
             t0 = time.perf_counter()
             try:
                 grant: Any = await self.limit.acquire_async(**self._acquire_args(call))
@@ -586,6 +611,37 @@ class RateLimitedTransport:
                 h.percentiles([50, 99]) if h.count else (0.0, 0.0)
             )
         return out
+
+
+_NO_LIMITS = RateLimitHeaders()
+_REMAINING = (b"x-ratelimit-remaining-", b"anthropic-ratelimit-", b"ratelimit")
+
+
+def _scan_response(raw: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+    """The content type, and whether a rate-limit header may say a quota is exhausted
+    (a cheap scan of the raw pairs; the full parse decides)."""
+    ctype = b""
+    exhausted = False
+    for k, v in raw:
+        if k[:1] not in b"cCxXaArR":
+            continue
+        lk = k.lower()
+        if lk == b"content-type":
+            ctype = v
+        elif not exhausted and lk.startswith(_REMAINING) and (b"remaining" in lk or b"=0" in v):
+            s = v.strip()
+            exhausted = lk.startswith(b"ratelimit") or s == b"0" or s.startswith((b"0.", b"-"))
+    return ctype, exhausted
+
+
+_ID_PREFIX = uuid.uuid4().hex[:12]
+_IDS = itertools.count(1)
+
+
+def _new_id() -> str:
+    """A request id unique across processes (a random prefix per start, the pid for
+    forks, a counter)."""
+    return f"rq-{_ID_PREFIX}-{os.getpid()}-{next(_IDS)}"
 
 
 _SDK_ERRORS: dict[type, type] = {}
@@ -678,10 +734,7 @@ class _Reader:
         if self.sse is not None:
             usage = self.sse.usage
         elif not self.over and self.buf:
-            try:
-                usage = usage_from_json(json.loads(b"".join(self.buf)))
-            except ValueError:
-                usage = None
+            usage = _json_usage(b"".join(self.buf))
             self.buf = []
         if usage is None:
             # No usage reported: keep the estimate charged (never admit more than allowed).
@@ -691,6 +744,29 @@ class _Reader:
             self.call.record.usage = None
             return
         self.transport._settle(self.call, usage, self.call.record.status)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_usage(body: bytes) -> Usage | None:
+    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is at the
+    top level (the common case, without decoding the rest), else the whole body."""
+    i = body.rfind(b'"usage"')
+    if i != -1:
+        j = body.find(b"{", i + 7, i + 40)
+        if j != -1 and body[i + 7 : j].strip() == b":":
+            try:
+                obj, _ = _DECODER.raw_decode(body[j:].decode("utf-8", "replace"))
+            except ValueError:
+                obj = None
+            u = usage_of(obj)
+            if u is not None and body.count(b'"usage"') == 1:
+                return u
+    try:
+        return usage_from_json(json.loads(body))
+    except ValueError:
+        return None
 
 
 _STREAMS: dict[str, tuple[type, type]] = {}
@@ -742,11 +818,12 @@ def _stream_types(module: str) -> tuple[type, type]:
     return types
 
 
-def _wrap(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
+def _wrap(
+    response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool, sse: bool
+) -> None:
     """Put a reader between the response's stream and its consumer (or read the body
     at once when the response already holds it)."""
-    ctype = response.headers.get("content-type", "")
-    reader = _Reader(call, transport, ctype.startswith("text/event-stream"))
+    reader = _Reader(call, transport, sse)
     if response.is_stream_consumed:
         reader.feed(response.content)
         reader.finish()
