@@ -570,9 +570,21 @@ def serve(
     burst: int | None = None,
     host: str = "127.0.0.1",
     duration: float | None = None,
+    tpm: float | None = None,
+    dialect: str = "auto",
+    retry_style: str = "both",
 ) -> int:
     """Run a mock provider in the foreground until Ctrl-C (or ``duration`` seconds)."""
-    mock = MockProvider(rpm, gen_time=gen_time, burst=burst, host=host, port=port).start()
+    mock = MockProvider(
+        rpm,
+        gen_time=gen_time,
+        burst=burst,
+        host=host,
+        port=port,
+        tpm=tpm,
+        dialect=dialect,
+        retry_style=retry_style,
+    ).start()
     print(
         f"mock provider on {mock.url} ({rpm:g} requests/minute, burst {mock.burst}, "
         f"generation {gen_time:g} s); Ctrl-C to stop",
