@@ -681,3 +681,25 @@ def test_bad_arguments() -> None:
         RateLimitedTransport(httpx.MockTransport(lambda r: None), lim, urls={"a": "http://x"})
     with pytest.raises(TypeError):
         CallBudget(calls="3")  # type: ignore[arg-type]
+
+
+def test_policy_concurrency_slot_is_held_until_the_body_is_read(mod: Any) -> None:
+    clock = rq.ManualClock()
+    cluster = limiter(clock)
+    policy = rq.Policy({"inflight": rq.Concurrency(1, clock=clock), "cluster": cluster})
+    event = b'data: {"usage":{"prompt_tokens":1,"completion_tokens":1}}\n\n'
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(
+            200,
+            headers={"content-type": "text/event-stream"},
+            stream=SyncStream(mod, iter([event])),
+        ),
+    )
+    c = client(mod, rec, policy, upstream=cluster, timeout=0)
+    with c.stream("POST", CHAT, json={}) as r:
+        with pytest.raises(rq.RateQueueError):
+            chat(c)  # the slot is held while the first body is open
+        r.read()
+    chat(c)  # read and closed: the slot came back
+    assert len(rec.sent) == 2

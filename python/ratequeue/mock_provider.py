@@ -435,8 +435,9 @@ def _strings(v: Any, depth: int = 0) -> Iterator[str]:
     if isinstance(v, str):
         yield v
     elif isinstance(v, dict):
-        for x in v.values():
-            yield from _strings(x, depth + 1)
+        for k, x in v.items():
+            if k not in ("role", "type"):
+                yield from _strings(x, depth + 1)
     elif isinstance(v, list):
         for x in v:
             yield from _strings(x, depth + 1)
