@@ -89,6 +89,14 @@ class _Handler(BaseHTTPRequestHandler):
         except ValueError:
             n = 0
         if n > MAX_BODY:
+            # Drained in small pieces (up to 16 bodies' worth) so that the client reads
+            # the answer rather than a reset; never kept.
+            left = n if n <= 16 * MAX_BODY else 0
+            while left > 0:
+                got = self.rfile.read(min(left, 1 << 16))
+                if not got:
+                    break
+                left -= len(got)
             self.close_connection = True
             self._error(413, "request_too_large", f"bodies are limited to {MAX_BODY} bytes", {})
             return None
@@ -352,7 +360,9 @@ class MockProvider:
         if style in ("both", "ms"):
             h["retry-after-ms"] = str(max(1, math.ceil(retry * 1000)))
         if style == "date":
-            h["Retry-After"] = email.utils.formatdate(time.time() + max(1.0, retry), usegmt=True)
+            # Whole seconds, rounded up: never earlier than the bucket allows.
+            at = math.ceil(time.time() + max(1.0, retry))
+            h["Retry-After"] = email.utils.formatdate(at, usegmt=True)
         return h
 
     # -- running ------------------------------------------------------------------------
