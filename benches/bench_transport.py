@@ -11,7 +11,9 @@ written to ``benches/results/transport.md``::
    call). The floor is the bare transport; "added" is a row minus its floor. Floors: an
    in-memory ``MockTransport`` (the answer is built in-process: the floor is httpx2
    itself) and ``HTTPTransport`` to the loopback mock provider (a real HTTP round trip,
-   keep-alive). ``RateLimitedTransport`` rows wrap the same transport over a Limiter of
+   keep-alive). CPU is ``time.thread_time()`` of the calling thread (what the call
+   costs, robust on a loaded machine); wall is ``time.perf_counter()`` (the loopback
+   rows include the mock server's threads and the scheduler). ``RateLimitedTransport`` rows wrap the same transport over a Limiter of
    requests and tokens that never makes anyone wait: the cost is the estimate (chars/4),
    the acquire, the header parsing, the usage read and the settle. Also: with output
    caps and a CallBudget; asyncio; an SSE stream of 20 events.
@@ -95,37 +97,43 @@ def answer(request: httpx2.Request) -> httpx2.Response:
 # -- 1. added cost per call -------------------------------------------------------------------
 
 
-def sync_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> float:
+Sample = tuple[float, float]  # (wall, CPU of the calling thread), µs per call
+
+
+def sync_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
     data = json.dumps(body).encode()
     headers = {"content-type": "application/json"}
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     for _ in range(n):
         r = client.post(url, content=data, headers=headers)
         r.read()
-    return (time.perf_counter() - t0) / n * 1e6
+    return (time.perf_counter() - t0) / n * 1e6, (time.thread_time() - c0) / n * 1e6
 
 
-def budget_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> float:
+def budget_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
     with CallBudget(calls=n + 1, tokens=10**9):
         return sync_row(client, url, body, n)
 
 
-def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> float:
+def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> Sample:
     data = json.dumps(BODY).encode()
     headers = {"content-type": "application/json"}
 
-    async def main() -> float:
+    async def main() -> Sample:
         async with make() as client:
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             for _ in range(n):
                 r = await client.post(url, content=data, headers=headers)
                 await r.aread()
-            return (time.perf_counter() - t0) / n * 1e6
+            return (
+                (time.perf_counter() - t0) / n * 1e6,
+                (time.thread_time() - c0) / n * 1e6,
+            )
 
     return asyncio.run(main())
 
 
-def overhead(calls: int, rounds: int) -> list[tuple[str, str, float, str | None]]:
+def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None]]:
     stream_body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
     caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-bench", task="x")]
     with MockProvider(10**7, gen_time=0.0, burst=10**6) as mock:
@@ -137,7 +145,7 @@ def overhead(calls: int, rounds: int) -> list[tuple[str, str, float, str | None]
         )
         net = httpx2.Client(transport=httpx2.HTTPTransport())
         net_t = httpx2.Client(transport=RateLimitedTransport(httpx2.HTTPTransport(), roomy()))
-        rows: dict[str, tuple[str, Callable[[], float], str | None]] = {
+        rows: dict[str, tuple[str, Callable[[], Sample], str | None]] = {
             "floor: MockTransport (in memory)": (
                 "memory",
                 lambda: sync_row(mem, url, BODY, calls),
@@ -194,27 +202,39 @@ def overhead(calls: int, rounds: int) -> list[tuple[str, str, float, str | None]
         }
         for _, fn, _ in rows.values():  # warm up: connections, imports, caches
             fn()
-        samples: dict[str, list[float]] = {k: [] for k in rows}
+        samples: dict[str, list[Sample]] = {k: [] for k in rows}
         for _ in range(rounds):
             for name, (_, fn, _) in rows.items():
                 samples[name].append(fn())
         for c in (mem, mem_t, mem_caps, net, net_t):
             c.close()
     return [
-        (name, kind, statistics.median(samples[name]), floor)
+        (
+            name,
+            kind,
+            (
+                statistics.median(w for w, _ in samples[name]),
+                statistics.median(c for _, c in samples[name]),
+            ),
+            floor,
+        )
         for name, (kind, _, floor) in rows.items()
     ]
 
 
-def table_overhead(rows: list[tuple[str, str, float, str | None]]) -> list[str]:
+def table_overhead(rows: list[tuple[str, str, Sample, str | None]]) -> list[str]:
     by = {name: v for name, _, v, _ in rows}
     out = [
-        "| transport | where | µs/call | added vs its floor |",
-        "|---|---|---:|---:|",
+        "| transport | where | CPU µs/call | added CPU vs its floor | wall µs/call | added wall |",
+        "|---|---|---:|---:|---:|---:|",
     ]
-    for name, kind, v, floor in rows:
-        added = "—" if floor is None else f"{v - by[floor]:+.1f} µs"
-        out.append(f"| {name} | {kind} | {v:.1f} | {added} |")
+    for name, kind, (wall, cpu), floor in rows:
+        if floor is None:
+            added_cpu = added_wall = "—"
+        else:
+            added_cpu = f"{cpu - by[floor][1]:+.1f} µs"
+            added_wall = f"{wall - by[floor][0]:+.1f} µs"
+        out.append(f"| {name} | {kind} | {cpu:.1f} | {added_cpu} | {wall:.1f} | {added_wall} |")
     return out
 
 

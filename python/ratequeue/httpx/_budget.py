@@ -48,6 +48,7 @@ class SubCall:
 
     @property
     def tokens(self) -> int:
+        """Input plus output (reserved at the estimate until settled)."""
         return self.input_tokens + self.output_tokens
 
 
@@ -119,6 +120,7 @@ class CallBudget:
 
     @property
     def calls_used(self) -> int:
+        """Calls counted so far (sent, or in flight)."""
         return self._calls_used
 
     @property

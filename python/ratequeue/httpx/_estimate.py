@@ -32,6 +32,7 @@ class Estimate(NamedTuple):
 
     @property
     def tokens(self) -> int:
+        """Input plus output."""
         return self.input_tokens + self.output_tokens
 
 

@@ -250,7 +250,7 @@ class RateLimitedTransport:
         priority = task = account = request_id = length = None
         own = False
         for k, v in headers.raw:  # one pass over the raw pairs: far cheaper than lookups
-            if k[:1] not in b"xXiIcC":
+            if k[0] not in _REQUEST_FIRST:
                 continue
             lk = k.lower()
             if lk.startswith(b"x-ratequeue-"):
@@ -614,6 +614,10 @@ class RateLimitedTransport:
 
 
 _NO_LIMITS = RateLimitHeaders()
+# First bytes of the header names a scan looks at (x-ratequeue-*, idempotency-key,
+# content-length; content-type, x-ratelimit-*, anthropic-ratelimit-*, ratelimit*).
+_REQUEST_FIRST = frozenset(b"xXiIcC")
+_RESPONSE_FIRST = frozenset(b"cCxXaArR")
 _REMAINING = (b"x-ratelimit-remaining-", b"anthropic-ratelimit-", b"ratelimit")
 
 
@@ -623,7 +627,7 @@ def _scan_response(raw: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
     ctype = b""
     exhausted = False
     for k, v in raw:
-        if k[:1] not in b"cCxXaArR":
+        if k[0] not in _RESPONSE_FIRST:
             continue
         lk = k.lower()
         if lk == b"content-type":

@@ -28,6 +28,7 @@ class Usage(NamedTuple):
 
     @property
     def tokens(self) -> int:
+        """Input plus output."""
         return self.input_tokens + self.output_tokens
 
 
@@ -86,6 +87,7 @@ class SSEUsage:
 
     @property
     def usage(self) -> Usage | None:
+        """The usage seen so far (None before any)."""
         if self._input is None and self._output is None:
             return None
         return Usage(self._input or 0, self._output or 0)
