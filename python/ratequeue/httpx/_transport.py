@@ -7,17 +7,11 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 
 from __future__ import annotations
 
-import contextlib
-import importlib
-import itertools
 import json
 import math
-import os
-import sys
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -29,7 +23,17 @@ from ._caps import Cap, Capped, apply_caps
 from ._context import current_options
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
-from ._usage import SSEUsage, Usage, usage_from_json, usage_of
+from ._stream import wrap
+from ._usage import Usage
+from ._wire import (
+    _NO_LIMITS,
+    _REQUEST_FIRST,
+    for_sdk,
+    hint_retry,
+    new_id,
+    scan_response,
+    split_base,
+)
 
 __all__ = [
     "ACCOUNT_HEADER",
@@ -44,7 +48,6 @@ PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
 _OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
-_TOKEN_UNITS = ("tokens", "input_tokens", "output_tokens")
 
 
 class Ledger(Protocol):
@@ -303,7 +306,7 @@ class RateLimitedTransport:
         est = self.estimator(body, path)
         model = body.get("model") if body is not None else None
         model = model if isinstance(model, str) else None
-        request_id = request_id or _new_id()
+        request_id = request_id or new_id()
         if changed and body is not None:
             data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
             new_headers = headers.copy()
@@ -377,7 +380,7 @@ class RateLimitedTransport:
             call.record.provider = call.provider.name
             base = self.urls.get(call.provider.name)
             if base is not None:
-                call.request.url = call.request.url.copy_with(**_split_base(base, call.request.url))
+                call.request.url = call.request.url.copy_with(**split_base(base, call.request.url))
         else:
             call.permit = grant
         call.record.waited = waited
@@ -395,7 +398,7 @@ class RateLimitedTransport:
             self._counts["sent"] += 1
         info = _NO_LIMITS
         raw = response.headers.raw
-        ctype, exhausted = _scan_response(raw)
+        ctype, exhausted = scan_response(raw)
         if status == 429 or self.calibrate or exhausted:
             info = parse_raw_headers(raw)
             rec.rate_limits = info if info else None
@@ -420,7 +423,7 @@ class RateLimitedTransport:
                 paused = True
             self._settle(call, None, status, rate_limited=True)
             if paused and self.retry_hint:
-                _hint_retry(response.headers)
+                hint_retry(response.headers)
         elif isinstance(self.limit, Pool) and call.provider is not None:
             self.limit.report(call.provider, status)
         if status >= 300 and status != 429:
@@ -428,7 +431,7 @@ class RateLimitedTransport:
         response.extensions["ratequeue"] = rec
         if call.done:
             return response
-        _wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
+        wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
         return response
 
     def _follow(self, info: RateLimitHeaders, limiter: Limiter) -> bool:
@@ -546,7 +549,7 @@ class RateLimitedTransport:
                 self._unwind(call, None)
                 raise
         except RateQueueError as e:
-            _for_sdk(e, request)
+            for_sdk(e, request)
             raise
         t1 = time.perf_counter()
         self._granted(call, grant, t1 - t0)
@@ -568,7 +571,7 @@ class RateLimitedTransport:
                 self._unwind(call, None)
                 raise
         except RateQueueError as e:
-            _for_sdk(e, request)
+            for_sdk(e, request)
             raise
         t1 = time.perf_counter()
         self._granted(call, grant, t1 - t0)
@@ -611,226 +614,3 @@ class RateLimitedTransport:
                 h.percentiles([50, 99]) if h.count else (0.0, 0.0)
             )
         return out
-
-
-_NO_LIMITS = RateLimitHeaders()
-# First bytes of the header names a scan looks at (x-ratequeue-*, idempotency-key,
-# content-length; content-type, x-ratelimit-*, anthropic-ratelimit-*, ratelimit*).
-_REQUEST_FIRST = frozenset(b"xXiIcC")
-_RESPONSE_FIRST = frozenset(b"cCxXaArR")
-_REMAINING = (b"x-ratelimit-remaining-", b"anthropic-ratelimit-", b"ratelimit")
-
-
-def _scan_response(raw: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
-    """The content type, and whether a rate-limit header may say a quota is exhausted
-    (a cheap scan of the raw pairs; the full parse decides)."""
-    ctype = b""
-    exhausted = False
-    for k, v in raw:
-        if k[0] not in _RESPONSE_FIRST:
-            continue
-        lk = k.lower()
-        if lk == b"content-type":
-            ctype = v
-        elif not exhausted and lk.startswith(_REMAINING) and (b"remaining" in lk or b"=0" in v):
-            s = v.strip()
-            exhausted = lk.startswith(b"ratelimit") or s == b"0" or s.startswith((b"0.", b"-"))
-    return ctype, exhausted
-
-
-_ID_PREFIX = uuid.uuid4().hex[:12]
-_IDS = itertools.count(1)
-
-
-def _new_id() -> str:
-    """A request id unique across processes (a random prefix per start, the pid for
-    forks, a counter)."""
-    return f"rq-{_ID_PREFIX}-{os.getpid()}-{next(_IDS)}"
-
-
-_SDK_ERRORS: dict[type, type] = {}
-
-
-def _for_sdk(err: RateQueueError, request: Any) -> None:
-    """Let a refusal pass through the anthropic SDK as itself, not retried.
-
-    That SDK wraps any other exception of its transport in a retried
-    ``APIConnectionError``; a ratequeue error raised for its requests is made an
-    instance of a subclass that is also ``anthropic.AnthropicError``, which it re-raises
-    as is (``except rq.Overloaded`` / ``BudgetExceeded`` still catch it).
-    """
-    mod = sys.modules.get("anthropic")
-    base = getattr(mod, "AnthropicError", None) if mod is not None else None
-    if not isinstance(base, type) or not request.headers.get("user-agent", "").startswith(
-        "Anthropic/"
-    ):
-        return
-    cls = type(err)
-    if issubclass(cls, base):
-        return
-    sub = _SDK_ERRORS.get(cls)
-    if sub is None:
-        sub = type(
-            cls.__name__, (cls, base), {"__module__": cls.__module__, "__doc__": cls.__doc__}
-        )
-        _SDK_ERRORS[cls] = sub
-    with contextlib.suppress(TypeError):  # a layout that cannot change class stays
-        err.__class__ = sub
-
-
-def _split_base(base: str, url: Any) -> dict[str, Any]:
-    """``copy_with`` arguments that move ``url`` to the scheme, host, port and path
-    prefix of ``base``."""
-    u = type(url)(base)
-    prefix = u.path.rstrip("/")
-    return {
-        "scheme": u.scheme,
-        "host": u.host,
-        "port": u.port,
-        "path": prefix + url.path if prefix else url.path,
-    }
-
-
-def _hint_retry(headers: Any) -> None:
-    """Tell the SDK to retry at once: its retry then waits in ratequeue's queue, which
-    holds it until the provider's reset (the original values are kept aside)."""
-    for h in ("retry-after", "retry-after-ms"):
-        v = headers.get(h)
-        if v is not None:
-            headers[f"x-ratequeue-original-{h}"] = v
-    headers["retry-after-ms"] = "1"
-    if "retry-after" in headers:
-        del headers["retry-after"]
-    headers["x-should-retry"] = "true"
-
-
-# -- the response body, read as it passes ---------------------------------------------------
-
-
-class _Reader:
-    """Finds the usage in a body as it is read; settles the call at its end."""
-
-    __slots__ = ("buf", "call", "over", "size", "sse", "transport")
-
-    def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
-        self.call, self.transport = call, transport
-        self.sse = SSEUsage() if sse else None
-        self.buf: list[bytes] = []
-        self.size = 0
-        self.over = False
-
-    def feed(self, chunk: bytes) -> None:
-        if self.sse is not None:
-            self.sse.feed(chunk)
-            if self.sse.final and not self.call.done:
-                self.finish()
-        elif not self.over:
-            self.size += len(chunk)
-            if self.size > self.transport.max_body:
-                self.over, self.buf = True, []
-            else:
-                self.buf.append(chunk)
-
-    def finish(self) -> None:
-        if self.call.done:
-            return
-        usage: Usage | None = None
-        if self.sse is not None:
-            usage = self.sse.usage
-        elif not self.over and self.buf:
-            usage = _json_usage(b"".join(self.buf))
-            self.buf = []
-        if usage is None:
-            # No usage reported: keep the estimate charged (never admit more than allowed).
-            usage_kept = self.call.record.estimate
-            usage = Usage(usage_kept.input_tokens, usage_kept.output_tokens)
-            self.transport._settle(self.call, usage, self.call.record.status)
-            self.call.record.usage = None
-            return
-        self.transport._settle(self.call, usage, self.call.record.status)
-
-
-_DECODER = json.JSONDecoder()
-
-
-def _json_usage(body: bytes) -> Usage | None:
-    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is at the
-    top level (the common case, without decoding the rest), else the whole body."""
-    i = body.rfind(b'"usage"')
-    if i != -1:
-        j = body.find(b"{", i + 7, i + 40)
-        if j != -1 and body[i + 7 : j].strip() == b":":
-            try:
-                obj, _ = _DECODER.raw_decode(body[j:].decode("utf-8", "replace"))
-            except ValueError:
-                obj = None
-            u = usage_of(obj)
-            if u is not None and body.count(b'"usage"') == 1:
-                return u
-    try:
-        return usage_from_json(json.loads(body))
-    except ValueError:
-        return None
-
-
-_STREAMS: dict[str, tuple[type, type]] = {}
-
-
-def _stream_types(module: str) -> tuple[type, type]:
-    """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2."""
-    types = _STREAMS.get(module)
-    if types is not None:
-        return types
-    mod = importlib.import_module(module)
-
-    class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
-        def __init__(self, inner: Any, reader: _Reader) -> None:
-            self._inner, self._reader = inner, reader
-
-        def __iter__(self) -> Iterator[bytes]:
-            for chunk in self._inner:
-                self._reader.feed(chunk)
-                yield chunk
-            self._reader.finish()
-
-        def close(self) -> None:
-            try:
-                if hasattr(self._inner, "close"):
-                    self._inner.close()
-            finally:
-                self._reader.finish()
-
-    class _AsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
-        def __init__(self, inner: Any, reader: _Reader) -> None:
-            self._inner, self._reader = inner, reader
-
-        async def __aiter__(self) -> AsyncIterator[bytes]:
-            async for chunk in self._inner:
-                self._reader.feed(chunk)
-                yield chunk
-            self._reader.finish()
-
-        async def aclose(self) -> None:
-            try:
-                if hasattr(self._inner, "aclose"):
-                    await self._inner.aclose()
-            finally:
-                self._reader.finish()
-
-    types = (_SyncStream, _AsyncStream)
-    _STREAMS[module] = types
-    return types
-
-
-def _wrap(
-    response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool, sse: bool
-) -> None:
-    """Put a reader between the response's stream and its consumer (or read the body
-    at once when the response already holds it)."""
-    reader = _Reader(call, transport, sse)
-    if response.is_stream_consumed:
-        reader.feed(response.content)
-        reader.finish()
-        return
-    sync_t, async_t = _stream_types(type(response).__module__.split(".", 1)[0])
-    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
