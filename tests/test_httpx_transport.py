@@ -14,6 +14,8 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ratequeue.httpx import (
     BudgetExceeded,
     CallBudget,
@@ -22,6 +24,7 @@ from ratequeue.httpx import (
     Estimate,
     RateLimitedTransport,
     TokenEstimator,
+    apply_caps,
     chars_estimate,
     using,
 )
@@ -703,3 +706,68 @@ def test_policy_concurrency_slot_is_held_until_the_body_is_read(mod: Any) -> Non
         r.read()
     chat(c)  # read and closed: the slot came back
     assert len(rec.sent) == 2
+
+
+def test_a_huge_body_is_not_kept_and_keeps_the_estimate(mod: Any) -> None:
+    big = (
+        b'{"pad": "'
+        + b"x" * (3 << 20)
+        + b'", "usage": {"prompt_tokens": 1, "completion_tokens": 1}}'
+    )
+
+    def chunks() -> Iterator[bytes]:
+        for i in range(0, len(big), 1 << 16):
+            yield big[i : i + (1 << 16)]
+
+    lim = limiter()
+    rec = Recorder(mod, lambda req: mod.Response(200, stream=SyncStream(mod, chunks())))
+    c = client(mod, rec, lim, max_body=1 << 20)
+    with c.stream("POST", CHAT, json={"messages": [], "max_tokens": 100}) as r:
+        for _ in r.iter_raw():
+            pass
+    record = r.extensions["ratequeue"]
+    assert record.settled and record.usage is None  # too big to read: the estimate stays
+    assert lim.available("tokens") == pytest.approx(10_000 - record.estimate.tokens)
+
+
+def test_budget_is_exact_under_threads(mod: Any) -> None:
+    rec = Recorder(mod)
+    c = client(mod, rec, limiter(burst=1_000))
+    refused = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        for _ in range(10):
+            try:
+                chat(c)
+            except BudgetExceeded:
+                with lock:
+                    refused.append(1)
+
+    with CallBudget(calls=50) as b:
+        threads = [
+            threading.Thread(target=contextvars.copy_context().run, args=(worker,))
+            for _ in range(8)
+        ]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+    assert (b.calls_used, len(rec.sent), len(refused)) == (50, 50, 30)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    asked=st.one_of(st.none(), st.integers(0, 10**6), st.text(max_size=3), st.booleans()),
+    cap=st.integers(1, 10**5),
+    field=st.sampled_from(["max_tokens", "max_completion_tokens", "max_output_tokens"]),
+)
+def test_caps_never_raise_and_always_bound(asked: Any, cap: int, field: str) -> None:
+    body: dict[str, Any] = {"model": "m"} if asked is None else {"model": "m", field: asked}
+    done = apply_caps([Cap(cap)], body, "/v1/chat/completions", None)
+    sent = [
+        body[f] for f in ("max_tokens", "max_completion_tokens", "max_output_tokens") if f in body
+    ]
+    assert sent and all(isinstance(v, int) and v <= cap for v in sent)
+    if isinstance(asked, int) and not isinstance(asked, bool) and asked <= cap:
+        assert body[field] == asked and done is None  # a smaller value is never raised
