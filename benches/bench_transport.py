@@ -13,9 +13,10 @@ written to ``benches/results/transport.md``::
    itself) and ``HTTPTransport`` to the loopback mock provider (a real HTTP round trip,
    keep-alive). CPU is ``time.thread_time()`` of the calling thread (what the call
    costs, robust on a loaded machine); wall is ``time.perf_counter()`` (the loopback
-   rows include the mock server's threads and the scheduler). ``RateLimitedTransport`` rows wrap the same transport over a Limiter of
-   requests and tokens that never makes anyone wait: the cost is the estimate (chars/4),
-   the acquire, the header parsing, the usage read and the settle. Also: with output
+   rows include the mock server's threads and the scheduler). ``RateLimitedTransport``
+   rows wrap the same transport over a Limiter of requests and tokens that never makes
+   anyone wait: the cost is the estimate (chars/4), the acquire, the header scan, the
+   usage read and the settle. Also: with output
    caps and a CallBudget; asyncio; an SSE stream of 20 events.
 2. The queue against the SDK's retry loop. ``--burst`` concurrent ``openai`` calls (one
    thread each, ``max_retries=50``) against the mock provider limited to 600 requests per
