@@ -23,6 +23,7 @@ from ._ratequeue import (
     Reservation,
     __version__,
 )
+from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
 from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
@@ -30,11 +31,14 @@ from .pool import Pool, PoolOverloaded, Provider
 # pthread_atfork handlers, and a child drops the waiters it inherited.
 
 __all__ = [
+    "AIMD",
     "Acquiring",
+    "Adaptive",
     "BudgetExceeded",
     "CallBudget",
     "Concurrency",
     "CostTooLarge",
+    "Gradient2",
     "Histogram",
     "KeyedConcurrency",
     "KeyedLimiter",
@@ -48,9 +52,11 @@ __all__ = [
     "Pool",
     "PoolOverloaded",
     "Provider",
+    "QueueDepth",
     "Rate",
     "RateQueueError",
     "Reservation",
+    "Vegas",
     "WaitTimeout",
     "__version__",
 ]
