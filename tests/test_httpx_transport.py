@@ -771,3 +771,23 @@ def test_caps_never_raise_and_always_bound(asked: Any, cap: int, field: str) -> 
     assert sent and all(isinstance(v, int) and v <= cap for v in sent)
     if isinstance(asked, int) and not isinstance(asked, bool) and asked <= cap:
         assert body[field] == asked and done is None  # a smaller value is never raised
+
+
+def test_a_burst_lowered_since_is_clamped_again(mod: Any) -> None:
+    lim = limiter()
+    c = client(mod, Recorder(mod), lim)
+    lim.set_rate(60_000, per="minute", burst=500, which="tokens")  # by hand, after the transport
+    r = chat(c, max_tokens=5_000)  # the estimate would exceed the new burst
+    assert r.status_code == 200
+    assert lim.available("tokens") == pytest.approx(500 - 12)
+
+
+def test_calibration_lowers_the_clamp_with_the_burst(mod: Any) -> None:
+    headers = {"x-ratelimit-limit-tokens": "900"}
+    rec = Recorder(mod, lambda req: mod.Response(200, headers=headers, json=usage_body()))
+    lim = limiter(burst=100)
+    c = client(mod, rec, lim, calibrate=True, timeout=0)
+    chat(c)
+    assert lim.rates[1].burst == 900
+    with pytest.raises(rq.Overloaded):  # clamped to 900, 888 left: waits (not CostTooLarge)
+        chat(c, max_tokens=5_000)

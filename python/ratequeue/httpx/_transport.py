@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from .._errors import RateQueueError
+from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
 from ..pool import Pool, Provider
 from . import _budget
@@ -451,6 +451,7 @@ class RateLimitedTransport:
                     else:
                         with self._lock:
                             self._counts["calibrated"] += 1
+                        self._bursts = self._unit_bursts()  # estimates clamp to the new burst
                     self._applied[key] = (q.limit, q.window)
             if q.remaining is not None and q.remaining <= 0 and q.reset:
                 limiter.pause(min(q.reset, self.max_pause), unit=dim if dim in units else None)
@@ -526,6 +527,24 @@ class RateLimitedTransport:
             self.limit.report(call.provider, ok=False)
         self._settle(call, None, None)
 
+    def _reclamp(self, call: _Call) -> bool:
+        """After a CostTooLarge: re-read the bursts (changed since) and clamp the call's
+        costs again; False when nothing changed (the cost can never fit)."""
+        self._bursts = self._unit_bursts()
+        costs = self._costs(call.record.estimate)
+        if costs == call.costs:
+            return False
+        call.costs = costs
+        return True
+
+    def _retry_too_large(self, call: _Call, acquire: Callable[..., Any]) -> Any:
+        try:
+            return acquire(**self._acquire_args(call))
+        except CostTooLarge:
+            if not self._reclamp(call):
+                raise
+            return acquire(**self._acquire_args(call))
+
     # -- httpx entry points ----------------------------------------------------------------
 
     def _body(self, request: Any, length: bytes | None) -> bytes | None:
@@ -544,7 +563,7 @@ class RateLimitedTransport:
             call = self._prepare(request)
             t0 = time.perf_counter()
             try:
-                grant: Any = self.limit.acquire(**self._acquire_args(call))
+                grant: Any = self._retry_too_large(call, self.limit.acquire)
             except BaseException:
                 self._unwind(call, None)
                 raise
@@ -566,7 +585,12 @@ class RateLimitedTransport:
             call = self._prepare(request)
             t0 = time.perf_counter()
             try:
-                grant: Any = await self.limit.acquire_async(**self._acquire_args(call))
+                try:
+                    grant: Any = await self.limit.acquire_async(**self._acquire_args(call))
+                except CostTooLarge:
+                    if not self._reclamp(call):
+                        raise
+                    grant = await self.limit.acquire_async(**self._acquire_args(call))
             except BaseException:
                 self._unwind(call, None)
                 raise
