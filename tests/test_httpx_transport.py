@@ -135,6 +135,8 @@ def test_tiktoken_path_with_a_real_encoding() -> None:
 
 def test_unloadable_tiktoken_encoding_falls_back_to_chars() -> None:
     est = TokenEstimator("no-such-encoding-anywhere")
+    assert est.encoding is None  # never waits: the fallback until loaded
+    assert est.load(timeout=60) is False
     assert est.encoding is None
     assert est.count("x" * 9) == 3
 

@@ -105,8 +105,10 @@ class TokenEstimator:
 
     ``encoding`` is a tiktoken encoding name (default ``"o200k_base"``), a ready encoding
     object (anything with ``encode``), or ``None`` for the character fallback alone. A
-    tiktoken encoding is loaded once, on first use; when that fails (not installed, no
-    network for its files) the fallback is used from then on.
+    named encoding is loaded once, in a background thread started on first use (tiktoken
+    may download its files, and no call waits for that): calls use the fallback until it
+    is loaded, and for good when loading fails (not installed, no network).
+    :meth:`load` waits for it.
     """
 
     def __init__(
@@ -124,21 +126,46 @@ class TokenEstimator:
                 raise TypeError(f"{name}={v!r} must be an int")
         if default_output_tokens < 0 or chars_per_token < 1:
             raise ValueError("default_output_tokens must be >= 0 and chars_per_token >= 1")
+        if (
+            encoding is not None
+            and not isinstance(encoding, str)
+            and not hasattr(encoding, "encode")
+        ):
+            raise TypeError(f"encoding={encoding!r} must be a name, an encoding or None")
         self.default_output_tokens = default_output_tokens
         self.chars_per_token = chars_per_token
         self._name = encoding if isinstance(encoding, str) else None
         self._encoding: _Encoding | None = None if isinstance(encoding, str) else encoding
-        self._tried = not isinstance(encoding, str)
+        self._loaded = threading.Event()
+        self._started = not isinstance(encoding, str)
+        if self._started:
+            self._loaded.set()
         self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._load, name="ratequeue-tiktoken", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self._encoding = _load(self._name)
+        finally:
+            self._loaded.set()
+
+    def load(self, timeout: float | None = None) -> bool:
+        """Load the encoding now (waiting up to ``timeout`` s); True when tiktoken is in use."""
+        self._start()
+        self._loaded.wait(timeout)
+        return self._encoding is not None
 
     @property
     def encoding(self) -> _Encoding | None:
-        """The tiktoken encoding in use, or None when counting characters."""
-        if not self._tried:
-            with self._lock:
-                if not self._tried:
-                    self._encoding = _load(self._name)
-                    self._tried = True
+        """The tiktoken encoding in use, or None while counting characters."""
+        if not self._started:
+            self._start()
         return self._encoding
 
     def count(self, text: str) -> int:
