@@ -233,3 +233,20 @@ def test_calibration_from_the_providers_headers_learns_its_rate() -> None:
         _, ok, _ = _burst(mock, t, 8)
     assert (lim.rates[0].amount, lim.rates[0].burst) == (600, 50)  # burst kept (<= the limit)
     assert ok == 8
+
+
+def test_a_real_stream_passes_through_as_it_comes() -> None:
+    with MockProvider(60_000, gen_time=0.0, stream_delay=0.3) as mock:
+        lim = big_limiter()
+        t = RateLimitedTransport(httpx2.HTTPTransport(), lim)
+        with httpx2.Client(transport=t) as http:
+            body = {"model": "c", "max_tokens": 50, "messages": MSG, "stream": True}
+            t0 = time.monotonic()
+            arrivals = []
+            with http.stream("POST", mock.base_url + "/v1/messages", json=body) as r:
+                for _ in r.iter_raw():
+                    arrivals.append(time.monotonic() - t0)
+            record = r.extensions["ratequeue"]
+    # six events 0.3 s apart: the first reached the caller long before the last was sent
+    assert arrivals[0] < arrivals[-1] - 0.6
+    assert record.settled and record.usage == (record.usage.input_tokens, 2)
