@@ -793,3 +793,25 @@ def test_calibration_lowers_the_clamp_with_the_burst(mod: Any) -> None:
     assert lim.rates[1].burst == 900
     with pytest.raises(rq.Overloaded):  # clamped to 900, 888 left: waits (not CostTooLarge)
         chat(c, max_tokens=5_000)
+
+
+def test_a_stream_cut_before_its_final_usage_keeps_the_estimate(mod: Any) -> None:
+    start = {
+        "type": "message_start",
+        "message": {"usage": {"input_tokens": 20, "output_tokens": 1}},
+    }
+    events = [
+        b"data: " + json.dumps(start).encode() + b"\n\n",
+        b'data: {"type":"content_block_delta"}\n\n',
+    ]
+    lim = limiter()
+    rec = Recorder(
+        mod,
+        lambda req: mod.Response(
+            200, headers={"content-type": "text/event-stream"}, stream=SyncStream(mod, iter(events))
+        ),
+    )
+    r = client(mod, rec, lim).post("/v1/messages", json={"messages": [], "max_tokens": 300})
+    record = r.extensions["ratequeue"]
+    assert record.settled and record.usage is None
+    assert lim.available("tokens") == pytest.approx(10_000 - record.estimate.tokens)

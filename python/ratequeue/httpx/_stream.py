@@ -44,7 +44,9 @@ class _Reader:
             return
         usage: Usage | None = None
         if self.sse is not None:
-            usage = self.sse.usage
+            # A stream cut before its final usage event may have produced more than it
+            # reported so far: the estimate stays charged.
+            usage = self.sse.usage if self.sse.final else None
         elif not self.over and self.buf:
             usage = _json_usage(b"".join(self.buf))
             self.buf = []
