@@ -613,6 +613,7 @@ def test_pool_routes_and_cools_down_on_429(mod: Any) -> None:
     assert hosts[0] == ("a", 429) and all(h == ("b", 200) for h in hosts[1:])
     assert pool.cooldown_remaining("a") == pytest.approx(20)
     assert rec.sent[1].url.path == "/base" + CHAT
+    assert rec.sent[0].headers["host"] == "a.example" and rec.sent[1].headers["host"] == "b.example"
 
 
 # -- async ------------------------------------------------------------------------------------

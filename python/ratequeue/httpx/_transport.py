@@ -380,7 +380,9 @@ class RateLimitedTransport:
             call.record.provider = call.provider.name
             base = self.urls.get(call.provider.name)
             if base is not None:
-                call.request.url = call.request.url.copy_with(**split_base(base, call.request.url))
+                url = call.request.url.copy_with(**split_base(base, call.request.url))
+                call.request.url = url
+                call.request.headers["host"] = url.netloc.decode("ascii")
         else:
             call.permit = grant
         call.record.waited = waited
