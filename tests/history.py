@@ -788,6 +788,9 @@ class Ops(History):
             for u, x in enumerate(lv.rates):
                 if x.unit in kw:
                     q.eff[u] = min(q.eff[u], kw[x.unit])
+            if q.eff != q.costs:
+                # Refunded in part: a later arrival may be granted the capacity it freed.
+                q.lead = False
         self.bump("settle")
 
     def op_retry_after(self) -> None:
