@@ -192,11 +192,11 @@ impl PolicyPy {
 
     /// Every level now, when nobody waits on any and each admits (an acquire's fast
     /// path: the queues would grant it at once too); None otherwise.
-    fn try_now(&self, py: Python<'_>, args: &[LevelArgs]) -> Option<Vec<Held>> {
+    fn try_now(&self, py: Python<'_>, args: &[LevelArgs], now: u64) -> Option<Vec<Held>> {
         if self.waiters_ahead(py, args).is_some() {
             return None;
         }
-        let (core, now) = (&self.core, self.clock.now_ns());
+        let core = &self.core;
         unblocked(|| core.try_now(args, now))
     }
 
@@ -431,10 +431,12 @@ impl PolicyPy {
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        if let Some(held) = self.try_now(py, &args) {
+        // The call's time: the fast path decides at it, and the delay counts from it.
+        let start = self.clock.now_ns();
+        if let Some(held) = self.try_now(py, &args, start) {
             return Ok(self.permit(args, held, 0));
         }
-        let pa = PolicyAcquire::new(self.core.clone(), args, self.clock.clone(), t);
+        let pa = PolicyAcquire::started_at(self.core.clone(), args, self.clock.clone(), t, start);
         let mut slice = None;
         loop {
             let slot = Slot::new();
@@ -483,11 +485,18 @@ impl PolicyPy {
         let me = slf.get();
         let args = me.args(kw)?;
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        let permit = match me.try_now(py, &args) {
+        let start = me.clock.now_ns();
+        let permit = match me.try_now(py, &args, start) {
             Some(held) => Some(Py::new(py, me.permit(args.clone(), held, 0))?),
             None => None,
         };
-        let core = Arc::new(PolicyAcquire::new(me.core.clone(), args, me.clock.clone(), t));
+        let core = Arc::new(PolicyAcquire::started_at(
+            me.core.clone(),
+            args,
+            me.clock.clone(),
+            t,
+            start,
+        ));
         Ok(PolicyAcquiringPy::new(slf.clone().unbind(), core, permit))
     }
 

@@ -70,6 +70,18 @@ impl PolicyAcquire {
     /// An acquire of `args` on `policy` starting now on `clock`, within `timeout_ns`.
     pub fn new(policy: Arc<Policy>, args: Vec<LevelArgs>, clock: AnyClock, timeout_ns: Option<u64>) -> PolicyAcquire {
         let start_ns = clock.now_ns();
+        Self::started_at(policy, args, clock, timeout_ns, start_ns)
+    }
+
+    /// [`PolicyAcquire::new`] for a call that read the clock at `start_ns` (its
+    /// timeout and its delay count from there).
+    pub fn started_at(
+        policy: Arc<Policy>,
+        args: Vec<LevelArgs>,
+        clock: AnyClock,
+        timeout_ns: Option<u64>,
+        start_ns: u64,
+    ) -> PolicyAcquire {
         let n = policy.levels.len();
         PolicyAcquire {
             policy,
