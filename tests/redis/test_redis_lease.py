@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 """Leases: a slice of a Redis bucket served locally, the unused part given back, and the
 documented bound on admissions: over any window of length d, at most
 burst + rate * d + N * L (N lease holders, L units per lease); over a run that starts
@@ -16,7 +15,7 @@ import pytest
 import ratequeue as rq
 import redis
 from ratequeue.redis import AsyncRedisLimiter, RedisLimiter
-from redis_server import RedisServer, r, redis_server  # noqa: F401
+from redis_server import RedisServer
 
 
 def leased(r: redis.Redis, clock: rq.ManualClock | None, **kw: object) -> RedisLimiter:

@@ -1,0 +1,215 @@
+-- ratequeue: GCRA buckets in Redis; one script, several operations, one round trip.
+--
+-- A bucket is a string key holding its TAT (theoretical arrival time) in integer
+-- microseconds since the Unix epoch of the server's clock (about 1.8e15, exact in a Lua
+-- double below 2^53). No key means a full bucket: every write sets PX to the time until
+-- the bucket is full again, so idle keys cost no memory.
+--
+-- T (take now, on TIME): ARGV[2..] per key: inc, tau -> 0, or wait * 64 + first refusing key
+-- Other ops: ARGV[1] op; ARGV[2] now: '' = the server's TIME, else microseconds (test
+-- clocks only); ARGV[3] ms added to every expiry, ARGV[4], ARGV[5] per op, then per key:
+-- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow -> {ok, wait, key|mask, undo..}
+-- p  peek:   -, -  | inc, tau                                   -> {wait, used...}
+-- a  adjust: -, -  | delta (signed)                             -> 1
+-- u  undo:   -, -  | expected TAT, previous TAT ('' = full)     -> how many undone
+-- l  lease:  -, -  | T, tau, units, need, give back from, to, version
+--                                               -> {ok, wait, (k, start, debit, version)..}
+local op = ARGV[1]
+local now
+if op == 'T' or ARGV[2] == '' then
+  local t = redis.call('TIME')
+  now = t[1] * 1000000 + t[2]
+else
+  now = tonumber(ARGV[2])
+end
+local n = #KEYS
+
+-- max(TAT, now) and the stored value ('' when absent or already full).
+local function tat(key)
+  local v = redis.call('GET', key)
+  if v then
+    local x = tonumber(v)
+    if x > now then return x, v end
+  end
+  return now, ''
+end
+
+if op == 'T' then
+  -- The fast path of try_acquire: one integer back, 0 = admitted, else
+  -- wait * 64 + the first refusing key (at most 63).
+  local ys = {}
+  for i = 1, n do
+    local y = tat(KEYS[i]) + ARGV[2 * i]
+    local w = y - ARGV[2 * i + 1] - now
+    if w > 0 then
+      -- Refused: the wait is the latest any bucket needs; nothing is written.
+      for k = i + 1, n do
+        local z = tat(KEYS[k]) + ARGV[2 * k] - ARGV[2 * k + 1] - now
+        if z > w then w = z end
+      end
+      if i > 63 then i = 63 end
+      return w * 64 + i
+    end
+    ys[i] = y
+  end
+  for i = 1, n do
+    local y = ys[i]
+    if y > now then redis.call('SET', KEYS[i], y, 'PX', math.ceil((y - now) / 1000)) end
+  end
+  return 0
+end
+
+local keep = tonumber(ARGV[3])
+
+-- Writes TAT x with its expiry; a full bucket is no key. Returns the stored value.
+local function store(key, x)
+  if x <= now then
+    redis.call('DEL', key)
+    return ''
+  end
+  redis.call('SET', key, x, 'PX', math.ceil((x - now) / 1000) + keep)
+  return string.format('%d', x)
+end
+
+if op == 't' then
+  local max_wait, undo = tonumber(ARGV[4]), ARGV[5] == '1'
+  local xs, olds = {}, {}
+  local s, slow, first = now, 0, 0
+  for i = 1, n do
+    local j = 3 * i + 3
+    local x, v = tat(KEYS[i])
+    xs[i] = x
+    olds[i] = v
+    if ARGV[j + 2] == '0' then
+      local g = x + ARGV[j] - ARGV[j + 1]
+      if g > now and first == 0 then first = i end
+      if g > s then
+        s = g
+        slow = i
+      end
+    end
+  end
+  local wait = s - now
+  if max_wait >= 0 and wait > max_wait then
+    if max_wait == 0 then slow = first end
+    return {0, wait, slow}
+  end
+  -- Granted at s: every bucket is debited at s (TAT = max(TAT, s) + inc).
+  local out = {1, wait, 0}
+  local mask = 0
+  for i = 1, n do
+    local j = 3 * i + 3
+    local x = xs[i]
+    if x < s then x = s end
+    local y = x + ARGV[j]
+    if ARGV[j + 2] == '1' and y - ARGV[j + 1] > s then
+      -- A shadow level that would refuse: counted, not debited.
+      mask = mask + 2 ^ (i - 1)
+      if undo then
+        out[#out + 1] = ''
+        out[#out + 1] = ''
+      end
+    else
+      local v = store(KEYS[i], y)
+      if undo then
+        out[#out + 1] = olds[i]
+        out[#out + 1] = v
+      end
+    end
+  end
+  out[3] = mask
+  return out
+elseif op == 'p' then
+  local out = {0}
+  local w = 0
+  for i = 1, n do
+    local j = 2 * i + 4
+    local x = tat(KEYS[i])
+    local g = x + ARGV[j] - ARGV[j + 1] - now
+    if g > w then w = g end
+    out[i + 1] = x - now
+  end
+  out[1] = w
+  return out
+elseif op == 'a' then
+  for i = 1, n do
+    local d = tonumber(ARGV[5 + i])
+    if d ~= 0 then store(KEYS[i], tat(KEYS[i]) + d) end
+  end
+  return 1
+elseif op == 'u' then
+  -- Takes a debit back while it is still the bucket's latest (nothing came after it).
+  local c = 0
+  for i = 1, n do
+    local j = 2 * i + 4
+    local e = ARGV[j]
+    if e ~= '' and redis.call('GET', KEYS[i]) == e then
+      local o = ARGV[j + 1]
+      if o == '' then
+        redis.call('DEL', KEYS[i])
+      else
+        store(KEYS[i], tonumber(o))
+      end
+      c = c + 1
+    end
+  end
+  return c
+elseif op == 'l' then
+  -- KEYS: the buckets, then one version key per bucket (the last give-back, or none).
+  local m = n / 2
+  local xs, dirty = {}, {}
+  local wait = 0
+  for i = 1, m do
+    local j = 7 * i - 1
+    local x = tat(KEYS[i])
+    if ARGV[j + 5] ~= '' and x > now then
+      -- Give back the unused part of the previous lease that is still ahead. Its
+      -- recorded place is exact only while no other give-back moved the schedule
+      -- (same version); otherwise nothing is given back (never more than was taken).
+      local v = redis.call('GET', KEYS[m + i]) or ''
+      local h, l = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 4])
+      if l < now then l = now end
+      if v == ARGV[j + 6] and h > l then
+        local nv = now
+        if v ~= '' and tonumber(v) >= now then nv = tonumber(v) + 1 end
+        redis.call('SET', KEYS[m + i], nv, 'PX', math.ceil((x - now) / 1000) + keep)
+        x = x - (h - l)
+        if x < now then x = now end
+        dirty[i] = true
+      end
+    end
+    xs[i] = x
+    local g = x + math.floor(ARGV[j + 3] * ARGV[j] + 0.5) - ARGV[j + 1] - now
+    if g > wait then wait = g end
+  end
+  if wait > 0 then
+    for i = 1, m do
+      if dirty[i] then store(KEYS[i], xs[i]) end
+    end
+    return {0, wait}
+  end
+  local out = {1, 0}
+  for i = 1, m do
+    local j = 7 * i - 1
+    local x, t, tau = xs[i], tonumber(ARGV[j]), tonumber(ARGV[j + 1])
+    local want, need = tonumber(ARGV[j + 2]), tonumber(ARGV[j + 3])
+    local k = math.floor((tau - (x - now)) / t)
+    if k > want then k = want end
+    local d = math.floor(k * t + 0.5)
+    while k > need and x + d - tau > now do
+      k = k - 1
+      d = math.floor(k * t + 0.5)
+    end
+    if k < need then
+      k = need
+      d = math.floor(k * t + 0.5)
+    end
+    if d > 0 or dirty[i] then store(KEYS[i], x + d) end
+    out[#out + 1] = k
+    out[#out + 1] = x
+    out[#out + 1] = d
+    out[#out + 1] = redis.call('GET', KEYS[m + i]) or ''
+  end
+  return out
+end
+return redis.error_reply('ratequeue: unknown op ' .. tostring(op))
