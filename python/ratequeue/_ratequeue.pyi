@@ -1,6 +1,6 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -11,6 +11,10 @@ __version__: str
 
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
+def _policy_keywords(
+    levels: Sequence[tuple[str, bool, Sequence[str]]], kw: Mapping[str, object] | None
+) -> list[tuple[object | None, list[int]]]: ...
+def _check_policy_levels(levels: Sequence[tuple[str, bool, Sequence[str]]]) -> None: ...
 
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]

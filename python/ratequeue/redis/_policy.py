@@ -7,13 +7,24 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
 from .._errors import CostTooLarge, Overloaded
-from .._ratequeue import KeyedLimiter, Limiter, ManualClock, Policy, Rate
-from ._args import _cost, _key_bytes, _max_wait_us, _scaled, _units_of
+from .._ratequeue import (
+    KeyedLimiter,
+    Limiter,
+    ManualClock,
+    Policy,
+    Rate,
+    _check_policy_levels,
+    _policy_keywords,
+)
+from ._args import Key, _key_bytes, _max_wait_us, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Engine
 from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _wait
 from ._script import _adjust_args, _Bucket, _Take, _take_args
+
+# A cost the bindings read above 2**64 - 1 (no burst holds it): shown as given.
+_SATURATED = 2**64 - 1
 
 PolicyLevel: TypeAlias = Limiter | KeyedLimiter | Rate | Sequence[Rate]
 
@@ -87,6 +98,9 @@ class _PolicyBase:
         _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
         self.max_wait = max_wait
         self._levels = [_Level(n, spec, n in shadow) for n, spec in levels.items()]
+        # How a call's keywords address each level, for the bindings' parser.
+        self._keywords = tuple((lv.name, lv.keyed, tuple(lv.units)) for lv in self._levels)
+        _check_policy_levels(self._keywords)
         self._flat: list[tuple[int, int]] = []  # (level, bucket) per Redis key
         self._static: list[bytes | None] = []
         for li, lv in enumerate(self._levels):
@@ -157,35 +171,19 @@ class _PolicyBase:
                 self._default_costs,
                 self._default_units,
             )
-        used: set[str] = set()
         units: dict[str, int] = {}
         tagged = f"{self.prefix}:{{{self.tag}}}:".encode()
         level_keys: list[bytes | None] = []
-        for lv in self._levels:
-            k: bytes | None = None
-            if lv.keyed:
-                if lv.name not in kw:
-                    raise TypeError(f"missing key for level {lv.name!r}: pass {lv.name}=...")
-                used.add(lv.name)
-                k = tagged + lv.seg.encode() + b":" + _key_bytes(kw[lv.name], lv.name)
-            level_keys.append(k)
-            for u in lv.units:
-                if u in units:
-                    continue
-                if u in kw:
-                    used.add(u)
-                    units[u] = _cost(u, kw[u])
-                elif u == "requests":
-                    units[u] = 1
-                else:
-                    raise TypeError(
-                        f'missing cost for unit "{u}" (level {lv.name!r}): pass {u}=...'
-                    )
-        for k2 in kw:
-            if k2 not in used:
-                raise TypeError(
-                    f'unexpected keyword "{k2}": not a keyed level\'s name nor a unit of any level'
-                )
+        for lv, (key, level_costs) in zip(
+            self._levels, _policy_keywords(self._keywords, kw), strict=True
+        ):
+            level_keys.append(
+                tagged + lv.seg.encode() + b":" + _key_bytes(cast(Key, key), lv.name)
+                if lv.keyed
+                else None
+            )
+            for u, c in zip(lv.units, level_costs, strict=True):
+                units.setdefault(u, c if c != _SATURATED else cast(int, kw[u]))
         keys: list[bytes] = []
         costs: list[int] = []
         for j, (li, bi) in enumerate(self._flat):

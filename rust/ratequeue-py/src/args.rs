@@ -1,10 +1,10 @@
 //! The one validation path for every Python argument: text, numbers, seconds, periods,
 //! counts and costs, sequences. Errors name the argument and show the value as given.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::{type_err, value_err};
@@ -240,4 +240,147 @@ impl<'py> FromPyObject<'_, 'py> for Permits {
     fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
         permits("n", &obj).map(Permits)
     }
+}
+
+/// How a policy call's keywords address one level: a keyed level takes its key from the
+/// keyword of its name; each unit's cost from the keyword of the unit ("requests" costs
+/// 1 when not named); a level without units takes one permit.
+pub struct LevelKeywords<'a> {
+    pub name: &'a str,
+    pub keyed: bool,
+    pub units: &'a [String],
+}
+
+/// One level's arguments as a call gave them: its key (keyed levels only) and a cost per
+/// unit (`[1]`, one permit, for a level without units).
+pub struct LevelCall<'py> {
+    pub key: Option<Bound<'py, PyAny>>,
+    pub costs: Vec<u64>,
+}
+
+/// Keywords of policy calls: never a level's name.
+pub const POLICY_KEYWORDS: [&str; 2] = ["timeout", "max_wait"];
+
+/// The one reading of a policy call's keywords (`rq.Policy` and `ratequeue.redis`'s
+/// policies): every level's key and costs, or a TypeError naming the missing key or
+/// cost, or the keyword that is neither a keyed level's name nor a unit of any level.
+pub fn policy_keywords<'py>(
+    levels: &[LevelKeywords<'_>],
+    kw: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Vec<LevelCall<'py>>> {
+    let get = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
+        match kw {
+            Some(d) => d.get_item(name),
+            None => Ok(None),
+        }
+    };
+    let mut used: Vec<&str> = Vec::new();
+    let mut out = Vec::with_capacity(levels.len());
+    for l in levels {
+        let key = if l.keyed {
+            used.push(l.name);
+            Some(get(l.name)?.ok_or_else(|| {
+                PyTypeError::new_err(format!("missing key for level {:?}: pass {}=...", l.name, l.name))
+            })?)
+        } else {
+            None
+        };
+        let mut costs = Vec::with_capacity(l.units.len().max(1));
+        for u in l.units {
+            costs.push(match get(u)? {
+                Some(v) => {
+                    used.push(u);
+                    cost(u, &v)?
+                }
+                None if u == "requests" => 1,
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "missing cost for unit {u:?} (level {:?}): pass {u}=...",
+                        l.name
+                    )))
+                }
+            });
+        }
+        if l.units.is_empty() {
+            costs.push(1);
+        }
+        out.push(LevelCall { key, costs });
+    }
+    if let Some(d) = kw {
+        for k in d.keys() {
+            let k: String = k.extract()?;
+            if !used.contains(&k.as_str()) {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
+                )));
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Refuses policy set-ups that can never work: a level named like a call keyword or
+/// like a unit of any level (its keyword would be both a key and a cost).
+pub fn check_policy_levels(levels: &[LevelKeywords<'_>]) -> PyResult<()> {
+    for l in levels {
+        if POLICY_KEYWORDS.contains(&l.name) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a keyword of Policy calls {POLICY_KEYWORDS:?}: rename the level",
+                l.name
+            )));
+        }
+        if levels.iter().any(|o| o.units.iter().any(|u| u == l.name)) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a unit a level counts: its keyword would be both a key \
+                 and a cost; rename the level",
+                l.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// `levels` as given to the private functions below: (name, keyed, units) per level.
+fn level_specs(levels: &Bound<'_, PyAny>) -> PyResult<Vec<(String, bool, Vec<String>)>> {
+    levels
+        .extract()
+        .map_err(|_| type_err("levels", "a sequence of (name, keyed, units)", levels))
+}
+
+fn as_keywords(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> {
+    specs
+        .iter()
+        .map(|(name, keyed, units)| LevelKeywords {
+            name,
+            keyed: *keyed,
+            units,
+        })
+        .collect()
+}
+
+/// Private (for `ratequeue.redis`): a policy call's keywords read as `rq.Policy` reads
+/// them. `levels`: (name, keyed, units) per level; returns (key, costs) per level, the
+/// key as given (None for an unkeyed level).
+#[pyfunction]
+pub fn _policy_keywords<'py>(
+    py: Python<'py>,
+    levels: &Bound<'py, PyAny>,
+    kw: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let specs = level_specs(levels)?;
+    let calls = policy_keywords(&as_keywords(&specs), kw)?;
+    let items = calls
+        .into_iter()
+        .map(|c| {
+            let key = c.key.unwrap_or_else(|| py.None().into_bound(py));
+            PyTuple::new(py, [key, PyList::new(py, c.costs)?.into_any()])
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, items)
+}
+
+/// Private (for `ratequeue.redis`): the set-up check of `rq.Policy` on level names.
+#[pyfunction]
+pub fn _check_policy_levels(levels: &Bound<'_, PyAny>) -> PyResult<()> {
+    check_policy_levels(&as_keywords(&level_specs(levels)?))
 }
