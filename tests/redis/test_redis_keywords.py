@@ -43,9 +43,7 @@ def outcome(call: Any, kw: dict[str, object]) -> tuple[str, str]:
     return "granted" if granted is not None else "refused", ""
 
 
-values = st.one_of(
-    st.integers(-2, 5), st.sampled_from([True, 1.5, "a", b"b", None, 2**64, 2**70])
-)
+values = st.one_of(st.integers(-2, 5), st.sampled_from([True, 1.5, "a", b"b", None, 2**64, 2**70]))
 
 
 @given(
@@ -53,9 +51,7 @@ values = st.one_of(
         st.sampled_from(["user", "tokens", "requests", "color", "cluster"]), values, max_size=4
     )
 )
-def test_every_call_reads_like_the_local_policy(
-    client: redis.Redis, kw: dict[str, object]
-) -> None:
+def test_every_call_reads_like_the_local_policy(client: redis.Redis, kw: dict[str, object]) -> None:
     local = rq.Policy(levels())
     remote = RedisPolicy(client, levels(), name=f"kw{next(_names)}")
     want, got = outcome(local.try_acquire, kw), outcome(remote.try_acquire, kw)
@@ -68,9 +64,7 @@ def test_every_call_reads_like_the_local_policy(
 
 
 @pytest.mark.parametrize("name", ["timeout", "max_wait", "tokens"])
-def test_the_level_names_the_local_policy_refuses_are_refused(
-    r: redis.Redis, name: str
-) -> None:
+def test_the_level_names_the_local_policy_refuses_are_refused(r: redis.Redis, name: str) -> None:
     specs = {name: rq.KeyedLimiter(rq.Rate(10)), "cluster": rq.Rate(1000, unit="tokens")}
     with pytest.raises(ValueError, match=f'level "{name}"'):
         rq.Policy({name: rq.KeyedLimiter(rq.Rate(10)), "cluster": rq.Limiter(specs["cluster"])})

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from .._errors import CostTooLarge, Overloaded
@@ -12,11 +11,13 @@ from ._args import Key, _cost, _key_bytes, _max_wait_us, _overloaded, _scaled
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Engine
-from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _wait
-from ._script import _adjust_args, _Bucket, _peek_args, _Take, _take_args
+from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
+from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
 
 
 class _KeyedBase:
+    _aio = False
+
     def __init__(
         self,
         client: Any,
@@ -51,6 +52,7 @@ class _KeyedBase:
         self._bucket = _Bucket(rate)
         self._buckets = [self._bucket]
         self._head = self._engine.head(1)
+        self._undo_head = self._engine.head(2)
         self._pre = f"{prefix}:".encode()
         self._mid = f":{name}:".encode()
         self._tagged = f"{prefix}:{{{tag}}}:{name}:".encode() if tag is not None else None
@@ -101,22 +103,14 @@ class _KeyedBase:
             if self._engine.raw:
                 return self._fast_pre + _bulk(k) + self._fast_tail
             return (*self._head, k, *self._fast_args)
-        return (
-            *self._head,
-            self.key(key),
-            *_take_args(self._engine.clock, self._buckets, [c], None, mw, undo),
-        )
+        k = self.key(key)
+        args = _take_args(self._engine.clock, self._buckets, [c], None, mw, undo)
+        if undo:
+            return (*self._undo_head, k, _gen_key(k), *args)
+        return (*self._head, k, *args)
 
     def _peek_cmd(self, key: Key, c: int) -> tuple[Any, ...]:
         return (*self._head, self.key(key), *_peek_args(self._engine.clock, self._buckets, [c]))
-
-    def _adjust_cmd(self, key: Key, est: int, actual: int) -> tuple[Any, ...]:
-        b = self._bucket
-        return (
-            *self._head,
-            self.key(key),
-            *_adjust_args(self._engine.clock, [b.inc(actual) - b.inc(est)]),
-        )
 
     def _tried(self, reply: Sequence[Any] | int) -> bool:
         ok = reply == 0 if isinstance(reply, int) else int(reply[0]) == 1
@@ -154,17 +148,15 @@ class _KeyedBase:
             return 0.0
         return self._local.available(key)
 
-    def _reservation(
-        self, key: Key, reply: Sequence[Any], c: int, mw: int, adjust: Callable[..., Any]
-    ) -> RedisReservation:
+    def _reservation(self, key: Key, reply: Sequence[Any], c: int, mw: int) -> RedisReservation:
         take = _Take(reply)
         if not take.ok:
             self._refused += 1
             raise _overloaded(take.wait_us, mw)
         self._admitted += 1
-        u = self._bucket.unit
-        permit = RedisPermit(take.wait_us / 1e6, {u: c}, adjust)
-        return RedisReservation(permit.delay, permit, self._engine, [self.key(key)], take.undo)
+        held = _Held(self._engine, [self.key(key)], self._buckets, [c], take)
+        permit = RedisPermit(take.wait_us / 1e6, {self._bucket.unit: c}, held, aio=self._aio)
+        return RedisReservation(permit.delay, permit)
 
     def _fallback_reserve(self, key: Key, c: int) -> RedisReservation:
         """Without Redis: admit (fail_open), refuse (fail_closed) or decide locally now."""
@@ -178,7 +170,7 @@ class _KeyedBase:
             raise Overloaded(
                 "overloaded: refused by the local fallback", self._local.retry_after(key, c)
             )
-        return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
+        return RedisReservation(0.0, RedisPermit(0.0, named, None))
 
     def stats(self) -> dict[str, Any]:
         s = self._engine.stats()
@@ -204,15 +196,6 @@ class RedisKeyedLimiter(_KeyedBase):
             return self._fallback_try(key, c)
         return self._tried(reply)
 
-    def _adjuster(self, key: Key) -> Callable[[dict[str, int], dict[str, int]], None]:
-        u = self._bucket.unit
-
-        def adjust(est: dict[str, int], actual: dict[str, int]) -> None:
-            with contextlib.suppress(_Down):
-                self._engine.run(self._adjust_cmd(key, est[u], actual[u]))
-
-        return adjust
-
     def reserve(
         self, key: Key, cost: int = 1, *, max_wait: float | None = None
     ) -> RedisReservation:
@@ -222,7 +205,7 @@ class RedisKeyedLimiter(_KeyedBase):
             reply = self._engine.run(self._take_cmd(key, c, mw, True))
         except _Down:
             return self._fallback_reserve(key, c)
-        return self._reservation(key, reply, c, mw, self._adjuster(key))
+        return self._reservation(key, reply, c, mw)
 
     def acquire(self, key: Key, cost: int = 1, *, timeout: float | None = None) -> RedisPermit:
         """Reserve inside Redis and sleep once; Overloaded when the wait exceeds ``timeout``."""
@@ -240,7 +223,7 @@ class RedisKeyedLimiter(_KeyedBase):
                 return RedisPermit(p.waited, {self._bucket.unit: c}, None, local=p)
             r = self._fallback_reserve(key, c)
         else:
-            r = self._reservation(key, reply, c, mw, self._adjuster(key))
+            r = self._reservation(key, reply, c, mw)
         _wait(e.clock, r, start)
         return r.permit
 
@@ -261,11 +244,14 @@ class RedisKeyedLimiter(_KeyedBase):
         return (b.tau - int(reply[1])) / b.interval
 
     def reset(self, key: Key) -> None:
-        self._engine.client.delete(self.key(key))
+        k = self.key(key)
+        self._engine.client.delete(k, _gen_key(k))
 
 
 class AsyncRedisKeyedLimiter(_KeyedBase):
     """:class:`RedisKeyedLimiter` for ``redis.asyncio`` clients."""
+
+    _aio = True
 
     async def try_acquire(self, key: Key, cost: int = 1) -> bool:
         c = self._cost(cost)
@@ -274,15 +260,6 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         except _Down:
             return self._fallback_try(key, c)
         return self._tried(reply)
-
-    def _adjuster(self, key: Key) -> Callable[[dict[str, int], dict[str, int]], Awaitable[None]]:
-        u = self._bucket.unit
-
-        async def adjust(est: dict[str, int], actual: dict[str, int]) -> None:
-            with contextlib.suppress(_Down):
-                await self._engine.arun(self._adjust_cmd(key, est[u], actual[u]))
-
-        return adjust
 
     async def reserve(
         self, key: Key, cost: int = 1, *, max_wait: float | None = None
@@ -293,7 +270,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
             reply = await self._engine.arun(self._take_cmd(key, c, mw, True))
         except _Down:
             return self._fallback_reserve(key, c)
-        return self._reservation(key, reply, c, mw, self._adjuster(key))
+        return self._reservation(key, reply, c, mw)
 
     def acquire(
         self, key: Key, cost: int = 1, *, timeout: float | None = None
@@ -317,7 +294,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
                 return RedisPermit(p.waited, {self._bucket.unit: c}, None, local=p)
             r = self._fallback_reserve(key, c)
         else:
-            r = self._reservation(key, reply, c, mw, self._adjuster(key))
+            r = self._reservation(key, reply, c, mw)
         await _await_wait(e.clock, r, start)
         return r.permit
 
@@ -338,4 +315,5 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         return (b.tau - int(reply[1])) / b.interval
 
     async def reset(self, key: Key) -> None:
-        await self._engine.client.delete(self.key(key))
+        k = self.key(key)
+        await self._engine.client.delete(k, _gen_key(k))

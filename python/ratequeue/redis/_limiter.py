@@ -8,7 +8,7 @@ import math
 import os
 import threading
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -24,14 +24,17 @@ from ._permits import (
     RedisReservation,
     _AsyncAcquire,
     _await_wait,
+    _Held,
     _Lease,
     _wait,
 )
-from ._script import _adjust_args, _Bucket, _peek_args, _Take, _take_args
+from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
 
 
 class _LimiterBase:
     """Everything of a Redis limiter but the I/O."""
+
+    _aio = False
 
     def __init__(
         self,
@@ -73,6 +76,8 @@ class _LimiterBase:
         self.keys = [f"{prefix}:{{{self.tag}}}:{name}:{i}".encode() for i in range(len(rates))]
         self._version_keys = [k + b":v" for k in self.keys]
         self._head = self._engine.head(len(self.keys))
+        self._gen_keys = [_gen_key(k) for k in self.keys]
+        self._undo_head = self._engine.head(2 * len(self.keys))
         try:
             self._default: list[int] | None = _parse_costs(self._units, None, {})
         except TypeError:
@@ -162,19 +167,14 @@ class _LimiterBase:
         if costs is self._default and self._fast is not None and max_wait_us == 0 and not undo:
             return self._fast
         per = self._per_bucket(costs)
-        return (
-            *self._head,
-            *self.keys,
-            *_take_args(self._engine.clock, self._buckets, per, None, max_wait_us, undo),
-        )
+        args = _take_args(self._engine.clock, self._buckets, per, None, max_wait_us, undo)
+        if undo:
+            return (*self._undo_head, *self.keys, *self._gen_keys, *args)
+        return (*self._head, *self.keys, *args)
 
     def _peek_cmd(self, costs: list[int]) -> tuple[Any, ...]:
         per = self._per_bucket(costs)
         return (*self._head, *self.keys, *_peek_args(self._engine.clock, self._buckets, per))
-
-    def _adjust_cmd(self, est: dict[str, int], actual: dict[str, int]) -> tuple[Any, ...]:
-        deltas = [b.inc(actual[b.unit]) - b.inc(est[b.unit]) for b in self._buckets]
-        return (*self._head, *self.keys, *_adjust_args(self._engine.clock, deltas))
 
     # -- outcomes
 
@@ -198,30 +198,31 @@ class _LimiterBase:
         except CostTooLarge:
             return False
 
-    def _granted(self, take: _Take, costs: list[int], adjust: Callable[..., Any]) -> RedisPermit:
-        self._admitted += 1
-        return RedisPermit(take.wait_us / 1e6, self._named(costs), adjust)
+    def _permit(self, costs: list[int], take: _Take | None) -> RedisPermit:
+        """A permit of Redis's decision, holding its debits (``take``: the script's record)."""
+        held = _Held(self._engine, self.keys, self._buckets, self._per_bucket(costs), take)
+        delay = take.wait_us / 1e6 if take is not None else 0.0
+        return RedisPermit(delay, self._named(costs), held, aio=self._aio)
 
-    def _reservation(
-        self, reply: Sequence[Any], costs: list[int], mw: int, adjust: Callable[..., Any]
-    ) -> RedisReservation:
+    def _reservation(self, reply: Sequence[Any], costs: list[int], mw: int) -> RedisReservation:
         take = _Take(reply)
         if not take.ok:
             self._refused += 1
             raise _overloaded(take.wait_us, mw)
-        permit = self._granted(take, costs, adjust)
-        return RedisReservation(permit.delay, permit, self._engine, self.keys, take.undo)
+        self._admitted += 1
+        permit = self._permit(costs, take)
+        return RedisReservation(permit.delay, permit)
 
     def _fallback_reserve(self, costs: list[int], max_wait: float | None) -> RedisReservation:
         e = self._engine
         e.fallbacks += 1
         named = self._named(costs)
         if e.on_failure == "fail_open":
-            return RedisReservation(0.0, RedisPermit(0.0, named, None), None)
+            return RedisReservation(0.0, RedisPermit(0.0, named, None))
         if e.on_failure == "fail_closed" or self._local is None:
             raise e.unavailable(f"limiter {self.name!r}")
         r = self._local.reserve(max_wait=max_wait, **named)
-        return RedisReservation(r.delay, RedisPermit(r.delay, named, None), None, local=r)
+        return RedisReservation(r.delay, RedisPermit(r.delay, named, None), local=r)
 
     def _peeked(self, reply: Sequence[Any]) -> tuple[float, list[int]]:
         return int(reply[0]) / 1e6, [int(x) for x in reply[1:]]
@@ -395,10 +396,6 @@ class RedisLimiter(_LimiterBase):
                 return self._fallback_try(c)
             return self._renewed(reply, c)
 
-    def _adjust(self, est: dict[str, int], actual: dict[str, int]) -> None:
-        with contextlib.suppress(_Down):
-            self._engine.run(self._adjust_cmd(est, actual))
-
     def reserve(
         self, n: int | None = None, /, *, max_wait: float | None = None, **costs: int
     ) -> RedisReservation:
@@ -409,7 +406,7 @@ class RedisLimiter(_LimiterBase):
             reply = self._engine.run(self._take_cmd(c, mw, True))
         except _Down:
             return self._fallback_reserve(c, max_wait)
-        return self._reservation(reply, c, mw, self._adjust)
+        return self._reservation(reply, c, mw)
 
     def acquire(
         self, n: int | None = None, /, *, timeout: float | None = None, **costs: int
@@ -421,7 +418,7 @@ class RedisLimiter(_LimiterBase):
         """
         c = self._costs(n, costs)
         if self._lease_units and self._lease_fast(c):
-            return RedisPermit(0.0, self._named(c), self._adjust)
+            return self._permit(c, None)
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
@@ -431,7 +428,7 @@ class RedisLimiter(_LimiterBase):
         except _Down:
             r = self._fallback_reserve(c, limit)
         else:
-            r = self._reservation(reply, c, mw, self._adjust)
+            r = self._reservation(reply, c, mw)
         _wait(e.clock, r, start)
         return r.permit
 
@@ -455,7 +452,7 @@ class RedisLimiter(_LimiterBase):
 
     def reset(self) -> None:
         """Deletes this limiter's keys: every bucket is full again."""
-        self._engine.client.delete(*self.keys, *self._version_keys)
+        self._engine.client.delete(*self.keys, *self._version_keys, *self._gen_keys)
 
     def close(self) -> None:
         """Gives the unused part of the current lease back to Redis."""
@@ -481,6 +478,8 @@ class RedisLimiter(_LimiterBase):
 
 class AsyncRedisLimiter(_LimiterBase):
     """:class:`RedisLimiter` for ``redis.asyncio`` clients: the same arguments, awaited."""
+
+    _aio = True
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -515,10 +514,6 @@ class AsyncRedisLimiter(_LimiterBase):
                 return self._fallback_try(c)
             return self._renewed(reply, c)
 
-    async def _adjust(self, est: dict[str, int], actual: dict[str, int]) -> None:
-        with contextlib.suppress(_Down):
-            await self._engine.arun(self._adjust_cmd(est, actual))
-
     async def reserve(
         self, n: int | None = None, /, *, max_wait: float | None = None, **costs: int
     ) -> RedisReservation:
@@ -528,7 +523,7 @@ class AsyncRedisLimiter(_LimiterBase):
             reply = await self._engine.arun(self._take_cmd(c, mw, True))
         except _Down:
             return self._fallback_reserve(c, max_wait)
-        return self._reservation(reply, c, mw, self._adjust)
+        return self._reservation(reply, c, mw)
 
     def acquire(
         self, n: int | None = None, /, *, timeout: float | None = None, **costs: int
@@ -544,7 +539,7 @@ class AsyncRedisLimiter(_LimiterBase):
 
     async def _acquire(self, c: list[int], timeout: float | None) -> RedisPermit:
         if self._lease_units and self._lease_fast(c):
-            return RedisPermit(0.0, self._named(c), self._adjust)
+            return self._permit(c, None)
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
@@ -554,7 +549,7 @@ class AsyncRedisLimiter(_LimiterBase):
         except _Down:
             r = self._fallback_reserve(c, limit)
         else:
-            r = self._reservation(reply, c, mw, self._adjust)
+            r = self._reservation(reply, c, mw)
         await _await_wait(e.clock, r, start)
         return r.permit
 
@@ -575,7 +570,7 @@ class AsyncRedisLimiter(_LimiterBase):
         return self._available_of(self._peeked(reply)[1], unit)
 
     async def reset(self) -> None:
-        await self._engine.client.delete(*self.keys, *self._version_keys)
+        await self._engine.client.delete(*self.keys, *self._version_keys, *self._gen_keys)
 
     async def close(self) -> None:
         if not self._lease_units:

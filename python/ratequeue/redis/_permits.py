@@ -6,17 +6,139 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Generator, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
 from .._errors import CostTooLarge
 from .._ratequeue import Limiter, ManualClock, Permit, PolicyPermit, Rate, Reservation
 from ._args import _cost
+from ._connection import _text
 from ._engine import _Down, _Engine
-from ._script import _Bucket, _Clock
+from ._script import _Bucket, _Clock, _gen_key, _Take
 
 T = TypeVar("T")
+
+
+class _Held:
+    """A grant's debits in Redis, given back (or charged) by the one undo rule.
+
+    Per bucket: the value the debit left (``after``; '' when it is no longer the
+    bucket's latest change or is not known), the value before it ('' = full, '-' =
+    unknown), the bucket's generation then, the slot of a grant scheduled ahead, and what
+    the debit holds now (``held``, microseconds). A grant known only by its costs (a
+    fast-path admission, a lease) has no ``after``: it gives back by the refund rule
+    alone, uncapped (as the core refunds a permit settled without its grant's token).
+    """
+
+    __slots__ = (
+        "afters",
+        "befores",
+        "buckets",
+        "debited",
+        "done",
+        "engine",
+        "gens",
+        "helds",
+        "keys",
+        "slots",
+        "start",
+    )
+
+    def __init__(
+        self,
+        engine: _Engine,
+        keys: Sequence[bytes],
+        buckets: Sequence[_Bucket],
+        costs: Sequence[int],
+        take: _Take | None = None,
+    ) -> None:
+        n = len(keys)
+        self.engine = engine
+        self.keys = list(keys)
+        self.buckets = list(buckets)
+        mask = take.mask if take is not None else 0
+        # A shadow level that would have refused was counted, not debited.
+        self.debited = [not mask >> i & 1 for i in range(n)]
+        self.helds = [
+            b.inc(c) if d else 0 for b, c, d in zip(buckets, costs, self.debited, strict=True)
+        ]
+        self.done = False
+        rec = take.undo if take is not None else []
+        if rec:
+            self.befores = rec[0::3]
+            self.afters = rec[1::3]
+            self.gens = rec[2::3]
+            ahead = take is not None and take.wait_us > 0
+            self.slots = [a if ahead else "" for a in self.afters]
+            self.start = take.start if take is not None else ""
+        else:
+            self.befores = ["-"] * n
+            self.afters = [""] * n
+            self.gens = [""] * n
+            self.slots = [""] * n
+            self.start = ""
+
+    def cmd(self, deltas: Sequence[int]) -> tuple[Any, ...]:
+        """The script call giving back ``deltas`` (microseconds; < 0 charges) per bucket."""
+        clock = self.engine.clock
+        args: list[Any] = ["g", clock.now_arg(), clock.keep_ms, 0, 0]
+        for i, b in enumerate(self.buckets):
+            args += (
+                self.afters[i],
+                self.befores[i],
+                self.gens[i],
+                self.slots[i],
+                self.start,
+                self.helds[i],
+                deltas[i],
+                b.tau,
+            )
+        n = len(self.keys)
+        return (*self.engine.head(2 * n), *self.keys, *map(_gen_key, self.keys), *args)
+
+    def update(self, reply: Sequence[Any], deltas: Sequence[int]) -> bool:
+        """Takes the script's answer in; True when capacity came back."""
+        gave = False
+        for i, d in enumerate(deltas):
+            status, new = _text(reply[2 * i]), _text(reply[2 * i + 1])
+            self.helds[i] -= d
+            if status == "x":
+                self.afters[i] = new
+                gave = gave or d > 0
+            elif status == "k":
+                self.befores[i] = "-"
+            elif status == "c":
+                self.afters[i] = new
+            else:
+                self.afters[i] = ""
+                gave = gave or status == "r"
+        return gave
+
+    def costs_deltas(self, actual: Mapping[str, int]) -> list[int]:
+        """What to give back per bucket for the costs to become ``actual``."""
+        return [
+            h - b.inc(actual[b.unit]) if d else 0
+            for b, h, d in zip(self.buckets, self.helds, self.debited, strict=True)
+        ]
+
+    def run(self, deltas: Sequence[int]) -> bool:
+        if self.done or not any(deltas):
+            return False
+        try:
+            reply = self.engine.run(self.cmd(deltas))
+        except _Down:
+            return False
+        return self.update(reply, deltas)
+
+    async def arun(self, deltas: Sequence[int]) -> bool:
+        if self.done or not any(deltas):
+            return False
+        try:
+            reply = await self.engine.arun(self.cmd(deltas))
+        except _Down:
+            return False
+        return self.update(reply, deltas)
 
 
 class RedisPermit:
@@ -25,19 +147,22 @@ class RedisPermit:
     A context manager for symmetry with ``rq.Permit`` (rates hold nothing to release).
     """
 
-    __slots__ = ("_adjust", "_costs", "_local", "delay")
+    __slots__ = ("_aio", "_costs", "_held", "_local", "delay")
 
     def __init__(
         self,
         delay: float,
         costs: dict[str, int],
-        adjust: Callable[[dict[str, int], dict[str, int]], Any] | None,
+        held: _Held | None,
         local: Permit | PolicyPermit | None = None,
+        *,
+        aio: bool = False,
     ) -> None:
         self.delay = delay
         self._costs = costs
-        self._adjust = adjust
+        self._held = held
         self._local = local
+        self._aio = aio
 
     @property
     def waited(self) -> float:
@@ -46,6 +171,7 @@ class RedisPermit:
 
     @property
     def costs(self) -> dict[str, int]:
+        """The costs this permit stands for (per unit), as settled last."""
         return dict(self._costs)
 
     def _settle_args(self, costs: dict[str, Any]) -> dict[str, int] | None:
@@ -59,17 +185,16 @@ class RedisPermit:
         return actual
 
     def settle(self, **costs: int) -> None:
-        """Correct estimated costs to actual ones: refund the difference or charge it."""
+        """Corrects estimated costs to actual ones: a charge, or a give-back by the undo rule."""
         actual = self._settle_args(costs)
         if actual is None:
             return
+        if self._aio and self._local is None:
+            raise TypeError("a permit of an asyncio limiter: use await permit.settle_async()")
         if self._local is not None:
             self._local.settle(**actual)
-        elif self._adjust is not None:
-            r = self._adjust(self._costs, actual)
-            if isinstance(r, Coroutine):
-                r.close()
-                raise TypeError("a permit of an asyncio limiter: use await permit.settle_async()")
+        elif self._held is not None:
+            self._held.run(self._held.costs_deltas(actual))
         self._costs = actual
 
     async def settle_async(self, **costs: int) -> None:
@@ -79,10 +204,8 @@ class RedisPermit:
             return
         if self._local is not None:
             self._local.settle(**actual)
-        elif self._adjust is not None:
-            r = self._adjust(self._costs, actual)
-            if isinstance(r, Awaitable):
-                await r
+        elif self._held is not None:
+            await self._held.arun(self._held.costs_deltas(actual))
         self._costs = actual
 
     def __enter__(self) -> RedisPermit:
@@ -103,56 +226,38 @@ class RedisPermit:
 class RedisReservation:
     """A place in a Redis schedule: proceed after ``delay`` seconds.
 
-    ``cancel()`` before the grant time gives the cost back on each bucket where no later
-    debit was made (the refund rule of ``rq.Reservation``); ``cancel_async()`` for the
-    asyncio limiters.
+    ``cancel()`` gives the grant's debits back by the core's one undo rule, at any time:
+    exact while a debit is its bucket's latest change, otherwise a refund only while no
+    grant is scheduled in the future, of at most what it still holds; ``cancel_async()``
+    for the asyncio limiters.
     """
 
-    __slots__ = ("_at", "_cancelled", "_engine", "_keys", "_local", "_undo", "delay", "permit")
+    __slots__ = ("_cancelled", "_local", "delay", "permit")
 
     def __init__(
         self,
         delay: float,
         permit: RedisPermit,
-        engine: _Engine | None,
-        keys: Sequence[bytes] = (),
-        undo: Sequence[str] = (),
         local: Reservation | PolicyPermit | None = None,
     ) -> None:
         self.delay = delay
         self.permit = permit
-        self._engine = engine
-        self._keys = list(keys)
-        self._undo = list(undo)
         self._local = local
         self._cancelled = False
-        self._at = (engine.clock.monotonic() if engine else time.monotonic()) + delay
 
     @property
     def cancelled(self) -> bool:
+        """True once ``cancel`` was called (whatever it gave back)."""
         return self._cancelled
 
-    def _cmd(self) -> tuple[Any, ...] | None:
-        if self._cancelled or self._engine is None:
+    def _held(self) -> _Held | None:
+        if self._cancelled:
             return None
         self._cancelled = True
-        if self._engine.clock.monotonic() >= self._at or not self._keys:
+        held = self.permit._held
+        if held is None or held.done:
             return None
-        e = self._engine
-        pairs: list[str] = []
-        for i in range(0, len(self._undo), 2):
-            # The script reported (before, after); undo wants (expected, previous).
-            pairs += (self._undo[i + 1], self._undo[i])
-        return (
-            *e.head(len(self._keys)),
-            *self._keys,
-            "u",
-            e.clock.now_arg(),
-            e.clock.keep_ms,
-            0,
-            0,
-            *pairs,
-        )
+        return held
 
     def _cancel_local(self) -> bool:
         if self._local is None or self._cancelled:
@@ -165,27 +270,26 @@ class RedisReservation:
         return True
 
     def cancel(self) -> bool:
-        """Gives the capacity back if still possible; True if anything was returned."""
+        """Gives the capacity back by the undo rule; True if anything was returned."""
         if self._local is not None:
             return self._cancel_local()
-        cmd = self._cmd()
-        if cmd is None or self._engine is None:
+        held = self._held()
+        if held is None:
             return False
-        try:
-            return int(self._engine.run(cmd)) > 0
-        except _Down:
-            return False
+        gave = held.run(list(held.helds))
+        held.done = True
+        return gave
 
     async def cancel_async(self) -> bool:
+        """``cancel`` for the asyncio limiters."""
         if self._local is not None:
             return self._cancel_local()
-        cmd = self._cmd()
-        if cmd is None or self._engine is None:
+        held = self._held()
+        if held is None:
             return False
-        try:
-            return int(await self._engine.arun(cmd)) > 0
-        except _Down:
-            return False
+        gave = await held.arun(list(held.helds))
+        held.done = True
+        return gave
 
     def __repr__(self) -> str:
         return f"RedisReservation(delay={self.delay:.6f}, cancelled={self._cancelled})"

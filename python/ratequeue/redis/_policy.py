@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
 from .._errors import CostTooLarge, Overloaded
@@ -20,8 +19,8 @@ from ._args import Key, _key_bytes, _max_wait_us, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Engine
-from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _wait
-from ._script import _adjust_args, _Bucket, _Take, _take_args
+from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
+from ._script import _Bucket, _gen_key, _Take, _take_args
 
 # A cost the bindings read above 2**64 - 1 (no burst holds it): shown as given.
 _SATURATED = 2**64 - 1
@@ -61,6 +60,8 @@ class _Level:
 
 
 class _PolicyBase:
+    _aio = False
+
     def __init__(
         self,
         client: Any,
@@ -113,6 +114,7 @@ class _PolicyBase:
         self._shadow = [self._levels[li].shadow for li, _ in self._flat]
         self._any_shadow = any(self._shadow)
         self._head = self._engine.head(len(self._flat))
+        self._undo_head = self._engine.head(2 * len(self._flat))
         # Per Redis key: its fixed name, or the prefix its level's key is appended to.
         tagged = f"{prefix}:{{{self.tag}}}:"
         self._key_parts: list[tuple[bytes, str | None]] = [
@@ -203,17 +205,10 @@ class _PolicyBase:
         if costs is self._default_costs and self._fast_tail is not None and mw == 0 and not undo:
             return self._fast_pre + b"".join(_bulk(k) for k in keys) + self._fast_tail
         shadow = self._shadow if self._any_shadow else None
-        return (
-            *self._head,
-            *keys,
-            *_take_args(self._engine.clock, self._buckets, costs, shadow, mw, undo),
-        )
-
-    def _adjust_cmd(
-        self, keys: list[bytes], est: dict[str, int], actual: dict[str, int]
-    ) -> tuple[Any, ...]:
-        deltas = [b.inc(actual[b.unit]) - b.inc(est[b.unit]) for b in self._buckets]
-        return (*self._head, *keys, *_adjust_args(self._engine.clock, deltas))
+        args = _take_args(self._engine.clock, self._buckets, costs, shadow, mw, undo)
+        if undo:
+            return (*self._undo_head, *keys, *map(_gen_key, keys), *args)
+        return (*self._head, *keys, *args)
 
     def _count(self, take: _Take) -> None:
         if take.ok:
@@ -234,9 +229,10 @@ class _PolicyBase:
         )
 
     def _permit(
-        self, take: _Take, units: dict[str, int], adjust: Callable[..., Any]
+        self, take: _Take, units: dict[str, int], keys: list[bytes], costs: list[int]
     ) -> RedisPermit:
-        return RedisPermit(take.wait_us / 1e6, dict(units), adjust)
+        held = _Held(self._engine, keys, self._buckets, costs, take)
+        return RedisPermit(take.wait_us / 1e6, dict(units), held, aio=self._aio)
 
     def _fallback_try(self, kw: dict[str, Any], costs: dict[str, int]) -> RedisPermit | None:
         e = self._engine
@@ -257,11 +253,11 @@ class _PolicyBase:
         e = self._engine
         e.fallbacks += 1
         if e.on_failure == "fail_open":
-            return RedisReservation(0.0, RedisPermit(0.0, costs, None), None)
+            return RedisReservation(0.0, RedisPermit(0.0, costs, None))
         if e.on_failure == "fail_closed" or self._local is None:
             raise e.unavailable(f"policy {self.name!r}")
         p = self._local.reserve(max_wait=max_wait, **kw)
-        return RedisReservation(p.delay, RedisPermit(p.delay, costs, None, local=p), None, local=p)
+        return RedisReservation(p.delay, RedisPermit(p.delay, costs, None, local=p), local=p)
 
     def stats(self) -> dict[str, Any]:
         s = self._engine.stats()
@@ -298,14 +294,7 @@ class RedisPolicy(_PolicyBase):
             return self._fallback_try(kw, named)
         take = _Take(reply)
         self._count(take)
-        return self._permit(take, named, self._adjuster(keys)) if take.ok else None
-
-    def _adjuster(self, keys: list[bytes]) -> Callable[[dict[str, Any], dict[str, Any]], None]:
-        def adjust(est: dict[str, Any], actual: dict[str, Any]) -> None:
-            with contextlib.suppress(_Down):
-                self._engine.run(self._adjust_cmd(keys, est, actual))
-
-        return adjust
+        return self._permit(take, named, keys, costs) if take.ok else None
 
     def reserve(self, *, max_wait: float | None = None, **kw: Any) -> RedisReservation:
         """Reserves every level for one grant at the latest time any of them needs."""
@@ -319,8 +308,8 @@ class RedisPolicy(_PolicyBase):
         self._count(take)
         if not take.ok:
             raise self._refusal(take, mw)
-        permit = self._permit(take, named, self._adjuster(keys))
-        return RedisReservation(permit.delay, permit, self._engine, keys, take.undo)
+        permit = self._permit(take, named, keys, costs)
+        return RedisReservation(permit.delay, permit)
 
     def acquire(self, *, timeout: float | None = None, **kw: Any) -> RedisPermit:
         """Reserve every level in one round trip, then sleep once for the latest of them."""
@@ -335,6 +324,8 @@ class RedisPolicy(_PolicyBase):
 class AsyncRedisPolicy(_PolicyBase):
     """:class:`RedisPolicy` for ``redis.asyncio`` clients."""
 
+    _aio = True
+
     async def try_acquire(self, **kw: Any) -> RedisPermit | None:
         keys, costs, named = self._args(kw)
         try:
@@ -343,16 +334,7 @@ class AsyncRedisPolicy(_PolicyBase):
             return self._fallback_try(kw, named)
         take = _Take(reply)
         self._count(take)
-        return self._permit(take, named, self._adjuster(keys)) if take.ok else None
-
-    def _adjuster(
-        self, keys: list[bytes]
-    ) -> Callable[[dict[str, Any], dict[str, Any]], Awaitable[None]]:
-        async def adjust(est: dict[str, Any], actual: dict[str, Any]) -> None:
-            with contextlib.suppress(_Down):
-                await self._engine.arun(self._adjust_cmd(keys, est, actual))
-
-        return adjust
+        return self._permit(take, named, keys, costs) if take.ok else None
 
     async def reserve(self, *, max_wait: float | None = None, **kw: Any) -> RedisReservation:
         keys, costs, named = self._args(kw)
@@ -365,8 +347,8 @@ class AsyncRedisPolicy(_PolicyBase):
         self._count(take)
         if not take.ok:
             raise self._refusal(take, mw)
-        permit = self._permit(take, named, self._adjuster(keys))
-        return RedisReservation(permit.delay, permit, self._engine, keys, take.undo)
+        permit = self._permit(take, named, keys, costs)
+        return RedisReservation(permit.delay, permit)
 
     def acquire(self, *, timeout: float | None = None, **kw: Any) -> _AsyncAcquire[RedisPermit]:
         return _AsyncAcquire(lambda: self._acquire(timeout, kw))

@@ -82,7 +82,7 @@ class _Bucket:
 class _Take:
     """A parsed reply of the take script."""
 
-    __slots__ = ("level", "mask", "ok", "undo", "wait_us")
+    __slots__ = ("level", "mask", "ok", "start", "undo", "wait_us")
 
     def __init__(self, reply: Sequence[Any] | int) -> None:
         if isinstance(reply, int):  # the fast path's one integer
@@ -90,6 +90,7 @@ class _Take:
             self.wait_us = reply >> 6
             self.level = reply & 63
             self.mask = 0
+            self.start = ""
             self.undo: list[str] = []
             return
         self.ok = int(reply[0]) == 1
@@ -97,7 +98,15 @@ class _Take:
         v = int(reply[2]) if len(reply) > 2 else 0
         self.level = 0 if self.ok else v
         self.mask = v if self.ok else 0
-        self.undo = [_text(x) for x in reply[3:]]
+        # With undo: the grant time, then (before, after, generation) per bucket.
+        self.start = _text(reply[3]) if len(reply) > 3 else ""
+        self.undo = [_text(x) for x in reply[4:]]
+
+
+def _gen_key(key: bytes) -> bytes:
+    """The generation key of a bucket: its name behind a byte no UTF-8 prefix starts with
+    (so never another bucket's name), in the same cluster slot (same hash tag)."""
+    return b"\xff" + key
 
 
 def _take_args(
@@ -129,7 +138,3 @@ def _peek_args(clock: _Clock, buckets: Sequence[_Bucket], costs: Sequence[int]) 
         args.append(b.inc(c))
         args.append(b.tau)
     return args
-
-
-def _adjust_args(clock: _Clock, deltas: Sequence[int]) -> list[Any]:
-    return ["a", clock.now_arg(), clock.keep_ms, 0, 0, *deltas]

@@ -8,12 +8,16 @@
 -- T (take now, on TIME): ARGV[2..] per key: inc, tau -> 0, or wait * 64 + first refusing key
 -- Other ops: ARGV[1] op; ARGV[2] now: '' = the server's TIME, else microseconds (test
 -- clocks only); ARGV[3] ms added to every expiry, ARGV[4], ARGV[5] per op, then per key:
--- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow -> {ok, wait, key|mask, undo..}
+-- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow
+--              -> {ok, wait, key|mask} and with undo {.., grant time, (before, after, gen)..}
 -- p  peek:   -, -  | inc, tau                                   -> {wait, used...}
--- a  adjust: -, -  | delta (signed)                             -> 1
--- u  undo:   -, -  | expected TAT, previous TAT ('' = full)     -> how many undone
+-- g  give back (signed: a charge when < 0 is not given): -, -
+--            | after, before, gen, slot, grant time, held, delta, tau -> {(status, after)..}
 -- l  lease:  -, -  | T, tau, units, need, give back from, to, version
 --                                               -> {ok, wait, (k, start, debit, version)..}
+-- With undo (t) and for g, KEYS holds the buckets and then one generation key per bucket:
+-- it changes at every give-back that is not exact, so an exact undo never follows a
+-- TAT that only came back to the value it left by other routes.
 local op = ARGV[1]
 local now
 if op == 'T' or ARGV[2] == '' then
@@ -73,6 +77,7 @@ end
 
 if op == 't' then
   local max_wait, undo = tonumber(ARGV[4]), ARGV[5] == '1'
+  if undo then n = n / 2 end
   local xs, olds = {}, {}
   local s, slow, first = now, 0, 0
   for i = 1, n do
@@ -96,6 +101,7 @@ if op == 't' then
   end
   -- Granted at s: every bucket is debited at s (TAT = max(TAT, s) + inc).
   local out = {1, wait, 0}
+  if undo then out[4] = string.format('%d', s) end
   local mask = 0
   for i = 1, n do
     local j = 3 * i + 3
@@ -108,12 +114,14 @@ if op == 't' then
       if undo then
         out[#out + 1] = ''
         out[#out + 1] = ''
+        out[#out + 1] = ''
       end
     else
       local v = store(KEYS[i], y)
       if undo then
         out[#out + 1] = olds[i]
         out[#out + 1] = v
+        out[#out + 1] = redis.call('GET', KEYS[n + i]) or ''
       end
     end
   end
@@ -131,29 +139,79 @@ elseif op == 'p' then
   end
   out[1] = w
   return out
-elseif op == 'a' then
-  for i = 1, n do
-    local d = tonumber(ARGV[5 + i])
-    if d ~= 0 then store(KEYS[i], tat(KEYS[i]) + d) end
-  end
-  return 1
-elseif op == 'u' then
-  -- Takes a debit back while it is still the bucket's latest (nothing came after it).
-  local c = 0
-  for i = 1, n do
-    local j = 2 * i + 4
-    local e = ARGV[j]
-    if e ~= '' and redis.call('GET', KEYS[i]) == e then
-      local o = ARGV[j + 1]
-      if o == '' then
-        redis.call('DEL', KEYS[i])
+elseif op == 'g' then
+  -- The one undo rule, per bucket, for a debit the client holds as a record: exact (back
+  -- to the value before it, or lowered by the part given back) while it is still the
+  -- bucket's latest change; otherwise a refund, only while no grant is scheduled in the
+  -- future (TAT <= now + tau), of at most what the debit can still hold (it ends no lower
+  -- than its grant time + its debit) and never past full; otherwise nothing. A negative
+  -- delta is a charge (the debit grows). Status per key: x exact (with the new after),
+  -- k kept (a grant scheduled ahead keeps its slot), r refunded, n nothing, d dropped, c
+  -- charged (with the new after when it was the latest).
+  local m = n / 2
+  local out = {}
+  for i = 1, m do
+    local j = 8 * i - 2
+    local k, gk = KEYS[i], KEYS[m + i]
+    local after, before, g, slot = ARGV[j], ARGV[j + 1], ARGV[j + 2], ARGV[j + 3]
+    local s, held, delta, tau = ARGV[j + 4], tonumber(ARGV[j + 5]), tonumber(ARGV[j + 6]),
+      tonumber(ARGV[j + 7])
+    local latest = after ~= '' and (redis.call('GET', k) or '') == after
+      and (redis.call('GET', gk) or '') == g
+    local status, new = 'n', ''
+    if delta < 0 then
+      local y = tat(k) - delta
+      new = store(k, y)
+      status = 'c'
+      if not latest then new = '' end
+    elseif delta > 0 and latest then
+      if delta >= held and before ~= '-' then
+        if before == '' then
+          redis.call('DEL', k)
+          new = ''
+        else
+          new = store(k, tonumber(before))
+        end
+        status = 'x'
       else
-        store(KEYS[i], tonumber(o))
+        local lowered = tonumber(after) - delta
+        if slot ~= '' and tonumber(slot) > now + tau and lowered < tonumber(slot) then
+          status, new = 'k', after
+        else
+          new = store(k, lowered)
+          status = 'x'
+        end
       end
-      c = c + 1
+    elseif delta > 0 then
+      local x = tat(k)
+      if x > now + tau then
+        status = 'd'
+      else
+        local cap = delta
+        if s ~= '' then
+          local h = tonumber(s) + held - now
+          if h < cap then cap = h end
+        end
+        if cap > 0 and x > now then
+          local y = x - cap
+          if y < now then y = now end
+          store(k, y)
+          -- Not exact: a new generation, no lower than any before it, kept at least
+          -- as long as the bucket could still hold a debit taken before it.
+          local gv = tonumber(redis.call('GET', gk) or '0')
+          if gv < now then gv = now else gv = gv + 1 end
+          local px = math.ceil((x - now) / 1000) + keep
+          local old = redis.call('PTTL', gk)
+          if old > px then px = old end
+          redis.call('SET', gk, string.format('%d', gv), 'PX', px)
+          status = 'r'
+        end
+      end
     end
+    out[#out + 1] = status
+    out[#out + 1] = new
   end
-  return c
+  return out
 elseif op == 'l' then
   -- KEYS: the buckets, then one version key per bucket (the last give-back, or none).
   local m = n / 2
