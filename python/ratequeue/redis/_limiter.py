@@ -74,8 +74,8 @@ class _LimiterBase:
         self._units = _units_of(rates)
         self._bucket_unit = [self._units.index(b.unit) for b in self._buckets]
         self.keys = [f"{prefix}:{{{self.tag}}}:{name}:{i}".encode() for i in range(len(rates))]
-        self._version_keys = [k + b":v" for k in self.keys]
         self._head = self._engine.head(len(self.keys))
+        # One generation key per bucket: exact undos and lease give-backs check it.
         self._gen_keys = [_gen_key(k) for k in self.keys]
         self._undo_head = self._engine.head(2 * len(self.keys))
         try:
@@ -274,7 +274,7 @@ class _LimiterBase:
             want = max(self._lease_units[i], need) if costs else 0
             lo, hi, v = back[i] if back else ("", "", "")
             args += [repr(b.interval), b.tau, want, need, lo, hi, v]
-        return (*self._engine.head(2 * len(self.keys)), *self.keys, *self._version_keys, *args)
+        return (*self._engine.head(2 * len(self.keys)), *self.keys, *self._gen_keys, *args)
 
     def _lease_from(self, reply: Sequence[Any]) -> _Lease | None:
         if int(reply[0]) != 1:
@@ -452,7 +452,7 @@ class RedisLimiter(_LimiterBase):
 
     def reset(self) -> None:
         """Deletes this limiter's keys: every bucket is full again."""
-        self._engine.client.delete(*self.keys, *self._version_keys, *self._gen_keys)
+        self._engine.client.delete(*self.keys, *self._gen_keys)
 
     def close(self) -> None:
         """Gives the unused part of the current lease back to Redis."""
@@ -570,7 +570,7 @@ class AsyncRedisLimiter(_LimiterBase):
         return self._available_of(self._peeked(reply)[1], unit)
 
     async def reset(self) -> None:
-        await self._engine.client.delete(*self.keys, *self._version_keys, *self._gen_keys)
+        await self._engine.client.delete(*self.keys, *self._gen_keys)
 
     async def close(self) -> None:
         if not self._lease_units:

@@ -65,6 +65,17 @@ end
 
 local keep = tonumber(ARGV[3])
 
+-- A new generation for bucket TAT x at a give-back that is not exact: after the last one
+-- (at least now), kept at least as long as the bucket could hold a debit taken before.
+local function bump(gk, x)
+  local v = tonumber(redis.call('GET', gk) or '0')
+  if v < now then v = now else v = v + 1 end
+  local px = math.ceil((x - now) / 1000) + keep
+  local old = redis.call('PTTL', gk)
+  if old > px then px = old end
+  redis.call('SET', gk, string.format('%d', v), 'PX', px)
+end
+
 -- Writes TAT x with its expiry; a full bucket is no key. Returns the stored value.
 local function store(key, x)
   if x <= now then
@@ -196,14 +207,7 @@ elseif op == 'g' then
           local y = x - cap
           if y < now then y = now end
           store(k, y)
-          -- Not exact: a new generation, no lower than any before it, kept at least
-          -- as long as the bucket could still hold a debit taken before it.
-          local gv = tonumber(redis.call('GET', gk) or '0')
-          if gv < now then gv = now else gv = gv + 1 end
-          local px = math.ceil((x - now) / 1000) + keep
-          local old = redis.call('PTTL', gk)
-          if old > px then px = old end
-          redis.call('SET', gk, string.format('%d', gv), 'PX', px)
+          bump(gk, x)
           status = 'r'
         end
       end
@@ -213,7 +217,8 @@ elseif op == 'g' then
   end
   return out
 elseif op == 'l' then
-  -- KEYS: the buckets, then one version key per bucket (the last give-back, or none).
+  -- KEYS: the buckets, then their generation keys (the version of a lease: the last
+  -- give-back that was not exact, or none).
   local m = n / 2
   local xs, dirty = {}, {}
   local wait = 0
@@ -228,9 +233,7 @@ elseif op == 'l' then
       local h, l = tonumber(ARGV[j + 5]), tonumber(ARGV[j + 4])
       if l < now then l = now end
       if v == ARGV[j + 6] and h > l then
-        local nv = now
-        if v ~= '' and tonumber(v) >= now then nv = tonumber(v) + 1 end
-        redis.call('SET', KEYS[m + i], nv, 'PX', math.ceil((x - now) / 1000) + keep)
+        bump(KEYS[m + i], x)
         x = x - (h - l)
         if x < now then x = now end
         dirty[i] = true
