@@ -14,7 +14,14 @@ dropping one changes no decision. Debits are ``round(cost * T)`` microseconds wi
 ``T = per / amount``: exact (and equal, decision for decision, to the Rust core) when
 ``T`` is a whole number of microseconds; otherwise each debit is rounded to the
 nearest microsecond (an error of at most 0.5 us per request, not a drift of the rate
-definition).
+definition). A bucket's generation key (``b"\\xff" + its name``) changes at every
+give-back that is not exact; cancel and settle follow the core's one undo rule
+(docs/redis.md, "Cancel, settle and the undo rule").
+
+Modules: the script (``gcra.lua``, package data) and its protocol (``_script``),
+connections (``_connection``), the circuit breaker (``_breaker``), the engine that runs
+the script (``_engine``), permits, reservations and leases (``_permits``), and the
+limiter, keyed limiter and policy (``_limiter``, ``_keyed``, ``_policy``).
 
 Key names: ``{prefix}:{{tag}}:{name}:{i}`` for rate ``i`` of a limiter (``tag``
 defaults to ``name``), ``{prefix}:{{tag}}:{name}:{key}`` for a keyed limiter (``tag``
