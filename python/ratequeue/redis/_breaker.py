@@ -33,6 +33,7 @@ class CircuitBreaker:
 
     @property
     def state(self) -> str:
+        """``closed``, ``open`` or ``half-open``."""
         if self._open_until is None:
             return "closed"
         return "half-open" if self._probing else "open"
@@ -86,4 +87,5 @@ class CircuitBreaker:
             self._probing = False
 
     def stats(self) -> dict[str, Any]:
+        """State, failures seen and times opened."""
         return {"state": self.state, "failures": self.failures, "opened": self.opened}

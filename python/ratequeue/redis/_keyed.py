@@ -79,10 +79,12 @@ class _KeyedBase:
 
     @property
     def rate(self) -> Rate:
+        """The rate of every key's bucket."""
         return self._bucket.rate
 
     @property
     def breaker(self) -> CircuitBreaker:
+        """The circuit breaker this limiter reports to (shared if one was given)."""
         return self._engine.breaker
 
     def key(self, key: Key) -> bytes:
@@ -173,6 +175,7 @@ class _KeyedBase:
         return RedisReservation(0.0, RedisPermit(0.0, named, None))
 
     def stats(self) -> dict[str, Any]:
+        """Counters: Redis calls, failures, fallback decisions, admitted, refused."""
         s = self._engine.stats()
         s.update(admitted=self._admitted, refused=self._refused)
         return s
@@ -189,6 +192,7 @@ class RedisKeyedLimiter(_KeyedBase):
     """
 
     def try_acquire(self, key: Key, cost: int = 1) -> bool:
+        """Admits ``key`` now or returns False; never waits (one round trip)."""
         c = self._cost(cost)
         try:
             reply = self._engine.run(self._take_cmd(key, c, 0, False))
@@ -199,6 +203,7 @@ class RedisKeyedLimiter(_KeyedBase):
     def reserve(
         self, key: Key, cost: int = 1, *, max_wait: float | None = None
     ) -> RedisReservation:
+        """Reserves in ``key``'s schedule inside Redis; Overloaded beyond ``max_wait``."""
         c = self._cost(cost)
         mw = _max_wait_us(max_wait)
         try:
@@ -228,6 +233,7 @@ class RedisKeyedLimiter(_KeyedBase):
         return r.permit
 
     def retry_after(self, key: Key, cost: int = 1) -> float:
+        """Seconds until ``key`` would admit ``cost`` (0.0 = now); changes nothing."""
         c = self._cost(cost)
         try:
             reply = self._engine.run(self._peek_cmd(key, c))
@@ -236,6 +242,7 @@ class RedisKeyedLimiter(_KeyedBase):
         return int(reply[0]) / 1e6
 
     def available(self, key: Key) -> float:
+        """Units ``key``'s bucket could admit now."""
         try:
             reply = self._engine.run(self._peek_cmd(key, 0))
         except _Down:
@@ -244,6 +251,7 @@ class RedisKeyedLimiter(_KeyedBase):
         return (b.tau - int(reply[1])) / b.interval
 
     def reset(self, key: Key) -> None:
+        """Deletes ``key``'s bucket: it is full again."""
         k = self.key(key)
         self._engine.client.delete(k, _gen_key(k))
 
@@ -254,6 +262,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
     _aio = True
 
     async def try_acquire(self, key: Key, cost: int = 1) -> bool:
+        """Admits ``key`` now or returns False; never waits (one round trip)."""
         c = self._cost(cost)
         try:
             reply = await self._engine.arun(self._take_cmd(key, c, 0, False))
@@ -264,6 +273,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
     async def reserve(
         self, key: Key, cost: int = 1, *, max_wait: float | None = None
     ) -> RedisReservation:
+        """Reserves in ``key``'s schedule inside Redis; Overloaded beyond ``max_wait``."""
         c = self._cost(cost)
         mw = _max_wait_us(max_wait)
         try:
@@ -275,6 +285,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
     def acquire(
         self, key: Key, cost: int = 1, *, timeout: float | None = None
     ) -> _AsyncAcquire[RedisPermit]:
+        """Reserves inside Redis and sleeps once; Overloaded when the wait exceeds ``timeout``."""
         c = self._cost(cost)
         return _AsyncAcquire(lambda: self._acquire(key, c, timeout))
 
@@ -299,6 +310,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         return r.permit
 
     async def retry_after(self, key: Key, cost: int = 1) -> float:
+        """Seconds until ``key`` would admit ``cost`` (0.0 = now); changes nothing."""
         c = self._cost(cost)
         try:
             reply = await self._engine.arun(self._peek_cmd(key, c))
@@ -307,6 +319,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         return int(reply[0]) / 1e6
 
     async def available(self, key: Key) -> float:
+        """Units ``key``'s bucket could admit now."""
         try:
             reply = await self._engine.arun(self._peek_cmd(key, 0))
         except _Down:
@@ -315,5 +328,6 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         return (b.tau - int(reply[1])) / b.interval
 
     async def reset(self, key: Key) -> None:
+        """Deletes ``key``'s bucket: it is full again."""
         k = self.key(key)
         await self._engine.client.delete(k, _gen_key(k))

@@ -135,18 +135,22 @@ class _LimiterBase:
 
     @property
     def rates(self) -> list[Rate]:
+        """The rates decided in Redis, in the order given."""
         return [b.rate for b in self._buckets]
 
     @property
     def units(self) -> list[str]:
+        """The units the costs are named by, first one first."""
         return list(self._units)
 
     @property
     def breaker(self) -> CircuitBreaker:
+        """The circuit breaker this limiter reports to (shared if one was given)."""
         return self._engine.breaker
 
     @property
     def on_failure(self) -> OnFailure:
+        """What a decision does while Redis is unreachable."""
         return self._engine.on_failure
 
     def _costs(self, n: int | None, kw: Mapping[str, object]) -> list[int]:
@@ -338,6 +342,7 @@ class _LimiterBase:
         return old.give_back(old.drain(), self._buckets)
 
     def stats(self) -> dict[str, Any]:
+        """Counters: Redis calls, failures, fallback decisions, admitted, refused, leases."""
         s = self._engine.stats()
         s.update(admitted=self._admitted, refused=self._refused, leases=self._leases)
         return s
@@ -486,6 +491,7 @@ class AsyncRedisLimiter(_LimiterBase):
         self._alock: asyncio.Lock | None = None
 
     async def try_acquire(self, n: int | None = None, /, **costs: int) -> bool:
+        """Admits now or returns False; never waits (one round trip, or none from a lease)."""
         c = self._costs(n, costs)
         if self._lease_units:
             return self._lease_fast(c) or await self._lease_slow(c)
@@ -517,6 +523,7 @@ class AsyncRedisLimiter(_LimiterBase):
     async def reserve(
         self, n: int | None = None, /, *, max_wait: float | None = None, **costs: int
     ) -> RedisReservation:
+        """Reserves in arrival order inside Redis; Overloaded beyond ``max_wait`` (nothing held)."""
         c = self._costs(n, costs)
         mw = _max_wait_us(max_wait)
         try:
@@ -554,6 +561,7 @@ class AsyncRedisLimiter(_LimiterBase):
         return r.permit
 
     async def retry_after(self, n: int | None = None, /, **costs: int) -> float:
+        """Seconds until the costs would be admitted (0.0 = now); changes nothing."""
         c = self._costs(n, costs)
         try:
             reply = await self._engine.arun(self._peek_cmd(c))
@@ -562,6 +570,7 @@ class AsyncRedisLimiter(_LimiterBase):
         return self._peeked(reply)[0]
 
     async def available(self, unit: str | None = None) -> float:
+        """Units of ``unit`` (default: the first) that could be admitted now."""
         zero = [0] * len(self._units)
         try:
             reply = await self._engine.arun(self._peek_cmd(zero))
@@ -570,9 +579,11 @@ class AsyncRedisLimiter(_LimiterBase):
         return self._available_of(self._peeked(reply)[1], unit)
 
     async def reset(self) -> None:
+        """Deletes this limiter's keys: every bucket is full again."""
         await self._engine.client.delete(*self.keys, *self._gen_keys)
 
     async def close(self) -> None:
+        """Gives the unused part of the current lease back to Redis."""
         if not self._lease_units:
             return
         async with self._lock():

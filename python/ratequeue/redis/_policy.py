@@ -156,10 +156,12 @@ class _PolicyBase:
 
     @property
     def levels(self) -> list[str]:
+        """The level names, in order."""
         return [lv.name for lv in self._levels]
 
     @property
     def breaker(self) -> CircuitBreaker:
+        """The circuit breaker this policy reports to (shared if one was given)."""
         return self._engine.breaker
 
     def _args(self, kw: Mapping[str, Any]) -> tuple[list[bytes], list[int], dict[str, int]]:
@@ -260,6 +262,7 @@ class _PolicyBase:
         return RedisReservation(p.delay, RedisPermit(p.delay, costs, None, local=p), local=p)
 
     def stats(self) -> dict[str, Any]:
+        """Counters: Redis calls, failures, fallbacks, admitted, and refusals per level."""
         s = self._engine.stats()
         s["admitted"] = self._admitted
         s["levels"] = {
@@ -287,6 +290,7 @@ class RedisPolicy(_PolicyBase):
     """
 
     def try_acquire(self, **kw: Any) -> RedisPermit | None:
+        """Admits on every level now, or on none: a RedisPermit, or None when refused."""
         keys, costs, named = self._args(kw)
         try:
             reply = self._engine.run(self._take_cmd(keys, costs, 0, False))
@@ -327,6 +331,7 @@ class AsyncRedisPolicy(_PolicyBase):
     _aio = True
 
     async def try_acquire(self, **kw: Any) -> RedisPermit | None:
+        """Admits on every level now, or on none: a RedisPermit, or None when refused."""
         keys, costs, named = self._args(kw)
         try:
             reply = await self._engine.arun(self._take_cmd(keys, costs, 0, False))
@@ -337,6 +342,7 @@ class AsyncRedisPolicy(_PolicyBase):
         return self._permit(take, named, keys, costs) if take.ok else None
 
     async def reserve(self, *, max_wait: float | None = None, **kw: Any) -> RedisReservation:
+        """Reserves every level for one grant at the latest time any of them needs."""
         keys, costs, named = self._args(kw)
         mw = _max_wait_us(max_wait)
         try:
@@ -351,6 +357,7 @@ class AsyncRedisPolicy(_PolicyBase):
         return RedisReservation(permit.delay, permit)
 
     def acquire(self, *, timeout: float | None = None, **kw: Any) -> _AsyncAcquire[RedisPermit]:
+        """Reserves every level in one round trip, then sleeps once for the latest of them."""
         return _AsyncAcquire(lambda: self._acquire(timeout, kw))
 
     acquire_async = acquire
