@@ -32,6 +32,8 @@ class _Held:
     """
 
     __slots__ = (
+        "_costs",
+        "_take",
         "afters",
         "befores",
         "buckets",
@@ -53,25 +55,34 @@ class _Held:
         costs: Sequence[int],
         take: _Take | None = None,
     ) -> None:
-        n = len(keys)
+        # Kept as given: most grants are never settled nor cancelled (see ``_open``).
         self.engine = engine
-        self.keys = list(keys)
-        self.buckets = list(buckets)
+        self.keys = keys
+        self.buckets = buckets
+        self._costs: Sequence[int] | None = costs
+        self._take = take
+        self.done = False
+
+    def _open(self) -> None:
+        """Builds the per-bucket record from the script's reply, on first use."""
+        costs = self._costs
+        if costs is None:
+            return
+        self._costs = None
+        take, n = self._take, len(self.keys)
         mask = take.mask if take is not None else 0
         # A shadow level that would have refused was counted, not debited.
         self.debited = [not mask >> i & 1 for i in range(n)]
         self.helds = [
-            b.inc(c) if d else 0 for b, c, d in zip(buckets, costs, self.debited, strict=True)
+            b.inc(c) if d else 0 for b, c, d in zip(self.buckets, costs, self.debited, strict=True)
         ]
-        self.done = False
         rec = take.undo if take is not None else []
-        if rec:
+        if take is not None and rec:
             self.befores = rec[0::3]
             self.afters = rec[1::3]
             self.gens = rec[2::3]
-            ahead = take is not None and take.wait_us > 0
-            self.slots = [a if ahead else "" for a in self.afters]
-            self.start = take.start if take is not None else ""
+            self.slots = [a if take.wait_us > 0 else "" for a in self.afters]
+            self.start = take.start
         else:
             self.befores = ["-"] * n
             self.afters = [""] * n
@@ -81,6 +92,7 @@ class _Held:
 
     def cmd(self, deltas: Sequence[int]) -> tuple[Any, ...]:
         """The script call giving back ``deltas`` (microseconds; < 0 charges) per bucket."""
+        self._open()
         clock = self.engine.clock
         args: list[Any] = ["g", clock.now_arg(), clock.keep_ms, 0, 0]
         for i, b in enumerate(self.buckets):
@@ -115,8 +127,14 @@ class _Held:
                 gave = gave or status == "r"
         return gave
 
+    def everything(self) -> list[int]:
+        """What the grant holds per bucket (to give all of it back)."""
+        self._open()
+        return list(self.helds)
+
     def costs_deltas(self, actual: Mapping[str, int]) -> list[int]:
         """What to give back per bucket for the costs to become ``actual``."""
+        self._open()
         return [
             h - b.inc(actual[b.unit]) if d else 0
             for b, h, d in zip(self.buckets, self.helds, self.debited, strict=True)
@@ -276,7 +294,7 @@ class RedisReservation:
         held = self._held()
         if held is None:
             return False
-        gave = held.run(list(held.helds))
+        gave = held.run(held.everything())
         held.done = True
         return gave
 
@@ -287,7 +305,7 @@ class RedisReservation:
         held = self._held()
         if held is None:
             return False
-        gave = await held.arun(list(held.helds))
+        gave = await held.arun(held.everything())
         held.done = True
         return gave
 

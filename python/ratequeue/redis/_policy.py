@@ -12,10 +12,9 @@ from .._ratequeue import (
     ManualClock,
     Policy,
     Rate,
-    _check_policy_levels,
-    _policy_keywords,
+    _PolicyKeywords,
 )
-from ._args import Key, _key_bytes, _max_wait_us, _scaled, _units_of
+from ._args import _key_bytes, _max_wait_us, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Engine
@@ -29,7 +28,7 @@ PolicyLevel: TypeAlias = Limiter | KeyedLimiter | Rate | Sequence[Rate]
 
 
 class _Level:
-    __slots__ = ("buckets", "keyed", "name", "seg", "shadow", "units", "where")
+    __slots__ = ("buckets", "key_prefix", "keyed", "name", "seg", "shadow", "units", "where")
 
     def __init__(self, name: str, spec: object, shadow: bool) -> None:
         self.name = name
@@ -38,6 +37,7 @@ class _Level:
         self.seg = name.replace("\\", "\\\\").replace(":", "\\:")
         self.shadow = shadow
         self.where = f" (level {name!r})"
+        self.key_prefix = b""  # a keyed level's Redis key names, less the key (set by the policy)
         if isinstance(spec, KeyedLimiter):
             self.keyed = True
             rates = [spec.rate]
@@ -100,8 +100,7 @@ class _PolicyBase:
         self.max_wait = max_wait
         self._levels = [_Level(n, spec, n in shadow) for n, spec in levels.items()]
         # How a call's keywords address each level, for the bindings' parser.
-        self._keywords = tuple((lv.name, lv.keyed, tuple(lv.units)) for lv in self._levels)
-        _check_policy_levels(self._keywords)
+        self._keywords = _PolicyKeywords([(lv.name, lv.keyed, lv.units) for lv in self._levels])
         self._flat: list[tuple[int, int]] = []  # (level, bucket) per Redis key
         self._static: list[bytes | None] = []
         for li, lv in enumerate(self._levels):
@@ -117,6 +116,8 @@ class _PolicyBase:
         self._undo_head = self._engine.head(2 * len(self._flat))
         # Per Redis key: its fixed name, or the prefix its level's key is appended to.
         tagged = f"{prefix}:{{{self.tag}}}:"
+        for lv in self._levels:
+            lv.key_prefix = f"{tagged}{lv.seg}:".encode()
         self._key_parts: list[tuple[bytes, str | None]] = [
             (f"{tagged}{self._levels[li].seg}:".encode(), self._levels[li].name)
             if self._levels[li].keyed
@@ -175,30 +176,22 @@ class _PolicyBase:
                 self._default_costs,
                 self._default_units,
             )
-        units: dict[str, int] = {}
-        tagged = f"{self.prefix}:{{{self.tag}}}:".encode()
-        level_keys: list[bytes | None] = []
-        for lv, (key, level_costs) in zip(
-            self._levels, _policy_keywords(self._keywords, kw), strict=True
-        ):
-            level_keys.append(
-                tagged + lv.seg.encode() + b":" + _key_bytes(cast(Key, key), lv.name)
-                if lv.keyed
-                else None
-            )
-            for u, c in zip(lv.units, level_costs, strict=True):
-                units.setdefault(u, c if c != _SATURATED else cast(int, kw[u]))
+        given, units = self._keywords.parse(kw)
+        if _SATURATED in units.values():  # shown as given by CostTooLarge
+            units = {u: kw[u] if c == _SATURATED else c for u, c in units.items()}
         keys: list[bytes] = []
         costs: list[int] = []
+        levels = self._levels
         for j, (li, bi) in enumerate(self._flat):
-            lv = self._levels[li]
+            lv = levels[li]
             b = lv.buckets[bi]
             c = units[b.unit]
             b.check(c, lv.where)
             costs.append(c)
             static = self._static[j]
-            lk = level_keys[li]
-            keys.append(static if static is not None else lk if lk is not None else b"")
+            keys.append(
+                static if static is not None else lv.key_prefix + _key_bytes(given[li], lv.name)  # type: ignore[arg-type]
+            )
         return keys, costs, units
 
     def _take_cmd(

@@ -4,7 +4,7 @@
 use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::{type_err, value_err};
@@ -268,18 +268,25 @@ pub fn policy_keywords<'py>(
     levels: &[LevelKeywords<'_>],
     kw: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Vec<LevelCall<'py>>> {
-    let get = |name: &str| -> PyResult<Option<Bound<'py, PyAny>>> {
-        match kw {
-            Some(d) => d.get_item(name),
-            None => Ok(None),
+    // The keywords once, as text (a call passes a few): no Python string is made per lookup.
+    let mut given: Vec<(String, Bound<'py, PyAny>, bool)> = Vec::new();
+    if let Some(d) = kw {
+        given.reserve(d.len());
+        for (k, v) in d.iter() {
+            let k = k.cast::<PyString>().map_err(|_| type_err("keyword", "a str", &k))?;
+            given.push((k.to_str()?.to_owned(), v, false));
         }
+    }
+    let mut take = |name: &str| -> Option<Bound<'py, PyAny>> {
+        given.iter_mut().find(|(k, _, _)| k == name).map(|(_, v, used)| {
+            *used = true;
+            v.clone()
+        })
     };
-    let mut used: Vec<&str> = Vec::new();
     let mut out = Vec::with_capacity(levels.len());
     for l in levels {
         let key = if l.keyed {
-            used.push(l.name);
-            Some(get(l.name)?.ok_or_else(|| {
+            Some(take(l.name).ok_or_else(|| {
                 PyTypeError::new_err(format!("missing key for level {:?}: pass {}=...", l.name, l.name))
             })?)
         } else {
@@ -287,11 +294,8 @@ pub fn policy_keywords<'py>(
         };
         let mut costs = Vec::with_capacity(l.units.len().max(1));
         for u in l.units {
-            costs.push(match get(u)? {
-                Some(v) => {
-                    used.push(u);
-                    cost(u, &v)?
-                }
+            costs.push(match take(u) {
+                Some(v) => cost(u, &v)?,
                 None if u == "requests" => 1,
                 None => {
                     return Err(PyTypeError::new_err(format!(
@@ -306,15 +310,10 @@ pub fn policy_keywords<'py>(
         }
         out.push(LevelCall { key, costs });
     }
-    if let Some(d) = kw {
-        for k in d.keys() {
-            let k: String = k.extract()?;
-            if !used.contains(&k.as_str()) {
-                return Err(PyTypeError::new_err(format!(
-                    "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
-                )));
-            }
-        }
+    if let Some((k, _, _)) = given.iter().find(|(_, _, used)| !used) {
+        return Err(PyTypeError::new_err(format!(
+            "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
+        )));
     }
     Ok(out)
 }
@@ -340,14 +339,51 @@ pub fn check_policy_levels(levels: &[LevelKeywords<'_>]) -> PyResult<()> {
     Ok(())
 }
 
-/// `levels` as given to the private functions below: (name, keyed, units) per level.
-fn level_specs(levels: &Bound<'_, PyAny>) -> PyResult<Vec<(String, bool, Vec<String>)>> {
-    levels
-        .extract()
-        .map_err(|_| type_err("levels", "a sequence of (name, keyed, units)", levels))
+/// Private (for `ratequeue.redis`): a policy's levels as its calls' keywords address
+/// them, checked as `rq.Policy` checks them; `parse` reads a call as `rq.Policy` does.
+#[pyclass(frozen, name = "_PolicyKeywords", module = "ratequeue._ratequeue")]
+pub struct PolicyKeywordsPy {
+    specs: Vec<(String, bool, Vec<String>)>,
 }
 
-fn as_keywords(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> {
+#[pymethods]
+impl PolicyKeywordsPy {
+    /// `levels`: (name, keyed, units) per level.
+    #[new]
+    fn new(levels: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let specs: Vec<(String, bool, Vec<String>)> = levels
+            .extract()
+            .map_err(|_| type_err("levels", "a sequence of (name, keyed, units)", levels))?;
+        check_policy_levels(&keywords_of(&specs))?;
+        Ok(PolicyKeywordsPy { specs })
+    }
+
+    /// The keys per level (None for an unkeyed level), as given, and the cost per unit.
+    #[pyo3(signature = (kw = None))]
+    fn parse<'py>(
+        &self,
+        py: Python<'py>,
+        kw: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+        let levels = keywords_of(&self.specs);
+        let calls = policy_keywords(&levels, kw)?;
+        let costs = PyDict::new(py);
+        for (l, c) in levels.iter().zip(&calls) {
+            for (u, n) in l.units.iter().zip(&c.costs) {
+                costs.set_item(u, n)?;
+            }
+        }
+        let keys = PyTuple::new(
+            py,
+            calls
+                .into_iter()
+                .map(|c| c.key.unwrap_or_else(|| py.None().into_bound(py))),
+        )?;
+        Ok((keys, costs))
+    }
+}
+
+fn keywords_of(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> {
     specs
         .iter()
         .map(|(name, keyed, units)| LevelKeywords {
@@ -356,31 +392,4 @@ fn as_keywords(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> 
             units,
         })
         .collect()
-}
-
-/// Private (for `ratequeue.redis`): a policy call's keywords read as `rq.Policy` reads
-/// them. `levels`: (name, keyed, units) per level; returns (key, costs) per level, the
-/// key as given (None for an unkeyed level).
-#[pyfunction]
-pub fn _policy_keywords<'py>(
-    py: Python<'py>,
-    levels: &Bound<'py, PyAny>,
-    kw: Option<&Bound<'py, PyDict>>,
-) -> PyResult<Bound<'py, PyList>> {
-    let specs = level_specs(levels)?;
-    let calls = policy_keywords(&as_keywords(&specs), kw)?;
-    let items = calls
-        .into_iter()
-        .map(|c| {
-            let key = c.key.unwrap_or_else(|| py.None().into_bound(py));
-            PyTuple::new(py, [key, PyList::new(py, c.costs)?.into_any()])
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    PyList::new(py, items)
-}
-
-/// Private (for `ratequeue.redis`): the set-up check of `rq.Policy` on level names.
-#[pyfunction]
-pub fn _check_policy_levels(levels: &Bound<'_, PyAny>) -> PyResult<()> {
-    check_policy_levels(&as_keywords(&level_specs(levels)?))
 }
