@@ -112,8 +112,17 @@ def calls(mod: types.ModuleType, client: redis.Redis, tag: str) -> dict[str, Cal
         client, {k: v for k, v in levels.items() if k != "cluster"}, name=f"q{tag}"
     )
 
+    # An empty bucket on a clock that never moves: every reservation is ahead of now.
+    ahead = mod.RedisLimiter(
+        client, rq.Rate(1, per=1, burst=1), name=f"ahead{tag}", clock=rq.ManualClock()
+    )
+    ahead.try_acquire()
+
     def reserve_cancel() -> object:
         return one.reserve().cancel()
+
+    def reserve_ahead_cancel() -> object:
+        return ahead.reserve().cancel()
 
     def acquire_settle() -> object:
         p = lim.acquire(tokens=10)
@@ -134,7 +143,12 @@ def calls(mod: types.ModuleType, client: redis.Redis, tag: str) -> dict[str, Cal
         "RedisPolicy.try_acquire (3 levels, tokens=5: keyword parsing)": lambda: policy.try_acquire(
             user="alice", tenant="acme", tokens=5
         ),
-        "RedisLimiter.reserve() + cancel() (2 round trips)": reserve_cancel,
+        "RedisLimiter.reserve() + cancel(), granted at once (before: no 2nd trip)": (
+            reserve_cancel
+        ),
+        "RedisLimiter.reserve() + cancel() of a reservation ahead (2 round trips)": (
+            reserve_ahead_cancel
+        ),
         "RedisLimiter.acquire(tokens=10) + settle(tokens=5) (2 round trips)": acquire_settle,
         "script load after SCRIPT FLUSH (NOSCRIPT, SCRIPT LOAD, again)": load,
     }
@@ -227,9 +241,12 @@ included). Every limiter admits every call (rates of {HUGE}/s).
 
 Notes: the package loads its Lua from `gcra.lua` once at import (importlib.resources);
 the hot paths send the same packed `EVALSHA` as before. The policy's keyword parsing
-now runs in the bindings (`_policy_keywords`) instead of Python. Reservations and
+now runs in the bindings (`_PolicyKeywords`) instead of Python. Reservations and
 permits now carry each bucket's generation key (one more key and `GET` per bucket in
-the script) so that cancel and settle follow the one undo rule. The import row is the
+the script) so that cancel and settle follow the one undo rule; a reservation granted at
+once is now given back by `cancel` (before, the client refused without asking Redis:
+one round trip instead of two). On a plain sync client every command, not only the hot
+ones, is now sent packed by ratequeue on a pooled connection. The import row is the
 wall time of a fresh interpreter less that of `import ratequeue` (before: less the
 `git show` that fetches the old source too).
 """

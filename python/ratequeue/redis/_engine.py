@@ -12,7 +12,7 @@ import redis.exceptions
 from .._errors import Overloaded
 from .._ratequeue import ManualClock
 from ._breaker import CircuitBreaker
-from ._connection import _CONFIG_ERRORS, _DOWN_ERRORS, _is_down_reply
+from ._connection import _CONFIG_ERRORS, _DOWN_ERRORS, _is_down_reply, _pack
 from ._script import GCRA_LUA, GCRA_SHA, _Clock
 
 OnFailure: TypeAlias = Literal["fail_closed", "fail_open", "local"]
@@ -60,7 +60,7 @@ class _Engine:
         self.calls = 0
         self.failures = 0
         self.fallbacks = 0
-        # A plain sync client with a pool: the hot paths send commands packed once, on a
+        # A plain sync client with a pool: commands are sent packed (the hot ones packed once) on a
         # pooled connection, without redis-py's per-command packing and retry wrapper.
         pool = getattr(client, "connection_pool", None)
         self.raw = (
@@ -79,7 +79,9 @@ class _Engine:
 
     def _send(self, cmd: tuple[Any, ...] | bytes) -> Any:
         if type(cmd) is not bytes:
-            return self.client.execute_command(*cmd)
+            if not self.raw:
+                return self.client.execute_command(*cmd)
+            cmd = _pack(cmd)
         pool = self.client.connection_pool
         conn = pool.get_connection(*self._conn_args)
         try:
