@@ -11,13 +11,14 @@
 -- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow
 --              -> {ok, wait, key|mask} and with undo {.., grant time, (before, after, gen)..}
 -- p  peek:   -, -  | inc, tau                                   -> {wait, used...}
--- g  give back (signed: a charge when < 0 is not given): -, -
+-- g  give back `delta` (< 0: a charge): -, -
 --            | after, before, gen, slot, grant time, held, delta, tau -> {(status, after)..}
 -- l  lease:  -, -  | T, tau, units, need, give back from, to, version
 --                                               -> {ok, wait, (k, start, debit, version)..}
--- With undo (t) and for g, KEYS holds the buckets and then one generation key per bucket:
--- it changes at every give-back that is not exact, so an exact undo never follows a
--- TAT that only came back to the value it left by other routes.
+-- With undo (t), for g and for l, KEYS holds the buckets and then one generation key per
+-- bucket: it changes at every give-back that is not exact (a refund, a lease's), so an
+-- exact undo never follows a TAT that only came back to the value it left by another
+-- route, and a lease gives back only while its place in the schedule is where it was.
 local op = ARGV[1]
 local now
 if op == 'T' or ARGV[2] == '' then
