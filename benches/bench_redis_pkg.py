@@ -14,6 +14,8 @@ EVALSHA, SCRIPT LOAD, the call again) and importing the module in a fresh interp
 Usage::
 
     .venv/bin/python benches/bench_redis_pkg.py [--rev REV] [--rounds 15] [--batch 300]
+    # benches/bench_redis.py with the module of REV as ratequeue.redis (its arguments after --):
+    .venv/bin/python benches/bench_redis_pkg.py --bench-redis-before [--rev REV] -- --rounds 21
 """
 
 from __future__ import annotations
@@ -164,14 +166,30 @@ def import_seconds(code: str, runs: int) -> float:
     return statistics.median(out)
 
 
+def bench_redis_before(rev: str, args: list[str]) -> int:
+    """Runs benches/bench_redis.py with the module of ``rev`` as ``ratequeue.redis``."""
+    import runpy
+
+    mod = load_before(rev)
+    sys.modules["ratequeue.redis"] = mod
+    rq.redis = mod  # type: ignore[attr-defined]
+    sys.argv = ["bench_redis.py", *args]
+    runpy.run_path(str(ROOT / "benches" / "bench_redis.py"), run_name="__main__")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rev", default="524cb3a")
+    ap.add_argument("--bench-redis-before", action="store_true")
+    ap.add_argument("rest", nargs="*", help="arguments of bench_redis.py (after --)")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--batch", type=int, default=300)
     ap.add_argument("--imports", type=int, default=9)
     ap.add_argument("--out", type=Path, default=RESULTS)
     a = ap.parse_args()
+    if a.bench_redis_before:
+        return bench_redis_before(a.rev, a.rest)
     before = load_before(a.rev)
     with redis_server() as url:
         client = after.connect(url, timeout=5.0)
