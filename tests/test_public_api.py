@@ -17,7 +17,12 @@ import redis
 import redis.asyncio
 
 RATEQUEUE = {
+    "AIMD",
     "Acquiring",
+    "Adaptive",
+    "Gradient2",
+    "QueueDepth",
+    "Vegas",
     "Concurrency",
     "CostTooLarge",
     "Histogram",
