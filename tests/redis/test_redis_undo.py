@@ -6,6 +6,7 @@ scheduled in the future, of at most what the debit still holds; otherwise nothin
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -132,3 +133,19 @@ def test_a_partial_settle_of_a_grant_still_ahead_keeps_its_slot(client: redis.Re
     assert red.retry_after(tokens=1) == pytest.approx(before)
     clock.advance(0.2)
     assert red.retry_after(tokens=1) == pytest.approx(0.1)
+
+
+def test_a_fast_path_permit_refunds_only_what_time_has_not_restored(r: redis.Redis) -> None:
+    """A policy's try_acquire answers with its grant time only: a settle refunds what the
+    debit still holds from then, never the part time restored (a later debit holds it).
+    Real time (the fast path reads the server's clock): wide bounds."""
+    from ratequeue.redis import RedisPolicy
+
+    p = RedisPolicy(r, {"api": rq.Rate(10, per=1, burst=10, unit="tokens")}, name="fast")
+    first = p.try_acquire(tokens=10)
+    assert first is not None
+    time.sleep(0.5)  # 5 tokens restored
+    assert p.try_acquire(tokens=4) is not None  # the restored capacity, taken again
+    first.settle(tokens=0)  # holds about 5 tokens more: those come back, not all 10
+    peek = RedisLimiter(r, rq.Rate(10, per=1, burst=10, unit="tokens"), name="api", tag="fast")
+    assert 4.0 <= peek.available("tokens") <= 8.0

@@ -115,7 +115,7 @@ class _KeyedBase:
         return (*self._head, self.key(key), *_peek_args(self._engine.clock, self._buckets, [c]))
 
     def _tried(self, reply: Sequence[Any] | int) -> bool:
-        ok = reply == 0 if isinstance(reply, int) else int(reply[0]) == 1
+        ok = reply <= 0 if isinstance(reply, int) else int(reply[0]) == 1
         if ok:
             self._admitted += 1
         else:

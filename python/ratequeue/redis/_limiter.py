@@ -183,7 +183,7 @@ class _LimiterBase:
     # -- outcomes
 
     def _tried(self, reply: Sequence[Any] | int) -> bool:
-        ok = reply == 0 if isinstance(reply, int) else int(reply[0]) == 1
+        ok = reply <= 0 if isinstance(reply, int) else int(reply[0]) == 1
         if ok:
             self._admitted += 1
         else:

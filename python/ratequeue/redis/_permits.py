@@ -26,9 +26,10 @@ class _Held:
     Per bucket: the value the debit left (``after``; '' when it is no longer the
     bucket's latest change or is not known), the value before it ('' = full, '-' =
     unknown), the bucket's generation then, the slot of a grant scheduled ahead, and what
-    the debit holds now (``held``, microseconds). A grant known only by its costs (a
-    fast-path admission, a lease) has no ``after``: it gives back by the refund rule
-    alone, uncapped (as the core refunds a permit settled without its grant's token).
+    the debit holds now (``held``, microseconds). A grant of the fast path has only its
+    grant time: it gives back by the refund rule alone, capped from that time; a grant
+    served from a lease has neither, and refunds uncapped (as the core refunds a permit
+    settled without its record).
     """
 
     __slots__ = (
@@ -77,18 +78,17 @@ class _Held:
             b.inc(c) if d else 0 for b, c, d in zip(self.buckets, costs, self.debited, strict=True)
         ]
         rec = take.undo if take is not None else []
+        self.start = take.start if take is not None else ""
         if take is not None and rec:
             self.befores = rec[0::3]
             self.afters = rec[1::3]
             self.gens = rec[2::3]
             self.slots = [a if take.wait_us > 0 else "" for a in self.afters]
-            self.start = take.start
         else:
             self.befores = ["-"] * n
             self.afters = [""] * n
             self.gens = [""] * n
             self.slots = [""] * n
-            self.start = ""
 
     def cmd(self, deltas: Sequence[int]) -> tuple[Any, ...]:
         """The script call giving back ``deltas`` (microseconds; < 0 charges) per bucket."""

@@ -95,12 +95,12 @@ class _Take:
     __slots__ = ("level", "mask", "ok", "start", "undo", "wait_us")
 
     def __init__(self, reply: Sequence[Any] | int) -> None:
-        if isinstance(reply, int):  # the fast path's one integer
-            self.ok = reply == 0
-            self.wait_us = reply >> 6
-            self.level = reply & 63
+        if isinstance(reply, int):  # the fast path's one integer: -grant time, or a refusal
+            self.ok = reply <= 0
+            self.wait_us = 0 if self.ok else reply >> 6
+            self.level = 0 if self.ok else reply & 63
             self.mask = 0
-            self.start = ""
+            self.start = str(-reply) if self.ok else ""
             self.undo: list[str] = []
             return
         self.ok = int(reply[0]) == 1

@@ -5,7 +5,8 @@
 -- double below 2^53). No key means a full bucket: every write sets PX to the time until
 -- the bucket is full again, so idle keys cost no memory.
 --
--- T (take now, on TIME): ARGV[2..] per key: inc, tau -> 0, or wait * 64 + first refusing key
+-- T (take now, on TIME): ARGV[2..] per key: inc, tau -> -now (admitted, at that time)
+--                                                or wait * 64 + first refusing key
 -- Other ops: ARGV[1] op; ARGV[2] now: '' = the server's TIME, else microseconds (test
 -- clocks only); ARGV[3] ms added to every expiry, ARGV[4], ARGV[5] per op, then per key:
 -- t  take:   max_wait (-1: none), undo (1/0) | inc, tau, shadow
@@ -40,8 +41,8 @@ local function tat(key)
 end
 
 if op == 'T' then
-  -- The fast path of try_acquire: one integer back, 0 = admitted, else
-  -- wait * 64 + the first refusing key (at most 63).
+  -- The fast path of try_acquire: one integer back, -now = admitted (the grant time, for
+  -- a later give-back), else wait * 64 + the first refusing key (at most 63).
   local ys = {}
   for i = 1, n do
     local y = tat(KEYS[i]) + ARGV[2 * i]
@@ -61,7 +62,7 @@ if op == 'T' then
     local y = ys[i]
     if y > now then redis.call('SET', KEYS[i], y, 'PX', math.ceil((y - now) / 1000)) end
   end
-  return 0
+  return -now
 end
 
 local keep = tonumber(ARGV[3])
