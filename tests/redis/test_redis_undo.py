@@ -149,3 +149,18 @@ def test_a_fast_path_permit_refunds_only_what_time_has_not_restored(r: redis.Red
     first.settle(tokens=0)  # holds about 5 tokens more: those come back, not all 10
     peek = RedisLimiter(r, rq.Rate(10, per=1, burst=10, unit="tokens"), name="api", tag="fast")
     assert 4.0 <= peek.available("tokens") <= 8.0
+
+
+def test_a_grant_served_from_a_lease_is_charged_never_refunded(client: redis.Redis) -> None:
+    """Its lease gives back what it did not use: a refund to Redis would count it twice."""
+    clock = rq.ManualClock()
+    rate = rq.Rate(10, per=1, burst=10, unit="tokens")
+    lim = RedisLimiter(client, rate, name=f"undo{next(_ids)}", lease=0.5, clock=clock)
+    assert lim.try_acquire(tokens=1)  # takes a lease of 5 tokens
+    before = lim.available("tokens")
+    assert before == pytest.approx(5)
+    p = lim.acquire(tokens=2)  # from the lease: no round trip
+    p.settle(tokens=1)
+    assert lim.available("tokens") == pytest.approx(before)
+    p.settle(tokens=3)  # one more than the 2 the lease debited for it
+    assert lim.available("tokens") == pytest.approx(before - 1)

@@ -203,8 +203,10 @@ class _LimiterBase:
             return False
 
     def _permit(self, costs: list[int], take: _Take | None) -> RedisPermit:
-        """A permit of Redis's decision, holding its debits (``take``: the script's record)."""
-        held = _Held(self._engine, self.keys, self._buckets, self._per_bucket(costs), take)
+        """A permit of Redis's decision, holding its debits (``take``: the script's record;
+        None: served from the lease, whose unused part the lease gives back itself)."""
+        per = self._per_bucket(costs)
+        held = _Held(self._engine, self.keys, self._buckets, per, take, refunds=take is not None)
         delay = take.wait_us / 1e6 if take is not None else 0.0
         return RedisPermit(delay, self._named(costs), held, aio=self._aio)
 

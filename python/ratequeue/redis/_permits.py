@@ -27,13 +27,14 @@ class _Held:
     bucket's latest change or is not known), the value before it ('' = full, '-' =
     unknown), the bucket's generation then, the slot of a grant scheduled ahead, and what
     the debit holds now (``held``, microseconds). A grant of the fast path has only its
-    grant time: it gives back by the refund rule alone, capped from that time; a grant
-    served from a lease has neither, and refunds uncapped (as the core refunds a permit
-    settled without its record).
+    grant time: it gives back by the refund rule alone, capped from that time. A grant
+    served from a lease (``refunds=False``) is only charged: its lease gives back what
+    it did not use.
     """
 
     __slots__ = (
         "_costs",
+        "_refunds",
         "_take",
         "afters",
         "befores",
@@ -55,8 +56,11 @@ class _Held:
         buckets: Sequence[_Bucket],
         costs: Sequence[int],
         take: _Take | None = None,
+        *,
+        refunds: bool = True,
     ) -> None:
         # Kept as given: most grants are never settled nor cancelled (see ``_open``).
+        self._refunds = refunds
         self.engine = engine
         self.keys = keys
         self.buckets = buckets
@@ -135,10 +139,11 @@ class _Held:
     def costs_deltas(self, actual: Mapping[str, int]) -> list[int]:
         """What to give back per bucket for the costs to become ``actual``."""
         self._open()
-        return [
+        out = [
             h - b.inc(actual[b.unit]) if d else 0
             for b, h, d in zip(self.buckets, self.helds, self.debited, strict=True)
         ]
+        return out if self._refunds else [min(x, 0) for x in out]
 
     def run(self, deltas: Sequence[int]) -> bool:
         if self.done or not any(deltas):
