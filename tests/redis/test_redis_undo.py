@@ -164,3 +164,27 @@ def test_a_grant_served_from_a_lease_is_charged_never_refunded(client: redis.Red
     assert lim.available("tokens") == pytest.approx(before)
     p.settle(tokens=3)  # one more than the 2 the lease debited for it
     assert lim.available("tokens") == pytest.approx(before - 1)
+
+
+def test_a_policy_gives_back_only_what_it_debited(client: redis.Redis) -> None:
+    """A shadow level that would have refused was counted, not debited: a cancel or a
+    settle leaves it alone and gives the enforced levels back."""
+    from ratequeue.redis import RedisPolicy
+
+    clock = rq.ManualClock()
+    levels = {
+        "user": rq.KeyedLimiter(rq.Rate(1, per=3600, burst=1)),
+        "cluster": rq.Rate(10, per=1, burst=10, unit="tokens"),
+    }
+    name = f"undo{next(_ids)}"
+    p = RedisPolicy(client, levels, name=name, shadow=["user"], clock=clock)
+    assert p.try_acquire(user="a", tokens=1) is not None  # the user's only request
+    user_key = f"rq:{{{name}}}:user:s:a".encode()
+    user_tat = client.get(user_key)
+    res = p.reserve(user="a", tokens=4)  # the shadow level would refuse: not debited
+    assert client.get(user_key) == user_tat
+    res.permit.settle(tokens=2)
+    assert res.cancel() is True
+    assert client.get(user_key) == user_tat
+    peek = RedisLimiter(client, levels["cluster"], name="cluster", tag=name, clock=clock)
+    assert peek.available("tokens") == pytest.approx(9)
