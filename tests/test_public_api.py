@@ -20,6 +20,8 @@ RATEQUEUE = {
     "AIMD",
     "Acquiring",
     "Adaptive",
+    "BudgetExceeded",
+    "CallBudget",
     "Gradient2",
     "QueueDepth",
     "Vegas",
