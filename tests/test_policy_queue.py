@@ -329,24 +329,15 @@ def test_an_acquire_async_never_awaited_holds_nothing() -> None:
 
 
 @pytest.mark.timeout(60)
-def test_ctrl_c_while_a_policy_waits_in_a_queue_gives_everything_back() -> None:
-    import os
-    import signal
-    import threading
-
+def test_ctrl_c_while_a_policy_waits_in_a_queue_gives_everything_back(ctrl_c: Any) -> None:
     first = rq.Concurrency(1)
     second = rq.Concurrency(1)
     policy = rq.Policy({"first": first, "second": second})
     holder = second.acquire()
-    old = signal.signal(signal.SIGINT, signal.default_int_handler)
-    try:
-        timer = threading.Timer(0.15, os.kill, (os.getpid(), signal.SIGINT))
-        timer.start()
-        with pytest.raises(KeyboardInterrupt):
-            policy.acquire()  # holds first, waits in second's queue
-        timer.join()
-    finally:
-        signal.signal(signal.SIGINT, old)
+    timer = ctrl_c(0.15)
+    with pytest.raises(KeyboardInterrupt):
+        policy.acquire()  # holds first, waits in second's queue
+    timer.join()
     assert (first.in_use, second.waiting, second.in_use) == (0, 0, 1)
     holder.release()
     assert second.in_use == 0
