@@ -4,14 +4,14 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::policy::{Held, LevelQueues, PolicyAcquire, QueueRef, Refusal, Step, Waker};
 use ratequeue_core::queue::Slot;
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy, Wake};
 
-use crate::args::{cost, seconds_ns};
+use crate::args::seconds_ns;
 use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
