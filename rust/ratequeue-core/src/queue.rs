@@ -583,6 +583,18 @@ impl WaitQueue {
         timeout_ns: Option<u64>,
         wake: impl FnOnce() -> Wake,
     ) -> Result<Submitted, Error> {
+        self.submit_dated(costs, class, timeout_ns, wake).map(|(s, _)| s)
+    }
+
+    /// [`WaitQueue::submit`], with the clock reading it decided at: a queued waiter's
+    /// arrival, so its grant's schedule time is exactly that plus its `waited_ns`.
+    pub fn submit_dated(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Result<(Submitted, u64), Error> {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
@@ -617,7 +629,7 @@ impl WaitQueue {
         self.give_back_gone(gone);
         match refused {
             Some(e) => Err(e),
-            None => result,
+            None => result.map(|r| (r, now)),
         }
     }
 
