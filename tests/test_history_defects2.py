@@ -71,3 +71,83 @@ def test_a_queued_task_grant_is_dated_at_its_schedule_time() -> None:
     for p in asyncio.run(main()):
         assert p.granted_at_ns == NS // 10
         assert p.granted_at_ns - round(p.waited * NS) == 0
+
+
+# ---------------------------------------------------------------------------------------
+# A settle that charges an overage while a queued reservation holds a promised time used
+# to push the waiters ahead of it onto that time (seed 7/10, one class): the holder goes
+# at its promised time, so two grants shared one slot. The overage is now debited behind
+# the promised reservations: nobody is moved onto a promise, and FIFO holds.
+
+
+def _gaps_ok(times: list[float], interval: float) -> bool:
+    ts = sorted(times)
+    return all(b - a >= interval - 1e-9 for a, b in zip(ts, ts[1:], strict=False))
+
+
+def test_an_overage_settled_under_a_queued_reservation_moves_nobody_onto_its_time() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)  # one unit per 0.1 s
+    p = lim.acquire()  # at 0
+    ch = Channel()
+    ticket = lim.submit(ch)  # a waiter due at 0.1
+    r = lim.reserve()  # behind it: promised 0.2
+    assert round(r.delay, 9) == 0.2
+    p.settle(requests=2)  # one more unit for the grant at 0
+    lim.run_until(0.25)
+    ((t, ok, waited_ns),) = ch.drain()
+    assert (t, ok) == (ticket, True)
+    waiter = waited_ns / NS
+    assert waiter <= r.delay  # FIFO: the waiter still goes before the reservation
+    assert _gaps_ok([0.0, waiter, r.delay], 0.1)  # and never onto its promised time
+    # The overage is still owed, debited behind the promise: next admission at 0.4.
+    assert round(lim.retry_after(), 9) == 0.15
+    assert lim.waiting == 0
+
+
+def test_an_overage_and_a_waiter_ahead_leaving_keep_every_promise() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    p = lim.acquire()
+    ch = Channel()
+    leaving = lim.submit(ch, timeout=0.15)  # due 0.1; leaves at 0.15 once pushed
+    staying = lim.submit(ch)  # due 0.2
+    r = lim.reserve()  # promised 0.3
+    assert round(r.delay, 9) == 0.3
+    p.settle(requests=3)  # two more units
+    lim.run_until(3.0)
+    grants = {t: w / NS for t, ok, w in ch.drain() if ok}
+    assert staying in grants
+    times = [0.0, r.delay, *grants.values()]
+    assert _gaps_ok(times, 0.1), sorted(times)
+    assert grants[staying] <= r.delay
+    assert leaving not in grants or grants[leaving] <= grants[staying]
+
+
+# ---------------------------------------------------------------------------------------
+# A multi-rate limiter debits every rate at the latest rate's time, so a rate can hold a
+# grant scheduled in its future that its own TAT does not reveal (it conformed earlier).
+# Cancelling an older reservation then refunded units a later-scheduled grant already
+# stood on (seed 7: 143 tokens in 0.4 s against 100 + 100/s).
+
+
+def test_a_refund_never_frees_what_a_later_scheduled_grant_of_another_rate_stands_on() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(
+        rq.Rate(5, per=2, burst=1),  # one request per 0.4 s
+        rq.Rate(100, per=1, burst=100, unit="tokens"),
+        clock=clock,
+    )
+    clock.advance(1.0)
+    assert lim.try_acquire(requests=1, tokens=39)  # 1.0
+    r1 = lim.reserve(requests=1, tokens=30)  # 1.4
+    r2 = lim.reserve(requests=1, tokens=55)  # 1.8
+    clock.advance(1.0)
+    r3 = lim.reserve(requests=1, tokens=61)  # 2.2: the requests rate sets its time
+    assert [round(r.at, 9) for r in (r1, r2, r3)] == [1.4, 1.8, 2.2]
+    clock.advance(0.12)  # 2.12: r2's time has passed, r3's not
+    r2.cancel()
+    r4 = lim.reserve(requests=1, tokens=82)
+    # 61 + 82 tokens within d seconds: at most 100 + 100 * d.
+    d = r4.at - r3.at
+    assert 61 + 82 <= 100 + 100 * d + 1e-6, (r3.at, r4.at)

@@ -700,7 +700,7 @@ impl KeyedLimiter {
             (new, Undo::Exact)
         } else {
             t.latest = false;
-            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after)) {
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), 0) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
                     (new, Undo::Refunded)
@@ -731,7 +731,7 @@ impl KeyedLimiter {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, 0) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
         };

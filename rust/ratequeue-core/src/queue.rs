@@ -40,6 +40,10 @@ pub trait Resource: Send + Sync {
     /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not
     /// possible. Ok carries a token that identifies the state right after the grant.
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny>;
+    /// Debits `costs` at `at_ns` whatever the conformance (an overage settled after its
+    /// grant, possibly into debt). Only resources that schedule in time are charged;
+    /// others ignore it.
+    fn charge_at(&self, _at_ns: u64, _costs: &[u64]) {}
     /// Gives back what a grant took and was never used, by the one undo rule
     /// ([`crate::Bucket::give_back`]): with the grant's `token`, exactly while nothing
     /// came after it on any rate; otherwise refunded only while no grant is scheduled in
@@ -65,15 +69,15 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
-    /// Grant time of `costs` once `backlog` (queued costs in grant order, each with its
-    /// promised time) has been served by the joint FIFO schedule: each waiter at the
-    /// latest conformance time over the rates and every rate debited at that time.
-    /// By default [`Resource::predict`] of the summed backlog (exact for one rate
-    /// without promised times).
-    fn predict_backlog(&self, now_ns: u64, backlog: &[(&[u64], Option<u64>)], costs: &[u64]) -> Option<u64> {
+    /// Grant time of `costs` once `backlog` has been served by the joint FIFO schedule:
+    /// each waiter at the latest conformance time over the rates and every rate debited
+    /// at that time (a charge debited without waiting for conformance). By default
+    /// [`Resource::predict`] of the summed backlog (exact for one rate without promised
+    /// times).
+    fn predict_backlog(&self, now_ns: u64, backlog: &[Queued<'_>], costs: &[u64]) -> Option<u64> {
         let mut ahead = vec![0u128; costs.len()];
         let mut due = now_ns;
-        for (c, d) in backlog {
+        for Queued { costs: c, due: d, .. } in backlog {
             for (a, x) in ahead.iter_mut().zip(c.iter()) {
                 *a += *x as u128;
             }
@@ -81,6 +85,17 @@ pub trait Resource: Send + Sync {
         }
         self.predict(now_ns, &saturated(&ahead), costs).map(|t| t.max(due))
     }
+}
+
+/// One queued waiter as a prediction sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Queued<'a> {
+    /// Its cost per unit.
+    pub costs: &'a [u64],
+    /// A reservation's promised time (or a charge's earliest time): debited no earlier.
+    pub due: Option<u64>,
+    /// An overage charge: debited in turn without waiting for conformance.
+    pub charge: bool,
 }
 
 /// What a permit keeps of its grant, so that settling it follows the one undo rule.
@@ -101,6 +116,8 @@ pub enum Wake {
     /// An event loop: the outcome goes to the channel (a closed channel hands a grant
     /// back to the queue, which returns it to the resource).
     Channel(Arc<Channel>),
+    /// Nobody: an overage charge the queue debits in turn (see [`WaitQueue::settle`]).
+    Nobody,
 }
 
 /// The end of a wait.
@@ -227,6 +244,7 @@ impl Wake {
                 Ok(())
             }
             Wake::Channel(c) => c.put(ticket, o),
+            Wake::Nobody => Ok(()),
         }
     }
 }
@@ -278,6 +296,16 @@ struct Waiter {
     due_ns: Option<u64>,
     start_tag: f64,
     wake: Wake,
+}
+
+impl Waiter {
+    fn queued(&self) -> Queued<'_> {
+        Queued {
+            costs: &self.costs,
+            due: self.due_ns,
+            charge: matches!(self.wake, Wake::Nobody),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -913,7 +941,7 @@ impl WaitQueue {
             .filter(|(tag, _, w)| *tag <= start || w.due_ns.is_some())
             .collect();
         ahead.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let ahead: Vec<(&[u64], Option<u64>)> = ahead.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        let ahead: Vec<Queued<'_>> = ahead.iter().map(|(_, _, w)| w.queued()).collect();
         let at = self.resource.predict_backlog(now.max(g.last_grant_ns), &ahead, costs);
         Ok(at.map(|t| (now, t.saturating_sub(now))))
     }
@@ -930,7 +958,7 @@ impl WaitQueue {
         if g.classes.len() > 1 {
             backlog.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         }
-        let backlog: Vec<(&[u64], Option<u64>)> = backlog.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        let backlog: Vec<Queued<'_>> = backlog.iter().map(|(_, _, w)| w.queued()).collect();
         self.resource.predict_backlog(now.max(g.last_grant_ns), &backlog, costs)
     }
 
@@ -1025,6 +1053,9 @@ impl WaitQueue {
         // A queued reservation is debited at its promised time, never earlier: its holder
         // uses it then, and an earlier debit would let a later grant share its slot.
         let from = w.arrival_ns.max(g.last_grant_ns).max(w.due_ns.unwrap_or(0));
+        if matches!(w.wake, Wake::Nobody) {
+            return Some(from); // a charge needs no conformance
+        }
         self.resource.ready_at(from, &w.costs).ok().flatten()
     }
 
@@ -1055,6 +1086,12 @@ impl WaitQueue {
                     } else {
                         now.max(at)
                     };
+                    if matches!(w.wake, Wake::Nobody) {
+                        self.resource.charge_at(at, &w.costs);
+                        self.remove(g, ci, t);
+                        g.last_grant_ns = g.last_grant_ns.max(at);
+                        continue;
+                    }
                     let Ok(token) = self.resource.take_at(at, &w.costs) else {
                         // A fast-path caller took the capacity first: look again, and
                         // leave it to the next wake-up if that keeps happening.
@@ -1139,12 +1176,81 @@ impl WaitQueue {
 
     /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
     /// then grants whoever a refund lets through; returns the grant as it now stands.
+    ///
+    /// While queued reservations hold promised times, an overage is not charged at once
+    /// (that would push the waiters ahead of a reservation onto its promised time, or
+    /// the reservation past it): it joins the queue as a charge debited in turn, no
+    /// earlier than the last promised time, behind every waiter already queued. A later
+    /// refund of any grant first cancels such pending charges (giving back later is
+    /// never less strict than giving back now).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        let grant = self.resource.settle(estimated, actual, grant);
-        if actual.iter().zip(estimated).any(|(a, e)| a < e) {
-            self.poll_now();
+        if self.waiting() == 0 {
+            let grant = self.resource.settle(estimated, actual, grant);
+            if actual.iter().zip(estimated).any(|(a, e)| a < e) {
+                self.poll_now();
+            }
+            return grant;
         }
+        let now = self.clock.now_ns();
+        let mut g = lock(&self.inner);
+        let mut actual = actual.to_vec();
+        for (u, (a, e)) in actual.iter_mut().zip(estimated).enumerate() {
+            if *a < *e {
+                *a += self.absorb_charges(&mut g, u, *e - *a);
+            }
+        }
+        let last_due = g.reserved.last().map(|(d, _)| *d);
+        let over: Vec<u64> = actual
+            .iter()
+            .zip(estimated)
+            .map(|(a, e)| a.saturating_sub(*e))
+            .collect();
+        let deferred = last_due.filter(|_| self.resource.schedules_in_time() && over.iter().any(|x| *x > 0));
+        if deferred.is_some() {
+            for (a, e) in actual.iter_mut().zip(estimated) {
+                *a = (*a).min(*e);
+            }
+        }
+        let mut grant = self.resource.settle(estimated, &actual, grant);
+        if let Some(due) = deferred {
+            self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody);
+            // The permit's costs now include an overage not debited yet: no exact undo.
+            grant.token = None;
+        }
+        self.poll_and_unlock(g, now);
         grant
+    }
+
+    /// Cancels up to `ret` units of unit `u` from the overage charges still queued;
+    /// returns how many.
+    fn absorb_charges(&self, g: &mut Inner, u: usize, ret: u64) -> u64 {
+        let mut left = ret;
+        let charges: Vec<(usize, u64)> = g
+            .classes
+            .iter()
+            .enumerate()
+            .flat_map(|(ci, c)| {
+                c.waiters
+                    .iter()
+                    .filter(|(_, w)| matches!(w.wake, Wake::Nobody))
+                    .map(move |(t, _)| (ci, *t))
+            })
+            .collect();
+        for (ci, t) in charges {
+            if left == 0 {
+                break;
+            }
+            let c = &mut g.classes[ci];
+            let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
+            let take = w.costs[u].min(left);
+            w.costs[u] -= take;
+            c.queued[u] -= take as u128;
+            left -= take;
+            if w.costs.iter().all(|x| *x == 0) {
+                self.remove(g, ci, t);
+            }
+        }
+        ret - left
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
@@ -1758,6 +1864,50 @@ mod tests {
         assert_eq!(q.waiting(), 0);
         assert!(q.try_now(&[1], 0).is_ok(), "the slot at 0.1 s is free again");
         assert!(q.try_now(&[1], 0).is_err());
+    }
+
+    #[test]
+    fn an_overage_settled_under_a_queued_reservation_is_debited_behind_it() {
+        let (q, clock) = setup(10.0, 1, vec![]); // one unit per 0.1 s
+        let ms = 1_000_000;
+        let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
+            panic!("granted at once")
+        };
+        let grant = GrantRef { at_ns, token: None };
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
+        let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued behind the waiter")
+        };
+        assert_eq!(r.at_ns, 200 * ms);
+        q.settle(&[1], &[2], grant); // one more unit, owed
+        q.run_until(&clock, 250 * ms).unwrap();
+        // Neither the waiter nor the reservation moved; the overage follows them.
+        assert_eq!(granted(&slot), Some(100 * ms));
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * ms));
+        assert_eq!(q.waiting(), 0);
+        assert_eq!(q.predict(&[1]), Some(400 * ms));
+    }
+
+    #[test]
+    fn a_refund_cancels_an_overage_still_queued_first() {
+        let (q, clock) = setup(10.0, 1, vec![]);
+        let ms = 1_000_000;
+        q.submit(&[1], 0, None, || unreachable!()).unwrap();
+        let grant = GrantRef { at_ns: 0, token: None };
+        let s = Slot::new();
+        let s2 = s.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        let Reserved::Queued(_r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued")
+        };
+        let g = q.settle(&[1], &[3], grant);
+        assert_eq!(q.waiting(), 3); // the waiter, the reservation, the overage
+        q.settle(&[3], &[1], g); // back to the estimate: the overage is cancelled
+        assert_eq!(q.waiting(), 2);
+        q.run_until(&clock, 250 * ms).unwrap();
+        assert_eq!(q.predict(&[1]), Some(300 * ms));
     }
 
     fn two_rate_queue() -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {

@@ -84,7 +84,11 @@ impl ConcurrencyPy {
             Ok(()) => {
                 q.note_try(true);
                 let at_ns = q.now_ns();
-                Ok(Some(self.gate.permit(&c, 0).with_grant(ratequeue_core::GrantRef { at_ns, token: None })))
+                Ok(Some(
+                    self.gate
+                        .permit(&c, 0)
+                        .with_grant(ratequeue_core::GrantRef { at_ns, token: None }),
+                ))
             }
             Err(ratequeue_core::Deny::Wait(_)) => {
                 q.note_try(false);
