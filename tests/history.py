@@ -685,10 +685,18 @@ class Ops(History):
             return
         at = t + round(res.delay * NS)
         self.oplog[op] += f" -> delay={res.delay}"
-        q = self.new_req("lim", None, None, list(costs.values()), "reserve", op, t)
+        q = self.new_req("lim", None, self.reserve_cls(), list(costs.values()), "reserve", op, t)
         self.granted(q, t0=t, at_ns=at)
         holders.append(Holder(res, [q], "reservation"))
         self.bump("reserve")
+
+    def reserve_cls(self) -> str | None:
+        """The class a queued ``Limiter.reserve`` joins: with several classes, the first
+        (it is promised a time behind every waiter queued when it is made; waiters of
+        other classes that arrived before it may still be served after it by the weighted
+        shares, as they may be after any later request of the first class)."""
+        classes = self.levels["lim"].classes
+        return classes[0] if len(classes) > 1 else None
 
     def op_policy_try(self, holders: list[Holder], reserve: bool) -> None:
         kw = self.policy_kw()
@@ -879,7 +887,7 @@ class Ops(History):
                 return
             self.bump("retry_after_checked")
         self.oplog[op] += f" -> delay={res.delay}"
-        q = self.new_req("lim", None, None, list(costs.values()), "reserve", op, t)
+        q = self.new_req("lim", None, self.reserve_cls(), list(costs.values()), "reserve", op, t)
         self.granted(q, t + round(res.delay * NS))
         holders.append(Holder(res, [q], "reservation"))
 
@@ -1292,7 +1300,9 @@ class Threads(Ops):
 
     def blocking(self, rng: random.Random, mine: list[Holder]) -> None:
         levels = ["lim", "klim", "conc", "kconc"]
-        name = rng.choice([*levels, "policy"] if self.only is None or "policy" in self.only else levels)
+        name = rng.choice(
+            [*levels, "policy"] if self.only is None or "policy" in self.only else levels
+        )
         timeout = rng.choice([0.0, 0.05, 0.2, 0.5, 1.0, 2.0])
         if name == "policy":
             kw = self.policy_kw()

@@ -8,7 +8,7 @@ use std::sync::MutexGuard;
 use crate::bucket::{Bucket, Deny, Taken, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::{GrantRef, Queued, Resource};
+use crate::queue::{GrantRef, Queued, Resource, Sim};
 use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
@@ -617,6 +617,13 @@ impl Resource for Limiter {
             t = t.max(b.predict(now_ns, ahead[u], costs[u]));
         }
         Some(t)
+    }
+
+    fn sim(&self, now_ns: u64) -> Option<Sim> {
+        Some(Sim::new(
+            self.buckets.iter().map(|b| b.sim_at(now_ns)).collect(),
+            self.bucket_unit.to_vec(),
+        ))
     }
 
     fn predict_backlog(&self, now_ns: u64, backlog: &[Queued<'_>], costs: &[u64]) -> Option<u64> {

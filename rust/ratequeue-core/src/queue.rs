@@ -69,6 +69,11 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
+    /// A private copy of the schedule as it stands at `now_ns`, to play a backlog
+    /// forward; None when grants depend on releases, not on time (the default).
+    fn sim(&self, _now_ns: u64) -> Option<Sim> {
+        None
+    }
     /// Grant time of `costs` once `backlog` has been served by the joint FIFO schedule:
     /// each waiter at the latest conformance time over the rates and every rate debited
     /// at that time (a charge debited without waiting for conformance). By default
@@ -96,6 +101,58 @@ pub struct Queued<'a> {
     pub due: Option<u64>,
     /// An overage charge: debited in turn without waiting for conformance.
     pub charge: bool,
+}
+
+/// A private copy of a rate resource's schedule (one bucket per rate), to play a queue
+/// forward without touching it.
+#[derive(Clone, Debug)]
+pub struct Sim {
+    buckets: Vec<crate::bucket::SimBucket>,
+    unit: Vec<usize>,
+}
+
+impl Sim {
+    pub(crate) fn new(buckets: Vec<crate::bucket::SimBucket>, unit: Vec<usize>) -> Sim {
+        Sim { buckets, unit }
+    }
+
+    /// When `q`, considered from `from` (no earlier than its promised time), would be
+    /// granted: every rate conforming, or at once for a charge. None: never.
+    fn ready(&self, from: u64, q: &Queued<'_>) -> Option<u64> {
+        let from = from.max(q.due.unwrap_or(0));
+        if q.charge {
+            return Some(from);
+        }
+        let mut at = from;
+        for (b, u) in self.buckets.iter().zip(&self.unit) {
+            at = at.max(b.ready(from, q.costs[*u])?);
+        }
+        Some(at)
+    }
+
+    /// Debits `costs` at `at_ns` on every rate.
+    fn take(&mut self, at_ns: u64, costs: &[u64]) {
+        for (b, u) in self.buckets.iter_mut().zip(&self.unit) {
+            b.take(at_ns, costs[*u]);
+        }
+    }
+
+    /// True when `costs` debited at `at_ns`, then `promised` served in order (each at
+    /// its earliest time, no earlier than its promised one), leaves every promised time
+    /// reachable.
+    fn keeps(mut self, at_ns: u64, costs: &[u64], promised: &[Queued<'_>]) -> bool {
+        self.take(at_ns, costs);
+        let mut t = at_ns;
+        for q in promised {
+            let Some(at) = self.ready(t, q) else { return false };
+            if q.due.is_some_and(|d| at > d) {
+                return false;
+            }
+            self.take(at, q.costs);
+            t = at;
+        }
+        true
+    }
 }
 
 /// What a permit keeps of its grant, so that settling it follows the one undo rule.
@@ -950,6 +1007,11 @@ impl WaitQueue {
     /// schedule played forward); with several, the backlog in start-tag order, a
     /// prediction that arrivals of other classes can move.
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {
+        if g.classes.len() > 1 && !g.reserved.is_empty() && g.len <= SIMULATED_BACKLOG {
+            if let Some(sim) = self.resource.sim(now.max(g.last_grant_ns)) {
+                return self.play_forward(g, sim, now, costs);
+            }
+        }
         let mut backlog: Vec<(f64, u64, &Waiter)> = g
             .classes
             .iter()
@@ -960,6 +1022,50 @@ impl WaitQueue {
         }
         let backlog: Vec<Queued<'_>> = backlog.iter().map(|(_, _, w)| w.queued()).collect();
         self.resource.predict_backlog(now.max(g.last_grant_ns), &backlog, costs)
+    }
+
+    /// [`WaitQueue::predict_all`] by playing the queue's own order forward on `sim`: the
+    /// fair-share head, or the head of the reservations' class where [`Self::head_time`]
+    /// would choose it; then `costs`, behind everyone.
+    fn play_forward(&self, g: &Inner, mut sim: Sim, now: u64, costs: &[u64]) -> Option<u64> {
+        let mut rest: Vec<std::collections::VecDeque<(u64, &Waiter)>> = g
+            .classes
+            .iter()
+            .map(|c| c.waiters.iter().map(|(t, w)| (*t, w)).collect())
+            .collect();
+        let mut reserved: Vec<(u64, u64)> = g.reserved.iter().rev().copied().collect();
+        let mut last = now.max(g.last_grant_ns);
+        loop {
+            let head = rest
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| c.front().map(|(t, w)| (w.start_tag, *t, i)))
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let Some((_, t, mut ci)) = head else { break };
+            let w = rest[ci].front().expect("a head").1;
+            let from = w.arrival_ns.max(last);
+            if let Some(&(due, rt)) = reserved.last() {
+                let rci = g.where_is[&rt];
+                if rci != ci {
+                    let at = sim.ready(from, &w.queued());
+                    let later = rest.iter().map(|c| c.iter().copied());
+                    if at.is_none_or(|a| due <= a || !sim.clone().keeps(a, &w.costs, &promised(later, (ci, t)))) {
+                        ci = rci;
+                    }
+                }
+            }
+            let (t, w) = rest[ci].pop_front().expect("a head");
+            let at = sim.ready(w.arrival_ns.max(last), &w.queued())?;
+            sim.take(at, &w.costs);
+            last = last.max(at);
+            reserved.retain(|(_, rt)| *rt != t);
+        }
+        let new = Queued {
+            costs,
+            due: None,
+            charge: false,
+        };
+        sim.ready(last, &new)
     }
 
     fn deny_error(&self, d: Deny) -> Error {
@@ -1033,19 +1139,37 @@ impl WaitQueue {
         best.map(|(_, i, t)| (i, t))
     }
 
-    /// The waiter to grant next and when. With several classes, a queued reservation
-    /// whose promised time has come goes before the fair-share head (it was promised the
-    /// backlog's drain time; later arrivals of heavier classes must not make it late).
+    /// The waiter to grant next and when. With several classes, while reservations hold
+    /// promised times, the class of the first one goes first (its head, in FIFO order)
+    /// when that promised time has come, or when granting the fair-share head of another
+    /// class would leave some promised time unreachable: a reservation was promised the
+    /// drain time of the backlog ahead of it, and later arrivals of other classes must
+    /// not make it, or the waiters ahead of it in its class, late.
     fn head_time(&self, g: &Inner) -> Option<(usize, u64, Option<u64>)> {
         let (ci, t) = self.head(g)?;
         let at = self.ready_time(g, ci, t);
         if let Some(&(due, rt)) = g.reserved.first() {
-            if rt != t && g.classes.len() > 1 && at.is_none_or(|a| due <= a) {
-                let rci = g.where_is[&rt];
-                return Some((rci, rt, self.ready_time(g, rci, rt)));
+            let rci = g.where_is[&rt];
+            if g.classes.len() > 1
+                && rci != ci
+                && (at.is_none_or(|a| due <= a) || at.is_some_and(|a| !self.keeps_promises(g, ci, t, a)))
+            {
+                let (&ht, _) = g.classes[rci].waiters.first_key_value()?;
+                return Some((rci, ht, self.ready_time(g, rci, ht)));
             }
         }
         Some((ci, t, at))
+    }
+
+    /// True when the waiter `t` of class `ci`, granted at `at_ns`, leaves every queued
+    /// reservation its promised time, with the waiters ahead of it in its class served
+    /// first in FIFO order.
+    fn keeps_promises(&self, g: &Inner, ci: usize, t: u64, at_ns: u64) -> bool {
+        let Some(sim) = self.resource.sim(at_ns) else {
+            return true;
+        };
+        let rest = g.classes.iter().map(|c| c.waiters.iter().map(|(t, w)| (*t, w)));
+        sim.keeps(at_ns, &g.classes[ci].waiters[&t].costs, &promised(rest, (ci, t)))
     }
 
     fn ready_time(&self, g: &Inner, ci: usize, t: u64) -> Option<u64> {
@@ -1369,6 +1493,36 @@ impl WaitQueue {
             .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
         self.poll_now();
     }
+}
+
+/// Queues longer than this are predicted from their start-tag order alone (playing the
+/// queue's choices forward costs a pass over the reservations per waiter).
+const SIMULATED_BACKLOG: usize = 256;
+
+/// Each class's waiters (from `classes`, in FIFO order) up to its last one with a promised
+/// time, merged in order of the promised time of the next such waiter at or behind each,
+/// leaving out `skip` (class, ticket): the order in which promises must be kept.
+fn promised<'a, C, I>(classes: C, skip: (usize, u64)) -> Vec<Queued<'a>>
+where
+    C: Iterator<Item = I>,
+    I: DoubleEndedIterator<Item = (u64, &'a Waiter)>,
+{
+    let mut out: Vec<(u64, usize, u64, Queued<'a>)> = Vec::new();
+    for (k, c) in classes.enumerate() {
+        let mut key = None;
+        let at = out.len();
+        for (t, w) in c.rev() {
+            if w.due_ns.is_some() {
+                key = w.due_ns;
+            }
+            if let Some(key) = key.filter(|_| (k, t) != skip) {
+                out.push((key, k, t, w.queued()));
+            }
+        }
+        out[at..].reverse();
+    }
+    out.sort_by_key(|(key, k, t, _)| (*key, *k, *t));
+    out.into_iter().map(|(_, _, _, q)| q).collect()
 }
 
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
@@ -1908,6 +2062,38 @@ mod tests {
         assert_eq!(q.waiting(), 2);
         q.run_until(&clock, 250 * ms).unwrap();
         assert_eq!(q.predict(&[1]), Some(300 * ms));
+    }
+
+    #[test]
+    fn with_several_classes_a_reservation_keeps_its_time_and_its_place_in_its_class() {
+        let (q, clock) = setup(1.0, 1, vec![("hi".into(), 1.0), ("lo".into(), 1.0)]);
+        let s = 1_000_000_000;
+        q.submit(&[1], 0, None, || unreachable!()).unwrap(); // at 0: the next unit at 1 s
+        let hi: Vec<_> = (0..3).map(|_| Slot::new()).collect();
+        for slot in &hi {
+            let s2 = slot.clone();
+            q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        }
+        let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued behind the waiters")
+        };
+        assert_eq!(r.at_ns, 4 * s);
+        // A later arrival of the other class has the smallest start tag.
+        let lo = Slot::new();
+        let l2 = lo.clone();
+        q.submit(&[1], 1, None, || Wake::Thread(l2)).unwrap();
+        q.run_until(&clock, 10 * s).unwrap();
+        let hi: Vec<u64> = hi.iter().map(|x| granted(x).unwrap()).collect();
+        let Some(Outcome::Granted { at_ns: r_at, .. }) = r.outcome() else {
+            panic!("the reservation is granted")
+        };
+        // FIFO in its class, at its promised time, one unit per second throughout.
+        assert_eq!(r_at, 4 * s);
+        assert!(hi.iter().all(|h| *h < r_at), "{hi:?}");
+        let mut all = vec![0, r_at, granted(&lo).unwrap()];
+        all.extend(&hi);
+        all.sort();
+        assert!(all.windows(2).all(|w| w[1] - w[0] >= s), "{all:?}");
     }
 
     fn two_rate_queue() -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {
