@@ -188,3 +188,44 @@ def test_the_seeds_that_found_them_keep_every_promise() -> None:
     for seed in (4, 6, 7, 10):
         res = history.run(seed, 10_000, "single", only=only)
         assert not res.violations, res.report()
+
+
+# ---------------------------------------------------------------------------------------
+# Deadlines (seed 9, threads, an epoch-based clock: the driver wakes a microsecond late).
+# A semaphore grant is dated at the poll that finds a permit free; a poll after a
+# waiter's deadline granted it there, past its timeout, instead of timing it out.
+
+
+def test_a_permit_freed_after_a_waiters_deadline_times_it_out() -> None:
+    clock = rq.ManualClock()
+    c = rq.Concurrency(1, clock=clock)
+    p = c.try_acquire()
+    assert p is not None
+    ch = Channel()
+    ticket = c.submit(ch, timeout=1.0)
+    clock.advance(1.5)  # no poll at the deadline (a late driver)
+    p.release()
+    c.poll()
+    assert ch.drain() == [(ticket, False, NS)]
+    assert c.in_use == 0
+
+
+def test_a_key_permit_freed_after_a_waiters_deadline_times_it_out() -> None:
+    clock = rq.ManualClock()
+    k = rq.KeyedConcurrency(1, clock=clock)
+
+    async def main() -> str:
+        p = k.try_acquire("t")
+        assert p is not None
+        task = asyncio.ensure_future(k.acquire_async("t", timeout=1.0))
+        await asyncio.sleep(0)
+        clock.advance(1.5)  # no poll at the deadline (a late driver)
+        p.release()
+        try:
+            q = await task
+        except rq.WaitTimeout:
+            return "timeout"
+        return f"granted after {q.waited}"
+
+    assert asyncio.run(main()) == "timeout"
+    assert k.in_use("t") == 0

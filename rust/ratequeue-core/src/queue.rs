@@ -1197,7 +1197,12 @@ impl WaitQueue {
         loop {
             let grant = self.head_time(g);
             let deadline = g.deadlines.first().copied();
-            let grant_due = grant.and_then(|(ci, t, at)| at.filter(|a| *a <= now).map(|a| (ci, t, a)));
+            // A grant of permits happens at the poll that finds them free: that is its time.
+            let in_time = self.resource.schedules_in_time();
+            let grant_due = grant.and_then(|(ci, t, at)| {
+                at.filter(|a| *a <= now)
+                    .map(|a| (ci, t, if in_time { a } else { now.max(a) }))
+            });
             match (grant_due, deadline) {
                 (Some((ci, t, at)), d) if d.is_none_or(|(dl, dt)| at <= dl || dt == t) => {
                     let w = &g.classes[ci].waiters[&t];
@@ -1205,11 +1210,6 @@ impl WaitQueue {
                         self.expire(g, ci, t, out);
                         continue;
                     }
-                    let at = if self.resource.schedules_in_time() {
-                        at
-                    } else {
-                        now.max(at)
-                    };
                     if matches!(w.wake, Wake::Nobody) {
                         self.resource.charge_at(at, &w.costs);
                         self.remove(g, ci, t);
@@ -2218,6 +2218,24 @@ mod tests {
             granted(&b),
             Some(0),
             "a permit is free: the next waiter is granted at once"
+        );
+        assert_eq!(q.waiting(), 0);
+    }
+
+    #[test]
+    fn a_permit_freed_after_a_deadline_times_the_waiter_out() {
+        let (q, clock) = permit_queue(1);
+        q.try_now(&[1], 0).unwrap();
+        let a = Slot::new();
+        let a2 = a.clone();
+        q.submit(&[1], 0, Some(1_000_000_000), || Wake::Thread(a2)).unwrap();
+        clock.set(1_500_000_000).unwrap(); // nobody polled at the deadline
+        q.give_back(&[1], None);
+        assert_eq!(
+            a.take(),
+            Some(Outcome::TimedOut {
+                waited_ns: 1_000_000_000
+            })
         );
         assert_eq!(q.waiting(), 0);
     }
