@@ -229,3 +229,30 @@ def test_a_key_permit_freed_after_a_waiters_deadline_times_it_out() -> None:
 
     assert asyncio.run(main()) == "timeout"
     assert k.in_use("t") == 0
+
+
+# ---------------------------------------------------------------------------------------
+# A queued grant is dated at its schedule time, which may lie in the past when the
+# driver wakes late. Capacity given back (here: an earlier reservation cancelled) used
+# to be granted at a time before it was given back, ahead of a reservation that arrived
+# first (seed 112: a waiter granted before an earlier reservation's promised time).
+
+
+def test_capacity_given_back_is_never_granted_before_it_was_given() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(5, burst=4), clock=clock)  # one unit per 0.2 s, burst 4
+    assert lim.try_acquire(4)
+    r2 = lim.reserve(2)
+    r1 = lim.reserve(1)
+    assert (round(r2.at, 9), round(r1.at, 9)) == (0.4, 0.6)
+    clock.advance(0.5)
+    ch = Channel()
+    ticket = lim.submit(ch)  # behind r1: due 0.8
+    clock.advance(0.2)  # the driver has not woken yet
+    assert r2.cancel()  # its time has passed; given back at 0.7
+    lim.run_until(2.0)
+    ((t, ok, waited_ns),) = ch.drain()
+    assert (t, ok) == (ticket, True)
+    granted_at = 0.5 + waited_ns / NS
+    assert granted_at >= 0.7 - 1e-9  # not before the capacity came back
+    assert granted_at >= r1.at  # nor before a reservation that arrived first

@@ -368,6 +368,8 @@ pub struct Bucket {
     /// The latest clock time of a debit scheduled after the call that made it by
     /// something other than this bucket's own schedule (see [`Bucket::note_ahead`]).
     ahead: AtomicU64,
+    /// The latest clock time at which an undo or refund gave capacity back.
+    given: AtomicU64,
 }
 
 impl Bucket {
@@ -385,6 +387,7 @@ impl Bucket {
             slots: Default::default(),
             change: Mutex::new(()),
             ahead: AtomicU64::new(0),
+            given: AtomicU64::new(0),
         };
         b.write_slot(0, &rate, epoch_for(now_ns), 0);
         b
@@ -549,6 +552,13 @@ impl Bucket {
         self.ahead.fetch_max(at_ns, Ordering::AcqRel);
     }
 
+    /// The latest clock time at which an undo or refund gave capacity back: a grant
+    /// scheduled in the past (a late wake-up) is never dated before it, or it would use
+    /// capacity that was not free yet at its time.
+    pub fn given_at(&self) -> u64 {
+        self.given.load(Ordering::Acquire)
+    }
+
     /// Nanoseconds from `at_ns` until `cost` would conform (0 = now); changes nothing.
     #[inline]
     pub fn delay_for(&self, at_ns: u64, cost: u64) -> Result<u64, Deny> {
@@ -625,6 +635,9 @@ impl Bucket {
                 {
                     t.cost -= ret;
                     t.after = next;
+                    if next != w {
+                        self.given.fetch_max(at_ns, Ordering::AcqRel);
+                    }
                     if kept {
                         // The word no longer spans the whole debit that is left.
                         t.before = UNKNOWN;
@@ -665,6 +678,7 @@ impl Bucket {
                 Ok(_) => {
                     let given = w - next;
                     self.refunded.fetch_add(given, Ordering::Release);
+                    self.given.fetch_max(at_ns, Ordering::AcqRel);
                     t.refunded = t.refunded.wrapping_add(given);
                     t.after -= given.min(t.after & TAT_MASK);
                     t.cost -= ret;
@@ -758,6 +772,7 @@ impl Bucket {
             {
                 Ok(_) => {
                     self.refunded.fetch_add(w - next, Ordering::Release);
+                    self.given.fetch_max(at_ns, Ordering::AcqRel);
                     return Undo::Refunded;
                 }
                 Err(seen) => w = seen,

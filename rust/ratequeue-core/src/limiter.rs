@@ -511,7 +511,9 @@ impl Resource for Limiter {
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
-        Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
+        // Never before capacity given back since: it was not free at an earlier time.
+        let at = self.buckets.iter().map(|b| b.given_at()).fold(at_ns, u64::max);
+        Ok(Some(at.saturating_add(self.delay_at(at, costs)?)))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
@@ -754,6 +756,19 @@ mod tests {
         // 61 + 82 tokens in [r3, r4]: at most 100 + 100 per second.
         let d = (r4.at_ns - r3.at_ns) as f64 / 1e9;
         assert!(143.0 <= 100.0 + 100.0 * d + 1e-6, "{d}");
+    }
+
+    #[test]
+    fn capacity_given_back_is_ready_no_earlier_than_it_came_back() {
+        let (l, clock) = limiter(&[("requests", 5.0, 4)]);
+        const MS: u64 = 1_000_000;
+        l.try_acquire(&[4]).unwrap();
+        let r2 = l.reserve(&[2], None).unwrap(); // 0.4 s
+        l.reserve(&[1], None).unwrap(); // 0.6 s
+        clock.set(700 * MS).unwrap();
+        assert!(l.cancel(&r2) > 0);
+        // A waiter that arrived at 0.5 s is not dated before the refund at 0.7 s.
+        assert_eq!(Resource::ready_at(&l, 500 * MS, &[1]).unwrap(), Some(700 * MS));
     }
 
     #[test]

@@ -145,7 +145,8 @@ impl Sim {
         let mut t = at_ns;
         for q in promised {
             let Some(at) = self.ready(t, q) else { return false };
-            if q.due.is_some_and(|d| at > d) {
+            // A charge promised nobody anything: it may be debited later.
+            if !q.charge && q.due.is_some_and(|d| at > d) {
                 return false;
             }
             self.take(at, q.costs);
