@@ -256,3 +256,17 @@ def test_capacity_given_back_is_never_granted_before_it_was_given() -> None:
     granted_at = 0.5 + waited_ns / NS
     assert granted_at >= 0.7 - 1e-9  # not before the capacity came back
     assert granted_at >= r1.at  # nor before a reservation that arrived first
+
+
+def test_an_overage_left_behind_a_cancelled_reservation_is_charged_without_waiting() -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    p = lim.acquire()
+    ch = Channel()
+    lim.submit(ch)  # due 0.1
+    r = lim.reserve()  # promised 0.2
+    p.settle(requests=2)  # owed behind the promise
+    assert r.cancel()  # nothing is promised any more: the overage need not wait for 0.2
+    lim.run_until(0.15)
+    assert lim.waiting == 0
+    assert round(lim.retry_after(), 9) == 0.15  # the waiter at 0.1, then the overage

@@ -1278,10 +1278,33 @@ impl WaitQueue {
         }
         if let Some(d) = w.due_ns {
             g.reserved.remove(&(d, t));
+            if !matches!(w.wake, Wake::Nobody) {
+                Self::retime_charges(g);
+            }
         }
         g.len -= 1;
         self.waiting.store(g.len, Ordering::Release);
         w
+    }
+
+    /// Overage charges wait only for the promises still held: after a reservation left,
+    /// none waits past the last promised time that is left (with none left, a charge is
+    /// an ordinary waiter that needs no conformance).
+    fn retime_charges(g: &mut Inner) {
+        let is_charge = |g: &Inner, t: &u64| matches!(g.classes[g.where_is[t]].waiters[t].wake, Wake::Nobody);
+        let last = g.reserved.iter().rev().find(|(_, t)| !is_charge(g, t)).map(|(d, _)| *d);
+        let from = last.map_or(0, |d| d.saturating_add(1));
+        let late: Vec<(u64, u64)> = g.reserved.range((from, 0)..).copied().collect();
+        for (d, t) in late {
+            g.reserved.remove(&(d, t));
+            if let Some(last) = last {
+                g.reserved.insert((last, t));
+            }
+            let ci = g.where_is[&t];
+            if let Some(w) = g.classes[ci].waiters.get_mut(&t) {
+                w.due_ns = last;
+            }
+        }
     }
 
     /// Removes a queued waiter; `NotQueued` when it was already granted or expired
