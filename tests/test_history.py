@@ -39,21 +39,6 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-# Known defects the checker still finds (issue 10 stays open until they are fixed):
-# queued reservations of several weighted classes are granted by prediction, not in
-# strict order; the joint schedule of a two-rate limiter's backlog can promise a
-# reservation a time a waiter ahead of it then takes (after a settle charges debt, or a
-# reservation is given back under a later one); threaded keyed levels show violations
-# not yet analysed. strict=True: the day these runs pass, the xfail itself fails and
-# must be removed.
-KNOWN = pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 open: multi-class reservation order; two-rate backlog promises; "
-    "threaded keyed levels",
-)
-
-
-@KNOWN
 @pytest.mark.timeout(170)
 def test_random_histories_from_one_thread_keep_every_promise():
     seeds = [str(s) for s in range(1, 13)]
@@ -61,7 +46,6 @@ def test_random_histories_from_one_thread_keep_every_promise():
     _passed(r, 2000)
 
 
-@KNOWN
 @pytest.mark.timeout(170)
 def test_random_histories_from_threads_and_tasks_keep_every_promise():
     seeds = [str(s) for s in range(1, 5)]
