@@ -1,0 +1,225 @@
+"""httpx transports that route each request to a stable or a candidate transport.
+
+Depends only on httpx's public transport API (``BaseTransport.handle_request``,
+``AsyncBaseTransport.handle_async_request``). The user key comes from a header (default
+``x-user-id``) or a function of the request; inside a ``with canary.request(key)``
+block the request's arm is used and every HTTP call is booked on it (calls per user
+request). Tokens are read from a JSON ``usage`` in answers of at most ``max_body``
+bytes with a ``Content-Length`` (a streamed answer is not read: give ``usage``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+
+import httpx
+
+from ._canary import Canary, CanaryRequest, _default_usage, current_request
+
+__all__ = ["AsyncCanaryTransport", "CanaryTransport"]
+
+Key = Callable[[httpx.Request], object]
+
+
+def _key_fn(key: str | Key) -> Key:
+    if callable(key):
+        return key
+    if not isinstance(key, str):
+        raise TypeError(f"key must be a header name or a function of the request, got {key!r}")
+    header = key
+
+    def from_header(request: httpx.Request) -> object:
+        return request.headers.get(header, "")
+
+    return from_header
+
+
+def _tokens(response: httpx.Response, max_body: int) -> int:
+    length = response.headers.get("content-length")
+    if length is None or not length.isdigit() or int(length) > max_body:
+        return 0
+    if "json" not in response.headers.get("content-type", "json"):
+        return 0
+    try:
+        return _default_usage(json.loads(response.content))
+    except (ValueError, UnicodeDecodeError):
+        return 0
+
+
+def _copy(request: httpx.Request) -> httpx.Request:
+    return httpx.Request(
+        request.method, request.url, headers=request.headers, content=request.content
+    )
+
+
+class _Routing:
+    def __init__(
+        self,
+        canary: Canary,
+        key: str | Key,
+        valid: Callable[[httpx.Response], bool] | None,
+        usage: Callable[[httpx.Response], int] | None,
+        max_body: int,
+    ) -> None:
+        if not isinstance(canary, Canary):
+            raise TypeError(f"canary must be a ratequeue.Canary, got {canary!r}")
+        if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
+            raise ValueError(f"max_body={max_body!r} must be an int >= 0")
+        self.canary = canary
+        self._key = _key_fn(key)
+        self._valid = valid or (lambda r: r.status_code < 400)
+        self._usage = usage
+        self.max_body = max_body
+
+    def _outer(self) -> CanaryRequest | None:
+        req = current_request()
+        return req if req is not None and req.canary is self.canary and not req.shadow else None
+
+    def _book(self, req: CanaryRequest, response: httpx.Response, own: bool) -> None:
+        tokens = self._usage(response) if self._usage else _tokens(response, self.max_body)
+        req.call(tokens, status=response.status_code)
+        if own:
+            req.finish(valid=bool(self._valid(response)))
+
+
+class CanaryTransport(httpx.BaseTransport, _Routing):
+    """Sends each request through ``stable`` or ``candidate`` as ``canary`` routes its
+    user; in shadow mode a copy goes to ``candidate`` on a background thread and only
+    stable's answer is returned."""
+
+    def __init__(
+        self,
+        canary: Canary,
+        stable: httpx.BaseTransport,
+        candidate: httpx.BaseTransport,
+        *,
+        key: str | Key = "x-user-id",
+        valid: Callable[[httpx.Response], bool] | None = None,
+        usage: Callable[[httpx.Response], int] | None = None,
+        max_body: int = 1 << 20,
+    ) -> None:
+        _Routing.__init__(self, canary, key, valid, usage, max_body)
+        self.stable = stable
+        self.candidate = candidate
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response:
+        outer = self._outer()
+        if outer is not None:
+            req, own = outer, False
+        else:
+            key = self._key(request)
+            req, own = self.canary.request(key), True
+            if self.canary.shadowed(key):
+                request.read()
+                self._shadow(key, _copy(request))
+        inner = self.stable if req.arm == "stable" else self.candidate
+        try:
+            response = inner.handle_request(request)
+            length = response.headers.get("content-length", "")
+            if length.isdigit() and int(length) <= self.max_body:
+                response.read()
+        except Exception:
+            if own:
+                req.call()
+                req.finish(error=True)
+            raise
+        self._book(req, response, own)
+        return response
+
+    def _shadow(self, key: object, request: httpx.Request) -> None:
+        def job() -> None:
+            req = CanaryRequest(self.canary, key, "candidate", shadow=True)
+            try:
+                response = self.candidate.handle_request(request)
+                try:
+                    response.read()
+                finally:
+                    response.close()
+            except Exception:
+                req.call()
+                req.finish(error=True)
+                return
+            self._book(req, response, True)
+
+        if not self.canary._runner.submit(job):
+            self.canary._drop_shadow()
+
+    def close(self) -> None:
+        self.stable.close()
+        self.candidate.close()
+
+
+class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
+    """The asyncio twin of :class:`CanaryTransport` (a shadow copy runs as a task,
+    bounded by the canary's ``max_shadow`` and ``shadow_timeout``)."""
+
+    def __init__(
+        self,
+        canary: Canary,
+        stable: httpx.AsyncBaseTransport,
+        candidate: httpx.AsyncBaseTransport,
+        *,
+        key: str | Key = "x-user-id",
+        valid: Callable[[httpx.Response], bool] | None = None,
+        usage: Callable[[httpx.Response], int] | None = None,
+        max_body: int = 1 << 20,
+    ) -> None:
+        _Routing.__init__(self, canary, key, valid, usage, max_body)
+        self.stable = stable
+        self.candidate = candidate
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        outer = self._outer()
+        if outer is not None:
+            req, own = outer, False
+        else:
+            key = self._key(request)
+            req, own = self.canary.request(key), True
+            if self.canary.shadowed(key):
+                await request.aread()
+                self._shadow(key, _copy(request))
+        inner = self.stable if req.arm == "stable" else self.candidate
+        try:
+            response = await inner.handle_async_request(request)
+            length = response.headers.get("content-length", "")
+            if length.isdigit() and int(length) <= self.max_body:
+                await response.aread()
+        except Exception:
+            if own:
+                req.call()
+                req.finish(error=True)
+            raise
+        self._book(req, response, own)
+        return response
+
+    def _shadow(self, key: object, request: httpx.Request) -> None:
+        if len(self._tasks) >= self.canary._max_shadow:
+            self.canary._drop_shadow()
+            return
+        task = asyncio.get_running_loop().create_task(self._run_shadow(key, request))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _run_shadow(self, key: object, request: httpx.Request) -> None:
+        req = CanaryRequest(self.canary, key, "candidate", shadow=True)
+        timeout = self.canary.shadow_timeout
+        try:
+            response = await asyncio.wait_for(self.candidate.handle_async_request(request), timeout)
+            try:
+                await asyncio.wait_for(response.aread(), timeout)
+            finally:
+                await response.aclose()
+        except Exception:
+            req.call()
+            req.finish(error=True)
+            return
+        self._book(req, response, True)
+
+    async def aclose(self) -> None:
+        for t in list(self._tasks):
+            t.cancel()
+        await self.stable.aclose()
+        await self.candidate.aclose()
