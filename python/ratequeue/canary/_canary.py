@@ -379,6 +379,9 @@ class Canary:
         with req:
             result = fn(request)
             if inspect.isawaitable(result):
+                close = getattr(result, "close", None)
+                if close is not None:
+                    close()
                 raise TypeError("this arm is async: use await canary.call_async(...)")
             return self._book(req, result, 0)
 
