@@ -25,6 +25,7 @@ from ._shadow import ShadowRunner
 __all__ = ["Arm", "Canary", "CanaryRequest", "Decision", "Reply", "State", "current_request"]
 
 log = logging.getLogger("ratequeue.canary")
+log.addHandler(logging.NullHandler())
 
 Arm = Literal["stable", "candidate"]
 State = Literal["running", "rolled_back", "complete"]

@@ -6,9 +6,11 @@ A gate says, for a KPI where higher is worse:
   stable arm's *upper* bound plus ``slack`` (both arms having ``min_sample``): the
   candidate is worse by more than the threshold even under the most favourable reading
   of the noise;
-* ``pass`` when both arms have ``min_sample`` and the candidate's point estimate is
-  within ``(1 + threshold)`` times stable's plus ``slack``;
-* ``hold`` otherwise (too few samples, or worse but not yet provably so).
+* ``pass`` when both arms have ``min_sample`` and the candidate's lower bound is within
+  ``(1 + threshold)`` times stable's point estimate plus ``slack``: nothing suggests the
+  threshold is crossed (noise in a small candidate sample does not hold the rollout);
+* ``hold`` otherwise: too few samples, or the candidate is likely worse by more than
+  the threshold but not yet beyond stable's upper bound.
 
 The bounds are in :mod:`._stats` (order statistics for quantiles, CLT for means, Wilson
 for shares), each one-sided at ``confidence``.
@@ -41,15 +43,16 @@ KPIS: dict[str, str] = {
 
 
 def _estimate(kpi: str, s: ArmStats, z: float) -> Estimate:
-    if kpi == "tokens_per_valid_answer":
-        return quantile_bounds(s.tokens, 0.5, z)
-    if kpi == "latency_p50":
-        return quantile_bounds(s.latency, 0.5, z)
-    if kpi == "latency_p99":
-        return quantile_bounds(s.latency, 0.99, z)
     with s._lock:
         requests, errors, calls, rate_limited = s.requests, s.errors, s.calls, s.rate_limited
         valid, tok, tok_sq, calls_sq = s.valid, s.tokens_valid, s.tokens_valid_sq, s.calls_sq
+    # A histogram may hold a record or two more than the counters read just before.
+    if kpi == "tokens_per_valid_answer":
+        return quantile_bounds(s.tokens, 0.5, z, valid)
+    if kpi == "latency_p50":
+        return quantile_bounds(s.latency, 0.5, z, requests)
+    if kpi == "latency_p99":
+        return quantile_bounds(s.latency, 0.99, z, requests)
     if kpi == "tokens_per_valid_answer_mean":
         return mean_bounds(valid, float(tok), tok_sq, z)
     if kpi == "calls_per_request":
@@ -101,12 +104,15 @@ class Gate:
                 f"candidate lower bound {c.lo:.4g} > {factor:g} x stable upper bound "
                 f"{s.hi:.4g}" + (f" + {self.slack:g}" if self.slack else "")
             )
-        elif c.value <= factor * s.value + self.slack:
+        elif c.lo <= factor * s.value + self.slack:
             verdict = "pass"
-            why = f"candidate {c.value:.4g} within {factor:g} x stable {s.value:.4g}"
+            why = f"candidate lower bound {c.lo:.4g} within {factor:g} x stable {s.value:.4g}"
         else:
             verdict = "hold"
-            why = f"candidate {c.value:.4g} > {factor:g} x stable {s.value:.4g}, not yet proven"
+            why = (
+                f"candidate lower bound {c.lo:.4g} > {factor:g} x stable {s.value:.4g}, "
+                "not yet beyond its upper bound"
+            )
         ratio = c.value / s.value if s.value and math.isfinite(s.value) else math.nan
         return GateResult(self.kpi, verdict, why, s, c, ratio, self.threshold)
 

@@ -13,7 +13,7 @@ __all__ = ["ArmKPIs", "ArmStats"]
 
 
 class ArmStats:
-    """What one arm did: counters plus histograms of latency, tokens and calls.
+    """What one arm did: counters plus histograms of latency and tokens per answer.
 
     Histograms record lock-free; the counters and the exact sums behind the means are
     updated under a short lock per arm. Memory is fixed whatever the traffic.
@@ -23,7 +23,6 @@ class ArmStats:
         self.name = name
         self.latency = Histogram()  # seconds per user request
         self.tokens = Histogram()  # tokens per valid answer
-        self.calls_hist = Histogram()  # upstream calls per user request
         self._lock = threading.Lock()
         self.requests = 0
         self.valid = 0
@@ -48,7 +47,6 @@ class ArmStats:
     ) -> None:
         """Book one finished user request."""
         self.latency.record(max(0.0, latency))
-        self.calls_hist.record(float(calls))
         if valid and not error:
             self.tokens.record(float(tokens))
         with self._lock:
@@ -79,8 +77,8 @@ class ArmStats:
                 self.tokens_total,
             )
         requests, valid, invalid, errors, calls, rate_limited, tokens_total = counts
-        lat = self.latency
-        tok = self.tokens
+        lat50, lat99 = self.latency.percentiles([50, 99]) if requests else (math.nan, math.nan)
+        tok50 = self.tokens.percentile(50) if valid else math.nan
         return ArmKPIs(
             arm=self.name,
             requests=requests,
@@ -92,9 +90,9 @@ class ArmStats:
             tokens=tokens_total,
             rate_limited_share=rate_limited / calls if calls else math.nan,
             error_share=errors / requests if requests else math.nan,
-            latency_p50=lat.percentile(50) if lat.count else math.nan,
-            latency_p99=lat.percentile(99) if lat.count else math.nan,
-            tokens_per_valid_answer=tok.percentile(50) if tok.count else math.nan,
+            latency_p50=lat50,
+            latency_p99=lat99,
+            tokens_per_valid_answer=tok50,
             tokens_per_valid_answer_mean=self.tokens_valid / valid if valid else math.nan,
             quota_per_valid_answer=tokens_total / valid if valid else math.nan,
             calls_per_request=calls / requests if requests else math.nan,

@@ -54,23 +54,30 @@ def z_of(confidence: float) -> float:
     return NormalDist().inv_cdf(confidence)
 
 
-def _rank_value(h: Histogram, k: int, n: int) -> float:
-    # percentile(q) is the value of nearest rank ceil(q/100 * n): aim at k - 0.5 so
-    # that rounding of q can never move the rank.
-    return h.percentile(100.0 * (k - 0.5) / n)
+def quantile_bounds(h: Histogram, q: float, z: float, n: int | None = None) -> Estimate:
+    """The q-quantile of the recorded values with order-statistic bounds.
 
-
-def quantile_bounds(h: Histogram, q: float, z: float) -> Estimate:
-    """The q-quantile of the recorded values with order-statistic bounds."""
-    n = h.count
+    ``n`` is the histogram's count when the caller knows it (reading it scans the
+    histogram); the three values are read in one pass.
+    """
+    if n is None:
+        n = h.count
     if n == 0:
         return Estimate(math.nan, 0.0, math.inf, 0)
-    value = h.percentile(100.0 * q)
     spread = z * math.sqrt(n * q * (1.0 - q))
     k_lo = math.floor(n * q - spread)
     k_hi = math.ceil(n * q + spread) + 1
-    lo = _rank_value(h, k_lo, n) if k_lo >= 1 else 0.0
-    hi = _rank_value(h, k_hi, n) if k_hi <= n else math.inf
+    # percentile(p) is the value of nearest rank ceil(p/100 * n): aim at k - 0.5 so
+    # that rounding of p can never move the rank.
+    qs = [100.0 * q]
+    if k_lo >= 1:
+        qs.append(100.0 * (k_lo - 0.5) / n)
+    if k_hi <= n:
+        qs.append(100.0 * (k_hi - 0.5) / n)
+    values = h.percentiles(qs)
+    value = values[0]
+    lo = values[1] if k_lo >= 1 else 0.0
+    hi = values[-1] if k_hi <= n else math.inf
     return Estimate(value, min(lo, value), max(hi, value), n)
 
 
