@@ -229,6 +229,14 @@ class Canary:
     routes everyone back to stable at once; after ``min_stage_time`` in a stage with
     every gate passing, the rollout advances. Arms are callables (sync or async) taking
     the request; they may return a :class:`Reply` to state tokens and calls.
+
+    ``valid(answer)`` says whether an answer counts (default: every answer that did not
+    raise); ``usage(answer)`` gives its tokens when it is not a :class:`Reply` (default:
+    an OpenAI/Anthropic ``usage``). ``salt`` seeds the user hash (same salt, same
+    routing in every process). Shadow copies run on at most ``shadow_workers`` threads
+    (or as tasks in an event loop), at most ``max_shadow`` at once (more are dropped and
+    counted in ``shadow_dropped``); one slower than ``shadow_timeout`` is booked as an
+    error (cancelled, in an event loop). ``max_log`` bounds the decision log.
     """
 
     def __init__(
