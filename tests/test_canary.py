@@ -594,3 +594,77 @@ def test_a_forked_child_runs_shadow_copies_on_its_own_threads() -> None:
             os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+@aio
+async def test_an_async_pool_arm_is_shadowed_as_a_task(clock: rq.ManualClock) -> None:
+    pool = rq.Pool([rq.Provider("c", rpm=6000, clock=clock)], clock=clock)
+    loops: list[object] = []
+
+    async def send(provider: rq.Provider, request: int) -> Reply:
+        loops.append(asyncio.get_running_loop())
+        return Reply(request, tokens=9)
+
+    async def stable(request: int) -> int:
+        return request
+
+    canary = Canary(stable, PoolArm(pool, send), stages=(1.0,), shadow=True, clock=clock, gates=())
+    assert await canary.call_async("u", 5) == 5
+    await asyncio.wait_for(asyncio.gather(*canary._tasks), 10)
+    assert loops == [asyncio.get_running_loop()]  # on the caller's loop, not a thread
+    assert canary.kpis()["candidate"].tokens == 9
+
+
+def test_the_transport_counts_429_and_reads_no_oversized_or_streamed_body(
+    clock: rq.ManualClock,
+) -> None:
+    big = b'{"usage": {"total_tokens": 5}, "pad": "' + b"x" * 5000 + b'"}'
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        path = request.url.path
+        if path == "/limited":
+            return httpx.Response(429, headers={"retry-after": "1"}, json={"error": "slow down"})
+        if path == "/big":
+            return httpx.Response(200, content=big, headers={"content-type": "application/json"})
+        if path == "/stream":
+            return httpx.Response(200, stream=httpx.ByteStream(b'{"usage":{"total_tokens":5}}'))
+        return httpx.Response(500, json={"error": "boom"})
+
+    canary = Canary(reply(0), reply(0), stages=(1.0,), clock=clock, gates=())
+    mock = httpx.MockTransport(handler)
+    transport = CanaryTransport(canary, mock, mock, max_body=1000)
+    with httpx.Client(transport=transport, base_url="http://llm") as client:
+        assert client.post("/limited", headers={"x-user-id": "a"}).status_code == 429
+        assert client.post("/big", headers={"x-user-id": "b"}).content == big
+        assert client.post("/stream", headers={"x-user-id": "c"}).json()["usage"]
+        assert client.post("/error", headers={"x-user-id": "d"}).status_code == 500
+    k = canary.kpis()["candidate"]
+    assert (k.requests, k.calls, k.rate_limited_calls, k.errors) == (4, 4, 1, 1)
+    assert k.tokens == 0  # the big and the streamed answers were not parsed
+    assert k.valid == 2 and k.invalid == 1
+
+
+def test_the_transport_inside_an_arm_books_onto_the_canary_request(clock: rq.ManualClock) -> None:
+    seen: list[str] = []
+    canary = Canary(reply(0), reply(0), stages=(1.0,), clock=clock, gates=())
+    transport = CanaryTransport(canary, _model("a", 10, seen), _model("b", 40, seen))
+    client = httpx.Client(transport=transport, base_url="http://llm")
+
+    def agent(task: int) -> str:  # an arm making two HTTP calls per task
+        client.post("/v1/chat", json={})
+        return str(client.post("/v1/chat", json={}).json()["model"])
+
+    canary = Canary(agent, agent, stages=(0.5,), clock=clock, gates=())
+    transport.canary = canary
+    arms = [canary.call(f"u{i}", i) for i in range(40)]
+    k = canary.kpis()
+    on_b = arms.count("b")
+    assert (k["candidate"].requests, k["candidate"].calls) == (on_b, 2 * on_b)
+    assert k["candidate"].tokens == 80 * on_b
+    assert k["stable"].calls_per_request == 2.0
+    # Without a user key a request goes to stable.
+    canary2 = Canary(reply(0), reply(0), stages=(1.0,), clock=clock, gates=())
+    transport.canary = canary2
+    assert client.post("/v1/chat", json={}).json()["model"] == "a"
+    assert canary2.kpis()["stable"].requests == 1
+    client.close()

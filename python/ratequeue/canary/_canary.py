@@ -432,10 +432,8 @@ class Canary:
             self._drop_shadow()
 
     def _shadow_async(self, key: object, request: Any) -> None:
-        if not inspect.iscoroutinefunction(self._candidate) and not inspect.iscoroutinefunction(
-            getattr(self._candidate, "__call__", None)  # noqa: B004
-        ):
-            self._shadow_sync(key, request)
+        if not _is_async(self._candidate):
+            self._shadow_sync(key, request)  # a sync candidate never runs on the loop
             return
         if len(self._tasks) >= self._max_shadow:
             self._drop_shadow()
@@ -602,6 +600,16 @@ class Canary:
     def __repr__(self) -> str:
         mode = ", shadow" if self.shadow else ""
         return f"Canary({self._state}, stage {self._stage} at {self._fraction:.4g}{mode})"
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """True for an async function, an object with an async ``__call__`` or one that says
+    ``is_async`` (a :class:`PoolArm` over an async ``send``)."""
+    return bool(
+        inspect.iscoroutinefunction(fn)
+        or inspect.iscoroutinefunction(getattr(type(fn), "__call__", None))  # noqa: B004
+        or getattr(fn, "is_async", False)
+    )
 
 
 async def _awaited(aw: Awaitable[Any], timeout: float | None) -> Any:

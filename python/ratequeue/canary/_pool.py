@@ -47,6 +47,11 @@ class PoolArm:
         self._async = inspect.iscoroutinefunction(send)
         self._costs = {"tokens": tokens} if "tokens" in pool._units else {}
 
+    @property
+    def is_async(self) -> bool:
+        """True when calls are coroutines (``send`` is async)."""
+        return self._async
+
     def _settle(self, provider: Provider, permit: Any, result: Any) -> Reply:
         reply = result if isinstance(result, Reply) else Reply(result, _default_usage(result))
         self.pool.report(provider, reply.status, retry_after=reply.retry_after)

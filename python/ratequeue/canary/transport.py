@@ -2,10 +2,11 @@
 
 Depends only on httpx's public transport API (``BaseTransport.handle_request``,
 ``AsyncBaseTransport.handle_async_request``). The user key comes from a header (default
-``x-user-id``) or a function of the request; inside a ``with canary.request(key)``
-block the request's arm is used and every HTTP call is booked on it (calls per user
-request). Tokens are read from a JSON ``usage`` in answers of at most ``max_body``
-bytes with a ``Content-Length`` (a streamed answer is not read: give ``usage``).
+``x-user-id``) or a function of the request; a request without one goes to stable.
+Inside a ``with canary.request(key)`` block (or an arm the canary calls) the request's
+arm is used and every HTTP call is booked on it (calls per user request). Tokens
+are read from a JSON ``usage`` in answers of at most ``max_body`` bytes with a
+``Content-Length`` (a streamed answer is not read: give ``usage``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def _key_fn(key: str | Key) -> Key:
     header = key
 
     def from_header(request: httpx.Request) -> object:
-        return request.headers.get(header, "")
+        return request.headers.get(header)
 
     return from_header
 
@@ -75,7 +76,13 @@ class _Routing:
 
     def _outer(self) -> CanaryRequest | None:
         req = current_request()
-        return req if req is not None and req.canary is self.canary and not req.shadow else None
+        return req if req is not None and req.canary is self.canary else None
+
+    def _own(self, request: httpx.Request) -> tuple[object, CanaryRequest]:
+        key = self._key(request)
+        if key is None or key == "":
+            return None, self.canary.request("", arm="stable")  # no user: stable
+        return key, self.canary.request(key)
 
     def _book(self, req: CanaryRequest, response: httpx.Response, own: bool) -> None:
         tokens = self._usage(response) if self._usage else _tokens(response, self.max_body)
@@ -109,9 +116,9 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
         if outer is not None:
             req, own = outer, False
         else:
-            key = self._key(request)
-            req, own = self.canary.request(key), True
-            if self.canary.shadowed(key):
+            key, req = self._own(request)
+            own = True
+            if key is not None and self.canary.shadowed(key):
                 request.read()
                 self._shadow(key, _copy(request))
         inner = self.stable if req.arm == "stable" else self.candidate
@@ -176,9 +183,9 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
         if outer is not None:
             req, own = outer, False
         else:
-            key = self._key(request)
-            req, own = self.canary.request(key), True
-            if self.canary.shadowed(key):
+            key, req = self._own(request)
+            own = True
+            if key is not None and self.canary.shadowed(key):
                 await request.aread()
                 self._shadow(key, _copy(request))
         inner = self.stable if req.arm == "stable" else self.candidate
