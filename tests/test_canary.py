@@ -668,3 +668,14 @@ def test_the_transport_inside_an_arm_books_onto_the_canary_request(clock: rq.Man
     assert client.post("/v1/chat", json={}).json()["model"] == "a"
     assert canary2.kpis()["stable"].requests == 1
     client.close()
+
+
+def test_the_public_names() -> None:
+    import ratequeue.canary as canary_pkg
+
+    assert rq.Canary is Canary and "Canary" in rq.__all__
+    for name in canary_pkg.__all__:
+        assert getattr(canary_pkg, name) is not None
+    public = {n for n in vars(canary_pkg) if not n.startswith("_")} - {"annotations"}
+    modules = {"transport"}
+    assert public - modules - set(canary_pkg.__all__) == set()
