@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 import ratequeue as rq
+from hypothesis import given
+from hypothesis import strategies as st
 from ratequeue.canary import (
     DEFAULT_GATES,
     Canary,
@@ -679,3 +681,67 @@ def test_the_public_names() -> None:
     public = {n for n in vars(canary_pkg) if not n.startswith("_")} - {"annotations"}
     modules = {"transport"}
     assert public - modules - set(canary_pkg.__all__) == set()
+
+
+# -- invariants ----------------------------------------------------------------------------
+
+
+@given(
+    keys=st.lists(
+        st.one_of(st.text(max_size=40), st.binary(max_size=40), st.integers()),
+        min_size=1,
+        max_size=50,
+    ),
+    fractions=st.lists(st.floats(0.001, 1.0), min_size=1, max_size=6, unique=True),
+    salt=st.text(max_size=20),
+)
+def test_routing_is_monotone_in_the_stage(
+    keys: list[Any], fractions: list[float], salt: str
+) -> None:
+    stages = sorted(fractions)
+    canary = Canary(reply(1), reply(1), stages=stages, salt=salt, gates=())
+    previous: set[int] = set()
+    for f in stages:
+        canary._fraction = f
+        on = {i for i, k in enumerate(keys) if canary.arm_for(k) == "candidate"}
+        assert previous <= on
+        assert all((canary.bucket(keys[i]) < f) == (i in on) for i in range(len(keys)))
+        previous = on
+
+
+@given(
+    values=st.lists(st.floats(1e-3, 1e6), min_size=1, max_size=300),
+    q=st.sampled_from([0.5, 0.9, 0.99]),
+    confidence=st.floats(0.6, 0.999),
+)
+def test_bounds_bracket_the_estimate(values: list[float], q: float, confidence: float) -> None:
+    h = rq.Histogram()
+    h.record_many(values)
+    z = z_of(confidence)
+    e = quantile_bounds(h, q, z)
+    assert e.lo <= e.value <= e.hi and e.n == len(values)
+    total, sq = sum(values), sum(v * v for v in values)
+    m = mean_bounds(len(values), total, sq, z)
+    assert m.lo <= m.value <= m.hi
+    hits = sum(v > 100 for v in values)
+    w = wilson_bounds(hits, len(values), z)
+    assert 0.0 <= w.lo <= w.value <= w.hi <= 1.0
+
+
+def test_threads_with_shadow_copies_account_for_every_copy() -> None:
+    canary = Canary(reply(1), reply(2), stages=(1.0,), shadow=True, gates=(), max_shadow=8)
+
+    def worker(t: int) -> None:
+        for i in range(300):
+            assert canary.call(f"t{t}-{i}", i) == i
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(6)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    _wait_for(lambda: canary._runner.pending == 0)
+    k = canary.kpis()
+    assert k["stable"].requests == 1800 and k["stable"].tokens == 1800
+    assert k["candidate"].requests + canary.shadow_dropped == 1800
+    assert k["candidate"].tokens == 2 * k["candidate"].requests
