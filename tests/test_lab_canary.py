@@ -40,6 +40,11 @@ def test_the_canary_burns_a_sliver_of_what_a_full_rollout_would() -> None:
     assert canary.burned < 1.05 * stable.burned
     assert canary.tokens_burned["candidate"] < 0.05 * canary.burned
     assert canary.valid / canary.tasks > 0.9 > full.valid / full.tasks
+    # In shadow mode every answer comes from stable; the copies are caught alike.
+    shadow = lab.simulate(FAST, lab.VERBOSE, mode="shadow", seed=3, duration=hours)
+    assert shadow.state == "rolled_back" and shadow.decisions[-1]["from"] == FAST.stages[0]
+    assert shadow.valid / shadow.tasks == pytest.approx(stable.valid / stable.tasks, abs=0.01)
+    assert 0 < shadow.tokens_burned["candidate"] < 0.05 * shadow.burned
 
 
 @pytest.mark.parametrize(("candidate", "seeds"), [("equal", 100), ("verbose", 30)])
@@ -63,6 +68,7 @@ def test_report_table_plot_and_cli(
     report = lab.run_canary(FAST, runs=3)
     text = lab.format_canary(report)
     assert "| full rollout of the candidate |" in text and "| canary |" in text
+    assert "| canary in shadow mode (answers from stable) |" in text
     assert "rolled the candidate back" in text
     assert "| equal candidate | 3 | 3 | 0 | 0 |" in text
     png = lab.plot_canary(report, tmp_path / "canary.png")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .._ratequeue import Limiter, ManualClock, Rate
-from ..canary import DEFAULT_GATES, Arm, Canary, Gate
+from ..canary import DEFAULT_GATES, Arm, Canary, CanaryRequest, Gate
 
 __all__ = [
     "EQUAL",
@@ -69,7 +69,7 @@ STABLE = Model("stable")
 VERBOSE = Model("verbose candidate (3-5 calls, 1.5x longer answers)", calls=(3, 5), tokens=900.0)
 EQUAL = Model("equal candidate")
 
-Mode = Literal["canary", "stable", "full"]
+Mode = Literal["canary", "shadow", "stable", "full"]
 
 
 @dataclass(frozen=True)
@@ -144,7 +144,8 @@ def simulate(
     until_decided: bool = False,
     duration: float | None = None,
 ) -> CanaryRun:
-    """Run one rollout (``canary``), or everyone on stable / on the candidate (``full``).
+    """Run one rollout (``canary``; ``shadow``: answers from stable, the routed users'
+    tasks copied to the candidate), or everyone on stable / on the candidate (``full``).
 
     ``until_decided`` stops a canary run at its rollback or completion (the seeded
     checks need nothing more); otherwise it runs for ``duration`` (default: the
@@ -170,6 +171,7 @@ def simulate(
         clock=clock,
         check_every=sc.check_every,
         salt=f"lab-{seed}",
+        shadow=mode == "shadow",
     )
     run = CanaryRun(mode, candidate.name, seed, horizon)
     heap: list[tuple[float, int, Any, bool]] = []
@@ -183,7 +185,9 @@ def simulate(
         run.timeline.append(
             {
                 "t": now,
-                "fraction": canary.fraction if mode == "canary" else float(mode == "full"),
+                "fraction": canary.fraction
+                if mode in ("canary", "shadow")
+                else float(mode == "full"),
                 "stable_tokens_per_valid_answer": _num(s.tokens_per_valid_answer),
                 "candidate_tokens_per_valid_answer": _num(c.tokens_per_valid_answer),
                 "stable_calls_per_request": _num(s.calls_per_request),
@@ -207,10 +211,35 @@ def simulate(
         for arm, m in (("stable", stable), ("candidate", candidate))
     }
     burned = run.tokens_burned
+    shadow = mode == "shadow"
     fixed: Arm | None = None
-    if mode != "canary":
+    if mode not in ("canary", "shadow"):
         fixed = "candidate" if mode == "full" else "stable"
     requested = calls_made = refused = tasks = valid = 0
+
+    def serve(req: CanaryRequest) -> bool:
+        nonlocal requested, calls_made, refused, seq
+        arm = req.arm
+        (lo, hi), mu, sigma, lat_mu, lat_sigma = shape[arm]
+        ok = True
+        latency = 0.0
+        for _ in range(randint(lo, hi) if hi > lo else lo):
+            tok = round(lognorm(mu, sigma)) or 1
+            requested += tok
+            calls_made += 1
+            if try_acquire(tokens=tok):
+                req.call(tok)
+                burned[arm] += tok
+            else:
+                req.call(0, rate_limited=True)
+                refused += 1
+                ok = False
+            latency += lognorm(lat_mu, lat_sigma)
+        ok = ok and uniform() < (candidate.valid if arm == "candidate" else stable.valid)
+        seq += 1
+        push(heap, (t + latency, seq, req, ok))
+        return ok
+
     while True:
         t += expo(sc.rate)
         while heap and heap[0][0] <= t:
@@ -230,30 +259,14 @@ def simulate(
                 break
         user = randrange(sc.users)
         arm = canary.arm_for(user) if fixed is None else fixed
-        (lo, hi), mu, sigma, lat_mu, lat_sigma = shape[arm]
-        req = canary.request(user, arm=arm)
-        ok = True
-        latency = 0.0
-        for _ in range(randint(lo, hi) if hi > lo else lo):
-            tok = round(lognorm(mu, sigma)) or 1
-            requested += tok
-            calls_made += 1
-            if try_acquire(tokens=tok):
-                req.call(tok)
-                burned[arm] += tok
-            else:
-                req.call(0, rate_limited=True)
-                refused += 1
-                ok = False
-            latency += lognorm(lat_mu, lat_sigma)
-        ok = ok and uniform() < (candidate.valid if arm == "candidate" else stable.valid)
+        ok = serve(CanaryRequest(canary, user, arm))
         tasks += 1
         valid += ok
-        seq += 1
-        push(heap, (t + latency, seq, req, ok))
+        if shadow and canary.shadowed(user):
+            serve(CanaryRequest(canary, user, "candidate", shadow=True))
     run.tokens_requested, run.calls, run.rate_limited = requested, calls_made, refused
     run.tasks, run.valid = tasks, valid
-    run.state = canary.state if mode == "canary" else mode
+    run.state = canary.state if mode in ("canary", "shadow") else mode
     run.duration = min(horizon, clock.now())
     for d in canary.decisions:
         if d.action == "rollback":
@@ -285,6 +298,7 @@ class CanaryReport:
     stable: CanaryRun
     full: CanaryRun
     canary: CanaryRun
+    shadow: CanaryRun
     equal: CanaryRun
     equal_runs: list[CanaryRun]
     verbose_runs: list[CanaryRun]
@@ -300,6 +314,7 @@ class CanaryReport:
             "stable": summary(self.stable),
             "full": summary(self.full),
             "canary": summary(self.canary),
+            "shadow": summary(self.shadow),
             "equal": summary(self.equal),
             "equal_runs": [summary(r) for r in self.equal_runs],
             "verbose_runs": [summary(r) for r in self.verbose_runs],
@@ -307,8 +322,8 @@ class CanaryReport:
 
 
 def run_canary(sc: CanaryScenario | None = None, *, runs: int | None = None) -> CanaryReport:
-    """The verbose candidate all-stable / full rollout / canary on one seed, the equal
-    candidate's rollout, and ``runs`` seeded rollouts of each candidate."""
+    """The verbose candidate all-stable / full rollout / canary / shadow canary on one
+    seed, the equal candidate's rollout, and ``runs`` seeded rollouts of each."""
     sc = sc or CanaryScenario()
     n = sc.runs if runs is None else runs
     return CanaryReport(
@@ -316,6 +331,7 @@ def run_canary(sc: CanaryScenario | None = None, *, runs: int | None = None) -> 
         stable=simulate(sc, VERBOSE, mode="stable"),
         full=simulate(sc, VERBOSE, mode="full"),
         canary=simulate(sc, VERBOSE),
+        shadow=simulate(sc, VERBOSE, mode="shadow"),
         equal=simulate(sc, EQUAL, duration=sc.schedule + 4 * sc.min_stage_time),
         equal_runs=[
             simulate(sc, EQUAL, seed=sc.seed + 1000 + i, until_decided=True) for i in range(n)
@@ -351,6 +367,7 @@ def format_canary(report: CanaryReport) -> str:
         ("all stable", report.stable),
         ("full rollout of the candidate", report.full),
         ("canary", report.canary),
+        ("canary in shadow mode (answers from stable)", report.shadow),
     )
     for label, r in rows:
         lines.append(
