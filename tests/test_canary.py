@@ -745,3 +745,26 @@ def test_threads_with_shadow_copies_account_for_every_copy() -> None:
     assert k["stable"].requests == 1800 and k["stable"].tokens == 1800
     assert k["candidate"].requests + canary.shadow_dropped == 1800
     assert k["candidate"].tokens == 2 * k["candidate"].requests
+
+
+def test_prometheus_export(clock: rq.ManualClock) -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+    from ratequeue.canary.metrics import CanaryCollector
+
+    canary = Canary(
+        reply(100), reply(150), stages=(0.5,), clock=clock, gates=TOKENS_GATE, name="gpt-next"
+    )
+    drive(canary, clock, 200, 1.0)
+    registry = CollectorRegistry()
+    CanaryCollector(canary, registry=registry)
+    text = generate_latest(registry).decode()
+    assert 'ratequeue_canary_state{name="gpt-next",state="rolled_back"} 1.0' in text
+    assert 'ratequeue_canary_decisions_total{action="rollback",name="gpt-next"} 1.0' in text
+    k = canary.kpis()["candidate"]
+    assert (
+        f'ratequeue_canary_requests_total{{arm="candidate",name="gpt-next"}} {k.requests}.0' in text
+    )
+    assert 'kpi="tokens_per_valid_answer",name="gpt-next"} 150' in text
+    assert 'ratequeue_canary_fraction{name="gpt-next"} 0.0' in text
+    with pytest.raises(TypeError):
+        CanaryCollector(object())  # type: ignore[arg-type]

@@ -236,7 +236,8 @@ class Canary:
     routing in every process). Shadow copies run on at most ``shadow_workers`` threads
     (or as tasks in an event loop), at most ``max_shadow`` at once (more are dropped and
     counted in ``shadow_dropped``); one slower than ``shadow_timeout`` is booked as an
-    error (cancelled, in an event loop). ``max_log`` bounds the decision log.
+    error (cancelled, in an event loop). ``max_log`` bounds the decision log (all
+    decisions are counted in ``decision_counts``); ``name`` labels logs and metrics.
     """
 
     def __init__(
@@ -255,6 +256,7 @@ class Canary:
         on_advance: Hook | None = None,
         on_rollback: Hook | None = None,
         salt: str = "ratequeue-canary",
+        name: str = "canary",
         max_log: int = 1000,
         shadow_workers: int = 4,
         max_shadow: int = 64,
@@ -272,24 +274,27 @@ class Canary:
             if not (prev < f <= 1.0):
                 raise ValueError(f"stages must increase within (0, 1], got {fractions}")
             prev = float(f)
-        for name, v in (("min_stage_time", min_stage_time), ("check_every", check_every)):
+        for label, v in (("min_stage_time", min_stage_time), ("check_every", check_every)):
             if isinstance(v, bool) or not isinstance(v, numbers.Real):
-                raise TypeError(f"{name}={v!r} must be a number of seconds")
+                raise TypeError(f"{label}={v!r} must be a number of seconds")
             if not (math.isfinite(v) and v >= 0):
-                raise ValueError(f"{name}={v!r} must be finite and >= 0")
+                raise ValueError(f"{label}={v!r} must be finite and >= 0")
         if shadow_timeout is not None and not (
             isinstance(shadow_timeout, numbers.Real) and shadow_timeout > 0
         ):
             raise ValueError(f"shadow_timeout={shadow_timeout!r} must be > 0 seconds or None")
-        for name, n in (
+        for label, n in (
             ("max_log", max_log),
             ("shadow_workers", shadow_workers),
             ("max_shadow", max_shadow),
         ):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-                raise ValueError(f"{name}={n!r} must be an integer >= 1")
+                raise ValueError(f"{label}={n!r} must be an integer >= 1")
         if not isinstance(salt, str):
             raise TypeError(f"salt={salt!r} must be a str")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"name={name!r} must be a non-empty str")
+        self.name = name
         self.gates: tuple[Gate, ...] = DEFAULT_GATES if gates is None else tuple(gates)
         for g in self.gates:
             if not isinstance(g, Gate):
@@ -320,6 +325,7 @@ class Canary:
         self._max_shadow = max_shadow
         self._tasks: set[asyncio.Task[None]] = set()
         self.shadow_dropped = 0
+        self.decision_counts: collections.Counter[str] = collections.Counter()
 
     # -- routing -------------------------------------------------------------------------
 
@@ -531,6 +537,7 @@ class Canary:
                 kpis=self.kpis(),
             )
             self._log.append(decision)
+            self.decision_counts[action] += 1
         finally:
             self._lock.release()
         self._announce(decision)
@@ -571,6 +578,7 @@ class Canary:
                 now, "rollback", self._stage, before, 0.0, reason, self.check(), self.kpis()
             )
             self._log.append(d)
+            self.decision_counts["rollback"] += 1
         self._announce(d)
         return d
 
@@ -599,7 +607,10 @@ class Canary:
 
     def __repr__(self) -> str:
         mode = ", shadow" if self.shadow else ""
-        return f"Canary({self._state}, stage {self._stage} at {self._fraction:.4g}{mode})"
+        return (
+            f"Canary({self.name!r}, {self._state}, stage {self._stage} "
+            f"at {self._fraction:.4g}{mode})"
+        )
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:
