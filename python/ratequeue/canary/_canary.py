@@ -354,6 +354,13 @@ class Canary:
         """True when this user's requests are copied to the candidate now (shadow mode)."""
         return self.shadow and self._state == "running" and self.bucket(key) < self._fraction
 
+    def _route(self, key: object) -> tuple[Arm, bool]:
+        """(the arm answering, whether a copy goes to the candidate), hashing once."""
+        inside = self.bucket(key) < self._fraction
+        if self.shadow:
+            return "stable", inside and self._state == "running"
+        return ("candidate" if inside else "stable"), False
+
     def request(self, key: object, *, arm: Arm | None = None) -> CanaryRequest:
         """A :class:`CanaryRequest` for this user on its arm (or on ``arm``)."""
         if arm is None:
@@ -387,8 +394,9 @@ class Canary:
         In shadow mode the candidate gets a copy on a background thread; neither its
         answer nor its errors nor its time ever reach the caller.
         """
-        req = self.request(key)
-        if self.shadowed(key):
+        arm, copy = self._route(key)
+        req = CanaryRequest(self, key, arm)
+        if copy:
             self._shadow_sync(key, request)
         fn = self._stable if req.arm == "stable" else self._candidate
         with req:
@@ -402,8 +410,9 @@ class Canary:
 
     async def call_async(self, key: object, request: Any) -> Any:
         """The asyncio form of :meth:`call` (a shadow copy runs as its own task)."""
-        req = self.request(key)
-        if self.shadowed(key):
+        arm, copy = self._route(key)
+        req = CanaryRequest(self, key, arm)
+        if copy:
             self._shadow_async(key, request)
         fn = self._stable if req.arm == "stable" else self._candidate
         with req:
