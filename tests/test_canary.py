@@ -768,3 +768,27 @@ def test_prometheus_export(clock: rq.ManualClock) -> None:
     assert 'ratequeue_canary_fraction{name="gpt-next"} 0.0' in text
     with pytest.raises(TypeError):
         CanaryCollector(object())  # type: ignore[arg-type]
+
+
+def test_shadow_copies_skip_streamed_or_large_bodies_and_read_bounded_answers() -> None:
+    seen: list[int] = []
+
+    def candidate(request: httpx.Request) -> httpx.Response:
+        seen.append(len(request.content))
+        return httpx.Response(200, content=b"x" * 10_000)  # too big to read for usage
+
+    def stable(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"usage": {"total_tokens": 1}})
+
+    canary = Canary(reply(0), reply(0), stages=(1.0,), shadow=True, gates=())
+    transport = CanaryTransport(
+        canary, httpx.MockTransport(stable), httpx.MockTransport(candidate), max_body=1000
+    )
+    with httpx.Client(transport=transport, base_url="http://llm") as client:
+        h = {"x-user-id": "u"}
+        assert client.post("/", content=b"a" * 100, headers=h).status_code == 200
+        assert client.post("/", content=b"a" * 5000, headers=h).status_code == 200
+        assert client.post("/", content=iter([b"a", b"b"]), headers=h).status_code == 200
+    _wait_for(lambda: canary.kpis()["candidate"].requests == 1)
+    assert seen == [100] and canary.shadow_dropped == 2
+    assert canary.kpis()["candidate"].tokens == 0

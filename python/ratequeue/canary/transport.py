@@ -41,12 +41,22 @@ def _tokens(response: httpx.Response, max_body: int) -> int:
     length = response.headers.get("content-length")
     if length is None or not length.isdigit() or int(length) > max_body:
         return 0
+    if not response.is_stream_consumed:
+        return 0  # never read here: a body we did not buffer
     if "json" not in response.headers.get("content-type", "json"):
         return 0
     try:
         return _default_usage(json.loads(response.content))
     except (ValueError, UnicodeDecodeError):
         return 0
+
+
+def _small(headers: httpx.Headers, max_body: int) -> bool:
+    """True when a body has a Content-Length of at most ``max_body`` (or no body)."""
+    if "transfer-encoding" in headers:
+        return False
+    length = headers.get("content-length", "0")
+    return length.isdigit() and int(length) <= max_body
 
 
 def _copy(request: httpx.Request) -> httpx.Request:
@@ -119,13 +129,15 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
             key, req = self._own(request)
             own = True
             if key is not None and self.canary.shadowed(key):
-                request.read()
-                self._shadow(key, _copy(request))
+                if _small(request.headers, self.max_body):
+                    request.read()
+                    self._shadow(key, _copy(request))
+                else:
+                    self.canary._drop_shadow()  # a streamed or large body is not copied
         inner = self.stable if req.arm == "stable" else self.candidate
         try:
             response = inner.handle_request(request)
-            length = response.headers.get("content-length", "")
-            if length.isdigit() and int(length) <= self.max_body:
+            if "content-length" in response.headers and _small(response.headers, self.max_body):
                 response.read()
         except Exception:
             if own:
@@ -141,7 +153,8 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
             try:
                 response = self.candidate.handle_request(request)
                 try:
-                    response.read()
+                    if _small(response.headers, self.max_body):
+                        response.read()
                 finally:
                     response.close()
             except Exception:
@@ -186,13 +199,15 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
             key, req = self._own(request)
             own = True
             if key is not None and self.canary.shadowed(key):
-                await request.aread()
-                self._shadow(key, _copy(request))
+                if _small(request.headers, self.max_body):
+                    await request.aread()
+                    self._shadow(key, _copy(request))
+                else:
+                    self.canary._drop_shadow()  # a streamed or large body is not copied
         inner = self.stable if req.arm == "stable" else self.candidate
         try:
             response = await inner.handle_async_request(request)
-            length = response.headers.get("content-length", "")
-            if length.isdigit() and int(length) <= self.max_body:
+            if "content-length" in response.headers and _small(response.headers, self.max_body):
                 await response.aread()
         except Exception:
             if own:
@@ -216,7 +231,8 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
         try:
             response = await asyncio.wait_for(self.candidate.handle_async_request(request), timeout)
             try:
-                await asyncio.wait_for(response.aread(), timeout)
+                if _small(response.headers, self.max_body):
+                    await asyncio.wait_for(response.aread(), timeout)
             finally:
                 await response.aclose()
         except Exception:
