@@ -26,7 +26,13 @@ from ratequeue.canary import (
     current_request,
 )
 from ratequeue.canary._kpi import ArmStats
-from ratequeue.canary._stats import mean_bounds, quantile_bounds, wilson_bounds, z_of
+from ratequeue.canary._stats import (
+    mean_bounds,
+    order_ranks,
+    quantile_bounds,
+    wilson_bounds,
+    z_of,
+)
 from ratequeue.canary.transport import AsyncCanaryTransport, CanaryTransport
 
 
@@ -792,3 +798,20 @@ def test_shadow_copies_skip_streamed_or_large_bodies_and_read_bounded_answers() 
     _wait_for(lambda: canary.kpis()["candidate"].requests == 1)
     assert seen == [100] and canary.shadow_dropped == 2
     assert canary.kpis()["candidate"].tokens == 0
+
+
+@pytest.mark.parametrize(("n", "q"), [(5, 0.5), (30, 0.5), (57, 0.5), (200, 0.99), (400, 0.9)])
+def test_order_ranks_are_the_exact_binomial_ranks(n: int, q: float) -> None:
+    from math import comb
+
+    c = 0.99
+    cdf = []
+    total = 0.0
+    for j in range(n + 1):
+        total += comb(n, j) * q**j * (1 - q) ** (n - j)
+        cdf.append(total)  # P(Bin <= j)
+    # Lower rank: the largest k with P(Bin >= k) = 1 - P(Bin <= k - 1) >= c; upper: the
+    # smallest k with P(Bin <= k - 1) >= c (0 and n + 1 when there is none).
+    want_lo = max([k for k in range(1, n + 1) if 1 - cdf[k - 1] >= c], default=0)
+    want_hi = min([k for k in range(1, n + 1) if cdf[k - 1] >= c], default=n + 1)
+    assert order_ranks(n, q, z_of(c)) == (want_lo, want_hi)

@@ -2,11 +2,12 @@
 
 * A quantile (the median, p99) gets a distribution-free bound from order statistics:
   among n samples, the number below the true q-quantile is Binomial(n, q), so the
-  k-th smallest value X_(k) with k = floor(nq - z*sqrt(nq(1-q))) lies below the true
-  quantile with probability about ``confidence`` (upper bound: k = ceil(nq +
-  z*sqrt(nq(1-q))) + 1). No assumption on the shape of the distribution; when the
-  sample is too small for a rank the bound is 0 (lower) or +inf (upper), so a small
-  sample can never trip a gate. The samples are read from a ``Histogram``
+  k-th smallest value X_(k) lies below the true quantile with probability
+  P(Binomial(n, q) >= k); :func:`order_ranks` picks the ranks from the exact binomial
+  up to n = 2000 (at least ``confidence``) and its normal approximation beyond
+  (k = floor(nq -+ z*sqrt(nq(1-q)))). No assumption on the shape of the distribution;
+  when the sample is too small for a rank the bound is 0 (lower) or +inf (upper), so a
+  small sample can never trip a gate. The samples are read from a ``Histogram``
   (1 % relative error).
 * A mean gets the normal (CLT) bound ``mean -+ z * s / sqrt(n)`` from exact sums.
 * A share gets the Wilson score interval.
@@ -17,13 +18,21 @@ the same records give the same bounds.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from statistics import NormalDist
 
 from .._ratequeue import Histogram
 
-__all__ = ["Estimate", "mean_bounds", "quantile_bounds", "wilson_bounds", "z_of"]
+__all__ = [
+    "Estimate",
+    "mean_bounds",
+    "order_ranks",
+    "quantile_bounds",
+    "wilson_bounds",
+    "z_of",
+]
 
 
 @dataclass(frozen=True)
@@ -54,6 +63,39 @@ def z_of(confidence: float) -> float:
     return NormalDist().inv_cdf(confidence)
 
 
+#: Up to this sample size the ranks come from the exact binomial distribution.
+EXACT_UP_TO = 2000
+
+
+@functools.lru_cache(maxsize=4096)
+def order_ranks(n: int, q: float, z: float) -> tuple[int, int]:
+    """Ranks (1-based) of the order statistics bounding the q-quantile of n samples.
+
+    X_(k) <= the quantile when at least k samples fall below it: Binomial(n, q) >= k.
+    With c = Phi(z): the lower rank is the largest k with P(Bin <= k - 1) <= 1 - c, the
+    upper the smallest k with P(Bin <= k - 1) >= c, so each bound holds with probability
+    at least c (exact for n <= EXACT_UP_TO, the normal approximation beyond). A rank
+    below 1 or above n means no bound (0 or +inf).
+    """
+    if n > EXACT_UP_TO:
+        spread = z * math.sqrt(n * q * (1.0 - q))
+        return math.floor(n * q - spread), math.ceil(n * q + spread) + 1
+    c = NormalDist().cdf(z)
+    alpha = 1.0 - c
+    lq, lp = math.log(q), math.log1p(-q)
+    base = math.lgamma(n + 1)
+    cdf = 0.0
+    k_lo, k_hi = 0, n + 1
+    for j in range(n + 1):  # cdf = P(Bin <= j) after the step
+        cdf += math.exp(base - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * lq + (n - j) * lp)
+        if cdf <= alpha:
+            k_lo = j + 1
+        if cdf >= c:
+            k_hi = j + 1
+            break
+    return k_lo, k_hi
+
+
 def quantile_bounds(h: Histogram, q: float, z: float, n: int | None = None) -> Estimate:
     """The q-quantile of the recorded values with order-statistic bounds.
 
@@ -64,9 +106,7 @@ def quantile_bounds(h: Histogram, q: float, z: float, n: int | None = None) -> E
         n = h.count
     if n == 0:
         return Estimate(math.nan, 0.0, math.inf, 0)
-    spread = z * math.sqrt(n * q * (1.0 - q))
-    k_lo = math.floor(n * q - spread)
-    k_hi = math.ceil(n * q + spread) + 1
+    k_lo, k_hi = order_ranks(n, q, z)
     # percentile(p) is the value of nearest rank ceil(p/100 * n): aim at k - 0.5 so
     # that rounding of p can never move the rank.
     qs = [100.0 * q]
