@@ -5,7 +5,8 @@ stable hash of the user key (or, in shadow mode, copies it to the candidate), me
 per arm the rate-limited share, error share, latency p50/p99, tokens per valid answer
 and calls per request, and advances through the stages or rolls back by the
 :class:`Gate` verdicts. :class:`PoolArm` makes an arm of a :class:`~ratequeue.Pool`;
-:mod:`ratequeue.canary.transport` routes httpx requests (needs httpx).
+:mod:`ratequeue.canary.transport` routes httpx requests (needs httpx);
+:mod:`ratequeue.canary.metrics` exports to Prometheus (needs prometheus_client).
 """
 
 from __future__ import annotations
