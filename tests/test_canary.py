@@ -815,3 +815,55 @@ def test_order_ranks_are_the_exact_binomial_ranks(n: int, q: float) -> None:
     want_lo = max([k for k in range(1, n + 1) if 1 - cdf[k - 1] >= c], default=0)
     want_hi = min([k for k in range(1, n + 1) if cdf[k - 1] >= c], default=n + 1)
     assert order_ranks(n, q, z_of(c)) == (want_lo, want_hi)
+
+
+def test_the_transport_sends_the_candidate_to_another_endpoint_over_loopback(
+    clock: rq.ManualClock,
+) -> None:
+    from ratequeue.canary.transport import to_endpoint
+    from ratequeue.mock_provider import MockProvider
+
+    with MockProvider(6000, gen_time=0.0) as old, MockProvider(6000, gen_time=0.0) as new:
+        canary = Canary(reply(0), reply(0), stages=(0.5,), clock=clock, gates=())
+        transport = CanaryTransport(
+            canary,
+            httpx.HTTPTransport(),
+            httpx.HTTPTransport(),
+            candidate_request=to_endpoint(new.base_url),
+        )
+        users = [f"u{i}" for i in range(40)]
+        with httpx.Client(transport=transport, timeout=10) as client:
+            for u in users:
+                r = client.post(old.url, json={"model": "m"}, headers={"x-user-id": u})
+                assert r.status_code == 200
+        on_new = sum(canary.arm_for(u) == "candidate" for u in users)
+        assert 0 < on_new < 40
+        assert (old.stats()["requests"], new.stats()["requests"]) == (40 - on_new, on_new)
+        k = canary.kpis()
+        assert k["candidate"].tokens == 10 * on_new  # the mock's usage, read from the answer
+        assert k["stable"].tokens == 10 * (40 - on_new)
+
+
+def test_with_model_rewrites_the_json_body_for_the_candidate_only(clock: rq.ManualClock) -> None:
+    from ratequeue.canary.transport import to_endpoint, with_model
+
+    seen: list[tuple[str, str]] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append((request.url.host, json.loads(request.content)["model"]))
+        return httpx.Response(200, json={"usage": {"total_tokens": 1}})
+
+    canary = Canary(reply(0), reply(0), stages=(1.0,), shadow=True, clock=clock, gates=())
+    mock = httpx.MockTransport(handler)
+    rewrite = with_model("next", then=to_endpoint("http://candidate.internal"))
+    transport = CanaryTransport(canary, mock, mock, candidate_request=rewrite)
+    with httpx.Client(transport=transport) as client:
+        client.post(
+            "http://api/v1/chat", json={"model": "current", "x": 1}, headers={"x-user-id": "u"}
+        )
+    _wait_for(lambda: len(seen) == 2)
+    assert sorted(seen) == [("api", "current"), ("candidate.internal", "next")]
+    with pytest.raises(ValueError):
+        with_model("")
+    with pytest.raises(ValueError):
+        to_endpoint("/relative")

@@ -6,7 +6,9 @@ Depends only on httpx's public transport API (``BaseTransport.handle_request``,
 Inside a ``with canary.request(key)`` block (or an arm the canary calls) the request's
 arm is used and every HTTP call is booked on it (calls per user request). Tokens
 are read from a JSON ``usage`` in answers of at most ``max_body`` bytes with a
-``Content-Length`` (a streamed answer is not read: give ``usage``).
+``Content-Length`` (a streamed answer is not read: give ``usage``). A candidate that is
+another endpoint or model gets its requests rewritten by ``candidate_request``
+(:func:`to_endpoint`, :func:`with_model`).
 """
 
 from __future__ import annotations
@@ -19,9 +21,58 @@ import httpx
 
 from ._canary import Canary, CanaryRequest, _default_usage, current_request
 
-__all__ = ["AsyncCanaryTransport", "CanaryTransport"]
+__all__ = ["AsyncCanaryTransport", "CanaryTransport", "to_endpoint", "with_model"]
 
 Key = Callable[[httpx.Request], object]
+Rewrite = Callable[[httpx.Request], httpx.Request]
+
+
+def _headers_without(request: httpx.Request, *names: str) -> list[tuple[bytes, bytes]]:
+    drop = {n.encode() for n in names}
+    return [(k, v) for k, v in request.headers.raw if k.lower() not in drop]
+
+
+def to_endpoint(base_url: str) -> Rewrite:
+    """A ``candidate_request`` that sends the candidate's requests to another scheme,
+    host and port (path, query, headers and body kept; the body is not read)."""
+    base = httpx.URL(base_url)
+    if not base.host:
+        raise ValueError(f"base_url={base_url!r} needs a scheme and a host")
+
+    def rewrite(request: httpx.Request) -> httpx.Request:
+        url = request.url.copy_with(scheme=base.scheme, host=base.host, port=base.port)
+        headers = [(b"Host", url.netloc), *_headers_without(request, "host")]
+        return httpx.Request(request.method, url, headers=headers, stream=request.stream)
+
+    return rewrite
+
+
+def with_model(model: str, *, then: Rewrite | None = None) -> Rewrite:
+    """A ``candidate_request`` that sets ``"model"`` in a JSON body (another model on the
+    same endpoint); ``then`` rewrites further (e.g. :func:`to_endpoint`)."""
+    if not isinstance(model, str) or not model:
+        raise ValueError(f"model={model!r} must be a non-empty str")
+
+    def rewrite(request: httpx.Request) -> httpx.Request:
+        try:
+            body = request.read()
+        except RuntimeError:  # an async stream not read yet: left as it is
+            return then(request) if then is not None else request
+        try:
+            data = json.loads(body) if body else None
+        except (ValueError, UnicodeDecodeError):
+            data = None
+        if isinstance(data, dict):
+            data["model"] = model
+            request = httpx.Request(
+                request.method,
+                request.url,
+                headers=_headers_without(request, "content-length", "transfer-encoding"),
+                content=json.dumps(data).encode(),
+            )
+        return then(request) if then is not None else request
+
+    return rewrite
 
 
 def _key_fn(key: str | Key) -> Key:
@@ -73,6 +124,7 @@ class _Routing:
         valid: Callable[[httpx.Response], bool] | None,
         usage: Callable[[httpx.Response], int] | None,
         max_body: int,
+        candidate_request: Rewrite | None = None,
     ) -> None:
         if not isinstance(canary, Canary):
             raise TypeError(f"canary must be a ratequeue.Canary, got {canary!r}")
@@ -83,6 +135,10 @@ class _Routing:
         self._valid = valid or (lambda r: r.status_code < 400)
         self._usage = usage
         self.max_body = max_body
+        self._rewrite = candidate_request
+
+    def _for_candidate(self, request: httpx.Request) -> httpx.Request:
+        return request if self._rewrite is None else self._rewrite(request)
 
     def _outer(self) -> CanaryRequest | None:
         req = current_request()
@@ -116,8 +172,9 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
         valid: Callable[[httpx.Response], bool] | None = None,
         usage: Callable[[httpx.Response], int] | None = None,
         max_body: int = 1 << 20,
+        candidate_request: Rewrite | None = None,
     ) -> None:
-        _Routing.__init__(self, canary, key, valid, usage, max_body)
+        _Routing.__init__(self, canary, key, valid, usage, max_body, candidate_request)
         self.stable = stable
         self.candidate = candidate
 
@@ -131,10 +188,13 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
             if key is not None and self.canary.shadowed(key):
                 if _small(request.headers, self.max_body):
                     request.read()
-                    self._shadow(key, _copy(request))
+                    self._shadow(key, self._for_candidate(_copy(request)))
                 else:
                     self.canary._drop_shadow()  # a streamed or large body is not copied
-        inner = self.stable if req.arm == "stable" else self.candidate
+        if req.arm == "stable":
+            inner = self.stable
+        else:
+            inner, request = self.candidate, self._for_candidate(request)
         try:
             response = inner.handle_request(request)
             if "content-length" in response.headers and _small(response.headers, self.max_body):
@@ -185,8 +245,9 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
         valid: Callable[[httpx.Response], bool] | None = None,
         usage: Callable[[httpx.Response], int] | None = None,
         max_body: int = 1 << 20,
+        candidate_request: Rewrite | None = None,
     ) -> None:
-        _Routing.__init__(self, canary, key, valid, usage, max_body)
+        _Routing.__init__(self, canary, key, valid, usage, max_body, candidate_request)
         self.stable = stable
         self.candidate = candidate
         self._tasks: set[asyncio.Task[None]] = set()
@@ -201,12 +262,15 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
             if key is not None and self.canary.shadowed(key):
                 if _small(request.headers, self.max_body):
                     await request.aread()
-                    self._shadow(key, _copy(request))
+                    self._shadow(key, self._for_candidate(_copy(request)))
                 else:
                     self.canary._drop_shadow()  # a streamed or large body is not copied
-        inner = self.stable if req.arm == "stable" else self.candidate
+        if req.arm == "stable":
+            ainner = self.stable
+        else:
+            ainner, request = self.candidate, self._for_candidate(request)
         try:
-            response = await inner.handle_async_request(request)
+            response = await ainner.handle_async_request(request)
             if "content-length" in response.headers and _small(response.headers, self.max_body):
                 await response.aread()
         except Exception:
