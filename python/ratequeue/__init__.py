@@ -25,6 +25,7 @@ from ._ratequeue import (
 )
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
 from .canary import Canary
+from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
@@ -34,6 +35,8 @@ __all__ = [
     "AIMD",
     "Acquiring",
     "Adaptive",
+    "BudgetExceeded",
+    "CallBudget",
     "Canary",
     "Concurrency",
     "CostTooLarge",
