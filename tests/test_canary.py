@@ -869,3 +869,33 @@ def test_with_model_rewrites_the_json_body_for_the_candidate_only(clock: rq.Manu
         with_model("")
     with pytest.raises(ValueError):
         to_endpoint("/relative")
+
+
+def test_arms_behind_ratequeue_rate_limited_transports(clock: rq.ManualClock) -> None:
+    from ratequeue.httpx import RateLimitedTransport
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, json={"usage": {"total_tokens": 7}})
+
+    mock = httpx.MockTransport(handler)
+    # Each model behind its own limits: the candidate's key allows 2 requests at once.
+    stable = RateLimitedTransport(mock, rq.Limiter(rq.Rate(600, per="minute"), clock=clock))
+    cand_limit = rq.Limiter(rq.Rate(1, per="hour", burst=2), clock=clock)
+    candidate = RateLimitedTransport(mock, cand_limit, timeout=0)
+    canary = Canary(reply(0), reply(0), stages=(1.0,), clock=clock, gates=())
+    with httpx.Client(transport=CanaryTransport(canary, stable, candidate)) as client:
+        ok = refused = 0
+        for i in range(5):
+            try:
+                client.post(
+                    "http://llm/v1/chat/completions",
+                    json={"model": "m"},
+                    headers={"x-user-id": f"u{i}"},
+                )
+                ok += 1
+            except rq.Overloaded:
+                refused += 1
+    assert (ok, refused) == (2, 3)
+    k = canary.kpis()["candidate"]
+    assert (k.requests, k.calls, k.rate_limited_calls, k.errors, k.valid) == (5, 5, 3, 0, 2)
+    assert k.tokens == 14

@@ -16,12 +16,21 @@ from __future__ import annotations
 import asyncio
 import json
 from collections.abc import Callable
+from typing import Protocol
 
 import httpx
 
+from .._errors import Overloaded, WaitTimeout
 from ._canary import Canary, CanaryRequest, _default_usage, current_request
 
-__all__ = ["AsyncCanaryTransport", "CanaryTransport", "to_endpoint", "with_model"]
+__all__ = [
+    "AsyncCanaryTransport",
+    "AsyncTransport",
+    "CanaryTransport",
+    "SyncTransport",
+    "to_endpoint",
+    "with_model",
+]
 
 Key = Callable[[httpx.Request], object]
 Rewrite = Callable[[httpx.Request], httpx.Request]
@@ -110,6 +119,31 @@ def _small(headers: httpx.Headers, max_body: int) -> bool:
     return length.isdigit() and int(length) <= max_body
 
 
+def _failed(req: CanaryRequest, exc: Exception) -> None:
+    """Book a call that raised: a limiter's refusal is rate limited, the rest errors."""
+    if isinstance(exc, (Overloaded, WaitTimeout)):
+        req.call(rate_limited=True)
+        req.finish(valid=False)
+    else:
+        req.call()
+        req.finish(error=True)
+
+
+class SyncTransport(Protocol):
+    """What the sync router needs of an arm: httpx's ``BaseTransport`` interface (an
+    ``httpx.HTTPTransport``, a ``ratequeue.httpx.RateLimitedTransport``...)."""
+
+    def handle_request(self, request: httpx.Request) -> httpx.Response: ...
+    def close(self) -> None: ...
+
+
+class AsyncTransport(Protocol):
+    """What the asyncio router needs of an arm: httpx's ``AsyncBaseTransport`` interface."""
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response: ...
+    async def aclose(self) -> None: ...
+
+
 def _copy(request: httpx.Request) -> httpx.Request:
     return httpx.Request(
         request.method, request.url, headers=request.headers, content=request.content
@@ -165,8 +199,8 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
     def __init__(
         self,
         canary: Canary,
-        stable: httpx.BaseTransport,
-        candidate: httpx.BaseTransport,
+        stable: SyncTransport,
+        candidate: SyncTransport,
         *,
         key: str | Key = "x-user-id",
         valid: Callable[[httpx.Response], bool] | None = None,
@@ -199,10 +233,9 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
             response = inner.handle_request(request)
             if "content-length" in response.headers and _small(response.headers, self.max_body):
                 response.read()
-        except Exception:
+        except Exception as e:
             if own:
-                req.call()
-                req.finish(error=True)
+                _failed(req, e)
             raise
         self._book(req, response, own)
         return response
@@ -217,9 +250,8 @@ class CanaryTransport(httpx.BaseTransport, _Routing):
                         response.read()
                 finally:
                     response.close()
-            except Exception:
-                req.call()
-                req.finish(error=True)
+            except Exception as e:
+                _failed(req, e)
                 return
             self._book(req, response, True)
 
@@ -238,8 +270,8 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
     def __init__(
         self,
         canary: Canary,
-        stable: httpx.AsyncBaseTransport,
-        candidate: httpx.AsyncBaseTransport,
+        stable: AsyncTransport,
+        candidate: AsyncTransport,
         *,
         key: str | Key = "x-user-id",
         valid: Callable[[httpx.Response], bool] | None = None,
@@ -273,10 +305,9 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
             response = await ainner.handle_async_request(request)
             if "content-length" in response.headers and _small(response.headers, self.max_body):
                 await response.aread()
-        except Exception:
+        except Exception as e:
             if own:
-                req.call()
-                req.finish(error=True)
+                _failed(req, e)
             raise
         self._book(req, response, own)
         return response
@@ -299,9 +330,8 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
                     await asyncio.wait_for(response.aread(), timeout)
             finally:
                 await response.aclose()
-        except Exception:
-            req.call()
-            req.finish(error=True)
+        except Exception as e:
+            _failed(req, e)
             return
         self._book(req, response, True)
 
