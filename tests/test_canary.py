@@ -899,3 +899,40 @@ def test_arms_behind_ratequeue_rate_limited_transports(clock: rq.ManualClock) ->
     k = canary.kpis()["candidate"]
     assert (k.requests, k.calls, k.rate_limited_calls, k.errors, k.valid) == (5, 5, 3, 0, 2)
     assert k.tokens == 14
+
+
+def test_counts_beyond_2_53_are_refused_or_ignored(clock: rq.ManualClock) -> None:
+    canary = Canary(reply(1), reply(1), stages=(1.0,), clock=clock, gates=())
+    with pytest.raises(ValueError):
+        canary.request("u").call(tokens=2**60)
+    with pytest.raises(ValueError):
+        Reply(None, tokens=2**60)
+
+    def handler(request: httpx.Request) -> httpx.Response:  # a provider claiming nonsense
+        return httpx.Response(200, content=b'{"usage": {"total_tokens": 1' + b"0" * 400 + b"}}")
+
+    transport = CanaryTransport(canary, httpx.MockTransport(handler), httpx.MockTransport(handler))
+    with httpx.Client(transport=transport) as client:
+        assert client.post("http://llm/", headers={"x-user-id": "u"}).status_code == 200
+    k = canary.kpis()["candidate"]
+    assert (k.requests, k.tokens) == (1, 0)
+
+
+def test_a_request_is_booked_once_when_threads_race_to_finish(clock: rq.ManualClock) -> None:
+    canary = Canary(reply(1), reply(1), stages=(1.0,), clock=clock, gates=())
+    for _ in range(50):
+        req = canary.request("u")
+        barrier = threading.Barrier(4)
+        won: list[bool] = []
+
+        def finish(r: Any = req, b: threading.Barrier = barrier, out: list[bool] = won) -> None:
+            b.wait()
+            out.append(r.finish())
+
+        threads = [threading.Thread(target=finish) for _ in range(4)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert sorted(won) == [False, False, False, True]
+    assert canary.kpis()["candidate"].requests == 50

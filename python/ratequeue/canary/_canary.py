@@ -22,7 +22,16 @@ from ._gates import DEFAULT_GATES, Gate, GateResult
 from ._kpi import ArmKPIs, ArmStats
 from ._shadow import ShadowRunner
 
-__all__ = ["Arm", "Canary", "CanaryRequest", "Decision", "Reply", "State", "current_request"]
+__all__ = [
+    "MAX_COUNT",
+    "Arm",
+    "Canary",
+    "CanaryRequest",
+    "Decision",
+    "Reply",
+    "State",
+    "current_request",
+]
 
 log = logging.getLogger("ratequeue.canary")
 log.addHandler(logging.NullHandler())
@@ -39,11 +48,15 @@ _CURRENT: contextvars.ContextVar[CanaryRequest | None] = contextvars.ContextVar(
 _RATE_LIMITED = (Overloaded, WaitTimeout)
 
 
+#: The largest token or call count booked (2**53: exact as a float in the histograms).
+MAX_COUNT = 1 << 53
+
+
 def _count(name: str, v: object) -> int:
     if isinstance(v, bool) or not isinstance(v, int):
         raise TypeError(f"{name}={v!r} must be an int")
-    if v < 0:
-        raise ValueError(f"{name}={v!r} must be >= 0")
+    if not 0 <= v <= MAX_COUNT:
+        raise ValueError(f"{name}={v!r} must be >= 0 and <= 2**53")
     return v
 
 
@@ -83,9 +96,11 @@ def _default_usage(result: Any) -> int:
     if total is None:
         parts = [get(k) for k in ("input_tokens", "output_tokens", "prompt_tokens")]
         parts.append(get("completion_tokens"))
-        total = sum(p for p in parts if isinstance(p, int) and not isinstance(p, bool))
-    if isinstance(total, bool) or not isinstance(total, int) or total < 0:
-        return 0
+        total = sum(
+            p for p in parts if isinstance(p, int) and not isinstance(p, bool) and p <= MAX_COUNT
+        )
+    if isinstance(total, bool) or not isinstance(total, int) or not 0 <= total <= MAX_COUNT:
+        return 0  # an answer's claim we cannot book: no tokens rather than an error
     return total
 
 
@@ -126,7 +141,7 @@ class CanaryRequest:
 
     __slots__ = (
         "_canary",
-        "_finished",
+        "_once",
         "_token",
         "arm",
         "calls",
@@ -150,7 +165,7 @@ class CanaryRequest:
         self.rate_limited = 0
         self.error = False
         self.valid: bool | None = None
-        self._finished = False
+        self._once = threading.Lock()  # held once finished: finishing is atomic
         self._token: contextvars.Token[CanaryRequest | None] | None = None
 
     @property
@@ -171,9 +186,8 @@ class CanaryRequest:
 
     def finish(self, *, valid: bool | None = None, error: bool = False) -> bool:
         """Book the request on its arm (once; False if it was already finished)."""
-        if self._finished:
+        if not self._once.acquire(blocking=False):
             return False
-        self._finished = True
         if error:
             self.error = True
         if valid is not None:
