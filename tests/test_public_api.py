@@ -22,6 +22,7 @@ RATEQUEUE = {
     "Adaptive",
     "BudgetExceeded",
     "CallBudget",
+    "Canary",
     "Gradient2",
     "QueueDepth",
     "Vegas",

@@ -22,6 +22,7 @@ from ._ratequeue import (
     __version__,
 )
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
+from .canary import Canary
 from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
@@ -34,6 +35,7 @@ __all__ = [
     "Adaptive",
     "BudgetExceeded",
     "CallBudget",
+    "Canary",
     "Concurrency",
     "CostTooLarge",
     "Gradient2",
