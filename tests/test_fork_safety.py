@@ -439,3 +439,92 @@ def test_driver_recovers_from_a_failed_spawn_a_panicking_wake_and_its_death():
         [sys.executable, "-c", DRIVER_SCRIPT], capture_output=True, text=True, timeout=120
     )
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stdout + r.stderr
+
+
+def _busy_policy() -> tuple[rq.Policy, rq.Concurrency, object]:
+    """A Policy over a Concurrency(1) whose permit is taken: acquires queue there."""
+    slots = rq.Concurrency(1)
+    policy = rq.Policy({"slots": slots, "api": rq.Limiter(rq.Rate(1000, per="second"))})
+    return policy, slots, slots.try_acquire()
+
+
+def test_fork_while_a_policy_acquire_holds_its_lock_waits_for_it():
+    # A thread inside a policy acquire (its lock held) while another thread forks: the
+    # fork waits for it, so the child can still give that acquire back (an asyncio
+    # acquire stays reachable there) instead of hanging on a lock nobody will release.
+    policy, _slots, held = _busy_policy()
+    acq = policy.acquire_async(timeout=5)
+    holder = threading.Thread(target=_ratequeue._hold_locks_for_test, args=(acq, 0.5))
+    holder.start()
+    time.sleep(0.1)
+    t0 = time.monotonic()
+
+    def child():
+        signal.alarm(5)
+        acq._cancel(0)
+        held.release()
+        with policy.acquire(timeout=2):
+            pass
+
+    check(fork_child(child))
+    assert time.monotonic() - t0 >= 0.3
+    holder.join()
+
+
+def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
+    # Blocking and asyncio policy acquires queued on a concurrency level (and one being
+    # granted in between) in other threads; a fork meanwhile gives a child where the
+    # policy still works and the parent's acquires all end with every permit back.
+    policy, slots, held = _busy_policy()
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def blocking():
+        try:
+            while not stop.is_set():
+                with contextlib.suppress(rq.WaitTimeout):
+                    with policy.acquire(timeout=0.02):
+                        pass
+        except BaseException as e:
+            errors.append(e)
+
+    def in_loop():
+        async def waits():
+            while not stop.is_set():
+                with contextlib.suppress(rq.WaitTimeout):
+                    async with policy.acquire_async(timeout=0.02):
+                        await asyncio.sleep(0)
+
+        try:
+            asyncio.run(waits())
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=f) for f in (blocking, blocking, in_loop, in_loop)]
+    for t in threads:
+        t.start()
+    try:
+        for i in range(6):
+            time.sleep(0.05)
+            if i == 3:
+                held.release()
+
+            def child():
+                signal.alarm(10)
+                with policy.acquire(timeout=5):
+                    pass
+
+                async def one():
+                    async with policy.acquire_async(timeout=5):
+                        pass
+
+                asyncio.run(one())
+
+            check(fork_child(child))
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(10)
+    assert not errors, errors
+    assert all(not t.is_alive() for t in threads)
+    assert slots.try_acquire() is not None

@@ -11,6 +11,15 @@ use crate::sync::{AtomicU64, Ordering};
 pub struct Semaphore {
     limit: AtomicU64,
     in_use: AtomicU64,
+    serial: u64,
+}
+
+/// Serial numbers of concurrency limits, in the order they are made.
+static SERIAL: AtomicU64 = AtomicU64::new(1);
+
+/// The next concurrency limit's serial number (unique in the process).
+pub(crate) fn next_serial() -> u64 {
+    SERIAL.fetch_add(1, Ordering::Relaxed)
 }
 
 impl Semaphore {
@@ -22,7 +31,14 @@ impl Semaphore {
         Ok(Semaphore {
             limit: AtomicU64::new(limit),
             in_use: AtomicU64::new(0),
+            serial: next_serial(),
         })
+    }
+
+    /// Its place in the one order every policy waits for its concurrency levels in
+    /// (made earlier, waited for first).
+    pub fn serial(&self) -> u64 {
+        self.serial
     }
 
     /// Permits held now.

@@ -9,11 +9,13 @@
 //! them all in it:
 //!
 //! 1. the registry below (only `register` and `prepare` take it, holding nothing else);
-//! 2. [`Rank::KeyMap`]: the bindings' per-key queue maps (they look at a queue's state);
-//! 3. [`Rank::Queue`]: each wait queue (its decisions call its resource and deliver);
-//! 4. [`Rank::Resource`]: a limiter's multi-rate and rate-change locks, keyed shards;
-//! 5. [`Rank::Leaf`]: event-loop channels (a delivery writes to them);
-//! 6. the driver's state (a queue asks for a wake-up only after releasing its lock; the
+//! 2. [`Rank::Acquire`]: a policy acquire under way (its state is held while it asks a
+//!    level's key map, queue or resource; nothing takes it while holding those);
+//! 3. [`Rank::KeyMap`]: the bindings' per-key queue maps (they look at a queue's state);
+//! 4. [`Rank::Queue`]: each wait queue (its decisions call its resource and deliver);
+//! 5. [`Rank::Resource`]: a limiter's multi-rate and rate-change locks, keyed shards;
+//! 6. [`Rank::Leaf`]: event-loop channels (a delivery writes to them);
+//! 7. the driver's state (a queue asks for a wake-up only after releasing its lock; the
 //!    driver wakes a queue only after releasing its state).
 //!
 //! Within a rank no path holds two locks at once. A thread slot's lock is a leaf taken
@@ -29,6 +31,8 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
 /// Where an object's locks sit in the lock order (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub enum Rank {
+    /// Policy acquires under way.
+    Acquire,
     /// Maps of per-key queues (bindings).
     KeyMap,
     /// Wait queues.

@@ -868,9 +868,16 @@ pub struct KeyedSemaphore {
     hasher: KeyHasher,
     shards: Box<[Shard<HashMap<u64, u64>>]>,
     shard_bits: u32,
+    serial: u64,
 }
 
 impl KeyedSemaphore {
+    /// Its place in the one order every policy waits for its concurrency levels in
+    /// (made earlier, waited for first; one key after another).
+    pub fn serial(&self) -> u64 {
+        self.serial
+    }
+
     /// `limit` permits per key.
     pub fn new(limit: u64) -> Result<KeyedSemaphore, Error> {
         if limit == 0 {
@@ -882,6 +889,7 @@ impl KeyedSemaphore {
             hasher: KeyHasher::default(),
             shards: (0..n).map(|_| Shard(Mutex::new(HashMap::new()))).collect(),
             shard_bits: n.trailing_zeros(),
+            serial: crate::concurrency::next_serial(),
         })
     }
 

@@ -9,9 +9,10 @@ use ratequeue_core::driver::{inject_fault, Fault};
 use crate::args::seconds_ns;
 use crate::keyed::KeyedLimiterPy;
 use crate::limiter::LimiterPy;
+use crate::policy_permit::PolicyAcquiringPy;
 
 /// Test hook: holds the core locks of `obj` (a Limiter's queue, a KeyedLimiter's
-/// shards) for `seconds` on this thread, the GIL released, as a long decision would.
+/// shards, a policy acquire under way) for `seconds` on this thread, the GIL released, as a long decision would.
 #[pyfunction]
 pub fn _hold_locks_for_test(py: Python<'_>, obj: &Bound<'_, PyAny>, seconds: &Bound<'_, PyAny>) -> PyResult<()> {
     let d = Duration::from_nanos(seconds_ns("seconds", seconds)?);
@@ -21,8 +22,11 @@ pub fn _hold_locks_for_test(py: Python<'_>, obj: &Bound<'_, PyAny>, seconds: &Bo
     } else if let Ok(k) = obj.cast::<KeyedLimiterPy>() {
         let core = k.get().core().clone();
         py.detach(move || core.hold_locks_for(d));
+    } else if let Ok(a) = obj.cast::<PolicyAcquiringPy>() {
+        let core = a.get().core().clone();
+        py.detach(move || core.hold_lock_for(d));
     } else {
-        return Err(PyTypeError::new_err("a Limiter or a KeyedLimiter"));
+        return Err(PyTypeError::new_err("a Limiter, a KeyedLimiter or a PolicyAcquiring"));
     }
     Ok(())
 }

@@ -189,6 +189,11 @@ impl PolicyAcquiringPy {
             left_ns: AtomicU64::new(0),
         }
     }
+
+    /// The core acquire.
+    pub fn core(&self) -> &Arc<PolicyAcquire> {
+        &self.core
+    }
 }
 
 impl Drop for PolicyAcquiringPy {

@@ -39,6 +39,29 @@ struct Waiting {
     ticket: u64,
 }
 
+/// The state of an acquire behind its lock, registered for the fork protocol: the lock
+/// is held while a level's key map, queue or resource is asked, and an asyncio acquire
+/// is still reachable (and given back) in a forked child.
+struct StateLock(Mutex<AcquireState>);
+
+impl crate::fork::ForkLocks for StateLock {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Acquire
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(lock(&self.0)));
+    }
+}
+
+impl std::ops::Deref for StateLock {
+    type Target = Mutex<AcquireState>;
+
+    fn deref(&self) -> &Mutex<AcquireState> {
+        &self.0
+    }
+}
+
 struct AcquireState {
     next: usize,
     held: Vec<Held>,
@@ -49,8 +72,8 @@ struct AcquireState {
 }
 
 /// One policy acquire under way: the one lifecycle of a blocking and an asyncio
-/// `Policy.acquire`. It waits in the queue of each enforced concurrency level in order
-/// (in the level's first class, behind its waiters, like any of them), then holds every
+/// `Policy.acquire`. It waits in the queue of each enforced concurrency level in one
+/// order shared by every policy (see `order`; in the level's first class, behind its waiters, like any of them), then holds every
 /// rate level for one common time without passing anyone ([`Policy::reserve_queued`]).
 /// Whoever waits drives it: [`PolicyAcquire::advance`] starts the next wait or finishes,
 /// [`PolicyAcquire::outcome`] takes the outcome of the wait under way, and
@@ -63,7 +86,11 @@ pub struct PolicyAcquire {
     clock: AnyClock,
     start_ns: u64,
     deadline_ns: Option<u64>,
-    st: Mutex<AcquireState>,
+    /// The enforced concurrency levels in the order they are waited for: one order for
+    /// every policy (by the limit's serial number, then key), so two policies over the same
+    /// limits never each hold one while waiting for the other's.
+    order: Vec<usize>,
+    st: Arc<StateLock>,
 }
 
 impl PolicyAcquire {
@@ -83,20 +110,46 @@ impl PolicyAcquire {
         start_ns: u64,
     ) -> PolicyAcquire {
         let n = policy.levels.len();
+        let st = Arc::new(StateLock(Mutex::new(AcquireState {
+            next: 0,
+            held: (0..n).map(|_| Held::Nothing).collect(),
+            waiting: None,
+            raced: None,
+            done: false,
+        })));
+        crate::fork::register_arc(&st);
+        let mut order: Vec<(u64, u64, usize)> = policy
+            .levels
+            .iter()
+            .enumerate()
+            .filter_map(|(i, l)| {
+                let key = args.get(i).map_or(0, |a| a.key);
+                match &l.kind {
+                    _ if l.shadow => None,
+                    LevelKind::Concurrency(s) => Some((s.serial(), 0, i)),
+                    LevelKind::KeyedConcurrency(s) => Some((s.serial(), key, i)),
+                    _ => None,
+                }
+            })
+            .collect();
+        order.sort_unstable();
         PolicyAcquire {
+            order: order.into_iter().map(|(_, _, i)| i).collect(),
             policy,
             args,
             clock,
             start_ns,
             deadline_ns: timeout_ns.map(|t| start_ns.saturating_add(t)),
-            st: Mutex::new(AcquireState {
-                next: 0,
-                held: (0..n).map(|_| Held::Nothing).collect(),
-                waiting: None,
-                raced: None,
-                done: false,
-            }),
+            st,
         }
+    }
+
+    /// Test hook: holds the acquire's lock for `d` on this thread, as a long step would.
+    #[doc(hidden)]
+    pub fn hold_lock_for(&self, d: std::time::Duration) {
+        let g = lock(&self.st);
+        std::thread::sleep(d);
+        drop(g);
     }
 
     /// When the acquire started, on its clock.
@@ -166,13 +219,8 @@ impl PolicyAcquire {
             }
         }
         let levels = &self.policy.levels;
-        while st.next < levels.len() {
-            let i = st.next;
+        while let Some(&i) = self.order.get(st.next) {
             let l = &levels[i];
-            if !l.is_concurrency() || l.shadow {
-                st.next += 1;
-                continue;
-            }
             let a = &self.args[i];
             let now = self.clock.now_ns();
             let q = match l.queues.as_ref() {
@@ -291,7 +339,7 @@ impl PolicyAcquire {
         match o {
             Outcome::Granted { .. } => {
                 st.held[level] = self.permits(level);
-                st.next = level + 1;
+                st.next = self.order.iter().position(|&i| i == level).map_or(self.order.len(), |p| p + 1);
                 Ok(())
             }
             Outcome::TimedOut { .. } => {
