@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -114,6 +115,12 @@ class Req:
     grant_ns: int | None = None
     eff: list[int] = field(default_factory=list)  # settled costs (rate levels)
     lead: bool = True  # its grant time is exact, so later arrivals are ordered after it
+    # Single mode: it orders only the arrivals before this sequence number (a settle
+    # refunded part of it then: later arrivals may be granted the capacity it freed).
+    lead_until_seq: int | None = None
+    # A policy's rate share whose time another of its rate levels may set: a later
+    # arrival may go first on this level, but not on every level of the request.
+    shared: bool = False
     start_seq: int | None = None  # concurrency: holding from
     end_seq: int | None = None  # concurrency: released before
 
@@ -402,8 +409,9 @@ class History:
             q = self.new_req(n, key, cls, costs, kind, op, arrival)
             if lv.is_rate and self.shared_time():
                 # Held for the time the slowest rate level needs: a later arrival on a
-                # level that could serve sooner may go first without moving it.
-                q.lead = False
+                # level that could serve sooner may go first without moving it, but the
+                # level that set the time served nobody who came later before it.
+                q.shared = True
             out.append(q)
         return out
 
@@ -560,6 +568,7 @@ class History:
                 continue
             by.setdefault((q.level, q.key), []).append(q)
         threads = self.mode == "threads"
+        passed: dict[int, dict[str, tuple[Req, Req]]] = {}
         for (name, key), qs in by.items():
             several = len(self.levels[name].classes) > 1
             if threads:
@@ -567,25 +576,35 @@ class History:
             else:
                 qs.sort(key=lambda q: q.arrival_seq)
             best: dict[str | None, Req] = {}  # latest grant so far per class (None: classless)
+            # Policy rate shares (see Req.shared): passing one is recorded, not a violation.
+            shared: list[Req] = []  # still in the future of the latest arrival
+            until: list[Req] = []  # ordering arrivals up to their lead_until_seq only
             pending: list[Req] = []  # same arrival time (threads): compared after the group
             group_t = None
             bad = 0
             for q in [*qs, None]:
                 if threads and (q is None or q.arrival_ns != group_t):
                     for p in pending:
-                        _keep_max(best, p)
+                        if p.shared:
+                            shared.append(p)
+                        else:
+                            _keep_max(best, p)
                     pending = []
                     group_t = None if q is None else q.arrival_ns
                 if q is None:
                     break
-                if q.cls is None:
-                    ahead = list(best.values())
-                elif several:
-                    # Weighted shares may serve a class before an earlier reservation of
-                    # no class, as long as the reservation keeps its promised time.
-                    ahead = [b for c, b in best.items() if c == q.cls]
-                else:
-                    ahead = [b for c, b in best.items() if c is None or c == q.cls]
+                until = [b for b in until if q.arrival_seq < (b.lead_until_seq or 0)]
+                shared = [
+                    b
+                    for b in shared
+                    if b.grant_ns > q.arrival_ns - TOL_NS
+                    and (b.lead_until_seq is None or q.arrival_seq < b.lead_until_seq)
+                ]
+                for b in _ahead(q, shared, several):
+                    if q.grant_ns < b.grant_ns - TOL_NS:
+                        passed.setdefault(b.op, {})[b.level] = (b, q)
+                        self.bump("policy_shares_passed")
+                ahead = _ahead(q, [*best.values(), *until], several)
                 for b in ahead:
                     if q.grant_ns < b.grant_ns - TOL_NS:
                         bad += 1
@@ -605,9 +624,42 @@ class History:
                     continue
                 if threads:
                     pending.append(q)
+                elif q.shared:
+                    shared.append(q)
+                elif q.lead_until_seq is not None:
+                    until.append(q)
                 else:
                     _keep_max(best, q)
             self.bump("order_pairs_checked", len(qs))
+        self.check_shared_order(by, passed)
+
+    def check_shared_order(
+        self, by: dict[tuple[str, Any], list[Req]], passed: dict[int, dict[str, tuple[Req, Req]]]
+    ) -> None:
+        """A policy request's rate levels share one time, set by the slowest of them:
+        on that level nobody who arrived later was granted before it. A request passed
+        on every one of its rate levels was held later than any of them needed."""
+        shares: dict[int, set[str]] = {}
+        for qs in by.values():
+            for q in qs:
+                if q.shared:
+                    shares.setdefault(q.op, set()).add(q.level)
+        for op, levels in passed.items():
+            if set(levels) != shares.get(op, set()):
+                continue
+            pairs = list(levels.values())
+            self.violate(
+                "order",
+                "policy request passed by a later arrival on every rate level (none of them"
+                " set its time): "
+                + "; ".join(
+                    f"level {b.level!r}: request {q.rid} ({q.kind}) arrived after {b.rid}"
+                    f" but was granted {b.grant_ns - q.grant_ns} ns earlier"
+                    for b, q in pairs
+                ),
+                [x for pair in pairs for x in pair],
+                tail=0,
+            )
 
 
 def _outcomes_owed() -> bool:
@@ -617,6 +669,17 @@ def _outcomes_owed() -> bool:
         if getattr(c, "acqs", None) or getattr(c, "pending", None):
             return True
     return False
+
+
+def _ahead(q: Req, bs: Iterable[Req], several: bool) -> list[Req]:
+    """The earlier requests among ``bs`` that ``q`` must not be granted before."""
+    if q.cls is None:
+        return list(bs)
+    if several:
+        # Weighted shares may serve a class before an earlier reservation of no class,
+        # as long as the reservation keeps its promised time.
+        return [b for b in bs if b.cls == q.cls]
+    return [b for b in bs if b.cls is None or b.cls == q.cls]
 
 
 def _keep_max(best: dict[str | None, Req], q: Req) -> None:
@@ -813,6 +876,7 @@ class Ops(History):
         if not kw:
             return
         self.note(f"{h.what}(reqs {[q.rid for q in h.reqs]}).settle({kw})")
+        settle_seq = next(self.seq)
         h.obj.settle(**kw)
         for q in h.reqs:
             lv = self.levels[q.level]
@@ -820,8 +884,13 @@ class Ops(History):
                 if x.unit in kw:
                     q.eff[u] = min(q.eff[u], kw[x.unit])
             if q.eff != q.costs:
-                # Refunded in part: a later arrival may be granted the capacity it freed.
-                q.lead = False
+                # Refunded in part: an arrival after the settle may be granted the
+                # capacity it freed; one before it is still ordered after it. Threads
+                # cannot date an arrival against the settle exactly: no order there.
+                if self.mode == "threads":
+                    q.lead = False
+                elif q.lead_until_seq is None:
+                    q.lead_until_seq = settle_seq
         self.bump("settle")
 
     def op_retry_after(self) -> None:

@@ -482,9 +482,8 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
     def blocking():
         try:
             while not stop.is_set():
-                with contextlib.suppress(rq.WaitTimeout):
-                    with policy.acquire(timeout=0.02):
-                        pass
+                with contextlib.suppress(rq.WaitTimeout), policy.acquire(timeout=0.02):
+                    pass
         except BaseException as e:
             errors.append(e)
 

@@ -8,6 +8,7 @@ import threading
 
 import pytest
 import ratequeue as rq
+from history import NS, History, Req
 
 
 def crossed() -> tuple[rq.Concurrency, rq.Concurrency, rq.Policy, rq.Policy]:
@@ -88,3 +89,65 @@ def test_one_wait_order_for_keyed_and_shared_levels(keyed: bool) -> None:
         return len(tasks)
 
     assert asyncio.run(main()) == 2
+
+
+# ---------------------------------------------------------------------------------------
+# the history checker's rules for policy shares and partial refunds (histories by hand)
+
+
+def _history() -> History:
+    h = History(1)
+    h.oplog.append("#0 synthetic")
+    return h
+
+
+def _grant(h: History, level: str, arrival: int, at: int, op: int = 0, kind: str = "try") -> Req:
+    t0 = round(h.start * NS)
+    key = "k" if h.levels[level].kind == "krate" else None
+    q = h.new_req(
+        level, key, None, [1] * max(1, len(h.levels[level].rates)), kind, op, t0 + arrival
+    )
+    h.granted(q, t0 + at)
+    return q
+
+
+def _policy_share(h: History, arrival: int, at: int) -> list[Req]:
+    """A policy request's shares on both rate levels, held for one common time."""
+    qs = [_grant(h, n, arrival, at, op=7, kind="policy_acquire") for n in ("lim", "klim")]
+    for q in qs:
+        q.shared = True
+    return qs
+
+
+def test_checker_lets_a_later_arrival_pass_a_policy_share_where_another_level_set_its_time() -> (
+    None
+):
+    h = _history()
+    _policy_share(h, 0, 5 * NS)
+    _grant(h, "lim", 1, 2 * NS)  # "lim" could serve sooner: "klim" set the time
+    h.check_order()
+    assert h.violations == []
+
+
+def test_checker_finds_a_policy_share_passed_on_every_rate_level() -> None:
+    h = _history()
+    _policy_share(h, 0, 5 * NS)
+    _grant(h, "lim", 1, 2 * NS)
+    _grant(h, "klim", 1, 2 * NS)  # then no level set its time: held late for nothing
+    h.check_order()
+    assert [v.kind for v in h.violations] == ["order"]
+    assert "every rate level" in h.violations[0].message
+
+
+def test_checker_orders_arrivals_before_a_partial_refund_behind_the_request() -> None:
+    h = _history()
+    q = _grant(h, "lim", 0, 5 * NS, kind="reserve")
+    q.lead_until_seq = next(h.seq)  # settled in part here
+    _grant(h, "lim", 2, 1 * NS)  # after the settle: may take what it freed
+    h.check_order()
+    assert h.violations == []
+    h = _history()
+    _grant(h, "lim", 0, 5 * NS, kind="reserve").lead_until_seq = 10**9
+    _grant(h, "lim", 1, 1 * NS)  # before its settle: barging
+    h.check_order()
+    assert [v.kind for v in h.violations] == ["order"]

@@ -339,7 +339,11 @@ impl PolicyAcquire {
         match o {
             Outcome::Granted { .. } => {
                 st.held[level] = self.permits(level);
-                st.next = self.order.iter().position(|&i| i == level).map_or(self.order.len(), |p| p + 1);
+                st.next = self
+                    .order
+                    .iter()
+                    .position(|&i| i == level)
+                    .map_or(self.order.len(), |p| p + 1);
                 Ok(())
             }
             Outcome::TimedOut { .. } => {
