@@ -401,7 +401,9 @@ impl PolicyPy {
         if let Some(held) = self.try_now(py, &args, start) {
             return Ok(self.permit(args, held, 0));
         }
-        let pa = PolicyAcquire::started_at(self.core.clone(), args, self.clock.clone(), t, start);
+        // Registering it for the fork handlers takes their registry's lock: not with the GIL.
+        let (core, clock) = (self.core.clone(), self.clock.clone());
+        let pa = unblocked(move || PolicyAcquire::started_at(core, args, clock, t, start));
         let mut slice = None;
         loop {
             let slot = Slot::new();
@@ -455,13 +457,10 @@ impl PolicyPy {
             Some(held) => Some(Py::new(py, me.permit(args.clone(), held, 0))?),
             None => None,
         };
-        let core = Arc::new(PolicyAcquire::started_at(
-            me.core.clone(),
-            args,
-            me.clock.clone(),
-            t,
-            start,
-        ));
+        let (policy, clock) = (me.core.clone(), me.clock.clone());
+        let core = Arc::new(unblocked(move || {
+            PolicyAcquire::started_at(policy, args, clock, t, start)
+        }));
         Ok(PolicyAcquiringPy::new(slf.clone().unbind(), core, permit))
     }
 

@@ -101,7 +101,8 @@ impl PolicyAcquire {
     }
 
     /// [`PolicyAcquire::new`] for a call that read the clock at `start_ns` (its
-    /// timeout and its delay count from there).
+    /// timeout and its delay count from there). Registers it for the fork handlers
+    /// (their registry's lock: bindings call it without the GIL).
     pub fn started_at(
         policy: Arc<Policy>,
         args: Vec<LevelArgs>,
@@ -324,13 +325,21 @@ impl PolicyAcquire {
 
     /// The outcome of the wait under way: granted, the permits are held and
     /// [`PolicyAcquire::advance`] goes on; timed out, everything is given back and the
-    /// error returned. A grant after [`PolicyAcquire::abandon`] is given back.
+    /// error returned. After [`PolicyAcquire::abandon`], a grant is given back and a
+    /// timeout ends the wait on its level.
     pub fn outcome(&self, o: Outcome) -> Result<(), Error> {
         let mut st = lock(&self.st);
         let Some(w) = st.waiting.take() else {
             drop(st);
-            if let Outcome::Granted { token, .. } = o {
-                self.give_back_late(token);
+            match o {
+                Outcome::Granted { token, .. } => self.give_back_late(token),
+                Outcome::TimedOut { .. } => {
+                    // Timed out while its waiter left: the wait ends on its level.
+                    let raced = lock(&self.st).raced.take();
+                    if let Some(w) = raced {
+                        self.end_wait(w);
+                    }
+                }
             }
             return Ok(());
         };
@@ -391,12 +400,12 @@ impl PolicyAcquire {
         }
     }
 
-    /// [`PolicyAcquire::abandon`] for a blocked thread whose outcomes go to `slot`: a
-    /// grant that raced the abandon is given back at once.
+    /// [`PolicyAcquire::abandon`] for a blocked thread whose outcomes go to `slot`: an
+    /// outcome that raced the abandon is settled at once (a grant given back).
     pub fn abandon_slot(&self, slot: &Slot) {
         if !self.abandon() {
-            if let Some(Outcome::Granted { token, .. }) = slot.take() {
-                self.give_back_late(token);
+            if let Some(o) = slot.take() {
+                let _ = self.outcome(o);
             }
         }
     }

@@ -512,3 +512,78 @@ fn a_cost_no_level_can_ever_grant_is_refused_before_any_wait() {
     assert!(matches!(e, Error::CostTooLarge { .. }), "{e:?}");
     assert_eq!((qa.waiting(), sem_a.in_use()), (0, 1));
 }
+
+// ---------------------------------------------------------------------------------
+// review (issue 10): a wait that timed out while its waiter left ends its level's use
+
+/// Counts the waits ended on a level (its `done` calls).
+struct Counted(Arc<WaitQueue>, Arc<std::sync::atomic::AtomicUsize>);
+
+impl LevelQueues for Counted {
+    fn existing(&self, _key: u64) -> Option<QueueRef> {
+        Some(QueueRef::new(self.0.clone()))
+    }
+
+    fn done(&self, _key: u64) {
+        self.1.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+#[test]
+fn a_timeout_racing_an_abandon_ends_the_wait_on_its_level() {
+    use crate::concurrency::Semaphore;
+    use crate::queue::Outcome;
+    use std::sync::atomic::{AtomicUsize, Ordering as O};
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let sem = Arc::new(Semaphore::new(1).unwrap());
+    let q = WaitQueue::new(
+        sem.clone(),
+        1,
+        AnyClock::Manual(clock.clone()),
+        QueueConfig::new(vec![], 10, None).unwrap(),
+    );
+    let ended = Arc::new(AtomicUsize::new(0));
+    let policy = Arc::new(
+        Policy::new(vec![Level {
+            name: "slots".into(),
+            kind: LevelKind::Concurrency(sem.clone()),
+            shadow: false,
+            wake: None,
+            queues: Some(Arc::new(Counted(q.clone(), ended.clone()))),
+        }])
+        .unwrap(),
+    );
+    let args = vec![LevelArgs { key: 0, costs: vec![1] }];
+    let mut first = policy.try_acquire(&args, 0).unwrap();
+    for blocking in [true, false] {
+        let before = ended.load(O::SeqCst);
+        let pa = PolicyAcquire::new(
+            policy.clone(),
+            args.clone(),
+            AnyClock::Manual(clock.clone()),
+            Some(10 * MS),
+        );
+        let slot = Slot::new();
+        assert!(matches!(
+            pa.advance(&|| Wake::Thread(slot.clone())),
+            Ok(Step::Queued(_))
+        ));
+        clock.advance(20 * MS).unwrap();
+        q.poll_now(); // the queue times it out: the outcome is on its way
+        if blocking {
+            // Ctrl-C while the timeout was on its way.
+            pa.abandon_slot(&slot);
+        } else {
+            // A task cancelled while the timeout was on its way, which then arrives.
+            assert!(!pa.abandon());
+            let o = slot.take().unwrap();
+            assert!(matches!(o, Outcome::TimedOut { .. }));
+            pa.outcome(o).unwrap();
+        }
+        assert_eq!(ended.load(O::SeqCst), before + 1, "blocking={blocking}");
+        assert_eq!(q.waiting(), 0);
+    }
+    assert_eq!(sem.in_use(), 1);
+    policy.release(0, &mut first[0]);
+    assert_eq!(sem.in_use(), 0);
+}
