@@ -19,6 +19,8 @@ PROBLEM_TYPE = "https://iana.org/assignments/http-problem-types#quota-exceeded"
 PROBLEM_TITLE = "Request cannot be satisfied as assigned quota has been exceeded"
 #: Quota units registered by the draft; a limiter unit of another name is advertised as is.
 QUOTA_UNITS = ("requests", "content-bytes", "concurrent-requests")
+#: Limiter units (identifiers) advertised as a registered quota unit.
+UNIT_QU = {"bytes": "content-bytes", "content_bytes": "content-bytes"}
 #: Structured Field Integers have at most 15 digits.
 SF_INT_MAX = 999_999_999_999_999
 
@@ -58,6 +60,7 @@ class Quota:
 
     name: str
     unit: str  # the limiter's unit, or "concurrent-requests"
+    qu: str  # the unit advertised
     q: int
     w: int | None
     burst: int | None
@@ -66,8 +69,8 @@ class Quota:
 
     def policy_item(self, pk: str | None) -> str:
         parts = [sf_string(self.name), f"q={self.q}"]
-        if self.unit != "requests":
-            parts.append(f"qu={sf_string(self.unit)}")
+        if self.qu != "requests":
+            parts.append(f"qu={sf_string(self.qu)}")
         if self.w is not None:
             parts.append(f"w={self.w}")
         if pk is not None:
@@ -97,7 +100,16 @@ class LevelView:
         quotas: list[Quota] = []
         if isinstance(level, (Concurrency, KeyedConcurrency)):
             quotas.append(
-                Quota(name, "concurrent-requests", sf_int(level.limit), None, None, 0.0, 0)
+                Quota(
+                    name,
+                    "concurrent-requests",
+                    "concurrent-requests",
+                    sf_int(level.limit),
+                    None,
+                    None,
+                    0.0,
+                    0,
+                )
             )
         else:
             rates = [level.rate] if isinstance(level, KeyedLimiter) else level.rates
@@ -110,11 +122,12 @@ class LevelView:
                 seen.add(rate.unit)
                 qname = name if len(rates) == 1 or i == 0 else f"{name}-{rate.unit}"
                 q, w = _window(rate.amount, rate.per)
-                quotas.append(Quota(qname, rate.unit, q, w, rate.burst, rate.per_second, i))
+                qu = UNIT_QU.get(rate.unit, rate.unit)
+                quotas.append(Quota(qname, rate.unit, qu, q, w, rate.burst, rate.per_second, i))
         self.quotas = quotas
-        for qu in quotas:
-            sf_string(qu.name)
-            sf_string(qu.unit)
+        for quota in quotas:
+            sf_string(quota.name)
+            sf_string(quota.qu)
 
     def units(self) -> list[str]:
         return [q.unit for q in self.quotas if q.unit != "concurrent-requests"]

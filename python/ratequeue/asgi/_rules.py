@@ -99,7 +99,7 @@ class Rule:
         return out
 
 
-def content_length(unit: str = "content-bytes") -> CostFunc:
+def content_length(unit: str = "bytes") -> CostFunc:
     """A cost function charging the request's Content-Length (0 when absent) in ``unit``."""
 
     def cost(scope: Scope) -> Mapping[str, int]:
