@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
 import subprocess
 import sys
@@ -138,7 +139,9 @@ def free_port() -> int:
 class Server:
     """A real uvicorn serving ``target`` (module:attr, a factory) on a free loopback port."""
 
-    def __init__(self, target: str, *, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, target: str, *, env: dict[str, str] | None = None, app_dir: str | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [
@@ -154,9 +157,9 @@ class Server:
             "--log-level",
             "warning",
             "--no-access-log",
+            "--app-dir",
+            app_dir or os.path.dirname(os.path.abspath(__file__)),
         ]
-        import os
-
         self.proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})})
         deadline = time.monotonic() + 60
         while True:
