@@ -240,9 +240,12 @@ def client_ip(
         client = scope.get("client")
         if not client:
             return None
-        peer = _parse_ip(str(client[0]))
+        host = str(client[0])
+        if not nets and ":" not in host:
+            return "ip:" + host[:MAX_KEY_LENGTH]  # the server's own IPv4 peer address
+        peer = _parse_ip(host)
         if peer is None:
-            return "ip:" + str(client[0])[:MAX_KEY_LENGTH]
+            return "ip:" + host[:MAX_KEY_LENGTH]
         if not nets or not trusted(peer):
             return render(peer)
         values = header_values(scope, hname)

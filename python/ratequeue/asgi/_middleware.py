@@ -48,6 +48,7 @@ class _Plan:
         self.level_of = {q.name: v.name for v in views for q in v.quotas}
         self.keyed = [v.name for v in views if v.keyed]
         self.static_policy = policy_field(views, {}) if views else b""
+        self.static_costs: dict[str, int] | None = None
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
 
@@ -132,6 +133,8 @@ class RateLimitMiddleware:
             plan = _Plan(rule, [v for v in views if v.name not in self.shadow], policy)
             plan.units = {u for v in views for u in v.units()}
             _check_costs(rule, plan.units)
+            if rule.cost is None or isinstance(rule.cost, Mapping):
+                plan.static_costs = {u: c for u, c in (rule.cost or {}).items() if u in plan.units}
             self.plans.append(plan)
         self.policies = list(policies.values())
         self.metrics_path = metrics_path
@@ -212,7 +215,10 @@ class RateLimitMiddleware:
     async def _limited(self, plan: _Plan, scope: Scope, receive: Receive, send: Send) -> None:
         rule = plan.rule
         keys = {n: self._key(n, scope) for n in plan.keyed}
-        costs = {u: c for u, c in rule.costs(scope).items() if u in plan.units}
+        if plan.static_costs is not None:
+            costs = dict(plan.static_costs)
+        else:
+            costs = {u: c for u, c in rule.costs(scope).items() if u in plan.units}
         estimate = None
         if rule.tokens is not None:
             body = await _read_body(scope, receive, rule.tokens.max_body)
@@ -230,9 +236,10 @@ class RateLimitMiddleware:
         assert plan.policy is not None
         start = time.perf_counter()
         try:
-            permit: PolicyPermit = await plan.policy.acquire_async(
-                timeout=timeout, **keys, **costs
-            )
+            # Lock-free when admitted at once (it never passes waiters); else the queue.
+            permit: PolicyPermit | None = plan.policy.try_acquire(**keys, **costs)
+            if permit is None:
+                permit = await plan.policy.acquire_async(timeout=timeout, **keys, **costs)
         except CostTooLarge as e:
             plan.counts["too_large"] += 1
             violated = [
@@ -248,6 +255,7 @@ class RateLimitMiddleware:
             plan.counts["refused"] += 1
             await self._refuse(plan, scope, send, keys, costs, e, time.perf_counter() - start)
             return
+        assert permit is not None
         waited = max(time.perf_counter() - start, permit.delay)
         self.wait_histogram.record(waited)
         plan.counts["queued" if waited > 0.0005 else "admitted"] += 1
