@@ -21,7 +21,7 @@ in-memory bucket.
 Usage::
 
     .venv/bin/python benches/bench_asgi.py [--rounds 6] [--per-round 400] [--rate 400]
-        [--out benches/results/asgi.md]
+        [--out benches/results/asgi.md]  (the default)
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import subprocess
 import tempfile
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import ratequeue as rq
@@ -128,7 +129,10 @@ def asgi_ratelimit_app() -> App:
         return scope["client"][0], "default"
 
     return ARL(  # type: ignore[no-any-return]
-        fastapi_app(), authenticate=by_ip, backend=MemoryBackend(), config={r"^/": [Rule(second=BIG)]}
+        fastapi_app(),
+        authenticate=by_ip,
+        backend=MemoryBackend(),
+        config={r"^/": [Rule(second=BIG)]},
     )
 
 
@@ -206,8 +210,19 @@ def start_redis() -> tuple[subprocess.Popen[bytes], str, str]:
         port = s.getsockname()[1]
     tmp = tempfile.mkdtemp()
     proc = subprocess.Popen(
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--dir", tmp],
+        [
+            binary,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tmp,
+        ],
         stdout=subprocess.DEVNULL,
     )
     for _ in range(200):
@@ -237,7 +252,7 @@ def main() -> None:
     ap.add_argument("--per-round", type=int, default=400)
     ap.add_argument("--rate", type=float, default=400.0)
     ap.add_argument("--closed", type=int, default=400)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "asgi.md"))
     args = ap.parse_args()
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)

@@ -129,7 +129,9 @@ def test_set_up_errors_are_clear(clock: rq.ManualClock) -> None:
     with pytest.raises(ValueError, match="no cost for unit"):
         RateLimitMiddleware(ok_app, levels={"t": tokens})
     with pytest.raises(ValueError, match="not in classes"):
-        RateLimitMiddleware(ok_app, levels={"t": tokens}, rules=[Rule(cost={"tokens": 1}, priority="x")])
+        RateLimitMiddleware(
+            ok_app, levels={"t": tokens}, rules=[Rule(cost={"tokens": 1}, priority="x")]
+        )
     with pytest.raises(ValueError, match="max_wait"):
         RateLimitMiddleware(ok_app, levels={"t": tokens}, max_wait=-1)
     with pytest.raises(TypeError):
@@ -189,7 +191,11 @@ def test_fields_of_several_levels_units_and_partition_keys(clock: rq.ManualClock
     assert r.status == 200
     policies, limits = check_fields(r.get)
     assert policies["user"]["q"] == 60 and policies["user"]["w"] == 60
-    assert policies["tenant"] == {"q": 8, "qu": "concurrent-requests", "pk": policies["tenant"]["pk"]}
+    assert policies["tenant"] == {
+        "q": 8,
+        "qu": "concurrent-requests",
+        "pk": policies["tenant"]["pk"],
+    }
     assert policies["cluster"]["q"] == 1 and policies["cluster"]["w"] == 2  # 0.5/s: 1 per 2 s
     assert policies["cluster-tokens"]["qu"] == "tokens"
     assert "pk" not in policies["cluster"]
@@ -227,9 +233,10 @@ def test_a_request_over_its_rate_queues_up_to_max_wait_then_is_refused_at_once(
     mw = RateLimitMiddleware(ok_app, levels={"cluster": cluster}, max_wait=1.5)
     a, b, c = (run(call(mw)) for _ in range(3))
     assert (a.status, b.status) == (200, 200)
-    assert a.get("server-timing") == "queue;dur=0.000" or float(
-        (a.get("server-timing") or "").split("dur=")[1]
-    ) < 500
+    assert (
+        a.get("server-timing") == "queue;dur=0.000"
+        or float((a.get("server-timing") or "").split("dur=")[1]) < 500
+    )
     assert b.get("server-timing") == "queue;dur=1000.000"  # waited its slot, 1 s later
     # The third would wait 2 s > max_wait: refused at once, holding nothing.
     assert c.status == 429
@@ -437,7 +444,11 @@ def sse_app(events: list[bytes], usage_split: int) -> Any:
         stream = b"".join(events)
         for i in range(0, len(stream), usage_split):
             await send(
-                {"type": "http.response.body", "body": stream[i : i + usage_split], "more_body": True}
+                {
+                    "type": "http.response.body",
+                    "body": stream[i : i + usage_split],
+                    "more_body": True,
+                }
             )
         await send({"type": "http.response.body", "body": b""})
 
@@ -488,9 +499,7 @@ def test_response_chunks_go_out_before_the_app_finishes(clock: rq.ManualClock) -
         async def receive() -> dict[str, Any]:
             return incoming.pop() if incoming else {"type": "http.disconnect"}
 
-        task = asyncio.create_task(
-            mw(scope("POST", "/v1/chat/completions"), receive, send)
-        )
+        task = asyncio.create_task(mw(scope("POST", "/v1/chat/completions"), receive, send))
         for _ in range(100):
             if got:
                 break
@@ -506,7 +515,9 @@ def test_an_error_without_usage_refunds_and_an_unknown_outcome_keeps_the_estimat
     clock: rq.ManualClock,
 ) -> None:
     mw, cluster = token_mw(clock, json_app({"error": "upstream down"}, status=502))
-    assert run(call(mw, "POST", "/v1/chat/completions", body=json.dumps(CHAT).encode())).status == 502
+    assert (
+        run(call(mw, "POST", "/v1/chat/completions", body=json.dumps(CHAT).encode())).status == 502
+    )
     assert cluster.available("tokens") == pytest.approx(10_000)
     mw, cluster = token_mw(clock, json_app({"choices": []}))
     run(call(mw, "POST", "/v1/chat/completions", body=json.dumps(CHAT).encode()))
@@ -556,7 +567,9 @@ def test_usage_scanner_finds_the_last_usage_whatever_the_chunking(
     body = (
         b'{"a":"\\"usage\\": {\\"total_tokens\\": 5}",'
         + b'"usage":{"prompt_tokens":1,"completion_tokens":2,"details":{"x":{"y":1}}},'
-        + b'"z":"' + base64.b64encode(noise) + b'","usage":{"total_tokens":77}}'
+        + b'"z":"'
+        + base64.b64encode(noise)
+        + b'","usage":{"total_tokens":77}}'
     )
     s = UsageScanner()
     pos = 0

@@ -80,9 +80,7 @@ def test_cluster_tokens_are_settled_from_the_upstream_usage(
     gateway: tuple[str, MockProvider],
 ) -> None:
     url, _ = gateway
-    client(url, "user-d").chat.completions.create(
-        model="mock", messages=MESSAGES, max_tokens=2000
-    )
+    client(url, "user-d").chat.completions.create(model="mock", messages=MESSAGES, max_tokens=2000)
     metrics = httpx.get(url + "/metrics").text
     line = next(
         x

@@ -37,7 +37,7 @@ def test_fields_on_every_response_and_429_per_forwarded_client(server: Server) -
     assert [r.status_code for r in replies] == [200, 200, 200, 429]
     assert other.status_code == 200
     for r in [*replies, other]:
-        policies, limits = check_fields(r.headers.get)
+        policies, _limits = check_fields(r.headers.get)
         assert policies["user"]["q"] == 3 and policies["user"]["w"] == 60
         assert isinstance(policies["user"]["pk"], bytes)
     assert [check_fields(r.headers.get)[1]["user"]["r"] for r in replies] == [2, 1, 0, 0]
@@ -47,7 +47,10 @@ def test_fields_on_every_response_and_429_per_forwarded_client(server: Server) -
     assert refused.json()["type"] == PROBLEM_TYPE
     assert refused.json()["violated-policies"] == ["user"]
     assert refused.headers["x-ratelimit-remaining"] == "0"
-    assert check_fields(other.headers.get)[0]["user"]["pk"] != check_fields(refused.headers.get)[0]["user"]["pk"]
+    assert (
+        check_fields(other.headers.get)[0]["user"]["pk"]
+        != check_fields(refused.headers.get)[0]["user"]["pk"]
+    )
 
 
 def test_concurrent_requests_queue_instead_of_failing(server: Server) -> None:
@@ -75,7 +78,7 @@ def test_streamed_completion_passes_through_unbuffered_and_settles(server: Serve
     with httpx.Client(base_url=server.url, timeout=60) as c:
         with c.stream("POST", "/v1/chat/completions", json=body) as r:
             assert r.status_code == 200
-            policies, limits = check_fields(r.headers.get)
+            policies, _limits = check_fields(r.headers.get)
             assert policies["llm-tokens"]["qu"] == "tokens"
             lines = r.iter_lines()
             first = next(line for line in lines if line)
@@ -87,7 +90,9 @@ def test_streamed_completion_passes_through_unbuffered_and_settles(server: Serve
     assert 'ratequeue_available{limiter="llm",unit="tokens"}' in metrics
     # 100,000 - the estimate (4 + 1 + 1024) + settle to 25 -> about 99,975 (refill caps it).
     line = next(
-        x for x in metrics.splitlines() if x.startswith('ratequeue_available{limiter="llm",unit="tokens"}')
+        x
+        for x in metrics.splitlines()
+        if x.startswith('ratequeue_available{limiter="llm",unit="tokens"}')
     )
     assert float(line.split()[-1]) > 100_000 - 1029 + 500
 

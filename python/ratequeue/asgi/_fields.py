@@ -190,9 +190,9 @@ class LevelView:
 
 def policy_field(views: Sequence[LevelView], pks: dict[str, str]) -> bytes:
     """The RateLimit-Policy value: one item per advertised quota."""
-    return ", ".join(
-        qu.policy_item(pks.get(v.name)) for v in views for qu in v.quotas
-    ).encode("ascii")
+    return ", ".join(qu.policy_item(pks.get(v.name)) for v in views for qu in v.quotas).encode(
+        "ascii"
+    )
 
 
 def ratelimit_field(

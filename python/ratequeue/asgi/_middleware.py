@@ -174,17 +174,23 @@ class RateLimitMiddleware:
         return self.max_wait
 
     def _fields(
-        self, plan: _Plan, keys: dict[str, str], extra: list[tuple[bytes, bytes]]
+        self,
+        plan: _Plan,
+        keys: dict[str, str],
+        extra: list[tuple[bytes, bytes]],
+        rows: list[tuple[Quota, int, int | None]] | None = None,
     ) -> list[tuple[bytes, bytes]]:
         """RateLimit-Policy, RateLimit (and the legacy fields) for this request, now."""
         if not plan.views:
             return extra
         pks = {n: self._pk(k) for n, k in keys.items()} if self.partition_keys else {}
-        rows: list[tuple[Quota, int, int | None]] = []
-        for v in plan.views:
-            rows.extend(v.remaining(keys.get(v.name)))
+        if rows is None:
+            rows = [row for v in plan.views for row in v.remaining(keys.get(v.name))]
         pol = policy_field(plan.views, pks) if pks else plan.static_policy
-        out = [(b"ratelimit-policy", pol), (b"ratelimit", ratelimit_field(rows, pks, plan.level_of))]
+        out = [
+            (b"ratelimit-policy", pol),
+            (b"ratelimit", ratelimit_field(rows, pks, plan.level_of)),
+        ]
         if self.legacy_headers and rows:
             qu, r, t = min(rows, key=lambda row: row[1] / max(row[0].q, 1))
             out += [
@@ -308,16 +314,19 @@ class RateLimitMiddleware:
         if not violated:
             # Decided in a race since: name the level the policy named, else every one.
             msg = str(err)
-            named = [v for v in plan.views if f"level {v.name!r}" in msg or f'level "{v.name}"' in msg]
+            named = [v for v in plan.views if f'level "{v.name}"' in msg]
             violated = [q.name for v in (named or plan.views) for q in v.quotas]
-        retry = max(1, ceil_seconds(err.retry_after))
+        rows = [row for v in plan.views for row in v.remaining(keys.get(v.name))]
+        # Retry-After is never earlier than the reset of a quota it names.
+        resets = [t for qu, _, t in rows if t is not None and qu.name in violated]
+        retry = max(1, ceil_seconds(err.retry_after), *resets)
         extra = [
             (b"retry-after", str(retry).encode()),
             (b"server-timing", f"queue;dur={waited * 1000:.3f}".encode()),
         ]
         detail = f"over quota; retry after {retry} s"
         body = problem_body(429, detail, violated)
-        await _respond(send, 429, body, _PROBLEM, self._fields(plan, keys, extra))
+        await _respond(send, 429, body, _PROBLEM, self._fields(plan, keys, extra, rows))
 
 
 _PROBLEM = b"application/problem+json"
@@ -396,4 +405,3 @@ def _replay(body: bytes, receive: Receive) -> Receive:
         return await receive()
 
     return replay
-
