@@ -597,3 +597,56 @@ def test_prometheus_endpoint_exports_levels_and_outcomes(clock: rq.ManualClock) 
     assert 'ratequeue_http_requests_total{outcome="admitted",rule="/**"} 2.0' in text
     assert "ratequeue_http_queue_wait_seconds_count 2.0" in text
     assert "ratequeue_policy_admitted_total" in text
+
+
+def test_a_client_that_leaves_while_queued_leaves_the_queue_holding_nothing() -> None:
+    async def main() -> None:
+        sem = rq.Concurrency(1)
+        gate = asyncio.Event()
+        calls: list[Any] = []
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            calls.append(scope["path"])
+            if scope["path"] == "/hold":
+                await gate.wait()
+            if scope["path"] == "/echo":
+                calls.append((await receive())["body"])
+            await ok_app(scope, receive, send)
+
+        mw = RateLimitMiddleware(app, levels={"sem": sem}, max_wait=60)
+        held = asyncio.create_task(call(mw, path="/hold"))
+        await asyncio.sleep(0.02)
+        left = asyncio.Event()
+        sent: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            await left.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(m: dict[str, Any]) -> None:
+            sent.append(m)
+
+        gone = asyncio.create_task(mw(scope(path="/gone"), receive, send))
+        for _ in range(100):
+            if sem.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert sem.waiting == 1
+        left.set()
+        await asyncio.wait_for(gone, 10)
+        assert sem.waiting == 0 and sent == [] and calls == ["/hold"]
+        gate.set()
+        await held
+        assert sem.in_use == 0
+        # A queued request whose body arrived meanwhile gets it replayed whole.
+        gate.clear()
+        held = asyncio.create_task(call(mw, path="/hold"))
+        await asyncio.sleep(0.02)
+        queued = asyncio.create_task(call(mw, "POST", "/echo", body=b"payload"))
+        await asyncio.sleep(0.05)
+        gate.set()
+        assert (await held).status == 200 and (await queued).status == 200
+        assert calls[-2:] == ["/echo", b"payload"]
+        assert sem.in_use == 0 and sem.waiting == 0
+
+    run(main())

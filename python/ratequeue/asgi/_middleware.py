@@ -3,6 +3,8 @@ fields, queueing before refusing, and token costs settled from the response."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hashlib
 import math
 import secrets
@@ -34,7 +36,7 @@ Send = Callable[[Message], Awaitable[None]]
 ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 
 #: Outcomes counted per rule (and exported by the Prometheus endpoint).
-OUTCOMES = ("admitted", "queued", "refused", "too_large", "exempt")
+OUTCOMES = ("admitted", "queued", "refused", "too_large", "gone", "exempt")
 
 
 class _Plan:
@@ -245,7 +247,15 @@ class RateLimitMiddleware:
             # Lock-free when admitted at once (it never passes waiters); else the queue.
             permit: PolicyPermit | None = plan.policy.try_acquire(**keys, **costs)
             if permit is None:
-                permit = await plan.policy.acquire_async(timeout=timeout, **keys, **costs)
+                if timeout > 0:
+                    permit, receive = await _wait_unless_gone(
+                        plan.policy, receive, timeout, {**keys, **costs}
+                    )
+                    if permit is None:  # the client left while queued: nothing taken
+                        plan.counts["gone"] += 1
+                        return
+                else:
+                    permit = await plan.policy.acquire_async(timeout=0.0, **keys, **costs)
         except CostTooLarge as e:
             plan.counts["too_large"] += 1
             violated = [
@@ -391,6 +401,61 @@ async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | int | 
         chunks.append(chunk)
         if not msg.get("more_body", False):
             return b"".join(chunks)
+
+
+async def _wait_unless_gone(
+    policy: Policy, receive: Receive, timeout: float, kw: dict[str, Any]
+) -> tuple[PolicyPermit | None, Receive]:
+    """Waits in the policy's queues while watching for the client to disconnect.
+
+    Reads at most one request message meanwhile (kept, and replayed to the app), so
+    nothing is buffered beyond what the server already holds. Returns (None, ...) when
+    the client left first: the wait is cancelled, which gives back whatever it held.
+    """
+    kept: list[Message] = []
+
+    async def acquire() -> PolicyPermit:
+        permit: PolicyPermit = await policy.acquire_async(timeout=timeout, **kw)
+        return permit
+
+    async def watch() -> None:
+        msg = await receive()
+        if msg["type"] == "http.disconnect":
+            return
+        kept.append(msg)
+        await asyncio.Event().wait()  # one message only: wait for the grant
+
+    waiting = asyncio.ensure_future(acquire())
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait((waiting, watcher), return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        waiting.cancel()
+        watcher.cancel()
+        await asyncio.gather(waiting, watcher, return_exceptions=True)
+        raise
+    watcher.cancel()
+    if not waiting.done():
+        waiting.cancel()
+        with contextlib.suppress(asyncio.CancelledError, RateQueueError):
+            await waiting
+        if not waiting.cancelled() and waiting.exception() is None:
+            waiting.result().cancel()  # granted as the client left: give it back
+        return None, receive
+    await asyncio.gather(watcher, return_exceptions=True)
+    permit = waiting.result()  # raises the refusal
+    if not kept:
+        return permit, receive
+    first: Message | None = kept[0]
+
+    async def replay() -> Message:
+        nonlocal first
+        if first is not None:
+            msg, first = first, None
+            return msg
+        return await receive()
+
+    return permit, replay
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
