@@ -136,6 +136,8 @@ def test_set_up_errors_are_clear(clock: rq.ManualClock) -> None:
         RateLimitMiddleware(ok_app, levels={"t": tokens}, max_wait=-1)
     with pytest.raises(TypeError):
         Rule(methods="GET")
+    with pytest.raises(ValueError, match="printable ASCII"):
+        RateLimitMiddleware(ok_app, levels={"zürich": tokens}, rules=[Rule(cost={"tokens": 1})])
     with pytest.raises(ValueError, match="bearer_subject needs"):
         bearer_subject()
 
@@ -537,6 +539,7 @@ def test_request_bodies_are_read_only_up_to_the_cap(clock: rq.ManualClock) -> No
     assert r.status == 413 and r.get("content-type") == "application/problem+json"
     r = run(call(mw, "POST", "/v1/chat/completions", [("content-length", "5000000")], b""))
     assert r.status == 413
+    check_fields(r.get)
     assert not called and cluster.available("tokens") == pytest.approx(10_000)
     # The body read for the estimate is handed to the app whole.
     seen: list[bytes] = []

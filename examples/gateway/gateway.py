@@ -8,7 +8,9 @@ answers 429 with ``Retry-After`` and the RateLimit fields; ``/metrics`` is Prome
 
     GATEWAY_UPSTREAM=http://127.0.0.1:8000 uvicorn --factory gateway:create --port 8080
 
-Forwarding uses a plain ``httpx.AsyncClient`` (streamed, never buffered).
+Forwarding uses a plain ``httpx.AsyncClient`` (streamed, never buffered). The tenant
+header is trusted as sent: put the gateway behind a proxy that sets it from the caller's
+credentials (or derive the tenant from the API key in ``keys=``).
 """
 
 from __future__ import annotations

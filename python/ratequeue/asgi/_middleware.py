@@ -46,7 +46,7 @@ class _Plan:
         self.rule = rule
         self.views = views
         self.policy = policy
-        self.units = {u for v in views for u in v.units()}
+        self.units: set[str] = set()  # every unit of the rule's levels, shadow ones too
         self.level_of = {q.name: v.name for v in views for q in v.quotas}
         self.keyed = [v.name for v in views if v.keyed]
         self.static_policy = policy_field(views, {}) if views else b""
@@ -235,7 +235,8 @@ class RateLimitMiddleware:
             if isinstance(body, int):
                 plan.counts["too_large"] += 1
                 detail = f"request body over {rule.tokens.max_body} bytes"
-                await _respond(send, 413, problem_body(413, detail, []), _PROBLEM, [])
+                fields = self._fields(plan, keys, [])
+                await _respond(send, 413, problem_body(413, detail, []), _PROBLEM, fields)
                 return
             estimate = rule.tokens.estimate(body)
             costs[rule.tokens.unit] = estimate
