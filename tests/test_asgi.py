@@ -384,6 +384,11 @@ def test_header_api_key_and_bearer_keys() -> None:
     assert header("x-t", max_length=3)(s) is None
     assert first_of(header("x-none"), api_key())(s) == "apikey:K"
     assert bearer_token()(scope(headers=[("authorization", "Basic abc")])) is None
+    deep = "h." + base64.urlsafe_b64encode(b"[" * 6000).decode() + ".s"
+    assert (
+        bearer_subject(unverified=True)(scope(headers=[("authorization", "Bearer " + deep)]))
+        is None
+    )
 
 
 def test_requests_without_a_key_share_the_anonymous_key(clock: rq.ManualClock) -> None:
@@ -420,6 +425,7 @@ def test_estimate_is_prompt_plus_maximum_output() -> None:
     assert est.estimate(json.dumps(no_max).encode()) == 4 + 1 + 1024
     assert est.estimate(json.dumps({"input": "x" * 40}).encode()) == 10  # embeddings
     assert est.estimate(b"not json") >= 1024
+    assert est.estimate(b"[" * 200_000) >= 1024  # nested past the JSON parser's depth
     with pytest.raises(ValueError):
         OpenAITokens(max_body=-1)
 
@@ -540,6 +546,8 @@ def test_request_bodies_are_read_only_up_to_the_cap(clock: rq.ManualClock) -> No
     r = run(call(mw, "POST", "/v1/chat/completions", [("content-length", "5000000")], b""))
     assert r.status == 413
     check_fields(r.get)
+    r = run(call(mw, "POST", "/v1/chat/completions", [("content-length", "9" * 5000)], b""))
+    assert r.status == 413
     assert not called and cluster.available("tokens") == pytest.approx(10_000)
     # The body read for the estimate is handed to the app whole.
     seen: list[bytes] = []
@@ -583,6 +591,8 @@ def test_usage_scanner_finds_the_last_usage_whatever_the_chunking(
     assert s.total == 77
     s2 = UsageScanner()
     s2.feed(b'{"usage":{"input_tokens":3,"output_tokens":4}}')
+    assert s2.total == 7
+    s2.feed(b'{"usage":{"a":' + b"[" * 4000 + b"]" * 4000 + b"}}")
     assert s2.total == 7
 
 
@@ -653,3 +663,31 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_holding_nothing() ->
         assert sem.in_use == 0 and sem.waiting == 0
 
     run(main())
+
+
+_header_text = st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=300)
+
+
+@given(
+    xff=_header_text,
+    fwd=_header_text,
+    auth=_header_text,
+    peer=st.sampled_from(["10.0.0.1", "::1", "203.0.113.1", "not-an-ip", "fe80::1%eth0"]),
+)
+def test_key_functions_never_raise_on_what_a_client_sends(
+    xff: str, fwd: str, auth: str, peer: str
+) -> None:
+    s = scope(
+        headers=[("x-forwarded-for", xff), ("forwarded", fwd), ("authorization", auth)],
+        client=(peer, 1),
+    )
+    funcs = [
+        client_ip(["10.0.0.0/8", "::1"]),
+        client_ip(["10.0.0.0/8", "::1"], header="forwarded"),
+        bearer_token(),
+        bearer_subject(unverified=True),
+        api_key("authorization"),
+    ]
+    for f in funcs:
+        k = f(s)
+        assert k is None or (isinstance(k, str) and len(k) <= 8200)

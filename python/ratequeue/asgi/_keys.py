@@ -115,7 +115,7 @@ def _unverified_claims(token: str) -> Mapping[str, Any] | None:
     try:
         data = base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4))
         claims = json.loads(data)
-    except (binascii.Error, ValueError):
+    except (binascii.Error, ValueError, RecursionError):  # deep nesting is no claim set
         return None
     return claims if isinstance(claims, dict) else None
 

@@ -227,7 +227,6 @@ class RateLimitMiddleware:
             costs = dict(plan.static_costs)
         else:
             costs = {u: c for u, c in rule.costs(scope).items() if u in plan.units}
-        estimate = None
         if rule.tokens is not None:
             body = await _read_body(scope, receive, rule.tokens.max_body)
             if body is None:  # the client left
@@ -238,8 +237,7 @@ class RateLimitMiddleware:
                 fields = self._fields(plan, keys, [])
                 await _respond(send, 413, problem_body(413, detail, []), _PROBLEM, fields)
                 return
-            estimate = rule.tokens.estimate(body)
-            costs[rule.tokens.unit] = estimate
+            costs[rule.tokens.unit] = rule.tokens.estimate(body)
             receive = _replay(body, receive)
         timeout = self._max_wait(plan, scope)
         assert plan.policy is not None
@@ -386,9 +384,9 @@ async def _respond(
 async def _read_body(scope: Scope, receive: Receive, cap: int) -> bytes | int | None:
     """The whole request body, or its size once over ``cap`` (nothing more is read), or
     None when the client disconnected."""
-    cl = header_value(scope, b"content-length")
-    if cl is not None and cl.strip().isdigit() and int(cl.strip()) > cap:
-        return int(cl.strip())
+    cl = (header_value(scope, b"content-length") or b"").strip()
+    if cl.isdigit() and (len(cl) > 18 or int(cl) > cap):
+        return int(cl) if len(cl) <= 18 else cap + 1
     chunks: list[bytes] = []
     size = 0
     while True:

@@ -67,7 +67,7 @@ class OpenAITokens:
         """Tokens for a request body: prompt estimate + maximum output (at least 1)."""
         try:
             req = json.loads(body) if body else {}
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return max(1, self._text(len(body)) + self.default_max_output)
         if not isinstance(req, dict):
             return max(1, self._text(len(body)) + self.default_max_output)
@@ -182,7 +182,7 @@ class UsageScanner:
                 continue
             try:
                 total = usage_total(json.loads(data[brace:end]))
-            except ValueError:
+            except (ValueError, RecursionError):
                 total = None
             if total is not None:
                 self.total = total
