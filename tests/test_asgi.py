@@ -691,3 +691,20 @@ def test_key_functions_never_raise_on_what_a_client_sends(
     for f in funcs:
         k = f(s)
         assert k is None or (isinstance(k, str) and len(k) <= 8200)
+
+
+def test_shadow_levels_are_evaluated_not_enforced_nor_advertised(clock: rq.ManualClock) -> None:
+    users = rq.KeyedLimiter(rq.Rate(1, per="minute", burst=1), clock=clock)
+    cluster = rq.Limiter(rq.Rate(100, per="second"), clock=clock)
+    mw = RateLimitMiddleware(
+        ok_app,
+        levels={"user": users, "cluster": cluster},
+        keys={"user": api_key()},
+        shadow=["user"],
+    )
+    replies = [run(call(mw, headers=[("x-api-key", "a")])) for _ in range(3)]
+    assert [r.status for r in replies] == [200, 200, 200]
+    assert set(check_fields(replies[0].get)[0]) == {"cluster"}
+    policy = mw.policies[0]
+    assert policy.stats()["levels"]["user"]["shadow_refused"] == 2
+    assert mw.stats()["/**"]["admitted"] == 3

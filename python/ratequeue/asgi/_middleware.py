@@ -133,6 +133,7 @@ class RateLimitMiddleware:
                     )
                 policy = policies[names]
             plan = _Plan(rule, [v for v in views if v.name not in self.shadow], policy)
+            plan.keyed = [v.name for v in views if v.keyed]  # shadow levels need keys too
             plan.units = {u for v in views for u in v.units()}
             _check_costs(rule, plan.units)
             if rule.cost is None or isinstance(rule.cost, Mapping):
@@ -145,6 +146,16 @@ class RateLimitMiddleware:
             from ._metrics import metrics_endpoint
 
             self._metrics = metrics_endpoint(self, registry)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Requests per rule (its ``name`` or path) by outcome: admitted (at once), queued,
+        refused (429), too_large (413), gone (left while queued), exempt."""
+        out: dict[str, dict[str, int]] = {}
+        for plan in self.plans:
+            counts = out.setdefault(plan.rule.label, dict.fromkeys(OUTCOMES, 0))
+            for k, n in plan.counts.items():
+                counts[k] += n
+        return out
 
     # -- per request --------------------------------------------------------------------
 
