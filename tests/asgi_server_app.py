@@ -60,6 +60,7 @@ def create() -> RateLimitMiddleware:
             Route("/hello", hello),
             Route("/started", started),
             Route("/slow", slow),
+            Route("/paced", hello),
             Route("/release", free),
             Route("/v1/chat/completions", chat, methods=["POST"]),
         ],
@@ -67,17 +68,19 @@ def create() -> RateLimitMiddleware:
     )
     users = rq.KeyedLimiter(rq.Rate(3, per="minute", burst=3), name="user")
     slots = rq.Concurrency(1, name="slow")
+    paced = rq.Limiter(rq.Rate(5, per="second", burst=1), name="paced")
     tokens = rq.Limiter(
         rq.Rate(600, per="minute"), rq.Rate(100_000, per="minute", unit="tokens"), name="llm"
     )
     return RateLimitMiddleware(
         app,
-        levels={"user": users, "slow": slots, "llm": tokens},
+        levels={"user": users, "slow": slots, "llm": tokens, "paced": paced},
         keys={"user": client_ip(["127.0.0.1"])},
         rules=[
             Rule("/started", levels=[]),
             Rule("/release", levels=[]),
             Rule("/slow", levels=["slow"], max_wait=30.0),
+            Rule("/paced", levels=["paced"], max_wait=1.0),
             Rule("/v1/chat/completions", methods=["POST"], levels=["llm"], tokens=OpenAITokens()),
             Rule("/hello", levels=["user"]),
         ],

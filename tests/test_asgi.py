@@ -708,3 +708,11 @@ def test_shadow_levels_are_evaluated_not_enforced_nor_advertised(clock: rq.Manua
     policy = mw.policies[0]
     assert policy.stats()["levels"]["user"]["shadow_refused"] == 2
     assert mw.stats()["/**"]["admitted"] == 3
+
+
+def test_all_lists_exactly_the_public_names() -> None:
+    import ratequeue.asgi as pkg
+
+    public = {n for n in dir(pkg) if not n.startswith("_")}
+    modules = {n for n in public if type(getattr(pkg, n)).__name__ == "module"}
+    assert set(pkg.__all__) == public - modules - {"annotations"}
