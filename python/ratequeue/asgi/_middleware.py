@@ -62,7 +62,8 @@ class RateLimitMiddleware:
 
     ``levels``: name -> Limiter | KeyedLimiter | Concurrency | KeyedConcurrency, in the
     order they are passed. ``keys``: name of each keyed level -> key function of the
-    scope (a request without a key counts against ``anonymous_key``). ``rules``: the first
+    scope (a request without a key counts against ``anonymous_key``, which no header can
+    spell: it holds a NUL). ``rules``: the first
     rule matching the method and path applies; no match passes the request untouched.
     ``classes``: class name -> max_wait seconds, chosen by a rule's ``priority`` or by the
     ``class_header`` (only names listed here). ``shadow``: levels evaluated, never
@@ -85,7 +86,7 @@ class RateLimitMiddleware:
         legacy_headers: bool = False,
         partition_keys: bool = False,
         pk_secret: bytes | None = None,
-        anonymous_key: str = "anonymous",
+        anonymous_key: str = "\x00anonymous",
         metrics_path: str | None = None,
         registry: Any = None,
     ) -> None:
