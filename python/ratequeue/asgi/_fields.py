@@ -7,7 +7,7 @@ import base64
 import json
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .._ratequeue import Concurrency, KeyedConcurrency, KeyedLimiter, Limiter
@@ -66,9 +66,14 @@ class Quota:
     burst: int | None
     per_second: float
     index: int  # rate index in its limiter (0 for concurrency)
+    item: str = field(default="", init=False, repr=False, compare=False)  # sf-string name
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "item", sf_string(self.name))
+        sf_string(self.qu)
 
     def policy_item(self, pk: str | None) -> str:
-        parts = [sf_string(self.name), f"q={self.q}"]
+        parts = [self.item, f"q={self.q}"]
         if self.qu != "requests":
             parts.append(f"qu={sf_string(self.qu)}")
         if self.w is not None:
@@ -125,9 +130,8 @@ class LevelView:
                 qu = UNIT_QU.get(rate.unit, rate.unit)
                 quotas.append(Quota(qname, rate.unit, qu, q, w, rate.burst, rate.per_second, i))
         self.quotas = quotas
-        for quota in quotas:
-            sf_string(quota.name)
-            sf_string(quota.qu)
+        # 0: Limiter, 1: KeyedLimiter, 2: Concurrency, 3: KeyedConcurrency
+        self.kind = [Limiter, KeyedLimiter, Concurrency, KeyedConcurrency].index(type(level))
 
     def units(self) -> list[str]:
         return [q.unit for q in self.quotas if q.unit != "concurrent-requests"]
@@ -135,15 +139,16 @@ class LevelView:
     def remaining(self, key: Any) -> list[tuple[Quota, int, int | None]]:
         """(quota, r, t) now for this level (and key): r whole units left, t whole seconds
         until one more unit is available (None for a concurrency limit)."""
-        lv = self.level
+        lv: Any = self.level
+        kind = self.kind
         out: list[tuple[Quota, int, int | None]] = []
-        if isinstance(lv, Concurrency):
+        if kind == 2:
             r = 0 if lv.waiting else lv.limit - lv.in_use
             return [(self.quotas[0], sf_int(r), None)]
-        if isinstance(lv, KeyedConcurrency):
+        if kind == 3:
             return [(self.quotas[0], sf_int(lv.limit - lv.in_use(key)), None)]
         for qu in self.quotas:
-            if isinstance(lv, KeyedLimiter):
+            if kind == 1:
                 avail = lv.available(key)
                 busy = False
             else:
@@ -201,7 +206,7 @@ def ratelimit_field(
     """The RateLimit value: ``"name";r=..;t=..`` per quota."""
     items = []
     for qu, r, t in rows:
-        item = f"{sf_string(qu.name)};r={r}"
+        item = f"{qu.item};r={r}"
         if t is not None:
             item += f";t={t}"
         pk = pks.get(level_of[qu.name])

@@ -236,7 +236,7 @@ class RateLimitMiddleware:
         rule = plan.rule
         keys = {n: self._key(n, scope) for n in plan.keyed}
         if plan.static_costs is not None:
-            costs = dict(plan.static_costs)
+            costs = plan.static_costs if rule.tokens is None else dict(plan.static_costs)
         else:
             costs = {u: c for u, c in rule.costs(scope).items() if u in plan.units}
         if rule.tokens is not None:
