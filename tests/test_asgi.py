@@ -596,6 +596,16 @@ def test_usage_scanner_finds_the_last_usage_whatever_the_chunking(
     assert s2.total == 7
 
 
+def test_usage_of_a_stream_that_counts_input_first_and_output_last() -> None:
+    # Anthropic's messages stream: input tokens in message_start, output in message_delta.
+    s = UsageScanner()
+    s.feed(b'event: message_start\ndata: {"type":"message_start","message":{"usage":')
+    s.feed(b'{"input_tokens":25,"output_tokens":1}}}\n\n')
+    assert s.total == 26
+    s.feed(b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":15}}')
+    assert s.total == 40
+
+
 # -- metrics ------------------------------------------------------------------------------
 
 

@@ -154,15 +154,36 @@ def _object_end(data: bytes, start: int) -> int:
     return -1 if end == len(data) else -2
 
 
-class UsageScanner:
-    """Finds the last ``"usage": {...}`` of a response body fed chunk by chunk, keeping at
-    most a few kilobytes (the body itself passes through untouched)."""
+_COUNTS = ("total_tokens", "prompt_tokens", "completion_tokens", "input_tokens", "output_tokens")
 
-    __slots__ = ("_carry", "total")
+
+class UsageScanner:
+    """Reads the ``"usage": {...}`` objects of a response body fed chunk by chunk, keeping
+    at most a few kilobytes (the body itself passes through untouched).
+
+    Counts of later objects replace earlier ones, field by field, so a stream that sends
+    its input tokens first and its output tokens last (Anthropic's ``message_start`` then
+    ``message_delta``) is counted whole; ``total`` is None until a count is seen.
+    """
+
+    __slots__ = ("_carry", "_counts")
 
     def __init__(self) -> None:
         self._carry = b""
-        self.total: int | None = None
+        self._counts: dict[str, int] = {}
+
+    @property
+    def total(self) -> int | None:
+        """Total tokens of the usage seen so far."""
+        return usage_total(self._counts) if self._counts else None
+
+    def _merge(self, usage: Any) -> None:
+        if not isinstance(usage, dict):
+            return
+        for k in _COUNTS:
+            v = usage.get(k)
+            if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+                self._counts[k] = v
 
     def feed(self, chunk: bytes) -> None:
         data = self._carry + chunk if self._carry else chunk
@@ -181,11 +202,9 @@ class UsageScanner:
                 pos = m.end()
                 continue
             try:
-                total = usage_total(json.loads(data[brace:end]))
+                self._merge(json.loads(data[brace:end]))
             except (ValueError, RecursionError):
-                total = None
-            if total is not None:
-                self.total = total
+                pass
             pos = end
             carry_from = max(carry_from, end)
         self._carry = bytes(data[carry_from:])
