@@ -3,6 +3,7 @@ actual usage read from the response (JSON or server-sent events) as it streams p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -201,10 +202,8 @@ class UsageScanner:
             if end == -2:  # too long to be a usage object
                 pos = m.end()
                 continue
-            try:
+            with contextlib.suppress(ValueError, RecursionError):  # not a usage object
                 self._merge(json.loads(data[brace:end]))
-            except (ValueError, RecursionError):
-                pass
             pos = end
             carry_from = max(carry_from, end)
         self._carry = bytes(data[carry_from:])
