@@ -726,3 +726,26 @@ def test_all_lists_exactly_the_public_names() -> None:
     public = {n for n in dir(pkg) if not n.startswith("_")}
     modules = {n for n in public if type(getattr(pkg, n)).__name__ == "module"}
     assert set(pkg.__all__) == public - modules - {"annotations"}
+
+
+def test_starlette_add_middleware_takes_it_as_is(clock: rq.ManualClock) -> None:
+    import httpx
+    from starlette.applications import Starlette
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    async def hello(request: Any) -> PlainTextResponse:
+        return PlainTextResponse("hi")
+
+    app = Starlette(routes=[Route("/", hello)])
+    users = rq.KeyedLimiter(rq.Rate(1, per="second", burst=1), clock=clock)
+    app.add_middleware(RateLimitMiddleware, levels={"user": users}, keys={"user": client_ip()})
+
+    async def two() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as c:
+            return [await c.get("/"), await c.get("/")]
+
+    first, second = run(two())
+    assert (first.status_code, second.status_code) == (200, 429)
+    assert first.text == "hi" and second.headers["retry-after"] == "1"
