@@ -20,6 +20,7 @@ USAGE = {"prompt_tokens": 20, "completion_tokens": 5, "total_tokens": 25}
 def create() -> RateLimitMiddleware:
     state = {"started": False}
     release = asyncio.Event()
+    hold = asyncio.Event()
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -35,6 +36,15 @@ def create() -> RateLimitMiddleware:
     async def slow(request: Request) -> PlainTextResponse:
         await asyncio.sleep(0.3)
         return PlainTextResponse("slow")
+
+    async def held(request: Request) -> PlainTextResponse:
+        await hold.wait()
+        hold.clear()
+        return PlainTextResponse("held")
+
+    async def unhold(request: Request) -> PlainTextResponse:
+        hold.set()
+        return PlainTextResponse("unheld")
 
     async def free(request: Request) -> PlainTextResponse:
         release.set()
@@ -61,6 +71,8 @@ def create() -> RateLimitMiddleware:
             Route("/started", started),
             Route("/slow", slow),
             Route("/paced", hello),
+            Route("/held", held),
+            Route("/unhold", unhold),
             Route("/release", free),
             Route("/v1/chat/completions", chat, methods=["POST"]),
         ],
@@ -80,6 +92,8 @@ def create() -> RateLimitMiddleware:
             Rule("/started", levels=[]),
             Rule("/release", levels=[]),
             Rule("/slow", levels=["slow"], max_wait=30.0),
+            Rule("/held", levels=["slow"], max_wait=30.0),
+            Rule("/unhold", levels=[]),
             Rule("/paced", levels=["paced"], max_wait=1.0),
             Rule("/v1/chat/completions", methods=["POST"], levels=["llm"], tokens=OpenAITokens()),
             Rule("/hello", levels=["user"]),

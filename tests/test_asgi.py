@@ -642,7 +642,13 @@ def test_a_client_that_leaves_while_queued_leaves_the_queue_holding_nothing() ->
         left = asyncio.Event()
         sent: list[Any] = []
 
+        body_sent = False
+
         async def receive() -> dict[str, Any]:
+            nonlocal body_sent
+            if not body_sent:  # a GET: its empty body first, then only the disconnect
+                body_sent = True
+                return {"type": "http.request", "body": b"", "more_body": False}
             await left.wait()
             return {"type": "http.disconnect"}
 

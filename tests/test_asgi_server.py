@@ -8,8 +8,10 @@ stream after the client has read the first event and asked for the rest).
 from __future__ import annotations
 
 import json
+import socket
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
@@ -71,6 +73,36 @@ def test_concurrent_requests_queue_instead_of_failing(server: Server) -> None:
     for r in out:
         policies, _ = check_fields(r.headers.get)
         assert policies["slow"] == {"q": 1, "qu": "concurrent-requests"}
+
+
+def metric(server: Server, prefix: str) -> float:
+    text = httpx.get(server.url + "/metrics").text
+    return float(next(x for x in text.splitlines() if x.startswith(prefix)).split()[-1])
+
+
+def wait_for(cond: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + 30
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_a_client_that_hangs_up_while_queued_leaves_the_queue(server: Server) -> None:
+    gone = 'ratequeue_http_requests_total{outcome="gone",rule="/held"}'
+    in_use = 'ratequeue_in_use{limiter="slow"}'
+    depth = 'ratequeue_queue_depth{class="default",limiter="slow"}'
+    before = metric(server, gone)
+    holder = threading.Thread(target=lambda: httpx.get(server.url + "/held", timeout=60))
+    holder.start()
+    wait_for(lambda: metric(server, in_use) == 1)
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(b"GET /held HTTP/1.1\r\nhost: x\r\n\r\n")
+        wait_for(lambda: metric(server, depth) == 1)  # queued behind the holder
+    wait_for(lambda: metric(server, gone) == before + 1)
+    assert metric(server, depth) == 0
+    assert httpx.get(server.url + "/unhold").status_code == 200
+    holder.join()
+    wait_for(lambda: metric(server, in_use) == 0)  # the departed request took nothing
 
 
 def test_requests_over_a_rate_are_paced_then_refused_beyond_max_wait(server: Server) -> None:

@@ -420,7 +420,8 @@ async def _wait_unless_gone(
     """Waits in the policy's queues while watching for the client to disconnect.
 
     Reads at most one request message meanwhile (kept, and replayed to the app), so
-    nothing is buffered beyond what the server already holds. Returns (None, ...) when
+    nothing is buffered beyond what the server already holds; after a whole body (one
+    message) it goes on watching, as only a disconnect can come next. Returns (None, ...) when
     the client left first: the wait is cancelled, which gives back whatever it held.
     """
     kept: list[Message] = []
@@ -430,11 +431,14 @@ async def _wait_unless_gone(
         return permit
 
     async def watch() -> None:
-        msg = await receive()
-        if msg["type"] == "http.disconnect":
-            return
-        kept.append(msg)
-        await asyncio.Event().wait()  # one message only: wait for the grant
+        while True:
+            msg = await receive()
+            if msg["type"] == "http.disconnect":
+                return
+            kept.append(msg)
+            if msg.get("more_body", False):
+                await asyncio.Event().wait()  # reading on would buffer the body: stop
+            # The body is whole: the next message can only be the disconnect.
 
     waiting = asyncio.ensure_future(acquire())
     watcher = asyncio.ensure_future(watch())
@@ -457,7 +461,7 @@ async def _wait_unless_gone(
     permit = waiting.result()  # raises the refusal
     if not kept:
         return permit, receive
-    first: Message | None = kept[0]
+    first: Message | None = kept[-1]  # at most one http.request message
 
     async def replay() -> Message:
         nonlocal first
