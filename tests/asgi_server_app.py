@@ -80,7 +80,7 @@ def create() -> RateLimitMiddleware:
     )
     users = rq.KeyedLimiter(rq.Rate(3, per="minute", burst=3), name="user")
     slots = rq.Concurrency(1, name="slow")
-    paced = rq.Limiter(rq.Rate(5, per="second", burst=1), name="paced")
+    paced = rq.Limiter(rq.Rate(2, per="second", burst=1), name="paced")
     tokens = rq.Limiter(
         rq.Rate(600, per="minute"), rq.Rate(100_000, per="minute", unit="tokens"), name="llm"
     )
@@ -94,7 +94,7 @@ def create() -> RateLimitMiddleware:
             Rule("/slow", levels=["slow"], max_wait=30.0),
             Rule("/held", levels=["slow"], max_wait=30.0),
             Rule("/unhold", levels=[]),
-            Rule("/paced", levels=["paced"], max_wait=1.0),
+            Rule("/paced", levels=["paced"], max_wait=3.0),
             Rule("/v1/chat/completions", methods=["POST"], levels=["llm"], tokens=OpenAITokens()),
             Rule("/hello", levels=["user"]),
         ],
