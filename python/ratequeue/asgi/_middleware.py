@@ -251,13 +251,13 @@ class RateLimitMiddleware:
                 return
             costs[rule.tokens.unit] = rule.tokens.estimate(body)
             receive = _replay(body, receive)
-        timeout = self._max_wait(plan, scope)
         assert plan.policy is not None
         start = time.perf_counter()
         try:
             # Lock-free when admitted at once (it never passes waiters); else the queue.
             permit: PolicyPermit | None = plan.policy.try_acquire(**keys, **costs)
             if permit is None:
+                timeout = self._max_wait(plan, scope)
                 if timeout > 0:
                     permit, receive = await _wait_unless_gone(
                         plan.policy, receive, timeout, {**keys, **costs}
