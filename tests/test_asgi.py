@@ -755,3 +755,33 @@ def test_starlette_add_middleware_takes_it_as_is(clock: rq.ManualClock) -> None:
     first, second = run(two())
     assert (first.status_code, second.status_code) == (200, 429)
     assert first.text == "hi" and second.headers["retry-after"] == "1"
+
+
+def test_usage_is_read_only_from_json_or_event_streams(clock: rq.ManualClock) -> None:
+    async def echo(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        body = (await receive())["body"]  # a text body echoing what the client wrote
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/plain")],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+    mw, cluster = token_mw(clock, echo)
+    sneaky = {**CHAT, "note": 'x"usage":{"total_tokens":0}'}
+    raw = json.dumps(sneaky).replace('\\"', '"').encode()  # unescaped, as text
+    assert b'"usage":{"total_tokens":0}' in raw
+    assert run(call(mw, "POST", "/v1/chat/completions", body=raw)).status == 200
+    assert cluster.available("tokens") < 10_000 - 500  # the estimate stays charged
+
+    async def gz(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        headers = [(b"content-type", b"application/json"), (b"content-encoding", b"gzip")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": json.dumps({"usage": USAGE}).encode()})
+
+    mw, cluster = token_mw(clock, gz)
+    run(call(mw, "POST", "/v1/chat/completions", body=json.dumps(CHAT).encode()))
+    assert cluster.available("tokens") == pytest.approx(10_000 - 604)

@@ -295,11 +295,8 @@ class RateLimitMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = list(message.get("headers", ()))
-                if scanner is not None and any(
-                    k.lower() == b"content-encoding" and v.strip().lower() != b"identity"
-                    for k, v in headers
-                ):
-                    scanner = None  # compressed: usage cannot be read, the estimate stays
+                if scanner is not None and not _usage_readable(headers):
+                    scanner = None  # the estimate stays
                 headers += self._fields(plan, keys, [timing])
                 message = {**message, "headers": headers}
             elif scanner is not None and message["type"] == "http.response.body":
@@ -374,6 +371,22 @@ def _check_costs(rule: Rule, units: set[str]) -> None:
     missing = sorted(u for u in units if u != "requests" and u not in named)
     if missing:
         raise ValueError(f"rule {rule.label!r} gives no cost for unit(s) {missing}: cost={{...}}")
+
+
+def _usage_readable(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Usage is read only from uncompressed JSON or event streams: a body of another
+    type may echo text a client wrote, usage included."""
+    ctype = b""
+    for k, v in headers:
+        k = k.lower()
+        if k == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
+            return False
+        if k == b"content-type":
+            ctype = v.split(b";", 1)[0].strip().lower()
+    return ctype in _USAGE_TYPES or ctype.endswith(b"+json")
+
+
+_USAGE_TYPES = (b"application/json", b"text/event-stream", b"application/x-ndjson")
 
 
 async def _respond(
