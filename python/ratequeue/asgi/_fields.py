@@ -73,6 +73,7 @@ class Quota:
         sf_string(self.qu)
 
     def policy_item(self, pk: str | None) -> str:
+        """This quota as a RateLimit-Policy item (valid Structured Field syntax)."""
         parts = [self.item, f"q={self.q}"]
         if self.qu != "requests":
             parts.append(f"qu={sf_string(self.qu)}")
@@ -134,6 +135,7 @@ class LevelView:
         self.kind = [Limiter, KeyedLimiter, Concurrency, KeyedConcurrency].index(type(level))
 
     def units(self) -> list[str]:
+        """The limiter units this level counts (none for a concurrency limit)."""
         return [q.unit for q in self.quotas if q.unit != "concurrent-requests"]
 
     def remaining(self, key: Any) -> list[tuple[Quota, int, int | None]]:

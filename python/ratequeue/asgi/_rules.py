@@ -80,6 +80,7 @@ class Rule:
         return self.name or self.path
 
     def matches(self, method: str, path: str) -> bool:
+        """Whether a request of ``method`` on ``path`` falls under this rule."""
         if self._methods is not None and method not in self._methods:
             return False
         if self._regex is None:

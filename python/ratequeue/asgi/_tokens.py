@@ -187,6 +187,7 @@ class UsageScanner:
                 self._counts[k] = v
 
     def feed(self, chunk: bytes) -> None:
+        """Reads one more chunk of the body; keeps at most about 8 KiB between chunks."""
         data = self._carry + chunk if self._carry else chunk
         pos = 0
         carry_from = max(0, len(data) - _TAIL)
