@@ -44,7 +44,9 @@ def test_the_sdk_gets_completions_with_the_ratelimit_fields(
     )
     completion = raw.parse()
     assert completion.choices[0].message.content == "ok"
-    assert completion.usage is not None and completion.usage.total_tokens == 10
+    usage = completion.usage
+    assert usage is not None and usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert usage.total_tokens > 0
     policies, limits = check_fields(raw.headers.get)
     assert set(policies) == {"user", "tenant", "cluster", "cluster-tokens"}
     assert policies["tenant"]["qu"] == "concurrent-requests"
@@ -87,6 +89,6 @@ def test_cluster_tokens_are_settled_from_the_upstream_usage(
         for x in metrics.splitlines()
         if x.startswith('ratequeue_available{limiter="cluster",unit="tokens"}')
     )
-    # An estimate of 2000+ tokens was settled to the mock's 10: the bucket is nearly full.
+    # An estimate of 2000+ tokens was settled to the mock's few: the bucket is nearly full.
     assert float(line.split()[-1]) > 90_000 - 200
     assert httpx.get(url + "/healthz").json() == {"ok": True}
