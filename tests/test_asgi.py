@@ -785,3 +785,32 @@ def test_usage_is_read_only_from_json_or_event_streams(clock: rq.ManualClock) ->
     mw, cluster = token_mw(clock, gz)
     run(call(mw, "POST", "/v1/chat/completions", body=json.dumps(CHAT).encode()))
     assert cluster.available("tokens") == pytest.approx(10_000 - 604)
+
+
+def test_a_request_cancelled_while_queued_leaves_the_queue_holding_nothing() -> None:
+    async def main() -> None:
+        sem = rq.Concurrency(1)
+        gate = asyncio.Event()
+
+        async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+            await gate.wait()
+            await ok_app(scope, receive, send)
+
+        mw = RateLimitMiddleware(app, levels={"sem": sem}, max_wait=60)
+        held = asyncio.create_task(call(mw))
+        await asyncio.sleep(0.02)
+        queued = asyncio.create_task(call(mw))
+        for _ in range(100):
+            if sem.waiting:
+                break
+            await asyncio.sleep(0.01)
+        assert sem.waiting == 1
+        queued.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        assert sem.waiting == 0
+        gate.set()
+        assert (await held).status == 200
+        assert sem.in_use == 0
+
+    run(main())

@@ -4,7 +4,6 @@ fields, queueing before refusing, and token costs settled from the response."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hashlib
 import math
 import secrets
@@ -457,18 +456,13 @@ async def _wait_unless_gone(
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait((waiting, watcher), return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        waiting.cancel()
+    except BaseException:  # this request was cancelled (server shutting down, ...)
         watcher.cancel()
-        await asyncio.gather(waiting, watcher, return_exceptions=True)
+        await _abandon(waiting)
         raise
     watcher.cancel()
     if not waiting.done():
-        waiting.cancel()
-        with contextlib.suppress(asyncio.CancelledError, RateQueueError):
-            await waiting
-        if not waiting.cancelled() and waiting.exception() is None:
-            waiting.result().cancel()  # granted as the client left: give it back
+        await _abandon(waiting)
         return None, receive
     await asyncio.gather(watcher, return_exceptions=True)
     permit = waiting.result()  # raises the refusal
@@ -484,6 +478,14 @@ async def _wait_unless_gone(
         return await receive()
 
     return permit, replay
+
+
+async def _abandon(waiting: asyncio.Future[PolicyPermit]) -> None:
+    """Ends a wait nobody will use: leaves the queue, or gives back a grant that raced."""
+    waiting.cancel()
+    await asyncio.wait((waiting,))  # never raises the wait's own outcome
+    if not waiting.cancelled() and waiting.exception() is None:
+        waiting.result().cancel()
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:
