@@ -41,15 +41,22 @@ OUTCOMES = ("admitted", "queued", "refused", "too_large", "gone", "exempt")
 class _Plan:
     """A rule resolved against the middleware's levels: its Policy and field views."""
 
-    def __init__(self, rule: Rule, views: list[LevelView], policy: Policy | None) -> None:
+    def __init__(
+        self, rule: Rule, views: list[LevelView], shadow: list[str], policy: Policy | None
+    ) -> None:
         self.rule = rule
-        self.views = views
         self.policy = policy
-        self.units: set[str] = set()  # every unit of the rule's levels, shadow ones too
-        self.level_of = {q.name: v.name for v in views for q in v.quotas}
+        # Every level is evaluated (shadow ones need keys and costs); enforced ones are
+        # advertised.
+        self.views = [v for v in views if v.name not in shadow]
         self.keyed = [v.name for v in views if v.keyed]
-        self.static_policy = policy_field(views, {}) if views else b""
+        self.units = {u for v in views for u in v.units()}
+        self.level_of = {q.name: v.name for v in self.views for q in v.quotas}
+        self.static_policy = policy_field(self.views, {}) if self.views else b""
         self.static_costs: dict[str, int] | None = None
+        if rule.cost is None or isinstance(rule.cost, Mapping):
+            costs = rule.cost or {}
+            self.static_costs = {u: c for u, c in costs.items() if u in self.units}
         self.counts = dict.fromkeys(OUTCOMES, 0)
 
 
@@ -62,8 +69,9 @@ class RateLimitMiddleware:
     ``levels``: name -> Limiter | KeyedLimiter | Concurrency | KeyedConcurrency, in the
     order they are passed. ``keys``: name of each keyed level -> key function of the
     scope (a request without a key counts against ``anonymous_key``, which no header can
-    spell: it holds a NUL). ``rules``: the first
-    rule matching the method and path applies; no match passes the request untouched.
+    spell: it holds a NUL). ``rules``: the first rule matching the method and path
+    applies; no match passes the request untouched. ``max_wait``: seconds a request may
+    queue before a 429 (0: refuse at once).
     ``classes``: class name -> max_wait seconds, chosen by a rule's ``priority`` or by the
     ``class_header`` (only names listed here). ``shadow``: levels evaluated, never
     enforced. ``legacy_headers``: also ``X-RateLimit-Limit/Remaining/Reset`` of the
@@ -132,12 +140,8 @@ class RateLimitMiddleware:
                         shadow=[s for s in self.shadow if s in names] or None,
                     )
                 policy = policies[names]
-            plan = _Plan(rule, [v for v in views if v.name not in self.shadow], policy)
-            plan.keyed = [v.name for v in views if v.keyed]  # shadow levels need keys too
-            plan.units = {u for v in views for u in v.units()}
+            plan = _Plan(rule, views, self.shadow, policy)
             _check_costs(rule, plan.units)
-            if rule.cost is None or isinstance(rule.cost, Mapping):
-                plan.static_costs = {u: c for u, c in (rule.cost or {}).items() if u in plan.units}
             self.plans.append(plan)
         self.policies = list(policies.values())
         self.metrics_path = metrics_path
