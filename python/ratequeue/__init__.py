@@ -24,6 +24,7 @@ from ._ratequeue import (
     __version__,
 )
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
+from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
@@ -33,6 +34,8 @@ __all__ = [
     "AIMD",
     "Acquiring",
     "Adaptive",
+    "BudgetExceeded",
+    "CallBudget",
     "Concurrency",
     "CostTooLarge",
     "Gradient2",

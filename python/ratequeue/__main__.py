@@ -172,6 +172,9 @@ def _run_loadtest(args: argparse.Namespace) -> int:
     return loadtest.main(args.config, out=args.out, quiet=args.quiet)
 
 
+_MOCK_DIALECTS = ("auto", "openai", "anthropic", "ietf", "none")
+
+
 def _run_mock(args: argparse.Namespace) -> int:
     from . import mock_provider
 
@@ -182,6 +185,9 @@ def _run_mock(args: argparse.Namespace) -> int:
         burst=args.burst,
         host=args.host,
         duration=args.duration,
+        tpm=args.tpm,
+        dialect=args.dialect,
+        retry_style=args.retry_style,
     )
 
 
@@ -290,6 +296,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
     mp.add_argument(
         "--duration", type=_number(float, 0), default=None, help="stop after this many seconds"
+    )
+    mp.add_argument(
+        "--tpm", type=_number(float, 0), default=None, help="its token limit, tokens per minute"
+    )
+    mp.add_argument(
+        "--dialect",
+        choices=_MOCK_DIALECTS,
+        default="auto",
+        help="rate-limit headers: auto (Anthropic on /v1/messages, OpenAI elsewhere), ...",
+    )
+    mp.add_argument(
+        "--retry-style",
+        choices=("both", "seconds", "ms", "date", "none"),
+        default="both",
+        help="how a 429 says when to retry: Retry-After and/or retry-after-ms, a date, none",
     )
     mp.set_defaults(func=_run_mock)
 

@@ -322,6 +322,11 @@ class Limiter:
         which: int | str | None = None,
     ) -> None: ...
     def set_burst(self, burst: int, *, which: int | str | None = None) -> None: ...
+    def pause(self, seconds: float, *, unit: str | None = None) -> bool:
+        """Admit nothing in ``unit`` (default: every unit) for ``seconds``, then one unit:
+        its buckets go into a debt the clock repays by then; a longer debt is kept.
+        True when a bucket moved."""
+
     @property
     def rates(self) -> list[Rate]: ...
     @property

@@ -757,6 +757,28 @@ impl Bucket {
         t.cost = t.cost.saturating_add(extra);
     }
 
+    /// Admits nothing before `until_ns`, then one unit there: the TAT moves up to
+    /// `until + tau - T` (a debt the clock repays by then) and never back, so repeated
+    /// holds to the same time do not add up. True when the TAT moved.
+    pub fn hold_until(&self, at_ns: u64, until_ns: u64) -> bool {
+        let (mut w, _) = self.load_at(at_ns);
+        loop {
+            let p = self.params(w);
+            let target = p.ticks(until_ns).saturating_add(p.tau - (1u64 << p.m)).min(TAT_MASK);
+            if w & TAT_MASK >= target {
+                return false;
+            }
+            let next = (w & !TAT_MASK) | target;
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(seen) => w = seen,
+            }
+        }
+    }
+
     fn charge_word(&self, at_ns: u64, cost: u64) -> (u64, u64) {
         let (mut w, _) = self.load_at(at_ns);
         loop {
@@ -971,6 +993,21 @@ mod tests {
             b.set_rate(0, rate(1000.0, 20));
         }
         assert!((b.available(0) - 16.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn hold_until_admits_one_unit_at_the_time_and_never_adds_up() {
+        let b = Bucket::new(rate(10.0, 5));
+        assert!(b.hold_until(0, 2_000_000_000));
+        assert!(!b.hold_until(0, 2_000_000_000)); // the same hold again changes nothing
+        assert!(!b.hold_until(0, 1_000_000_000)); // an earlier one neither
+        assert!((b.available(0) + 19.0).abs() < 1e-9);
+        assert!(matches!(b.take(1_999_999_999, 1, 0), Err(Deny::Wait(1))));
+        assert!(b.take(2_000_000_000, 1, 0).is_ok());
+        assert!(b.take(2_000_000_000, 1, 0).is_err());
+        let full = Bucket::new(rate(10.0, 5));
+        assert!(full.hold_until(0, 0)); // until now: all but one unit used
+        assert!((full.available(0) - 1.0).abs() < 1e-9);
     }
 
     #[test]

@@ -453,6 +453,21 @@ impl Limiter {
         gave
     }
 
+    /// Admits nothing in `unit` (every unit when None) before `until_ns` (see
+    /// [`Bucket::hold_until`]); never shortens a longer debt. True when a bucket moved.
+    pub fn hold_until(&self, until_ns: u64, unit: Option<usize>) -> bool {
+        let now = self.clock.now_ns();
+        let _serial = self.serial();
+        let mut moved = false;
+        for (i, b) in self.buckets.iter().enumerate() {
+            if unit.is_none_or(|u| u == self.bucket_unit[i]) {
+                moved |= b.hold_until(now, until_ns);
+            }
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        moved
+    }
+
     /// Charges `costs` now regardless of conformance (an under-estimate): may go into debt.
     pub fn charge(&self, costs: &[u64]) {
         let now = self.clock.now_ns();
@@ -636,6 +651,22 @@ mod tests {
         assert_eq!(l.available(1), 10.0);
         assert!(matches!(l.try_acquire(&[1, 200]), Err(Deny::TooLarge { unit: 1, .. })));
         assert_eq!(l.available(0), 4.0);
+    }
+
+    #[test]
+    fn hold_until_pauses_one_unit_or_all() {
+        let (l, clock) = limiter(&[("requests", 10.0, 5), ("tokens", 100.0, 100)]);
+        assert!(l.hold_until(S, Some(1)));
+        assert_eq!(l.available(0), 5.0);
+        assert!(l.available(1) < 0.0);
+        assert!(matches!(l.try_acquire(&[1, 1]), Err(Deny::Wait(_))));
+        clock.set(S).unwrap();
+        assert!(l.try_acquire(&[1, 1]).is_ok());
+        assert!(l.hold_until(2 * S, None));
+        assert!(!l.hold_until(2 * S, None));
+        assert!(l.try_acquire(&[1, 0]).is_err());
+        clock.set(2 * S).unwrap();
+        assert!(l.try_acquire(&[1, 1]).is_ok());
     }
 
     #[test]
