@@ -1,4 +1,5 @@
-"""End to end: the real openai SDK -> examples/gateway under uvicorn -> the mock provider."""
+"""End to end: the real openai SDK -> examples/gateway under uvicorn (forwarding through
+ratequeue.httpx) -> the mock provider, JSON and streamed."""
 
 from __future__ import annotations
 
@@ -92,3 +93,29 @@ def test_cluster_tokens_are_settled_from_the_upstream_usage(
     # An estimate of 2000+ tokens was settled to the mock's few: the bucket is nearly full.
     assert float(line.split()[-1]) > 90_000 - 200
     assert httpx.get(url + "/healthz").json() == {"ok": True}
+
+
+def test_a_streamed_completion_reaches_the_sdk_and_settles(
+    gateway: tuple[str, MockProvider],
+) -> None:
+    url, _ = gateway
+    stream = client(url, "user-e").chat.completions.create(
+        model="mock",
+        messages=MESSAGES,
+        max_tokens=3000,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    usage = [c.usage for c in chunks if c.usage is not None]
+    assert usage and usage[-1].total_tokens > 0
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text
+    metrics = httpx.get(url + "/metrics").text
+    line = next(
+        x
+        for x in metrics.splitlines()
+        if x.startswith('ratequeue_available{limiter="cluster",unit="tokens"}')
+    )
+    # The 3000-token estimate was settled to the stream's usage as it passed.
+    assert float(line.split()[-1]) > 90_000 - 500

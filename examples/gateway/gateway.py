@@ -8,13 +8,15 @@ answers 429 with ``Retry-After`` and the RateLimit fields; ``/metrics`` is Prome
 
     GATEWAY_UPSTREAM=http://127.0.0.1:8000 uvicorn --factory gateway:create --port 8080
 
-Forwarding uses a plain ``httpx.AsyncClient`` (streamed, never buffered). The tenant
-header is trusted as sent: put the gateway behind a proxy that sets it from the caller's
-credentials (or derive the tenant from the API key in ``keys=``).
+Forwarding goes through ``ratequeue.httpx``: the provider's own limits (calibrated from
+its rate-limit headers, paused on its 429s) in a second queue, streamed, never buffered.
+The tenant header is trusted as sent: put the gateway behind a proxy that sets it from
+the caller's credentials (or derive the tenant from the API key in ``keys=``).
 """
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,6 +24,7 @@ from contextlib import asynccontextmanager
 import httpx
 import ratequeue as rq
 from ratequeue.asgi import OpenAITokens, RateLimitMiddleware, Rule, bearer_token, header
+from ratequeue.httpx import RateLimitedTransport
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -30,8 +33,9 @@ from starlette.routing import Route
 
 #: Request headers passed upstream (the gateway's own credentials would go here).
 FORWARD = ("content-type", "accept", "openai-organization", "openai-project")
-#: Response headers never copied back (hop-by-hop, or recomputed by the server).
+#: Response headers never copied back: hop-by-hop, recomputed, or the upstream's quota.
 DROP = {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+DROP |= {"ratelimit", "ratelimit-policy"}
 
 
 def _env(name: str, default: float) -> float:
@@ -41,7 +45,16 @@ def _env(name: str, default: float) -> float:
 def create(upstream: str | None = None) -> RateLimitMiddleware:
     """The gateway app; ``upstream`` defaults to ``$GATEWAY_UPSTREAM``."""
     base = upstream or os.environ["GATEWAY_UPSTREAM"]
-    client = httpx.AsyncClient(base_url=base, timeout=httpx.Timeout(600, connect=10))
+    max_wait = _env("GATEWAY_MAX_WAIT", 5.0)
+    provider = rq.Limiter(
+        rq.Rate(_env("UPSTREAM_RPM", 10_000), per="minute"),
+        rq.Rate(_env("UPSTREAM_TPM", 2_000_000), per="minute", unit="tokens"),
+        name="upstream",
+    )
+    transport = RateLimitedTransport(
+        httpx.AsyncHTTPTransport(), provider, timeout=max_wait, calibrate=True
+    )
+    client = httpx.AsyncClient(base_url=base, transport=transport, timeout=600)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -55,6 +68,9 @@ def create(upstream: str | None = None) -> RateLimitMiddleware:
         up = client.build_request(request.method, request.url.path, content=body, headers=headers)
         try:
             resp = await client.send(up, stream=True)
+        except rq.RateQueueError as e:  # the provider's own queue would miss max_wait
+            retry = {"retry-after": str(max(1, math.ceil(e.retry_after)))}
+            return JSONResponse({"error": {"type": "upstream_busy"}}, 503, retry)
         except httpx.HTTPError as e:
             return JSONResponse({"error": {"type": "upstream", "message": str(e)}}, 502)
         out = {k: v for k, v in resp.headers.items() if k.lower() not in DROP}
@@ -96,7 +112,7 @@ def create(upstream: str | None = None) -> RateLimitMiddleware:
             Rule("/v1/completions", methods=["POST"], tokens=completion),
             Rule("/v1/**", levels=["user"]),
         ],
-        max_wait=_env("GATEWAY_MAX_WAIT", 5.0),
+        max_wait=max_wait,
         partition_keys=True,
         metrics_path="/metrics",
     )
