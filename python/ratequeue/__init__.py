@@ -4,8 +4,6 @@ The engine is a lock-free Rust core (``ratequeue._ratequeue``); this package re-
 its types and adds thin Python adapters.
 """
 
-from __future__ import annotations
-
 from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,

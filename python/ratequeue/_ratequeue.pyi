@@ -1,6 +1,6 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -11,6 +11,13 @@ __version__: str
 
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
+
+@final
+class _PolicyKeywords:
+    def __new__(cls, levels: Sequence[tuple[str, bool, Sequence[str]]]) -> _PolicyKeywords: ...
+    def parse(
+        self, kw: Mapping[str, object] | None = None
+    ) -> tuple[tuple[object, ...], dict[str, int]]: ...
 
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
