@@ -144,6 +144,9 @@ class Permit:
     def waited(self) -> float:
         """Seconds spent in the queue (arrival to grant, in schedule time)."""
     @property
+    def granted_at_ns(self) -> int:
+        """The grant's schedule time in nanoseconds of the limiter's clock (``now_ns()``)."""
+    @property
     def released(self) -> bool: ...
     def release(self) -> bool:
         """Return a Concurrency permit now; True if this call released it."""
