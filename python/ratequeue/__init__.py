@@ -6,7 +6,7 @@ its types and adds thin Python adapters.
 
 from __future__ import annotations
 
-from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
+from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
     Concurrency,
@@ -45,6 +45,7 @@ __all__ = [
     "Pool",
     "PoolOverloaded",
     "Provider",
+    "QuotaExceeded",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -1,0 +1,59 @@
+"""The quota ledger: per-account usage against a plan, idempotent per request id.
+
+``SqliteLedger`` (one file, stdlib ``sqlite3``) and ``RedisLedger`` (several machines)
+offer the same calls: ``charge``, ``hold``/``settle``/``release``, queries, warnings
+through an outbox, and compensation campaigns. Periods are in UTC unless a plan's
+period names a time zone.
+"""
+
+from __future__ import annotations
+
+from .._errors import QuotaExceeded
+from ._model import (
+    UNITS,
+    Balance,
+    CampaignReport,
+    Charge,
+    Daily,
+    Every,
+    Hold,
+    IdempotencyConflict,
+    LedgerError,
+    Monthly,
+    Notice,
+    Page,
+    Period,
+    Plan,
+    RequestUsage,
+    Span,
+    Totals,
+    UnknownAccount,
+    UnknownRequest,
+)
+from ._redis import RedisLedger
+from ._sqlite import SqliteLedger
+
+__all__ = [
+    "UNITS",
+    "Balance",
+    "CampaignReport",
+    "Charge",
+    "Daily",
+    "Every",
+    "Hold",
+    "IdempotencyConflict",
+    "LedgerError",
+    "Monthly",
+    "Notice",
+    "Page",
+    "Period",
+    "Plan",
+    "QuotaExceeded",
+    "RedisLedger",
+    "RequestUsage",
+    "SqliteLedger",
+    "Span",
+    "Totals",
+    "UnknownAccount",
+    "UnknownRequest",
+]

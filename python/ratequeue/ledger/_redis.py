@@ -1,0 +1,672 @@
+"""The ledger in Redis, for several processes and machines: one Lua script per call
+checks the request id, deducts and records threshold crossings in one round trip.
+
+Keys: ``{prefix}{{tag}}:a`` (account: plan, version, bonus), ``:p:<period>`` (usage,
+holds, fired thresholds), ``:r:<request id>`` (the request, kept ``retention``), ``:h``
+(hold expiries), ``:rows`` (usage rows, a stream capped at ``max_rows``), ``:o`` (outbox),
+``:audit`` (compensation audit); the tag is the account, so one account's keys share a
+Redis Cluster slot. Integers must stay below 2**53 (Lua numbers are doubles).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.resources
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from ._base import LedgerBase, compensation, quota_exceeded
+from ._model import (
+    Balance,
+    Charge,
+    ClockLike,
+    Hold,
+    IdempotencyConflict,
+    LedgerError,
+    Notice,
+    Page,
+    Plan,
+    Span,
+    UnknownRequest,
+    check_id,
+    threshold_amounts,
+)
+
+LUA = importlib.resources.files(__package__).joinpath("ledger.lua").read_text()
+LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
+#: Lua numbers are doubles: amounts and totals stay below this in Redis.
+MAX_REDIS_AMOUNT = 2**53 - 1
+#: Seconds between scans for outboxes whose pending hint was lost (a crash).
+SWEEP_SECONDS = 60.0
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class _Info:
+    __slots__ = ("anchor", "plan", "plan_json", "thr", "ver")
+
+    def __init__(self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan) -> None:
+        self.ver, self.plan_json, self.anchor, self.thr, self.plan = ver, plan_json, anchor, thr, plan
+
+
+class RedisLedger(LedgerBase):
+    """A quota ledger in Redis shared by every process using the same ``name``.
+
+    ``client``: a ``redis.Redis`` (``ratequeue.redis.connect`` gives short timeouts).
+    Time comes from ``clock`` (default the wall clock of each process), so keep hosts'
+    clocks in sync (periods are calendar-sized; seconds of skew only move a boundary).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        name: str = "default",
+        clock: ClockLike | None = None,
+        retention: float | None = None,
+        hold_ttl: float = 600.0,
+        default_plan: Plan | None = None,
+        max_rows: int = 100_000,
+    ) -> None:
+        super().__init__(
+            clock=clock, retention=retention, hold_ttl=hold_ttl, default_plan=default_plan
+        )
+        check_id("name", name)
+        if "{" in name or "}" in name:
+            raise ValueError(f"name={name!r} must not contain braces")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+        self.client = client
+        self.name = name
+        self.max_rows = max_rows
+        self._prefix = f"rq:ledger:{name}:"
+        self._info: OrderedDict[str, _Info] = OrderedDict()
+        self._holds: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        self._last_sweep = float("-inf")
+
+    # -- keys and the script ----------------------------------------------------------
+
+    def _pfx(self, account: str) -> str:
+        if "{" in account or "}" in account:
+            tag = "x:" + account.encode().hex()
+        else:
+            tag = "s:" + account
+        return f"{self._prefix}{{{tag}}}:"
+
+    def _keys(self, account: str, second: str, period: str) -> list[str]:
+        p = self._pfx(account)
+        return [p + "a", p + second, p + "h", p + "rows", p + "o", p + "p:" + period]
+
+    def _eval(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        import redis
+
+        try:
+            return self.client.evalsha(LUA_SHA, len(keys), *keys, *args)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(LUA)
+            return self.client.evalsha(LUA_SHA, len(keys), *keys, *args)
+
+    def _account_info(self, account: str, *, fresh: bool = False) -> _Info:
+        with self._lock:
+            info = self._info.get(account)
+            if info is not None and not fresh:
+                self._info.move_to_end(account)
+                return info
+        ver, pj, anchor, thr = self.client.hmget(
+            self._pfx(account) + "a", "ver", "plan", "anchor", "thr"
+        )
+        if ver is None:
+            if self.default_plan is None:
+                raise self._unknown(account)
+            self._store_plan(account, self.default_plan, None, None, only_new=True)
+            return self._account_info(account, fresh=True)
+        plan = self._plan(_s(pj))
+        info = _Info(
+            _s(ver),
+            _s(pj),
+            float(anchor) if anchor not in (None, b"") else None,
+            tuple(json.loads(thr)) if thr else plan.thresholds_bp,
+            plan,
+        )
+        with self._lock:
+            self._info[account] = info
+            while len(self._info) > 100_000:
+                self._info.popitem(last=False)
+        return info
+
+    def _common(self, op: str, info: _Info, account: str, span: Span, now: float) -> list[Any]:
+        quota = info.plan.quota
+        q = ",".join(f"{u}={v}" for u, v in quota.items())
+        thr = ",".join(
+            f"{u}:{bp}:{lvl}"
+            for u, v in quota.items()
+            if v > 0
+            for bp, lvl in zip(info.thr, threshold_amounts(v, info.thr))
+        )
+        return [
+            op,
+            repr(now),
+            info.ver,
+            self._pfx(account),
+            int(self.retention) + 1,
+            span.key,
+            repr(span.end),
+            q,
+            thr,
+        ]
+
+    def _call(
+        self, op: str, account: str, second: str, extra: list[Any], *, at: float | None = None
+    ) -> tuple[Any, _Info, Span, float]:
+        """Runs one op; refreshes the cached plan when the script says it changed."""
+        for attempt in range(3):
+            info = self._account_info(account, fresh=attempt > 0)
+            now = self._now()
+            span = self._span(info.plan_json, info.plan, info.anchor, now if at is None else at)
+            keys = self._keys(account, second, span.key)
+            r = self._eval(keys, [*self._common(op, info, account, span, now), *extra])
+            if _s(r[0]) != "STALE":
+                return r, info, span, now
+        raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+
+    def _check_big(self, am: dict[str, int]) -> None:
+        for u, v in am.items():
+            if v > MAX_REDIS_AMOUNT:
+                raise ValueError(f"{u}={v} must be < 2**53 in a Redis ledger")
+
+    def _after(self, account: str, fired: Any) -> None:
+        if int(fired):
+            self.client.sadd(self._prefix + "notify", account)
+            self._notice_event.set()
+
+    # -- accounts ----------------------------------------------------------------------
+
+    def _store_plan(
+        self,
+        account: str,
+        plan: Plan,
+        anchor: float | None,
+        thr: tuple[int, ...] | None,
+        *,
+        only_new: bool = False,
+    ) -> None:
+        key = self._pfx(account) + "a"
+        mapping = {"plan": plan.to_json(), "anchor": "" if anchor is None else repr(anchor)}
+        mapping["thr"] = "" if thr is None else json.dumps(list(thr))
+        if only_new:
+            if not self.client.hsetnx(key, "plan", mapping["plan"]):
+                return
+        pipe = self.client.pipeline(transaction=True)
+        pipe.hset(key, mapping=mapping)
+        pipe.hincrby(key, "ver", 1)
+        pipe.execute()
+        self.client.zadd(self._prefix + "accounts", {account: 0})
+        with self._lock:
+            self._info.pop(account, None)
+
+    def _set_plan(
+        self, account: str, plan: Plan, anchor: float | None, thr: tuple[int, ...] | None
+    ) -> None:
+        self._store_plan(account, plan, anchor, thr)
+
+    def _accounts_after(self, after: str, limit: int) -> list[str]:
+        lo = "(" + after if after else "-"
+        return [_s(a) for a in self.client.zrangebylex(self._prefix + "accounts", lo, "+", 0, limit)]
+
+    def count_accounts(self) -> int:
+        """How many accounts have a plan."""
+        return int(self.client.zcard(self._prefix + "accounts"))
+
+    def _plan_of(self, account: str) -> Plan:
+        return self._account_info(account, fresh=True).plan
+
+    # -- deduction ---------------------------------------------------------------------
+
+    def _charge_or_hold(
+        self,
+        op: str,
+        rid: str,
+        account: str,
+        am: dict[str, int],
+        model: str | None,
+        parent: str | None,
+        meta: str,
+        fp: str,
+    ) -> tuple[Any, _Info, Span, float, float]:
+        self._check_big(am)
+        exp_box: list[float] = []
+
+        for attempt in range(3):
+            info = self._account_info(account, fresh=attempt > 0)
+            now = self._now()
+            span = self._span(info.plan_json, info.plan, info.anchor, now)
+            exp = now + self.hold_ttl
+            extra = [
+                rid,
+                fp,
+                am["input_tokens"],
+                am["output_tokens"],
+                am["calls"],
+                model or "",
+                parent or "",
+                meta,
+                repr(exp),
+                self.max_rows,
+            ]
+            r = self._eval(
+                self._keys(account, "r:" + rid, span.key),
+                [*self._common(op, info, account, span, now), *extra],
+            )
+            tag = _s(r[0])
+            if tag == "STALE":
+                continue
+            exp_box.append(exp)
+            if tag == "CONFLICT":
+                raise _conflict(rid)
+            if tag == "QUOTA":
+                raise quota_exceeded(account, _s(r[1]), int(r[2]), int(r[3]), span, now)
+            if tag == "OK":
+                self._after(account, r[1])
+            return r, info, span, now, exp
+        raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+
+    def _charge(
+        self,
+        rid: str,
+        account: str,
+        am: dict[str, int],
+        model: str | None,
+        parent: str | None,
+        meta: str,
+        fp: str,
+    ) -> Charge:
+        r, _info, span, now, _exp = self._charge_or_hold(
+            "charge", rid, account, am, model, parent, meta, fp
+        )
+        if _s(r[0]) == "REPLAY":
+            return _record_charge(rid, account, r[2:10], True)
+        return Charge(
+            rid,
+            account,
+            span.key,
+            now,
+            am["input_tokens"],
+            am["output_tokens"],
+            am["calls"],
+            model,
+            parent,
+            _meta(meta),
+        )
+
+    def _hold(
+        self,
+        rid: str,
+        account: str,
+        am: dict[str, int],
+        model: str | None,
+        parent: str | None,
+        meta: str,
+        fp: str,
+    ) -> Hold:
+        r, _info, span, now, exp = self._charge_or_hold(
+            "hold", rid, account, am, model, parent, meta, fp
+        )
+        replay = _s(r[0]) == "REPLAY"
+        if replay:
+            c = _record_charge(rid, account, r[2:10], True)
+            exp = float(r[10])
+            h = Hold(
+                rid, account, c.period, c.at, exp, c.input_tokens, c.output_tokens, c.calls,
+                c.model, c.parent_id, c.meta, True,
+            )
+        else:
+            h = Hold(
+                rid, account, span.key, now, exp, am["input_tokens"], am["output_tokens"],
+                am["calls"], model, parent, _meta(meta),
+            )
+        self._remember_hold(rid, account, h.expires_at)
+        return h
+
+    def _remember_hold(self, rid: str, account: str, exp: float) -> None:
+        self.client.set(
+            self._prefix + "hold:" + rid, account, ex=max(1, int(self.hold_ttl + self.retention))
+        )
+        now = self._now()
+        with self._lock:
+            self._holds[rid] = (account, exp)
+            self._holds.move_to_end(rid)
+            while self._holds:
+                first = next(iter(self._holds.values()))
+                if len(self._holds) > 1_000_000 or first[1] < now - self.hold_ttl:
+                    self._holds.popitem(last=False)
+                else:
+                    break
+
+    def _hold_account(self, rid: str) -> str | None:
+        with self._lock:
+            hit = self._holds.get(rid)
+        if hit is not None:
+            return hit[0]
+        v = self.client.get(self._prefix + "hold:" + rid)
+        return None if v is None else _s(v)
+
+    def _settle(
+        self, rid: str, am: dict[str, int], model: str | None, account: str | None, sfp: str
+    ) -> Charge:
+        self._check_big(am)
+        acc = self._hold_account(rid) if account is None else account
+        if acc is None:
+            raise UnknownRequest(f"no hold has request id {rid!r}; pass account= to charge it")
+        extra = [
+            rid, sfp, am["input_tokens"], am["output_tokens"], am["calls"], model or "",
+            "", "", "", self.max_rows,
+        ]
+        r, _info, _span, now = self._call("settle", acc, "r:" + rid, extra)
+        tag = _s(r[0])
+        if tag == "CONFLICT":
+            raise _conflict(rid)
+        if tag == "REPLAY":
+            return _record_charge(rid, acc, r[2:10], True)
+        self._after(acc, r[1])
+        with self._lock:
+            self._holds.pop(rid, None)
+        m = _s(r[3]) or None
+        return Charge(
+            rid,
+            acc,
+            _s(r[2]),
+            now,
+            am["input_tokens"],
+            am["output_tokens"],
+            am["calls"],
+            m,
+            _s(r[4]) or None,
+            _meta(_s(r[5])),
+        )
+
+    def _release(self, rid: str) -> None:
+        acc = self._hold_account(rid)
+        if acc is None:
+            return
+        try:
+            self._call("release", acc, "r:" + rid, [rid])
+        except LookupError:
+            return
+        with self._lock:
+            self._holds.pop(rid, None)
+
+    def expire_holds(self) -> int:
+        """Gives back every hold past its expiry (each account is also expired lazily)."""
+        n = 0
+        for acc in self.accounts():
+            if self.client.zcount(self._pfx(acc) + "h", "-inf", repr(self._now())):
+                self._call("balance", acc, "r:", [])
+                n += 1
+        return n
+
+    # -- queries -------------------------------------------------------------------------
+
+    def _balance(self, account: str) -> Balance:
+        r, info, span, _now = self._call("balance", account, "r:", [])
+        quota = info.plan.quota
+        used, held, bonus = {}, {}, {}
+        for i, u in enumerate(quota):
+            used[u] = int(r[1 + 3 * i])
+            held[u] = int(r[2 + 3 * i])
+            bonus[u] = int(r[3 + 3 * i])
+        return Balance(
+            account, info.plan.name, span.key, span.start, span.end, dict(quota), used, held, bonus
+        )
+
+    def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
+        key = self._pfx(account) + "rows"
+        start = "-" if cursor is None else "(" + cursor
+        out: list[Charge] = []
+        last = None
+        while len(out) < limit:
+            entries = self.client.xrange(key, start, "+", count=max(limit, 100))
+            if not entries:
+                return Page(out, None)
+            for eid, fields in entries:
+                last = _s(eid)
+                c = _row_charge(account, fields)
+                if lo <= c.at < hi:
+                    out.append(c)
+                    if len(out) == limit:
+                        break
+            start = "(" + str(last)
+        more = self.client.xrange(key, start, "+", count=1)
+        return Page(out, last if more else None)
+
+    def _request_rows(self, account: str, request_id: str) -> list[Charge]:
+        key = self._pfx(account) + "rows"
+        out = []
+        start = "-"
+        while True:
+            entries = self.client.xrange(key, start, "+", count=1000)
+            if not entries:
+                return out
+            for eid, fields in entries:
+                rid = _s(fields[b"id"])
+                parent = _s(fields.get(b"parent", b""))
+                if rid == request_id or parent == request_id:
+                    out.append(_row_charge(account, fields))
+            start = "(" + _s(entries[-1][0])
+
+    # -- outbox --------------------------------------------------------------------------
+
+    def _outbox_accounts(self) -> list[str]:
+        now = self._now()
+        if now - self._last_sweep >= SWEEP_SECONDS:
+            self._last_sweep = now
+            found = []
+            for k in self.client.scan_iter(match=self._prefix + "{*}:o", count=1000):
+                if self.client.llen(k):
+                    found.append(k)
+            for k in found:
+                acc = self._account_of_key(_s(k))
+                if acc is not None:
+                    self.client.sadd(self._prefix + "notify", acc)
+        return [_s(a) for a in self.client.smembers(self._prefix + "notify")]
+
+    def _account_of_key(self, key: str) -> str | None:
+        tag = key[len(self._prefix) + 1 : key.rindex("}")]
+        if tag.startswith("s:"):
+            return tag[2:]
+        if tag.startswith("x:"):
+            return bytes.fromhex(tag[2:]).decode()
+        return None
+
+    def _read_outbox(self, account: str, limit: int) -> list[Notice]:
+        items = self.client.lrange(self._pfx(account) + "o", -limit, -1)
+        return [_notice(account, _s(x)) for x in reversed(items)]
+
+    def _peek_notices(self, limit: int) -> list[Notice]:
+        out: list[Notice] = []
+        for acc in self._outbox_accounts():
+            out.extend(self._read_outbox(acc, limit - len(out)))
+            if len(out) >= limit:
+                break
+        return out
+
+    def _claim_notices(self, limit: int) -> list[Notice]:
+        out: list[Notice] = []
+        for acc in self._outbox_accounts():
+            if len(out) >= limit:
+                break
+            if not self.client.srem(self._prefix + "notify", acc):
+                continue  # another deliverer took it
+            got = self._read_outbox(acc, limit - len(out))
+            out.extend(got)
+            if self.client.llen(self._pfx(acc) + "o") > len(got):
+                self.client.sadd(self._prefix + "notify", acc)
+        return out
+
+    def _ack_notice(self, notice: Notice) -> None:
+        raw = "|".join(
+            [
+                notice.unit,
+                str(round(notice.threshold * 10_000)),
+                str(notice.used),
+                str(notice.quota),
+                repr(notice.at),
+                notice.period,
+            ]
+        )
+        self.client.lrem(self._pfx(notice.account) + "o", 1, raw)
+
+    def _unclaim(self, notices: Sequence[Notice]) -> None:
+        for acc in {n.account for n in notices}:
+            self.client.sadd(self._prefix + "notify", acc)
+
+    # -- compensation ----------------------------------------------------------------------
+
+    def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float:
+        key = self._prefix + "campaign:" + campaign_id
+        pj = json.dumps(params, sort_keys=True)
+        now = self._now()
+        rec = json.dumps({"params": pj, "started": now})
+        if not dry_run:
+            self.client.set(key, rec, nx=True)
+        old = self.client.get(key)
+        if old is None:
+            return now
+        d = json.loads(old)
+        if d["params"] != pj:
+            raise IdempotencyConflict(
+                f"campaign {campaign_id!r} ran with other parameters: {d['params']}"
+            )
+        return float(d["started"])
+
+    def _campaign_finish(self, campaign_id: str) -> None:
+        key = self._prefix + "campaign:" + campaign_id
+        d = json.loads(self.client.get(key))
+        d["finished"] = self._now()
+        self.client.set(key, json.dumps(d))
+
+    def _compensate_accounts(
+        self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
+    ) -> list[dict[str, Any]]:
+        out = []
+        for acc in accounts:
+            try:
+                info = self._account_info(acc, fresh=True)
+            except LookupError:
+                out.append({"account": acc, "status": "skipped", "reason": "no plan"})
+                continue
+            done = self.client.hget(self._pfx(acc) + "audit", campaign_id)
+            if done is not None:
+                rec = _ints(json.loads(done))
+                rec["status"] = "done"
+                out.append(rec)
+                continue
+            span = info.plan.period.at(at, info.anchor)
+            quota = info.plan.quota
+            if dry:
+                b = self._balance_at(acc, info, span)
+                used, add = compensation(
+                    quota, b[0], reset_usage=params["reset_usage"], bonus=params["bonus"],
+                    credit=params["credit"],
+                )
+                out.append(
+                    {
+                        "account": acc,
+                        "campaign": campaign_id,
+                        "period": span.key,
+                        "status": "would_change",
+                        "at": self._now(),
+                        "before": {"used": b[0], "bonus": b[1]},
+                        "after": {"used": used, "bonus": {u: b[1][u] + add[u] for u in quota}},
+                        "bonus_added": add,
+                    }
+                )
+                continue
+            spec = ",".join(
+                f"{u}={int(q * params['credit']) if params['credit'] is not None else 0}"
+                f"={int(q * params['bonus'])}"
+                for u, q in quota.items()
+            )
+            extra = [campaign_id, "1" if params["reset_usage"] else "0", spec, acc]
+            keys = self._keys(acc, "audit", span.key)
+            r = self._eval(keys, [*self._common("comp", info, acc, span, self._now()), *extra])
+            tag = _s(r[0])
+            if tag == "STALE":
+                raise LedgerError(f"the plan of account {acc!r} changed during the campaign")
+            rec = _ints(json.loads(r[1]))
+            rec["status"] = "done" if tag == "DONE" else "changed"
+            out.append(rec)
+        return out
+
+    def _balance_at(
+        self, account: str, info: _Info, span: Span
+    ) -> tuple[dict[str, int], dict[str, int]]:
+        p = self.client.hgetall(self._pfx(account) + "p:" + span.key)
+        a = self.client.hgetall(self._pfx(account) + "a")
+        used = {u: int(p.get(f"u_{u}".encode(), 0)) for u in info.plan.quota}
+        bonus = {u: int(a.get(f"b_{u}".encode(), 0)) for u in info.plan.quota}
+        return used, bonus
+
+    def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
+        """The audit row a campaign wrote for an account (None if not done)."""
+        v = self.client.hget(self._pfx(account) + "audit", campaign_id)
+        return None if v is None else _ints(json.loads(v))
+
+    def close(self) -> None:
+        """Closes the client's connections."""
+        self.client.close()
+
+
+def _ints(rec: dict[str, Any]) -> dict[str, Any]:
+    for side in ("before", "after"):
+        for what in ("used", "bonus"):
+            d = rec.get(side, {}).get(what)
+            if isinstance(d, dict):
+                rec[side][what] = {u: int(v) for u, v in d.items()}
+    if isinstance(rec.get("bonus_added"), dict):
+        rec["bonus_added"] = {u: int(v) for u, v in rec["bonus_added"].items()}
+    if "at" in rec:
+        rec["at"] = float(rec["at"])
+    return rec
+
+
+def _meta(text: str) -> dict[str, Any] | None:
+    if not text:
+        return None
+    v = json.loads(text)
+    return v if isinstance(v, dict) else None
+
+
+def _record_charge(rid: str, account: str, f: Sequence[Any], replay: bool) -> Charge:
+    at, period, i, o, c, model, parent, meta = (_s(x) for x in f)
+    return Charge(
+        rid, account, period, float(at), int(i), int(o), int(c), model or None, parent or None,
+        _meta(meta), replay,
+    )
+
+
+def _row_charge(account: str, f: dict[bytes, bytes]) -> Charge:
+    g = {_s(k): _s(v) for k, v in f.items()}
+    return Charge(
+        g["id"], account, g["period"], float(g["at"]), int(g["in"]), int(g["out"]),
+        int(g["calls"]), g.get("model") or None, g.get("parent") or None, _meta(g.get("meta", "")),
+    )
+
+
+def _notice(account: str, raw: str) -> Notice:
+    unit, bp, used, quota, at, period = raw.split("|", 5)
+    return Notice(
+        f"{account}|{period}|{unit}|{bp}", account, period, unit, int(bp) / 10_000, int(used),
+        int(quota), float(at),
+    )
+
+
+def _conflict(rid: str) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        f"request id {rid!r} was already used with a different payload or operation"
+    )
