@@ -5,6 +5,7 @@
 ``python -m ratequeue lab ...``           a scenario of your own, in virtual time
 ``python -m ratequeue loadtest CONFIG``   real-time open-loop load against an HTTP endpoint
 ``python -m ratequeue mock-provider ...`` a local provider that enforces an RPM limit (429)
+``python -m ratequeue quota ...``         the quota ledger: show, usage, export, compensate
 """
 
 from __future__ import annotations
@@ -280,6 +281,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--duration", type=_number(float, 0), default=None, help="stop after this many seconds"
     )
     mp.set_defaults(func=_run_mock)
+
+    from .ledger.cli import add_quota_parser
+
+    add_quota_parser(sub)
 
     args = parser.parse_args(argv)
     try:

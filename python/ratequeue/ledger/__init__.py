@@ -9,6 +9,7 @@ period names a time zone.
 from __future__ import annotations
 
 from .._errors import QuotaExceeded
+from ._base import LedgerBase
 from ._model import (
     UNITS,
     Balance,
@@ -30,6 +31,7 @@ from ._model import (
     UnknownAccount,
     UnknownRequest,
 )
+from ._policy import QuotaLevel, QuotaPermit, QuotaPolicy
 from ._redis import RedisLedger
 from ._sqlite import SqliteLedger
 
@@ -42,6 +44,7 @@ __all__ = [
     "Every",
     "Hold",
     "IdempotencyConflict",
+    "LedgerBase",
     "LedgerError",
     "Monthly",
     "Notice",
@@ -49,6 +52,9 @@ __all__ = [
     "Period",
     "Plan",
     "QuotaExceeded",
+    "QuotaLevel",
+    "QuotaPermit",
+    "QuotaPolicy",
     "RedisLedger",
     "RequestUsage",
     "SqliteLedger",
