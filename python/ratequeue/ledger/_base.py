@@ -4,8 +4,10 @@ warning delivery, compensation runs and queries over the backend's primitives.""
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import csv
 import inspect
+import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
@@ -289,16 +291,17 @@ class LedgerBase:
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
         """``hold`` on a worker thread; cancelled while running, the hold is given back."""
-        fut = asyncio.ensure_future(_in_thread(self.hold, request_id, account, **kw))
+        cf = _executor().submit(self.hold, request_id, account, **kw)
         try:
-            return await asyncio.shield(fut)
+            return await asyncio.shield(asyncio.wrap_future(cf))  # type: ignore[no-any-return]
         except asyncio.CancelledError:
-
-            def undo(f: asyncio.Future[Hold]) -> None:
+            # Runs in the worker thread (or here if done): needs no event loop, so a
+            # loop closed meanwhile still gets its hold given back.
+            def undo(f: concurrent.futures.Future[Hold]) -> None:
                 if not f.cancelled() and f.exception() is None:
-                    threading.Thread(target=self.release, args=(request_id,), daemon=True).start()
+                    self.release(request_id)
 
-            fut.add_done_callback(undo)
+            cf.add_done_callback(undo)
             raise
 
     async def settle_async(self, request_id: str, **kw: Any) -> Charge:
@@ -605,8 +608,34 @@ class LedgerBase:
         self.close()
 
 
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The ledger's worker threads for asyncio callers (made again in a forked child)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (
+                os.getpid(),
+                concurrent.futures.ThreadPoolExecutor(
+                    max_workers=16, thread_name_prefix="ratequeue-ledger"
+                ),
+            )
+        return _pool[1]
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 async def _in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
-    return await asyncio.get_running_loop().run_in_executor(None, lambda: fn(*args, **kw))
+    return await asyncio.wrap_future(_executor().submit(fn, *args, **kw))
 
 
 def _run_awaitable(r: Awaitable[Any]) -> Any:
