@@ -17,7 +17,8 @@ class QuotaLevel:
 
     Give exactly one of ``account`` (a fixed account), ``key`` (the acquire keyword that
     names it, e.g. ``"tenant"``, also passed to the policy) or ``account_fn`` (a function
-    of the acquire keywords). ``unit`` is the cost keyword holding the token estimate.
+    of the acquire keywords). ``unit`` is the cost keyword holding the token estimate;
+    it is passed on to the policy too unless ``shared=False`` (a policy without that unit).
     """
 
     def __init__(
@@ -28,6 +29,7 @@ class QuotaLevel:
         key: str | None = None,
         account_fn: Callable[[Mapping[str, Any]], str] | None = None,
         unit: str = "tokens",
+        shared: bool = True,
     ) -> None:
         if not isinstance(ledger, LedgerBase):
             raise TypeError(f"ledger must be a ledger, got {type(ledger).__name__}")
@@ -44,6 +46,7 @@ class QuotaLevel:
         self.key = key
         self.account_fn = account_fn
         self.unit = check_id("unit", unit)
+        self.shared = bool(shared)
 
     def account_for(self, kw: Mapping[str, Any]) -> str:
         """The account a request with these keywords is charged to."""
@@ -86,10 +89,12 @@ class QuotaPermit:
     ) -> tuple[int, int]:
         unit = self.quota.unit
         if input_tokens is None and output_tokens is None:
-            v = costs.get(unit, self.hold.input_tokens + self.hold.output_tokens)
-            return v, 0
-        i, o = input_tokens or 0, output_tokens or 0
-        costs.setdefault(unit, i + o)
+            i, o = costs.get(unit, self.hold.input_tokens + self.hold.output_tokens), 0
+        else:
+            i, o = input_tokens or 0, output_tokens or 0
+            costs.setdefault(unit, i + o)
+        if not self.quota.shared:
+            costs.pop(unit, None)
         return i, o
 
     def settle(
@@ -198,6 +203,8 @@ class QuotaPolicy:
         key = self.quota.key
         if key is not None and key not in getattr(self.policy, "levels", (key,)):
             del kw[key]  # names the account only, not a level of the policy
+        if not self.quota.shared:
+            kw.pop(self.quota.unit, None)
         return rid, account, est
 
     def _hold(self, permit: Any, rid: str, account: str, est: int) -> QuotaPermit:
