@@ -621,9 +621,10 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
 def _released(led) -> bool:
     # the hold was made, then given back: settling now charges only the actual
-    return led.balance("acme").held == {"tokens": 0, "calls": 0} and led.balance(
-        "acme"
-    ).used == {"tokens": 0, "calls": 0}
+    return led.balance("acme").held == {"tokens": 0, "calls": 0} and led.balance("acme").used == {
+        "tokens": 0,
+        "calls": 0,
+    }
 
 
 def test_sqlite_survives_reopen_and_is_one_file(tmp_path, clock) -> None:

@@ -64,8 +64,19 @@ def test_export_csv(db: str, capsys, tmp_path: Path) -> None:
     assert len(rows) == 5 and {r["parent_id"] for r in rows} == {"u1"}
     assert sum(int(r["input_tokens"]) for r in rows) == 500
     target = tmp_path / "out.csv"
-    code, _, err = run(capsys, "--db", db, "export", "acme", "--out", str(target),
-                       "--since", "2000-01-01T00:00:00", "--until", str(time.time() + 60))
+    code, _, err = run(
+        capsys,
+        "--db",
+        db,
+        "export",
+        "acme",
+        "--out",
+        str(target),
+        "--since",
+        "2000-01-01T00:00:00",
+        "--until",
+        str(time.time() + 60),
+    )
     assert code == 0 and "wrote 5 rows" in err and len(target.read_text().splitlines()) == 6
 
 
@@ -89,8 +100,20 @@ def test_compensate_dry_run_then_real_then_rerun(db: str, capsys) -> None:
 def test_compensate_credit_for_listed_accounts(db: str, capsys, tmp_path: Path) -> None:
     listed = tmp_path / "accounts.txt"
     listed.write_text("beta\n\n")
-    code, out, _ = run(capsys, "--db", db, "compensate", "c", "--credit", "0.25",
-                       "--account", "acme", "--accounts-file", str(listed), "--no-progress")
+    code, out, _ = run(
+        capsys,
+        "--db",
+        db,
+        "compensate",
+        "c",
+        "--credit",
+        "0.25",
+        "--account",
+        "acme",
+        "--accounts-file",
+        str(listed),
+        "--no-progress",
+    )
     assert code == 0 and "changed 2" in out
     led = SqliteLedger(db)
     assert led.balance("acme").used["tokens"] == 350
@@ -126,14 +149,18 @@ def test_redis_ledger_from_the_command_line(capsys) -> None:
     led.close()
     code, out, _ = run(capsys, "--redis", server.url, "--name", name, "show", "acme")
     assert code == 0 and "42" in out
-    code, out, _ = run(capsys, "--redis", server.url, "--name", name, "compensate", "x",
-                       "--no-progress")
+    code, out, _ = run(
+        capsys, "--redis", server.url, "--name", name, "compensate", "x", "--no-progress"
+    )
     assert code == 0 and "changed 1" in out
 
 
 def test_the_installed_command(db: str) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "ratequeue", "quota", "--db", db, "show", "beta"],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
     assert r.returncode == 0 and "beta" in r.stdout

@@ -1,4 +1,3 @@
-# ruff: noqa: F811
 """Exactly once from several processes: 4 processes x 2,000 charges, 30 % of them retried
 (by another process, after a random delay) -> totals exact, each threshold notified once."""
 
@@ -53,7 +52,9 @@ def worker(spec: tuple[str, str, str], wid: int, seed: int) -> None:
         while nxt is not None and nxt <= g + rng.randrange(0, 400):
             if rng.random() < 0.2:
                 time.sleep(rng.random() * 0.002)
-            c = led.charge(f"req-{nxt}", account(nxt), input_tokens=amount(nxt), model=f"m{nxt % 3}")
+            c = led.charge(
+                f"req-{nxt}", account(nxt), input_tokens=amount(nxt), model=f"m{nxt % 3}"
+            )
             assert c.input_tokens == amount(nxt)
             nxt = next(retries, None)
         if i % 500 == 0:
@@ -99,6 +100,4 @@ def test_processes_with_retries_count_exactly_once(kind: str, tmp_path: Any) -> 
     out = run_exactness(spec)
     assert out["used"] == out["expected"]
     assert out["rows"] == PROCS * PER_PROC
-    assert out["notices"] == Counter(
-        {(a, t): 1 for a in out["expected"] for t in (0.8, 0.95)}
-    )
+    assert out["notices"] == Counter({(a, t): 1 for a in out["expected"] for t in (0.8, 0.95)})

@@ -11,7 +11,7 @@ import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
-from typing import IO, Any
+from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
 from ._model import (
@@ -39,7 +39,10 @@ from ._model import (
     utc,
 )
 
-NoticeCallback = Callable[[Notice], "None | Awaitable[None]"]
+NoticeCallback = Callable[[Notice], "Awaitable[None] | None"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
 
 #: Kept at most per compensation report (totals always count every account).
 MAX_REPORT_ACTIONS = 1000
@@ -198,7 +201,7 @@ class LedgerBase:
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._charge(*args, fingerprint("charge", *args[1:]))  # type: ignore[no-any-return]
+        return self._charge(*args, fingerprint("charge", *args[1:]))
 
     def hold(
         self,
@@ -217,7 +220,7 @@ class LedgerBase:
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._hold(*args, fingerprint("hold", *args[1:]))  # type: ignore[no-any-return]
+        return self._hold(*args, fingerprint("hold", *args[1:]))
 
     def settle(
         self,
@@ -239,7 +242,7 @@ class LedgerBase:
         if account is not None:
             check_id("account", account)
         sfp = fingerprint("settle", am["input_tokens"], am["output_tokens"], am["calls"], model)
-        return self._settle(request_id, am, model, account, sfp)  # type: ignore[no-any-return]
+        return self._settle(request_id, am, model, account, sfp)
 
     def release(self, request_id: str) -> None:
         """Gives a hold back in full; a no-op when it was settled, released or expired."""
@@ -293,7 +296,7 @@ class LedgerBase:
         """``hold`` on a worker thread; cancelled while running, the hold is given back."""
         cf = _executor().submit(self.hold, request_id, account, **kw)
         try:
-            return await asyncio.shield(asyncio.wrap_future(cf))  # type: ignore[no-any-return]
+            return await asyncio.shield(asyncio.wrap_future(cf))
         except asyncio.CancelledError:
             # Runs in the worker thread (or here if done): needs no event loop, so a
             # loop closed meanwhile still gets its hold given back.
@@ -356,9 +359,7 @@ class LedgerBase:
             raise TypeError(f"cursor must be a str, got {type(cursor).__name__}")
         return self._usage(account, lo, hi, limit, cursor)
 
-    def _usage(
-        self, account: str, lo: float, hi: float, limit: int, cursor: str | None
-    ) -> Page:
+    def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
         raise NotImplementedError
 
     def iter_usage(
@@ -516,8 +517,12 @@ class LedgerBase:
         if credit is not None:
             credit = check_fraction("credit", credit)
             reset_usage = False
-        b = (0.0 if credit is not None else 0.25) if bonus is None else check_fraction("bonus", bonus)
-        if credit is not None and credit > 1 or b > 100:
+        b = (
+            (0.0 if credit is not None else 0.25)
+            if bonus is None
+            else check_fraction("bonus", bonus)
+        )
+        if (credit is not None and credit > 1) or b > 100:
             raise ValueError("credit must be <= 1 and bonus <= 100 (shares of the quota)")
         if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 100_000:
             raise ValueError(f"batch={batch!r} must be an int from 1 to 100000")
@@ -634,7 +639,7 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
-async def _in_thread(fn: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+async def _in_thread(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
     return await asyncio.wrap_future(_executor().submit(fn, *args, **kw))
 
 
@@ -650,7 +655,7 @@ def _bar(
 ) -> Callable[[int, int, bool], None] | None:
     if progress is None or progress is False:
         return None
-    if callable(progress) and progress is not True:
+    if progress is not True:
         cb = progress
 
         def call(done: int, _t: int, _end: bool) -> None:

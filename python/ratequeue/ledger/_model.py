@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone, tzinfo
-from typing import Any, Protocol, Union
+from typing import Any, Protocol, TypeAlias
 from zoneinfo import ZoneInfo
 
 #: The units a plan can count: ``tokens`` is input + output tokens.
@@ -44,7 +44,7 @@ class _NowFn(Protocol):
 
 #: A clock: a callable returning seconds since the Unix epoch, or an object with ``now()``
 #: (``ratequeue.ManualClock``). Its seconds are read as Unix time for calendar periods.
-ClockLike = Union[Callable[[], float], _NowFn]
+ClockLike: TypeAlias = Callable[[], float] | _NowFn
 
 
 def clock_fn(clock: ClockLike | None) -> Callable[[], float]:

@@ -50,8 +50,16 @@ def _s(v: Any) -> str:
 class _Info:
     __slots__ = ("anchor", "plan", "plan_json", "thr", "ver")
 
-    def __init__(self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan) -> None:
-        self.ver, self.plan_json, self.anchor, self.thr, self.plan = ver, plan_json, anchor, thr, plan
+    def __init__(
+        self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan
+    ) -> None:
+        self.ver, self.plan_json, self.anchor, self.thr, self.plan = (
+            ver,
+            plan_json,
+            anchor,
+            thr,
+            plan,
+        )
 
 
 class RedisLedger(LedgerBase):
@@ -93,10 +101,8 @@ class RedisLedger(LedgerBase):
     # -- keys and the script ----------------------------------------------------------
 
     def _pfx(self, account: str) -> str:
-        if "{" in account or "}" in account:
-            tag = "x:" + account.encode().hex()
-        else:
-            tag = "s:" + account
+        braces = "{" in account or "}" in account
+        tag = "x:" + account.encode().hex() if braces else "s:" + account
         return f"{self._prefix}{{{tag}}}:"
 
     def _keys(self, account: str, second: str, period: str) -> list[str]:
@@ -147,7 +153,7 @@ class RedisLedger(LedgerBase):
             f"{u}:{bp}:{lvl}"
             for u, v in quota.items()
             if v > 0
-            for bp, lvl in zip(info.thr, threshold_amounts(v, info.thr))
+            for bp, lvl in zip(info.thr, threshold_amounts(v, info.thr), strict=True)
         )
         return [
             op,
@@ -199,9 +205,8 @@ class RedisLedger(LedgerBase):
         key = self._pfx(account) + "a"
         mapping = {"plan": plan.to_json(), "anchor": "" if anchor is None else repr(anchor)}
         mapping["thr"] = "" if thr is None else json.dumps(list(thr))
-        if only_new:
-            if not self.client.hsetnx(key, "plan", mapping["plan"]):
-                return
+        if only_new and not self.client.hsetnx(key, "plan", mapping["plan"]):
+            return
         pipe = self.client.pipeline(transaction=True)
         pipe.hset(key, mapping=mapping)
         pipe.hincrby(key, "ver", 1)
@@ -217,7 +222,9 @@ class RedisLedger(LedgerBase):
 
     def _accounts_after(self, after: str, limit: int) -> list[str]:
         lo = "(" + after if after else "-"
-        return [_s(a) for a in self.client.zrangebylex(self._prefix + "accounts", lo, "+", 0, limit)]
+        return [
+            _s(a) for a in self.client.zrangebylex(self._prefix + "accounts", lo, "+", 0, limit)
+        ]
 
     def count_accounts(self) -> int:
         """How many accounts have a plan."""
@@ -322,13 +329,32 @@ class RedisLedger(LedgerBase):
             c = _record_charge(rid, account, r[2:10], True)
             exp = float(r[10])
             h = Hold(
-                rid, account, c.period, c.at, exp, c.input_tokens, c.output_tokens, c.calls,
-                c.model, c.parent_id, c.meta, True,
+                rid,
+                account,
+                c.period,
+                c.at,
+                exp,
+                c.input_tokens,
+                c.output_tokens,
+                c.calls,
+                c.model,
+                c.parent_id,
+                c.meta,
+                True,
             )
         else:
             h = Hold(
-                rid, account, span.key, now, exp, am["input_tokens"], am["output_tokens"],
-                am["calls"], model, parent, _meta(meta),
+                rid,
+                account,
+                span.key,
+                now,
+                exp,
+                am["input_tokens"],
+                am["output_tokens"],
+                am["calls"],
+                model,
+                parent,
+                _meta(meta),
             )
         self._remember_hold(rid, account, h.expires_at)
         return h
@@ -364,8 +390,16 @@ class RedisLedger(LedgerBase):
         if acc is None:
             raise UnknownRequest(f"no hold has request id {rid!r}; pass account= to charge it")
         extra = [
-            rid, sfp, am["input_tokens"], am["output_tokens"], am["calls"], model or "",
-            "", "", "", self.max_rows,
+            rid,
+            sfp,
+            am["input_tokens"],
+            am["output_tokens"],
+            am["calls"],
+            model or "",
+            "",
+            "",
+            "",
+            self.max_rows,
         ]
         r, _info, _span, now = self._call("settle", acc, "r:" + rid, extra)
         tag = _s(r[0])
@@ -446,13 +480,13 @@ class RedisLedger(LedgerBase):
 
     def _request_rows(self, account: str, request_id: str) -> list[Charge]:
         key = self._pfx(account) + "rows"
-        out = []
+        out: list[Charge] = []
         start = "-"
         while True:
             entries = self.client.xrange(key, start, "+", count=1000)
             if not entries:
                 return out
-            for eid, fields in entries:
+            for _eid, fields in entries:
                 rid = _s(fields[b"id"])
                 parent = _s(fields.get(b"parent", b""))
                 if rid == request_id or parent == request_id:
@@ -553,7 +587,7 @@ class RedisLedger(LedgerBase):
     def _compensate_accounts(
         self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
     ) -> list[dict[str, Any]]:
-        out = []
+        out: list[dict[str, Any]] = []
         for acc in accounts:
             try:
                 info = self._account_info(acc, fresh=True)
@@ -571,7 +605,10 @@ class RedisLedger(LedgerBase):
             if dry:
                 b = self._balance_at(acc, info, span)
                 used, add = compensation(
-                    quota, b[0], reset_usage=params["reset_usage"], bonus=params["bonus"],
+                    quota,
+                    b[0],
+                    reset_usage=params["reset_usage"],
+                    bonus=params["bonus"],
                     credit=params["credit"],
                 )
                 out.append(
@@ -645,24 +682,47 @@ def _meta(text: str) -> dict[str, Any] | None:
 def _record_charge(rid: str, account: str, f: Sequence[Any], replay: bool) -> Charge:
     at, period, i, o, c, model, parent, meta = (_s(x) for x in f)
     return Charge(
-        rid, account, period, float(at), int(i), int(o), int(c), model or None, parent or None,
-        _meta(meta), replay,
+        rid,
+        account,
+        period,
+        float(at),
+        int(i),
+        int(o),
+        int(c),
+        model or None,
+        parent or None,
+        _meta(meta),
+        replay,
     )
 
 
 def _row_charge(account: str, f: dict[bytes, bytes]) -> Charge:
     g = {_s(k): _s(v) for k, v in f.items()}
     return Charge(
-        g["id"], account, g["period"], float(g["at"]), int(g["in"]), int(g["out"]),
-        int(g["calls"]), g.get("model") or None, g.get("parent") or None, _meta(g.get("meta", "")),
+        g["id"],
+        account,
+        g["period"],
+        float(g["at"]),
+        int(g["in"]),
+        int(g["out"]),
+        int(g["calls"]),
+        g.get("model") or None,
+        g.get("parent") or None,
+        _meta(g.get("meta", "")),
     )
 
 
 def _notice(account: str, raw: str) -> Notice:
     unit, bp, used, quota, at, period = raw.split("|", 5)
     return Notice(
-        f"{account}|{period}|{unit}|{bp}", account, period, unit, int(bp) / 10_000, int(used),
-        int(quota), float(at),
+        f"{account}|{period}|{unit}|{bp}",
+        account,
+        period,
+        unit,
+        int(bp) / 10_000,
+        int(used),
+        int(quota),
+        float(at),
     )
 
 

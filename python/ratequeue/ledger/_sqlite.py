@@ -3,357 +3,47 @@ processes, with group commit (concurrent calls share one transaction and one syn
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import sqlite3
-import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._base import LedgerBase, compensation, parse_json_obj, quota_exceeded
+from ._base import compensation, parse_json_obj, quota_exceeded
 from ._model import (
     UNITS,
     Balance,
     Charge,
-    ClockLike,
     Hold,
     IdempotencyConflict,
-    LedgerError,
     Notice,
     Page,
     Plan,
-    Span,
     UnknownRequest,
     fingerprint,
     threshold_amounts,
 )
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS accounts(
-  account TEXT PRIMARY KEY, plan TEXT NOT NULL, anchor REAL, thresholds TEXT,
-  b_tokens INTEGER NOT NULL DEFAULT 0, b_input_tokens INTEGER NOT NULL DEFAULT 0,
-  b_output_tokens INTEGER NOT NULL DEFAULT 0, b_calls INTEGER NOT NULL DEFAULT 0,
-  next_exp REAL);
-CREATE TABLE IF NOT EXISTS periods(
-  account TEXT NOT NULL, period TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
-  u_tokens INTEGER NOT NULL DEFAULT 0, u_input_tokens INTEGER NOT NULL DEFAULT 0,
-  u_output_tokens INTEGER NOT NULL DEFAULT 0, u_calls INTEGER NOT NULL DEFAULT 0,
-  h_tokens INTEGER NOT NULL DEFAULT 0, h_input_tokens INTEGER NOT NULL DEFAULT 0,
-  h_output_tokens INTEGER NOT NULL DEFAULT 0, h_calls INTEGER NOT NULL DEFAULT 0,
-  fired TEXT NOT NULL DEFAULT '', PRIMARY KEY(account, period)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS periods_end ON periods(end);
-CREATE TABLE IF NOT EXISTS requests(
-  account TEXT NOT NULL, request_id TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
-  at REAL NOT NULL, period TEXT NOT NULL, input_tokens INTEGER NOT NULL,
-  output_tokens INTEGER NOT NULL, calls INTEGER NOT NULL, model TEXT, parent_id TEXT,
-  meta TEXT, fp TEXT NOT NULL, sfp TEXT, parts TEXT, expires REAL,
-  PRIMARY KEY(account, request_id));
-CREATE INDEX IF NOT EXISTS requests_id ON requests(request_id);
-CREATE INDEX IF NOT EXISTS requests_at ON requests(account, at, request_id);
-CREATE INDEX IF NOT EXISTS requests_parent ON requests(account, parent_id)
-  WHERE parent_id IS NOT NULL;
-CREATE INDEX IF NOT EXISTS requests_age ON requests(at);
-CREATE TABLE IF NOT EXISTS outbox(
-  id TEXT PRIMARY KEY, account TEXT NOT NULL, period TEXT NOT NULL, unit TEXT NOT NULL,
-  bp INTEGER NOT NULL, used INTEGER NOT NULL, quota INTEGER NOT NULL, at REAL NOT NULL,
-  claimed REAL NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS audit(
-  campaign TEXT NOT NULL, account TEXT NOT NULL, at REAL NOT NULL, period TEXT,
-  status TEXT NOT NULL, record TEXT NOT NULL, PRIMARY KEY(campaign, account)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS campaigns(
-  campaign TEXT PRIMARY KEY, params TEXT NOT NULL, started REAL NOT NULL, finished REAL);
-"""
-
-_ROW_COLS = (
-    "request_id, account, period, at, input_tokens, output_tokens, calls, model, parent_id, meta"
+from ._sqlite_store import (
+    _ROW_COLS,
+    CLAIM_SECONDS,
+    SqliteStore,
+    _Acct,
+    _am,
+    _charge_of,
+    _conflict,
+    _hold_of,
+    _notice,
+    _Per,
+    _same_amounts,
 )
-#: Claimed notices are handed to no other deliverer for this long (seconds).
-CLAIM_SECONDS = 60.0
 
 
-class _Op:
-    __slots__ = ("event", "exc", "fn", "lead", "result")
-
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
-        self.fn = fn
-        self.event = threading.Event()
-        self.result: Any = None
-        self.exc: BaseException | None = None
-        self.lead = False
-
-
-class _Acct:
-    __slots__ = ("anchor", "bonus", "next_exp", "plan", "plan_json", "thr")
-
-    def __init__(self, row: sqlite3.Row | tuple[Any, ...], ledger: LedgerBase) -> None:
-        self.plan_json: str = row[0]
-        self.plan: Plan = ledger._plan(row[0])
-        self.anchor: float | None = row[1]
-        self.thr: tuple[int, ...] = (
-            tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
-        )
-        self.bonus = dict(zip(UNITS, row[3:7]))
-        self.next_exp: float | None = row[7]
-
-
-class _Per:
-    __slots__ = ("fired", "span", "used", "held")
-
-    def __init__(self, span: Span, row: tuple[Any, ...] | None) -> None:
-        self.span = span
-        if row is None:
-            self.used = dict.fromkeys(UNITS, 0)
-            self.held = dict.fromkeys(UNITS, 0)
-            self.fired: set[str] = set()
-        else:
-            self.used = dict(zip(UNITS, row[0:4]))
-            self.held = dict(zip(UNITS, row[4:8]))
-            self.fired = set(row[8].split(",")) if row[8] else set()
-
-
-class SqliteLedger(LedgerBase):
+class SqliteLedger(SqliteStore):
     """A quota ledger in one SQLite file; every process opening the file shares it.
 
     ``synchronous="NORMAL"`` (the default, WAL) survives a process crash and keeps the
     file consistent on power loss; ``"FULL"`` also keeps the last commits on power loss.
     Concurrent calls from threads are committed together (group commit).
     """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        clock: ClockLike | None = None,
-        retention: float | None = None,
-        hold_ttl: float = 600.0,
-        default_plan: Plan | None = None,
-        synchronous: str = "NORMAL",
-        busy_timeout: float = 30.0,
-    ) -> None:
-        super().__init__(
-            clock=clock, retention=retention, hold_ttl=hold_ttl, default_plan=default_plan
-        )
-        if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
-            raise ValueError(f"synchronous={synchronous!r} must be OFF, NORMAL, FULL or EXTRA")
-        self.path = os.fspath(path)
-        self._sync = synchronous
-        self._busy = float(busy_timeout)
-        self._mu = threading.Lock()
-        self._queue: list[_Op] = []
-        self._leader = False
-        self._conn: sqlite3.Connection | None = None
-        self._pid = 0
-        self._accts: dict[str, _Acct | None] = {}
-        self._pers: dict[tuple[str, str], _Per] = {}
-        self._dirty: set[tuple[str, str]] = set()
-        self._last_purge = 0.0
-        self._connect()
-
-    # -- connection and group commit ---------------------------------------------------
-
-    def _connect(self) -> sqlite3.Connection:
-        if self._conn is not None and self._pid == os.getpid():
-            return self._conn
-        conn = sqlite3.connect(
-            self.path, timeout=self._busy, isolation_level=None, check_same_thread=False
-        )
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute(f"PRAGMA synchronous={self._sync}")
-        conn.execute(f"PRAGMA busy_timeout={int(self._busy * 1000)}")
-        conn.execute("BEGIN IMMEDIATE")
-        try:
-            for stmt in _SCHEMA.split(";"):
-                if stmt.strip():
-                    conn.execute(stmt)
-            conn.execute("COMMIT")
-        except BaseException:
-            conn.execute("ROLLBACK")
-            raise
-        self._conn, self._pid = conn, os.getpid()
-        self._queue, self._leader, self._mu = [], False, threading.Lock()
-        return conn
-
-    def close(self) -> None:
-        """Closes this process's connection (the file stays)."""
-        with self._mu:
-            if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
-            self._conn = None
-
-    def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
-        """Runs ``fn`` in a write transaction shared with the calls that arrive meanwhile
-        (group commit); returns its result once committed, or raises its error. A failed
-        commit fails every call of that transaction, none of which then counted."""
-        if self._pid != os.getpid() or self._conn is None:
-            with self._mu:
-                self._connect()
-        op = _Op(fn)
-        with self._mu:
-            self._queue.append(op)
-            lead = not self._leader
-            if lead:
-                self._leader = True
-        if not lead:
-            interrupted: BaseException | None = None
-            while True:
-                try:
-                    op.event.wait()
-                    break
-                except BaseException as e:  # Ctrl-C while queued
-                    with self._mu:
-                        if not op.lead and op in self._queue:
-                            self._queue.remove(op)
-                            raise
-                    interrupted = e  # already running or made leader: finish that first
-            if op.lead:
-                self._lead(op)
-            if interrupted is not None:
-                raise interrupted
-        else:
-            self._lead(op)
-        if op.exc is not None:
-            raise op.exc
-        return op.result
-
-    def _lead(self, mine: _Op) -> None:
-        with self._mu:
-            batch, self._queue = self._queue, []
-        try:
-            self._commit_batch(batch, mine)
-        finally:
-            with self._mu:
-                nxt = None
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.lead = True
-                else:
-                    self._leader = False
-            for op in batch:
-                if op is not mine:
-                    op.event.set()
-            if nxt is not None:
-                nxt.event.set()
-
-    def _reset_cache(self) -> None:
-        self._accts.clear()
-        self._pers.clear()
-        self._dirty.clear()
-
-    def _commit_batch(self, batch: Sequence[_Op], mine: _Op) -> None:
-        conn = self._conn
-        assert conn is not None
-        self._reset_cache()
-        for op in batch:
-            op.lead = False
-        try:
-            conn.execute("BEGIN IMMEDIATE")
-        except Exception as e:
-            for op in batch:
-                op.exc = e
-            return
-        try:
-            for op in batch:
-                conn.execute("SAVEPOINT op")
-                try:
-                    op.result = op.fn(conn)
-                    self._flush(conn)
-                except Exception as e:
-                    op.exc = e
-                    conn.execute("ROLLBACK TO op")
-                    self._reset_cache()
-                conn.execute("RELEASE op")
-            self._maybe_purge(conn)
-            conn.execute("COMMIT")
-        except BaseException as e:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("ROLLBACK")
-            for op in batch:
-                op.result = None
-                op.exc = (
-                    e
-                    if op is mine or isinstance(e, Exception)
-                    else LedgerError("the transaction was interrupted; nothing was recorded")
-                )
-            if not isinstance(e, Exception):
-                raise
-        finally:
-            self._reset_cache()
-
-    # -- cached state within one transaction ---------------------------------------------
-
-    def _acct(self, conn: sqlite3.Connection, account: str, *, create: bool = True) -> _Acct:
-        a = self._accts.get(account)
-        if a is None:
-            row = conn.execute(
-                "SELECT plan, anchor, thresholds, b_tokens, b_input_tokens, b_output_tokens,"
-                " b_calls, next_exp FROM accounts WHERE account=?",
-                (account,),
-            ).fetchone()
-            if row is None:
-                if not create or self.default_plan is None:
-                    raise self._unknown(account)
-                pj = self.default_plan.to_json()
-                conn.execute("INSERT INTO accounts(account, plan) VALUES (?, ?)", (account, pj))
-                row = (pj, None, None, 0, 0, 0, 0, None)
-            a = _Acct(row, self)
-            self._accts[account] = a
-        return a
-
-    def _per(self, conn: sqlite3.Connection, account: str, span: Span) -> _Per:
-        k = (account, span.key)
-        p = self._pers.get(k)
-        if p is None:
-            row = conn.execute(
-                "SELECT u_tokens, u_input_tokens, u_output_tokens, u_calls, h_tokens,"
-                " h_input_tokens, h_output_tokens, h_calls, fired FROM periods"
-                " WHERE account=? AND period=?",
-                k,
-            ).fetchone()
-            if row is None:
-                conn.execute(
-                    "INSERT INTO periods(account, period, start, end) VALUES (?, ?, ?, ?)",
-                    (account, span.key, span.start, span.end),
-                )
-            p = _Per(span, row)
-            self._pers[k] = p
-        return p
-
-    def _per_key(self, conn: sqlite3.Connection, account: str, key: str) -> _Per | None:
-        """A past period's counters by key (None once purged)."""
-        p = self._pers.get((account, key))
-        if p is not None:
-            return p
-        row = conn.execute(
-            "SELECT start, end FROM periods WHERE account=? AND period=?", (account, key)
-        ).fetchone()
-        if row is None:
-            return None
-        return self._per(conn, account, Span(key, row[0], row[1]))
-
-    def _flush(self, conn: sqlite3.Connection) -> None:
-        for account, key in self._dirty:
-            p = self._pers[(account, key)]
-            conn.execute(
-                "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?, u_calls=?,"
-                " h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?, fired=?"
-                " WHERE account=? AND period=?",
-                (
-                    *(p.used[u] for u in UNITS),
-                    *(p.held[u] for u in UNITS),
-                    ",".join(sorted(p.fired)),
-                    account,
-                    key,
-                ),
-            )
-        self._dirty.clear()
-
-    def _save_bonus(self, conn: sqlite3.Connection, account: str, a: _Acct) -> None:
-        conn.execute(
-            "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?"
-            " WHERE account=?",
-            (*(a.bonus[u] for u in UNITS), account),
-        )
 
     # -- the accounting ----------------------------------------------------------------------
 
@@ -421,7 +111,7 @@ class SqliteLedger(LedgerBase):
         for u, q in a.plan.quota.items():
             if q == 0:
                 continue
-            for bp, level in zip(a.thr, threshold_amounts(q, a.thr)):
+            for bp, level in zip(a.thr, threshold_amounts(q, a.thr), strict=True):
                 flag = f"{u}:{bp}"
                 if p.used[u] >= level and flag not in p.fired:
                     p.fired.add(flag)
@@ -630,15 +320,30 @@ class SqliteLedger(LedgerBase):
                     ),
                 )
                 return Charge(
-                    rid, acc, p.span.key, now, am["input_tokens"], am["output_tokens"],
-                    am["calls"], model,
+                    rid,
+                    acc,
+                    p.span.key,
+                    now,
+                    am["input_tokens"],
+                    am["output_tokens"],
+                    am["calls"],
+                    model,
                 )
             key = old[6]
             pp = self._per_key(conn, acc, key)
             if old[1] == "held":
-                self._give_back(conn, acc, a, pp, json.loads(conn.execute(
-                    "SELECT parts FROM requests WHERE account=? AND request_id=?", (acc, rid)
-                ).fetchone()[0]))
+                self._give_back(
+                    conn,
+                    acc,
+                    a,
+                    pp,
+                    json.loads(
+                        conn.execute(
+                            "SELECT parts FROM requests WHERE account=? AND request_id=?",
+                            (acc, rid),
+                        ).fetchone()[0]
+                    ),
+                )
                 self._hold_delta(pp, _am(old[8], old[9], old[10]), -1)
             target = pp if pp is not None else cur
             self._take(conn, acc, a, target, am, now, force=True)
@@ -712,15 +417,6 @@ class SqliteLedger(LedgerBase):
             return n
 
         return self._run(fn)  # type: ignore[no-any-return]
-
-    def _maybe_purge(self, conn: sqlite3.Connection) -> None:
-        now = self._now()
-        if now - self._last_purge < min(3600.0, self.retention / 100):
-            return
-        self._last_purge = now
-        cut = now - self.retention
-        conn.execute("DELETE FROM requests WHERE at<? AND status!='held'", (cut,))
-        conn.execute("DELETE FROM periods WHERE end<?", (cut,))
 
     # -- accounts ----------------------------------------------------------------------
 
@@ -840,7 +536,8 @@ class SqliteLedger(LedgerBase):
                 (now, limit),
             ).fetchall()
             conn.executemany(
-                "UPDATE outbox SET claimed=? WHERE id=?", [(now + CLAIM_SECONDS, r[0]) for r in rows]
+                "UPDATE outbox SET claimed=? WHERE id=?",
+                [(now + CLAIM_SECONDS, r[0]) for r in rows],
             )
             return [_notice(r) for r in rows]
 
@@ -958,12 +655,10 @@ class SqliteLedger(LedgerBase):
                 "SELECT record FROM audit WHERE campaign=? AND account=?", (campaign_id, account)
             ).fetchone()
         )
-        return None if row is None else json.loads(row[0])  # type: ignore[no-any-return]
+        return None if row is None else json.loads(row[0])
 
 
-def _inline(
-    led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], fp: str
-) -> Charge:
+def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], fp: str) -> Charge:
     rid, account, am, model, parent, meta = args
     now = led._now()
     old = led._existing(conn, account, rid)
@@ -1003,38 +698,3 @@ def _inline(
         parent,
         parse_json_obj(meta),
     )
-
-
-def _am(i: int, o: int, c: int) -> dict[str, int]:
-    return {"tokens": i + o, "input_tokens": i, "output_tokens": o, "calls": c}
-
-
-def _same_amounts(old: Any, am: dict[str, int], model: str | None) -> bool:
-    return (
-        old[8] == am["input_tokens"]
-        and old[9] == am["output_tokens"]
-        and old[10] == am["calls"]
-        and (model is None or model == old[11])
-    )
-
-
-def _conflict(rid: str) -> IdempotencyConflict:
-    return IdempotencyConflict(
-        f"request id {rid!r} was already used with a different payload or operation"
-    )
-
-
-def _charge_of(r: Any, replay: bool) -> Charge:
-    return Charge(
-        r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
-    )
-
-
-def _hold_of(r: Any, expires: float, replay: bool) -> Hold:
-    return Hold(
-        r[0], r[1], r[2], r[3], expires, r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
-    )
-
-
-def _notice(r: Any) -> Notice:
-    return Notice(r[0], r[1], r[2], r[3], r[4] / 10_000, r[5], r[6], r[7])

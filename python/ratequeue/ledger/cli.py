@@ -74,7 +74,7 @@ def open_ledger(args: argparse.Namespace) -> LedgerBase:
 def _table(rows: list[list[Any]], head: list[str]) -> str:
     cells = [head, *[[str(c) for c in r] for r in rows]]
     widths = [max(len(r[i]) for r in cells) for i in range(len(head))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in cells]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -85,8 +85,15 @@ def _show(led: LedgerBase, args: argparse.Namespace) -> int:
     print(f"period {utc(b.period_start)} .. {utc(b.reset_at)} (resets then)")
     rem = b.remaining
     rows = [
-        [u, q, b.used.get(u, 0), b.held.get(u, 0), b.bonus.get(u, 0), rem[u],
-         f"{100 * b.used.get(u, 0) / q:.1f}%" if q else "-"]
+        [
+            u,
+            q,
+            b.used.get(u, 0),
+            b.held.get(u, 0),
+            b.bonus.get(u, 0),
+            rem[u],
+            f"{100 * b.used.get(u, 0) / q:.1f}%" if q else "-",
+        ]
         for u, q in b.quota.items()
     ]
     print(_table(rows, ["unit", "quota", "used", "held", "bonus", "remaining", "used%"]))
@@ -94,11 +101,19 @@ def _show(led: LedgerBase, args: argparse.Namespace) -> int:
 
 
 def _usage(led: LedgerBase, args: argparse.Namespace) -> int:
-    page = led.usage(args.account, start=args.since, end=args.until, limit=args.limit,
-                     cursor=args.cursor)
+    page = led.usage(
+        args.account, start=args.since, end=args.until, limit=args.limit, cursor=args.cursor
+    )
     rows = [
-        [utc(c.at), c.request_id, c.parent_id or "", c.model or "", c.input_tokens,
-         c.output_tokens, c.calls]
+        [
+            utc(c.at),
+            c.request_id,
+            c.parent_id or "",
+            c.model or "",
+            c.input_tokens,
+            c.output_tokens,
+            c.calls,
+        ]
         for c in page.rows
     ]
     print(_table(rows, ["time (UTC)", "request", "parent", "model", "input", "output", "calls"]))
