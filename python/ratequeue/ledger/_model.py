@@ -81,6 +81,8 @@ def check_id(name: str, v: object, *, optional: bool = False) -> str:
         raise TypeError(f"{name} must be a str, got {type(v).__name__}")
     if not v or len(v) > MAX_ID_LEN:
         raise ValueError(f"{name} must be 1 to {MAX_ID_LEN} characters, got {len(v)}")
+    if not v.isprintable():
+        raise ValueError(f"{name}={v!r} must hold no control characters")
     return v
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import inspect
 import json
 import threading
 from collections import OrderedDict
@@ -39,6 +40,8 @@ LUA = importlib.resources.files(__package__).joinpath("ledger.lua").read_text()
 LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
+SEP = "\x1f"
+_PAD = ("",) * 10
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
 
@@ -48,7 +51,8 @@ def _s(v: Any) -> str:
 
 
 class _Info:
-    __slots__ = ("anchor", "plan", "plan_json", "thr", "ver")
+    __slots__ = ("anchor", "plan", "plan_json", "spec", "thr", "ver")
+    spec: list[Any]
 
     def __init__(
         self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan
@@ -60,6 +64,15 @@ class _Info:
             thr,
             plan,
         )
+        # the plan as the script reads it (ARGV 19...): unit count, then per unit its
+        # name, quota, threshold count and (basis points, level) pairs
+        spec: list[Any] = [len(plan.quota)]
+        for u, q in plan.quota.items():
+            lv = list(zip(thr, threshold_amounts(q, thr), strict=True)) if q > 0 else []
+            spec += [u, q, len(lv)]
+            for bp, level in lv:
+                spec += [bp, level]
+        self.spec = spec
 
 
 class RedisLedger(LedgerBase):
@@ -97,6 +110,23 @@ class RedisLedger(LedgerBase):
         self._holds: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
         self._last_sweep = float("-inf")
+        self._raw = False
+        self._conn_args: tuple[str, ...] = ()
+        try:
+            import redis
+
+            pool = getattr(client, "connection_pool", None)
+            self._raw = (
+                type(client) is redis.Redis
+                and getattr(client, "connection", None) is None
+                and isinstance(pool, redis.ConnectionPool)
+            )
+            if self._raw and pool is not None:
+                params = list(inspect.signature(pool.get_connection).parameters.values())
+                if params and params[0].default is inspect.Parameter.empty:
+                    self._conn_args = ("EVALSHA",)
+        except ImportError:  # pragma: no cover - a client implies redis-py
+            pass
 
     # -- keys and the script ----------------------------------------------------------
 
@@ -110,13 +140,31 @@ class RedisLedger(LedgerBase):
         return [p + "a", p + second, p + "h", p + "rows", p + "o", p + "p:" + period]
 
     def _eval(self, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """EVALSHA (loading the script on NOSCRIPT); a plain client's pooled connection
+        gets the command packed once, without redis-py's per-argument work."""
         import redis
 
+        cmd = ("EVALSHA", LUA_SHA, len(keys), *keys, *args)
         try:
-            return self.client.evalsha(LUA_SHA, len(keys), *keys, *args)
+            return self._send(cmd)
         except redis.exceptions.NoScriptError:
             self.client.script_load(LUA)
-            return self.client.evalsha(LUA_SHA, len(keys), *keys, *args)
+            return self._send(cmd)
+
+    def _send(self, cmd: tuple[Any, ...]) -> Any:
+        if not self._raw:
+            return self.client.execute_command(*cmd)
+        pool = self.client.connection_pool
+        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn.send_packed_command([_pack(cmd)])
+            return conn.read_response()
+        except BaseException as e:
+            if not isinstance(e, Exception) or not _is_reply_error(e):
+                conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
 
     def _account_info(self, account: str, *, fresh: bool = False) -> _Info:
         with self._lock:
@@ -147,14 +195,6 @@ class RedisLedger(LedgerBase):
         return info
 
     def _common(self, op: str, info: _Info, account: str, span: Span, now: float) -> list[Any]:
-        quota = info.plan.quota
-        q = ",".join(f"{u}={v}" for u, v in quota.items())
-        thr = ",".join(
-            f"{u}:{bp}:{lvl}"
-            for u, v in quota.items()
-            if v > 0
-            for bp, lvl in zip(info.thr, threshold_amounts(v, info.thr), strict=True)
-        )
         return [
             op,
             repr(now),
@@ -163,8 +203,17 @@ class RedisLedger(LedgerBase):
             int(self.retention) + 1,
             span.key,
             repr(span.end),
-            q,
-            thr,
+            "",
+        ]
+
+    def _args(
+        self, op: str, info: _Info, account: str, span: Span, now: float, extra: list[Any]
+    ) -> list[Any]:
+        return [
+            *self._common(op, info, account, span, now),
+            *extra,
+            *_PAD[len(extra) :],
+            *info.spec,
         ]
 
     def _call(
@@ -176,7 +225,7 @@ class RedisLedger(LedgerBase):
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now if at is None else at)
             keys = self._keys(account, second, span.key)
-            r = self._eval(keys, [*self._common(op, info, account, span, now), *extra])
+            r = self._eval(keys, self._args(op, info, account, span, now, extra))
             if _s(r[0]) != "STALE":
                 return r, info, span, now
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
@@ -268,7 +317,7 @@ class RedisLedger(LedgerBase):
             ]
             r = self._eval(
                 self._keys(account, "r:" + rid, span.key),
-                [*self._common(op, info, account, span, now), *extra],
+                self._args(op, info, account, span, now, extra),
             )
             tag = _s(r[0])
             if tag == "STALE":
@@ -297,7 +346,7 @@ class RedisLedger(LedgerBase):
             "charge", rid, account, am, model, parent, meta, fp
         )
         if _s(r[0]) == "REPLAY":
-            return _record_charge(rid, account, r[2:10], True)
+            return _record_charge(rid, account, _s(r[1]), True)
         return Charge(
             rid,
             account,
@@ -326,8 +375,8 @@ class RedisLedger(LedgerBase):
         )
         replay = _s(r[0]) == "REPLAY"
         if replay:
-            c = _record_charge(rid, account, r[2:10], True)
-            exp = float(r[10])
+            c = _record_charge(rid, account, _s(r[1]), True)
+            exp = float(_s(r[1]).split(SEP)[12])
             h = Hold(
                 rid,
                 account,
@@ -406,23 +455,11 @@ class RedisLedger(LedgerBase):
         if tag == "CONFLICT":
             raise _conflict(rid)
         if tag == "REPLAY":
-            return _record_charge(rid, acc, r[2:10], True)
+            return _record_charge(rid, acc, _s(r[1]), True)
         self._after(acc, r[1])
         with self._lock:
             self._holds.pop(rid, None)
-        m = _s(r[3]) or None
-        return Charge(
-            rid,
-            acc,
-            _s(r[2]),
-            now,
-            am["input_tokens"],
-            am["output_tokens"],
-            am["calls"],
-            m,
-            _s(r[4]) or None,
-            _meta(_s(r[5])),
-        )
+        return _record_charge(rid, acc, _s(r[2]), False)
 
     def _release(self, rid: str) -> None:
         acc = self._hold_account(rid)
@@ -487,10 +524,9 @@ class RedisLedger(LedgerBase):
             if not entries:
                 return out
             for _eid, fields in entries:
-                rid = _s(fields[b"id"])
-                parent = _s(fields.get(b"parent", b""))
-                if rid == request_id or parent == request_id:
-                    out.append(_row_charge(account, fields))
+                c = _row_charge(account, fields)
+                if request_id in (c.request_id, c.parent_id):
+                    out.append(c)
             start = "(" + _s(entries[-1][0])
 
     # -- outbox --------------------------------------------------------------------------
@@ -631,7 +667,7 @@ class RedisLedger(LedgerBase):
             )
             extra = [campaign_id, "1" if params["reset_usage"] else "0", spec, acc]
             keys = self._keys(acc, "audit", span.key)
-            r = self._eval(keys, [*self._common("comp", info, acc, span, self._now()), *extra])
+            r = self._eval(keys, self._args("comp", info, acc, span, self._now(), extra))
             tag = _s(r[0])
             if tag == "STALE":
                 raise LedgerError(f"the plan of account {acc!r} changed during the campaign")
@@ -679,37 +715,42 @@ def _meta(text: str) -> dict[str, Any] | None:
     return v if isinstance(v, dict) else None
 
 
-def _record_charge(rid: str, account: str, f: Sequence[Any], replay: bool) -> Charge:
-    at, period, i, o, c, model, parent, meta = (_s(x) for x in f)
+def _record_charge(rid: str, account: str, raw: str, replay: bool) -> Charge:
+    """A charge from a request record: kind, status, fp, sfp, at, period, in, out, calls,
+    model, parent, meta, exp, parts joined by \\x1f."""
+    f = raw.split(SEP)
     return Charge(
         rid,
         account,
-        period,
-        float(at),
-        int(i),
-        int(o),
-        int(c),
-        model or None,
-        parent or None,
-        _meta(meta),
+        f[5],
+        float(f[4]),
+        int(f[6]),
+        int(f[7]),
+        int(f[8]),
+        f[9] or None,
+        f[10] or None,
+        _meta(f[11]),
         replay,
     )
 
 
-def _row_charge(account: str, f: dict[bytes, bytes]) -> Charge:
-    g = {_s(k): _s(v) for k, v in f.items()}
-    return Charge(
-        g["id"],
-        account,
-        g["period"],
-        float(g["at"]),
-        int(g["in"]),
-        int(g["out"]),
-        int(g["calls"]),
-        g.get("model") or None,
-        g.get("parent") or None,
-        _meta(g.get("meta", "")),
-    )
+def _row_charge(account: str, fields: dict[bytes, bytes]) -> Charge:
+    return _record_charge(_s(fields[b"id"]), account, _s(fields[b"r"]), False)
+
+
+def _pack(args: Sequence[Any]) -> bytes:
+    """A command in RESP, as redis-py would send it."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(parts)
+
+
+def _is_reply_error(e: Exception) -> bool:
+    import redis
+
+    return isinstance(e, redis.exceptions.ResponseError)
 
 
 def _notice(account: str, raw: str) -> Notice:

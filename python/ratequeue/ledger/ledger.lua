@@ -1,41 +1,60 @@
 -- ratequeue quota ledger: one account's idempotency check, deduction and threshold
 -- crossing, atomically, in one round trip. Every key shares the account's hash tag.
 --
--- KEYS: 1 account hash, 2 request hash (or audit hash for "comp"), 3 hold expiry zset,
+-- KEYS: 1 account hash, 2 request record (audit hash for "comp"), 3 hold expiry zset,
 --       4 usage rows stream, 5 outbox list, 6 current period hash
 -- ARGV: 1 op, 2 now, 3 plan version, 4 key prefix, 5 retention s, 6 period key,
---       7 period end, 8 quota "u=q,...", 9 thresholds "u:bp:level,...", then per op.
+--       7 period end, 8 unused, 9-18 per op, 19... the plan: unit count, then per unit
+--       its name, quota, threshold count and (basis points, level) pairs.
+-- A request record is one string: its fields joined by \31 (ids hold no control chars).
 
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local retention, pkey, pend = tonumber(ARGV[5]), ARGV[6], tonumber(ARGV[7])
+local retention, pkey, pend = tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local SEP = '\31'
 
 local function split(s, sep)
-  local out = {}
+  local out, i = {}, 1
   if s == nil or s == '' then return out end
-  for part in string.gmatch(s, '([^' .. sep .. ']+)') do out[#out + 1] = part end
-  return out
+  while true do
+    local j = string.find(s, sep, i, true)
+    if not j then
+      out[#out + 1] = string.sub(s, i)
+      return out
+    end
+    out[#out + 1] = string.sub(s, i, j - 1)
+    i = j + 1
+  end
 end
 
-local quota, units = {}, {}
-for _, kv in ipairs(split(ARGV[8], ',')) do
-  local u, q = string.match(kv, '^([^=]+)=(%d+)$')
-  quota[u] = tonumber(q)
-  units[#units + 1] = u
-end
-local thresholds = {}
-for _, t in ipairs(split(ARGV[9], ',')) do
-  local u, bp, level = string.match(t, '^([^:]+):(%d+):(%d+)$')
-  thresholds[#thresholds + 1] = {u, bp, tonumber(level)}
-end
-
-local function num(v) return tonumber(v) or 0 end
 -- Integers go to Redis as %d text: exact below 2**53 (the client refuses larger).
 local function int(x) return string.format('%d', x) end
+local function num(v) return tonumber(v) or 0 end
+
+local units, quota, levels = {}, {}, {}
+local at = 20
+for _ = 1, tonumber(ARGV[19]) do
+  local u = ARGV[at]
+  units[#units + 1] = u
+  quota[u] = tonumber(ARGV[at + 1])
+  local lv = {}
+  for k = 1, tonumber(ARGV[at + 2]) do
+    lv[k] = {ARGV[at + 1 + 2 * k], tonumber(ARGV[at + 2 + 2 * k])}
+  end
+  levels[u] = lv
+  at = at + 3 + 2 * #lv
+end
+
+-- record fields
+local KIND, STATUS, FP, SFP, AT, PERIOD, IN, OUT, CALLS, MODEL, PARENT, META, EXP, PARTS =
+  1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
 
 local function encode_parts(parts)
   local out = {}
-  for u, pb in pairs(parts) do out[#out + 1] = u .. ':' .. int(pb[1]) .. ':' .. int(pb[2]) end
+  for _, u in ipairs(units) do
+    local pb = parts[u]
+    if pb then out[#out + 1] = u .. ':' .. int(pb[1]) .. ':' .. int(pb[2]) end
+  end
   return table.concat(out, ';')
 end
 
@@ -48,234 +67,287 @@ local function decode_parts(s)
   return parts
 end
 
-local function ttl_for(end_time)
-  return math.max(1, math.ceil(end_time - now + retention))
+local function unit_amounts(rec)
+  local i, o, c = num(rec[IN]), num(rec[OUT]), num(rec[CALLS])
+  return {tokens = i + o, input_tokens = i, output_tokens = o, calls = c}
 end
 
--- Give a hold's parts back: its plan part to its period, its bonus part to the bonus.
-local function give_back(pk, parts)
-  local alive = redis.call('EXISTS', pk) == 1
+-- The account row: version, next hold expiry, bonus per unit.
+local acct_fields = {'ver', 'nx'}
+for _, u in ipairs(units) do acct_fields[#acct_fields + 1] = 'b_' .. u end
+local acct = redis.call('HMGET', A, unpack(acct_fields))
+if acct[1] ~= ver then return {'STALE'} end
+local bonus = {}
+for k, u in ipairs(units) do bonus[u] = num(acct[2 + k]) end
+local bonus_delta = {}
+
+-- A period's counters: used, held and the fired flags of each unit.
+local function load_period(pk)
+  local fields = {'end'}
+  for _, u in ipairs(units) do
+    fields[#fields + 1] = 'u_' .. u
+    fields[#fields + 1] = 'h_' .. u
+    for _, l in ipairs(levels[u]) do fields[#fields + 1] = 'f:' .. u .. ':' .. l[1] end
+  end
+  local v = redis.call('HMGET', pk, unpack(fields))
+  local per = {key = pk, exists = v[1] ~= false, used = {}, held = {}, fired = {}}
+  local k = 2
+  for _, u in ipairs(units) do
+    per.used[u], per.held[u] = num(v[k]), num(v[k + 1])
+    k = k + 2
+    for _, l in ipairs(levels[u]) do
+      per.fired[u .. ':' .. l[1]] = v[k] ~= false
+      k = k + 1
+    end
+  end
+  return per
+end
+
+local function save_period(per, end_time)
+  local args = {}
+  for _, u in ipairs(units) do
+    args[#args + 1] = 'u_' .. u
+    args[#args + 1] = int(per.used[u])
+    args[#args + 1] = 'h_' .. u
+    args[#args + 1] = int(per.held[u])
+  end
+  if not per.exists and end_time then
+    args[#args + 1] = 'end'
+    args[#args + 1] = end_time
+  end
+  redis.call('HSET', per.key, unpack(args))
+  if not per.exists and end_time then
+    redis.call('EXPIRE', per.key, int(math.max(1, math.ceil(tonumber(end_time) - now + retention))))
+    per.exists = true
+  end
+end
+
+local function save_bonus()
+  for u, d in pairs(bonus_delta) do
+    if d ~= 0 then redis.call('HINCRBY', A, 'b_' .. u, int(d)) end
+  end
+  bonus_delta = {}
+end
+
+local function give_back(per, parts, amounts)
   for u, pb in pairs(parts) do
-    if alive then
-      local used = num(redis.call('HGET', pk, 'u_' .. u))
-      redis.call('HSET', pk, 'u_' .. u, int(math.max(0, used - pb[1])))
+    if per and per.used[u] then
+      per.used[u] = math.max(0, per.used[u] - pb[1])
+      per.held[u] = math.max(0, per.held[u] - (amounts[u] or 0))
     end
-    if pb[2] > 0 then redis.call('HINCRBY', A, 'b_' .. u, int(pb[2])) end
-  end
-end
-
-local function hold_delta(pk, rec_in, rec_out, rec_calls, sign)
-  if redis.call('EXISTS', pk) == 0 then return end
-  local d = {tokens = rec_in + rec_out, input_tokens = rec_in, output_tokens = rec_out,
-             calls = rec_calls}
-  for u, v in pairs(d) do
-    local cur = num(redis.call('HGET', pk, 'h_' .. u))
-    redis.call('HSET', pk, 'h_' .. u, int(math.max(0, cur + sign * v)))
-  end
-end
-
-local function expire_holds()
-  local due = redis.call('ZRANGEBYSCORE', H, '-inf', now, 'LIMIT', 0, 100)
-  for _, rid in ipairs(due) do
-    local rk = pfx .. 'r:' .. rid
-    local f = redis.call('HMGET', rk, 'status', 'period', 'parts', 'in', 'out', 'calls')
-    if f[1] == 'held' then
-      local pk = pfx .. 'p:' .. f[2]
-      give_back(pk, decode_parts(f[3]))
-      hold_delta(pk, num(f[4]), num(f[5]), num(f[6]), -1)
-      redis.call('HSET', rk, 'status', 'expired')
-      redis.call('HDEL', rk, 'parts')
+    if pb[2] > 0 then
+      bonus[u] = bonus[u] + pb[2]
+      bonus_delta[u] = (bonus_delta[u] or 0) + pb[2]
     end
-    redis.call('ZREM', H, rid)
   end
 end
 
 -- Take amounts from the plan quota then the bonus; with force, past the quota.
 -- Returns parts, or nil, unit, need, available when it does not fit.
-local function take(pk, am, force)
+local function take(per, am, force)
   local parts = {}
   for _, u in ipairs(units) do
     local need = am[u]
-    local used = num(redis.call('HGET', pk, 'u_' .. u))
-    local bonus = num(redis.call('HGET', A, 'b_' .. u))
-    local free = math.max(0, quota[u] - used)
+    local free = math.max(0, quota[u] - per.used[u])
     local fp = math.min(need, free)
-    local fb = math.min(need - fp, bonus)
-    if not force and fp + fb < need then
-      return nil, u, need, free + bonus
-    end
+    local fb = math.min(need - fp, bonus[u])
+    if not force and fp + fb < need then return nil, u, need, free + bonus[u] end
     if force then fp = need - fb end
     parts[u] = {fp, fb}
   end
   for u, pb in pairs(parts) do
-    if pb[1] ~= 0 then redis.call('HINCRBY', pk, 'u_' .. u, int(pb[1])) end
-    if pb[2] ~= 0 then redis.call('HINCRBY', A, 'b_' .. u, int(-pb[2])) end
+    per.used[u] = per.used[u] + pb[1]
+    if pb[2] ~= 0 then
+      bonus[u] = bonus[u] - pb[2]
+      bonus_delta[u] = (bonus_delta[u] or 0) - pb[2]
+    end
   end
   return parts
 end
 
--- Fire each threshold once per period: HSETNX is the exactly-once flag.
-local function fire(pk, period, at)
-  local fired = 0
-  for _, t in ipairs(thresholds) do
-    local u, bp, level = t[1], t[2], t[3]
-    local used = num(redis.call('HGET', pk, 'u_' .. u))
-    if used >= level and redis.call('HSETNX', pk, 'f:' .. u .. ':' .. bp, 1) == 1 then
-      redis.call('LPUSH', O, table.concat({u, bp, int(used), int(quota[u]), ARGV[2], period}, '|'))
-      redis.call('LTRIM', O, 0, 999)
-      fired = fired + 1
+-- Fire each threshold once per period: the flag is set in the same script.
+local function fire(per, period)
+  local fired, flags = 0, {}
+  for _, u in ipairs(units) do
+    for _, l in ipairs(levels[u]) do
+      local flag = u .. ':' .. l[1]
+      if per.used[u] >= l[2] and not per.fired[flag] then
+        per.fired[flag] = true
+        flags[#flags + 1] = 'f:' .. flag
+        flags[#flags + 1] = '1'
+        redis.call('LPUSH', O, table.concat({u, l[1], int(per.used[u]), int(quota[u]), ARGV[2],
+          period}, '|'))
+        fired = fired + 1
+      end
     end
+  end
+  if fired > 0 then
+    redis.call('HSET', per.key, unpack(flags))
+    redis.call('LTRIM', O, 0, 999)
   end
   return fired
 end
 
-local function touch_period(pk, end_time)
-  if redis.call('EXISTS', pk) == 0 then
-    redis.call('HSET', pk, 'end', int(end_time))
+local function expire_holds()
+  local nx = tonumber(acct[2])
+  if nx == nil or nx > now then return end
+  local due = redis.call('ZRANGEBYSCORE', H, '-inf', ARGV[2], 'LIMIT', 0, 100)
+  for _, rid in ipairs(due) do
+    local rk = pfx .. 'r:' .. rid
+    local raw = redis.call('GET', rk)
+    if raw then
+      local rec = split(raw, SEP)
+      if rec[STATUS] == 'held' then
+        local per = load_period(pfx .. 'p:' .. rec[PERIOD])
+        give_back(per.exists and per or nil, decode_parts(rec[PARTS]), unit_amounts(rec))
+        if per.exists then save_period(per, nil) end
+        rec[STATUS], rec[PARTS] = 'expired', ''
+        redis.call('SET', rk, table.concat(rec, SEP), 'KEEPTTL')
+      end
+    end
+    redis.call('ZREM', H, rid)
   end
-  redis.call('EXPIRE', pk, int(ttl_for(end_time)))
+  local first = redis.call('ZRANGE', H, 0, 0, 'WITHSCORES')
+  if first[2] then redis.call('HSET', A, 'nx', first[2]) else redis.call('HDEL', A, 'nx') end
+  save_bonus()
 end
 
-local function row(rid, parent, period, a_in, a_out, a_calls, model, meta, max_rows)
-  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', rid, 'parent', parent,
-    'at', ARGV[2], 'period', period, 'in', int(a_in), 'out', int(a_out), 'calls', int(a_calls),
-    'model', model, 'meta', meta)
+local function record(rec, ttl)
+  redis.call('SET', R, table.concat(rec, SEP), 'EX', int(math.max(1, math.ceil(ttl))))
 end
 
-local function amounts(i, o, c)
+local function row(rec, max_rows)
+  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[9], 'r', table.concat(rec, SEP))
+end
+
+local function amounts_of(i, o, c)
   local a_in, a_out, a_calls = tonumber(i), tonumber(o), tonumber(c)
-  return {tokens = a_in + a_out, input_tokens = a_in, output_tokens = a_out, calls = a_calls},
-    a_in, a_out, a_calls
+  return {tokens = a_in + a_out, input_tokens = a_in, output_tokens = a_out, calls = a_calls}
 end
 
-if redis.call('HGET', A, 'ver') ~= ver then
-  return {'STALE'}
-end
 expire_holds()
 
 if op == 'charge' or op == 'hold' then
-  local rid, fp = ARGV[10], ARGV[11]
-  local old = redis.call('HMGET', R, 'kind', 'fp', 'status', 'at', 'period', 'in', 'out',
-    'calls', 'model', 'parent', 'meta', 'exp')
-  if old[1] then
-    if old[1] ~= op or old[2] ~= fp then return {'CONFLICT'} end
-    return {'REPLAY', old[3], old[4], old[5], old[6], old[7], old[8], old[9] or '',
-            old[10] or '', old[11] or '', old[12] or ''}
+  -- ARGV 9 rid, 10 fp, 11 in, 12 out, 13 calls, 14 model, 15 parent, 16 meta, 17 exp,
+  -- 18 max rows
+  local rid, fp = ARGV[9], ARGV[10]
+  local raw = redis.call('GET', R)
+  if raw then
+    local rec = split(raw, SEP)
+    if rec[KIND] ~= op or rec[FP] ~= fp then return {'CONFLICT'} end
+    return {'REPLAY', raw}
   end
-  local am, a_in, a_out, a_calls = amounts(ARGV[12], ARGV[13], ARGV[14])
-  touch_period(P, pend)
-  local parts, unit, need, avail = take(P, am, false)
-  if parts == nil then return {'QUOTA', unit, tostring(need), tostring(avail)} end
-  local fired = fire(P, pkey, now)
-  local model, parent, meta = ARGV[15], ARGV[16], ARGV[17]
-  redis.call('HSET', R, 'kind', op, 'fp', fp, 'at', ARGV[2], 'period', pkey, 'in', int(a_in),
-    'out', int(a_out), 'calls', int(a_calls), 'model', model, 'parent', parent, 'meta', meta)
+  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  local per = load_period(P)
+  local parts, unit, need, avail = take(per, am, false)
+  if parts == nil then return {'QUOTA', unit, int(need), int(avail)} end
+  local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[11], ARGV[12], ARGV[13], ARGV[14],
+    ARGV[15], ARGV[16], '', ''}
   if op == 'hold' then
-    redis.call('HSET', R, 'status', 'held', 'parts', encode_parts(parts), 'exp', ARGV[18])
-    redis.call('ZADD', H, ARGV[18], rid)
-    hold_delta(P, a_in, a_out, a_calls, 1)
-    redis.call('EXPIRE', R, int(math.ceil(tonumber(ARGV[18]) - now + retention)))
+    rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[17], encode_parts(parts)
+    for _, u in ipairs(units) do per.held[u] = per.held[u] + am[u] end
+    redis.call('ZADD', H, ARGV[17], rid)
+    local nx = tonumber(acct[2])
+    if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
+    record(rec, tonumber(ARGV[17]) - now + retention)
   else
-    redis.call('HSET', R, 'status', 'charged')
-    row(rid, parent, pkey, a_in, a_out, a_calls, model, meta, ARGV[19])
-    redis.call('EXPIRE', R, int(math.ceil(retention)))
+    record(rec, retention)
+    row(rec, ARGV[18])
   end
+  local fired = fire(per, pkey)
+  save_period(per, pend)
+  save_bonus()
   return {'OK', fired}
 end
 
 if op == 'settle' then
-  local rid, sfp = ARGV[10], ARGV[11]
-  local am, a_in, a_out, a_calls = amounts(ARGV[12], ARGV[13], ARGV[14])
-  local model, max_rows = ARGV[15], ARGV[19]
-  local old = redis.call('HMGET', R, 'kind', 'status', 'sfp', 'period', 'parts', 'in', 'out',
-    'calls', 'model', 'parent', 'meta', 'at')
-  if old[2] == 'charged' then
-    local same = tonumber(old[6]) == a_in and tonumber(old[7]) == a_out
-      and tonumber(old[8]) == a_calls and (model == '' or model == old[9])
-    if old[3] ~= sfp and not (old[1] == 'charge' and same) then return {'CONFLICT'} end
-    return {'REPLAY', old[2], old[12], old[4], old[6], old[7], old[8], old[9] or '',
-            old[10] or '', old[11] or '', ''}
+  -- ARGV 9 rid, 10 sfp, 11 in, 12 out, 13 calls, 14 model ('' = keep), 18 max rows
+  local rid, sfp, model, max_rows = ARGV[9], ARGV[10], ARGV[14], ARGV[18]
+  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  local raw = redis.call('GET', R)
+  local rec = raw and split(raw, SEP)
+  if rec and rec[STATUS] == 'charged' then
+    local same = rec[IN] == ARGV[11] and rec[OUT] == ARGV[12] and rec[CALLS] == ARGV[13]
+      and (model == '' or model == rec[MODEL])
+    if rec[SFP] ~= sfp and not (rec[KIND] == 'charge' and same) then return {'CONFLICT'} end
+    return {'REPLAY', raw}
   end
-  local fired = 0
-  if not old[1] then
-    touch_period(P, pend)
-    take(P, am, true)
-    fired = fire(P, pkey, now)
-    redis.call('HSET', R, 'kind', 'charge', 'status', 'charged', 'fp', sfp, 'sfp', sfp,
-      'at', ARGV[2], 'period', pkey, 'in', int(a_in), 'out', int(a_out), 'calls', int(a_calls),
-      'model', model, 'parent', '', 'meta', '')
-    row(rid, '', pkey, a_in, a_out, a_calls, model, '', max_rows)
-    redis.call('EXPIRE', R, int(math.ceil(retention)))
-    return {'OK', fired, pkey, model, '', ''}
+  local per, period
+  if not rec then
+    per, period = load_period(P), pkey
+    rec = {'charge', 'charged', sfp, sfp, ARGV[2], pkey, '', '', '', model, '', '', '', ''}
+  else
+    period = rec[PERIOD]
+    per = load_period(pfx .. 'p:' .. period)
+    if rec[STATUS] == 'held' then
+      give_back(per.exists and per or nil, decode_parts(rec[PARTS]), unit_amounts(rec))
+      redis.call('ZREM', H, rid)
+    end
+    if not per.exists then per, period = load_period(P), pkey end
+    if model == '' then model = rec[MODEL] end
   end
-  local period = old[4]
-  local pk = pfx .. 'p:' .. period
-  if old[2] == 'held' then
-    give_back(pk, decode_parts(old[5]))
-    hold_delta(pk, num(old[6]), num(old[7]), num(old[8]), -1)
-    redis.call('ZREM', H, rid)
-  end
-  if redis.call('EXISTS', pk) == 0 then
-    pk, period = P, pkey
-    touch_period(P, pend)
-  end
-  take(pk, am, true)
-  fired = fire(pk, period, now)
-  if model == '' then model = old[9] or '' end
-  redis.call('HSET', R, 'status', 'charged', 'sfp', sfp, 'at', ARGV[2], 'period', period,
-    'in', int(a_in), 'out', int(a_out), 'calls', int(a_calls), 'model', model)
-  redis.call('HDEL', R, 'parts')
-  redis.call('EXPIRE', R, int(math.ceil(retention)))
-  row(rid, old[10] or '', period, a_in, a_out, a_calls, model, old[11] or '', max_rows)
-  return {'OK', fired, period, model, old[10] or '', old[11] or ''}
+  take(per, am, true)
+  rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
+  rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[EXP], rec[PARTS] =
+    ARGV[11], ARGV[12], ARGV[13], model, '', ''
+  record(rec, retention)
+  row(rec, max_rows)
+  local fired = fire(per, period)
+  save_period(per, period == pkey and pend or nil)
+  save_bonus()
+  return {'OK', fired, table.concat(rec, SEP)}
 end
 
 if op == 'release' then
-  local f = redis.call('HMGET', R, 'status', 'period', 'parts', 'in', 'out', 'calls')
-  if f[1] == 'held' then
-    local pk = pfx .. 'p:' .. f[2]
-    give_back(pk, decode_parts(f[3]))
-    hold_delta(pk, num(f[4]), num(f[5]), num(f[6]), -1)
-    redis.call('HSET', R, 'status', 'released')
-    redis.call('HDEL', R, 'parts')
-    redis.call('ZREM', H, ARGV[10])
-    return {'OK', 1}
-  end
-  return {'OK', 0}
+  local raw = redis.call('GET', R)
+  if not raw then return {'OK', 0} end
+  local rec = split(raw, SEP)
+  if rec[STATUS] ~= 'held' then return {'OK', 0} end
+  local per = load_period(pfx .. 'p:' .. rec[PERIOD])
+  give_back(per.exists and per or nil, decode_parts(rec[PARTS]), unit_amounts(rec))
+  if per.exists then save_period(per, nil) end
+  save_bonus()
+  rec[STATUS], rec[PARTS] = 'released', ''
+  redis.call('SET', R, table.concat(rec, SEP), 'KEEPTTL')
+  redis.call('ZREM', H, ARGV[9])
+  return {'OK', 1}
 end
 
 if op == 'balance' then
-  touch_period(P, pend)
+  local per = load_period(P)
   local out = {'OK'}
   for _, u in ipairs(units) do
-    out[#out + 1] = redis.call('HGET', P, 'u_' .. u) or '0'
-    out[#out + 1] = redis.call('HGET', P, 'h_' .. u) or '0'
-    out[#out + 1] = redis.call('HGET', A, 'b_' .. u) or '0'
+    out[#out + 1] = int(per.used[u])
+    out[#out + 1] = int(per.held[u])
+    out[#out + 1] = int(bonus[u])
   end
   return out
 end
 
 if op == 'comp' then
-  -- R is the account's audit hash; ARGV 10 campaign, 11 reset 0/1, 12 "u=credit=bonus,..."
-  local campaign = ARGV[10]
+  -- R is the account's audit hash; ARGV 9 campaign, 10 reset 0/1,
+  -- 11 "unit=credit=bonus,...", 12 account
+  local campaign = ARGV[9]
   local done = redis.call('HGET', R, campaign)
   if done then return {'DONE', done} end
-  touch_period(P, pend)
+  local per = load_period(P)
   local before_used, before_bonus, after_used, after_bonus, added = {}, {}, {}, {}, {}
-  for _, spec in ipairs(split(ARGV[12], ',')) do
-    local u, credit, bonus = string.match(spec, '^([^=]+)=(%d+)=(%d+)$')
-    local used = math.max(0, num(redis.call('HGET', P, 'u_' .. u)))
-    local b = num(redis.call('HGET', A, 'b_' .. u))
+  for _, spec in ipairs(split(ARGV[11], ',')) do
+    local u, credit, add = string.match(spec, '^([^=]+)=(%d+)=(%d+)$')
+    local used = math.max(0, per.used[u])
     local new_used = used
-    if ARGV[11] == '1' then new_used = 0 end
+    if ARGV[10] == '1' then new_used = 0 end
     if tonumber(credit) > 0 then new_used = math.max(0, used - tonumber(credit)) end
-    redis.call('HSET', P, 'u_' .. u, int(new_used))
-    redis.call('HINCRBY', A, 'b_' .. u, bonus)
-    before_used[u], before_bonus[u] = int(used), int(b)
-    after_used[u], after_bonus[u] = int(new_used), int(b + tonumber(bonus))
-    added[u] = bonus
+    per.used[u] = new_used
+    before_used[u], before_bonus[u] = int(used), int(bonus[u])
+    bonus[u] = bonus[u] + tonumber(add)
+    bonus_delta[u] = (bonus_delta[u] or 0) + tonumber(add)
+    after_used[u], after_bonus[u] = int(new_used), int(bonus[u])
+    added[u] = add
   end
-  local rec = cjson.encode({account = ARGV[13], campaign = campaign, period = pkey,
+  save_period(per, pend)
+  save_bonus()
+  local rec = cjson.encode({account = ARGV[12], campaign = campaign, period = pkey,
     status = 'changed', at = ARGV[2],
     before = {used = before_used, bonus = before_bonus},
     after = {used = after_used, bonus = after_bonus}, bonus_added = added})
