@@ -145,10 +145,10 @@ def amounts(input_tokens: int, output_tokens: int, calls: int) -> dict[str, int]
     return {"tokens": t, "input_tokens": i, "output_tokens": o, "calls": c}
 
 
-def fingerprint(*parts: object) -> str:
-    """A short stable digest of a request's payload (idempotency check)."""
-    text = json.dumps(parts, separators=(",", ":"), sort_keys=True)
-    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+def fingerprint(*parts: str | int | dict[str, int] | None) -> str:
+    """A short stable digest of a request's payload (idempotency check): the ``repr`` of
+    str, int, None and insertion-ordered dicts of them is the same in every process."""
+    return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
 # -- periods -------------------------------------------------------------------------------

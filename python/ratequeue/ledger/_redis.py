@@ -450,7 +450,7 @@ class RedisLedger(LedgerBase):
             "",
             self.max_rows,
         ]
-        r, _info, _span, now = self._call("settle", acc, "r:" + rid, extra)
+        r, _info, _span, _now = self._call("settle", acc, "r:" + rid, extra)
         tag = _s(r[0])
         if tag == "CONFLICT":
             raise _conflict(rid)

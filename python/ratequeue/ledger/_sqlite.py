@@ -8,6 +8,7 @@ import sqlite3
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .._errors import QuotaExceeded
 from ._base import compensation, parse_json_obj, quota_exceeded
 from ._model import (
     UNITS,
@@ -20,7 +21,6 @@ from ._model import (
     Plan,
     UnknownRequest,
     fingerprint,
-    threshold_amounts,
 )
 from ._sqlite_store import (
     _ROW_COLS,
@@ -54,6 +54,46 @@ class SqliteLedger(SqliteStore):
         span = self._span(a.plan_json, a.plan, a.anchor, now)
         return a, self._per(conn, account, span)
 
+    def _fit(
+        self, account: str, a: _Acct, p: _Per, am: dict[str, int], now: float, *, force: bool
+    ) -> dict[str, list[int]]:
+        """The parts of ``am`` taken from the plan quota, then the bonus (nothing changed);
+        ``QuotaExceeded`` if they do not fit (with ``force``, past the quota)."""
+        parts: dict[str, list[int]] = {}
+        for u, q in a.plan.quota.items():
+            need = am[u]
+            free = max(0, q - p.used[u])
+            from_plan = min(need, free)
+            from_bonus = min(need - from_plan, a.bonus[u])
+            if not force and from_plan + from_bonus < need:
+                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
+            if force:
+                from_plan = need - from_bonus
+            if p.used[u] + from_plan > 2**63 - 1:
+                raise ValueError(f"usage of {u} would pass 2**63-1")
+            parts[u] = [from_plan, from_bonus]
+        return parts
+
+    def _apply(
+        self,
+        conn: sqlite3.Connection,
+        account: str,
+        a: _Acct,
+        p: _Per,
+        parts: dict[str, list[int]],
+        now: float,
+    ) -> None:
+        bonus_changed = False
+        for u, (fp, fb) in parts.items():
+            p.used[u] += fp
+            if fb:
+                a.bonus[u] -= fb
+                bonus_changed = True
+        if bonus_changed:
+            self._save_bonus(conn, account, a)
+        self._dirty.add((account, p.span.key))
+        self._fire(conn, account, a, p, now)
+
     def _take(
         self,
         conn: sqlite3.Connection,
@@ -66,30 +106,8 @@ class SqliteLedger(SqliteStore):
         force: bool,
     ) -> dict[str, list[int]]:
         """Takes ``am`` from the plan quota, then the bonus; returns the parts taken."""
-        parts: dict[str, list[int]] = {}
-        quota = a.plan.quota
-        for u, q in quota.items():
-            need = am[u]
-            free = max(0, q - p.used[u])
-            from_plan = min(need, free)
-            from_bonus = min(need - from_plan, a.bonus[u])
-            if not force and from_plan + from_bonus < need:
-                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
-            if force:
-                from_plan = need - from_bonus
-            parts[u] = [from_plan, from_bonus]
-        bonus_changed = False
-        for u, (fp, fb) in parts.items():
-            if p.used[u] + fp > 2**63 - 1:
-                raise ValueError(f"usage of {u} would pass 2**63-1")
-            p.used[u] += fp
-            if fb:
-                a.bonus[u] -= fb
-                bonus_changed = True
-        if bonus_changed:
-            self._save_bonus(conn, account, a)
-        self._dirty.add((account, p.span.key))
-        self._fire(conn, account, a, p, now)
+        parts = self._fit(account, a, p, am, now, force=force)
+        self._apply(conn, account, a, p, parts, now)
         return parts
 
     def _give_back(
@@ -108,12 +126,10 @@ class SqliteLedger(SqliteStore):
             self._save_bonus(conn, account, a)
 
     def _fire(self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per, now: float) -> None:
-        for u, q in a.plan.quota.items():
-            if q == 0:
-                continue
-            for bp, level in zip(a.thr, threshold_amounts(q, a.thr), strict=True):
-                flag = f"{u}:{bp}"
-                if p.used[u] >= level and flag not in p.fired:
+        for u, q, levels in a.levels:
+            used = p.used[u]
+            for bp, level, flag in levels:
+                if used >= level and flag not in p.fired:
                     p.fired.add(flag)
                     conn.execute(
                         "INSERT OR IGNORE INTO outbox(id, account, period, unit, bp, used, quota,"
@@ -198,15 +214,10 @@ class SqliteLedger(SqliteStore):
         def fn(conn: sqlite3.Connection) -> list[Charge | Exception]:
             out: list[Charge | Exception] = []
             for args, fp in ops:
-                conn.execute("SAVEPOINT one")
                 try:
                     out.append(_inline(self, conn, args, fp))
-                    self._flush(conn)
-                except Exception as e:
-                    conn.execute("ROLLBACK TO one")
-                    self._reset_cache()
-                    out.append(e)
-                conn.execute("RELEASE one")
+                except (QuotaExceeded, IdempotencyConflict, LookupError) as e:
+                    out.append(e)  # refused before writing anything
             return out
 
         return self._run(fn)  # type: ignore[no-any-return]
@@ -427,6 +438,7 @@ class SqliteLedger(SqliteStore):
         tj = None if thr is None else json.dumps(list(thr))
 
         def fn(conn: sqlite3.Connection) -> None:
+            self._accts.pop(account, None)
             conn.execute(
                 "INSERT INTO accounts(account, plan, anchor, thresholds) VALUES (?, ?, ?, ?)"
                 " ON CONFLICT(account) DO UPDATE SET plan=excluded.plan,"
@@ -659,42 +671,52 @@ class SqliteLedger(SqliteStore):
 
 
 def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], fp: str) -> Charge:
+    """One charge: the quota checked first, then the request row inserted unless its id
+    exists (a replay or a conflict), then the deduction: nothing is written on a refusal."""
     rid, account, am, model, parent, meta = args
     now = led._now()
-    old = led._existing(conn, account, rid)
-    if old is not None:
-        if old[0] != "charge" or old[2] != fp:
-            raise _conflict(rid)
-        return _charge_of(old[4:14], True)
     a, p = led._current(conn, account, now)
-    led._take(conn, account, a, p, am, now, force=False)
-    conn.execute(
-        "INSERT INTO requests(account, request_id, kind, status, at, period,"
-        " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
-        " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-        (
-            account,
-            rid,
-            now,
-            p.span.key,
-            am["input_tokens"],
-            am["output_tokens"],
-            am["calls"],
-            model,
-            parent,
-            meta or None,
-            fp,
-        ),
-    )
-    return Charge(
-        rid,
-        account,
-        p.span.key,
-        now,
-        am["input_tokens"],
-        am["output_tokens"],
-        am["calls"],
-        model,
-        parent,
-        parse_json_obj(meta),
-    )
+    try:
+        parts = led._fit(account, a, p, am, now, force=False)
+    except QuotaExceeded:
+        old = led._existing(conn, account, rid)
+        if old is None:
+            raise
+        parts = None
+    if parts is not None:
+        cur = conn.execute(
+            "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
+            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
+            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                account,
+                rid,
+                now,
+                p.span.key,
+                am["input_tokens"],
+                am["output_tokens"],
+                am["calls"],
+                model,
+                parent,
+                meta or None,
+                fp,
+            ),
+        )
+        if cur.rowcount == 1:
+            led._apply(conn, account, a, p, parts, now)
+            return Charge(
+                rid,
+                account,
+                p.span.key,
+                now,
+                am["input_tokens"],
+                am["output_tokens"],
+                am["calls"],
+                model,
+                parent,
+                parse_json_obj(meta),
+            )
+        old = led._existing(conn, account, rid)
+    if old[0] != "charge" or old[2] != fp:
+        raise _conflict(rid)
+    return _charge_of(old[4:14], True)

@@ -23,6 +23,7 @@ from ._model import (
     Notice,
     Plan,
     Span,
+    threshold_amounts,
 )
 
 _SCHEMA = """
@@ -73,14 +74,14 @@ class _Op:
 
     def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
         self.fn = fn
-        self.event = threading.Event()
+        self.event: threading.Event | None = None
         self.result: Any = None
         self.exc: BaseException | None = None
         self.lead = False
 
 
 class _Acct:
-    __slots__ = ("anchor", "bonus", "next_exp", "plan", "plan_json", "thr")
+    __slots__ = ("anchor", "bonus", "levels", "next_exp", "plan", "plan_json", "thr")
 
     def __init__(self, row: sqlite3.Row | tuple[Any, ...], ledger: LedgerBase) -> None:
         self.plan_json: str = row[0]
@@ -89,6 +90,19 @@ class _Acct:
         self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
         self.bonus = dict(zip(UNITS, row[3:7], strict=True))
         self.next_exp: float | None = row[7]
+        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)])
+        self.levels = [
+            (
+                u,
+                q,
+                [
+                    (bp, lvl, f"{u}:{bp}")
+                    for bp, lvl in zip(self.thr, threshold_amounts(q, self.thr), strict=True)
+                ],
+            )
+            for u, q in self.plan.quota.items()
+            if q > 0
+        ]
 
 
 class _Per:
@@ -137,6 +151,7 @@ class SqliteStore(LedgerBase):
         self._pers: dict[tuple[str, str], _Per] = {}
         self._dirty: set[tuple[str, str]] = set()
         self._last_purge = 0.0
+        self._dv: int | None = None
         self._connect()
 
     # -- connection and group commit ---------------------------------------------------
@@ -183,11 +198,13 @@ class SqliteStore(LedgerBase):
             lead = not self._leader
             if lead:
                 self._leader = True
+            else:
+                op.event = event = threading.Event()
         if not lead:
             interrupted: BaseException | None = None
             while True:
                 try:
-                    op.event.wait()
+                    event.wait()
                     break
                 except BaseException as e:  # Ctrl-C while queued
                     with self._mu:
@@ -219,9 +236,9 @@ class SqliteStore(LedgerBase):
                 else:
                     self._leader = False
             for op in batch:
-                if op is not mine:
+                if op is not mine and op.event is not None:
                     op.event.set()
-            if nxt is not None:
+            if nxt is not None and nxt.event is not None:
                 nxt.event.set()
 
     def _reset_cache(self) -> None:
@@ -232,26 +249,45 @@ class SqliteStore(LedgerBase):
     def _commit_batch(self, batch: Sequence[_Op], mine: _Op) -> None:
         conn = self._conn
         assert conn is not None
-        self._reset_cache()
         for op in batch:
             op.lead = False
         try:
             conn.execute("BEGIN IMMEDIATE")
+            # Rows cached by earlier transactions stay valid while no other connection
+            # has committed since (data_version unchanged).
+            dv = conn.execute("PRAGMA data_version").fetchone()[0]
+            if dv != self._dv or len(self._accts) + len(self._pers) > 10_000:
+                self._reset_cache()
+            self._dv = dv
         except Exception as e:
+            self._dv = None
             for op in batch:
                 op.exc = e
             return
         try:
-            for op in batch:
-                conn.execute("SAVEPOINT op")
+            if len(batch) == 1:
+                # alone: a failure rolls the whole transaction back
+                op = batch[0]
                 try:
                     op.result = op.fn(conn)
                     self._flush(conn)
                 except Exception as e:
                     op.exc = e
-                    conn.execute("ROLLBACK TO op")
+                    conn.execute("ROLLBACK")
                     self._reset_cache()
-                conn.execute("RELEASE op")
+                    self._dv = None
+                    return
+            else:
+                for op in batch:
+                    conn.execute("SAVEPOINT op")
+                    try:
+                        op.result = op.fn(conn)
+                        self._flush(conn)
+                    except Exception as e:
+                        op.exc = e
+                        conn.execute("ROLLBACK TO op")
+                        self._reset_cache()
+                    conn.execute("RELEASE op")
             self._maybe_purge(conn)
             conn.execute("COMMIT")
         except BaseException as e:
@@ -264,10 +300,10 @@ class SqliteStore(LedgerBase):
                     if op is mine or isinstance(e, Exception)
                     else LedgerError("the transaction was interrupted; nothing was recorded")
                 )
+            self._reset_cache()
+            self._dv = None
             if not isinstance(e, Exception):
                 raise
-        finally:
-            self._reset_cache()
 
     def _maybe_purge(self, conn: sqlite3.Connection) -> None:
         now = self._now()
@@ -277,6 +313,7 @@ class SqliteStore(LedgerBase):
         cut = now - self.retention
         conn.execute("DELETE FROM requests WHERE at<? AND status!='held'", (cut,))
         conn.execute("DELETE FROM periods WHERE end<?", (cut,))
+        self._reset_cache()
 
     # -- cached state within one transaction ---------------------------------------------
 
