@@ -7,11 +7,19 @@ import asyncio
 import atexit
 import io
 import threading
+import time
 from datetime import datetime, timezone
 
 import pytest
 import ratequeue as rq
-from ledger_backends import T0, Factory, clock, make, stop_shared_redis  # noqa: F401
+from ledger_backends import (  # noqa: F401
+    T0,
+    Factory,
+    clock,
+    make,
+    shared_redis,
+    stop_shared_redis,
+)
 from ratequeue.ledger import (
     Daily,
     Every,
@@ -19,6 +27,7 @@ from ratequeue.ledger import (
     Monthly,
     Notice,
     Plan,
+    RedisLedger,
     SqliteLedger,
     UnknownAccount,
     UnknownRequest,
@@ -649,3 +658,44 @@ def test_sqlite_rows_are_kept_for_the_retention_window(tmp_path, clock) -> None:
     led.charge("newer", "acme", input_tokens=1)
     assert [r.request_id for r in led.usage("acme").rows] == ["new", "newer"]
     led.close()
+
+
+def test_notifier_delivers_in_the_background(make: Factory, clock) -> None:
+    from ratequeue.ledger import Notifier
+
+    led = make(clock)
+    led.set_plan("acme", Plan("p", tokens=100))
+    got: list[str] = []
+    arrived = threading.Event()
+    calls = {"n": 0}
+
+    async def receiver(n: Notice) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("first delivery fails")
+        got.append(n.id)
+        if len(got) == 2:
+            arrived.set()
+
+    with Notifier(led, receiver, interval=0.05) as notifier:
+        led.charge("a", "acme", input_tokens=96)  # wakes the notifier at once
+        assert arrived.wait(30)
+    assert sorted(got) == ["acme|2025-12|tokens|8000", "acme|2025-12|tokens|9500"]
+    assert notifier.failures == 1 and notifier.delivered == 2
+    assert led.pending_notices() == []
+    with pytest.raises(ValueError):
+        Notifier(led, receiver, interval=0)
+
+
+def test_redis_notices_survive_a_lost_hint(clock) -> None:
+    server = shared_redis()
+    name = f"hint-{time.monotonic_ns()}"
+    led = RedisLedger(server.client(timeout=5.0), name=name, clock=clock)
+    led.set_plan("acme", Plan("p", tokens=100))
+    led.charge("a", "acme", input_tokens=90)
+    led.client.delete(led._prefix + "notify")  # as if the process died before SADD
+    fresh = RedisLedger(server.client(timeout=5.0), name=name, clock=clock)
+    seen: list[Notice] = []
+    assert fresh.deliver(seen.append) == 1 and seen[0].threshold == 0.8  # swept
+    led.close()
+    fresh.close()

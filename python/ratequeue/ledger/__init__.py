@@ -2,8 +2,9 @@
 
 ``SqliteLedger`` (one file, stdlib ``sqlite3``) and ``RedisLedger`` (several machines)
 offer the same calls: ``charge``, ``hold``/``settle``/``release``, queries, warnings
-through an outbox, and compensation campaigns. Periods are in UTC unless a plan's
-period names a time zone.
+through an outbox (``Notifier`` delivers them in the background), and compensation
+campaigns; ``QuotaPolicy`` makes an account a level of a ``Policy``. Periods are in UTC
+unless a plan's period names a time zone.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from ._model import (
     UnknownAccount,
     UnknownRequest,
 )
+from ._notifier import Notifier
 from ._policy import QuotaLevel, QuotaPermit, QuotaPolicy
 from ._redis import RedisLedger
 from ._sqlite import SqliteLedger
@@ -48,6 +50,7 @@ __all__ = [
     "LedgerError",
     "Monthly",
     "Notice",
+    "Notifier",
     "Page",
     "Period",
     "Plan",
