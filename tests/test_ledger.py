@@ -652,9 +652,11 @@ def test_sqlite_rows_are_kept_for_the_retention_window(tmp_path, clock) -> None:
     led = SqliteLedger(tmp_path / "q.db", clock=clock, retention=3 * 86400)
     led.set_plan("acme", Plan("d", tokens=100, period=Daily()))
     led.charge("old", "acme", input_tokens=1)
-    clock.advance(3 * 86400 + 1)
+    clock.advance(86400 + 3 * 86400 - 1)  # the period ended; kept `retention` after that
+    assert led.charge("old", "acme", input_tokens=1).replay
+    clock.advance(2)
     led.charge("new", "acme", input_tokens=1)
-    clock.advance(60)
+    clock.advance(3600)  # purges run at most every retention / 100 (<= 1 h)
     led.charge("newer", "acme", input_tokens=1)
     assert [r.request_id for r in led.usage("acme").rows] == ["new", "newer"]
     led.close()

@@ -251,7 +251,7 @@ if op == 'charge' or op == 'hold' then
     if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
     record(rec, tonumber(ARGV[17]) - now + retention)
   else
-    record(rec, retention)
+    record(rec, tonumber(pend) - now + retention)
     row(rec, ARGV[18])
   end
   local fired = fire(per, pkey)
@@ -290,7 +290,7 @@ if op == 'settle' then
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
   rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[EXP], rec[PARTS] =
     ARGV[11], ARGV[12], ARGV[13], model, '', ''
-  record(rec, retention)
+  record(rec, (period == pkey and tonumber(pend) or now) - now + retention)
   row(rec, max_rows)
   local fired = fire(per, period)
   save_period(per, period == pkey and pend or nil)
