@@ -701,3 +701,22 @@ def test_redis_notices_survive_a_lost_hint(clock) -> None:
     assert fresh.deliver(seen.append) == 1 and seen[0].threshold == 0.8  # swept
     led.close()
     fresh.close()
+
+
+def test_a_forked_child_uses_the_same_ledger_object(make: Factory, clock) -> None:
+    import multiprocessing
+
+    led = make(clock)
+    led.set_plan("acme", PRO)
+    led.charge("parent", "acme", input_tokens=5)
+
+    def child() -> None:
+        led.charge("child", "acme", input_tokens=7)
+        led.charge("parent", "acme", input_tokens=5)  # a replay, seen from the child
+
+    p = multiprocessing.get_context("fork").Process(target=child)
+    p.start()
+    p.join(60)
+    assert p.exitcode == 0
+    assert led.balance("acme").used == {"tokens": 12, "calls": 2}
+    assert led.charge("child", "acme", input_tokens=7).replay

@@ -14,7 +14,9 @@ import hashlib
 import importlib.resources
 import inspect
 import json
+import os
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -109,6 +111,7 @@ class RedisLedger(LedgerBase):
         self._info: OrderedDict[str, _Info] = OrderedDict()
         self._holds: OrderedDict[str, tuple[str, float]] = OrderedDict()
         self._lock = threading.Lock()
+        _LEDGERS.add(self)
         self._last_sweep = float("-inf")
         self._raw = False
         self._conn_args: tuple[str, ...] = ()
@@ -693,6 +696,17 @@ class RedisLedger(LedgerBase):
     def close(self) -> None:
         """Closes the client's connections."""
         self.client.close()
+
+
+_LEDGERS: weakref.WeakSet[RedisLedger] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for led in list(_LEDGERS):
+        led._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _ints(rec: dict[str, Any]) -> dict[str, Any]:

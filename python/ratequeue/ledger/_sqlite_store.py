@@ -68,6 +68,11 @@ _ROW_COLS = (
 CLAIM_SECONDS = 60.0
 
 
+#: Connections a forked child inherited: kept referenced so that they are never closed
+#: in the child (closing one there could disturb the parent's locks).
+_INHERITED: list[sqlite3.Connection] = []
+
+
 class _Op:
     __slots__ = ("event", "exc", "fn", "lead", "result")
 
@@ -174,8 +179,18 @@ class SqliteStore(LedgerBase):
             conn.execute("ROLLBACK")
             raise
         self._conn, self._pid = conn, os.getpid()
-        self._queue, self._leader, self._mu = [], False, threading.Lock()
         return conn
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock, queue and connection. The parent's connection
+        is never used nor closed here (SQLite forbids carrying one across fork)."""
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+        self._mu = threading.Lock()
+        self._queue, self._leader, self._conn = [], False, None
+        self._reset_cache()
+        self._dv = None
+        self._pid = os.getpid()
 
     def close(self) -> None:
         """Closes this process's connection (the file stays)."""
@@ -188,7 +203,9 @@ class SqliteStore(LedgerBase):
         """Runs ``fn`` in a write transaction shared with the calls that arrive meanwhile
         (group commit); returns its result once committed, or raises its error. A failed
         commit fails every call of that transaction, none of which then counted."""
-        if self._pid != os.getpid() or self._conn is None:
+        if self._pid != os.getpid():
+            self._after_fork()
+        if self._conn is None:
             with self._mu:
                 self._connect()
         op = _Op(fn)
