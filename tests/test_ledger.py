@@ -720,3 +720,62 @@ def test_a_forked_child_uses_the_same_ledger_object(make: Factory, clock) -> Non
     assert p.exitcode == 0
     assert led.balance("acme").used == {"tokens": 12, "calls": 2}
     assert led.charge("child", "acme", input_tokens=7).replay
+
+
+@pytest.mark.parametrize(
+    ("period", "t", "anchor", "start", "end"),
+    [
+        (Monthly(), "2024-02-10T00:00:00", None, "2024-02-01T00:00:00", "2024-03-01T00:00:00"),
+        (Monthly(), "2024-12-31T23:59:59", None, "2024-12-01T00:00:00", "2025-01-01T00:00:00"),
+        # New York: midnight local is 05:00Z in winter, 04:00Z in summer
+        (
+            Monthly(tz="America/New_York"),
+            "2024-03-15T12:00:00",
+            None,
+            "2024-03-01T05:00:00",
+            "2024-04-01T04:00:00",
+        ),
+        # a day with the spring DST change is 23 hours long
+        (
+            Daily(tz="Europe/Paris"),
+            "2024-03-31T12:00:00",
+            None,
+            "2024-03-30T23:00:00",
+            "2024-03-31T22:00:00",
+        ),
+        # anchored on the 29th of February: the 28th in common years, the 29th in leap years
+        (
+            Monthly(anchored=True),
+            "2025-02-28T12:00:00",
+            "2024-02-29T10:00:00",
+            "2025-02-28T10:00:00",
+            "2025-03-29T10:00:00",
+        ),
+        (
+            Monthly(anchored=True),
+            "2025-02-28T09:00:00",
+            "2024-02-29T10:00:00",
+            "2025-01-29T10:00:00",
+            "2025-02-28T10:00:00",
+        ),
+        (
+            Every(3600, origin=1800),
+            "2024-01-01T00:10:00",
+            None,
+            "2023-12-31T23:30:00",
+            "2024-01-01T00:30:00",
+        ),
+    ],
+)
+def test_period_boundaries(period, t, anchor, start, end) -> None:
+    span = period.at(ts(t), None if anchor is None else ts(anchor))
+    assert (span.start, span.end) == (ts(start), ts(end))
+    assert span.start <= ts(t) < span.end
+
+
+def test_plans_round_trip_through_their_description() -> None:
+    for period in (Monthly(tz="Asia/Tokyo", anchored=True), Daily(), Every(60, origin=5)):
+        plan = Plan("p", tokens=5, calls=2, period=period, thresholds=[0.5, 0.9])
+        again = Plan.from_dict(plan.to_dict())
+        assert again == plan and again.thresholds == (0.5, 0.9)
+        assert repr(again) == repr(plan)
