@@ -24,6 +24,7 @@ from ratequeue.ledger import (
     Daily,
     Every,
     IdempotencyConflict,
+    LedgerError,
     Monthly,
     Notice,
     Plan,
@@ -779,3 +780,44 @@ def test_plans_round_trip_through_their_description() -> None:
         again = Plan.from_dict(plan.to_dict())
         assert again == plan and again.thresholds == (0.5, 0.9)
         assert repr(again) == repr(plan)
+
+
+def test_ctrl_c_inside_a_transaction_records_nothing_and_never_hangs(tmp_path) -> None:
+    state = {"t": T0, "interrupt": False}
+
+    def clock_fn() -> float:
+        if state["interrupt"]:
+            state["interrupt"] = False
+            raise KeyboardInterrupt
+        return state["t"]
+
+    led = SqliteLedger(tmp_path / "q.db", clock=clock_fn)
+    led.set_plan("acme", Plan("big", tokens=10**6, calls=10**6))
+    state["interrupt"] = True
+    with pytest.raises(KeyboardInterrupt):
+        led.charge("a", "acme", input_tokens=5)
+    assert led.balance("acme").used == {"tokens": 0, "calls": 0}
+    assert not led.charge("a", "acme", input_tokens=5).replay  # the lead was handed back
+    errors: list[BaseException] = []
+    done: list[str] = []
+
+    def worker(w: int) -> None:
+        try:
+            for i in range(50):
+                led.charge(f"{w}-{i}", "acme", input_tokens=1)
+                done.append(f"{w}-{i}")
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    state["interrupt"] = True  # one of the batches is interrupted mid-way
+    for t in threads:
+        t.join(60)
+        assert not t.is_alive()
+    rows = {r.request_id: r.tokens for r in led.iter_usage("acme")}
+    assert set(rows) == {"a", *done}  # every call that returned counted, no other
+    assert led.balance("acme").used == {"tokens": sum(rows.values()), "calls": len(rows)}
+    assert all(isinstance(e, (KeyboardInterrupt, LedgerError)) for e in errors), errors
+    led.close()

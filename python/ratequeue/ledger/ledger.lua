@@ -31,15 +31,18 @@ end
 local function int(x) return string.format('%d', x) end
 local function num(v) return tonumber(v) or 0 end
 
-local units, quota, levels = {}, {}, {}
+-- Per unit: its quota, its thresholds {bp, level, flag field} and its field names.
+local units, quota, levels, uf, hf, bf = {}, {}, {}, {}, {}, {}
 local at = 20
 for _ = 1, tonumber(ARGV[19]) do
   local u = ARGV[at]
   units[#units + 1] = u
   quota[u] = tonumber(ARGV[at + 1])
+  uf[u], hf[u], bf[u] = 'u_' .. u, 'h_' .. u, 'b_' .. u
   local lv = {}
   for k = 1, tonumber(ARGV[at + 2]) do
-    lv[k] = {ARGV[at + 1 + 2 * k], tonumber(ARGV[at + 2 + 2 * k])}
+    local bp = ARGV[at + 1 + 2 * k]
+    lv[k] = {bp, tonumber(ARGV[at + 2 + 2 * k]), 'f:' .. u .. ':' .. bp}
   end
   levels[u] = lv
   at = at + 3 + 2 * #lv
@@ -74,7 +77,7 @@ end
 
 -- The account row: version, next hold expiry, bonus per unit.
 local acct_fields = {'ver', 'nx'}
-for _, u in ipairs(units) do acct_fields[#acct_fields + 1] = 'b_' .. u end
+for _, u in ipairs(units) do acct_fields[#acct_fields + 1] = bf[u] end
 local acct = redis.call('HMGET', A, unpack(acct_fields))
 if acct[1] ~= ver then return {'STALE'} end
 local bonus = {}
@@ -85,9 +88,9 @@ local bonus_delta = {}
 local function load_period(pk)
   local fields = {'end'}
   for _, u in ipairs(units) do
-    fields[#fields + 1] = 'u_' .. u
-    fields[#fields + 1] = 'h_' .. u
-    for _, l in ipairs(levels[u]) do fields[#fields + 1] = 'f:' .. u .. ':' .. l[1] end
+    fields[#fields + 1] = uf[u]
+    fields[#fields + 1] = hf[u]
+    for _, l in ipairs(levels[u]) do fields[#fields + 1] = l[3] end
   end
   local v = redis.call('HMGET', pk, unpack(fields))
   local per = {key = pk, exists = v[1] ~= false, used = {}, held = {}, fired = {}}
@@ -96,7 +99,7 @@ local function load_period(pk)
     per.used[u], per.held[u] = num(v[k]), num(v[k + 1])
     k = k + 2
     for _, l in ipairs(levels[u]) do
-      per.fired[u .. ':' .. l[1]] = v[k] ~= false
+      per.fired[l[3]] = v[k] ~= false
       k = k + 1
     end
   end
@@ -106,9 +109,9 @@ end
 local function save_period(per, end_time)
   local args = {}
   for _, u in ipairs(units) do
-    args[#args + 1] = 'u_' .. u
+    args[#args + 1] = uf[u]
     args[#args + 1] = int(per.used[u])
-    args[#args + 1] = 'h_' .. u
+    args[#args + 1] = hf[u]
     args[#args + 1] = int(per.held[u])
   end
   if not per.exists and end_time then
@@ -124,7 +127,7 @@ end
 
 local function save_bonus()
   for u, d in pairs(bonus_delta) do
-    if d ~= 0 then redis.call('HINCRBY', A, 'b_' .. u, int(d)) end
+    if d ~= 0 then redis.call('HINCRBY', A, bf[u], int(d)) end
   end
   bonus_delta = {}
 end
@@ -170,10 +173,10 @@ local function fire(per, period)
   local fired, flags = 0, {}
   for _, u in ipairs(units) do
     for _, l in ipairs(levels[u]) do
-      local flag = u .. ':' .. l[1]
+      local flag = l[3]
       if per.used[u] >= l[2] and not per.fired[flag] then
         per.fired[flag] = true
-        flags[#flags + 1] = 'f:' .. flag
+        flags[#flags + 1] = flag
         flags[#flags + 1] = '1'
         redis.call('LPUSH', O, table.concat({u, l[1], int(per.used[u]), int(quota[u]), ARGV[2],
           period}, '|'))
@@ -212,12 +215,12 @@ local function expire_holds()
   save_bonus()
 end
 
-local function record(rec, ttl)
-  redis.call('SET', R, table.concat(rec, SEP), 'EX', int(math.max(1, math.ceil(ttl))))
+local function record(raw, ttl)
+  redis.call('SET', R, raw, 'EX', int(math.max(1, math.ceil(ttl))))
 end
 
-local function row(rec, max_rows)
-  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[9], 'r', table.concat(rec, SEP))
+local function row(raw, max_rows)
+  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[9], 'r', raw)
 end
 
 local function amounts_of(i, o, c)
@@ -249,10 +252,11 @@ if op == 'charge' or op == 'hold' then
     redis.call('ZADD', H, ARGV[17], rid)
     local nx = tonumber(acct[2])
     if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
-    record(rec, tonumber(ARGV[17]) - now + retention)
+    record(table.concat(rec, SEP), tonumber(ARGV[17]) - now + retention)
   else
-    record(rec, tonumber(pend) - now + retention)
-    row(rec, ARGV[18])
+    local raw = table.concat(rec, SEP)
+    record(raw, tonumber(pend) - now + retention)
+    row(raw, ARGV[18])
   end
   local fired = fire(per, pkey)
   save_period(per, pend)
@@ -290,12 +294,13 @@ if op == 'settle' then
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
   rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[EXP], rec[PARTS] =
     ARGV[11], ARGV[12], ARGV[13], model, '', ''
-  record(rec, (period == pkey and tonumber(pend) or now) - now + retention)
-  row(rec, max_rows)
+  local out = table.concat(rec, SEP)
+  record(out, (period == pkey and tonumber(pend) or now) - now + retention)
+  row(out, max_rows)
   local fired = fire(per, period)
   save_period(per, period == pkey and pend or nil)
   save_bonus()
-  return {'OK', fired, table.concat(rec, SEP)}
+  return {'OK', fired, out}
 end
 
 if op == 'release' then
