@@ -821,3 +821,20 @@ def test_ctrl_c_inside_a_transaction_records_nothing_and_never_hangs(tmp_path) -
     assert led.balance("acme").used == {"tokens": sum(rows.values()), "calls": len(rows)}
     assert all(isinstance(e, (KeyboardInterrupt, LedgerError)) for e in errors), errors
     led.close()
+
+
+def test_a_campaign_over_many_accounts_in_batches(make: Factory, clock) -> None:
+    led = make(clock)
+    accounts = [f"u{i:05}" for i in range(1200)]
+    for a in accounts:
+        led.set_plan(a, Plan("p", tokens=400))
+    for a in accounts[::7]:
+        led.charge("x", a, input_tokens=100)
+    seen: list[tuple[int, int]] = []
+    rep = led.compensate("big", progress=lambda d, t: seen.append((d, t)), batch=500)
+    assert (rep.accounts, rep.changed) == (1200, 1200)
+    assert rep.bonus_added == {"tokens": 1200 * 100} and rep.credited == {"tokens": 172 * 100}
+    assert seen == [(500, 1200), (1000, 1200), (1200, 1200)]
+    assert len(rep.actions) == 1000  # the report keeps the first 1,000 actions
+    assert led.balance(accounts[7]).used == {"tokens": 0}
+    assert led.compensate("big").already_done == 1200

@@ -657,9 +657,12 @@ def _bar(
         return None
     if progress is not True:
         cb = progress
+        last = [-1]
 
         def call(done: int, _t: int, _end: bool) -> None:
-            cb(done, total)
+            if done != last[0]:
+                last[0] = done
+                cb(done, total)
 
         return call
     width = 30

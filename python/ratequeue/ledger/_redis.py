@@ -43,6 +43,7 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
 SEP = "\x1f"
+_INFO_FIELDS = ("ver", "plan", "anchor", "thr")
 _PAD = ("",) * 10
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
@@ -175,14 +176,16 @@ class RedisLedger(LedgerBase):
             if info is not None and not fresh:
                 self._info.move_to_end(account)
                 return info
-        ver, pj, anchor, thr = self.client.hmget(
-            self._pfx(account) + "a", "ver", "plan", "anchor", "thr"
-        )
-        if ver is None:
+        fields = self.client.hmget(self._pfx(account) + "a", *_INFO_FIELDS)
+        if fields[0] is None:
             if self.default_plan is None:
                 raise self._unknown(account)
             self._store_plan(account, self.default_plan, None, None, only_new=True)
             return self._account_info(account, fresh=True)
+        return self._info_from(account, fields)
+
+    def _info_from(self, account: str, fields: Sequence[Any]) -> _Info:
+        ver, pj, anchor, thr = fields
         plan = self._plan(_s(pj))
         info = _Info(
             _s(ver),
@@ -626,67 +629,89 @@ class RedisLedger(LedgerBase):
     def _compensate_accounts(
         self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
     ) -> list[dict[str, Any]]:
-        out: list[dict[str, Any]] = []
+        # Pipelined: one round trip reads every account and audit row of the chunk, one
+        # more runs the script for each account still to do.
+        pipe = self.client.pipeline(transaction=False)
         for acc in accounts:
-            try:
-                info = self._account_info(acc, fresh=True)
-            except LookupError:
+            pipe.hmget(self._pfx(acc) + "a", *_INFO_FIELDS)
+            pipe.hget(self._pfx(acc) + "audit", campaign_id)
+        got = pipe.execute()
+        out: list[dict[str, Any]] = []
+        todo: list[tuple[int, str, _Info, Span]] = []
+        for k, acc in enumerate(accounts):
+            fields, done = got[2 * k], got[2 * k + 1]
+            if fields[0] is None:
                 out.append({"account": acc, "status": "skipped", "reason": "no plan"})
-                continue
-            done = self.client.hget(self._pfx(acc) + "audit", campaign_id)
-            if done is not None:
+            elif done is not None:
                 rec = _ints(json.loads(done))
                 rec["status"] = "done"
                 out.append(rec)
-                continue
-            span = info.plan.period.at(at, info.anchor)
-            quota = info.plan.quota
-            if dry:
-                b = self._balance_at(acc, info, span)
+            else:
+                info = self._info_from(acc, fields)
+                todo.append((len(out), acc, info, info.plan.period.at(at, info.anchor)))
+                out.append({})
+        if not todo:
+            return out
+        pipe = self.client.pipeline(transaction=False)
+        if dry:
+            for _, acc, _info, span in todo:
+                pipe.hgetall(self._pfx(acc) + "p:" + span.key)
+                pipe.hgetall(self._pfx(acc) + "a")
+            got = pipe.execute()
+            for n, (k, acc, info, span) in enumerate(todo):
+                quota = info.plan.quota
+                p, a = got[2 * n], got[2 * n + 1]
+                before_used = {u: int(p.get(f"u_{u}".encode(), 0)) for u in quota}
+                before_bonus = {u: int(a.get(f"b_{u}".encode(), 0)) for u in quota}
                 used, add = compensation(
                     quota,
-                    b[0],
+                    before_used,
                     reset_usage=params["reset_usage"],
                     bonus=params["bonus"],
                     credit=params["credit"],
                 )
-                out.append(
-                    {
-                        "account": acc,
-                        "campaign": campaign_id,
-                        "period": span.key,
-                        "status": "would_change",
-                        "at": self._now(),
-                        "before": {"used": b[0], "bonus": b[1]},
-                        "after": {"used": used, "bonus": {u: b[1][u] + add[u] for u in quota}},
-                        "bonus_added": add,
-                    }
-                )
-                continue
-            spec = ",".join(
-                f"{u}={int(q * params['credit']) if params['credit'] is not None else 0}"
-                f"={int(q * params['bonus'])}"
-                for u, q in quota.items()
-            )
-            extra = [campaign_id, "1" if params["reset_usage"] else "0", spec, acc]
+                out[k] = {
+                    "account": acc,
+                    "campaign": campaign_id,
+                    "period": span.key,
+                    "status": "would_change",
+                    "at": self._now(),
+                    "before": {"used": before_used, "bonus": before_bonus},
+                    "after": {"used": used, "bonus": {u: before_bonus[u] + add[u] for u in quota}},
+                    "bonus_added": add,
+                }
+            return out
+        self.client.script_load(LUA)
+        calls = []
+        for _, acc, info, span in todo:
             keys = self._keys(acc, "audit", span.key)
-            r = self._eval(keys, self._args("comp", info, acc, span, self._now(), extra))
-            tag = _s(r[0])
-            if tag == "STALE":
-                raise LedgerError(f"the plan of account {acc!r} changed during the campaign")
+            args = self._comp_args(campaign_id, acc, info, span, params)
+            calls.append((keys, args))
+            pipe.evalsha(LUA_SHA, len(keys), *keys, *args)
+        for n, r in enumerate(pipe.execute()):
+            k, acc, _info, span = todo[n]
+            if _s(r[0]) == "STALE":  # its plan changed meanwhile: once more, alone
+                info = self._account_info(acc, fresh=True)
+                span = info.plan.period.at(at, info.anchor)
+                keys = self._keys(acc, "audit", span.key)
+                r = self._eval(keys, self._comp_args(campaign_id, acc, info, span, params))
+                if _s(r[0]) == "STALE":
+                    raise LedgerError(f"the plan of account {acc!r} keeps changing")
             rec = _ints(json.loads(r[1]))
-            rec["status"] = "done" if tag == "DONE" else "changed"
-            out.append(rec)
+            rec["status"] = "done" if _s(r[0]) == "DONE" else "changed"
+            out[k] = rec
         return out
 
-    def _balance_at(
-        self, account: str, info: _Info, span: Span
-    ) -> tuple[dict[str, int], dict[str, int]]:
-        p = self.client.hgetall(self._pfx(account) + "p:" + span.key)
-        a = self.client.hgetall(self._pfx(account) + "a")
-        used = {u: int(p.get(f"u_{u}".encode(), 0)) for u in info.plan.quota}
-        bonus = {u: int(a.get(f"b_{u}".encode(), 0)) for u in info.plan.quota}
-        return used, bonus
+    def _comp_args(
+        self, campaign_id: str, acc: str, info: _Info, span: Span, params: dict[str, Any]
+    ) -> list[Any]:
+        credit = params["credit"]
+        spec = ",".join(
+            f"{u}={int(q * credit) if credit is not None else 0}={int(q * params['bonus'])}"
+            for u, q in info.plan.quota.items()
+        )
+        extra = [campaign_id, "1" if params["reset_usage"] else "0", spec, acc]
+        return self._args("comp", info, acc, span, self._now(), extra)
 
     def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
         """The audit row a campaign wrote for an account (None if not done)."""
