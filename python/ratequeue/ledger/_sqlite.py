@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
@@ -34,6 +34,19 @@ from ._sqlite_store import (
     _notice,
     _Per,
     _same_amounts,
+)
+
+_CHARGE_KEYS = frozenset(
+    (
+        "request_id",
+        "account",
+        "input_tokens",
+        "output_tokens",
+        "calls",
+        "model",
+        "parent_id",
+        "meta",
+    )
 )
 
 
@@ -194,28 +207,38 @@ class SqliteLedger(SqliteStore):
         args = (rid, account, am, model, parent, meta)
         return self._run(lambda conn: _inline(self, conn, args, fp))  # type: ignore[no-any-return]
 
-    def charge_many(self, requests: Sequence[dict[str, Any]]) -> list[Charge | Exception]:
+    def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
         """Charges several requests in one transaction (each as ``charge(**request)``);
         returns each one's Charge or the error it raised (the others still count)."""
-        ops = []
+        ops: list[tuple[tuple[Any, ...], str] | Exception] = []
         for r in requests:
-            args = self._request_args(
-                r["request_id"],
-                r["account"],
-                r.get("input_tokens", 0),
-                r.get("output_tokens", 0),
-                r.get("calls", 1),
-                r.get("model"),
-                r.get("parent_id"),
-                r.get("meta"),
-            )
+            try:
+                unknown = set(r) - _CHARGE_KEYS
+                if unknown:
+                    raise TypeError(f"unexpected keys {sorted(unknown)} in a charge")
+                args = self._request_args(
+                    r["request_id"],
+                    r["account"],
+                    r.get("input_tokens", 0),
+                    r.get("output_tokens", 0),
+                    r.get("calls", 1),
+                    r.get("model"),
+                    r.get("parent_id"),
+                    r.get("meta"),
+                )
+            except (TypeError, ValueError, KeyError) as e:
+                ops.append(e)
+                continue
             ops.append((args, fingerprint("charge", *args[1:])))
 
         def fn(conn: sqlite3.Connection) -> list[Charge | Exception]:
             out: list[Charge | Exception] = []
-            for args, fp in ops:
+            for item in ops:
+                if isinstance(item, Exception):
+                    out.append(item)
+                    continue
                 try:
-                    out.append(_inline(self, conn, args, fp))
+                    out.append(_inline(self, conn, item[0], item[1]))
                 except (QuotaExceeded, IdempotencyConflict, LookupError) as e:
                     out.append(e)  # refused before writing anything
             return out
