@@ -128,6 +128,10 @@ def test_errors_are_messages_not_tracebacks(db: str, capsys) -> None:
         main(["quota", "show", "acme"])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:
+        main(["quota", "--db", db + ".missing", "show", "acme"])
+    assert e.value.code == 2
+    assert "no ledger file" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
         main(["quota", "--db", db, "compensate", "c", "--bonus", "-1"])
     assert e.value.code == 2
     with pytest.raises(SystemExit) as e:

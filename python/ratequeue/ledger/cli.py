@@ -59,8 +59,12 @@ def open_ledger(args: argparse.Namespace) -> LedgerBase:
     if args.db and args.redis:
         raise ValueError("give --db or --redis, not both")
     if args.db:
+        import os
+
         from ._sqlite import SqliteLedger
 
+        if not os.path.isfile(args.db):
+            raise ValueError(f"no ledger file at {args.db}")
         return SqliteLedger(args.db)
     if args.redis:
         import redis
