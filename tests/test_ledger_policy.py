@@ -104,7 +104,9 @@ def test_acquire_async_paths(make: Factory, clock) -> None:
         async with qp.acquire_async(user="a", tenant="acme", tokens=100) as p:
             await p.settle_async(tokens=40)
         p2 = await qp.acquire_async(user="a", tenant="acme", tokens=100)
-        p2.release()
+        await p2.release_async()
+        p3 = await qp.acquire_async(user="a", tenant="acme", tokens=100)
+        await p3.cancel_async()
         with pytest.raises(rq.QuotaExceeded):
             await qp.acquire_async(user="a", tenant="acme", tokens=1000)
         async with qp.acquire_async(user="a", tenant="acme", tokens=60):

@@ -145,6 +145,25 @@ class QuotaPermit:
         finally:
             self._give_back_hold()
 
+    async def _give_back_hold_async(self) -> None:
+        if not self._done:
+            self._done = True
+            await self.quota.ledger.release_async(self.request_id)
+
+    async def release_async(self) -> None:
+        """``release`` without blocking the event loop on the ledger."""
+        try:
+            self.permit.release()
+        finally:
+            await self._give_back_hold_async()
+
+    async def cancel_async(self) -> None:
+        """``cancel`` without blocking the event loop on the ledger."""
+        try:
+            self.permit.cancel()
+        finally:
+            await self._give_back_hold_async()
+
     def __enter__(self) -> QuotaPermit:
         return self
 
@@ -177,8 +196,7 @@ class QuotaPermit:
                 if exc_type is None:
                     await self.settle_async()
                 else:
-                    self._done = True
-                    await self.quota.ledger.release_async(self.request_id)
+                    await self._give_back_hold_async()
         finally:
             self.permit.__exit__(exc_type, exc, tb)
 
