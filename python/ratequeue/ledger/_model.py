@@ -189,9 +189,11 @@ class Period:
     max_length: float = 0.0
 
     def at(self, t: float, anchor: float | None = None) -> Span:
+        """The period holding Unix time ``t`` (``anchor``: the account's, if any)."""
         raise NotImplementedError
 
     def to_dict(self) -> dict[str, Any]:
+        """A JSON-able description (``Period.from_dict`` reads it back)."""
         raise NotImplementedError
 
     @staticmethod
@@ -354,6 +356,7 @@ class Plan:
         )
 
     def to_json(self) -> str:
+        """``to_dict()`` as canonical JSON."""
         return json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
 
     def __eq__(self, other: object) -> bool:
@@ -468,9 +471,11 @@ class Totals:
 
     @property
     def tokens(self) -> int:
+        """Input plus output tokens."""
         return self.input_tokens + self.output_tokens
 
     def add(self, c: Charge) -> Totals:
+        """These totals plus one row."""
         return Totals(
             self.input_tokens + c.input_tokens,
             self.output_tokens + c.output_tokens,
