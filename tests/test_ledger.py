@@ -873,3 +873,62 @@ def test_sqlite_charge_many_answers_each_request(tmp_path, clock) -> None:
     assert [x.replay for x in out if isinstance(x, Charge)] == [False, True, True, False]
     assert led.balance("acme").used == {"tokens": 100}
     led.close()
+
+
+def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) -> None:
+    led = SqliteLedger(tmp_path / "q.db", clock=clock)
+    led.set_plan("acme", Plan("p", tokens=100))
+    led.charge("old", "acme", input_tokens=10)
+    gate, started = threading.Event(), threading.Event()
+
+    def slow(conn) -> None:
+        started.set()
+        gate.wait(30)
+
+    grouped: list[int] = []
+    real = led._charge_batch
+
+    def counting(conn, ops):
+        grouped.append(len(ops))
+        return real(conn, ops)
+
+    led._charge_batch = counting  # type: ignore[method-assign]
+    leader = threading.Thread(target=led._run, args=(slow,))
+    leader.start()
+    assert started.wait(30)
+    calls = [
+        ("a", 30),
+        ("old", 10),  # a replay
+        ("old", 11),  # a conflict
+        ("a", 30),  # a replay of a charge in the same transaction
+        ("b", 70),  # out of quota
+        ("c", 60),
+    ]
+    results: dict[int, object] = {}
+
+    def call(k: int, rid: str, n: int) -> None:
+        try:
+            results[k] = led.charge(rid, "acme", input_tokens=n)
+        except Exception as e:
+            results[k] = e
+
+    threads = []
+    for k, (rid, n) in enumerate(calls):  # queued in this order behind the leader
+        t = threading.Thread(target=call, args=(k, rid, n))
+        t.start()
+        threads.append(t)
+        for _ in range(1000):
+            if len(led._queue) == k + 1:
+                break
+            time.sleep(0.001)
+    assert len(led._queue) == len(calls)
+    gate.set()
+    for t in [leader, *threads]:
+        t.join(30)
+    kinds = [type(results[k]).__name__ for k in range(len(calls))]
+    assert kinds == ["Charge", "Charge", "IdempotencyConflict", "Charge", "QuotaExceeded", "Charge"]
+    assert [results[k].replay for k in (0, 1, 3, 5)] == [False, True, True, False]
+    assert led.balance("acme").used == {"tokens": 100}
+    assert sorted(r.request_id for r in led.iter_usage("acme")) == ["a", "c", "old"]
+    assert grouped == [6]  # the six queued charges were decided in one go
+    led.close()

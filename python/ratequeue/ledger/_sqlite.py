@@ -3,6 +3,7 @@ processes, with group commit (concurrent calls share one transaction and one syn
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 from collections.abc import Callable, Mapping, Sequence
@@ -205,7 +206,9 @@ class SqliteLedger(SqliteStore):
         fp: str,
     ) -> Charge:
         args = (rid, account, am, model, parent, meta)
-        return self._run(lambda conn: _inline(self, conn, args, fp))  # type: ignore[no-any-return]
+        return self._run(  # type: ignore[no-any-return]
+            lambda conn: _inline(self, conn, args, fp), charge=(args, fp)
+        )
 
     def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
         """Charges several requests in one transaction (each as ``charge(**request)``);
@@ -231,19 +234,69 @@ class SqliteLedger(SqliteStore):
                 continue
             ops.append((args, fingerprint("charge", *args[1:])))
 
-        def fn(conn: sqlite3.Connection) -> list[Charge | Exception]:
-            out: list[Charge | Exception] = []
-            for item in ops:
-                if isinstance(item, Exception):
-                    out.append(item)
-                    continue
-                try:
-                    out.append(_inline(self, conn, item[0], item[1]))
-                except (QuotaExceeded, IdempotencyConflict, LookupError) as e:
-                    out.append(e)  # refused before writing anything
-            return out
+        return self._run(lambda conn: self._charge_batch(conn, ops))  # type: ignore[no-any-return]
 
-        return self._run(fn)  # type: ignore[no-any-return]
+    def _charge_batch(self, conn: sqlite3.Connection, ops: list[Any]) -> list[Charge | Exception]:
+        """Plain charges decided in order, each exactly as ``charge`` would: ``ops`` are
+        (arguments, fingerprint) pairs or the error their validation raised."""
+        # One lookup of every id of the batch, the charges decided in order on the
+        # cached counters, then one executemany of the new rows.
+        out: list[Charge | Exception | None] = [
+            item if isinstance(item, Exception) else None for item in ops
+        ]
+        todo = [(k, item) for k, item in enumerate(ops) if not isinstance(item, Exception)]
+        existing: dict[tuple[str, str], Any] = {}
+        ids: dict[str, list[str]] = {}
+        for _, (args, _fp) in todo:
+            ids.setdefault(args[1], []).append(args[0])
+        for account, rids in ids.items():
+            for i in range(0, len(rids), 500):
+                chunk = rids[i : i + 500]
+                marks = ",".join("?" * len(chunk))
+                for r in conn.execute(
+                    f"SELECT kind, status, fp, sfp, {_ROW_COLS}, expires FROM requests"
+                    f" WHERE account=? AND request_id IN ({marks})",
+                    (account, *chunk),
+                ):
+                    existing[(r[5], r[4])] = r
+        rows: list[tuple[Any, ...]] = []
+        fresh: dict[tuple[str, str], tuple[str, Charge]] = {}
+        for k, (args, fp) in todo:
+            rid, account, am, model, parent, meta = args
+            old = existing.get((account, rid))
+            if old is not None:
+                ok = old[0] == "charge" and old[2] == fp
+                out[k] = _charge_of(old[4:14], True) if ok else _conflict(rid)
+                continue
+            prior = fresh.get((account, rid))
+            if prior is not None:
+                ok = prior[0] == fp
+                out[k] = dataclasses.replace(prior[1], replay=True) if ok else _conflict(rid)
+                continue
+            now = self._now()
+            try:
+                a, p = self._current(conn, account, now)
+                parts = self._fit(account, a, p, am, now, force=False)
+            except (QuotaExceeded, LookupError, ValueError) as e:
+                out[k] = e  # refused before writing anything
+                continue
+            self._apply(conn, account, a, p, parts, now)
+            i_, o_, c_ = am["input_tokens"], am["output_tokens"], am["calls"]
+            rows.append(
+                (account, rid, now, p.span.key, i_, o_, c_, model, parent, meta or None, fp)
+            )
+            c = Charge(
+                rid, account, p.span.key, now, i_, o_, c_, model, parent, parse_json_obj(meta)
+            )
+            fresh[(account, rid)] = (fp, c)
+            out[k] = c
+        conn.executemany(
+            "INSERT INTO requests(account, request_id, kind, status, at, period,"
+            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
+            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        return [x for x in out if x is not None]
 
     def _hold(
         self,

@@ -74,10 +74,11 @@ _INHERITED: list[sqlite3.Connection] = []
 
 
 class _Op:
-    __slots__ = ("event", "exc", "fn", "lead", "result")
+    __slots__ = ("charge", "event", "exc", "fn", "lead", "result")
 
-    def __init__(self, fn: Callable[[sqlite3.Connection], Any]) -> None:
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> None:
         self.fn = fn
+        self.charge = charge  # a plain charge's arguments: decided with its neighbours
         self.event: threading.Event | None = None
         self.result: Any = None
         self.exc: BaseException | None = None
@@ -181,6 +182,10 @@ class SqliteStore(LedgerBase):
         self._conn, self._pid = conn, os.getpid()
         return conn
 
+    def _charge_batch(self, conn: sqlite3.Connection, items: list[Any]) -> list[Any]:
+        """Decides several plain charges at once (the ledger's)."""
+        raise NotImplementedError
+
     def _after_fork(self) -> None:
         """In a forked child: a fresh lock, queue and connection. The parent's connection
         is never used nor closed here (SQLite forbids carrying one across fork)."""
@@ -199,7 +204,7 @@ class SqliteStore(LedgerBase):
                 self._conn.close()
             self._conn = None
 
-    def _run(self, fn: Callable[[sqlite3.Connection], Any]) -> Any:
+    def _run(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> Any:
         """Runs ``fn`` in a write transaction shared with the calls that arrive meanwhile
         (group commit); returns its result once committed, or raises its error. A failed
         commit fails every call of that transaction, none of which then counted."""
@@ -208,7 +213,7 @@ class SqliteStore(LedgerBase):
         if self._conn is None:
             with self._mu:
                 self._connect()
-        op = _Op(fn)
+        op = _Op(fn, charge)
         with self._mu:
             self._queue.append(op)
             lead = not self._leader
@@ -294,16 +299,32 @@ class SqliteStore(LedgerBase):
                     self._dv = None
                     return
             else:
-                for op in batch:
+                k = 0
+                while k < len(batch):
+                    # consecutive plain charges: one lookup, one executemany
+                    j = k
+                    while j < len(batch) and batch[j].charge is not None:
+                        j += 1
+                    group = batch[k:j] if j - k > 1 else batch[k : k + 1]
                     conn.execute("SAVEPOINT op")
                     try:
-                        op.result = op.fn(conn)
+                        if len(group) > 1:
+                            results = self._charge_batch(conn, [op.charge for op in group])
+                            for op, r in zip(group, results, strict=True):
+                                if isinstance(r, Exception):
+                                    op.exc = r
+                                else:
+                                    op.result = r
+                        else:
+                            group[0].result = group[0].fn(conn)
                         self._flush(conn)
                     except Exception as e:
-                        op.exc = e
+                        for op in group:
+                            op.exc = e
                         conn.execute("ROLLBACK TO op")
                         self._reset_cache()
                     conn.execute("RELEASE op")
+                    k += len(group)
             self._maybe_purge(conn)
             conn.execute("COMMIT")
         except BaseException as e:
