@@ -339,6 +339,9 @@ class SqliteLedger(SqliteStore):
                     exp,
                 ),
             )
+            conn.execute(
+                "INSERT OR REPLACE INTO holds(request_id, account) VALUES (?, ?)", (rid, account)
+            )
             if a.next_exp is None or exp < a.next_exp:
                 a.next_exp = exp
                 conn.execute("UPDATE accounts SET next_exp=? WHERE account=?", (exp, account))
@@ -360,7 +363,7 @@ class SqliteLedger(SqliteStore):
 
     def _find_hold(self, conn: sqlite3.Connection, rid: str) -> str | None:
         row = conn.execute(
-            "SELECT account FROM requests WHERE request_id=? ORDER BY kind DESC, at DESC LIMIT 1",
+            "SELECT account FROM holds WHERE request_id=?",
             (rid,),
         ).fetchone()
         return None if row is None else str(row[0])
@@ -469,8 +472,9 @@ class SqliteLedger(SqliteStore):
     def _release(self, rid: str) -> None:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
-                "SELECT account, period, parts, input_tokens, output_tokens, calls FROM requests"
-                " WHERE request_id=? AND status='held'",
+                "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
+                " FROM holds h JOIN requests r ON r.account=h.account AND r.request_id=h.request_id"
+                " WHERE h.request_id=? AND r.status='held'",
                 (rid,),
             ).fetchall()
             for acc, key, parts, i, o, c in rows:

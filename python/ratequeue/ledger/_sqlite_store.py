@@ -45,8 +45,9 @@ CREATE TABLE IF NOT EXISTS requests(
   at REAL NOT NULL, period TEXT NOT NULL, input_tokens INTEGER NOT NULL,
   output_tokens INTEGER NOT NULL, calls INTEGER NOT NULL, model TEXT, parent_id TEXT,
   meta TEXT, fp TEXT NOT NULL, sfp TEXT, parts TEXT, expires REAL,
-  PRIMARY KEY(account, request_id));
-CREATE INDEX IF NOT EXISTS requests_id ON requests(request_id);
+  PRIMARY KEY(account, request_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS holds(
+  request_id TEXT PRIMARY KEY, account TEXT NOT NULL) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS requests_at ON requests(account, at, request_id);
 CREATE INDEX IF NOT EXISTS requests_parent ON requests(account, parent_id)
   WHERE parent_id IS NOT NULL;
@@ -354,6 +355,12 @@ class SqliteStore(LedgerBase):
             "SELECT account, period, end FROM periods WHERE end<? LIMIT 10000", (cut,)
         ).fetchall()
         for account, period, end in stale:
+            conn.execute(
+                "DELETE FROM holds WHERE request_id IN (SELECT request_id FROM requests"
+                " WHERE account=? AND at<=? AND period=? AND kind='hold' AND status!='held')"
+                " AND account=?",
+                (account, end, period, account),
+            )
             conn.execute(
                 "DELETE FROM requests WHERE account=? AND at<=? AND period=? AND status!='held'",
                 (account, end, period),
