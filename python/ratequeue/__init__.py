@@ -23,15 +23,19 @@ from ._ratequeue import (
     Reservation,
     __version__,
 )
+from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
 from .pool import Pool, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
 # pthread_atfork handlers, and a child drops the waiters it inherited.
 
 __all__ = [
+    "AIMD",
     "Acquiring",
+    "Adaptive",
     "Concurrency",
     "CostTooLarge",
+    "Gradient2",
     "Histogram",
     "KeyedConcurrency",
     "KeyedLimiter",
@@ -45,10 +49,12 @@ __all__ = [
     "Pool",
     "PoolOverloaded",
     "Provider",
+    "QueueDepth",
     "QuotaExceeded",
     "Rate",
     "RateQueueError",
     "Reservation",
+    "Vegas",
     "WaitTimeout",
     "__version__",
 ]

@@ -3,6 +3,7 @@
 ``python -m ratequeue demo``            the lab's default scenario: tables, plot, JSON, CSV
 ``python -m ratequeue demo --burst-only`` the first demo: one burst, unbounded vs bounded
 ``python -m ratequeue lab ...``           a scenario of your own, in virtual time
+``python -m ratequeue lab --scenario launch`` launch day: a 3x surge, adaptive limits
 ``python -m ratequeue loadtest CONFIG``   real-time open-loop load against an HTTP endpoint
 ``python -m ratequeue mock-provider ...`` a local provider that enforces an RPM limit (429)
 ``python -m ratequeue quota ...``         the quota ledger: show, usage, export, compensate
@@ -115,6 +116,10 @@ def _run_demo(args: argparse.Namespace) -> int:
 def _run_lab(args: argparse.Namespace) -> int:
     from . import lab
 
+    if args.scenario == "launch":
+        print(lab.launch.main(out=args.out, formats=args.formats, seed=args.seed))
+        return 0
+
     strategies: list[lab.Strategy] = []
     for key in args.strategies.split(","):
         key = key.strip()
@@ -213,6 +218,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     lb = sub.add_parser("lab", help="run a scenario of your own in virtual time")
     lb.add_argument("--name", default="lab", help="scenario name, used for file names")
+    lb.add_argument(
+        "--scenario",
+        choices=("levels", "launch"),
+        default="levels",
+        help="levels: load levels from these options; launch: the launch-day surge "
+        "against a virtual inference cluster, adaptive strategies side by side",
+    )
     lb.add_argument(
         "--rpm", type=_number(float, 0), default=100.0, help="provider limit, requests/minute"
     )

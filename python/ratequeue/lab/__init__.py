@@ -5,6 +5,8 @@ client strategies (:mod:`.strategies`) and scenarios (:mod:`.scenario`) run on o
 :class:`~ratequeue.ManualClock` through the real limiter, queue and pool code, thousands
 of simulated seconds per real second; :mod:`.theory` gives M/M/1 and M/D/1 beside the
 measurements; :mod:`.report` prints tables and writes JSON, CSV and a plot.
+:mod:`.cluster` is a virtual inference cluster (dynamic batching, KV cache, scale-out)
+and :mod:`.launch` the launch-day scenario run against it with adaptive limits.
 
 ::
 
@@ -17,9 +19,11 @@ measurements; :mod:`.report` prints tables and writes JSON, CSV and a plot.
 
 from __future__ import annotations
 
-from . import arrivals, service, theory
+from . import arrivals, launch, service, theory
 from .arrivals import Arrivals, Batches, Burst, OnOff, Poisson, Replay, parse_arrivals
+from .cluster import ClusterSpec, InferenceCluster, ReplicaSpec
 from .engine import Outage, SimProvider, VirtualTime
+from .launch import LaunchReport, LaunchScenario, format_launch, plot_launch, run_launch
 from .progress import Progress
 from .report import format_level, format_report, plot, write_csv, write_json
 from .results import Request, Row, StrategyRun, Workload
@@ -50,8 +54,12 @@ __all__ = [
     "Arrivals",
     "Batches",
     "Burst",
+    "ClusterSpec",
     "Exponential",
+    "InferenceCluster",
     "LabReport",
+    "LaunchReport",
+    "LaunchScenario",
     "LevelResult",
     "LogNormal",
     "NaiveRetry",
@@ -64,6 +72,7 @@ __all__ = [
     "ProviderLimit",
     "Queue",
     "Replay",
+    "ReplicaSpec",
     "Request",
     "Row",
     "Scenario",
@@ -75,13 +84,17 @@ __all__ = [
     "Workload",
     "arrivals",
     "default_strategies",
+    "format_launch",
     "format_level",
     "format_report",
+    "launch",
     "make_workload",
     "parse_arrivals",
     "parse_service",
     "plot",
+    "plot_launch",
     "run_burst",
+    "run_launch",
     "run_level",
     "run_scenario",
     "service",
