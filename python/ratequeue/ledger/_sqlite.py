@@ -10,9 +10,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
-from ._base import compensation, parse_json_obj, quota_exceeded
+from ._base import compensation, parse_json_obj
 from ._model import (
-    UNITS,
     Balance,
     Charge,
     Hold,
@@ -27,13 +26,11 @@ from ._sqlite_store import (
     _ROW_COLS,
     CLAIM_SECONDS,
     SqliteStore,
-    _Acct,
     _am,
     _charge_of,
     _conflict,
     _hold_of,
     _notice,
-    _Per,
     _same_amounts,
 )
 
@@ -58,142 +55,6 @@ class SqliteLedger(SqliteStore):
     file consistent on power loss; ``"FULL"`` also keeps the last commits on power loss.
     Concurrent calls from threads are committed together (group commit).
     """
-
-    # -- the accounting ----------------------------------------------------------------------
-
-    def _current(self, conn: sqlite3.Connection, account: str, now: float) -> tuple[_Acct, _Per]:
-        a = self._acct(conn, account)
-        if a.next_exp is not None and now >= a.next_exp:
-            self._expire_account(conn, account, a, now)
-        span = self._span(a.plan_json, a.plan, a.anchor, now)
-        return a, self._per(conn, account, span)
-
-    def _fit(
-        self, account: str, a: _Acct, p: _Per, am: dict[str, int], now: float, *, force: bool
-    ) -> dict[str, list[int]]:
-        """The parts of ``am`` taken from the plan quota, then the bonus (nothing changed);
-        ``QuotaExceeded`` if they do not fit (with ``force``, past the quota)."""
-        parts: dict[str, list[int]] = {}
-        for u, q in a.plan.quota.items():
-            need = am[u]
-            free = max(0, q - p.used[u])
-            from_plan = min(need, free)
-            from_bonus = min(need - from_plan, a.bonus[u])
-            if not force and from_plan + from_bonus < need:
-                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
-            if force:
-                from_plan = need - from_bonus
-            if p.used[u] + from_plan > 2**63 - 1:
-                raise ValueError(f"usage of {u} would pass 2**63-1")
-            parts[u] = [from_plan, from_bonus]
-        return parts
-
-    def _apply(
-        self,
-        conn: sqlite3.Connection,
-        account: str,
-        a: _Acct,
-        p: _Per,
-        parts: dict[str, list[int]],
-        now: float,
-    ) -> None:
-        bonus_changed = False
-        for u, (fp, fb) in parts.items():
-            p.used[u] += fp
-            if fb:
-                a.bonus[u] -= fb
-                bonus_changed = True
-        if bonus_changed:
-            self._save_bonus(conn, account, a)
-        self._dirty.add((account, p.span.key))
-        self._fire(conn, account, a, p, now)
-
-    def _take(
-        self,
-        conn: sqlite3.Connection,
-        account: str,
-        a: _Acct,
-        p: _Per,
-        am: dict[str, int],
-        now: float,
-        *,
-        force: bool,
-    ) -> dict[str, list[int]]:
-        """Takes ``am`` from the plan quota, then the bonus; returns the parts taken."""
-        parts = self._fit(account, a, p, am, now, force=force)
-        self._apply(conn, account, a, p, parts, now)
-        return parts
-
-    def _give_back(
-        self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per | None, parts: Any
-    ) -> None:
-        bonus_changed = False
-        for u, (fp, fb) in parts.items():
-            if p is not None:
-                p.used[u] = max(0, p.used[u] - fp)
-            if fb:
-                a.bonus[u] += fb
-                bonus_changed = True
-        if p is not None:
-            self._dirty.add((account, p.span.key))
-        if bonus_changed:
-            self._save_bonus(conn, account, a)
-
-    def _fire(self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per, now: float) -> None:
-        for u, q, levels in a.levels:
-            used = p.used[u]
-            for bp, level, flag in levels:
-                if used >= level and flag not in p.fired:
-                    p.fired.add(flag)
-                    conn.execute(
-                        "INSERT OR IGNORE INTO outbox(id, account, period, unit, bp, used, quota,"
-                        " at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-                        (
-                            f"{account}|{p.span.key}|{u}|{bp}",
-                            account,
-                            p.span.key,
-                            u,
-                            bp,
-                            p.used[u],
-                            q,
-                            now,
-                        ),
-                    )
-                    self._notice_event.set()
-
-    def _hold_delta(self, p: _Per | None, am: dict[str, int], sign: int) -> None:
-        if p is None:
-            return
-        for u in UNITS:
-            p.held[u] = max(0, p.held[u] + sign * am[u])
-
-    def _expire_account(self, conn: sqlite3.Connection, account: str, a: _Acct, now: float) -> int:
-        rows = conn.execute(
-            "SELECT request_id, period, parts, input_tokens, output_tokens, calls FROM requests"
-            " WHERE account=? AND status='held' AND expires<=?",
-            (account, now),
-        ).fetchall()
-        for rid, key, parts, i, o, c in rows:
-            p = self._per_key(conn, account, key)
-            self._give_back(conn, account, a, p, json.loads(parts))
-            self._hold_delta(p, _am(i, o, c), -1)
-            conn.execute(
-                "UPDATE requests SET status='expired' WHERE account=? AND request_id=?",
-                (account, rid),
-            )
-        nxt = conn.execute(
-            "SELECT MIN(expires) FROM requests WHERE account=? AND status='held'", (account,)
-        ).fetchone()[0]
-        a.next_exp = nxt
-        conn.execute("UPDATE accounts SET next_exp=? WHERE account=?", (nxt, account))
-        return len(rows)
-
-    def _existing(self, conn: sqlite3.Connection, account: str, rid: str) -> Any:
-        return conn.execute(
-            "SELECT kind, status, fp, sfp, " + _ROW_COLS + ", expires FROM requests"
-            " WHERE account=? AND request_id=?",
-            (account, rid),
-        ).fetchone()
 
     def _charge(
         self,
