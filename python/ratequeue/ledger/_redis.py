@@ -663,14 +663,25 @@ class RedisLedger(LedgerBase):
                     "bonus_added": add,
                 }
             return out
-        self.client.script_load(LUA)
-        calls = []
-        for _, acc, info, span in todo:
-            keys = self._keys(acc, "audit", span.key)
-            args = self._comp_args(campaign_id, acc, info, span, params)
-            calls.append((keys, args))
-            pipe.evalsha(LUA_SHA, len(keys), *keys, *args)
-        for n, r in enumerate(pipe.execute()):
+        replies: list[Any] = []
+        if self._raw:  # one pipeline of scripts (a cluster client refuses scripts there)
+            self.client.script_load(LUA)
+            for _, acc, info, span in todo:
+                keys = self._keys(acc, "audit", span.key)
+                pipe.evalsha(
+                    LUA_SHA,
+                    len(keys),
+                    *keys,
+                    *self._comp_args(campaign_id, acc, info, span, params),
+                )
+            replies = pipe.execute()
+        else:
+            for _, acc, info, span in todo:
+                keys = self._keys(acc, "audit", span.key)
+                replies.append(
+                    self._eval(keys, self._comp_args(campaign_id, acc, info, span, params))
+                )
+        for n, r in enumerate(replies):
             k, acc, _info, span = todo[n]
             if _s(r[0]) == "STALE":  # its plan changed meanwhile: once more, alone
                 info = self._account_info(acc, fresh=True)
