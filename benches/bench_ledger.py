@@ -257,6 +257,7 @@ def redis_section(url: str, rounds: int, batch: int) -> tuple[list[str], float]:
         ("ledger.hold + settle", hold_settle, "hold, then settle; 2 EVALSHA + 1 SET of the id"),
     ]
     times: dict[str, list[float]] = {c[0]: [] for c in cands}
+    client.config_resetstat()
     for _ in range(rounds):
         for name, fn, _note in cands:
             t0 = time.perf_counter()
@@ -275,6 +276,15 @@ def redis_section(url: str, rounds: int, batch: int) -> tuple[list[str], float]:
             f"| {name} | {med * 1e6:.1f} | {min(times[name]) * 1e6:.1f} | {1 / med:,.0f} | "
             f"{r:.2f} | {note} |"
         )
+    stats = client.info("commandstats")
+    server = {
+        k: stats.get(f"cmdstat_{k}", {}).get("usec_per_call", 0.0) for k in ("incrby", "evalsha")
+    }
+    rows.append(
+        f"| (server side, from INFO commandstats) | INCRBY {server['incrby']:.1f} us, "
+        f"EVALSHA of the ledger {server['evalsha']:.1f} us per call | | | | "
+        "the script's own work: what a charge costs beyond the round trip |"
+    )
     led.close()
     return rows, ratio
 
