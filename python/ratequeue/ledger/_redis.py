@@ -303,10 +303,13 @@ class RedisLedger(LedgerBase):
                 repr(exp),
                 self.max_rows,
             ]
-            r = self._eval(
-                self._keys(account, "r:" + rid, span.key),
-                self._args(op, info, account, span, now, extra),
-            )
+            keys = self._keys(account, "r:" + rid, span.key)
+            args = self._args(op, info, account, span, now, extra)
+            if op == "hold" and self._raw:
+                # one server, no slots: the script records the hold's id -> account too
+                keys.append(self._prefix + "hold:" + rid)
+                args[7] = account
+            r = self._eval(keys, args)
             tag = _s(r[0])
             if tag == "STALE":
                 continue
@@ -397,9 +400,12 @@ class RedisLedger(LedgerBase):
         return h
 
     def _remember_hold(self, rid: str, account: str, exp: float) -> None:
-        self.client.set(
-            self._prefix + "hold:" + rid, account, ex=max(1, int(self.hold_ttl + self.retention))
-        )
+        if not self._raw:  # a cluster: the id's key lives in another slot
+            self.client.set(
+                self._prefix + "hold:" + rid,
+                account,
+                ex=max(1, int(self.hold_ttl + self.retention)),
+            )
         now = self._now()
         with self._lock:
             self._holds[rid] = (account, exp)

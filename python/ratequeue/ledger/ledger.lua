@@ -2,9 +2,9 @@
 -- crossing, atomically, in one round trip. Every key shares the account's hash tag.
 --
 -- KEYS: 1 account hash, 2 request record (audit hash for "comp"), 3 hold expiry zset,
---       4 usage rows stream, 5 outbox list, 6 current period hash
+--       4 usage rows stream, 5 outbox list, 6 current period hash, (7 a hold's id index)
 -- ARGV: 1 op, 2 now, 3 plan version, 4 key prefix, 5 retention s, 6 period key,
---       7 period end, 8 unused, 9-18 per op, 19... the plan: unit count, then per unit
+--       7 period end, 8 the account (for a hold's id index), 9-18 per op, 19... the plan: unit count, then per unit
 --       its name, quota, threshold count and (basis points, level) pairs.
 -- A request record is one string: its fields joined by \31 (ids hold no control chars).
 
@@ -250,6 +250,9 @@ if op == 'charge' or op == 'hold' then
     rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[17], encode_parts(parts)
     for _, u in ipairs(units) do per.held[u] = per.held[u] + am[u] end
     redis.call('ZADD', H, ARGV[17], rid)
+    if KEYS[7] then  -- the id -> account index (single server only: another slot)
+      redis.call('SET', KEYS[7], ARGV[8], 'EX', int(math.ceil(tonumber(ARGV[17]) - now + retention)))
+    end
     local nx = tonumber(acct[2])
     if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
     record(table.concat(rec, SEP), tonumber(ARGV[17]) - now + retention)
