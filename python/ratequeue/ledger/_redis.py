@@ -367,7 +367,7 @@ class RedisLedger(LedgerBase):
         replay = _s(r[0]) == "REPLAY"
         if replay:
             c = _record_charge(rid, account, _s(r[1]), True)
-            exp = float(_s(r[1]).split(SEP)[12])
+            exp = float(_s(r[1]).split(SEP)[12] or 0.0)
             h = Hold(
                 rid,
                 account,

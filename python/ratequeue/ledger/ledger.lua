@@ -295,8 +295,8 @@ if op == 'settle' then
   end
   take(per, am, true)
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
-  rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[EXP], rec[PARTS] =
-    ARGV[11], ARGV[12], ARGV[13], model, '', ''
+  rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[PARTS] =
+    ARGV[11], ARGV[12], ARGV[13], model, ''
   local out = table.concat(rec, SEP)
   record(out, (period == pkey and tonumber(pend) or now) - now + retention)
   row(out, max_rows)
