@@ -35,6 +35,10 @@ op = st.one_of(
     st.tuples(st.just("hold"), st.sampled_from(IDS), st.sampled_from(ACCOUNTS), st.integers(0, 80)),
     st.tuples(st.just("settle"), st.sampled_from(IDS), st.integers(0, 90), st.integers(0, 20)),
     st.tuples(st.just("release"), st.sampled_from(IDS)),
+    st.tuples(
+        st.just("settle_to"), st.sampled_from(IDS), st.sampled_from(ACCOUNTS), st.integers(0, 50)
+    ),
+    st.tuples(st.just("expire")),
     st.tuples(st.just("advance"), st.sampled_from([1.0, 30.0, 200.0, 43_200.0])),
     st.tuples(st.just("compensate"), st.sampled_from(["c1", "c2"]), st.booleans()),
 )
@@ -54,6 +58,11 @@ def run(led: LedgerBase, clock: rq.ManualClock, ops: list[tuple[Any, ...]]) -> l
             elif o[0] == "settle":
                 c = led.settle(o[1], input_tokens=o[2], output_tokens=o[3])
                 r = ("settle", c.account, c.tokens, c.replay)
+            elif o[0] == "settle_to":
+                c = led.settle(o[1], input_tokens=o[3], output_tokens=0, account=o[2])
+                r = ("settle", c.account, c.tokens, c.replay)
+            elif o[0] == "expire":
+                r = ("expired", led.expire_holds())
             elif o[0] == "release":
                 led.release(o[1])
                 r = "released"
