@@ -76,6 +76,14 @@ def run(led: LedgerBase, clock: rq.ManualClock, ops: list[tuple[Any, ...]]) -> l
             r = type(e).__name__
         out.append(r)
         out.append([(b.used, b.held, b.bonus) for b in map(led.balance, ACCOUNTS)])
+    out.append(sorted((n.id, n.used, n.quota) for n in led.pending_notices()))
+    # rows of one instant come in insertion order (Redis) or by id (SQLite)
+    out.append(
+        [
+            sorted((r.at, r.request_id, r.tokens, r.period) for r in led.iter_usage(a))
+            for a in ACCOUNTS
+        ]
+    )
     return out
 
 

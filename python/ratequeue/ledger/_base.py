@@ -346,8 +346,9 @@ class LedgerBase:
         limit: int = 100,
         cursor: str | None = None,
     ) -> Page:
-        """Charged rows of ``account`` with ``start <= at < end``, oldest first, ``limit``
-        per page (at most 10,000)."""
+        """Charged rows of ``account`` with ``start <= at < end``, oldest first (rows of
+        one instant by id in SQLite, in arrival order in Redis), ``limit`` per page (at
+        most 10,000)."""
         check_id("account", account)
         if isinstance(limit, bool) or not isinstance(limit, int):
             raise TypeError(f"limit must be an int, got {type(limit).__name__}")
