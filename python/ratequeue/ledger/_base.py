@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import csv
 import inspect
+import json
 import os
 import sys
 import threading
@@ -118,8 +119,6 @@ class LedgerBase:
     def _plan(self, text: str) -> Plan:
         p = self._plans.get(text)
         if p is None:
-            import json
-
             p = Plan.from_dict(json.loads(text))
             if len(self._plans) > 10_000:
                 self._plans.clear()
@@ -407,8 +406,6 @@ class LedgerBase:
         end: float | None = None,
     ) -> int:
         """Writes the rows as CSV (header first); returns how many rows."""
-        import json
-
         w = csv.writer(out)
         w.writerow(
             [
@@ -686,7 +683,5 @@ def parse_json_obj(text: str | None) -> dict[str, Any] | None:
     """A stored meta JSON (or None)."""
     if not text:
         return None
-    import json
-
     v = json.loads(text)
     return v if isinstance(v, dict) else None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -59,8 +60,6 @@ def open_ledger(args: argparse.Namespace) -> LedgerBase:
     if args.db and args.redis:
         raise ValueError("give --db or --redis, not both")
     if args.db:
-        import os
-
         from ._sqlite import SqliteLedger
 
         if not os.path.isfile(args.db):
