@@ -7,6 +7,9 @@ environment; HYPOTHESIS_PROFILE=<name> overrides both.
 from __future__ import annotations
 
 import os
+import signal
+import threading
+from collections.abc import Callable, Iterator
 
 import pytest
 import ratequeue as rq
@@ -43,6 +46,36 @@ HANG_SECONDS = float(os.environ.get("RATEQUEUE_HANG_SECONDS", "240"))
 
 
 _real_stderr: object = None
+
+
+@pytest.fixture
+def ctrl_c() -> Iterator[Callable[[float], threading.Timer]]:
+    """``ctrl_c(delay)`` sends SIGINT to this process after ``delay`` seconds, as Ctrl-C
+    would. The handler raises KeyboardInterrupt only while the test runs: a signal that
+    lands late (a loaded machine) is swallowed at teardown instead of interrupting a later
+    test or pytest itself."""
+    armed = True
+    timers: list[threading.Timer] = []
+
+    def handler(signum: int, frame: object) -> None:
+        if armed:
+            raise KeyboardInterrupt
+
+    def soon(delay: float) -> threading.Timer:
+        timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT))
+        timers.append(timer)
+        timer.start()
+        return timer
+
+    old = signal.signal(signal.SIGINT, handler)
+    try:
+        yield soon
+    finally:
+        armed = False
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        signal.signal(signal.SIGINT, old)  # runs a pending handler first: disarmed
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -315,6 +315,26 @@ class History:
                 k = (q.level, q.key)
                 self.held[k] = self.held.get(k, 0) + q.costs[0]
 
+    def date_grant(self, q: Req, p: Any, t: int | None) -> None:
+        """Logs the grant of a waiter's permit ``p`` at the schedule time the library
+        took it (``granted_at_ns``), arrived ``waited`` before that. A blocking call
+        releases the GIL before it queues, so the clock may move between a thread's own
+        reading and the queue's: only the library's dating is exact there. With ``t``
+        (single mode: the clock cannot move during the call) the two must agree."""
+        at = p.granted_at_ns
+        arrival = at - round(p.waited * NS)
+        if t is not None and abs(arrival - t) > TOL_NS:
+            self.violate(
+                "dating",
+                f"request {q.rid} arrived at {t - self._t0()} ns but its permit says"
+                f" {arrival - self._t0()} ns (granted_at_ns - waited)",
+                [q],
+                tail=0,
+                dedupe=("dating", q.level),
+            )
+        q.arrival_ns = arrival
+        self.granted(q, at)
+
     def ended(self, q: Req) -> None:
         with self.lock:
             if q.start_seq is not None and q.end_seq is None:
@@ -640,8 +660,8 @@ class Ops(History):
                 p = lv.obj.try_acquire(n) if key is None else lv.obj.try_acquire(key, n)
                 self.oplog[op] += f" -> {p is not None}"
                 if p is not None:
-                    q = self.new_req(lv.name, key, None, [n], "try", op, t)
-                    self.granted(q, t0=t, at_ns=t)
+                    q = self.new_req(lv.name, key, None, [n], "try", op, p.granted_at_ns)
+                    self.granted(q, p.granted_at_ns)
                     holders.append(Holder(p, [q], "permit"))
             self.bump("try_acquire")
         except rq.CostTooLarge:
@@ -665,10 +685,18 @@ class Ops(History):
             return
         at = t + round(res.delay * NS)
         self.oplog[op] += f" -> delay={res.delay}"
-        q = self.new_req("lim", None, None, list(costs.values()), "reserve", op, t)
+        q = self.new_req("lim", None, self.reserve_cls(), list(costs.values()), "reserve", op, t)
         self.granted(q, t0=t, at_ns=at)
         holders.append(Holder(res, [q], "reservation"))
         self.bump("reserve")
+
+    def reserve_cls(self) -> str | None:
+        """The class a queued ``Limiter.reserve`` joins: with several classes, the first
+        (it is promised a time behind every waiter queued when it is made; waiters of
+        other classes that arrived before it may still be served after it by the weighted
+        shares, as they may be after any later request of the first class)."""
+        classes = self.levels["lim"].classes
+        return classes[0] if len(classes) > 1 else None
 
     def op_policy_try(self, holders: list[Holder], reserve: bool) -> None:
         kw = self.policy_kw()
@@ -714,8 +742,11 @@ class Ops(History):
             gave = h.obj.cancel()
             self.oplog[op] += f" -> {gave}"
             if gave:
-                # Given back: not counted, and later arrivals may take its place.
+                # Given back: not counted, and later arrivals may take its place. Nor is it
+                # ordered: a grant undone was never used, so the time it was promised (which
+                # a later settle charge may have made unreachable) says nothing of the order.
                 q.eff, q.lead = [0] * len(q.eff), False
+                q.outcome = "cancelled"
                 self.bump("refunds")
             again = h.obj.cancel()
             if again:
@@ -856,7 +887,7 @@ class Ops(History):
                 return
             self.bump("retry_after_checked")
         self.oplog[op] += f" -> delay={res.delay}"
-        q = self.new_req("lim", None, None, list(costs.values()), "reserve", op, t)
+        q = self.new_req("lim", None, self.reserve_cls(), list(costs.values()), "reserve", op, t)
         self.granted(q, t + round(res.delay * NS))
         holders.append(Holder(res, [q], "reservation"))
 
@@ -1068,7 +1099,7 @@ class Single(Ops):
             q.outcome = "cancelled"
             self.bump("cancelled")
             raise
-        self.granted(q, t + round(p.waited * NS))
+        self.date_grant(q, p, t)
         self.bump("queued_grant" if p.waited else "grant")
         self.oplog[op] += f" [req {q.rid} granted after {p.waited}]"
         self.check_deadline(q, p.waited, timeout)
@@ -1268,7 +1299,10 @@ class Threads(Ops):
                     h.obj.release()
 
     def blocking(self, rng: random.Random, mine: list[Holder]) -> None:
-        name = rng.choice(["lim", "klim", "conc", "kconc", "policy"])
+        levels = ["lim", "klim", "conc", "kconc"]
+        name = rng.choice(
+            [*levels, "policy"] if self.only is None or "policy" in self.only else levels
+        )
         timeout = rng.choice([0.0, 0.05, 0.2, 0.5, 1.0, 2.0])
         if name == "policy":
             kw = self.policy_kw()
@@ -1324,7 +1358,7 @@ class Threads(Ops):
         except rq.CostTooLarge:
             return
         q = self.new_req(name, key, cls, clist, "wait", op, t)
-        self.granted(q, t + round(p.waited * NS))
+        self.date_grant(q, p, None)
         self.bump("queued_grant" if p.waited else "grant")
         self.check_deadline(q, p.waited, timeout)
         mine.append(Holder(p, [q], "permit"))
@@ -1359,7 +1393,7 @@ class Threads(Ops):
                 return
             clist = list(costs.values()) if lv.kind == "rate" else [n]
             q = self.new_req(lv.name, key, cls, clist, "wait", op, t)
-            self.granted(q, t + round(p.waited * NS))
+            self.date_grant(q, p, None)
             self.bump("queued_grant" if p.waited else "grant")
             self.check_deadline(q, p.waited, timeout)
             held.append(Holder(p, [q], "permit"))

@@ -2,9 +2,12 @@
 
 ``RedisServer`` starts ``redis-server`` (found on PATH or in ``$RATEQUEUE_REDIS_SERVER``)
 on 127.0.0.1 with ``--save '' --appendonly no`` and stops it afterwards; ``stop()`` and
-``start()`` again on the same port let tests kill Redis in the middle of a run. The
-pytest fixtures below are imported by the ``test_redis*.py`` modules. Without a
-redis-server the tests are skipped, except in CI (``CI=true``), where that fails them.
+``start()`` again on the same port let tests kill Redis in the middle of a run.
+
+The fixtures below (``redis_server``, ``own_redis``, ``r``) reach every test under
+``tests/redis/`` through its ``conftest.py``; a test module elsewhere imports them from
+here. Without redis-server or redis-py a test that needs them fails (never skips): CI
+installs both.
 """
 
 from __future__ import annotations
@@ -20,16 +23,8 @@ import time
 from collections.abc import Iterator, Sequence
 
 import pytest
-
-try:
-    import redis
-    import redis.asyncio
-except ImportError:  # pragma: no cover - the test extra installs it
-    redis = None  # type: ignore[assignment]
-
-
-def in_ci() -> bool:
-    return os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
+import redis
+import redis.asyncio
 
 
 def server_binary() -> str | None:
@@ -186,18 +181,13 @@ class RedisServer:
 _server: RedisServer | None = None
 
 
-def _require_binary() -> str:
-    if redis is None:
-        msg = "the redis package is not installed (pip install 'ratequeue[test]')"
-        if in_ci():
-            pytest.fail(msg)
-        pytest.skip(msg)
+def require_binary() -> str:
     binary = server_binary()
     if binary is None:
-        msg = "redis-server not found (apt-get install redis-server)"
-        if in_ci():
-            pytest.fail(f"{msg}: CI must run the Redis tests")
-        pytest.skip(msg)
+        pytest.fail(
+            "redis-server not found (apt-get install redis-server, or set "
+            "RATEQUEUE_REDIS_SERVER): the Redis tests need one and never skip"
+        )
     return binary
 
 
@@ -205,7 +195,7 @@ def _require_binary() -> str:
 def redis_server() -> Iterator[RedisServer]:
     """A redis-server shared by the session (started once)."""
     global _server
-    binary = _require_binary()
+    binary = require_binary()
     if _server is None:
         _server = RedisServer(binary)
         _server.start()
@@ -215,7 +205,7 @@ def redis_server() -> Iterator[RedisServer]:
 @pytest.fixture
 def own_redis() -> Iterator[RedisServer]:
     """A redis-server of its own, for tests that stop, freeze or restart it."""
-    server = RedisServer(_require_binary())
+    server = RedisServer(require_binary())
     server.start()
     try:
         yield server

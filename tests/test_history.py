@@ -41,14 +41,13 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
 
 # Known defects the checker still finds (issue 10 stays open until they are fixed):
 # Policy.acquire and the asyncio Policy path debit their rate levels without joining
-# those levels' queues (they pass queued waiters and promised reservations), queued
-# reservations of several weighted classes are granted by prediction, not in strict
-# order, and threaded keyed levels show violations not yet analysed. strict=True: the
-# day these runs pass, the xfail itself fails and must be removed.
+# those levels' queues (they pass queued waiters and promised reservations). Without
+# Policy operations both modes pass (tests/test_history_defects2.py replays the seeds
+# that found the other defects). strict=True: the day these runs pass, the xfail itself
+# fails and must be removed.
 KNOWN = pytest.mark.xfail(
     strict=True,
-    reason="issue 10 open: Policy rate levels barge past their queues; multi-class "
-    "reservation order; threaded keyed levels",
+    reason="issue 10 open: Policy rate levels barge past their queues",
 )
 
 

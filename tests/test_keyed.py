@@ -501,16 +501,19 @@ def test_timeout_and_max_wait_refuse_at_once_consuming_nothing():
 
 
 def test_max_queue_is_per_key():
-    kl = rq.KeyedLimiter(rq.Rate(20, per="second", burst=1), max_queue=1)
+    clock = rq.ManualClock()
+    kl = rq.KeyedLimiter(rq.Rate(20, per="second", burst=1), max_queue=1, clock=clock)
     assert kl.try_acquire("a")
     assert kl.try_acquire("b")
     waiters = [threading.Thread(target=kl.acquire, args=(k,)) for k in ("a", "b")]
     for t in waiters:
         t.start()
-    time.sleep(0.02)
-    if all(t.is_alive() for t in waiters):
-        with pytest.raises(rq.Overloaded):
-            kl.acquire("a")
+    end = time.monotonic() + 10  # both queued: retry_after counts them
+    while min(kl.retry_after("a"), kl.retry_after("b")) < 0.09 and time.monotonic() < end:
+        time.sleep(0.001)
+    with pytest.raises(rq.Overloaded):
+        kl.acquire("a")  # "a" has one waiter: its queue is full
+    kl.run_until(1.0)
     for t in waiters:
         t.join(10)
     assert kl.stats()["waiting_keys"] == 0

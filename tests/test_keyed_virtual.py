@@ -28,8 +28,9 @@ def test_keyed_waiters_granted_in_schedule_time_by_run_until():
     threads = [threading.Thread(target=wait, args=(k,)) for k in ("a", "a", "b")]
     for t in threads:
         t.start()
-    _wait_for(lambda: kl.stats()["waiting_keys"] == 2)
-    time.sleep(0.05)  # both "a" waiters queued
+    # all three queued (a key's gate exists a moment before its waiter is in the queue;
+    # retry_after counts the queued waiters)
+    _wait_for(lambda: kl.retry_after("a") > 1.4 and kl.retry_after("b") > 0.9)
     assert kl.run_until(2.0) >= 2
     for t in threads:
         t.join(5)
@@ -54,8 +55,14 @@ def test_keyed_concurrency_deadline_expires_on_the_manual_clock():
     th = threading.Thread(target=wait)
     th.start()
     _wait_for(lambda: kc.stats()["waiting_keys"] == 1)
-    kc.run_until(2.0)
-    th.join(5)
+    # the gate can exist a moment before its waiter is queued (dated at the clock's time
+    # then): move the clock on until the timeout fires, within a bounded real time
+    end = time.monotonic() + 10
+    t = 0.0
+    while th.is_alive() and time.monotonic() < end:
+        t += 2.0
+        kc.run_until(t)
+        th.join(0.01)
     assert len(errors) == 1
     held.release()
     assert kc.in_use("t") == 0

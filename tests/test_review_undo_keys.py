@@ -6,15 +6,11 @@ Timing on a ManualClock. A test here fails when the defect it names is present.
 
 from __future__ import annotations
 
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 import asyncio
 import itertools
 
 import pytest
 import ratequeue as rq
-import redis
-from ratequeue.redis import RedisPolicy
-from redis_server import r, redis_server  # noqa: F401
 
 
 def grants_at_once(lim: rq.Limiter, most: int = 10) -> int:
@@ -139,26 +135,6 @@ def test_cancel_of_a_reservation_whose_predecessor_was_refunded_is_capped(clock)
 # Redis key names: a keyed level's key and another level's name must never meet.
 
 _names = itertools.count()
-
-
-def test_redis_policy_keyed_level_key_never_names_another_levels_bucket(r: redis.Redis) -> None:
-    # Level "user" with the int key 0 is stored under ...:user:i:0, which is also the
-    # Redis key of bucket 0 of the unkeyed level "user:i": the two levels share one
-    # Redis bucket, and the fast level's write lets user 0 (1 per hour) through again
-    # 10 ms later.
-    clock = rq.ManualClock(1000.0)
-    p = RedisPolicy(
-        r,
-        {
-            "user": rq.KeyedLimiter(rq.Rate(1, per=3600, burst=1)),
-            "user:i": rq.Rate(1000, per=1, burst=1000),
-        },
-        name=f"review{next(_names)}",
-        clock=clock,
-    )
-    assert p.try_acquire(user=0) is not None
-    clock.advance(0.01)
-    assert p.try_acquire(user=0) is None
 
 
 # ---------------------------------------------------------------------------------------

@@ -4,8 +4,6 @@ The engine is a lock-free Rust core (``ratequeue._ratequeue``); this package re-
 its types and adds thin Python adapters.
 """
 
-from __future__ import annotations
-
 from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
@@ -24,6 +22,8 @@ from ._ratequeue import (
     __version__,
 )
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
+from .canary import Canary
+from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
@@ -33,6 +33,9 @@ __all__ = [
     "AIMD",
     "Acquiring",
     "Adaptive",
+    "BudgetExceeded",
+    "CallBudget",
+    "Canary",
     "Concurrency",
     "CostTooLarge",
     "Gradient2",

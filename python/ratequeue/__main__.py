@@ -4,6 +4,7 @@
 ``python -m ratequeue demo --burst-only`` the first demo: one burst, unbounded vs bounded
 ``python -m ratequeue lab ...``           a scenario of your own, in virtual time
 ``python -m ratequeue lab --scenario launch`` launch day: a 3x surge, adaptive limits
+``python -m ratequeue lab --scenario canary`` a verbose model caught by a canary rollout
 ``python -m ratequeue loadtest CONFIG``   real-time open-loop load against an HTTP endpoint
 ``python -m ratequeue mock-provider ...`` a local provider that enforces an RPM limit (429)
 ``python -m ratequeue quota ...``         the quota ledger: show, usage, export, compensate
@@ -119,6 +120,9 @@ def _run_lab(args: argparse.Namespace) -> int:
     if args.scenario == "launch":
         print(lab.launch.main(out=args.out, formats=args.formats, seed=args.seed))
         return 0
+    if args.scenario == "canary":
+        print(lab.canary.main(out=args.out, formats=args.formats, seed=args.seed))
+        return 0
 
     strategies: list[lab.Strategy] = []
     for key in args.strategies.split(","):
@@ -173,6 +177,9 @@ def _run_loadtest(args: argparse.Namespace) -> int:
     return loadtest.main(args.config, out=args.out, quiet=args.quiet)
 
 
+_MOCK_DIALECTS = ("auto", "openai", "anthropic", "ietf", "none")
+
+
 def _run_mock(args: argparse.Namespace) -> int:
     from . import mock_provider
 
@@ -183,6 +190,9 @@ def _run_mock(args: argparse.Namespace) -> int:
         burst=args.burst,
         host=args.host,
         duration=args.duration,
+        tpm=args.tpm,
+        dialect=args.dialect,
+        retry_style=args.retry_style,
     )
 
 
@@ -220,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lb.add_argument("--name", default="lab", help="scenario name, used for file names")
     lb.add_argument(
         "--scenario",
-        choices=("levels", "launch"),
+        choices=("levels", "launch", "canary"),
         default="levels",
         help="levels: load levels from these options; launch: the launch-day surge "
-        "against a virtual inference cluster, adaptive strategies side by side",
+        "against a virtual inference cluster, adaptive strategies side by side; canary: a "
+        "verbose candidate model rolled back by the canary's KPI gates",
     )
     lb.add_argument(
         "--rpm", type=_number(float, 0), default=100.0, help="provider limit, requests/minute"
@@ -291,6 +302,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     mp.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
     mp.add_argument(
         "--duration", type=_number(float, 0), default=None, help="stop after this many seconds"
+    )
+    mp.add_argument(
+        "--tpm", type=_number(float, 0), default=None, help="its token limit, tokens per minute"
+    )
+    mp.add_argument(
+        "--dialect",
+        choices=_MOCK_DIALECTS,
+        default="auto",
+        help="rate-limit headers: auto (Anthropic on /v1/messages, OpenAI elsewhere), ...",
+    )
+    mp.add_argument(
+        "--retry-style",
+        choices=("both", "seconds", "ms", "date", "none"),
+        default="both",
+        help="how a 429 says when to retry: Retry-After and/or retry-after-ms, a date, none",
     )
     mp.set_defaults(func=_run_mock)
 

@@ -1,6 +1,6 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -11,6 +11,13 @@ __version__: str
 
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
+
+@final
+class _PolicyKeywords:
+    def __new__(cls, levels: Sequence[tuple[str, bool, Sequence[str]]]) -> _PolicyKeywords: ...
+    def parse(
+        self, kw: Mapping[str, object] | None = None
+    ) -> tuple[tuple[object, ...], dict[str, int]]: ...
 
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
@@ -136,6 +143,9 @@ class Permit:
     @property
     def waited(self) -> float:
         """Seconds spent in the queue (arrival to grant, in schedule time)."""
+    @property
+    def granted_at_ns(self) -> int:
+        """The grant's schedule time in nanoseconds of the limiter's clock (``now_ns()``)."""
     @property
     def released(self) -> bool: ...
     def release(self) -> bool:
@@ -322,6 +332,11 @@ class Limiter:
         which: int | str | None = None,
     ) -> None: ...
     def set_burst(self, burst: int, *, which: int | str | None = None) -> None: ...
+    def pause(self, seconds: float, *, unit: str | None = None) -> bool:
+        """Admit nothing in ``unit`` (default: every unit) for ``seconds``, then one unit:
+        its buckets go into a debt the clock repays by then; a longer debt is kept.
+        True when a bucket moved."""
+
     @property
     def rates(self) -> list[Rate]: ...
     @property

@@ -232,16 +232,29 @@ impl Params {
     /// debit that left the TAT at `held_until` can still hold (`held_until − now`), never
     /// past full (the TAT never goes below now), and only while no grant is scheduled in
     /// the future (TAT ≤ now + tau). `None`: dropped (a later grant stands on it).
-    pub(crate) fn refund_tat(&self, tat: u64, at_ns: u64, ticks: u64, held_until: Option<u64>) -> Option<u64> {
+    ///
+    /// `ahead_ns`: the latest time a debit was scheduled at, when another rate set it (a
+    /// grant the TAT alone does not reveal). Past `at_ns`, it stands for `now` in the cap
+    /// and the floor (a later grant stands on everything held before it), and a refund
+    /// without a record of what it held gives nothing.
+    pub(crate) fn refund_tat(
+        &self,
+        tat: u64,
+        at_ns: u64,
+        ticks: u64,
+        held_until: Option<u64>,
+        ahead_ns: u64,
+    ) -> Option<u64> {
         let now = self.ticks(at_ns);
-        if tat > now.saturating_add(self.tau) {
+        if tat > now.saturating_add(self.tau) || (ahead_ns > at_ns && held_until.is_none()) {
             return None;
         }
-        let ticks = held_until.map_or(ticks, |h| ticks.min(h.saturating_sub(now)));
-        Some(if tat <= now {
+        let floor = self.ticks(at_ns.max(ahead_ns));
+        let ticks = held_until.map_or(ticks, |h| ticks.min(h.saturating_sub(floor)));
+        Some(if tat <= floor {
             tat
         } else {
-            tat.saturating_sub(ticks).max(now)
+            tat.saturating_sub(ticks).max(floor)
         })
     }
 
@@ -352,6 +365,11 @@ pub struct Bucket {
     refunded: AtomicU64,
     slots: [Slot; GENS],
     change: Mutex<()>,
+    /// The latest clock time of a debit scheduled after the call that made it by
+    /// something other than this bucket's own schedule (see [`Bucket::note_ahead`]).
+    ahead: AtomicU64,
+    /// The latest clock time at which an undo or refund gave capacity back.
+    given: AtomicU64,
 }
 
 impl Bucket {
@@ -368,6 +386,8 @@ impl Bucket {
             refunded: AtomicU64::new(0),
             slots: Default::default(),
             change: Mutex::new(()),
+            ahead: AtomicU64::new(0),
+            given: AtomicU64::new(0),
         };
         b.write_slot(0, &rate, epoch_for(now_ns), 0);
         b
@@ -525,6 +545,20 @@ impl Bucket {
         }
     }
 
+    /// Records that a debit was scheduled at `at_ns`, later than the clock when it was
+    /// made, by a time this bucket's own TAT does not show (another rate or level set
+    /// it): until then, refunds leave everything before it in place.
+    pub fn note_ahead(&self, at_ns: u64) {
+        self.ahead.fetch_max(at_ns, Ordering::AcqRel);
+    }
+
+    /// The latest clock time at which an undo or refund gave capacity back: a grant
+    /// scheduled in the past (a late wake-up) is never dated before it, or it would use
+    /// capacity that was not free yet at its time.
+    pub fn given_at(&self) -> u64 {
+        self.given.load(Ordering::Acquire)
+    }
+
     /// Nanoseconds from `at_ns` until `cost` would conform (0 = now); changes nothing.
     #[inline]
     pub fn delay_for(&self, at_ns: u64, cost: u64) -> Result<u64, Deny> {
@@ -601,6 +635,9 @@ impl Bucket {
                 {
                     t.cost -= ret;
                     t.after = next;
+                    if next != w {
+                        self.given.fetch_max(at_ns, Ordering::AcqRel);
+                    }
                     if kept {
                         // The word no longer spans the whole debit that is left.
                         t.before = UNKNOWN;
@@ -624,7 +661,8 @@ impl Bucket {
                 (Some(since), Some(h)) => h.saturating_sub(since),
                 _ => 0,
             };
-            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held)) else {
+            let ahead = self.ahead.load(Ordering::Acquire);
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(ret), Some(held), ahead) else {
                 t.cost -= ret;
                 return Undo::Dropped;
             };
@@ -640,6 +678,7 @@ impl Bucket {
                 Ok(_) => {
                     let given = w - next;
                     self.refunded.fetch_add(given, Ordering::Release);
+                    self.given.fetch_max(at_ns, Ordering::AcqRel);
                     t.refunded = t.refunded.wrapping_add(given);
                     t.after -= given.min(t.after & TAT_MASK);
                     t.cost -= ret;
@@ -719,7 +758,8 @@ impl Bucket {
         let mut w = self.word.load(Ordering::Acquire);
         loop {
             let p = self.params(w);
-            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(cost), held(w)) else {
+            let ahead = self.ahead.load(Ordering::Acquire);
+            let Some(tat) = p.refund_tat(w & TAT_MASK, at_ns, p.cost_ticks(cost), held(w), ahead) else {
                 return Undo::Dropped;
             };
             let next = (w & !TAT_MASK) | tat;
@@ -732,6 +772,7 @@ impl Bucket {
             {
                 Ok(_) => {
                     self.refunded.fetch_add(w - next, Ordering::Release);
+                    self.given.fetch_max(at_ns, Ordering::AcqRel);
                     return Undo::Refunded;
                 }
                 Err(seen) => w = seen,
@@ -755,6 +796,28 @@ impl Bucket {
             t.latest = false;
         }
         t.cost = t.cost.saturating_add(extra);
+    }
+
+    /// Admits nothing before `until_ns`, then one unit there: the TAT moves up to
+    /// `until + tau - T` (a debt the clock repays by then) and never back, so repeated
+    /// holds to the same time do not add up. True when the TAT moved.
+    pub fn hold_until(&self, at_ns: u64, until_ns: u64) -> bool {
+        let (mut w, _) = self.load_at(at_ns);
+        loop {
+            let p = self.params(w);
+            let target = p.ticks(until_ns).saturating_add(p.tau - (1u64 << p.m)).min(TAT_MASK);
+            if w & TAT_MASK >= target {
+                return false;
+            }
+            let next = (w & !TAT_MASK) | target;
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return true,
+                Err(seen) => w = seen,
+            }
+        }
     }
 
     fn charge_word(&self, at_ns: u64, cost: u64) -> (u64, u64) {
@@ -971,6 +1034,21 @@ mod tests {
             b.set_rate(0, rate(1000.0, 20));
         }
         assert!((b.available(0) - 16.0).abs() < 1e-9);
+    }
+
+    #[test]
+    fn hold_until_admits_one_unit_at_the_time_and_never_adds_up() {
+        let b = Bucket::new(rate(10.0, 5));
+        assert!(b.hold_until(0, 2_000_000_000));
+        assert!(!b.hold_until(0, 2_000_000_000)); // the same hold again changes nothing
+        assert!(!b.hold_until(0, 1_000_000_000)); // an earlier one neither
+        assert!((b.available(0) + 19.0).abs() < 1e-9);
+        assert!(matches!(b.take(1_999_999_999, 1, 0), Err(Deny::Wait(1))));
+        assert!(b.take(2_000_000_000, 1, 0).is_ok());
+        assert!(b.take(2_000_000_000, 1, 0).is_err());
+        let full = Bucket::new(rate(10.0, 5));
+        assert!(full.hold_until(0, 0)); // until now: all but one unit used
+        assert!((full.available(0) - 1.0).abs() < 1e-9);
     }
 
     #[test]

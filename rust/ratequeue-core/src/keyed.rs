@@ -334,6 +334,8 @@ pub struct KeyedLimiter {
     evicted_full: AtomicU64,
     evicted_live: AtomicU64,
     refunds_dropped: AtomicU64,
+    /// The latest clock time at which an undo or refund gave capacity back on any key.
+    given: AtomicU64,
 }
 
 impl std::fmt::Debug for KeyedLimiter {
@@ -367,6 +369,7 @@ impl KeyedLimiter {
             evicted_full: AtomicU64::new(0),
             evicted_live: AtomicU64::new(0),
             refunds_dropped: AtomicU64::new(0),
+            given: AtomicU64::new(0),
         })
     }
 
@@ -700,7 +703,7 @@ impl KeyedLimiter {
             (new, Undo::Exact)
         } else {
             t.latest = false;
-            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after)) {
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), 0) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
                     (new, Undo::Refunded)
@@ -718,7 +721,14 @@ impl KeyedLimiter {
         }
         g.slots[i].tat = new;
         g.next_full = g.next_full.min(new);
+        self.given.fetch_max(at_ns, Ordering::AcqRel);
         how
+    }
+
+    /// The latest clock time at which an undo or refund gave capacity back on any key: a
+    /// key's grant scheduled in the past is never dated before it.
+    pub fn given_at(&self) -> u64 {
+        self.given.load(Ordering::Acquire)
     }
 
     /// Refunds `cost` to `key` at `at_ns` by the refund rule (for a debit not held, e.g.
@@ -731,7 +741,7 @@ impl KeyedLimiter {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None) else {
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, 0) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
         };
@@ -740,6 +750,7 @@ impl KeyedLimiter {
         }
         t.slots[i].tat = new;
         t.next_full = t.next_full.min(new);
+        self.given.fetch_max(now, Ordering::AcqRel);
         Undo::Refunded
     }
 
@@ -982,9 +993,9 @@ impl crate::queue::Resource for KeyBucket {
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
-        Ok(Some(
-            at_ns.saturating_add(self.keyed.delay_for(self.key, at_ns, costs[0])?),
-        ))
+        // Never before capacity given back since: it was not free at an earlier time.
+        let at = at_ns.max(self.keyed.given_at());
+        Ok(Some(at.saturating_add(self.keyed.delay_for(self.key, at, costs[0])?)))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {

@@ -8,7 +8,7 @@ use std::sync::MutexGuard;
 use crate::bucket::{Bucket, Deny, Taken, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::{GrantRef, Resource};
+use crate::queue::{GrantRef, Queued, Resource, Sim};
 use crate::rate::Rate;
 
 /// The most rates one limiter may hold.
@@ -263,7 +263,19 @@ impl Limiter {
     /// Debits `costs` for a grant at `at_ns` within `max_delay_ns`, all or nothing,
     /// returning a handle that [`Limiter::undo_reservation`] can take back.
     pub fn take_at(&self, at_ns: u64, costs: &[u64], max_delay_ns: u64) -> Result<Reservation, Deny> {
-        self.take_at_with(at_ns, costs, max_delay_ns, false)
+        let r = self.take_at_with(at_ns, costs, max_delay_ns, false)?;
+        self.note_ahead(r.at_ns, self.clock.now_ns());
+        Ok(r)
+    }
+
+    /// A grant scheduled at `at_ns`, after `now`, by a time a rate's own TAT may not show
+    /// (the slowest rate's, or another level's): each rate keeps it from refunds.
+    fn note_ahead(&self, at_ns: u64, now: u64) {
+        if at_ns > now {
+            for b in &self.buckets {
+                b.note_ahead(at_ns);
+            }
+        }
     }
 
     fn take_at_with(&self, at_ns: u64, costs: &[u64], max_delay_ns: u64, scheduled: bool) -> Result<Reservation, Deny> {
@@ -386,6 +398,9 @@ impl Limiter {
         } else {
             self.take_all(now, costs, max, false)
         };
+        if let Ok(r) = &r {
+            self.note_ahead(r.at_ns, now);
+        }
         r.map_err(|d| match d {
             // Within max_wait, yet refused: the reservations already queued reach beyond
             // what a bucket can hold (over 9 years ahead).
@@ -453,9 +468,29 @@ impl Limiter {
         gave
     }
 
+    /// Admits nothing in `unit` (every unit when None) before `until_ns` (see
+    /// [`Bucket::hold_until`]); never shortens a longer debt. True when a bucket moved.
+    pub fn hold_until(&self, until_ns: u64, unit: Option<usize>) -> bool {
+        let now = self.clock.now_ns();
+        let _serial = self.serial();
+        let mut moved = false;
+        for (i, b) in self.buckets.iter().enumerate() {
+            if unit.is_none_or(|u| u == self.bucket_unit[i]) {
+                moved |= b.hold_until(now, until_ns);
+            }
+        }
+        self.seq.fetch_add(1, Ordering::AcqRel);
+        moved
+    }
+
     /// Charges `costs` now regardless of conformance (an under-estimate): may go into debt.
     pub fn charge(&self, costs: &[u64]) {
-        let now = self.clock.now_ns();
+        self.charge_at(self.clock.now_ns(), costs);
+    }
+
+    /// Charges `costs` at `now` (a schedule time) regardless of conformance: may go into
+    /// debt.
+    pub fn charge_at(&self, now: u64, costs: &[u64]) {
         let _serial = self.serial();
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
@@ -491,11 +526,17 @@ impl Resource for Limiter {
     }
 
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
-        Ok(Some(at_ns.saturating_add(self.delay_at(at_ns, costs)?)))
+        // Never before capacity given back since: it was not free at an earlier time.
+        let at = self.buckets.iter().map(|b| b.given_at()).fold(at_ns, u64::max);
+        Ok(Some(at.saturating_add(self.delay_at(at, costs)?)))
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
         self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(&r))
+    }
+
+    fn charge_at(&self, at_ns: u64, costs: &[u64]) {
+        Limiter::charge_at(self, at_ns, costs);
     }
 
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
@@ -554,7 +595,12 @@ impl Resource for Limiter {
             };
             if a < e {
                 let u = match &mut t {
-                    Some(t) => b.give_back(t, e - a, now),
+                    Some(tk) => match b.give_back(tk, e - a, now) {
+                        // The word moved on: a token knows nothing of where its debit sits
+                        // now, the grant time does (the same refund as without a token).
+                        Undo::Nothing | Undo::Dropped if !tk.is_latest() => b.refund_since(now, e - a, grant.at_ns, e),
+                        u => u,
+                    },
                     None => b.refund_since(now, e - a, grant.at_ns, e),
                 };
                 self.note(u);
@@ -595,13 +641,25 @@ impl Resource for Limiter {
         Some(t)
     }
 
-    fn predict_backlog(&self, now_ns: u64, backlog: &[(&[u64], Option<u64>)], costs: &[u64]) -> Option<u64> {
+    fn sim(&self, now_ns: u64) -> Option<Sim> {
+        Some(Sim::new(
+            self.buckets.iter().map(|b| b.sim_at(now_ns)).collect(),
+            self.bucket_unit.to_vec(),
+        ))
+    }
+
+    fn predict_backlog(&self, now_ns: u64, backlog: &[Queued<'_>], costs: &[u64]) -> Option<u64> {
         let mut sims: Vec<_> = self.buckets.iter().map(|b| b.sim_at(now_ns)).collect();
         let mut t = now_ns;
-        for (c, due) in backlog.iter().copied().chain(std::iter::once((costs, None))) {
+        let last = Queued {
+            costs,
+            due: None,
+            charge: false,
+        };
+        for Queued { costs: c, due, charge } in backlog.iter().copied().chain(std::iter::once(last)) {
             let from = t.max(due.unwrap_or(0));
             t = from;
-            for (i, s) in sims.iter().enumerate() {
+            for (i, s) in sims.iter().enumerate().filter(|_| !charge) {
                 t = t.max(s.ready(from, c[self.bucket_unit[i]])?);
             }
             for (i, s) in sims.iter_mut().enumerate() {
@@ -636,6 +694,22 @@ mod tests {
         assert_eq!(l.available(1), 10.0);
         assert!(matches!(l.try_acquire(&[1, 200]), Err(Deny::TooLarge { unit: 1, .. })));
         assert_eq!(l.available(0), 4.0);
+    }
+
+    #[test]
+    fn hold_until_pauses_one_unit_or_all() {
+        let (l, clock) = limiter(&[("requests", 10.0, 5), ("tokens", 100.0, 100)]);
+        assert!(l.hold_until(S, Some(1)));
+        assert_eq!(l.available(0), 5.0);
+        assert!(l.available(1) < 0.0);
+        assert!(matches!(l.try_acquire(&[1, 1]), Err(Deny::Wait(_))));
+        clock.set(S).unwrap();
+        assert!(l.try_acquire(&[1, 1]).is_ok());
+        assert!(l.hold_until(2 * S, None));
+        assert!(!l.hold_until(2 * S, None));
+        assert!(l.try_acquire(&[1, 0]).is_err());
+        clock.set(2 * S).unwrap();
+        assert!(l.try_acquire(&[1, 1]).is_ok());
     }
 
     #[test]
@@ -696,6 +770,44 @@ mod tests {
     }
 
     #[test]
+    fn a_refund_leaves_what_a_grant_another_rate_scheduled_later_stands_on() {
+        // requests: one per 0.4 s; tokens: 100 per second, burst 100.
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let rates = vec![
+            ("requests".to_string(), Rate::new(5.0, 2e9, 1).unwrap()),
+            ("tokens".to_string(), Rate::new(100.0, 1e9, 100).unwrap()),
+        ];
+        let l = Limiter::new(rates, AnyClock::Manual(clock.clone())).unwrap();
+        const MS: u64 = 1_000_000;
+        clock.set(1000 * MS).unwrap();
+        l.try_acquire(&[1, 39]).unwrap();
+        l.reserve(&[1, 30], None).unwrap(); // 1.4 s
+        let r2 = l.reserve(&[1, 55], None).unwrap(); // 1.8 s
+        clock.set(2000 * MS).unwrap();
+        let r3 = l.reserve(&[1, 61], None).unwrap(); // 2.2 s, set by the requests rate
+        assert_eq!((r2.at_ns, r3.at_ns), (1800 * MS, 2200 * MS));
+        clock.set(2120 * MS).unwrap();
+        l.cancel(&r2);
+        let r4 = l.reserve(&[1, 82], None).unwrap();
+        // 61 + 82 tokens in [r3, r4]: at most 100 + 100 per second.
+        let d = (r4.at_ns - r3.at_ns) as f64 / 1e9;
+        assert!(143.0 <= 100.0 + 100.0 * d + 1e-6, "{d}");
+    }
+
+    #[test]
+    fn capacity_given_back_is_ready_no_earlier_than_it_came_back() {
+        let (l, clock) = limiter(&[("requests", 5.0, 4)]);
+        const MS: u64 = 1_000_000;
+        l.try_acquire(&[4]).unwrap();
+        let r2 = l.reserve(&[2], None).unwrap(); // 0.4 s
+        l.reserve(&[1], None).unwrap(); // 0.6 s
+        clock.set(700 * MS).unwrap();
+        assert!(l.cancel(&r2) > 0);
+        // A waiter that arrived at 0.5 s is not dated before the refund at 0.7 s.
+        assert_eq!(Resource::ready_at(&l, 500 * MS, &[1]).unwrap(), Some(700 * MS));
+    }
+
+    #[test]
     fn settle_with_a_token_is_exact_while_latest_else_capped() {
         let (l, clock) = limiter(&[("requests", 1.0, 2)]);
         let old = GrantRef {
@@ -716,6 +828,32 @@ mod tests {
         assert_eq!(l.available(0), -2.0);
         assert!(Resource::settle(&l, &[3], &[0], g).token.is_some());
         assert_eq!(l.available(0), 1.0);
+    }
+
+    #[test]
+    fn settle_with_a_token_no_longer_latest_refunds_what_the_debit_still_holds() {
+        // A later grant sits above the settled one: no exact undo, but the debit still
+        // holds all its 5 units (none restored by time yet), so 4 come back, as they
+        // would from a reservation's cancel or a settle known by its grant time.
+        for rates in [
+            &[("tokens", 10.0, 10)][..],
+            &[("requests", 100.0, 100), ("tokens", 10.0, 10)][..],
+        ] {
+            let (l, _) = limiter(rates);
+            let n = rates.len();
+            let mut cost = vec![1; n];
+            cost[n - 1] = 5;
+            let g = GrantRef {
+                at_ns: 0,
+                token: l.try_take_token(0, &cost).unwrap(),
+            };
+            l.try_acquire(&vec![1; n]).unwrap();
+            assert_eq!(l.available(n - 1), 4.0);
+            let mut actual = cost.clone();
+            actual[n - 1] = 1;
+            assert_eq!(Resource::settle(&l, &cost, &actual, g).token, None);
+            assert_eq!(l.available(n - 1), 8.0, "rates {rates:?}");
+        }
     }
 
     #[test]

@@ -40,6 +40,10 @@ pub trait Resource: Send + Sync {
     /// Takes `costs` at `at_ns` (a schedule time, possibly in the past); Err if not
     /// possible. Ok carries a token that identifies the state right after the grant.
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny>;
+    /// Debits `costs` at `at_ns` whatever the conformance (an overage settled after its
+    /// grant, possibly into debt). Only resources that schedule in time are charged;
+    /// others ignore it.
+    fn charge_at(&self, _at_ns: u64, _costs: &[u64]) {}
     /// Gives back what a grant took and was never used, by the one undo rule
     /// ([`crate::Bucket::give_back`]): with the grant's `token`, exactly while nothing
     /// came after it on any rate; otherwise refunded only while no grant is scheduled in
@@ -65,21 +69,90 @@ pub trait Resource: Send + Sync {
     /// Earliest time at which `ahead` (queued costs) and then `costs` could all be taken,
     /// if predictable from time alone.
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64>;
-    /// Grant time of `costs` once `backlog` (queued costs in grant order, each with its
-    /// promised time) has been served by the joint FIFO schedule: each waiter at the
-    /// latest conformance time over the rates and every rate debited at that time.
-    /// By default [`Resource::predict`] of the summed backlog (exact for one rate
-    /// without promised times).
-    fn predict_backlog(&self, now_ns: u64, backlog: &[(&[u64], Option<u64>)], costs: &[u64]) -> Option<u64> {
+    /// A private copy of the schedule as it stands at `now_ns`, to play a backlog
+    /// forward; None when grants depend on releases, not on time (the default).
+    fn sim(&self, _now_ns: u64) -> Option<Sim> {
+        None
+    }
+    /// Grant time of `costs` once `backlog` has been served by the joint FIFO schedule:
+    /// each waiter at the latest conformance time over the rates and every rate debited
+    /// at that time (a charge debited without waiting for conformance). By default
+    /// [`Resource::predict`] of the summed backlog (exact for one rate without promised
+    /// times).
+    fn predict_backlog(&self, now_ns: u64, backlog: &[Queued<'_>], costs: &[u64]) -> Option<u64> {
         let mut ahead = vec![0u128; costs.len()];
         let mut due = now_ns;
-        for (c, d) in backlog {
+        for Queued { costs: c, due: d, .. } in backlog {
             for (a, x) in ahead.iter_mut().zip(c.iter()) {
                 *a += *x as u128;
             }
             due = due.max(d.unwrap_or(0));
         }
         self.predict(now_ns, &saturated(&ahead), costs).map(|t| t.max(due))
+    }
+}
+
+/// One queued waiter as a prediction sees it.
+#[derive(Clone, Copy, Debug)]
+pub struct Queued<'a> {
+    /// Its cost per unit.
+    pub costs: &'a [u64],
+    /// A reservation's promised time (or a charge's earliest time): debited no earlier.
+    pub due: Option<u64>,
+    /// An overage charge: debited in turn without waiting for conformance.
+    pub charge: bool,
+}
+
+/// A private copy of a rate resource's schedule (one bucket per rate), to play a queue
+/// forward without touching it.
+#[derive(Clone, Debug)]
+pub struct Sim {
+    buckets: Vec<crate::bucket::SimBucket>,
+    unit: Vec<usize>,
+}
+
+impl Sim {
+    pub(crate) fn new(buckets: Vec<crate::bucket::SimBucket>, unit: Vec<usize>) -> Sim {
+        Sim { buckets, unit }
+    }
+
+    /// When `q`, considered from `from` (no earlier than its promised time), would be
+    /// granted: every rate conforming, or at once for a charge. None: never.
+    fn ready(&self, from: u64, q: &Queued<'_>) -> Option<u64> {
+        let from = from.max(q.due.unwrap_or(0));
+        if q.charge {
+            return Some(from);
+        }
+        let mut at = from;
+        for (b, u) in self.buckets.iter().zip(&self.unit) {
+            at = at.max(b.ready(from, q.costs[*u])?);
+        }
+        Some(at)
+    }
+
+    /// Debits `costs` at `at_ns` on every rate.
+    fn take(&mut self, at_ns: u64, costs: &[u64]) {
+        for (b, u) in self.buckets.iter_mut().zip(&self.unit) {
+            b.take(at_ns, costs[*u]);
+        }
+    }
+
+    /// True when `costs` debited at `at_ns`, then `promised` served in order (each at
+    /// its earliest time, no earlier than its promised one), leaves every promised time
+    /// reachable.
+    fn keeps(mut self, at_ns: u64, costs: &[u64], promised: &[Queued<'_>]) -> bool {
+        self.take(at_ns, costs);
+        let mut t = at_ns;
+        for q in promised {
+            let Some(at) = self.ready(t, q) else { return false };
+            // A charge promised nobody anything: it may be debited later.
+            if !q.charge && q.due.is_some_and(|d| at > d) {
+                return false;
+            }
+            self.take(at, q.costs);
+            t = at;
+        }
+        true
     }
 }
 
@@ -101,6 +174,8 @@ pub enum Wake {
     /// An event loop: the outcome goes to the channel (a closed channel hands a grant
     /// back to the queue, which returns it to the resource).
     Channel(Arc<Channel>),
+    /// Nobody: an overage charge the queue debits in turn (see [`WaitQueue::settle`]).
+    Nobody,
 }
 
 /// The end of a wait.
@@ -227,6 +302,7 @@ impl Wake {
                 Ok(())
             }
             Wake::Channel(c) => c.put(ticket, o),
+            Wake::Nobody => Ok(()),
         }
     }
 }
@@ -278,6 +354,16 @@ struct Waiter {
     due_ns: Option<u64>,
     start_tag: f64,
     wake: Wake,
+}
+
+impl Waiter {
+    fn queued(&self) -> Queued<'_> {
+        Queued {
+            costs: &self.costs,
+            due: self.due_ns,
+            charge: matches!(self.wake, Wake::Nobody),
+        }
+    }
 }
 
 #[derive(Default)]
@@ -583,6 +669,18 @@ impl WaitQueue {
         timeout_ns: Option<u64>,
         wake: impl FnOnce() -> Wake,
     ) -> Result<Submitted, Error> {
+        self.submit_dated(costs, class, timeout_ns, wake).map(|(s, _)| s)
+    }
+
+    /// [`WaitQueue::submit`], with the clock reading it decided at: a queued waiter's
+    /// arrival, so its grant's schedule time is exactly that plus its `waited_ns`.
+    pub fn submit_dated(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Result<(Submitted, u64), Error> {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
@@ -617,7 +715,7 @@ impl WaitQueue {
         self.give_back_gone(gone);
         match refused {
             Some(e) => Err(e),
-            None => result,
+            None => result.map(|r| (r, now)),
         }
     }
 
@@ -901,7 +999,7 @@ impl WaitQueue {
             .filter(|(tag, _, w)| *tag <= start || w.due_ns.is_some())
             .collect();
         ahead.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let ahead: Vec<(&[u64], Option<u64>)> = ahead.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        let ahead: Vec<Queued<'_>> = ahead.iter().map(|(_, _, w)| w.queued()).collect();
         let at = self.resource.predict_backlog(now.max(g.last_grant_ns), &ahead, costs);
         Ok(at.map(|t| (now, t.saturating_sub(now))))
     }
@@ -910,6 +1008,11 @@ impl WaitQueue {
     /// schedule played forward); with several, the backlog in start-tag order, a
     /// prediction that arrivals of other classes can move.
     fn predict_all(&self, g: &Inner, now: u64, costs: &[u64]) -> Option<u64> {
+        if g.classes.len() > 1 && !g.reserved.is_empty() && g.len <= SIMULATED_BACKLOG {
+            if let Some(sim) = self.resource.sim(now.max(g.last_grant_ns)) {
+                return self.play_forward(g, sim, now, costs);
+            }
+        }
         let mut backlog: Vec<(f64, u64, &Waiter)> = g
             .classes
             .iter()
@@ -918,8 +1021,52 @@ impl WaitQueue {
         if g.classes.len() > 1 {
             backlog.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
         }
-        let backlog: Vec<(&[u64], Option<u64>)> = backlog.iter().map(|(_, _, w)| (&w.costs[..], w.due_ns)).collect();
+        let backlog: Vec<Queued<'_>> = backlog.iter().map(|(_, _, w)| w.queued()).collect();
         self.resource.predict_backlog(now.max(g.last_grant_ns), &backlog, costs)
+    }
+
+    /// [`WaitQueue::predict_all`] by playing the queue's own order forward on `sim`: the
+    /// fair-share head, or the head of the reservations' class where [`Self::head_time`]
+    /// would choose it; then `costs`, behind everyone.
+    fn play_forward(&self, g: &Inner, mut sim: Sim, now: u64, costs: &[u64]) -> Option<u64> {
+        let mut rest: Vec<std::collections::VecDeque<(u64, &Waiter)>> = g
+            .classes
+            .iter()
+            .map(|c| c.waiters.iter().map(|(t, w)| (*t, w)).collect())
+            .collect();
+        let mut reserved: Vec<(u64, u64)> = g.reserved.iter().rev().copied().collect();
+        let mut last = now.max(g.last_grant_ns);
+        loop {
+            let head = rest
+                .iter()
+                .enumerate()
+                .filter_map(|(i, c)| c.front().map(|(t, w)| (w.start_tag, *t, i)))
+                .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+            let Some((_, t, mut ci)) = head else { break };
+            let w = rest[ci].front().expect("a head").1;
+            let from = w.arrival_ns.max(last);
+            if let Some(&(due, rt)) = reserved.last() {
+                let rci = g.where_is[&rt];
+                if rci != ci {
+                    let at = sim.ready(from, &w.queued());
+                    let later = rest.iter().map(|c| c.iter().copied());
+                    if at.is_none_or(|a| due <= a || !sim.clone().keeps(a, &w.costs, &promised(later, (ci, t)))) {
+                        ci = rci;
+                    }
+                }
+            }
+            let (t, w) = rest[ci].pop_front().expect("a head");
+            let at = sim.ready(w.arrival_ns.max(last), &w.queued())?;
+            sim.take(at, &w.costs);
+            last = last.max(at);
+            reserved.retain(|(_, rt)| *rt != t);
+        }
+        let new = Queued {
+            costs,
+            due: None,
+            charge: false,
+        };
+        sim.ready(last, &new)
     }
 
     fn deny_error(&self, d: Deny) -> Error {
@@ -993,19 +1140,37 @@ impl WaitQueue {
         best.map(|(_, i, t)| (i, t))
     }
 
-    /// The waiter to grant next and when. With several classes, a queued reservation
-    /// whose promised time has come goes before the fair-share head (it was promised the
-    /// backlog's drain time; later arrivals of heavier classes must not make it late).
+    /// The waiter to grant next and when. With several classes, while reservations hold
+    /// promised times, the class of the first one goes first (its head, in FIFO order)
+    /// when that promised time has come, or when granting the fair-share head of another
+    /// class would leave some promised time unreachable: a reservation was promised the
+    /// drain time of the backlog ahead of it, and later arrivals of other classes must
+    /// not make it, or the waiters ahead of it in its class, late.
     fn head_time(&self, g: &Inner) -> Option<(usize, u64, Option<u64>)> {
         let (ci, t) = self.head(g)?;
         let at = self.ready_time(g, ci, t);
         if let Some(&(due, rt)) = g.reserved.first() {
-            if rt != t && g.classes.len() > 1 && at.is_none_or(|a| due <= a) {
-                let rci = g.where_is[&rt];
-                return Some((rci, rt, self.ready_time(g, rci, rt)));
+            let rci = g.where_is[&rt];
+            if g.classes.len() > 1
+                && rci != ci
+                && (at.is_none_or(|a| due <= a) || at.is_some_and(|a| !self.keeps_promises(g, ci, t, a)))
+            {
+                let (&ht, _) = g.classes[rci].waiters.first_key_value()?;
+                return Some((rci, ht, self.ready_time(g, rci, ht)));
             }
         }
         Some((ci, t, at))
+    }
+
+    /// True when the waiter `t` of class `ci`, granted at `at_ns`, leaves every queued
+    /// reservation its promised time, with the waiters ahead of it in its class served
+    /// first in FIFO order.
+    fn keeps_promises(&self, g: &Inner, ci: usize, t: u64, at_ns: u64) -> bool {
+        let Some(sim) = self.resource.sim(at_ns) else {
+            return true;
+        };
+        let rest = g.classes.iter().map(|c| c.waiters.iter().map(|(t, w)| (*t, w)));
+        sim.keeps(at_ns, &g.classes[ci].waiters[&t].costs, &promised(rest, (ci, t)))
     }
 
     fn ready_time(&self, g: &Inner, ci: usize, t: u64) -> Option<u64> {
@@ -1013,6 +1178,9 @@ impl WaitQueue {
         // A queued reservation is debited at its promised time, never earlier: its holder
         // uses it then, and an earlier debit would let a later grant share its slot.
         let from = w.arrival_ns.max(g.last_grant_ns).max(w.due_ns.unwrap_or(0));
+        if matches!(w.wake, Wake::Nobody) {
+            return Some(from); // a charge needs no conformance
+        }
         self.resource.ready_at(from, &w.costs).ok().flatten()
     }
 
@@ -1030,7 +1198,12 @@ impl WaitQueue {
         loop {
             let grant = self.head_time(g);
             let deadline = g.deadlines.first().copied();
-            let grant_due = grant.and_then(|(ci, t, at)| at.filter(|a| *a <= now).map(|a| (ci, t, a)));
+            // A grant of permits happens at the poll that finds them free: that is its time.
+            let in_time = self.resource.schedules_in_time();
+            let grant_due = grant.and_then(|(ci, t, at)| {
+                at.filter(|a| *a <= now)
+                    .map(|a| (ci, t, if in_time { a } else { now.max(a) }))
+            });
             match (grant_due, deadline) {
                 (Some((ci, t, at)), d) if d.is_none_or(|(dl, dt)| at <= dl || dt == t) => {
                     let w = &g.classes[ci].waiters[&t];
@@ -1038,11 +1211,12 @@ impl WaitQueue {
                         self.expire(g, ci, t, out);
                         continue;
                     }
-                    let at = if self.resource.schedules_in_time() {
-                        at
-                    } else {
-                        now.max(at)
-                    };
+                    if matches!(w.wake, Wake::Nobody) {
+                        self.resource.charge_at(at, &w.costs);
+                        self.remove(g, ci, t);
+                        g.last_grant_ns = g.last_grant_ns.max(at);
+                        continue;
+                    }
                     let Ok(token) = self.resource.take_at(at, &w.costs) else {
                         // A fast-path caller took the capacity first: look again, and
                         // leave it to the next wake-up if that keeps happening.
@@ -1104,10 +1278,33 @@ impl WaitQueue {
         }
         if let Some(d) = w.due_ns {
             g.reserved.remove(&(d, t));
+            if !matches!(w.wake, Wake::Nobody) {
+                Self::retime_charges(g);
+            }
         }
         g.len -= 1;
         self.waiting.store(g.len, Ordering::Release);
         w
+    }
+
+    /// Overage charges wait only for the promises still held: after a reservation left,
+    /// none waits past the last promised time that is left (with none left, a charge is
+    /// an ordinary waiter that needs no conformance).
+    fn retime_charges(g: &mut Inner) {
+        let is_charge = |g: &Inner, t: &u64| matches!(g.classes[g.where_is[t]].waiters[t].wake, Wake::Nobody);
+        let last = g.reserved.iter().rev().find(|(_, t)| !is_charge(g, t)).map(|(d, _)| *d);
+        let from = last.map_or(0, |d| d.saturating_add(1));
+        let late: Vec<(u64, u64)> = g.reserved.range((from, 0)..).copied().collect();
+        for (d, t) in late {
+            g.reserved.remove(&(d, t));
+            if let Some(last) = last {
+                g.reserved.insert((last, t));
+            }
+            let ci = g.where_is[&t];
+            if let Some(w) = g.classes[ci].waiters.get_mut(&t) {
+                w.due_ns = last;
+            }
+        }
     }
 
     /// Removes a queued waiter; `NotQueued` when it was already granted or expired
@@ -1127,12 +1324,81 @@ impl WaitQueue {
 
     /// Settles a grant's estimated costs to the actual ones (see [`Resource::settle`]),
     /// then grants whoever a refund lets through; returns the grant as it now stands.
+    ///
+    /// While queued reservations hold promised times, an overage is not charged at once
+    /// (that would push the waiters ahead of a reservation onto its promised time, or
+    /// the reservation past it): it joins the queue as a charge debited in turn, no
+    /// earlier than the last promised time, behind every waiter already queued. A later
+    /// refund of any grant first cancels such pending charges (giving back later is
+    /// never less strict than giving back now).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        let grant = self.resource.settle(estimated, actual, grant);
-        if actual.iter().zip(estimated).any(|(a, e)| a < e) {
-            self.poll_now();
+        if self.waiting() == 0 {
+            let grant = self.resource.settle(estimated, actual, grant);
+            if actual.iter().zip(estimated).any(|(a, e)| a < e) {
+                self.poll_now();
+            }
+            return grant;
         }
+        let now = self.clock.now_ns();
+        let mut g = lock(&self.inner);
+        let mut actual = actual.to_vec();
+        for (u, (a, e)) in actual.iter_mut().zip(estimated).enumerate() {
+            if *a < *e {
+                *a += self.absorb_charges(&mut g, u, *e - *a);
+            }
+        }
+        let last_due = g.reserved.last().map(|(d, _)| *d);
+        let over: Vec<u64> = actual
+            .iter()
+            .zip(estimated)
+            .map(|(a, e)| a.saturating_sub(*e))
+            .collect();
+        let deferred = last_due.filter(|_| self.resource.schedules_in_time() && over.iter().any(|x| *x > 0));
+        if deferred.is_some() {
+            for (a, e) in actual.iter_mut().zip(estimated) {
+                *a = (*a).min(*e);
+            }
+        }
+        let mut grant = self.resource.settle(estimated, &actual, grant);
+        if let Some(due) = deferred {
+            self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody);
+            // The permit's costs now include an overage not debited yet: no exact undo.
+            grant.token = None;
+        }
+        self.poll_and_unlock(g, now);
         grant
+    }
+
+    /// Cancels up to `ret` units of unit `u` from the overage charges still queued;
+    /// returns how many.
+    fn absorb_charges(&self, g: &mut Inner, u: usize, ret: u64) -> u64 {
+        let mut left = ret;
+        let charges: Vec<(usize, u64)> = g
+            .classes
+            .iter()
+            .enumerate()
+            .flat_map(|(ci, c)| {
+                c.waiters
+                    .iter()
+                    .filter(|(_, w)| matches!(w.wake, Wake::Nobody))
+                    .map(move |(t, _)| (ci, *t))
+            })
+            .collect();
+        for (ci, t) in charges {
+            if left == 0 {
+                break;
+            }
+            let c = &mut g.classes[ci];
+            let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
+            let take = w.costs[u].min(left);
+            w.costs[u] -= take;
+            c.queued[u] -= take as u128;
+            left -= take;
+            if w.costs.iter().all(|x| *x == 0) {
+                self.remove(g, ci, t);
+            }
+        }
+        ret - left
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
@@ -1251,6 +1517,36 @@ impl WaitQueue {
             .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
         self.poll_now();
     }
+}
+
+/// Queues longer than this are predicted from their start-tag order alone (playing the
+/// queue's choices forward costs a pass over the reservations per waiter).
+const SIMULATED_BACKLOG: usize = 256;
+
+/// Each class's waiters (from `classes`, in FIFO order) up to its last one with a promised
+/// time, merged in order of the promised time of the next such waiter at or behind each,
+/// leaving out `skip` (class, ticket): the order in which promises must be kept.
+fn promised<'a, C, I>(classes: C, skip: (usize, u64)) -> Vec<Queued<'a>>
+where
+    C: Iterator<Item = I>,
+    I: DoubleEndedIterator<Item = (u64, &'a Waiter)>,
+{
+    let mut out: Vec<(u64, usize, u64, Queued<'a>)> = Vec::new();
+    for (k, c) in classes.enumerate() {
+        let mut key = None;
+        let at = out.len();
+        for (t, w) in c.rev() {
+            if w.due_ns.is_some() {
+                key = w.due_ns;
+            }
+            if let Some(key) = key.filter(|_| (k, t) != skip) {
+                out.push((key, k, t, w.queued()));
+            }
+        }
+        out[at..].reverse();
+    }
+    out.sort_by_key(|(key, k, t, _)| (*key, *k, *t));
+    out.into_iter().map(|(_, _, _, q)| q).collect()
 }
 
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
@@ -1748,6 +2044,82 @@ mod tests {
         assert!(q.try_now(&[1], 0).is_err());
     }
 
+    #[test]
+    fn an_overage_settled_under_a_queued_reservation_is_debited_behind_it() {
+        let (q, clock) = setup(10.0, 1, vec![]); // one unit per 0.1 s
+        let ms = 1_000_000;
+        let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
+            panic!("granted at once")
+        };
+        let grant = GrantRef { at_ns, token: None };
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
+        let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued behind the waiter")
+        };
+        assert_eq!(r.at_ns, 200 * ms);
+        q.settle(&[1], &[2], grant); // one more unit, owed
+        q.run_until(&clock, 250 * ms).unwrap();
+        // Neither the waiter nor the reservation moved; the overage follows them.
+        assert_eq!(granted(&slot), Some(100 * ms));
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * ms));
+        assert_eq!(q.waiting(), 0);
+        assert_eq!(q.predict(&[1]), Some(400 * ms));
+    }
+
+    #[test]
+    fn a_refund_cancels_an_overage_still_queued_first() {
+        let (q, clock) = setup(10.0, 1, vec![]);
+        let ms = 1_000_000;
+        q.submit(&[1], 0, None, || unreachable!()).unwrap();
+        let grant = GrantRef { at_ns: 0, token: None };
+        let s = Slot::new();
+        let s2 = s.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        let Reserved::Queued(_r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued")
+        };
+        let g = q.settle(&[1], &[3], grant);
+        assert_eq!(q.waiting(), 3); // the waiter, the reservation, the overage
+        q.settle(&[3], &[1], g); // back to the estimate: the overage is cancelled
+        assert_eq!(q.waiting(), 2);
+        q.run_until(&clock, 250 * ms).unwrap();
+        assert_eq!(q.predict(&[1]), Some(300 * ms));
+    }
+
+    #[test]
+    fn with_several_classes_a_reservation_keeps_its_time_and_its_place_in_its_class() {
+        let (q, clock) = setup(1.0, 1, vec![("hi".into(), 1.0), ("lo".into(), 1.0)]);
+        let s = 1_000_000_000;
+        q.submit(&[1], 0, None, || unreachable!()).unwrap(); // at 0: the next unit at 1 s
+        let hi: Vec<_> = (0..3).map(|_| Slot::new()).collect();
+        for slot in &hi {
+            let s2 = slot.clone();
+            q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
+        }
+        let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued behind the waiters")
+        };
+        assert_eq!(r.at_ns, 4 * s);
+        // A later arrival of the other class has the smallest start tag.
+        let lo = Slot::new();
+        let l2 = lo.clone();
+        q.submit(&[1], 1, None, || Wake::Thread(l2)).unwrap();
+        q.run_until(&clock, 10 * s).unwrap();
+        let hi: Vec<u64> = hi.iter().map(|x| granted(x).unwrap()).collect();
+        let Some(Outcome::Granted { at_ns: r_at, .. }) = r.outcome() else {
+            panic!("the reservation is granted")
+        };
+        // FIFO in its class, at its promised time, one unit per second throughout.
+        assert_eq!(r_at, 4 * s);
+        assert!(hi.iter().all(|h| *h < r_at), "{hi:?}");
+        let mut all = vec![0, r_at, granted(&lo).unwrap()];
+        all.extend(&hi);
+        all.sort();
+        assert!(all.windows(2).all(|w| w[1] - w[0] >= s), "{all:?}");
+    }
+
     fn two_rate_queue() -> (Arc<WaitQueue>, Arc<Limiter>, Arc<ManualClock>) {
         let clock = Arc::new(ManualClock::new(0).unwrap());
         let lim = Arc::new(
@@ -1870,6 +2242,24 @@ mod tests {
             granted(&b),
             Some(0),
             "a permit is free: the next waiter is granted at once"
+        );
+        assert_eq!(q.waiting(), 0);
+    }
+
+    #[test]
+    fn a_permit_freed_after_a_deadline_times_the_waiter_out() {
+        let (q, clock) = permit_queue(1);
+        q.try_now(&[1], 0).unwrap();
+        let a = Slot::new();
+        let a2 = a.clone();
+        q.submit(&[1], 0, Some(1_000_000_000), || Wake::Thread(a2)).unwrap();
+        clock.set(1_500_000_000).unwrap(); // nobody polled at the deadline
+        q.give_back(&[1], None);
+        assert_eq!(
+            a.take(),
+            Some(Outcome::TimedOut {
+                waited_ns: 1_000_000_000
+            })
         );
         assert_eq!(q.waiting(), 0);
     }

@@ -1,10 +1,10 @@
 //! The one validation path for every Python argument: text, numbers, seconds, periods,
 //! counts and costs, sequences. Errors name the argument and show the value as given.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use pyo3::Borrowed;
 
 use crate::errors::{type_err, value_err};
@@ -240,4 +240,156 @@ impl<'py> FromPyObject<'_, 'py> for Permits {
     fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
         permits("n", &obj).map(Permits)
     }
+}
+
+/// How a policy call's keywords address one level: a keyed level takes its key from the
+/// keyword of its name; each unit's cost from the keyword of the unit ("requests" costs
+/// 1 when not named); a level without units takes one permit.
+pub struct LevelKeywords<'a> {
+    pub name: &'a str,
+    pub keyed: bool,
+    pub units: &'a [String],
+}
+
+/// One level's arguments as a call gave them: its key (keyed levels only) and a cost per
+/// unit (`[1]`, one permit, for a level without units).
+pub struct LevelCall<'py> {
+    pub key: Option<Bound<'py, PyAny>>,
+    pub costs: Vec<u64>,
+}
+
+/// Keywords of policy calls: never a level's name.
+pub const POLICY_KEYWORDS: [&str; 2] = ["timeout", "max_wait"];
+
+/// The one reading of a policy call's keywords (`rq.Policy` and `ratequeue.redis`'s
+/// policies): every level's key and costs, or a TypeError naming the missing key or
+/// cost, or the keyword that is neither a keyed level's name nor a unit of any level.
+pub fn policy_keywords<'py>(
+    levels: &[LevelKeywords<'_>],
+    kw: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Vec<LevelCall<'py>>> {
+    // The keywords once, as text (a call passes a few): no Python string is made per lookup.
+    let mut given: Vec<(String, Bound<'py, PyAny>, bool)> = Vec::new();
+    if let Some(d) = kw {
+        given.reserve(d.len());
+        for (k, v) in d.iter() {
+            let k = k.cast::<PyString>().map_err(|_| type_err("keyword", "a str", &k))?;
+            given.push((k.to_str()?.to_owned(), v, false));
+        }
+    }
+    let mut take = |name: &str| -> Option<Bound<'py, PyAny>> {
+        given.iter_mut().find(|(k, _, _)| k == name).map(|(_, v, used)| {
+            *used = true;
+            v.clone()
+        })
+    };
+    let mut out = Vec::with_capacity(levels.len());
+    for l in levels {
+        let key = if l.keyed {
+            Some(take(l.name).ok_or_else(|| {
+                PyTypeError::new_err(format!("missing key for level {:?}: pass {}=...", l.name, l.name))
+            })?)
+        } else {
+            None
+        };
+        let mut costs = Vec::with_capacity(l.units.len().max(1));
+        for u in l.units {
+            costs.push(match take(u) {
+                Some(v) => cost(u, &v)?,
+                None if u == "requests" => 1,
+                None => {
+                    return Err(PyTypeError::new_err(format!(
+                        "missing cost for unit {u:?} (level {:?}): pass {u}=...",
+                        l.name
+                    )))
+                }
+            });
+        }
+        if l.units.is_empty() {
+            costs.push(1);
+        }
+        out.push(LevelCall { key, costs });
+    }
+    if let Some((k, _, _)) = given.iter().find(|(_, _, used)| !used) {
+        return Err(PyTypeError::new_err(format!(
+            "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
+        )));
+    }
+    Ok(out)
+}
+
+/// Refuses policy set-ups that can never work: a level named like a call keyword or
+/// like a unit of any level (its keyword would be both a key and a cost).
+pub fn check_policy_levels(levels: &[LevelKeywords<'_>]) -> PyResult<()> {
+    for l in levels {
+        if POLICY_KEYWORDS.contains(&l.name) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a keyword of Policy calls {POLICY_KEYWORDS:?}: rename the level",
+                l.name
+            )));
+        }
+        if levels.iter().any(|o| o.units.iter().any(|u| u == l.name)) {
+            return Err(PyValueError::new_err(format!(
+                "level {:?} is named like a unit a level counts: its keyword would be both a key \
+                 and a cost; rename the level",
+                l.name
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Private (for `ratequeue.redis`): a policy's levels as its calls' keywords address
+/// them, checked as `rq.Policy` checks them; `parse` reads a call as `rq.Policy` does.
+#[pyclass(frozen, name = "_PolicyKeywords", module = "ratequeue._ratequeue")]
+pub struct PolicyKeywordsPy {
+    specs: Vec<(String, bool, Vec<String>)>,
+}
+
+#[pymethods]
+impl PolicyKeywordsPy {
+    /// `levels`: (name, keyed, units) per level.
+    #[new]
+    fn new(levels: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let specs: Vec<(String, bool, Vec<String>)> = levels
+            .extract()
+            .map_err(|_| type_err("levels", "a sequence of (name, keyed, units)", levels))?;
+        check_policy_levels(&keywords_of(&specs))?;
+        Ok(PolicyKeywordsPy { specs })
+    }
+
+    /// The keys per level (None for an unkeyed level), as given, and the cost per unit.
+    #[pyo3(signature = (kw = None))]
+    fn parse<'py>(
+        &self,
+        py: Python<'py>,
+        kw: Option<&Bound<'py, PyDict>>,
+    ) -> PyResult<(Bound<'py, PyTuple>, Bound<'py, PyDict>)> {
+        let levels = keywords_of(&self.specs);
+        let calls = policy_keywords(&levels, kw)?;
+        let costs = PyDict::new(py);
+        for (l, c) in levels.iter().zip(&calls) {
+            for (u, n) in l.units.iter().zip(&c.costs) {
+                costs.set_item(u, n)?;
+            }
+        }
+        let keys = PyTuple::new(
+            py,
+            calls
+                .into_iter()
+                .map(|c| c.key.unwrap_or_else(|| py.None().into_bound(py))),
+        )?;
+        Ok((keys, costs))
+    }
+}
+
+fn keywords_of(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> {
+    specs
+        .iter()
+        .map(|(name, keyed, units)| LevelKeywords {
+            name,
+            keyed: *keyed,
+            units,
+        })
+        .collect()
 }

@@ -83,7 +83,12 @@ impl ConcurrencyPy {
         match self.sem.try_take(0, &c) {
             Ok(()) => {
                 q.note_try(true);
-                Ok(Some(self.gate.permit(&c, 0)))
+                let at_ns = q.now_ns();
+                Ok(Some(
+                    self.gate
+                        .permit(&c, 0)
+                        .with_grant(ratequeue_core::GrantRef { at_ns, token: None }),
+                ))
             }
             Err(ratequeue_core::Deny::Wait(_)) => {
                 q.note_try(false);

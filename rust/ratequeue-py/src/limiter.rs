@@ -419,6 +419,25 @@ impl LimiterPy {
         self.set_rate_now(py, i, rate)
     }
 
+    /// Admits nothing in `unit` (default: every unit) for `seconds`, then one unit:
+    /// the buckets go into a debt the clock repays by then; a longer debt is kept.
+    /// True when a bucket moved.
+    #[pyo3(signature = (seconds, *, unit = None))]
+    fn pause(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>, unit: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
+        let ns = crate::args::seconds_ns("seconds", seconds)?;
+        let unit = opt_text("unit", unit)?;
+        let i =
+            match unit.as_deref() {
+                None => None,
+                Some(u) => Some(self.core.unit_index(u).ok_or_else(|| {
+                    PyValueError::new_err(format!("unit={u:?} is not one of {:?}", self.core.units()))
+                })?),
+            };
+        let until = self.gate.queue.now_ns().saturating_add(ns);
+        let core = &self.core;
+        Ok(py.detach(|| core.hold_until(until, i)))
+    }
+
     /// Changes the burst of a rate at run time, keeping its amount and period.
     #[pyo3(signature = (burst, *, which = None))]
     fn set_burst(&self, py: Python<'_>, burst: &Bound<'_, PyAny>, which: Option<&Bound<'_, PyAny>>) -> PyResult<()> {

@@ -38,6 +38,22 @@ struct LevelPy {
     obj: Py<PyAny>,
 }
 
+impl LevelPy {
+    /// How a call's keywords address this level.
+    fn keywords(&self) -> crate::args::LevelKeywords<'_> {
+        let (keyed, units) = match &self.shape {
+            Shape::Units(u) => (false, u.as_slice()),
+            Shape::KeyedUnit(u) => (true, std::slice::from_ref(u)),
+            Shape::Permits { keyed } => (*keyed, &[][..]),
+        };
+        crate::args::LevelKeywords {
+            name: &self.name,
+            keyed,
+            units,
+        }
+    }
+}
+
 /// Several limits decided together: all or nothing, waiting for the latest.
 #[pyclass(frozen, name = "Policy", module = "ratequeue")]
 pub struct PolicyPy {
@@ -70,71 +86,20 @@ fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal, max_wait_ns: u64) -> 
 
 impl PolicyPy {
     fn args(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<LevelArgs>> {
-        let mut used = std::collections::HashSet::new();
-        let get = |name: &str| -> Option<Bound<'_, PyAny>> { kw.and_then(|d| d.get_item(name).ok().flatten()) };
-        let mut out = Vec::with_capacity(self.levels.len());
-        for (i, l) in self.levels.iter().enumerate() {
-            let unit_cost = |u: &str, used: &mut std::collections::HashSet<String>| -> PyResult<u64> {
-                match get(u) {
-                    Some(v) => {
-                        used.insert(u.to_owned());
-                        cost(u, &v)
-                    }
-                    None if u == "requests" => Ok(1),
-                    None => Err(PyTypeError::new_err(format!(
-                        "missing cost for unit {u:?} (level {:?}): pass {u}=...",
-                        l.name
-                    ))),
-                }
-            };
-            let key_for = |used: &mut std::collections::HashSet<String>| -> PyResult<Bound<'_, PyAny>> {
-                used.insert(l.name.clone());
-                get(&l.name).ok_or_else(|| {
-                    PyTypeError::new_err(format!("missing key for level {:?}: pass {}=...", l.name, l.name))
-                })
-            };
-            let a = match &l.shape {
-                Shape::Units(units) => LevelArgs {
-                    key: 0,
-                    costs: units.iter().map(|u| unit_cost(u, &mut used)).collect::<PyResult<_>>()?,
-                },
-                Shape::KeyedUnit(u) => {
-                    let k = key_for(&mut used)?;
-                    let key = match &self.core.levels()[i].kind {
-                        LevelKind::KeyedRate(m) => key_named(m.hasher(), &k, &l.name)?,
-                        _ => 0,
-                    };
-                    LevelArgs {
-                        key,
-                        costs: vec![unit_cost(u, &mut used)?],
-                    }
-                }
-                Shape::Permits { keyed } => {
-                    let key = if *keyed {
-                        let k = key_for(&mut used)?;
-                        match &self.core.levels()[i].kind {
-                            LevelKind::KeyedConcurrency(m) => key_named(m.hasher(), &k, &l.name)?,
-                            _ => 0,
-                        }
-                    } else {
-                        0
-                    };
-                    LevelArgs { key, costs: vec![1] }
-                }
-            };
-            out.push(a);
-        }
-        if let Some(d) = kw {
-            for k in d.keys() {
-                let k: String = k.extract()?;
-                if !used.contains(&k) {
-                    return Err(PyTypeError::new_err(format!(
-                        "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
-                    )));
-                }
-            }
-        }
-        Ok(out)
+        let levels: Vec<_> = self.levels.iter().map(LevelPy::keywords).collect();
+        let calls = crate::args::policy_keywords(&levels, kw)?;
+        calls
+            .into_iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let key = match (&c.key, &self.core.levels()[i].kind) {
+                    (Some(k), LevelKind::KeyedRate(m)) => key_named(m.hasher(), k, &self.levels[i].name)?,
+                    (Some(k), LevelKind::KeyedConcurrency(m)) => key_named(m.hasher(), k, &self.levels[i].name)?,
+                    _ => 0,
+                };
+                Ok(LevelArgs { key, costs: c.costs })
+            })
+            .collect()
     }
 
     fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64, extra: Vec<Py<PermitPy>>) -> PolicyPermitPy {
@@ -537,36 +502,10 @@ impl PolicyPy {
     }
 }
 
-/// Keywords of Policy calls: never a level's name.
-const KEYWORDS: [&str; 2] = ["timeout", "max_wait"];
-
 /// Refuses set-ups that can never work: a level named like a call keyword or like a
 /// unit of any level (its keyword would be ambiguous).
 fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
-    let units: Vec<&str> = levels
-        .iter()
-        .flat_map(|l| match &l.shape {
-            Shape::Units(u) => u.iter().map(String::as_str).collect(),
-            Shape::KeyedUnit(u) => vec![u.as_str()],
-            Shape::Permits { .. } => Vec::new(),
-        })
-        .collect();
-    for l in levels {
-        if KEYWORDS.contains(&l.name.as_str()) {
-            return Err(PyValueError::new_err(format!(
-                "level {:?} is named like a keyword of Policy calls {KEYWORDS:?}: rename the level",
-                l.name
-            )));
-        }
-        if units.contains(&l.name.as_str()) {
-            return Err(PyValueError::new_err(format!(
-                "level {:?} is named like a unit a level counts: its keyword would be both a key \
-                 and a cost; rename the level",
-                l.name
-            )));
-        }
-    }
-    Ok(())
+    crate::args::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
 }
 
 static POLICY_ACQUIRE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();

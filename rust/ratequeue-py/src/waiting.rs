@@ -234,6 +234,13 @@ impl PermitPy {
         self.waited_ns as f64 / 1e9
     }
 
+    /// The grant's schedule time, in nanoseconds of the limiter's clock (its
+    /// `now_ns()`): when the capacity was taken, whenever the holder woke up.
+    #[getter]
+    fn granted_at_ns(&self) -> u64 {
+        copy_unblocked(&self.grant).at_ns
+    }
+
     /// True once released.
     #[getter]
     fn released(&self) -> bool {
@@ -408,7 +415,7 @@ pub struct AcquiringPy {
     timeout_ns: Option<u64>,
     pub(crate) permit: OnceLock<Py<PermitPy>>,
     token: OnceLock<u64>,
-    /// The clock when queued (before the queue's own reading): grant time = this + wait.
+    /// The queue's clock reading at the submit (the arrival): grant time = this + wait.
     submitted_ns: OnceLock<u64>,
     /// Who the permit belongs to, when not the queue (e.g. a key of a keyed limiter).
     owner: Option<Arc<dyn PermitOwner>>,
@@ -579,13 +586,15 @@ impl AcquiringPy {
         if chan.is_closed() {
             return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
         }
-        let _ = self.submitted_ns.set(self.gate.queue.now_ns());
         let submitted = py.detach(|| {
             self.gate
                 .queue
-                .submit(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
+                .submit_dated(&self.costs, self.class, self.timeout_ns, || Wake::Channel(chan))
         });
-        match submitted {
+        if let Ok((_, now)) = submitted {
+            let _ = self.submitted_ns.set(now);
+        }
+        match submitted.map(|(s, _)| s) {
             Ok(Submitted::Granted { .. }) => Ok(self._granted(py, 0, None)?.into_any()),
             Ok(Submitted::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
             Err(e) => Err(to_py(py, e)),

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 """Failure policies and the circuit breaker, with a real redis-server stopped, frozen
 (SIGSTOP: calls time out) and restarted in the middle of a run."""
 
@@ -19,7 +18,7 @@ from ratequeue.redis import (
     RedisPolicy,
     RedisUnavailable,
 )
-from redis_server import RedisServer, own_redis, r, redis_server  # noqa: F401
+from redis_server import RedisServer
 
 
 def dead_client() -> redis.Redis:
@@ -205,12 +204,12 @@ def test_async_restart(own_redis: RedisServer) -> None:
 
 def test_cancelled_probe_lets_another_call_probe() -> None:
     br = CircuitBreaker(retry_interval=0)
-    br.failure(OSError("boom"))
-    assert br.allow()  # the probe
-    assert not br.allow()  # one at a time
-    br.abandon()
-    assert br.allow()
-    br.success()
+    br._failure(OSError("boom"))
+    assert br._allow()  # the probe
+    assert not br._allow()  # one at a time
+    br._abandon()
+    assert br._allow()
+    br._success()
     assert br.state == "closed"
     with pytest.raises(ValueError):
         CircuitBreaker(retry_interval=-1)

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 """Four processes (spawn) share one Redis limit for a while: together they admit at
 most burst + rate * elapsed (plus N * L with leases) and at least 95 % of it."""
 
@@ -9,7 +8,7 @@ import time
 from typing import Any
 
 import pytest
-from redis_server import RedisServer, redis_server  # noqa: F401
+from redis_server import RedisServer
 
 PROCS = 4
 RATE, BURST, DURATION = 2000, 200, 1.5

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 """The Lua scripts decide exactly as the Rust core, call by call, on random sequences.
 
 Both sides run on one ``rq.ManualClock``: the Redis limiters pass its time to the
@@ -20,7 +19,7 @@ import redis
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ratequeue.redis import RedisKeyedLimiter, RedisLimiter, RedisPolicy
-from redis_server import RedisServer, redis_server  # noqa: F401
+from redis_server import RedisServer
 
 # amount per second -> T in whole microseconds (and not just below a power of two in
 # nanoseconds, where the core's tick rounding has no slack).

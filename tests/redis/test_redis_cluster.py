@@ -12,17 +12,15 @@ import pytest
 import ratequeue as rq
 from ratequeue.redis import GCRA_SHA, RedisKeyedLimiter, RedisLimiter, RedisPolicy
 from redis.cluster import ClusterNode, RedisCluster
-from redis_server import RedisServer, _require_binary, in_ci
+from redis_server import RedisServer, require_binary
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[RedisCluster]:
-    binary = _require_binary()
+    binary = require_binary()
     cli = shutil.which("redis-cli")
     if cli is None:
-        if in_ci():
-            pytest.fail("redis-cli not found (it comes with redis-server)")
-        pytest.skip("redis-cli not found")
+        pytest.fail("redis-cli not found (it comes with redis-server)")
     nodes = [
         RedisServer(binary, extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
         for _ in range(3)

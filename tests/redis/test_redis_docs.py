@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (pytest fixtures imported from redis_server are parameters here)
 """The examples of docs/redis.md run, in order, against the test redis-server."""
 
 from __future__ import annotations
@@ -7,9 +6,9 @@ import re
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, redis_server  # noqa: F401
+from redis_server import RedisServer
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "redis.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "redis.md"
 
 
 def test_examples_run(redis_server: RedisServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,0 +1,366 @@
+"""The LLM transport: its added cost per call, and the queue against the SDK's retry loop.
+
+Everything runs in ONE process, one table after the other; the tables are printed and
+written to ``benches/results/transport.md``::
+
+    .venv/bin/python benches/bench_transport.py [--calls 300] [--rounds 7] [--burst 40]
+
+1. Added cost per call. Each row sends the same chat-completion POST (a 300-character
+   prompt, ``max_tokens``) through an ``httpx2.Client`` and reads the JSON body; rows are
+   run in interleaved rounds of ``--calls`` calls and the median round is shown (µs per
+   call). The floor is the bare transport; "added" is a row minus its floor. Floors: an
+   in-memory ``MockTransport`` (the answer is built in-process: the floor is httpx2
+   itself) and ``HTTPTransport`` to the loopback mock provider (a real HTTP round trip,
+   keep-alive). CPU is ``time.thread_time()`` of the calling thread (what the call
+   costs, robust on a loaded machine); wall is ``time.perf_counter()`` (the loopback
+   rows include the mock server's threads and the scheduler). ``RateLimitedTransport``
+   rows wrap the same transport over a Limiter of requests and tokens that never makes
+   anyone wait: the cost is the estimate (chars/4), the acquire, the header scan, the
+   usage read and the settle. Also: with output
+   caps and a CallBudget; asyncio; an SSE stream of 20 events.
+2. The queue against the SDK's retry loop. ``--burst`` concurrent ``openai`` calls (one
+   thread each, ``max_retries=50``) against the mock provider limited to 600 requests per
+   minute with a burst of 1 (it answers 429 with ``retry-after-ms`` and ``Retry-After``).
+   Rows: the SDK alone (its own retry loop, bare transport); through
+   ``RateLimitedTransport`` over a Limiter set a little under the provider (570/min,
+   burst 1); through it with a Limiter far too generous (60,000/min, burst 50) and
+   ``calibrate=True`` (it learns the limit from the headers and pauses on 429).
+   Shown: calls the provider saw per success, 429s, and the p50 / p99 / max latency of a
+   call as its caller sees it (queue wait + HTTP + the SDK's sleeps).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx2
+import openai
+import ratequeue as rq
+from ratequeue.httpx import CallBudget, Cap, RateLimitedTransport
+from ratequeue.mock_provider import MockProvider
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_OUT = HERE / "results" / "transport.md"
+BODY = {
+    "model": "gpt-bench",
+    "messages": [{"role": "user", "content": "x" * 300}],
+    "max_tokens": 200,
+}
+ANSWER = {
+    "id": "c1",
+    "object": "chat.completion",
+    "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
+    "usage": {"prompt_tokens": 80, "completion_tokens": 20, "total_tokens": 100},
+}
+HEADERS = {
+    "x-ratelimit-limit-requests": "10000",
+    "x-ratelimit-remaining-requests": "9999",
+    "x-ratelimit-reset-requests": "6ms",
+    "x-ratelimit-limit-tokens": "2000000",
+    "x-ratelimit-remaining-tokens": "1999900",
+    "x-ratelimit-reset-tokens": "3ms",
+}
+SSE = (
+    b"".join(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n' for _ in range(19))
+    + b'data: {"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":19}}\n\n'
+    + b"data: [DONE]\n\n"
+)
+
+
+def roomy() -> rq.Limiter:
+    """A limiter that never makes a benchmark call wait."""
+    return rq.Limiter(
+        rq.Rate(10**9, per="minute", burst=10**6),
+        rq.Rate(10**10, per="minute", burst=10**9, unit="tokens"),
+    )
+
+
+def answer(request: httpx2.Request) -> httpx2.Response:
+    if b'"stream":true' in request.content:
+        return httpx2.Response(
+            200, headers={"content-type": "text/event-stream", **HEADERS}, content=SSE
+        )
+    return httpx2.Response(200, headers=HEADERS, json=ANSWER)
+
+
+# -- 1. added cost per call -------------------------------------------------------------------
+
+
+Sample = tuple[float, float]  # (wall, CPU of the calling thread), µs per call
+
+
+def sync_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
+    data = json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    t0, c0 = time.perf_counter(), time.thread_time()
+    for _ in range(n):
+        r = client.post(url, content=data, headers=headers)
+        r.read()
+    return (time.perf_counter() - t0) / n * 1e6, (time.thread_time() - c0) / n * 1e6
+
+
+def budget_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
+    with CallBudget(calls=n + 1, tokens=10**9):
+        return sync_row(client, url, body, n)
+
+
+def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> Sample:
+    data = json.dumps(BODY).encode()
+    headers = {"content-type": "application/json"}
+
+    async def main() -> Sample:
+        async with make() as client:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(n):
+                r = await client.post(url, content=data, headers=headers)
+                await r.aread()
+            return (
+                (time.perf_counter() - t0) / n * 1e6,
+                (time.thread_time() - c0) / n * 1e6,
+            )
+
+    return asyncio.run(main())
+
+
+def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None]]:
+    stream_body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
+    caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-bench", task="x")]
+    with MockProvider(10**7, gen_time=0.0, burst=10**6) as mock:
+        url = mock.url
+        mem = httpx2.Client(transport=httpx2.MockTransport(answer))
+        mem_t = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), roomy()))
+        mem_caps = httpx2.Client(
+            transport=RateLimitedTransport(httpx2.MockTransport(answer), roomy(), caps=caps)
+        )
+        net = httpx2.Client(transport=httpx2.HTTPTransport())
+        net_t = httpx2.Client(transport=RateLimitedTransport(httpx2.HTTPTransport(), roomy()))
+        rows: dict[str, tuple[str, Callable[[], Sample], str | None]] = {
+            "floor: MockTransport (in memory)": (
+                "memory",
+                lambda: sync_row(mem, url, BODY, calls),
+                None,
+            ),
+            "RateLimitedTransport(MockTransport)": (
+                "memory",
+                lambda: sync_row(mem_t, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            ),
+            "... + output caps + CallBudget": (
+                "memory",
+                lambda: budget_row(mem_caps, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            ),
+            "floor: MockTransport, SSE of 20 events": (
+                "memory",
+                lambda: sync_row(mem, url, stream_body, calls),
+                None,
+            ),
+            "RateLimitedTransport, SSE of 20 events": (
+                "memory",
+                lambda: sync_row(mem_t, url, stream_body, calls),
+                "floor: MockTransport, SSE of 20 events",
+            ),
+            "floor: async MockTransport": (
+                "memory",
+                lambda: async_row(
+                    lambda: httpx2.AsyncClient(transport=httpx2.MockTransport(answer)), url, calls
+                ),
+                None,
+            ),
+            "async RateLimitedTransport(MockTransport)": (
+                "memory",
+                lambda: async_row(
+                    lambda: httpx2.AsyncClient(
+                        transport=RateLimitedTransport(httpx2.MockTransport(answer), roomy())
+                    ),
+                    url,
+                    calls,
+                ),
+                "floor: async MockTransport",
+            ),
+            "floor: HTTPTransport to the loopback mock": (
+                "loopback",
+                lambda: sync_row(net, url, BODY, calls),
+                None,
+            ),
+            "RateLimitedTransport(HTTPTransport), loopback": (
+                "loopback",
+                lambda: sync_row(net_t, url, BODY, calls),
+                "floor: HTTPTransport to the loopback mock",
+            ),
+        }
+        for _, fn, _ in rows.values():  # warm up: connections, imports, caches
+            fn()
+        samples: dict[str, list[Sample]] = {k: [] for k in rows}
+        for _ in range(rounds):
+            for name, (_, fn, _) in rows.items():
+                samples[name].append(fn())
+        for c in (mem, mem_t, mem_caps, net, net_t):
+            c.close()
+    return [
+        (
+            name,
+            kind,
+            (
+                statistics.median(w for w, _ in samples[name]),
+                statistics.median(c for _, c in samples[name]),
+            ),
+            floor,
+        )
+        for name, (kind, _, floor) in rows.items()
+    ]
+
+
+def table_overhead(rows: list[tuple[str, str, Sample, str | None]]) -> list[str]:
+    by = {name: v for name, _, v, _ in rows}
+    out = [
+        "| transport | where | CPU µs/call | added CPU vs its floor | wall µs/call | added wall |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for name, kind, (wall, cpu), floor in rows:
+        if floor is None:
+            added_cpu = added_wall = "—"
+        else:
+            added_cpu = f"{cpu - by[floor][1]:+.1f} µs"
+            added_wall = f"{wall - by[floor][0]:+.1f} µs"
+        out.append(f"| {name} | {kind} | {cpu:.1f} | {added_cpu} | {wall:.1f} | {added_wall} |")
+    return out
+
+
+# -- 2. the queue against the SDK's retry loop -----------------------------------------------
+
+
+def burst(transport: Any, n: int) -> dict[str, float]:
+    with MockProvider(600, burst=1, gen_time=0.0) as mock:
+        client = openai.OpenAI(
+            api_key="k",
+            base_url=mock.base_url + "/v1",
+            max_retries=50,
+            http_client=httpx2.Client(transport=transport() if callable(transport) else transport),
+        )
+        lat: list[float] = []
+        lock = threading.Lock()
+        errors = 0
+
+        def call() -> None:
+            nonlocal errors
+            t0 = time.monotonic()
+            try:
+                client.chat.completions.create(model="gpt", messages=BODY["messages"])
+            except Exception:
+                with lock:
+                    errors += 1
+                return
+            with lock:
+                lat.append(time.monotonic() - t0)
+
+        threads = [threading.Thread(target=call) for _ in range(n)]
+        t0 = time.monotonic()
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        elapsed = time.monotonic() - t0
+        s = mock.stats()
+    lat.sort()
+    pick = lambda q: lat[min(len(lat) - 1, max(0, int(q * len(lat) + 0.999) - 1))]  # noqa: E731
+    return {
+        "sent": s["requests"],
+        "ok": s["ok"],
+        "r429": s["rate_limited"],
+        "errors": errors,
+        "p50": pick(0.5),
+        "p99": pick(0.99),
+        "max": lat[-1],
+        "elapsed": elapsed,
+    }
+
+
+def retries(n: int) -> list[tuple[str, dict[str, float]]]:
+    return [
+        ("SDK alone: openai retry loop (max_retries=50)", burst(httpx2.HTTPTransport, n)),
+        (
+            "RateLimitedTransport, Limiter 570/min burst 1",
+            burst(
+                lambda: RateLimitedTransport(
+                    httpx2.HTTPTransport(), rq.Limiter(rq.Rate(570, per="minute", burst=1))
+                ),
+                n,
+            ),
+        ),
+        (
+            "RateLimitedTransport, Limiter 60,000/min burst 50, calibrate=True",
+            burst(
+                lambda: RateLimitedTransport(
+                    httpx2.HTTPTransport(),
+                    rq.Limiter(rq.Rate(60_000, per="minute", burst=50)),
+                    calibrate=True,
+                ),
+                n,
+            ),
+        ),
+    ]
+
+
+def table_retries(rows: list[tuple[str, dict[str, float]]], n: int) -> list[str]:
+    ideal = (n - 1) / 10.0
+    out = [
+        f"{n} concurrent calls, provider 600/min burst 1 (ideal: the last one done after "
+        f"{ideal:.1f} s)",
+        "",
+        "| client | calls sent per success | 429s | failed | p50 latency | p99 latency | max "
+        "| all done |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, r in rows:
+        out.append(
+            f"| {name} | {r['sent'] / max(1, r['ok']):.2f} | {r['r429']:.0f} | {r['errors']:.0f} "
+            f"| {r['p50']:.2f} s | {r['p99']:.2f} s | {r['max']:.2f} s | {r['elapsed']:.2f} s |"
+        )
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--rounds", type=int, default=7)
+    ap.add_argument("--burst", type=int, default=40)
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    args = ap.parse_args()
+    versions = ", ".join(
+        f"{p} {importlib.metadata.version(p)}" for p in ("httpx2", "openai", "ratequeue")
+    )
+    head = [
+        "# The LLM transport: added cost per call, and the queue against the SDK's retry loop",
+        "",
+        f"`benches/bench_transport.py --calls {args.calls} --rounds {args.rounds} "
+        f"--burst {args.burst}`, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
+        f"{os.getloadavg()[0]:.2f}; Python {platform.python_version()}, {versions}.",
+        "",
+        "## 1. Added cost per call (median of interleaved rounds)",
+        "",
+    ]
+    t1 = table_overhead(overhead(args.calls, args.rounds))
+    print("\n".join(head + t1), flush=True)
+    t2 = table_retries(retries(args.burst), args.burst)
+    lines = head + t1 + ["", "## 2. The queue against the SDK's retry loop", ""] + t2
+    print("\n".join(lines[len(head) + len(t1) :]))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Cost of a call before it is sent: prompt tokens + the most output tokens it may produce.
+
+The prompt is the text of the request body's strings (messages, system, input, tools;
+not ``model``, ``role``, ``type`` nor base64 data such as images): counted by tiktoken when it is
+installed and its encoding loads, otherwise by the documented fallback of one token per
+four characters (rounded up) plus four per message. The output is the request's
+``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, or
+``default_output_tokens`` when it names none.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, Protocol
+
+__all__ = ["OUTPUT_FIELDS", "Estimate", "Estimator", "TokenEstimator"]
+
+#: Body fields that bound a call's output, in the order they are read.
+OUTPUT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+_SKIP = frozenset(
+    {"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"}
+)
+_MAX_DEPTH = 64
+
+
+class Estimate(NamedTuple):
+    """Tokens a call may use: prompt (input) and the most it may produce (output)."""
+
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        """Input plus output."""
+        return self.input_tokens + self.output_tokens
+
+
+class Estimator(Protocol):
+    """Anything that estimates a call from its parsed JSON body (None if not JSON) and
+    its path."""
+
+    def __call__(self, body: dict[str, Any] | None, path: str) -> Estimate: ...
+
+
+class _Encoding(Protocol):
+    def encode(self, text: str, *, disallowed_special: Any = ...) -> list[int]: ...
+
+
+def _strings(v: Any, depth: int = 0) -> Iterator[str]:
+    if depth > _MAX_DEPTH:
+        return
+    if isinstance(v, str):
+        if not v.startswith("data:"):
+            yield v
+    elif isinstance(v, dict):
+        for k, x in v.items():
+            if k not in _SKIP:
+                yield from _strings(x, depth + 1)
+    elif isinstance(v, list):
+        for x in v:
+            yield from _strings(x, depth + 1)
+
+
+def _chars(v: Any, depth: int = 0) -> int:
+    """Characters of the prompt strings of ``v`` (what :func:`_strings` yields, with one
+    separator each), without building the text."""
+    t = type(v)
+    if t is str:
+        return 0 if v.startswith("data:") else len(v) + 1
+    if depth > _MAX_DEPTH:
+        return 0
+    n = 0
+    if t is dict:
+        for k, x in v.items():
+            if k not in _SKIP and type(x) is not int:
+                n += _chars(x, depth + 1)
+    elif t is list:
+        for x in v:
+            n += _chars(x, depth + 1)
+    return n
+
+
+def output_limit(body: dict[str, Any] | None) -> int | None:
+    """The request's own bound on output tokens, if it names one (a non-negative int)."""
+    if body is None:
+        return None
+    for f in OUTPUT_FIELDS:
+        v = body.get(f)
+        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
+            return v
+    return None
+
+
+def _messages(body: dict[str, Any]) -> int:
+    m = body.get("messages")
+    if isinstance(m, list):
+        return len(m)
+    i = body.get("input")
+    return len(i) if isinstance(i, list) else 1
+
+
+class TokenEstimator:
+    """The default estimator: tiktoken when available, else ceil(chars / 4) + 4 per message.
+
+    ``encoding`` is a tiktoken encoding name (default ``"o200k_base"``), a ready encoding
+    object (anything with ``encode``), or ``None`` for the character fallback alone. A
+    named encoding is loaded once, in a background thread started on first use (tiktoken
+    may download its files, and no call waits for that): calls use the fallback until it
+    is loaded, and for good when loading fails (not installed, no network).
+    :meth:`load` waits for it.
+    """
+
+    def __init__(
+        self,
+        encoding: str | _Encoding | None = "o200k_base",
+        *,
+        default_output_tokens: int = 1024,
+        chars_per_token: int = 4,
+    ) -> None:
+        for name, v in (
+            ("default_output_tokens", default_output_tokens),
+            ("chars_per_token", chars_per_token),
+        ):
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise TypeError(f"{name}={v!r} must be an int")
+        if default_output_tokens < 0 or chars_per_token < 1:
+            raise ValueError("default_output_tokens must be >= 0 and chars_per_token >= 1")
+        if (
+            encoding is not None
+            and not isinstance(encoding, str)
+            and not hasattr(encoding, "encode")
+        ):
+            raise TypeError(f"encoding={encoding!r} must be a name, an encoding or None")
+        self.default_output_tokens = default_output_tokens
+        self.chars_per_token = chars_per_token
+        self._name = encoding if isinstance(encoding, str) else None
+        self._encoding: _Encoding | None = None if isinstance(encoding, str) else encoding
+        self._loaded = threading.Event()
+        self._started = not isinstance(encoding, str)
+        if self._started:
+            self._loaded.set()
+        self._lock = threading.Lock()
+
+    def _start(self) -> None:
+        with self._lock:
+            if self._started:
+                return
+            self._started = True
+        threading.Thread(target=self._load, name="ratequeue-tiktoken", daemon=True).start()
+
+    def _load(self) -> None:
+        try:
+            self._encoding = _load(self._name)
+        finally:
+            self._loaded.set()
+
+    def load(self, timeout: float | None = None) -> bool:
+        """Load the encoding now (waiting up to ``timeout`` s); True when tiktoken is in use."""
+        self._start()
+        self._loaded.wait(timeout)
+        return self._encoding is not None
+
+    @property
+    def encoding(self) -> _Encoding | None:
+        """The tiktoken encoding in use, or None while counting characters."""
+        if not self._started:
+            self._start()
+        return self._encoding
+
+    def count(self, text: str) -> int:
+        """Tokens of ``text``: by the encoding, or ceil(chars / chars_per_token)."""
+        enc = self.encoding
+        if enc is not None:
+            return len(enc.encode(text, disallowed_special=()))
+        return -(-len(text) // self.chars_per_token)
+
+    def __call__(self, body: dict[str, Any] | None, path: str) -> Estimate:
+        """The estimate of a call with this JSON body (None: one unknown request)."""
+        if body is None:
+            return Estimate(0, self.default_output_tokens)
+        if self.encoding is None:
+            prompt = -(-max(0, _chars(body) - 1) // self.chars_per_token)
+        else:
+            prompt = self.count("\n".join(_strings(body)))
+        prompt += 4 * _messages(body)
+        out = output_limit(body)
+        return Estimate(prompt, self.default_output_tokens if out is None else out)
+
+
+def _load(name: str | None) -> _Encoding | None:
+    if name is None:
+        return None
+    try:
+        import tiktoken
+    except ImportError:
+        return None
+    try:
+        enc: _Encoding = tiktoken.get_encoding(name)
+    except Exception:  # no network for the encoding files, unknown name: fall back
+        return None
+    return enc
+
+
+def chars_estimate(body: dict[str, Any] | None, path: str) -> Estimate:
+    """The character fallback alone (no tiktoken): ceil(chars / 4) + 4 per message."""
+    return _CHARS(body, path)
+
+
+_CHARS = TokenEstimator(None)
+_DEFAULT_LOCK = threading.Lock()
+_DEFAULT: list[TokenEstimator] = []
+
+
+def default_estimator() -> Callable[[dict[str, Any] | None, str], Estimate]:
+    """The shared default :class:`TokenEstimator` (tiktoken's ``o200k_base`` if it loads)."""
+    if not _DEFAULT:
+        with _DEFAULT_LOCK:
+            if not _DEFAULT:
+                _DEFAULT.append(TokenEstimator())
+    return _DEFAULT[0]

@@ -1,0 +1,146 @@
+"""The response body, read as it passes: usage found in JSON or SSE, the call settled
+at its end; stream wrappers subclass the stream bases of httpx or httpx2 (whichever made
+the response), imported only then."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
+
+from ._usage import SSEUsage, Usage, usage_from_json, usage_of
+
+if TYPE_CHECKING:
+    from ._transport import RateLimitedTransport, _Call
+
+
+class _Reader:
+    """Finds the usage in a body as it is read; settles the call at its end."""
+
+    __slots__ = ("buf", "call", "over", "size", "sse", "transport")
+
+    def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
+        self.call, self.transport = call, transport
+        self.sse = SSEUsage() if sse else None
+        self.buf: list[bytes] = []
+        self.size = 0
+        self.over = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.sse is not None:
+            self.sse.feed(chunk)
+            if self.sse.final and not self.call.done:
+                self.finish()
+        elif not self.over:
+            self.size += len(chunk)
+            if self.size > self.transport.max_body:
+                self.over, self.buf = True, []
+            else:
+                self.buf.append(chunk)
+
+    def finish(self) -> None:
+        if self.call.done:
+            return
+        usage: Usage | None = None
+        if self.sse is not None:
+            # A stream cut before its final usage event may have produced more than it
+            # reported so far: the estimate stays charged.
+            usage = self.sse.usage if self.sse.final else None
+        elif not self.over and self.buf:
+            usage = _json_usage(b"".join(self.buf))
+            self.buf = []
+        if usage is None:
+            # No usage reported: keep the estimate charged (never admit more than allowed).
+            usage_kept = self.call.record.estimate
+            usage = Usage(usage_kept.input_tokens, usage_kept.output_tokens)
+            self.transport._settle(self.call, usage, self.call.record.status)
+            self.call.record.usage = None
+            return
+        self.transport._settle(self.call, usage, self.call.record.status)
+
+
+_DECODER = json.JSONDecoder()
+
+
+def _json_usage(body: bytes) -> Usage | None:
+    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is at the
+    top level (the common case, without decoding the rest), else the whole body."""
+    i = body.rfind(b'"usage"')
+    if i != -1:
+        j = body.find(b"{", i + 7, i + 40)
+        if j != -1 and body[i + 7 : j].strip() == b":":
+            try:
+                obj, _ = _DECODER.raw_decode(body[j:].decode("utf-8", "replace"))
+            except ValueError:
+                obj = None
+            u = usage_of(obj)
+            if u is not None and body.count(b'"usage"') == 1:
+                return u
+    try:
+        return usage_from_json(json.loads(body))
+    except ValueError:
+        return None
+
+
+_STREAMS: dict[str, tuple[type, type]] = {}
+
+
+def _stream_types(module: str) -> tuple[type, type]:
+    """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2."""
+    types = _STREAMS.get(module)
+    if types is not None:
+        return types
+    mod = importlib.import_module(module)
+
+    class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, inner: Any, reader: _Reader) -> None:
+            self._inner, self._reader = inner, reader
+
+        def __iter__(self) -> Iterator[bytes]:
+            for chunk in self._inner:
+                self._reader.feed(chunk)
+                yield chunk
+            self._reader.finish()
+
+        def close(self) -> None:
+            try:
+                if hasattr(self._inner, "close"):
+                    self._inner.close()
+            finally:
+                self._reader.finish()
+
+    class _AsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, inner: Any, reader: _Reader) -> None:
+            self._inner, self._reader = inner, reader
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            async for chunk in self._inner:
+                self._reader.feed(chunk)
+                yield chunk
+            self._reader.finish()
+
+        async def aclose(self) -> None:
+            try:
+                if hasattr(self._inner, "aclose"):
+                    await self._inner.aclose()
+            finally:
+                self._reader.finish()
+
+    types = (_SyncStream, _AsyncStream)
+    _STREAMS[module] = types
+    return types
+
+
+def wrap(
+    response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool, sse: bool
+) -> None:
+    """Put a reader between the response's stream and its consumer (or read the body
+    at once when the response already holds it)."""
+    reader = _Reader(call, transport, sse)
+    if response.is_stream_consumed:
+        reader.feed(response.content)
+        reader.finish()
+        return
+    sync_t, async_t = _stream_types(type(response).__module__.split(".", 1)[0])
+    response.stream = (async_t if is_async else sync_t)(response.stream, reader)

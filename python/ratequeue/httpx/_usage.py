@@ -1,0 +1,159 @@
+"""Real usage from a response: JSON bodies and Server-Sent Events, read as they pass.
+
+OpenAI chat (``usage.prompt_tokens`` / ``completion_tokens``), OpenAI responses and
+Anthropic (``usage.input_tokens`` / ``output_tokens``). Streams: OpenAI chat's final
+chunk with ``usage``, the responses API's ``response.completed`` event, Anthropic's
+``message_start`` (input) and ``message_delta`` (output, cumulative). The SSE parser
+keeps at most one partial event of at most ``max_event`` bytes; a longer event is
+skipped, never buffered.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any, NamedTuple
+
+__all__ = ["SSEUsage", "Usage", "usage_from_json", "usage_of"]
+
+
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+
+
+class Usage(NamedTuple):
+    """Tokens a call really used."""
+
+    input_tokens: int
+    output_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        """Input plus output."""
+        return self.input_tokens + self.output_tokens
+
+
+def _int(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def usage_of(u: Any) -> Usage | None:
+    """A ``usage`` object in either dialect, or None."""
+    if not isinstance(u, dict):
+        return None
+    i = _int(u.get("input_tokens"))
+    o = _int(u.get("output_tokens"))
+    if i is None and o is None:
+        i = _int(u.get("prompt_tokens"))
+        o = _int(u.get("completion_tokens"))
+        if i is None and o is None:
+            return None
+    else:
+        # Anthropic counts cached input apart from input_tokens: all of it was sent.
+        for extra in ("cache_creation_input_tokens", "cache_read_input_tokens"):
+            e = _int(u.get(extra))
+            if e:
+                i = (i or 0) + e
+    return Usage(i or 0, o or 0)
+
+
+def usage_from_json(body: Any) -> Usage | None:
+    """Usage of a parsed response body (chat, responses or messages), or None."""
+    if not isinstance(body, dict):
+        return None
+    u = usage_of(body.get("usage"))
+    if u is None and isinstance(body.get("response"), dict):
+        u = usage_of(body["response"].get("usage"))
+    return u
+
+
+class SSEUsage:
+    """An incremental SSE reader that finds the usage in a stream of byte chunks.
+
+    ``feed(chunk)`` as chunks pass; ``usage`` is the usage seen so far and ``final`` is
+    True once the event that completes it arrived. Only events mentioning ``usage`` are
+    parsed as JSON.
+    """
+
+    __slots__ = ("_buf", "_input", "_output", "_skip", "events", "final", "max_event")
+
+    def __init__(self, max_event: int = 1 << 20) -> None:
+        self._buf = b""
+        self._skip = False
+        self._input: int | None = None
+        self._output: int | None = None
+        self.final = False
+        self.max_event = max_event
+        self.events = 0
+
+    @property
+    def usage(self) -> Usage | None:
+        """The usage seen so far (None before any)."""
+        if self._input is None and self._output is None:
+            return None
+        return Usage(self._input or 0, self._output or 0)
+
+    def feed(self, chunk: bytes) -> None:
+        """Read one chunk; at most ``max_event`` bytes of one event are kept."""
+        data = self._buf + chunk if self._buf else chunk
+        start = 0
+        while True:
+            end = data.find(b"\n\n", start)
+            sep = 2
+            alt = data.find(b"\r\n\r\n", start)
+            if alt != -1 and (end == -1 or alt < end):
+                end, sep = alt, 4
+            if end == -1:
+                break
+            if self._skip:
+                self._skip = False
+            else:
+                self._event(data[start:end])
+            start = end + sep
+        rest = data[start:]
+        if len(rest) > self.max_event:
+            # An event longer than the bound: drop it up to its end.
+            # (the last bytes stay: a separator may straddle two chunks).
+            self._skip = True
+            rest = rest[-3:]
+        self._buf = rest
+
+    def _event(self, raw: bytes) -> None:
+        self.events += 1
+        if _USAGE_OBJECT.search(raw) is None:
+            return
+        payload = b"\n".join(
+            line[5:].lstrip(b" ") for line in raw.splitlines() if line.startswith(b"data:")
+        )
+        try:
+            ev = json.loads(payload)
+        except ValueError:
+            return
+        if not isinstance(ev, dict):
+            return
+        kind = ev.get("type")
+        if kind == "message_start":  # Anthropic: input (and a first output count)
+            msg = ev.get("message")
+            u = usage_of(msg.get("usage")) if isinstance(msg, dict) else None
+            if u is not None:
+                self._input, self._output = u.input_tokens, u.output_tokens
+            return
+        if kind == "message_delta":  # Anthropic: the cumulative output
+            raw_u = ev.get("usage")
+            if isinstance(raw_u, dict):
+                o = _int(raw_u.get("output_tokens"))
+                if o is not None:
+                    self._output = o
+                i = _int(raw_u.get("input_tokens"))
+                if i:
+                    self._input = i
+                self.final = True
+            return
+        u = usage_from_json(ev)
+        if u is not None:
+            self._input, self._output = u.input_tokens, u.output_tokens
+            self.final = kind in (
+                None,
+                "response.completed",
+                "response.incomplete",
+                "response.failed",
+            )
