@@ -928,3 +928,16 @@ def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) ->
     assert sorted(r.request_id for r in led.iter_usage("acme")) == ["a", "c", "old"]
     assert grouped == [6]  # the six queued charges were decided in one go
     led.close()
+
+
+def test_the_ledger_package_exports_its_all() -> None:
+    import ratequeue.ledger as ledger
+
+    assert len(ledger.__all__) == len(set(ledger.__all__))
+    for name in ledger.__all__:
+        assert getattr(ledger, name) is not None
+    assert ledger.QuotaExceeded is rq.QuotaExceeded
+    assert issubclass(rq.QuotaExceeded, rq.RateQueueError)
+    assert {"SqliteLedger", "RedisLedger", "QuotaPolicy", "QuotaLevel", "Notifier"} <= set(
+        ledger.__all__
+    )
