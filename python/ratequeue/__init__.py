@@ -4,7 +4,7 @@ The engine is a lock-free Rust core (``ratequeue._ratequeue``); this package re-
 its types and adds thin Python adapters.
 """
 
-from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
+from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
     Concurrency,
@@ -22,6 +22,7 @@ from ._ratequeue import (
     __version__,
 )
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
+from .canary import Canary
 from .httpx._budget import BudgetExceeded, CallBudget
 from .pool import Pool, PoolOverloaded, Provider
 
@@ -34,6 +35,7 @@ __all__ = [
     "Adaptive",
     "BudgetExceeded",
     "CallBudget",
+    "Canary",
     "Concurrency",
     "CostTooLarge",
     "Gradient2",
@@ -51,6 +53,7 @@ __all__ = [
     "PoolOverloaded",
     "Provider",
     "QueueDepth",
+    "QuotaExceeded",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -4,8 +4,10 @@
 ``python -m ratequeue demo --burst-only`` the first demo: one burst, unbounded vs bounded
 ``python -m ratequeue lab ...``           a scenario of your own, in virtual time
 ``python -m ratequeue lab --scenario launch`` launch day: a 3x surge, adaptive limits
+``python -m ratequeue lab --scenario canary`` a verbose model caught by a canary rollout
 ``python -m ratequeue loadtest CONFIG``   real-time open-loop load against an HTTP endpoint
 ``python -m ratequeue mock-provider ...`` a local provider that enforces an RPM limit (429)
+``python -m ratequeue quota ...``         the quota ledger: show, usage, export, compensate
 """
 
 from __future__ import annotations
@@ -118,6 +120,9 @@ def _run_lab(args: argparse.Namespace) -> int:
     if args.scenario == "launch":
         print(lab.launch.main(out=args.out, formats=args.formats, seed=args.seed))
         return 0
+    if args.scenario == "canary":
+        print(lab.canary.main(out=args.out, formats=args.formats, seed=args.seed))
+        return 0
 
     strategies: list[lab.Strategy] = []
     for key in args.strategies.split(","):
@@ -225,10 +230,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     lb.add_argument("--name", default="lab", help="scenario name, used for file names")
     lb.add_argument(
         "--scenario",
-        choices=("levels", "launch"),
+        choices=("levels", "launch", "canary"),
         default="levels",
         help="levels: load levels from these options; launch: the launch-day surge "
-        "against a virtual inference cluster, adaptive strategies side by side",
+        "against a virtual inference cluster, adaptive strategies side by side; canary: a "
+        "verbose candidate model rolled back by the canary's KPI gates",
     )
     lb.add_argument(
         "--rpm", type=_number(float, 0), default=100.0, help="provider limit, requests/minute"
@@ -313,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how a 429 says when to retry: Retry-After and/or retry-after-ms, a date, none",
     )
     mp.set_defaults(func=_run_mock)
+
+    from .ledger.cli import add_quota_parser
+
+    add_quota_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -6,7 +6,8 @@ client strategies (:mod:`.strategies`) and scenarios (:mod:`.scenario`) run on o
 of simulated seconds per real second; :mod:`.theory` gives M/M/1 and M/D/1 beside the
 measurements; :mod:`.report` prints tables and writes JSON, CSV and a plot.
 :mod:`.cluster` is a virtual inference cluster (dynamic batching, KV cache, scale-out)
-and :mod:`.launch` the launch-day scenario run against it with adaptive limits.
+and :mod:`.launch` the launch-day scenario run against it with adaptive limits;
+:mod:`.canary` a canary rollout of a verbose model, rolled back by its KPI gates.
 
 ::
 
@@ -19,7 +20,7 @@ and :mod:`.launch` the launch-day scenario run against it with adaptive limits.
 
 from __future__ import annotations
 
-from . import arrivals, launch, service, theory
+from . import arrivals, canary, launch, service, theory
 from .arrivals import Arrivals, Batches, Burst, OnOff, Poisson, Replay, parse_arrivals
 from .cluster import ClusterSpec, InferenceCluster, ReplicaSpec
 from .engine import Outage, SimProvider, VirtualTime
@@ -83,6 +84,7 @@ __all__ = [
     "VirtualTime",
     "Workload",
     "arrivals",
+    "canary",
     "default_strategies",
     "format_launch",
     "format_level",

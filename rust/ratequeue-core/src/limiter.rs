@@ -595,7 +595,12 @@ impl Resource for Limiter {
             };
             if a < e {
                 let u = match &mut t {
-                    Some(t) => b.give_back(t, e - a, now),
+                    Some(tk) => match b.give_back(tk, e - a, now) {
+                        // The word moved on: a token knows nothing of where its debit sits
+                        // now, the grant time does (the same refund as without a token).
+                        Undo::Nothing | Undo::Dropped if !tk.is_latest() => b.refund_since(now, e - a, grant.at_ns, e),
+                        u => u,
+                    },
                     None => b.refund_since(now, e - a, grant.at_ns, e),
                 };
                 self.note(u);
@@ -823,6 +828,32 @@ mod tests {
         assert_eq!(l.available(0), -2.0);
         assert!(Resource::settle(&l, &[3], &[0], g).token.is_some());
         assert_eq!(l.available(0), 1.0);
+    }
+
+    #[test]
+    fn settle_with_a_token_no_longer_latest_refunds_what_the_debit_still_holds() {
+        // A later grant sits above the settled one: no exact undo, but the debit still
+        // holds all its 5 units (none restored by time yet), so 4 come back, as they
+        // would from a reservation's cancel or a settle known by its grant time.
+        for rates in [
+            &[("tokens", 10.0, 10)][..],
+            &[("requests", 100.0, 100), ("tokens", 10.0, 10)][..],
+        ] {
+            let (l, _) = limiter(rates);
+            let n = rates.len();
+            let mut cost = vec![1; n];
+            cost[n - 1] = 5;
+            let g = GrantRef {
+                at_ns: 0,
+                token: l.try_take_token(0, &cost).unwrap(),
+            };
+            l.try_acquire(&vec![1; n]).unwrap();
+            assert_eq!(l.available(n - 1), 4.0);
+            let mut actual = cost.clone();
+            actual[n - 1] = 1;
+            assert_eq!(Resource::settle(&l, &cost, &actual, g).token, None);
+            assert_eq!(l.available(n - 1), 8.0, "rates {rates:?}");
+        }
     }
 
     #[test]
