@@ -15,11 +15,12 @@ pub struct Semaphore {
 }
 
 /// Serial numbers of concurrency limits, in the order they are made.
-static SERIAL: AtomicU64 = AtomicU64::new(1);
+/// (A plain atomic under loom too: it orders nothing the models check.)
+static SERIAL: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 /// The next concurrency limit's serial number (unique in the process).
 pub(crate) fn next_serial() -> u64 {
-    SERIAL.fetch_add(1, Ordering::Relaxed)
+    SERIAL.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 impl Semaphore {
