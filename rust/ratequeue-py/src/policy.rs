@@ -401,9 +401,7 @@ impl PolicyPy {
         if let Some(held) = self.try_now(py, &args, start) {
             return Ok(self.permit(args, held, 0));
         }
-        // Registering it for the fork handlers takes their registry's lock: not with the GIL.
-        let (core, clock) = (self.core.clone(), self.clock.clone());
-        let pa = unblocked(move || PolicyAcquire::started_at(core, args, clock, t, start));
+        let pa = PolicyAcquire::started_at(self.core.clone(), args, self.clock.clone(), t, start);
         let mut slice = None;
         loop {
             let slot = Slot::new();

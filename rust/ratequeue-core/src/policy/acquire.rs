@@ -3,7 +3,7 @@
 //! common time behind its queue), driven by whoever waits.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Once};
 
 use super::{Held, LevelArgs, LevelKind, Policy, QueueRef, Refusal, Refused};
 use crate::bucket::Deny;
@@ -91,6 +91,9 @@ pub struct PolicyAcquire {
     /// limits never each hold one while waiting for the other's.
     order: Vec<usize>,
     st: Arc<StateLock>,
+    /// Registers `st` for the fork handlers before its first step takes it (an acquire
+    /// decided by the caller's fast path never steps: it costs no registration).
+    registered: Once,
 }
 
 impl PolicyAcquire {
@@ -101,8 +104,7 @@ impl PolicyAcquire {
     }
 
     /// [`PolicyAcquire::new`] for a call that read the clock at `start_ns` (its
-    /// timeout and its delay count from there). Registers it for the fork handlers
-    /// (their registry's lock: bindings call it without the GIL).
+    /// timeout and its delay count from there).
     pub fn started_at(
         policy: Arc<Policy>,
         args: Vec<LevelArgs>,
@@ -118,7 +120,6 @@ impl PolicyAcquire {
             raced: None,
             done: false,
         })));
-        crate::fork::register_arc(&st);
         let mut order: Vec<(u64, u64, usize)> = policy
             .levels
             .iter()
@@ -136,6 +137,7 @@ impl PolicyAcquire {
         order.sort_unstable();
         PolicyAcquire {
             order: order.into_iter().map(|(_, _, i)| i).collect(),
+            registered: Once::new(),
             policy,
             args,
             clock,
@@ -148,9 +150,16 @@ impl PolicyAcquire {
     /// Test hook: holds the acquire's lock for `d` on this thread, as a long step would.
     #[doc(hidden)]
     pub fn hold_lock_for(&self, d: std::time::Duration) {
+        self.register();
         let g = lock(&self.st);
         std::thread::sleep(d);
         drop(g);
+    }
+
+    /// Registers its lock for the fork handlers, once, before anything takes it there
+    /// (takes their registry's lock: steps, outcomes and abandons run without the GIL).
+    fn register(&self) {
+        self.registered.call_once(|| crate::fork::register_arc(&self.st));
     }
 
     /// When the acquire started, on its clock.
@@ -204,11 +213,13 @@ impl PolicyAcquire {
         self.policy.undo_all(&mut st.held, &self.args, self.clock.now_ns());
     }
 
-    /// Goes as far as it can without waiting: queues in the next enforced concurrency
+    /// Goes as far as it can without waiting (the first step registers the acquire
+    /// for the fork handlers: call it without the GIL): queues in the next enforced concurrency
     /// level that cannot grant at once (`wake` says how its outcome is delivered), or
     /// holds the rate levels and finishes. An error (refused, queue full, timed out)
     /// gives back everything first.
     pub fn advance(&self, wake: &dyn Fn() -> Wake) -> Result<Step, Error> {
+        self.register();
         let mut st = lock(&self.st);
         if st.done || st.waiting.is_some() {
             return Err(Error::invalid("acquire", "advance", "is finished or waiting already"));
@@ -328,6 +339,7 @@ impl PolicyAcquire {
     /// error returned. After [`PolicyAcquire::abandon`], a grant is given back and a
     /// timeout ends the wait on its level.
     pub fn outcome(&self, o: Outcome) -> Result<(), Error> {
+        self.register();
         let mut st = lock(&self.st);
         let Some(w) = st.waiting.take() else {
             drop(st);
@@ -370,6 +382,7 @@ impl PolicyAcquire {
     /// — its queue decided already (false) — a grant it got goes back through
     /// [`PolicyAcquire::give_back_late`] when it arrives.
     pub fn abandon(&self) -> bool {
+        self.register();
         let mut st = lock(&self.st);
         if st.done && st.waiting.is_none() {
             return true;
