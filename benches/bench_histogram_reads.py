@@ -93,7 +93,7 @@ def build_rows(n: int) -> list[Row]:
 
     def srt_pct(q: float) -> float:
         k = max(1, -(-int(q * len(xs)) // 100))
-        return xs[k - 1]
+        return float(xs[k - 1])
 
     rows = [
         Row("floor", "floor", "obj.count() (no-op Python method)", floor.count),
