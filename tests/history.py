@@ -389,15 +389,34 @@ class History:
                 continue
             key = kw.get(n) if lv.kind in ("krate", "kconc") else None
             costs = [kw.get(x.unit, 1) for x in lv.rates] if lv.is_rate else [1]
-            # A Policy acquire waits in a concurrency level's queue in its first class;
-            # everything else a Policy does is decided at once, behind every class.
+            # A Policy acquire waits in a level's queue in its first class (a rate level's
+            # share is a reservation joining it, as Limiter.reserve does); everything else
+            # a Policy does is decided at once, behind every class.
             cls = (
                 lv.classes[0]
-                if kind == "policy_acquire" and not lv.is_rate and lv.classes
+                if kind == "policy_acquire"
+                and lv.classes
+                and (not lv.is_rate or len(lv.classes) > 1)
                 else None
             )
-            out.append(self.new_req(n, key, cls, costs, kind, op, arrival))
+            q = self.new_req(n, key, cls, costs, kind, op, arrival)
+            if lv.is_rate and self.shared_time():
+                # Held for the time the slowest rate level needs: a later arrival on a
+                # level that could serve sooner may go first without moving it.
+                q.lead = False
+            out.append(q)
         return out
+
+    def shared_time(self) -> bool:
+        """True when the policy's rate levels are granted at a time another may set."""
+        return (
+            sum(
+                1
+                for n in self.policy_levels
+                if self.levels[n].is_rate and not self.levels[n].shadow
+            )
+            > 1
+        )
 
     def shadow_refused(self) -> int:
         if "shadow" not in self.policy_levels:
@@ -800,6 +819,9 @@ class Ops(History):
             for u, x in enumerate(lv.rates):
                 if x.unit in kw:
                     q.eff[u] = min(q.eff[u], kw[x.unit])
+            if q.eff != q.costs:
+                # Refunded in part: a later arrival may be granted the capacity it freed.
+                q.lead = False
         self.bump("settle")
 
     def op_retry_after(self) -> None:
@@ -1126,7 +1148,8 @@ class Single(Ops):
             if not rate:
                 # Queued from t; granted at some time up to now (an upper bound only).
                 q.arrival_seq, q.lead = seq0, False
-            self.granted(q, now + round(p.delay * NS) if rate else now)
+            # ``delay`` counts from the start of the acquire to the rate levels' time.
+            self.granted(q, t + round(p.delay * NS) if rate else now)
         self.oplog[op] += f" [reqs {[q.rid for q in qs]} granted, delay {p.delay}]"
         self.holders.append(Holder(p, qs, "policy"))
         self.bump("policy_acquire")

@@ -777,3 +777,39 @@ def test_a_limit_the_level_refuses_leaves_it_unchanged(caplog: pytest.LogCapture
         assert a.step() is None
     assert "cannot set the limit" in caplog.text
     assert a.limit == 10**9 - 1 and a.controller.estimate == 10**9 - 1
+
+
+def test_follow_takes_drops_from_the_pools_reports() -> None:
+    clock = rq.ManualClock()
+    a_lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    b_lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    pool = rq.Pool([rq.Provider("a", limiter=a_lim), rq.Provider("b", limiter=b_lim)], clock=clock)
+    ad = rq.Adaptive(a_lim, rq.AIMD(), interval=1.0, clock=clock)
+    stop = ad.follow(pool, provider="a")
+    pool.report("a", 429)
+    pool.report("a", 503)
+    pool.report("a", 200)
+    pool.report("b", 429)  # another provider: not ours
+    pool.report("a", 404)  # the caller's fault: no drop
+    assert ad._acc.drops == 2
+    stop()
+    pool.report("a", 429)
+    assert ad._acc.drops == 2
+
+
+def test_a_failing_pool_listener_never_reaches_the_reporter(caplog) -> None:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(rq.Rate(10, burst=1), clock=clock)
+    pool = rq.Pool([rq.Provider("a", limiter=lim)], clock=clock)
+    seen = []
+
+    def bad(name, status, failed):
+        raise RuntimeError("listener bug")
+
+    pool.subscribe(bad)
+    pool.subscribe(lambda *a: seen.append(a))
+    assert pool.report("a", 429, retry_after=2) == 2.0
+    assert seen == [("a", 429, True)]
+    assert "listener bug" in caplog.text
+    with pytest.raises(TypeError):
+        pool.subscribe(42)

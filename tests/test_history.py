@@ -39,19 +39,6 @@ def _run(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     )
 
 
-# Known defects the checker still finds (issue 10 stays open until they are fixed):
-# Policy.acquire and the asyncio Policy path debit their rate levels without joining
-# those levels' queues (they pass queued waiters and promised reservations). Without
-# Policy operations both modes pass (tests/test_history_defects2.py replays the seeds
-# that found the other defects). strict=True: the day these runs pass, the xfail itself
-# fails and must be removed.
-KNOWN = pytest.mark.xfail(
-    strict=True,
-    reason="issue 10 open: Policy rate levels barge past their queues",
-)
-
-
-@KNOWN
 @pytest.mark.timeout(170)
 def test_random_histories_from_one_thread_keep_every_promise():
     seeds = [str(s) for s in range(1, 13)]
@@ -59,7 +46,6 @@ def test_random_histories_from_one_thread_keep_every_promise():
     _passed(r, 2000)
 
 
-@KNOWN
 @pytest.mark.timeout(170)
 def test_random_histories_from_threads_and_tasks_keep_every_promise():
     seeds = [str(s) for s in range(1, 5)]

@@ -41,6 +41,7 @@ RATEQUEUE = {
     "Pool",
     "PoolOverloaded",
     "Provider",
+    "QuotaExceeded",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -4,7 +4,7 @@ The engine is a lock-free Rust core (``ratequeue._ratequeue``); this package re-
 its types and adds thin Python adapters.
 """
 
-from ._errors import CostTooLarge, Overloaded, RateQueueError, WaitTimeout
+from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
     Concurrency,
@@ -53,6 +53,7 @@ __all__ = [
     "PoolOverloaded",
     "Provider",
     "QueueDepth",
+    "QuotaExceeded",
     "Rate",
     "RateQueueError",
     "Reservation",

@@ -7,6 +7,7 @@
 ``python -m ratequeue lab --scenario canary`` a verbose model caught by a canary rollout
 ``python -m ratequeue loadtest CONFIG``   real-time open-loop load against an HTTP endpoint
 ``python -m ratequeue mock-provider ...`` a local provider that enforces an RPM limit (429)
+``python -m ratequeue quota ...``         the quota ledger: show, usage, export, compensate
 """
 
 from __future__ import annotations
@@ -318,6 +319,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="how a 429 says when to retry: Retry-After and/or retry-after-ms, a date, none",
     )
     mp.set_defaults(func=_run_mock)
+
+    from .ledger.cli import add_quota_parser
+
+    add_quota_parser(sub)
 
     args = parser.parse_args(argv)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CostTooLarge", "Overloaded", "RateQueueError", "WaitTimeout"]
+__all__ = ["CostTooLarge", "Overloaded", "QuotaExceeded", "RateQueueError", "WaitTimeout"]
 
 
 class RateQueueError(Exception):
@@ -42,3 +42,25 @@ class CostTooLarge(RateQueueError, ValueError):
 
     def __init__(self, message: str, retry_after: float = float("inf")) -> None:
         super().__init__(message, retry_after)
+
+
+class QuotaExceeded(RateQueueError):
+    """A quota ledger refused: the account's period quota (and bonus) cannot cover the cost.
+
+    Nothing was charged. ``reset_at`` is the Unix time the period renews; ``retry_after``
+    the seconds until then; ``account`` and ``unit`` name what ran out.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        retry_after: float = 0.0,
+        *,
+        account: str = "",
+        unit: str = "",
+        reset_at: float = 0.0,
+    ) -> None:
+        super().__init__(message, retry_after)
+        self.account = account
+        self.unit = unit
+        self.reset_at = float(reset_at)

@@ -1,4 +1,4 @@
-"""asyncio adapter: the queued path of ``acquire_async``.
+"""asyncio adapter: the queued path of ``acquire_async`` (Policy's included).
 
 Each event loop gets one native ``Channel``, which owns its wake-up descriptor (an
 eventfd on Linux, a pipe elsewhere). The native driver thread puts outcomes in the
@@ -28,9 +28,14 @@ from typing import TYPE_CHECKING, Any
 from ._ratequeue import Channel
 
 if TYPE_CHECKING:
-    from ._ratequeue import Acquiring, Permit, Policy, PolicyPermit
+    from typing import TypeAlias
 
-__all__ = ["PolicyAcquire"]
+    from ._ratequeue import Acquiring, PolicyAcquiring, PolicyPermit
+
+    #: What waits in a queue on a loop's channel: a level's or a policy's acquire.
+    _Waitable: TypeAlias = Acquiring | PolicyAcquiring
+
+__all__: list[str] = []
 
 # What a closed channel core points at: no descriptor, closed, so its own is released.
 _CLOSED = Channel()
@@ -49,8 +54,7 @@ class _Core:
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.channel = Channel(wakeup=True)
-        self.acqs: dict[int, Acquiring] = {}
-        self.holds: dict[int, Callable[[], None]] = {}
+        self.acqs: dict[int, _Waitable] = {}
         self.closed = False
         self.loop_part: weakref.ref[_LoopChannel] | None = None
 
@@ -62,8 +66,6 @@ class _Core:
         channel, self.channel = self.channel, _CLOSED
         acqs = dict(self.acqs)
         self.acqs.clear()
-        holds = list(self.holds.values())
-        self.holds.clear()
         if self.pid != os.getpid():
             # Inherited across fork: those waiters belong to the parent, and the native
             # channel signals nothing in this process.
@@ -76,8 +78,6 @@ class _Core:
         for ticket, acq in acqs.items():
             # Not queued any more: decided after the close, and given back in the core.
             acq._cancel(ticket)
-        for give_back in holds:
-            give_back()
 
 
 class _LoopChannel:
@@ -88,7 +88,7 @@ class _LoopChannel:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.core = _Core()
         self.core.loop_part = weakref.ref(self)
-        self.futs: dict[int, asyncio.Future[Permit]] = {}
+        self.futs: dict[int, asyncio.Future[Any]] = {}
         loop.add_reader(self.core.channel.fileno(), self._drain)
 
     def _drain(self) -> None:
@@ -186,11 +186,11 @@ def _observe_close(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _leave(
-    acqs: dict[int, Acquiring],
-    futs: dict[int, asyncio.Future[Permit]],
+    acqs: dict[int, _Waitable],
+    futs: dict[int, asyncio.Future[Any]],
     ticket: int,
-    fut: asyncio.Future[Permit],
-    acq: Acquiring,
+    fut: asyncio.Future[Any],
+    acq: _Waitable,
 ) -> None:
     """A queued wait ended without its outcome: leave the queue, or give back the grant
     that raced the exit, exactly once."""
@@ -205,11 +205,11 @@ def _leave(
         acq._abandon(fut.result())
 
 
-async def _wait(acq: Acquiring) -> Any:
+async def _wait(acq: _Waitable) -> Any:
     """Queue ``acq`` on the running loop's channel and wait for its one wake-up."""
     loop = asyncio.get_running_loop()
     lc = _channel_for(loop)
-    fut: asyncio.Future[Permit] = loop.create_future()
+    fut: asyncio.Future[Any] = loop.create_future()
     ticket = acq._submit(lc.core.channel)
     if not isinstance(ticket, int):
         return ticket  # granted at once
@@ -223,66 +223,19 @@ async def _wait(acq: Acquiring) -> Any:
         raise
 
 
-class PolicyAcquire:
-    """What ``Policy.acquire_async`` returns: await it, or use ``async with``.
-
-    Waits in the queue of each concurrency level in order, then for the latest rate
-    level, all within ``timeout``; on cancellation or error everything taken is given
-    back.
-    """
-
-    def __init__(self, policy: Policy, timeout: float | None, kw: dict[str, Any]) -> None:
-        self._policy = policy
-        self._timeout = timeout
-        self._kw = kw
-        self._permit: PolicyPermit | None = None
-
-    def __await__(self) -> Any:
-        return self._run().__await__()
-
-    async def _run(self) -> PolicyPermit:
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-
-        def left() -> float | None:
-            if self._timeout is None:
-                return None
-            return max(0.0, self._timeout - (loop.time() - start))
-
-        held: list[Permit] = []
-        reserved: list[PolicyPermit] = []
-
-        def give_back() -> None:
-            # Idempotent: a loop closing under this wait calls it, and so does the exit.
-            for r in reserved:
-                r.cancel()  # also returns the concurrency permits it holds
-            for p in held:
-                p.release()
-
-        holds = _channel_for(loop).core.holds
-        holds[id(give_back)] = give_back
+async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
+    """Bridges a policy acquire to the running loop: the core decides each step (wait
+    in a level's queue, or hold every level); each wait is one ``_wait``. Then sleeps
+    until the rate levels' common time (never on a ManualClock)."""
+    while True:
+        permit = await _wait(acq)
+        if permit is not None:
+            break
+    left = acq._left()
+    if left > 0:
         try:
-            for level, key in self._policy._concurrency_steps(**self._kw):
-                if key is None:
-                    held.append(await level.acquire_async(timeout=left()))
-                else:
-                    held.append(await level.acquire_async(key, timeout=left()))
-            permit = self._policy._reserve_rates(held, left(), **self._kw)
-            reserved.append(permit)
-            if permit.delay > 0 and not self._policy._manual:
-                await asyncio.sleep(permit.delay)
+            await asyncio.sleep(left)
         except BaseException:
-            give_back()
+            permit.cancel()
             raise
-        finally:
-            holds.pop(id(give_back), None)
-        self._permit = permit
-        return permit
-
-    async def __aenter__(self) -> PolicyPermit:
-        return await self._run()
-
-    async def __aexit__(self, *exc: object) -> bool:
-        if self._permit is not None:
-            self._permit.release()
-        return False
+    return permit  # type: ignore[no-any-return]

@@ -31,10 +31,11 @@ from __future__ import annotations
 
 import datetime as _dt
 import email.utils
+import logging
 import math
 import numbers
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING
 
 from ._errors import CostTooLarge, Overloaded, WaitTimeout
@@ -236,6 +237,7 @@ class Pool:
         self.tie = float(tie)
         self._clock: Clock = clock if clock is not None else self._providers[0].limiter.clock
         self._lock = threading.Lock()
+        self._listeners: tuple[Callable[[str, int | None, bool], object], ...] = ()
 
     # -- the providers ------------------------------------------------------------------
 
@@ -496,6 +498,21 @@ class Pool:
 
     # -- outcomes -----------------------------------------------------------------------
 
+    def subscribe(self, listener: Callable[[str, int | None, bool], object]) -> None:
+        """Call ``listener(provider_name, status, failed)`` after every :meth:`report`
+        (``failed``: a 429, a 5xx or ``ok=False``), outside the pool's lock, in the
+        reporting thread; an exception it raises is logged, never raised to the
+        reporter. ``rq.Adaptive.follow(pool)`` uses it."""
+        if not callable(listener):
+            raise TypeError(f"listener must be callable, got {listener!r}")
+        with self._lock:
+            self._listeners = (*self._listeners, listener)
+
+    def unsubscribe(self, listener: Callable[[str, int | None, bool], object]) -> None:
+        """Stop calling ``listener`` (a no-op if it was not subscribed)."""
+        with self._lock:
+            self._listeners = tuple(x for x in self._listeners if x is not listener)
+
     def report(
         self,
         provider: Provider | str,
@@ -522,6 +539,19 @@ class Pool:
         if seconds is not None:
             # A provider's Retry-After never disables it for longer than max_cooldown.
             seconds = min(seconds, self.max_cooldown)
+        seconds, failed = self._record(p, status, ok, seconds)
+        for listener in self._listeners:
+            try:
+                listener(p.name, status, failed)
+            except Exception:
+                logging.getLogger("ratequeue.pool").exception(
+                    "pool listener %r failed on a report of %s", listener, p.name
+                )
+        return seconds
+
+    def _record(
+        self, p: Provider, status: int | None, ok: bool | None, seconds: float | None
+    ) -> tuple[float, bool]:
         now = self._clock.now()
         with self._lock:
             if status == 429:
@@ -532,18 +562,18 @@ class Pool:
                 failed = True
             elif status is not None and 400 <= status < 500:
                 p._client_errors += 1
-                return 0.0
+                return 0.0, False
             else:
                 p._ok += 1
                 p._failures = 0
-                return 0.0
+                return 0.0, False
             p._failures += 1
             if seconds is None:
                 seconds = min(self.max_cooldown, self.cooldown * 2.0 ** (p._failures - 1))
             if failed and seconds > 0.0:
                 p._cooldown_until = max(p._cooldown_until, now + seconds)
                 p._cooldowns += 1
-            return seconds
+            return seconds, failed
 
     def stats(self) -> dict[str, dict[str, float | int]]:
         """Per provider: counters, the cooldown left and the predicted wait now."""

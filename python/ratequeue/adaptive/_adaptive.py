@@ -12,12 +12,15 @@ from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import Overloaded, RateQueueError
 from .._ratequeue import Acquiring, Concurrency, Limiter, ManualClock, MonotonicClock, Permit
 from ._window import Window
 from .controllers import Controller, Decision
+
+if TYPE_CHECKING:
+    from ..pool import Pool
 
 __all__ = ["Adaptive", "Change"]
 
@@ -281,6 +284,18 @@ class Adaptive:
             raise ValueError(f"status={status!r} is not an HTTP status (100..599)")
         if ok is False or status in _DROP_STATUSES:
             self.observe(None, dropped=True)
+
+    def follow(self, pool: Pool, provider: str | None = None) -> Callable[[], None]:
+        """Take drops from ``pool``'s reports (of ``provider`` only, when given): every
+        429, 5xx or failure a caller or the httpx transport reports to the pool counts
+        as a drop here. Returns a function that stops following."""
+
+        def on_report(name: str, status: int | None, failed: bool) -> None:
+            if failed and (provider is None or name == provider):
+                self.observe(None, dropped=True)
+
+        pool.subscribe(on_report)
+        return lambda: pool.unsubscribe(on_report)
 
     def note_arrival(self) -> None:
         """Count one request asking (the demand the scale-out hook is told about)."""

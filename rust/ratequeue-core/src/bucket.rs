@@ -329,6 +329,11 @@ pub(crate) struct SimBucket {
 }
 
 impl SimBucket {
+    /// A copy of a schedule whose TAT is `tat` under `p`.
+    pub(crate) fn new(tat: u64, p: Params) -> SimBucket {
+        SimBucket { tat: tat as u128, p }
+    }
+
     /// The earliest time >= `at_ns` at which `cost` conforms (`u64::MAX` when beyond
     /// the range of a u64 of nanoseconds); None when it never can.
     pub(crate) fn ready(&self, at_ns: u64, cost: u64) -> Option<u64> {

@@ -656,6 +656,14 @@ impl KeyedLimiter {
         }
     }
 
+    /// A private copy of `key`'s schedule read at `at_ns`, to play a backlog forward.
+    pub(crate) fn sim_at(&self, key: u64, at_ns: u64) -> crate::bucket::SimBucket {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
+        crate::bucket::SimBucket::new(tat, p)
+    }
+
     /// When a backlog of `total` cost on `key`, served back to back from `at_ns`, would
     /// have its last grant.
     pub fn predict(&self, key: u64, at_ns: u64, total: u64) -> u64 {
@@ -1067,6 +1075,26 @@ impl crate::queue::Resource for KeyBucket {
 
     fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64> {
         Some(self.keyed.predict(self.key, now_ns, ahead[0].saturating_add(costs[0])))
+    }
+
+    /// The FIFO schedule played forward on a copy of the key's bucket, each queued
+    /// reservation debited no earlier than its promised time (a summed prediction would
+    /// count the capacity a bucket cannot keep while it waits for that time).
+    fn predict_backlog(&self, now_ns: u64, backlog: &[crate::queue::Queued<'_>], costs: &[u64]) -> Option<u64> {
+        let mut sim = self.keyed.sim_at(self.key, now_ns);
+        let mut t = now_ns;
+        let me = crate::queue::Queued {
+            costs,
+            due: None,
+            charge: false,
+        };
+        for q in backlog.iter().copied().chain(std::iter::once(me)) {
+            let from = t.max(q.due.unwrap_or(0));
+            // An overage charge is debited in turn without waiting for conformance.
+            t = if q.charge { from } else { sim.ready(from, q.costs[0])? };
+            sim.take(t, q.costs[0]);
+        }
+        Some(t)
     }
 }
 

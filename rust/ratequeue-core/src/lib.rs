@@ -24,7 +24,9 @@ pub use histogram::{Histogram, Snapshot};
 pub use keyed::{KeyHasher, KeyedLimiter, KeyedSemaphore};
 pub use limiter::{Limiter, Reservation};
 pub use policy::{Level, LevelArgs, LevelKind, Policy};
-pub use queue::{GrantRef, Outcome, QueueConfig, QueuedReservation, Reserved, Resource, Submitted, WaitQueue, Wake};
+pub use queue::{
+    GrantRef, Joined, Outcome, QueueConfig, QueuedReservation, Reserved, Resource, Submitted, WaitQueue, Wake,
+};
 pub use rate::Rate;
 
 /// Nanoseconds in one second.

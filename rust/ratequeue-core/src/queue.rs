@@ -215,6 +215,16 @@ pub enum Reserved<R> {
     Queued(QueuedReservation),
 }
 
+/// What [`WaitQueue::reserve_at`] did.
+#[derive(Clone, Debug)]
+pub enum Joined<R> {
+    /// Held for the asked time: debited now for it (nobody waited) or queued behind the
+    /// waiters and debited by the queue at that time.
+    Held(Reserved<R>),
+    /// Nothing held: the earliest time (later than asked) the level could grant it.
+    Later(u64),
+}
+
 /// A reservation waiting in the queue: the queue debits the resource when it grants
 /// it, at its schedule time, so no waiter ahead or behind is moved.
 #[derive(Clone)]
@@ -949,6 +959,104 @@ impl WaitQueue {
             }
             _ => false,
         }
+    }
+
+    /// The earliest time `costs` could be granted behind everyone queued now (None when
+    /// nobody waits or it depends on releases), read under the queue's lock.
+    pub fn backlog_ready_at(&self, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        let now = self.clock.now_ns();
+        let g = lock(&self.inner);
+        self.resource.ready_at(now, costs)?;
+        Ok(if g.len == 0 {
+            None
+        } else {
+            self.predict_all(&g, now, costs)
+        })
+    }
+
+    /// Joins the queue for a grant at exactly `at_ns` (a policy's common grant time over
+    /// several levels), never ahead of anyone queued: when nobody waits, `now_path(at_ns)`
+    /// debits for that time under the queue's lock (nobody can queue in between); otherwise a
+    /// reservation joins `class` behind the waiters, debited by the queue at `at_ns`.
+    /// [`Joined::Later`] (nothing held) when the backlog ahead needs until a later time.
+    pub fn reserve_at<R>(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        at_ns: u64,
+        now_path: impl FnOnce(u64) -> Result<R, Deny>,
+    ) -> Result<Joined<R>, Error> {
+        if class >= self.config.classes.len() {
+            return Err(Error::invalid("priority", class, "is not a class of this limiter"));
+        }
+        let now = self.clock.now_ns();
+        self.drop_inherited();
+        let mut g = lock(&self.inner);
+        let mut out = Vec::new();
+        self.poll_locked(&mut g, now, &mut out);
+        let result = if g.len == 0 {
+            match now_path(at_ns) {
+                Ok(r) => Ok(Joined::Held(Reserved::Now(r))),
+                Err(Deny::Wait(d)) => Ok(Joined::Later(at_ns.saturating_add(d.max(1)))),
+                Err(d) => Err(self.deny_error(d)),
+            }
+        } else {
+            self.join_at_locked(&mut g, now, costs, class, at_ns)
+        };
+        let next = matches!(result, Ok(Joined::Held(Reserved::Queued(_))))
+            .then(|| self.next_wake_locked(&g))
+            .flatten();
+        let gone = deliver(out);
+        drop(g);
+        if let Some(t) = next {
+            // Without a driver the wake-up stays pending for the next one that starts.
+            let _ = self.schedule(t);
+        }
+        self.give_back_gone(gone);
+        result
+    }
+
+    fn join_at_locked<R>(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        at_ns: u64,
+    ) -> Result<Joined<R>, Error> {
+        let ready = match self.resource.ready_at(now, costs) {
+            Err(d) => return Err(self.deny_error(d)),
+            Ok(None) => None,
+            Ok(Some(_)) => self.predict_all(g, now, costs),
+        };
+        let Some(ready) = ready else {
+            return Err(Error::invalid(
+                "reserve",
+                "a permit resource",
+                "needs a resource whose grants are scheduled in time",
+            ));
+        };
+        if ready > at_ns {
+            return Ok(Joined::Later(ready));
+        }
+        if g.len >= self.config.max_queue {
+            bump(&self.counters.refused_full);
+            return Err(Error::Overloaded {
+                reason: format!(
+                    "the queue is full ({} waiting, max_queue={})",
+                    g.len, self.config.max_queue
+                ),
+                retry_after_ns: ready.saturating_sub(now),
+            });
+        }
+        let slot = Slot::new();
+        let ticket = self.insert_locked(g, now, costs, class, None, Some(at_ns), Wake::Thread(slot.clone()));
+        Ok(Joined::Held(Reserved::Queued(QueuedReservation {
+            ticket,
+            at_ns,
+            delay_ns: at_ns.saturating_sub(now),
+            slot,
+        })))
     }
 
     /// The predicted grant time of `costs` if submitted now behind everyone queued

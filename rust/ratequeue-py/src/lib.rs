@@ -13,6 +13,7 @@ mod histogram;
 mod keyed;
 mod limiter;
 mod policy;
+mod policy_permit;
 mod waiting;
 
 #[pymodule(gil_used = false)]
@@ -34,7 +35,8 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<keyed::KeyedLimiterPy>()?;
     m.add_class::<keyed::KeyedConcurrencyPy>()?;
     m.add_class::<policy::PolicyPy>()?;
-    m.add_class::<policy::PolicyPermitPy>()?;
+    m.add_class::<policy_permit::PolicyPermitPy>()?;
+    m.add_class::<policy_permit::PolicyAcquiringPy>()?;
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;

@@ -1,26 +1,60 @@
 //! Python Policy: several limits passed at once (user quota → tenant concurrency →
-//! cluster bucket), all or nothing; one permit releases what must be released.
+//! cluster bucket), all or nothing; its permit and awaitable are in policy_permit.rs.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
-use ratequeue_core::policy::{Held, Refusal, Waker};
-use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy};
+use pyo3::types::PyDict;
+use ratequeue_core::policy::{Held, LevelQueues, PolicyAcquire, QueueRef, Refusal, Step, Waker};
+use ratequeue_core::queue::Slot;
+use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy, Wake};
 
-use crate::args::{cost, seconds_ns};
+use crate::args::seconds_ns;
 use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
 use crate::errors::{to_py, type_err};
-use crate::keyed::{key_named, KeyedConcurrencyPy, KeyedLimiterPy};
+use crate::keyed::{key_named, KeyGates, KeyedConcurrencyPy, KeyedLimiterPy};
 use crate::limiter::LimiterPy;
-use crate::waiting::PermitPy;
+use crate::policy_permit::{PolicyAcquiringPy, PolicyPermitPy};
+use crate::waiting::{is_main_thread, Gate};
 
-/// A concurrency level to wait on, and the key to wait on (None: unkeyed).
-type Step = (Py<PyAny>, Option<Py<PyAny>>);
+/// Interval at which a main-thread wait looks for signals (Ctrl-C).
+const SIGNAL_SLICE: Duration = Duration::from_millis(50);
+
+/// A Limiter's one queue, for a policy to join.
+struct OneQueue(Arc<Gate>);
+
+impl LevelQueues for OneQueue {
+    fn existing(&self, _key: u64) -> Option<QueueRef> {
+        Some(QueueRef::new(self.0.queue.clone()))
+    }
+}
+
+/// A keyed level's queue of a key, kept in its map while the policy holds it.
+struct KeyQueues(Arc<KeyGates>);
+
+impl LevelQueues for KeyQueues {
+    fn existing(&self, key: u64) -> Option<QueueRef> {
+        self.0.existing(key).map(|g| QueueRef {
+            queue: g.queue.clone(),
+            keep: Some(g),
+        })
+    }
+
+    fn queue(&self, key: u64) -> Option<QueueRef> {
+        let g = self.0.get(key);
+        Some(QueueRef {
+            queue: g.queue.clone(),
+            keep: Some(g),
+        })
+    }
+
+    fn done(&self, key: u64) {
+        self.0.done(key, 0);
+    }
+}
 
 /// How a level reads its arguments from a call.
 enum Shape {
@@ -102,25 +136,33 @@ impl PolicyPy {
             .collect()
     }
 
-    fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64, extra: Vec<Py<PermitPy>>) -> PolicyPermitPy {
-        PolicyPermitPy {
-            policy: self.core.clone(),
-            units: self
-                .levels
-                .iter()
-                .map(|l| match &l.shape {
-                    Shape::Units(u) => u.clone(),
-                    Shape::KeyedUnit(u) => vec![u.clone()],
-                    Shape::Permits { .. } => Vec::new(),
-                })
-                .collect(),
-            state: Mutex::new((args, held)),
-            extra,
-            delay_ns,
-            released: AtomicBool::new(false),
-            clock: self.clock.clone(),
-            fork_gen: ratequeue_core::fork::generation(),
+    /// The permit of `held` for `args`, after `delay_ns`.
+    pub(crate) fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64) -> PolicyPermitPy {
+        let units = self
+            .levels
+            .iter()
+            .map(|l| match &l.shape {
+                Shape::Units(u) => u.clone(),
+                Shape::KeyedUnit(u) => vec![u.clone()],
+                Shape::Permits { .. } => Vec::new(),
+            })
+            .collect();
+        PolicyPermitPy::new(self.core.clone(), units, args, held, delay_ns, self.clock.clone())
+    }
+
+    /// The clock of the policy's levels.
+    pub(crate) fn clock(&self) -> &AnyClock {
+        &self.clock
+    }
+
+    /// Every level now, when nobody waits on any and each admits (an acquire's fast
+    /// path: the queues would grant it at once too); None otherwise.
+    fn try_now(&self, py: Python<'_>, args: &[LevelArgs], now: u64) -> Option<Vec<Held>> {
+        if self.waiters_ahead(py, args).is_some() {
+            return None;
         }
+        let core = &self.core;
+        unblocked(|| core.try_now(args, now))
     }
 
     /// The first enforced level where someone already waits (a policy does not
@@ -166,39 +208,6 @@ impl PolicyPy {
         }
         wait
     }
-
-    /// Waits (GIL released) in the queue of every enforced concurrency level, in order.
-    fn wait_concurrency(
-        &self,
-        py: Python<'_>,
-        args: &[LevelArgs],
-        deadline: Option<u64>,
-    ) -> PyResult<Vec<Py<PermitPy>>> {
-        let mut got: Vec<Py<PermitPy>> = Vec::new();
-        for (i, l) in self.levels.iter().enumerate() {
-            if !matches!(l.shape, Shape::Permits { .. }) || self.core.levels()[i].shadow {
-                continue;
-            }
-            let timeout = deadline.map(|d| d.saturating_sub(self.clock.now_ns()));
-            let r = if let Ok(c) = l.obj.bind(py).cast::<ConcurrencyPy>() {
-                c.get().gate().acquire_blocking(py, &[1], 0, timeout)
-            } else if let Ok(k) = l.obj.bind(py).cast::<KeyedConcurrencyPy>() {
-                k.get().acquire_key(py, args[i].key, 1, timeout)
-            } else {
-                continue;
-            };
-            match r.and_then(|p| Py::new(py, p)) {
-                Ok(p) => got.push(p),
-                Err(e) => {
-                    for p in &got {
-                        p.get().release();
-                    }
-                    return Err(e);
-                }
-            }
-        }
-        Ok(got)
-    }
 }
 
 #[pymethods]
@@ -223,11 +232,13 @@ impl PolicyPy {
         for (k, v) in levels.iter() {
             let name = crate::args::text("levels", &k).map_err(|_| type_err("levels", "str names", &k))?;
             // Each level's queue is woken whenever the policy gives capacity back to it.
+            let queues: Option<Arc<dyn LevelQueues>>;
             let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
                 let core = l.get().core().clone();
                 let units = core.units().to_vec();
                 let c = core.clock().clone();
                 let gate = l.get().gate().clone();
+                queues = Some(Arc::new(OneQueue(gate.clone())));
                 let wake = Arc::new(move |_| {
                     let gate = gate.clone();
                     unblocked(move || {
@@ -239,6 +250,7 @@ impl PolicyPy {
                 let core = l.get().core().clone();
                 let c = core.clock().clone();
                 let gates = l.get().key_gates().clone();
+                queues = Some(Arc::new(KeyQueues(gates.clone())));
                 (
                     LevelKind::KeyedRate(core),
                     Shape::KeyedUnit(l.get().unit().to_owned()),
@@ -250,6 +262,7 @@ impl PolicyPy {
                 )
             } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
                 let gate = l.get().gate().clone();
+                queues = Some(Arc::new(OneQueue(gate.clone())));
                 (
                     LevelKind::Concurrency(l.get().semaphore().clone()),
                     Shape::Permits { keyed: false },
@@ -263,6 +276,7 @@ impl PolicyPy {
                 )
             } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
                 let gates = l.get().key_gates().clone();
+                queues = Some(Arc::new(KeyQueues(gates.clone())));
                 (
                     LevelKind::KeyedConcurrency(l.get().core().clone()),
                     Shape::Permits { keyed: true },
@@ -288,6 +302,7 @@ impl PolicyPy {
                 kind,
                 shadow: is_shadow,
                 wake: Some(wake),
+                queues,
             });
             py_levels.push(LevelPy {
                 name,
@@ -321,7 +336,7 @@ impl PolicyPy {
         }
         let (core, now) = (&self.core, self.clock.now_ns());
         match unblocked(|| core.try_acquire(&args, now)) {
-            Ok(held) => Ok(Some(self.permit(args, held, 0, Vec::new()))),
+            Ok(held) => Ok(Some(self.permit(args, held, 0))),
             Err(Refusal {
                 deny: Deny::Wait(_), ..
             }) => Ok(None),
@@ -362,14 +377,15 @@ impl PolicyPy {
             .unwrap_or(u64::MAX);
         let (core, now) = (&self.core, self.clock.now_ns());
         match py.detach(|| core.reserve(&args, now, mw, false)) {
-            Ok((delay, held)) => Ok(self.permit(args, held, delay, Vec::new())),
+            Ok((delay, held)) => Ok(self.permit(args, held, delay)),
             Err(r) => Err(refusal_error(py, self, r, mw)),
         }
     }
 
-    /// Waits for every level (GIL released): first in the queue of each concurrency
-    /// level, then for the latest rate level, all within `timeout`. Returns a
-    /// PolicyPermit (a context manager releasing the concurrency permits on exit).
+    /// Waits for every level (GIL released): in the queue of each concurrency level in
+    /// order, then every rate level held for one common time behind its queue, all
+    /// within `timeout` (the core's one policy lifecycle, `PolicyAcquire`). Returns a
+    /// PolicyPermit (a context manager releasing the concurrency permits on exit);
     /// Ctrl-C or an error gives back everything taken.
     #[pyo3(signature = (*, timeout = None, **kw))]
     fn acquire(
@@ -379,103 +395,74 @@ impl PolicyPy {
         kw: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        // The call's time: the fast path decides at it, and the delay counts from it.
         let start = self.clock.now_ns();
-        let deadline = timeout
-            .map(|t| seconds_ns("timeout", t))
-            .transpose()?
-            .map(|t| start.saturating_add(t));
-        let conc = self.wait_concurrency(py, &args, deadline)?;
-        let now = self.clock.now_ns();
-        let mw = deadline.map_or(u64::MAX, |d| d.saturating_sub(now));
-        let core = &self.core;
-        let (delay, held) = match py.detach(|| core.reserve(&args, now, mw, true)) {
-            Ok(x) => x,
-            Err(r) => {
-                for p in &conc {
-                    p.get().release();
-                }
-                return Err(refusal_error(py, self, r, mw));
-            }
-        };
-        let permit = self.permit(args, held, delay + now.saturating_sub(start), conc);
-        if delay > 0 && !self.clock.is_manual() {
-            if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay)) {
-                permit.cancel(py);
-                return Err(e);
-            }
+        if let Some(held) = self.try_now(py, &args, start) {
+            return Ok(self.permit(args, held, 0));
         }
-        Ok(permit)
-    }
-
-    /// The second half of an asyncio acquire (ratequeue.aio does the waiting): reserve
-    /// the rate levels within `max_wait` seconds, the concurrency `permits` being held.
-    #[pyo3(signature = (permits, max_wait, **kw))]
-    fn _reserve_rates(
-        &self,
-        py: Python<'_>,
-        permits: Vec<Py<PermitPy>>,
-        max_wait: Option<f64>,
-        kw: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<PolicyPermitPy> {
-        let args = self.args(kw)?;
-        let mw = max_wait.map_or(u64::MAX, |s| (s.max(0.0) * 1e9) as u64);
-        let (core, now) = (&self.core, self.clock.now_ns());
-        match py.detach(|| core.reserve(&args, now, mw, true)) {
-            Ok((delay, held)) => Ok(self.permit(args, held, delay, permits)),
-            Err(r) => {
-                for p in &permits {
-                    p.get().release();
+        let pa = PolicyAcquire::started_at(self.core.clone(), args, self.clock.clone(), t, start);
+        let mut slice = None;
+        loop {
+            let slot = Slot::new();
+            match py.detach(|| pa.advance(&|| Wake::Thread(slot.clone()))) {
+                Ok(Step::Queued(_)) => {}
+                Ok(Step::Done {
+                    delay_ns,
+                    waited_ns,
+                    held,
+                }) => {
+                    let permit = self.permit(pa.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                    if delay_ns > 0 && !self.clock.is_manual() {
+                        if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay_ns)) {
+                            permit.cancel(py);
+                            return Err(e);
+                        }
+                    }
+                    return Ok(permit);
                 }
-                Err(refusal_error(py, self, r, mw))
+                Err(e) => return Err(to_py(py, e)),
+            }
+            let slice = *slice.get_or_insert_with(|| is_main_thread(py).then_some(SIGNAL_SLICE));
+            loop {
+                let s = slot.clone();
+                if let Some(o) = py.detach(move || s.wait(slice)) {
+                    py.detach(|| pa.outcome(o)).map_err(|e| to_py(py, e))?;
+                    break;
+                }
+                if let Err(e) = py.check_signals() {
+                    py.detach(|| pa.abandon_slot(&slot));
+                    return Err(e);
+                }
             }
         }
     }
 
-    /// The (name, level object, keyed) of each enforced concurrency level, in order,
-    /// with the key to wait on (for ratequeue.aio).
-    #[pyo3(signature = (**kw))]
-    fn _concurrency_steps<'py>(&self, py: Python<'py>, kw: Option<&Bound<'py, PyDict>>) -> PyResult<Vec<Step>> {
-        self.args(kw)?;
-        let mut out = Vec::new();
-        for (i, l) in self.levels.iter().enumerate() {
-            if let Shape::Permits { keyed } = l.shape {
-                if self.core.levels()[i].shadow {
-                    continue;
-                }
-                let key = if keyed {
-                    kw.and_then(|d| d.get_item(&l.name).ok().flatten()).map(|k| k.unbind())
-                } else {
-                    None
-                };
-                out.push((l.obj.clone_ref(py), key));
-            }
-        }
-        Ok(out)
-    }
-
-    /// Awaitable (and async context manager) version of acquire: waits in each
-    /// concurrency level's queue, then for the latest rate level, within `timeout`.
+    /// Awaitable (and async context manager) version of acquire: the same lifecycle,
+    /// its waits bridged to the running event loop by ratequeue.aio.
     #[pyo3(signature = (*, timeout = None, **kw))]
     fn acquire_async(
         slf: &Bound<'_, Self>,
         timeout: Option<&Bound<'_, PyAny>>,
         kw: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<Py<PyAny>> {
+    ) -> PyResult<PolicyAcquiringPy> {
         let py = slf.py();
-        slf.get().args(kw)?;
-        let t = timeout
-            .map(|t| seconds_ns("timeout", t))
-            .transpose()?
-            .map(|ns| ns as f64 / 1e9);
-        let make = POLICY_ACQUIRE.import(py, "ratequeue.aio", "PolicyAcquire")?;
-        let kw = kw.map_or_else(|| PyDict::new(py), |d| d.clone());
-        Ok(make.call1((slf, t, kw))?.unbind())
-    }
-
-    /// True on a ManualClock (nothing sleeps; `delay` tells the wait).
-    #[getter]
-    fn _manual(&self) -> bool {
-        self.clock.is_manual()
+        let me = slf.get();
+        let args = me.args(kw)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        let start = me.clock.now_ns();
+        let permit = match me.try_now(py, &args, start) {
+            Some(held) => Some(Py::new(py, me.permit(args.clone(), held, 0))?),
+            None => None,
+        };
+        let core = Arc::new(PolicyAcquire::started_at(
+            me.core.clone(),
+            args,
+            me.clock.clone(),
+            t,
+            start,
+        ));
+        Ok(PolicyAcquiringPy::new(slf.clone().unbind(), core, permit))
     }
 
     /// Level names, in order.
@@ -508,8 +495,6 @@ fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
     crate::args::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
 }
 
-static POLICY_ACQUIRE: pyo3::sync::PyOnceLock<Py<pyo3::types::PyType>> = pyo3::sync::PyOnceLock::new();
-
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {
     let end = std::time::Instant::now() + d;
     loop {
@@ -520,137 +505,5 @@ fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {
         let step = left.min(Duration::from_millis(50));
         py.detach(move || std::thread::sleep(step));
         py.check_signals()?;
-    }
-}
-
-/// What a policy granted: a context manager that returns concurrency permits on exit;
-/// `settle` corrects estimated costs on every rate level.
-#[pyclass(frozen, name = "PolicyPermit", module = "ratequeue")]
-pub struct PolicyPermitPy {
-    policy: Arc<Policy>,
-    units: Vec<Vec<String>>,
-    state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
-    extra: Vec<Py<PermitPy>>,
-    delay_ns: u64,
-    released: AtomicBool,
-    clock: AnyClock,
-    /// The fork generation it was granted in: in a forked child every permit starts
-    /// free, so one from before the fork gives nothing back there.
-    fork_gen: u64,
-}
-
-impl PolicyPermitPy {
-    /// Gives back everything by each level's one undo rule (see `Policy::undo`), once,
-    /// waking the levels' queues; the GIL is released meanwhile (the permit's lock and
-    /// the queues' are taken without it).
-    pub fn cancel(&self, py: Python<'_>) {
-        if self.released.swap(true, Ordering::AcqRel) || self.fork_gen != ratequeue_core::fork::generation() {
-            return;
-        }
-        py.detach(|| {
-            let now = self.clock.now_ns();
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let (args, held) = &mut *st;
-            self.policy.undo_all(held, args, now);
-            drop(st);
-            for p in &self.extra {
-                p.get().release();
-            }
-        });
-    }
-}
-
-#[pymethods]
-impl PolicyPermitPy {
-    /// Seconds the caller waits (or waited) for the latest level.
-    #[getter]
-    fn delay(&self) -> f64 {
-        self.delay_ns as f64 / 1e9
-    }
-
-    /// True once released or cancelled.
-    #[getter]
-    fn released(&self) -> bool {
-        self.released.load(Ordering::Acquire)
-    }
-
-    /// Returns the concurrency permits (rate capacity stays used); only the first call
-    /// has an effect. Returns True if this call released.
-    fn release(&self, py: Python<'_>) -> bool {
-        if self.released.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        if self.fork_gen != ratequeue_core::fork::generation() {
-            return true;
-        }
-        py.detach(|| {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, h) in st.1.iter_mut().enumerate() {
-                self.policy.release(i, h);
-            }
-            drop(st);
-            for p in &self.extra {
-                p.get().release();
-            }
-        });
-        true
-    }
-
-    /// Gives back everything taken, once: each rate exactly where nothing came after
-    /// it, else refunded while no grant is scheduled ahead, else kept; permits returned.
-    #[pyo3(name = "cancel")]
-    fn cancel_py(&self, py: Python<'_>) {
-        self.cancel(py);
-    }
-
-    /// Corrects estimated costs (keywords per unit) on every rate level that counts
-    /// them: refunds (never past the burst) or charges the overage (possibly debt).
-    #[pyo3(signature = (**kw))]
-    fn settle(&self, py: Python<'_>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        let mut given: Vec<(usize, usize, u64)> = Vec::new();
-        if let Some(d) = kw {
-            for (k, v) in d.iter() {
-                let name: String = k.extract()?;
-                let c = cost(&name, &v)?;
-                let mut found = false;
-                for (i, units) in self.units.iter().enumerate() {
-                    if let Some(j) = units.iter().position(|u| *u == name) {
-                        given.push((i, j, c));
-                        found = true;
-                    }
-                }
-                if !found {
-                    return Err(PyTypeError::new_err(format!(
-                        "unexpected keyword {name:?}: no level counts it"
-                    )));
-                }
-            }
-        }
-        py.detach(|| {
-            let now = self.clock.now_ns();
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            let (args, held) = &mut *st;
-            let mut actual = args.clone();
-            for (i, j, c) in given {
-                actual[i].costs[j] = c;
-            }
-            self.policy.settle(held, args, &actual, now);
-            *args = actual;
-        });
-        Ok(())
-    }
-
-    fn __enter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
-        self.release(py);
-        false
-    }
-
-    fn __repr__(&self) -> String {
-        format!("PolicyPermit(delay={}, released={})", self.delay(), self.released())
     }
 }

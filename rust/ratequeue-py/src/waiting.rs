@@ -167,7 +167,7 @@ impl Gate {
 
 /// True on the interpreter's main thread, asked each time: a child forked from another
 /// thread has that thread as its main thread (and its signal handlers run there).
-fn is_main_thread(py: Python<'_>) -> bool {
+pub(crate) fn is_main_thread(py: Python<'_>) -> bool {
     let Ok(threading) = py.import("threading") else {
         return true;
     };
@@ -663,7 +663,7 @@ impl AcquiringPy {
 /// owns (the loop reads it, never closes it).
 #[pyclass(frozen, name = "Channel", module = "ratequeue")]
 pub struct ChannelPy {
-    inner: Arc<Channel>,
+    pub(crate) inner: Arc<Channel>,
 }
 
 #[pymethods]

@@ -11,7 +11,13 @@ use crate::concurrency::Semaphore;
 use crate::error::Error;
 use crate::keyed::{KeyTaken, KeyedLimiter, KeyedSemaphore};
 use crate::limiter::{Limiter, Reservation};
-use crate::queue::Resource;
+use crate::queue::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Resource, WaitQueue};
+
+mod acquire;
+#[cfg(test)]
+mod tests;
+
+pub use acquire::{PolicyAcquire, Step};
 
 /// What one level limits.
 #[derive(Clone)]
@@ -30,6 +36,36 @@ pub enum LevelKind {
 /// came back to it, so its waiters are granted now rather than at their deadline.
 pub type Waker = Arc<dyn Fn(u64) + Send + Sync>;
 
+/// A level's wait queue, kept alive (with whatever owns it) while held.
+#[derive(Clone)]
+pub struct QueueRef {
+    /// The queue.
+    pub queue: Arc<WaitQueue>,
+    /// What must stay alive while the queue is used (e.g. a key's entry in a map).
+    pub keep: Option<Arc<dyn std::any::Any + Send + Sync>>,
+}
+
+impl QueueRef {
+    /// A queue that owns itself.
+    pub fn new(queue: Arc<WaitQueue>) -> QueueRef {
+        QueueRef { queue, keep: None }
+    }
+}
+
+/// Where a level's waiters queue (the argument: the key, for keyed levels).
+pub trait LevelQueues: Send + Sync {
+    /// The queue waiters of `key` use now, if it has one (a keyed level makes a queue
+    /// only for a key that has waiters; without one, nobody waits there).
+    fn existing(&self, key: u64) -> Option<QueueRef>;
+    /// The queue to wait in for `key`, made if needed (None: the level has none).
+    fn queue(&self, key: u64) -> Option<QueueRef> {
+        self.existing(key)
+    }
+    /// A wait in `key`'s queue ended and its [`QueueRef`] was dropped: the level may
+    /// drop a queue nobody uses any more.
+    fn done(&self, _key: u64) {}
+}
+
 /// A named level of a policy.
 #[derive(Clone)]
 pub struct Level {
@@ -41,6 +77,9 @@ pub struct Level {
     pub shadow: bool,
     /// Called whenever this policy gives capacity back to the level.
     pub wake: Option<Waker>,
+    /// The level's wait queues: a policy's wait joins them behind their waiters (None:
+    /// nobody ever waits on this level but through the policy).
+    pub queues: Option<Arc<dyn LevelQueues>>,
 }
 
 impl Level {
@@ -70,8 +109,87 @@ pub enum Held {
     Permits(u64),
     /// Permits on a key.
     KeyedPermits(u64, u64),
+    /// A reservation queued behind the level's waiters, debited by its queue at the
+    /// policy's grant time.
+    Queued(Box<QueuedHold>),
     /// A shadow level that would have refused: nothing held.
     Nothing,
+}
+
+/// A policy's reservation in one level's queue (see [`Policy::reserve_queued`]).
+#[derive(Clone)]
+pub struct QueuedHold {
+    queue: QueueRef,
+    r: QueuedReservation,
+    /// The costs the queue debits (a settle before the grant only charges more).
+    costs: Vec<u64>,
+    /// The grant once seen, as settles left it.
+    grant: Option<GrantRef>,
+}
+
+impl std::fmt::Debug for QueuedHold {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuedHold")
+            .field("r", &self.r)
+            .field("costs", &self.costs)
+            .field("grant", &self.grant)
+            .finish()
+    }
+}
+
+impl QueuedHold {
+    /// The grant, once the queue made it.
+    fn grant(&self) -> Option<GrantRef> {
+        self.grant.or_else(|| match self.r.outcome() {
+            Some(Outcome::Granted { at_ns, token, .. }) => Some(GrantRef {
+                at_ns,
+                token: Some(token),
+            }),
+            _ => None,
+        })
+    }
+
+    /// The one undo rule for a queued reservation: before its grant it leaves the queue
+    /// (nothing was debited, the waiters behind move up); once granted — at its time,
+    /// which the holder may have used — it is kept. True when it left the queue.
+    fn undo(&self) -> bool {
+        self.queue.queue.cancel(self.r.ticket) == Cancelled::Removed
+    }
+
+    /// Settles to `actual`: once granted by the one undo rule on the grant; before, the
+    /// queue debits the estimate when it grants, so only an overage is charged now.
+    fn settle(&mut self, actual: &[u64], now_ns: u64) {
+        match self.grant() {
+            Some(g) => {
+                self.grant = Some(self.queue.queue.settle(&self.costs, actual, g));
+                self.costs = actual.to_vec();
+            }
+            None => {
+                let up: Vec<u64> = self.costs.iter().zip(actual).map(|(e, a)| *e.max(a)).collect();
+                if up != self.costs {
+                    let charge = GrantRef {
+                        at_ns: now_ns,
+                        token: None,
+                    };
+                    self.queue.queue.settle(&self.costs, &up, charge);
+                }
+            }
+        }
+    }
+}
+
+/// Why [`Policy::reserve_queued`] refused (nothing held).
+#[derive(Clone, Debug, PartialEq)]
+pub enum Refused {
+    /// A level refused (see [`Refusal`]).
+    Level(Refusal),
+    /// A level's queue refused (full, or a cost it can never grant).
+    Queue {
+        /// Index of the level.
+        level: usize,
+        /// The queue's error.
+        error: Error,
+    },
 }
 
 /// What every level offers a policy — a rate, one key of a keyed rate, a semaphore, one
@@ -255,6 +373,12 @@ impl Policy {
     /// level's queue if capacity came back. `held` becomes `Nothing`, so a second undo,
     /// release or settle does nothing.
     pub fn undo(&self, i: usize, held: &mut Held, a: &LevelArgs, now_ns: u64) {
+        if let Held::Queued(q) = held {
+            // The queue grants whoever can go now itself.
+            q.undo();
+            *held = Held::Nothing;
+            return;
+        }
         let gave = self.levels[i].kind.limit().undo(held, now_ns);
         *held = Held::Nothing;
         if gave {
@@ -276,16 +400,43 @@ impl Policy {
     }
 
     /// Settles `held` from the `args` costs to the `actual` ones at `now_ns` on every
-    /// rate level ([`Limit::settle`]), waking a level's queue when capacity came back.
-    /// Levels already given back (`Nothing`) are skipped.
+    /// rate level by the one undo rule ([`Limit::settle`]), waking a level's queue when
+    /// capacity came back. While requests wait on a level, an overage is charged through
+    /// its queue ([`WaitQueue::settle`]) so that it never moves a waiter onto a
+    /// reservation's promised time. Levels already given back (`Nothing`) are skipped.
     pub fn settle(&self, held: &mut [Held], args: &[LevelArgs], actual: &[LevelArgs], now_ns: u64) {
         for (i, h) in held.iter_mut().enumerate() {
-            if self.levels[i]
-                .kind
-                .limit()
-                .settle(h, &args[i].costs, &actual[i].costs, now_ns)
-            {
+            match h {
+                Held::Queued(q) => {
+                    q.settle(&actual[i].costs, now_ns);
+                    continue;
+                }
+                Held::Nothing => continue,
+                _ => {}
+            }
+            let (est, act) = (&args[i].costs, &actual[i].costs);
+            let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
+            // While requests wait on the level, the overage joins its queue; otherwise it
+            // is charged on the debit itself (so that a later undo gives it back too).
+            let queue = over
+                .iter()
+                .any(|x| *x > 0)
+                .then(|| self.queue_of(i, args[i].key))
+                .flatten()
+                .filter(|q| q.queue.waiting() != 0);
+            let refund_only: Vec<u64>;
+            let act = if queue.is_some() {
+                refund_only = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
+                &refund_only
+            } else {
+                act
+            };
+            if self.levels[i].kind.limit().settle(h, est, act, now_ns) {
                 self.wake(i, args[i].key);
+            }
+            if let Some(q) = queue {
+                let none = vec![0; over.len()];
+                q.queue.settle(&none, &over, GrantRef::default());
             }
         }
     }
@@ -347,6 +498,16 @@ impl Policy {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }
         r
+    }
+
+    /// Admits now on every level or on none, like [`Policy::try_acquire`] but without
+    /// counting a refusal (an acquire's fast path: it waits instead). The caller checks
+    /// first that nobody waits on any level.
+    pub fn try_now(&self, args: &[LevelArgs], now_ns: u64) -> Option<Vec<Held>> {
+        self.check_costs(args, now_ns).ok()?;
+        let held = self.take_all(args, now_ns, now_ns, false, false).ok()?;
+        self.admitted.fetch_add(1, Ordering::Relaxed);
+        Some(held)
     }
 
     /// A cost above any level's burst (or limit) can never be admitted: refused as
@@ -446,6 +607,139 @@ impl Policy {
         })
     }
 
+    /// The queue of level `i` for `key`, if the level has queues and the key one now.
+    fn queue_of(&self, i: usize, key: u64) -> Option<QueueRef> {
+        self.levels[i].queues.as_ref().and_then(|q| q.existing(key))
+    }
+
+    /// The earliest time level `i` (a rate) could grant `a` behind its queued waiters
+    /// and reservations, read at `now_ns`.
+    fn level_ready_at(&self, i: usize, a: &LevelArgs, now_ns: u64) -> Result<u64, Deny> {
+        if let Some(q) = self.queue_of(i, a.key) {
+            if q.queue.waiting() != 0 {
+                if let Some(t) = q.queue.backlog_ready_at(&a.costs)? {
+                    return Ok(t.max(now_ns));
+                }
+            }
+        }
+        let d = match &self.levels[i].kind {
+            LevelKind::Rate(r) => r.delay_at(now_ns, &a.costs)?,
+            LevelKind::KeyedRate(k) => k.delay_for(a.key, now_ns, a.costs[0])?,
+            _ => 0,
+        };
+        Ok(now_ns.saturating_add(d))
+    }
+
+    /// Holds every rate level for one grant at a common time without passing anyone:
+    /// on a level where requests wait (or reservations are promised), a reservation
+    /// joins its queue behind them and the queue debits it at that time; elsewhere the
+    /// level is debited for that time at once. The time is the latest any enforced
+    /// rate level needs behind its own queue; beyond `max_wait_ns` refused, holding
+    /// nothing. Concurrency levels are the caller's (it waited in their queues first).
+    /// Returns the delay and what is held; [`Policy::undo_all`] gives it all back (a
+    /// queued reservation leaves its queue before its time and is kept after it).
+    pub fn reserve_queued(
+        &self,
+        args: &[LevelArgs],
+        now_ns: u64,
+        max_wait_ns: u64,
+    ) -> Result<(u64, Vec<Held>), Refused> {
+        self.check_costs(args, now_ns).map_err(Refused::Level)?;
+        let mut floor = now_ns;
+        for _ in 0..64 {
+            let mut at = floor;
+            let mut slowest = 0;
+            for (i, l) in self.levels.iter().enumerate() {
+                if l.shadow || l.is_concurrency() {
+                    continue;
+                }
+                match self.level_ready_at(i, &args[i], now_ns) {
+                    Ok(t) if t > at => (at, slowest) = (t, i),
+                    Ok(_) => {}
+                    Err(deny) => return Err(Refused::Level(Refusal { level: i, deny })),
+                }
+            }
+            let delay = at - now_ns;
+            if delay > max_wait_ns {
+                self.refused[slowest].fetch_add(1, Ordering::Relaxed);
+                return Err(Refused::Level(Refusal {
+                    level: slowest,
+                    deny: Deny::Wait(delay),
+                }));
+            }
+            match self.hold_all_at(args, now_ns, at) {
+                Ok(held) => {
+                    self.admitted.fetch_add(1, Ordering::Relaxed);
+                    return Ok((delay, held));
+                }
+                Err(Ok(later)) => floor = later.max(at.saturating_add(1)),
+                Err(Err(r)) => {
+                    let level = match &r {
+                        Refused::Level(x) => x.level,
+                        Refused::Queue { level, .. } => *level,
+                    };
+                    self.refused[level].fetch_add(1, Ordering::Relaxed);
+                    return Err(r);
+                }
+            }
+        }
+        Err(Refused::Level(Refusal {
+            level: 0,
+            deny: Deny::Wait(u64::MAX),
+        }))
+    }
+
+    /// One attempt of [`Policy::reserve_queued`] at `at_ns`: every rate level held for
+    /// that time, or nothing held and `Err(Ok(t))`, a later time a level needs.
+    fn hold_all_at(&self, args: &[LevelArgs], now_ns: u64, at_ns: u64) -> Result<Vec<Held>, Result<u64, Refused>> {
+        let mut held: Vec<Held> = Vec::with_capacity(self.levels.len());
+        let mut shadowed = Vec::new();
+        for (i, l) in self.levels.iter().enumerate() {
+            let a = &args[i];
+            let step: Result<Held, Result<u64, Refused>> = if l.is_concurrency() {
+                Ok(Held::Nothing)
+            } else if l.shadow {
+                match self.take_level(i, a, at_ns) {
+                    Ok(h) => Ok(h),
+                    Err(_) => {
+                        shadowed.push(i);
+                        Ok(Held::Nothing)
+                    }
+                }
+            } else if let Some(q) = self.queue_of(i, a.key) {
+                let limit = l.kind.limit();
+                match q.queue.reserve_at(&a.costs, 0, at_ns, |t| limit.take(a, t)) {
+                    Ok(Joined::Held(Reserved::Now(h))) => Ok(h),
+                    Ok(Joined::Held(Reserved::Queued(r))) => Ok(Held::Queued(Box::new(QueuedHold {
+                        queue: q.clone(),
+                        r,
+                        costs: a.costs.clone(),
+                        grant: None,
+                    }))),
+                    Ok(Joined::Later(t)) => Err(Ok(t)),
+                    Err(error) => Err(Err(Refused::Queue { level: i, error })),
+                }
+            } else {
+                match self.take_level(i, a, at_ns) {
+                    Ok(h) => Ok(h),
+                    Err(Deny::Wait(d)) => Err(Ok(at_ns.saturating_add(d.max(1)))),
+                    Err(deny) => Err(Err(Refused::Level(Refusal { level: i, deny }))),
+                }
+            };
+            match step {
+                Ok(h) => held.push(h),
+                Err(e) => {
+                    self.undo_all(&mut held, args, now_ns);
+                    return Err(e);
+                }
+            }
+        }
+        for i in shadowed {
+            self.shadow_refused[i].fetch_add(1, Ordering::Relaxed);
+        }
+        Ok(held)
+    }
+
     fn slowest(&self, args: &[LevelArgs], now_ns: u64) -> Option<usize> {
         (0..self.levels.len())
             .filter(|i| !self.levels[*i].shadow)
@@ -454,122 +748,5 @@ impl Policy {
                 LevelKind::KeyedRate(k) => k.delay_for(args[*i].key, now_ns, args[*i].costs[0]).unwrap_or(0),
                 _ => 0,
             })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{AnyClock, ManualClock, Rate};
-
-    #[test]
-    fn all_or_nothing_and_shadow() {
-        let clock = Arc::new(ManualClock::new(0).unwrap());
-        let c = AnyClock::Manual(clock.clone());
-        let user = Arc::new(KeyedLimiter::new(Rate::new(1.0, 1e9, 2).unwrap(), 100, c.clone()).unwrap());
-        let tenant = Arc::new(KeyedSemaphore::new(1).unwrap());
-        let cluster = Arc::new(
-            Limiter::new(
-                vec![("requests".into(), Rate::new(100.0, 1e9, 100).unwrap())],
-                c.clone(),
-            )
-            .unwrap(),
-        );
-        let p = Policy::new(vec![
-            Level {
-                name: "user".into(),
-                kind: LevelKind::KeyedRate(user.clone()),
-                shadow: false,
-                wake: None,
-            },
-            Level {
-                name: "tenant".into(),
-                kind: LevelKind::KeyedConcurrency(tenant.clone()),
-                shadow: false,
-                wake: None,
-            },
-            Level {
-                name: "cluster".into(),
-                kind: LevelKind::Rate(cluster.clone()),
-                shadow: false,
-                wake: None,
-            },
-        ])
-        .unwrap();
-        let u = user.hasher().str("alice");
-        let t = tenant.hasher().str("acme");
-        let args = vec![
-            LevelArgs { key: u, costs: vec![1] },
-            LevelArgs { key: t, costs: vec![1] },
-            LevelArgs { key: 0, costs: vec![1] },
-        ];
-        let held = p.try_acquire(&args, 0).unwrap();
-        // Tenant concurrency is taken: refused, and the user's debit is undone.
-        let r = p.try_acquire(&args, 0).unwrap_err();
-        assert_eq!(r.level, 1);
-        assert_eq!(user.available(u), 1.0);
-        assert_eq!(cluster.available(0), 99.0);
-        let mut held = held;
-        p.release(1, &mut held[1]);
-        assert!(p.try_acquire(&args, 0).is_ok());
-        assert_eq!(p.counts(1).refused, 1);
-    }
-
-    fn one_level(kind: LevelKind, wake: Option<Waker>) -> Policy {
-        Policy::new(vec![Level {
-            name: "l".into(),
-            kind,
-            shadow: false,
-            wake,
-        }])
-        .unwrap()
-    }
-
-    #[test]
-    fn cancel_under_a_later_reservation_keeps_the_slot_and_settle_after_it_does_nothing() {
-        let clock = Arc::new(ManualClock::new(0).unwrap());
-        let lim = Arc::new(
-            Limiter::new(
-                vec![("requests".into(), Rate::new(1.0, 1e9, 1).unwrap())],
-                AnyClock::Manual(clock.clone()),
-            )
-            .unwrap(),
-        );
-        let p = one_level(LevelKind::Rate(lim.clone()), None);
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
-        let (d1, mut h1) = p.reserve(&args, 0, u64::MAX, false).unwrap();
-        let (d2, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
-        p.undo(0, &mut h1[0], &args[0], 0);
-        let (d3, _) = p.reserve(&args, 0, u64::MAX, false).unwrap();
-        assert_eq!((d1, d2, d3), (0, 1_000_000_000, 2_000_000_000));
-        let zero = vec![LevelArgs { key: 0, costs: vec![0] }];
-        p.settle(&mut h1, &args, &zero, 0);
-        p.undo(0, &mut h1[0], &args[0], 0);
-        assert_eq!(lim.refunds_dropped(), 1);
-        assert_eq!(lim.delay_at(0, &[1]).unwrap(), 3_000_000_000);
-    }
-
-    #[test]
-    fn release_wakes_the_level_queue() {
-        use crate::queue::{Outcome, QueueConfig, Slot, Submitted, WaitQueue, Wake};
-        let clock = AnyClock::Manual(Arc::new(ManualClock::new(0).unwrap()));
-        let sem = Arc::new(Semaphore::new(1).unwrap());
-        let q = WaitQueue::new(sem.clone(), 1, clock, QueueConfig::new(vec![], 10, None).unwrap());
-        let q2 = q.clone();
-        let wake: Waker = Arc::new(move |_| {
-            q2.poll_now();
-        });
-        let p = one_level(LevelKind::Concurrency(sem.clone()), Some(wake));
-        let args = vec![LevelArgs { key: 0, costs: vec![1] }];
-        let mut held = p.try_acquire(&args, 0).unwrap();
-        let slot = Slot::new();
-        let s2 = slot.clone();
-        let sub = q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
-        assert!(matches!(sub, Submitted::Queued(_)));
-        p.release(0, &mut held[0]);
-        assert!(matches!(slot.take(), Some(Outcome::Granted { .. })));
-        assert_eq!(sem.in_use(), 1);
-        p.release(0, &mut held[0]); // released once
-        assert_eq!(sem.in_use(), 1);
     }
 }

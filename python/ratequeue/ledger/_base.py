@@ -1,0 +1,687 @@
+"""What every ledger backend shares: argument rules, the public calls, async twins,
+warning delivery, compensation runs and queries over the backend's primitives."""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import csv
+import inspect
+import json
+import os
+import sys
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from typing import IO, Any, ParamSpec, TypeVar
+
+from .._errors import QuotaExceeded
+from ._model import (
+    DAY,
+    Balance,
+    CampaignReport,
+    Charge,
+    ClockLike,
+    Hold,
+    Notice,
+    Page,
+    Plan,
+    RequestUsage,
+    Span,
+    Totals,
+    UnknownAccount,
+    amounts,
+    check_fraction,
+    check_id,
+    check_meta,
+    check_seconds,
+    check_thresholds,
+    clock_fn,
+    fingerprint,
+    utc,
+)
+
+NoticeCallback = Callable[[Notice], "Awaitable[None] | None"]
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: Kept at most per compensation report (totals always count every account).
+MAX_REPORT_ACTIONS = 1000
+
+
+def quota_exceeded(account: str, unit: str, need: int, avail: int, span: Span, now: float) -> Any:
+    """The refusal of a charge that does not fit."""
+    return QuotaExceeded(
+        f"account {account!r} is out of {unit} quota: needs {need}, {avail} left "
+        f"until {utc(span.end)}",
+        max(0.0, span.end - now),
+        account=account,
+        unit=unit,
+        reset_at=span.end,
+    )
+
+
+def compensation(
+    quota: dict[str, int],
+    used: dict[str, int],
+    *,
+    reset_usage: bool,
+    bonus: float,
+    credit: float | None,
+) -> tuple[dict[str, int], dict[str, int]]:
+    """(new used, bonus to add) per unit: never negative."""
+    new_used: dict[str, int] = {}
+    add: dict[str, int] = {}
+    for u, q in quota.items():
+        cur = max(0, used.get(u, 0))
+        if credit is not None:
+            new_used[u] = max(0, cur - int(q * credit))
+        elif reset_usage:
+            new_used[u] = 0
+        else:
+            new_used[u] = cur
+        add[u] = max(0, int(q * bonus))
+    return new_used, add
+
+
+class LedgerBase:
+    """The public surface of a quota ledger; backends fill in the storage."""
+
+    def __init__(
+        self,
+        *,
+        clock: ClockLike | None = None,
+        retention: float | None = None,
+        hold_ttl: float = 600.0,
+        default_plan: Plan | None = None,
+    ) -> None:
+        self._now = clock_fn(clock)
+        self.retention = 35 * DAY if retention is None else check_seconds("retention", retention)
+        self.hold_ttl = check_seconds("hold_ttl", hold_ttl)
+        if default_plan is not None and not isinstance(default_plan, Plan):
+            raise TypeError(f"default_plan must be a Plan, got {type(default_plan).__name__}")
+        if default_plan is not None:
+            self._check_retention(default_plan)
+        self.default_plan = default_plan
+        self._spans: dict[tuple[str, float | None], Span] = {}
+        self._plans: dict[str, Plan] = {}
+        self._notice_event = threading.Event()
+
+    # -- helpers for backends ----------------------------------------------------------
+
+    def _check_retention(self, plan: Plan) -> None:
+        if plan.period.max_length > self.retention:
+            raise ValueError(
+                f"retention={self.retention:g} s must cover the plan's period "
+                f"({plan.period.max_length:g} s): request ids are kept at least a period"
+            )
+
+    def _plan(self, text: str) -> Plan:
+        p = self._plans.get(text)
+        if p is None:
+            p = Plan.from_dict(json.loads(text))
+            if len(self._plans) > 10_000:
+                self._plans.clear()
+            self._plans[text] = p
+        return p
+
+    def _span(self, plan_json: str, plan: Plan, anchor: float | None, now: float) -> Span:
+        key = (plan_json, anchor)
+        s = self._spans.get(key)
+        if s is None or not s.start <= now < s.end:
+            s = plan.period.at(now, anchor)
+            if len(self._spans) > 10_000:
+                self._spans.clear()
+            self._spans[key] = s
+        return s
+
+    # -- accounts ------------------------------------------------------------------------
+
+    def set_plan(
+        self,
+        account: str,
+        plan: Plan,
+        *,
+        anchor: float | None = None,
+        thresholds: Sequence[float] | None = None,
+    ) -> None:
+        """Gives ``account`` a plan (created if new); usage and bonus are kept.
+
+        ``anchor`` (Unix seconds, e.g. the purchase time) starts anchored periods;
+        ``thresholds`` overrides the plan's warning thresholds for this account.
+        """
+        check_id("account", account)
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan must be a Plan, got {type(plan).__name__}")
+        self._check_retention(plan)
+        a = None if anchor is None else check_fraction("anchor", anchor)
+        thr = None if thresholds is None else check_thresholds(thresholds)
+        self._set_plan(account, plan, a, thr)
+
+    def _set_plan(
+        self, account: str, plan: Plan, anchor: float | None, thr: tuple[int, ...] | None
+    ) -> None:
+        raise NotImplementedError
+
+    def accounts(self) -> Iterator[str]:
+        """Every account with a plan (in batches from the backend)."""
+        after = ""
+        while True:
+            batch = self._accounts_after(after, 1000)
+            if not batch:
+                return
+            yield from batch
+            after = batch[-1]
+
+    def _accounts_after(self, after: str, limit: int) -> list[str]:
+        raise NotImplementedError
+
+    def count_accounts(self) -> int:
+        """How many accounts have a plan."""
+        raise NotImplementedError
+
+    # -- deduction -----------------------------------------------------------------------
+
+    def charge(
+        self,
+        request_id: str,
+        account: str,
+        *,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Charge:
+        """Counts a request once per ``request_id``: a retry returns the first record with
+        ``replay=True``; the same id with another payload raises ``IdempotencyConflict``;
+        out of quota raises ``QuotaExceeded`` and charges nothing."""
+        args = self._request_args(
+            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
+        )
+        return self._charge(*args, fingerprint("charge", *args[1:]))
+
+    def hold(
+        self,
+        request_id: str,
+        account: str,
+        *,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Hold:
+        """Reserves an estimate before a call so concurrent requests cannot overspend;
+        idempotent per ``request_id``; expires after ``hold_ttl`` giving its amount back."""
+        args = self._request_args(
+            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
+        )
+        return self._hold(*args, fingerprint("hold", *args[1:]))
+
+    def settle(
+        self,
+        request_id: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        calls: int = 1,
+        model: str | None = None,
+        account: str | None = None,
+    ) -> Charge:
+        """Records a hold's actual usage (the difference given back or taken, past the
+        quota if need be: the work was done); without a hold, charges ``account``
+        directly. Idempotent: a retry returns the charge with ``replay=True``."""
+        check_id("request_id", request_id)
+        am = amounts(input_tokens, output_tokens, calls)
+        if model is not None:
+            check_id("model", model)
+        if account is not None:
+            check_id("account", account)
+        sfp = fingerprint("settle", am["input_tokens"], am["output_tokens"], am["calls"], model)
+        return self._settle(request_id, am, model, account, sfp)
+
+    def release(self, request_id: str) -> None:
+        """Gives a hold back in full; a no-op when it was settled, released or expired."""
+        check_id("request_id", request_id)
+        self._release(request_id)
+
+    def _request_args(
+        self,
+        request_id: str,
+        account: str,
+        input_tokens: int,
+        output_tokens: int,
+        calls: int,
+        model: str | None,
+        parent_id: str | None,
+        meta: dict[str, Any] | None,
+    ) -> tuple[Any, ...]:
+        check_id("request_id", request_id)
+        check_id("account", account)
+        am = amounts(input_tokens, output_tokens, calls)
+        if model is not None:
+            check_id("model", model)
+        if parent_id is not None:
+            check_id("parent_id", parent_id)
+        return (request_id, account, am, model, parent_id, check_meta(meta))
+
+    def _charge(self, *args: Any) -> Charge:
+        raise NotImplementedError
+
+    def _hold(self, *args: Any) -> Hold:
+        raise NotImplementedError
+
+    def _settle(self, *args: Any) -> Charge:
+        raise NotImplementedError
+
+    def _release(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    def expire_holds(self) -> int:
+        """Gives back every hold past its expiry now; returns how many (also done lazily
+        whenever an account is charged)."""
+        raise NotImplementedError
+
+    # -- async twins ---------------------------------------------------------------------
+
+    async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
+        """``charge`` on a worker thread: the event loop never blocks on storage."""
+        return await _in_thread(self.charge, request_id, account, **kw)
+
+    async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
+        """``hold`` on a worker thread; cancelled while running, the hold is given back."""
+        cf = _executor().submit(self.hold, request_id, account, **kw)
+        try:
+            return await asyncio.shield(asyncio.wrap_future(cf))
+        except asyncio.CancelledError:
+            # Runs in the worker thread (or here if done): needs no event loop, so a
+            # loop closed meanwhile still gets its hold given back.
+            def undo(f: concurrent.futures.Future[Hold]) -> None:
+                if not f.cancelled() and f.exception() is None:
+                    self.release(request_id)
+
+            cf.add_done_callback(undo)
+            raise
+
+    async def settle_async(self, request_id: str, **kw: Any) -> Charge:
+        """``settle`` on a worker thread."""
+        return await _in_thread(self.settle, request_id, **kw)
+
+    async def release_async(self, request_id: str) -> None:
+        """``release`` on a worker thread."""
+        await _in_thread(self.release, request_id)
+
+    async def balance_async(self, account: str) -> Balance:
+        """``balance`` on a worker thread."""
+        return await _in_thread(self.balance, account)
+
+    # -- queries -------------------------------------------------------------------------
+
+    def balance(self, account: str) -> Balance:
+        """Quota, usage (open holds included), holds and bonus of the current period."""
+        check_id("account", account)
+        return self._balance(account)
+
+    def _balance(self, account: str) -> Balance:
+        raise NotImplementedError
+
+    def plan_of(self, account: str) -> Plan:
+        """The account's plan (``UnknownAccount`` if it has none)."""
+        check_id("account", account)
+        return self._plan_of(account)
+
+    def _plan_of(self, account: str) -> Plan:
+        raise NotImplementedError
+
+    def usage(
+        self,
+        account: str,
+        *,
+        start: float | None = None,
+        end: float | None = None,
+        limit: int = 100,
+        cursor: str | None = None,
+    ) -> Page:
+        """Charged rows of ``account`` with ``start <= at < end``, oldest first (rows of
+        one instant by id in SQLite, in arrival order in Redis), ``limit`` per page (at
+        most 10,000)."""
+        check_id("account", account)
+        if isinstance(limit, bool) or not isinstance(limit, int):
+            raise TypeError(f"limit must be an int, got {type(limit).__name__}")
+        if not 1 <= limit <= 10_000:
+            raise ValueError(f"limit={limit} must be from 1 to 10000")
+        lo = -1.0 if start is None else check_fraction("start", start)
+        hi = float("inf") if end is None else check_fraction("end", end)
+        if cursor is not None and not isinstance(cursor, str):
+            raise TypeError(f"cursor must be a str, got {type(cursor).__name__}")
+        return self._usage(account, lo, hi, limit, cursor)
+
+    def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
+        raise NotImplementedError
+
+    def iter_usage(
+        self, account: str, *, start: float | None = None, end: float | None = None
+    ) -> Iterator[Charge]:
+        """Every charged row of ``account`` in the range, page by page."""
+        cursor: str | None = None
+        while True:
+            page = self.usage(account, start=start, end=end, limit=1000, cursor=cursor)
+            yield from page.rows
+            if page.cursor is None:
+                return
+            cursor = page.cursor
+
+    def request_usage(self, account: str, request_id: str) -> RequestUsage:
+        """One user request: its own charged row and every row whose parent it is."""
+        check_id("account", account)
+        check_id("request_id", request_id)
+        rows = self._request_rows(account, request_id)
+        totals = Totals()
+        for r in rows:
+            totals = totals.add(r)
+        return RequestUsage(request_id, rows, totals)
+
+    def _request_rows(self, account: str, request_id: str) -> list[Charge]:
+        raise NotImplementedError
+
+    def totals_by_model(
+        self, account: str, *, start: float | None = None, end: float | None = None
+    ) -> dict[str, Totals]:
+        """Summed usage per model (``""`` for rows without one) in the range."""
+        out: dict[str, Totals] = {}
+        for c in self.iter_usage(account, start=start, end=end):
+            k = c.model or ""
+            out[k] = out.get(k, Totals()).add(c)
+        return out
+
+    def export_csv(
+        self,
+        account: str,
+        out: IO[str],
+        *,
+        start: float | None = None,
+        end: float | None = None,
+    ) -> int:
+        """Writes the rows as CSV (header first); returns how many rows."""
+        w = csv.writer(out)
+        w.writerow(
+            [
+                "request_id",
+                "parent_id",
+                "account",
+                "period",
+                "at",
+                "time_utc",
+                "input_tokens",
+                "output_tokens",
+                "calls",
+                "model",
+                "meta",
+            ]
+        )
+        n = 0
+        for c in self.iter_usage(account, start=start, end=end):
+            w.writerow(
+                [
+                    c.request_id,
+                    c.parent_id or "",
+                    c.account,
+                    c.period,
+                    repr(c.at),
+                    utc(c.at),
+                    c.input_tokens,
+                    c.output_tokens,
+                    c.calls,
+                    c.model or "",
+                    "" if c.meta is None else json.dumps(c.meta, sort_keys=True),
+                ]
+            )
+            n += 1
+        return n
+
+    # -- warnings --------------------------------------------------------------------------
+
+    def pending_notices(self, limit: int = 1000) -> list[Notice]:
+        """Notices in the outbox not yet acknowledged (oldest first)."""
+        return self._peek_notices(limit)
+
+    def deliver(self, callback: Callable[[Notice], object], *, limit: int = 1000) -> int:
+        """Hands pending notices to ``callback`` (sync, or async run to completion);
+        each is removed from the outbox only after the callback returned: at least once."""
+        notices = self._claim_notices(limit)
+        n = 0
+        try:
+            for notice in notices:
+                r = callback(notice)
+                if inspect.isawaitable(r):
+                    _run_awaitable(r)
+                self._ack_notice(notice)
+                n += 1
+        except BaseException:
+            self._unclaim(notices[n:])
+            raise
+        return n
+
+    async def deliver_async(self, callback: NoticeCallback, *, limit: int = 1000) -> int:
+        """``deliver`` for asyncio: storage on a worker thread, async callbacks awaited."""
+        notices = await _in_thread(self._claim_notices, limit)
+        n = 0
+        try:
+            for notice in notices:
+                r = callback(notice)
+                if inspect.isawaitable(r):
+                    await r
+                await _in_thread(self._ack_notice, notice)
+                n += 1
+        except BaseException:
+            self._unclaim(notices[n:])
+            raise
+        return n
+
+    def _peek_notices(self, limit: int) -> list[Notice]:
+        raise NotImplementedError
+
+    def _claim_notices(self, limit: int) -> list[Notice]:
+        raise NotImplementedError
+
+    def _ack_notice(self, notice: Notice) -> None:
+        raise NotImplementedError
+
+    def _unclaim(self, notices: Sequence[Notice]) -> None:
+        raise NotImplementedError
+
+    # -- compensation ----------------------------------------------------------------------
+
+    def compensate(
+        self,
+        campaign_id: str,
+        accounts: Iterable[str] | None = None,
+        *,
+        reset_usage: bool = True,
+        bonus: float | None = None,
+        credit: float | None = None,
+        dry_run: bool = False,
+        progress: bool | Callable[[int, int], None] | None = False,
+        batch: int = 500,
+    ) -> CampaignReport:
+        """Compensates accounts (all by default) in their current period, never below 0:
+        usage reset to 0 plus a bonus of ``bonus`` (0.25 by default) of the quota, or
+        with ``credit`` usage lowered by that share of the quota. Idempotent per
+        campaign: a rerun skips accounts done (an audit row each) and resumes."""
+        check_id("campaign_id", campaign_id)
+        if credit is not None:
+            credit = check_fraction("credit", credit)
+            reset_usage = False
+        b = (
+            (0.0 if credit is not None else 0.25)
+            if bonus is None
+            else check_fraction("bonus", bonus)
+        )
+        if (credit is not None and credit > 1) or b > 100:
+            raise ValueError("credit must be <= 1 and bonus <= 100 (shares of the quota)")
+        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 100_000:
+            raise ValueError(f"batch={batch!r} must be an int from 1 to 100000")
+        params = {"reset_usage": bool(reset_usage), "bonus": b, "credit": credit}
+        at = self._campaign_start(campaign_id, params, dry_run)
+        report = CampaignReport(campaign_id, bool(dry_run))
+        if accounts is None:
+            total = self.count_accounts()
+            source: Iterable[str] = self.accounts()
+        else:
+            acc = list(accounts)
+            for a in acc:
+                check_id("account", a)
+            total, source = len(acc), acc
+        bar = _bar(progress, total, campaign_id)
+        chunk: list[str] = []
+        try:
+            for a in source:
+                chunk.append(a)
+                if len(chunk) >= batch:
+                    self._run_chunk(campaign_id, chunk, params, at, dry_run, report, bar)
+                    chunk = []
+            if chunk:
+                self._run_chunk(campaign_id, chunk, params, at, dry_run, report, bar)
+        finally:
+            if bar is not None:
+                bar(report.accounts, total, True)
+        if not dry_run:
+            self._campaign_finish(campaign_id)
+        return report
+
+    def _run_chunk(
+        self,
+        campaign_id: str,
+        chunk: list[str],
+        params: dict[str, Any],
+        at: float,
+        dry_run: bool,
+        report: CampaignReport,
+        bar: Callable[[int, int, bool], None] | None,
+    ) -> None:
+        for act in self._compensate_accounts(campaign_id, chunk, params, at, dry_run):
+            report.accounts += 1
+            status = act["status"]
+            if status == "done":
+                report.already_done += 1
+            elif status == "skipped":
+                report.skipped += 1
+            else:
+                report.changed += 1
+                for u, v in act["before"]["used"].items():
+                    d = v - act["after"]["used"].get(u, v)
+                    report.credited[u] = report.credited.get(u, 0) + d
+                for u, v in act["bonus_added"].items():
+                    report.bonus_added[u] = report.bonus_added.get(u, 0) + v
+            if len(report.actions) < MAX_REPORT_ACTIONS:
+                report.actions.append(act)
+        if bar is not None:
+            bar(report.accounts, -1, False)
+
+    def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float:
+        raise NotImplementedError
+
+    def _campaign_finish(self, campaign_id: str) -> None:
+        raise NotImplementedError
+
+    def _compensate_accounts(
+        self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
+    ) -> list[dict[str, Any]]:
+        raise NotImplementedError
+
+    def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
+        """The audit row a campaign wrote for an account (None if not done)."""
+        raise NotImplementedError
+
+    # -- misc --------------------------------------------------------------------------------
+
+    def _unknown(self, account: str) -> UnknownAccount:
+        return UnknownAccount(f"account {account!r} has no plan (set_plan first)")
+
+    def close(self) -> None:
+        """Releases the storage handle."""
+
+    def __enter__(self) -> LedgerBase:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+_pool_lock = threading.Lock()
+
+
+def _executor() -> concurrent.futures.ThreadPoolExecutor:
+    """The ledger's worker threads for asyncio callers (made again in a forked child)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (
+                os.getpid(),
+                concurrent.futures.ThreadPoolExecutor(
+                    max_workers=16, thread_name_prefix="ratequeue-ledger"
+                ),
+            )
+        return _pool[1]
+
+
+def _after_fork_in_child() -> None:
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+async def _in_thread(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
+    return await asyncio.wrap_future(_executor().submit(fn, *args, **kw))
+
+
+def _run_awaitable(r: Awaitable[Any]) -> Any:
+    async def wait() -> Any:
+        return await r
+
+    return asyncio.run(wait())
+
+
+def _bar(
+    progress: bool | Callable[[int, int], None] | None, total: int, label: str
+) -> Callable[[int, int, bool], None] | None:
+    if progress is None or progress is False:
+        return None
+    if progress is not True:
+        cb = progress
+        last = [-1]
+
+        def call(done: int, _t: int, _end: bool) -> None:
+            if done != last[0]:
+                last[0] = done
+                cb(done, total)
+
+        return call
+    width = 30
+
+    def draw(done: int, _t: int, end: bool) -> None:
+        frac = done / total if total else 1.0
+        filled = round(min(1.0, frac) * width)
+        sys.stderr.write(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%  "
+            f"{done}/{total} accounts  {label[:30]}"
+        )
+        if end:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+    return draw
+
+
+def parse_json_obj(text: str | None) -> dict[str, Any] | None:
+    """A stored meta JSON (or None)."""
+    if not text:
+        return None
+    v = json.loads(text)
+    return v if isinstance(v, dict) else None

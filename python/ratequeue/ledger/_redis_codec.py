@@ -1,0 +1,119 @@
+"""How the Redis ledger encodes what it stores: a request record is one string of fields
+joined by ``\\x1f``, notices are ``|``-joined, commands are packed in RESP once."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from ._model import Charge, IdempotencyConflict, Notice, Plan, threshold_amounts
+
+SEP = "\x1f"
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class _Info:
+    __slots__ = ("anchor", "plan", "plan_json", "spec", "thr", "ver")
+    spec: list[Any]
+
+    def __init__(
+        self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan
+    ) -> None:
+        self.ver, self.plan_json, self.anchor, self.thr, self.plan = (
+            ver,
+            plan_json,
+            anchor,
+            thr,
+            plan,
+        )
+        # the plan as the script reads it (ARGV 19...): unit count, then per unit its
+        # name, quota, threshold count and (basis points, level) pairs
+        spec: list[Any] = [len(plan.quota)]
+        for u, q in plan.quota.items():
+            lv = list(zip(thr, threshold_amounts(q, thr), strict=True)) if q > 0 else []
+            spec += [u, q, len(lv)]
+            for bp, level in lv:
+                spec += [bp, level]
+        self.spec = spec
+
+
+def _ints(rec: dict[str, Any]) -> dict[str, Any]:
+    for side in ("before", "after"):
+        for what in ("used", "bonus"):
+            d = rec.get(side, {}).get(what)
+            if isinstance(d, dict):
+                rec[side][what] = {u: int(v) for u, v in d.items()}
+    if isinstance(rec.get("bonus_added"), dict):
+        rec["bonus_added"] = {u: int(v) for u, v in rec["bonus_added"].items()}
+    if "at" in rec:
+        rec["at"] = float(rec["at"])
+    return rec
+
+
+def _meta(text: str) -> dict[str, Any] | None:
+    if not text:
+        return None
+    v = json.loads(text)
+    return v if isinstance(v, dict) else None
+
+
+def _record_charge(rid: str, account: str, raw: str, replay: bool) -> Charge:
+    """A charge from a request record: kind, status, fp, sfp, at, period, in, out, calls,
+    model, parent, meta, exp, parts joined by \\x1f."""
+    f = raw.split(SEP)
+    return Charge(
+        rid,
+        account,
+        f[5],
+        float(f[4]),
+        int(f[6]),
+        int(f[7]),
+        int(f[8]),
+        f[9] or None,
+        f[10] or None,
+        _meta(f[11]),
+        replay,
+    )
+
+
+def _row_charge(account: str, fields: dict[bytes, bytes]) -> Charge:
+    return _record_charge(_s(fields[b"id"]), account, _s(fields[b"r"]), False)
+
+
+def _pack(args: Sequence[Any]) -> bytes:
+    """A command in RESP, as redis-py would send it."""
+    parts = [b"*%d\r\n" % len(args)]
+    for a in args:
+        b = a if isinstance(a, bytes) else str(a).encode()
+        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
+    return b"".join(parts)
+
+
+def _is_reply_error(e: Exception) -> bool:
+    import redis
+
+    return isinstance(e, redis.exceptions.ResponseError)
+
+
+def _notice(account: str, raw: str) -> Notice:
+    unit, bp, used, quota, at, period = raw.split("|", 5)
+    return Notice(
+        f"{account}|{period}|{unit}|{bp}",
+        account,
+        period,
+        unit,
+        int(bp) / 10_000,
+        int(used),
+        int(quota),
+        float(at),
+    )
+
+
+def _conflict(rid: str) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        f"request id {rid!r} was already used with a different payload or operation"
+    )

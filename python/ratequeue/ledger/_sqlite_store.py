@@ -1,0 +1,616 @@
+"""The SQLite side of the embedded ledger: schema, one connection per process, group
+commit (calls arriving while a transaction runs share the next one), the account and
+period rows cached while no other connection writes, and the accounting on them
+(fit, take, give back, thresholds, hold expiry)."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ._base import LedgerBase, parse_json_obj, quota_exceeded
+from ._model import (
+    UNITS,
+    Charge,
+    ClockLike,
+    Hold,
+    IdempotencyConflict,
+    LedgerError,
+    Notice,
+    Plan,
+    Span,
+    threshold_amounts,
+)
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS accounts(
+  account TEXT PRIMARY KEY, plan TEXT NOT NULL, anchor REAL, thresholds TEXT,
+  b_tokens INTEGER NOT NULL DEFAULT 0, b_input_tokens INTEGER NOT NULL DEFAULT 0,
+  b_output_tokens INTEGER NOT NULL DEFAULT 0, b_calls INTEGER NOT NULL DEFAULT 0,
+  next_exp REAL);
+CREATE TABLE IF NOT EXISTS periods(
+  account TEXT NOT NULL, period TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
+  u_tokens INTEGER NOT NULL DEFAULT 0, u_input_tokens INTEGER NOT NULL DEFAULT 0,
+  u_output_tokens INTEGER NOT NULL DEFAULT 0, u_calls INTEGER NOT NULL DEFAULT 0,
+  h_tokens INTEGER NOT NULL DEFAULT 0, h_input_tokens INTEGER NOT NULL DEFAULT 0,
+  h_output_tokens INTEGER NOT NULL DEFAULT 0, h_calls INTEGER NOT NULL DEFAULT 0,
+  fired TEXT NOT NULL DEFAULT '', PRIMARY KEY(account, period)) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS periods_end ON periods(end);
+CREATE TABLE IF NOT EXISTS requests(
+  account TEXT NOT NULL, request_id TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
+  at REAL NOT NULL, period TEXT NOT NULL, input_tokens INTEGER NOT NULL,
+  output_tokens INTEGER NOT NULL, calls INTEGER NOT NULL, model TEXT, parent_id TEXT,
+  meta TEXT, fp TEXT NOT NULL, sfp TEXT, parts TEXT, expires REAL,
+  PRIMARY KEY(account, request_id)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS holds(
+  request_id TEXT PRIMARY KEY, account TEXT NOT NULL) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS requests_at ON requests(account, at, request_id);
+CREATE INDEX IF NOT EXISTS requests_parent ON requests(account, parent_id)
+  WHERE parent_id IS NOT NULL;
+CREATE TABLE IF NOT EXISTS outbox(
+  id TEXT PRIMARY KEY, account TEXT NOT NULL, period TEXT NOT NULL, unit TEXT NOT NULL,
+  bp INTEGER NOT NULL, used INTEGER NOT NULL, quota INTEGER NOT NULL, at REAL NOT NULL,
+  claimed REAL NOT NULL DEFAULT 0);
+CREATE TABLE IF NOT EXISTS audit(
+  campaign TEXT NOT NULL, account TEXT NOT NULL, at REAL NOT NULL, period TEXT,
+  status TEXT NOT NULL, record TEXT NOT NULL, PRIMARY KEY(campaign, account)) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS campaigns(
+  campaign TEXT PRIMARY KEY, params TEXT NOT NULL, started REAL NOT NULL, finished REAL);
+"""
+
+_ROW_COLS = (
+    "request_id, account, period, at, input_tokens, output_tokens, calls, model, parent_id, meta"
+)
+#: Claimed notices are handed to no other deliverer for this long (seconds).
+CLAIM_SECONDS = 60.0
+
+
+#: Connections a forked child inherited: kept referenced so that they are never closed
+#: in the child (closing one there could disturb the parent's locks).
+_INHERITED: list[sqlite3.Connection] = []
+
+
+class _Op:
+    __slots__ = ("charge", "event", "exc", "fn", "lead", "result")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> None:
+        self.fn = fn
+        self.charge = charge  # a plain charge's arguments: decided with its neighbours
+        self.event: threading.Event | None = None
+        self.result: Any = None
+        self.exc: BaseException | None = None
+        self.lead = False
+
+
+class _Acct:
+    __slots__ = ("anchor", "bonus", "levels", "next_exp", "plan", "plan_json", "thr")
+
+    def __init__(self, row: sqlite3.Row | tuple[Any, ...], ledger: LedgerBase) -> None:
+        self.plan_json: str = row[0]
+        self.plan: Plan = ledger._plan(row[0])
+        self.anchor: float | None = row[1]
+        self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
+        self.bonus = dict(zip(UNITS, row[3:7], strict=True))
+        self.next_exp: float | None = row[7]
+        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)])
+        self.levels = [
+            (
+                u,
+                q,
+                [
+                    (bp, lvl, f"{u}:{bp}")
+                    for bp, lvl in zip(self.thr, threshold_amounts(q, self.thr), strict=True)
+                ],
+            )
+            for u, q in self.plan.quota.items()
+            if q > 0
+        ]
+
+
+class _Per:
+    __slots__ = ("fired", "held", "span", "used")
+
+    def __init__(self, span: Span, row: tuple[Any, ...] | None) -> None:
+        self.span = span
+        if row is None:
+            self.used = dict.fromkeys(UNITS, 0)
+            self.held = dict.fromkeys(UNITS, 0)
+            self.fired: set[str] = set()
+        else:
+            self.used = dict(zip(UNITS, row[0:4], strict=True))
+            self.held = dict(zip(UNITS, row[4:8], strict=True))
+            self.fired = set(row[8].split(",")) if row[8] else set()
+
+
+class SqliteStore(LedgerBase):
+    """The SQLite connection of a ledger, its group commit and per-transaction caches."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        clock: ClockLike | None = None,
+        retention: float | None = None,
+        hold_ttl: float = 600.0,
+        default_plan: Plan | None = None,
+        synchronous: str = "NORMAL",
+        busy_timeout: float = 30.0,
+    ) -> None:
+        super().__init__(
+            clock=clock, retention=retention, hold_ttl=hold_ttl, default_plan=default_plan
+        )
+        if synchronous not in ("OFF", "NORMAL", "FULL", "EXTRA"):
+            raise ValueError(f"synchronous={synchronous!r} must be OFF, NORMAL, FULL or EXTRA")
+        self.path = os.fspath(path)
+        self._sync = synchronous
+        self._busy = float(busy_timeout)
+        self._mu = threading.Lock()
+        self._queue: list[_Op] = []
+        self._leader = False
+        self._conn: sqlite3.Connection | None = None
+        self._pid = 0
+        self._accts: dict[str, _Acct | None] = {}
+        self._pers: dict[tuple[str, str], _Per] = {}
+        self._dirty: set[tuple[str, str]] = set()
+        self._last_purge = 0.0
+        self._dv: int | None = None
+        self._connect()
+
+    # -- connection and group commit ---------------------------------------------------
+
+    def _connect(self) -> sqlite3.Connection:
+        if self._conn is not None and self._pid == os.getpid():
+            return self._conn
+        conn = sqlite3.connect(
+            self.path, timeout=self._busy, isolation_level=None, check_same_thread=False
+        )
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute(f"PRAGMA synchronous={self._sync}")
+        conn.execute(f"PRAGMA busy_timeout={int(self._busy * 1000)}")
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            for stmt in _SCHEMA.split(";"):
+                if stmt.strip():
+                    conn.execute(stmt)
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        self._conn, self._pid = conn, os.getpid()
+        return conn
+
+    # -- the accounting ----------------------------------------------------------------------
+
+    def _current(self, conn: sqlite3.Connection, account: str, now: float) -> tuple[_Acct, _Per]:
+        a = self._acct(conn, account)
+        if a.next_exp is not None and now >= a.next_exp:
+            self._expire_account(conn, account, a, now)
+        span = self._span(a.plan_json, a.plan, a.anchor, now)
+        return a, self._per(conn, account, span)
+
+    def _fit(
+        self, account: str, a: _Acct, p: _Per, am: dict[str, int], now: float, *, force: bool
+    ) -> dict[str, list[int]]:
+        """The parts of ``am`` taken from the plan quota, then the bonus (nothing changed);
+        ``QuotaExceeded`` if they do not fit (with ``force``, past the quota)."""
+        parts: dict[str, list[int]] = {}
+        for u, q in a.plan.quota.items():
+            need = am[u]
+            free = max(0, q - p.used[u])
+            from_plan = min(need, free)
+            from_bonus = min(need - from_plan, a.bonus[u])
+            if not force and from_plan + from_bonus < need:
+                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
+            if force:
+                from_plan = need - from_bonus
+            if p.used[u] + from_plan > 2**63 - 1:
+                raise ValueError(f"usage of {u} would pass 2**63-1")
+            parts[u] = [from_plan, from_bonus]
+        return parts
+
+    def _apply(
+        self,
+        conn: sqlite3.Connection,
+        account: str,
+        a: _Acct,
+        p: _Per,
+        parts: dict[str, list[int]],
+        now: float,
+    ) -> None:
+        bonus_changed = False
+        for u, (fp, fb) in parts.items():
+            p.used[u] += fp
+            if fb:
+                a.bonus[u] -= fb
+                bonus_changed = True
+        if bonus_changed:
+            self._save_bonus(conn, account, a)
+        self._dirty.add((account, p.span.key))
+        self._fire(conn, account, a, p, now)
+
+    def _take(
+        self,
+        conn: sqlite3.Connection,
+        account: str,
+        a: _Acct,
+        p: _Per,
+        am: dict[str, int],
+        now: float,
+        *,
+        force: bool,
+    ) -> dict[str, list[int]]:
+        """Takes ``am`` from the plan quota, then the bonus; returns the parts taken."""
+        parts = self._fit(account, a, p, am, now, force=force)
+        self._apply(conn, account, a, p, parts, now)
+        return parts
+
+    def _give_back(
+        self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per | None, parts: Any
+    ) -> None:
+        bonus_changed = False
+        for u, (fp, fb) in parts.items():
+            if p is not None:
+                p.used[u] = max(0, p.used[u] - fp)
+            if fb:
+                a.bonus[u] += fb
+                bonus_changed = True
+        if p is not None:
+            self._dirty.add((account, p.span.key))
+        if bonus_changed:
+            self._save_bonus(conn, account, a)
+
+    def _fire(self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per, now: float) -> None:
+        for u, q, levels in a.levels:
+            used = p.used[u]
+            for bp, level, flag in levels:
+                if used >= level and flag not in p.fired:
+                    p.fired.add(flag)
+                    conn.execute(
+                        "INSERT OR IGNORE INTO outbox(id, account, period, unit, bp, used, quota,"
+                        " at) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                        (
+                            f"{account}|{p.span.key}|{u}|{bp}",
+                            account,
+                            p.span.key,
+                            u,
+                            bp,
+                            p.used[u],
+                            q,
+                            now,
+                        ),
+                    )
+                    self._notice_event.set()
+
+    def _hold_delta(self, p: _Per | None, am: dict[str, int], sign: int) -> None:
+        if p is None:
+            return
+        for u in UNITS:
+            p.held[u] = max(0, p.held[u] + sign * am[u])
+
+    def _expire_account(self, conn: sqlite3.Connection, account: str, a: _Acct, now: float) -> int:
+        rows = conn.execute(
+            "SELECT request_id, period, parts, input_tokens, output_tokens, calls FROM requests"
+            " WHERE account=? AND status='held' AND expires<=?",
+            (account, now),
+        ).fetchall()
+        for rid, key, parts, i, o, c in rows:
+            p = self._per_key(conn, account, key)
+            self._give_back(conn, account, a, p, json.loads(parts))
+            self._hold_delta(p, _am(i, o, c), -1)
+            conn.execute(
+                "UPDATE requests SET status='expired' WHERE account=? AND request_id=?",
+                (account, rid),
+            )
+        nxt = conn.execute(
+            "SELECT MIN(expires) FROM requests WHERE account=? AND status='held'", (account,)
+        ).fetchone()[0]
+        a.next_exp = nxt
+        conn.execute("UPDATE accounts SET next_exp=? WHERE account=?", (nxt, account))
+        return len(rows)
+
+    def _existing(self, conn: sqlite3.Connection, account: str, rid: str) -> Any:
+        return conn.execute(
+            "SELECT kind, status, fp, sfp, " + _ROW_COLS + ", expires FROM requests"
+            " WHERE account=? AND request_id=?",
+            (account, rid),
+        ).fetchone()
+
+    def _charge_batch(self, conn: sqlite3.Connection, items: list[Any]) -> list[Any]:
+        """Decides several plain charges at once (the ledger's)."""
+        raise NotImplementedError
+
+    def _after_fork(self) -> None:
+        """In a forked child: a fresh lock, queue and connection. The parent's connection
+        is never used nor closed here (SQLite forbids carrying one across fork)."""
+        if self._conn is not None:
+            _INHERITED.append(self._conn)
+        self._mu = threading.Lock()
+        self._queue, self._leader, self._conn = [], False, None
+        self._reset_cache()
+        self._dv = None
+        self._pid = os.getpid()
+
+    def close(self) -> None:
+        """Closes this process's connection (the file stays)."""
+        with self._mu:
+            if self._conn is not None and self._pid == os.getpid():
+                self._conn.close()
+            self._conn = None
+
+    def _run(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> Any:
+        """Runs ``fn`` in a write transaction shared with the calls that arrive meanwhile
+        (group commit); returns its result once committed, or raises its error. A failed
+        commit fails every call of that transaction, none of which then counted."""
+        if self._pid != os.getpid():
+            self._after_fork()
+        if self._conn is None:
+            with self._mu:
+                self._connect()
+        op = _Op(fn, charge)
+        with self._mu:
+            self._queue.append(op)
+            lead = not self._leader
+            if lead:
+                self._leader = True
+            else:
+                op.event = event = threading.Event()
+        if not lead:
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    event.wait()
+                    break
+                except BaseException as e:  # Ctrl-C while queued
+                    with self._mu:
+                        if not op.lead and op in self._queue:
+                            self._queue.remove(op)
+                            raise
+                    interrupted = e  # already running or made leader: finish that first
+            if op.lead:
+                self._lead(op)
+            if interrupted is not None:
+                raise interrupted
+        else:
+            self._lead(op)
+        if op.exc is not None:
+            raise op.exc
+        return op.result
+
+    def _lead(self, mine: _Op) -> None:
+        with self._mu:
+            batch, self._queue = self._queue, []
+        try:
+            self._commit_batch(batch, mine)
+        finally:
+            with self._mu:
+                nxt = None
+                if self._queue:
+                    nxt = self._queue[0]
+                    nxt.lead = True
+                else:
+                    self._leader = False
+            for op in batch:
+                if op is not mine and op.event is not None:
+                    op.event.set()
+            if nxt is not None and nxt.event is not None:
+                nxt.event.set()
+
+    def _reset_cache(self) -> None:
+        self._accts.clear()
+        self._pers.clear()
+        self._dirty.clear()
+
+    def _commit_batch(self, batch: Sequence[_Op], mine: _Op) -> None:
+        conn = self._conn
+        assert conn is not None
+        for op in batch:
+            op.lead = False
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            # Rows cached by earlier transactions stay valid while no other connection
+            # has committed since (data_version unchanged).
+            dv = conn.execute("PRAGMA data_version").fetchone()[0]
+            if dv != self._dv or len(self._accts) + len(self._pers) > 10_000:
+                self._reset_cache()
+            self._dv = dv
+        except Exception as e:
+            self._dv = None
+            for op in batch:
+                op.exc = e
+            return
+        try:
+            if len(batch) == 1:
+                # alone: a failure rolls the whole transaction back
+                op = batch[0]
+                try:
+                    op.result = op.fn(conn)
+                    self._flush(conn)
+                except Exception as e:
+                    op.exc = e
+                    conn.execute("ROLLBACK")
+                    self._reset_cache()
+                    self._dv = None
+                    return
+            else:
+                k = 0
+                while k < len(batch):
+                    # consecutive plain charges: one lookup, one executemany
+                    j = k
+                    while j < len(batch) and batch[j].charge is not None:
+                        j += 1
+                    group = batch[k:j] if j - k > 1 else batch[k : k + 1]
+                    conn.execute("SAVEPOINT op")
+                    try:
+                        if len(group) > 1:
+                            results = self._charge_batch(conn, [op.charge for op in group])
+                            for op, r in zip(group, results, strict=True):
+                                if isinstance(r, Exception):
+                                    op.exc = r
+                                else:
+                                    op.result = r
+                        else:
+                            group[0].result = group[0].fn(conn)
+                        self._flush(conn)
+                    except Exception as e:
+                        for op in group:
+                            op.exc = e
+                        conn.execute("ROLLBACK TO op")
+                        self._reset_cache()
+                    conn.execute("RELEASE op")
+                    k += len(group)
+            self._maybe_purge(conn)
+            conn.execute("COMMIT")
+        except BaseException as e:
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("ROLLBACK")
+            for op in batch:
+                op.result = None
+                op.exc = (
+                    e
+                    if op is mine or isinstance(e, Exception)
+                    else LedgerError("the transaction was interrupted; nothing was recorded")
+                )
+            self._reset_cache()
+            self._dv = None
+            if not isinstance(e, Exception):
+                raise
+
+    def _maybe_purge(self, conn: sqlite3.Connection) -> None:
+        now = self._now()
+        if now - self._last_purge < min(3600.0, self.retention / 100):
+            return
+        self._last_purge = now
+        cut = now - self.retention
+        # A row goes with its period, ``retention`` after the period's end (found on the
+        # (account, at) index: no index on time alone slows every insert).
+        stale = conn.execute(
+            "SELECT account, period, end FROM periods WHERE end<? LIMIT 10000", (cut,)
+        ).fetchall()
+        for account, period, end in stale:
+            conn.execute(
+                "DELETE FROM holds WHERE request_id IN (SELECT request_id FROM requests"
+                " WHERE account=? AND at<=? AND period=? AND kind='hold' AND status!='held')"
+                " AND account=?",
+                (account, end, period, account),
+            )
+            conn.execute(
+                "DELETE FROM requests WHERE account=? AND at<=? AND period=? AND status!='held'",
+                (account, end, period),
+            )
+        conn.execute("DELETE FROM periods WHERE end<?", (cut,))
+        self._reset_cache()
+
+    # -- cached state within one transaction ---------------------------------------------
+
+    def _acct(self, conn: sqlite3.Connection, account: str, *, create: bool = True) -> _Acct:
+        a = self._accts.get(account)
+        if a is None:
+            row = conn.execute(
+                "SELECT plan, anchor, thresholds, b_tokens, b_input_tokens, b_output_tokens,"
+                " b_calls, next_exp FROM accounts WHERE account=?",
+                (account,),
+            ).fetchone()
+            if row is None:
+                if not create or self.default_plan is None:
+                    raise self._unknown(account)
+                pj = self.default_plan.to_json()
+                conn.execute("INSERT INTO accounts(account, plan) VALUES (?, ?)", (account, pj))
+                row = (pj, None, None, 0, 0, 0, 0, None)
+            a = _Acct(row, self)
+            self._accts[account] = a
+        return a
+
+    def _per(self, conn: sqlite3.Connection, account: str, span: Span) -> _Per:
+        k = (account, span.key)
+        p = self._pers.get(k)
+        if p is None:
+            row = conn.execute(
+                "SELECT u_tokens, u_input_tokens, u_output_tokens, u_calls, h_tokens,"
+                " h_input_tokens, h_output_tokens, h_calls, fired FROM periods"
+                " WHERE account=? AND period=?",
+                k,
+            ).fetchone()
+            if row is None:
+                conn.execute(
+                    "INSERT INTO periods(account, period, start, end) VALUES (?, ?, ?, ?)",
+                    (account, span.key, span.start, span.end),
+                )
+            p = _Per(span, row)
+            self._pers[k] = p
+        return p
+
+    def _per_key(self, conn: sqlite3.Connection, account: str, key: str) -> _Per | None:
+        """A past period's counters by key (None once purged)."""
+        p = self._pers.get((account, key))
+        if p is not None:
+            return p
+        row = conn.execute(
+            "SELECT start, end FROM periods WHERE account=? AND period=?", (account, key)
+        ).fetchone()
+        if row is None:
+            return None
+        return self._per(conn, account, Span(key, row[0], row[1]))
+
+    def _flush(self, conn: sqlite3.Connection) -> None:
+        for account, key in self._dirty:
+            p = self._pers[(account, key)]
+            conn.execute(
+                "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?, u_calls=?,"
+                " h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?, fired=?"
+                " WHERE account=? AND period=?",
+                (
+                    *(p.used[u] for u in UNITS),
+                    *(p.held[u] for u in UNITS),
+                    ",".join(sorted(p.fired)),
+                    account,
+                    key,
+                ),
+            )
+        self._dirty.clear()
+
+    def _save_bonus(self, conn: sqlite3.Connection, account: str, a: _Acct) -> None:
+        conn.execute(
+            "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?"
+            " WHERE account=?",
+            (*(a.bonus[u] for u in UNITS), account),
+        )
+
+
+def _am(i: int, o: int, c: int) -> dict[str, int]:
+    return {"tokens": i + o, "input_tokens": i, "output_tokens": o, "calls": c}
+
+
+def _same_amounts(old: Any, am: dict[str, int], model: str | None) -> bool:
+    return (
+        old[8] == am["input_tokens"]
+        and old[9] == am["output_tokens"]
+        and old[10] == am["calls"]
+        and (model is None or model == old[11])
+    )
+
+
+def _conflict(rid: str) -> IdempotencyConflict:
+    return IdempotencyConflict(
+        f"request id {rid!r} was already used with a different payload or operation"
+    )
+
+
+def _charge_of(r: Any, replay: bool) -> Charge:
+    return Charge(
+        r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
+    )
+
+
+def _hold_of(r: Any, expires: float, replay: bool) -> Hold:
+    return Hold(
+        r[0], r[1], r[2], r[3], expires, r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
+    )
+
+
+def _notice(r: Any) -> Notice:
+    return Notice(r[0], r[1], r[2], r[3], r[4] / 10_000, r[5], r[6], r[7])

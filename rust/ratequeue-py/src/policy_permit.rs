@@ -1,0 +1,321 @@
+//! Python PolicyPermit (what a policy granted: released, settled or cancelled as one)
+//! and PolicyAcquiring (the awaitable of `Policy.acquire_async`, whose waits
+//! ratequeue.aio bridges to the running loop; the core decides every step).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use pyo3::exceptions::PyTypeError;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyTuple};
+use ratequeue_core::policy::{Held, PolicyAcquire, Step};
+use ratequeue_core::{AnyClock, Error, LevelArgs, Outcome, Policy, Wake};
+
+use crate::args::cost;
+use crate::errors::to_py;
+use crate::policy::PolicyPy;
+use crate::waiting::{ChannelPy, Ready};
+
+/// What a policy granted: a context manager that returns concurrency permits on exit;
+/// `settle` corrects estimated costs on every rate level.
+#[pyclass(frozen, name = "PolicyPermit", module = "ratequeue")]
+pub struct PolicyPermitPy {
+    policy: Arc<Policy>,
+    units: Vec<Vec<String>>,
+    state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
+    delay_ns: u64,
+    released: AtomicBool,
+    clock: AnyClock,
+    /// The fork generation it was granted in: in a forked child every permit starts
+    /// free, so one from before the fork gives nothing back there.
+    fork_gen: u64,
+}
+
+impl PolicyPermitPy {
+    /// What `policy` granted: `held` for `args` (units named per level), after
+    /// `delay_ns`, on `clock`.
+    pub fn new(
+        policy: Arc<Policy>,
+        units: Vec<Vec<String>>,
+        args: Vec<LevelArgs>,
+        held: Vec<Held>,
+        delay_ns: u64,
+        clock: AnyClock,
+    ) -> PolicyPermitPy {
+        PolicyPermitPy {
+            policy,
+            units,
+            state: Mutex::new((args, held)),
+            delay_ns,
+            released: AtomicBool::new(false),
+            clock,
+            fork_gen: ratequeue_core::fork::generation(),
+        }
+    }
+
+    /// Gives back everything by each level's one undo rule (see `Policy::undo`), once,
+    /// waking the levels' queues; the GIL is released meanwhile (the permit's lock and
+    /// the queues' are taken without it).
+    pub fn cancel(&self, py: Python<'_>) {
+        if self.released.swap(true, Ordering::AcqRel) || self.fork_gen != ratequeue_core::fork::generation() {
+            return;
+        }
+        py.detach(|| {
+            let now = self.clock.now_ns();
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (args, held) = &mut *st;
+            self.policy.undo_all(held, args, now);
+        });
+    }
+}
+
+#[pymethods]
+impl PolicyPermitPy {
+    /// Seconds from the call to the time every level holds it (0.0: at once).
+    #[getter]
+    fn delay(&self) -> f64 {
+        self.delay_ns as f64 / 1e9
+    }
+
+    /// True once released or cancelled.
+    #[getter]
+    fn released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// Returns the concurrency permits (rate capacity stays used); only the first call
+    /// has an effect. Returns True if this call released.
+    fn release(&self, py: Python<'_>) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        if self.fork_gen != ratequeue_core::fork::generation() {
+            return true;
+        }
+        py.detach(|| {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, h) in st.1.iter_mut().enumerate() {
+                self.policy.release(i, h);
+            }
+        });
+        true
+    }
+
+    /// Gives back everything taken, once: each rate exactly where nothing came after
+    /// it, else refunded while no grant is scheduled ahead, else kept; permits returned.
+    #[pyo3(name = "cancel")]
+    fn cancel_py(&self, py: Python<'_>) {
+        self.cancel(py);
+    }
+
+    /// Corrects estimated costs (keywords per unit) on every rate level that counts
+    /// them: refunds (never past the burst) or charges the overage (possibly debt).
+    #[pyo3(signature = (**kw))]
+    fn settle(&self, py: Python<'_>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
+        let mut given: Vec<(usize, usize, u64)> = Vec::new();
+        if let Some(d) = kw {
+            for (k, v) in d.iter() {
+                let name: String = k.extract()?;
+                let c = cost(&name, &v)?;
+                let mut found = false;
+                for (i, units) in self.units.iter().enumerate() {
+                    if let Some(j) = units.iter().position(|u| *u == name) {
+                        given.push((i, j, c));
+                        found = true;
+                    }
+                }
+                if !found {
+                    return Err(PyTypeError::new_err(format!(
+                        "unexpected keyword {name:?}: no level counts it"
+                    )));
+                }
+            }
+        }
+        py.detach(|| {
+            let now = self.clock.now_ns();
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            let (args, held) = &mut *st;
+            let mut actual = args.clone();
+            for (i, j, c) in given {
+                actual[i].costs[j] = c;
+            }
+            self.policy.settle(held, args, &actual, now);
+            *args = actual;
+        });
+        Ok(())
+    }
+
+    fn __enter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __exit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> bool {
+        self.release(py);
+        false
+    }
+
+    fn __repr__(&self) -> String {
+        format!("PolicyPermit(delay={}, released={})", self.delay(), self.released())
+    }
+}
+
+/// What `Policy.acquire_async` returns: await it for a PolicyPermit, or use `async
+/// with`. The core decides every step (`PolicyAcquire`); ratequeue.aio only bridges its
+/// waits to the running event loop.
+#[pyclass(frozen, name = "PolicyAcquiring", module = "ratequeue")]
+pub struct PolicyAcquiringPy {
+    policy: Py<PolicyPy>,
+    core: Arc<PolicyAcquire>,
+    permit: OnceLock<Py<PolicyPermitPy>>,
+    /// True once awaited: the permit is the caller's from then on.
+    awaited: AtomicBool,
+    /// Nanoseconds from the final step to the rate levels' common time.
+    left_ns: AtomicU64,
+}
+
+impl PolicyAcquiringPy {
+    /// The acquire `core` of `policy`; `permit`: what its fast path granted at once.
+    pub fn new(policy: Py<PolicyPy>, core: Arc<PolicyAcquire>, permit: Option<Py<PolicyPermitPy>>) -> Self {
+        let cell = OnceLock::new();
+        if let Some(p) = permit {
+            let _ = cell.set(p);
+        }
+        PolicyAcquiringPy {
+            policy,
+            core,
+            permit: cell,
+            awaited: AtomicBool::new(false),
+            left_ns: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Drop for PolicyAcquiringPy {
+    /// Never awaited, a permit taken at once (every level free) goes back.
+    fn drop(&mut self) {
+        if !*self.awaited.get_mut() {
+            if let Some(p) = self.permit.take() {
+                Python::attach(|py| p.get().cancel(py));
+            }
+        }
+    }
+}
+
+static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
+#[pymethods]
+impl PolicyAcquiringPy {
+    fn __await__(slf: &Bound<'_, Self>) -> PyResult<Py<PyAny>> {
+        let py = slf.py();
+        slf.get().awaited.store(true, Ordering::Release);
+        if let Some(p) = slf.get().permit.get() {
+            // Granted at once (every level free, nobody waiting), or awaited again.
+            return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
+        }
+        let wait = POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?;
+        Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
+    }
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
+        if let Some(p) = self.permit.get() {
+            p.get().release(py);
+        }
+        Py::new(py, Ready::new(false.into_pyobject(py)?.to_owned().into_any().unbind()))
+    }
+
+    /// Goes on as far as it can on `channel`: the PolicyPermit when every level is
+    /// held, else the ticket whose outcome arrives in the channel. Raises the refusal
+    /// (everything given back). RuntimeError on a closed channel.
+    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+        let chan = channel.get().inner.clone();
+        if chan.is_closed() {
+            return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
+        }
+        let core = &self.core;
+        match py.detach(|| core.advance(&|| Wake::Channel(chan.clone()))) {
+            Ok(Step::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+            Ok(Step::Done {
+                delay_ns,
+                waited_ns,
+                held,
+            }) => {
+                let policy = self.policy.get();
+                let permit = policy.permit(core.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                if !policy.clock().is_manual() {
+                    self.left_ns.store(delay_ns, Ordering::Release);
+                }
+                let p = Py::new(py, permit)?;
+                let _ = self.permit.set(p.clone_ref(py));
+                Ok(p.into_any())
+            }
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// The wait under way was granted (`token`: its grant): None, the next step is
+    /// `_submit` again.
+    #[pyo3(signature = (waited_ns, token = None))]
+    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
+        let o = Outcome::Granted {
+            at_ns: 0,
+            waited_ns,
+            token: token.unwrap_or(0),
+        };
+        let core = &self.core;
+        py.detach(|| core.outcome(o)).map_err(|e| to_py(py, e))?;
+        Ok(None)
+    }
+
+    /// The WaitTimeout for the wait under way, which expired (everything given back).
+    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+        let core = &self.core;
+        match py.detach(|| core.outcome(Outcome::TimedOut { waited_ns })) {
+            Err(e) => to_py(py, e),
+            Ok(()) => to_py(
+                py,
+                Error::WaitTimeout {
+                    waited_ns,
+                    retry_after_ns: 0,
+                },
+            ),
+        }
+    }
+
+    /// Gives back everything held; True if the wait under way left its queue, False if
+    /// its queue decided already (its grant then comes to `_give_back`).
+    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+        let _ = ticket; // one wait at a time: the core knows which
+        py.detach(|| self.core.abandon())
+    }
+
+    /// Gives back everything held and the grant (`token`) of the wait under way, which
+    /// arrived after its waiter left.
+    #[pyo3(signature = (token = None))]
+    fn _give_back(&self, py: Python<'_>, token: Option<u64>) {
+        let core = &self.core;
+        py.detach(|| match token {
+            Some(t) => core.give_back_late(t),
+            None => {
+                core.abandon();
+            }
+        });
+    }
+
+    /// The task left after a step was granted but before it resumed: everything held
+    /// is given back, once.
+    fn _abandon(&self, py: Python<'_>, result: &Bound<'_, PyAny>) {
+        let _ = result; // None: the grant is already in the core's state
+        py.detach(|| self.core.abandon());
+    }
+
+    /// Seconds to sleep after the final step until the common time (0 on a ManualClock).
+    fn _left(&self) -> f64 {
+        self.left_ns.load(Ordering::Acquire) as f64 / 1e9
+    }
+}
