@@ -119,3 +119,32 @@ def test_a_streamed_completion_reaches_the_sdk_and_settles(
     )
     # The 3000-token estimate was settled to the stream's usage as it passed.
     assert float(line.split()[-1]) > 90_000 - 500
+
+
+def test_a_tenant_over_its_monthly_ledger_quota_gets_quota_exceeded(tmp_path: Path) -> None:
+    from ratequeue.ledger import SqliteLedger
+
+    db = str(tmp_path / "quota.db")
+    with MockProvider(rpm=6000, gen_time=0.0) as mock:
+        env = {
+            "GATEWAY_UPSTREAM": mock.base_url,
+            "GATEWAY_MAX_WAIT": "0.5",
+            "GATEWAY_LEDGER": db,
+            "GATEWAY_TENANT_TOKENS_MONTH": "400",
+        }
+        with Server("gateway:create", env=env, app_dir=GATEWAY_DIR) as gw:
+            c = client(gw.url, "user-a")
+            # each call is held at its estimate (prompt + max_tokens) and settled with
+            # its real usage, once per request id
+            done = c.chat.completions.create(model="mock", messages=MESSAGES, max_tokens=50)
+            used = done.usage.total_tokens if done.usage else 0
+            assert used > 0
+            with pytest.raises(openai.RateLimitError) as e:
+                c.chat.completions.create(model="mock", messages=MESSAGES, max_tokens=500)
+            assert e.value.response.headers["content-type"].startswith("application/problem+json")
+            assert e.value.response.json()["type"] == "quota-exceeded"
+            assert int(e.value.response.headers["retry-after"]) >= 1
+            sent = mock.ok
+    ledger = SqliteLedger(db)
+    assert ledger.balance("acme").used["tokens"] == used
+    assert sent == 1  # the refused call never reached the provider

@@ -233,6 +233,14 @@ def _calls() -> list[Call]:
             {"#0": ("burst",)},
         ),
         Call(
+            "Limiter.pause",
+            lambda *a, **k: L().pause(*a, **k),
+            {"unit": "tokens"},
+            [2.5],
+            ["#0", "unit"],
+            {"#0": ("seconds",)},
+        ),
+        Call(
             "Limiter.wait_histogram",
             lambda *a: L().wait_histogram(*a),
             {},

@@ -10,6 +10,10 @@ answers 429 with ``Retry-After`` and the RateLimit fields; ``/metrics`` is Prome
 
 Forwarding goes through ``ratequeue.httpx``: the provider's own limits (calibrated from
 its rate-limit headers, paused on its 429s) in a second queue, streamed, never buffered.
+With ``GATEWAY_LEDGER=/path/quota.db`` each tenant also has a monthly token quota
+(``GATEWAY_TENANT_TOKENS_MONTH``) in a ``ratequeue.ledger`` SQLite ledger: each upstream
+call is held at its estimate, settled with its real usage and counted once per request
+id; a tenant out of quota gets a 429 ``quota-exceeded`` until its period renews.
 The tenant header is trusted as sent: put the gateway behind a proxy that sets it from
 the caller's credentials (or derive the tenant from the API key in ``keys=``).
 """
@@ -51,8 +55,15 @@ def create(upstream: str | None = None) -> RateLimitMiddleware:
         rq.Rate(_env("UPSTREAM_TPM", 2_000_000), per="minute", unit="tokens"),
         name="upstream",
     )
+    ledger = None
+    if os.environ.get("GATEWAY_LEDGER"):
+        from ratequeue.ledger import Monthly, Plan, SqliteLedger
+
+        month = int(_env("GATEWAY_TENANT_TOKENS_MONTH", 10_000_000))
+        plan = Plan("tenant", tokens=month, period=Monthly())
+        ledger = SqliteLedger(os.environ["GATEWAY_LEDGER"], default_plan=plan)
     transport = RateLimitedTransport(
-        httpx.AsyncHTTPTransport(), provider, timeout=max_wait, calibrate=True
+        httpx.AsyncHTTPTransport(), provider, timeout=max_wait, calibrate=True, ledger=ledger
     )
     client = httpx.AsyncClient(base_url=base, transport=transport, timeout=600)
 
@@ -65,9 +76,14 @@ def create(upstream: str | None = None) -> RateLimitMiddleware:
         body = await request.body()  # the middleware capped it and read it already
         headers = {k: v for k, v in request.headers.items() if k in FORWARD}
         headers["accept-encoding"] = "identity"  # usage stays readable for settling
+        headers["x-ratequeue-account"] = request.headers.get("x-tenant", "default")
         up = client.build_request(request.method, request.url.path, content=body, headers=headers)
         try:
             resp = await client.send(up, stream=True)
+        except rq.QuotaExceeded as e:  # the tenant's monthly quota
+            retry = {"retry-after": str(max(1, math.ceil(e.retry_after)))}
+            problem = {"type": "quota-exceeded", "title": str(e), "account": e.account}
+            return JSONResponse(problem, 429, retry, media_type="application/problem+json")
         except rq.RateQueueError as e:  # the provider's own queue would miss max_wait
             retry = {"retry-after": str(max(1, math.ceil(e.retry_after)))}
             return JSONResponse({"error": {"type": "upstream_busy"}}, 503, retry)

@@ -9,13 +9,23 @@
 //! Sum, min and max are exact for every value (the sum is 128 bits wide: waits of
 //! centuries, counted billions of times).
 //!
-//! Recording is two relaxed atomic adds (bucket, sum) plus min/max updates only when
-//! they move. A snapshot reads each counter atomically but not all at one instant, and
-//! guarantees: count is the buckets' total, so count and percentiles always agree; with
-//! count = 0, min = u64::MAX and max = 0; with count ≥ 1, min ≤ max, min lies in the
-//! lowest non-empty bucket and max in the highest (a value recorded while the snapshot
-//! is taken may be in its bucket before it reaches min or max: they are then read off
-//! that bucket's edge, within 1 % of it). The sum may include or miss such values.
+//! Recording is wait-free: relaxed atomic adds (sum; min/max only when they move), then
+//! the bucket, then its group's subtotal (one group per 128 buckets) with Release. The
+//! group subtotals are what reads count: a record counts once its subtotal add lands,
+//! and by then its bucket, sum, min and max are visible to a reader that read that
+//! subtotal (Acquire). So `count` reads 121 subtotals, and a percentile walks the
+//! subtotals and then only the buckets of the group holding its rank (exact ranks, as
+//! before), never all 15,401 buckets.
+//!
+//! Every read guarantees: count = 0 gives min = u64::MAX and max = 0; count ≥ 1 gives
+//! min ≤ max, min in the lowest non-empty bucket and max in the highest (one moved by a
+//! record still in progress, or emptied by a racing reset, is read off that bucket's
+//! edge, within 1 % of it); percentiles rank exactly against the count of the same read
+//! and lie within its [min, max]; the sum includes every counted value and may include
+//! values still being recorded. A snapshot copies the buckets of the non-empty groups,
+//! and its count is its buckets' total. A reset lowers each subtotal by exactly what it
+//! took from the buckets, so subtotals and buckets agree again once records in progress
+//! complete (meanwhile a rank may fall on its group's highest non-empty bucket).
 //! Counts stick at u64::MAX rather than wrap.
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -137,20 +147,89 @@ fn add_sticky(c: &AtomicU64, x: u64) {
     }
 }
 
-/// Adds `n` to a count: one fetch_add for a single value (2^64 of them cannot happen),
-/// sticking at u64::MAX for a batch.
+/// Adds `n` to a count: one fetch_add for a single value, sticking at u64::MAX for a
+/// batch (and restored to u64::MAX should a single value ever land on a stuck count).
 #[inline]
 fn add_count(c: &AtomicU64, n: u64) {
     if n == 1 {
-        c.fetch_add(1, Ordering::Relaxed);
+        if c.fetch_add(1, Ordering::Relaxed) == u64::MAX {
+            c.store(u64::MAX, Ordering::Relaxed);
+        }
     } else {
         add_sticky(c, n);
     }
 }
 
+/// Buckets per group: each group keeps the subtotal of its buckets, so a read walks the
+/// groups and then the buckets of one group instead of every bucket.
+pub const GROUP_BUCKETS: usize = 128;
+/// Number of groups.
+pub const GROUPS: usize = BUCKETS.div_ceil(GROUP_BUCKETS);
+/// A group subtotal at or above this (only reached by merging absurd counts) is not
+/// trusted: readers sum that group's buckets instead.
+const GROUP_SATURATED: u64 = 1 << 62;
+
+/// Adds `n` to a group subtotal with Release ordering, after the bucket add: a reader
+/// that acquires the subtotal sees the buckets' adds it counts. Batches stop at
+/// `GROUP_SATURATED`.
+#[inline]
+fn add_group(g: &AtomicU64, n: u64) {
+    if n == 1 {
+        g.fetch_add(1, Ordering::Release);
+    } else if n != 0 {
+        let _ = g.fetch_update(Ordering::Release, Ordering::Relaxed, |v| {
+            Some(if (v as i64) < 0 {
+                v.wrapping_add(n)
+            } else {
+                v.saturating_add(n).min(GROUP_SATURATED)
+            })
+        });
+    }
+}
+
+/// Group of bucket `i`.
+#[inline]
+fn group_of(i: usize) -> usize {
+    i / GROUP_BUCKETS
+}
+
+/// The buckets of group `g`.
+#[inline]
+fn group_range(g: usize) -> std::ops::Range<usize> {
+    g * GROUP_BUCKETS..((g + 1) * GROUP_BUCKETS).min(BUCKETS)
+}
+
+/// Count, sum, min, max, underflow and overflow read without copying the buckets; see
+/// [`Histogram::summary`] for how they agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Summary {
+    /// Number of recorded values (sticking at u64::MAX).
+    pub count: u64,
+    /// Sum of recorded values, nanoseconds (exact: 128 bits).
+    pub sum: u128,
+    /// Smallest recorded value (u64::MAX when empty).
+    pub min: u64,
+    /// Largest recorded value (0 when empty).
+    pub max: u64,
+    /// Values under 1 µs.
+    pub underflow: u64,
+    /// Values over the tracked range (clamped).
+    pub overflow: u64,
+}
+
+/// The group subtotals as read at one pass (Acquire), each clamped to what it can mean.
+struct Groups {
+    counts: [u64; GROUPS],
+    total: u128,
+}
+
 /// A concurrent histogram of nanosecond durations.
 pub struct Histogram {
     counts: Box<[AtomicU64]>,
+    /// Subtotal of each group of `GROUP_BUCKETS` buckets, added after the bucket
+    /// (Release) and, on reset, lowered by what was taken out of the buckets: read as
+    /// a signed number, momentarily negative while a reset races a record.
+    groups: Box<[AtomicU64]>,
     sum: AtomicU64,
     /// The high word of the sum.
     sum_hi: AtomicU64,
@@ -168,8 +247,8 @@ impl Default for Histogram {
 
 impl std::fmt::Debug for Histogram {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let s = self.snapshot();
-        write!(f, "Histogram(count={}, sum={}ns)", s.count(), s.sum)
+        let s = self.summary();
+        write!(f, "Histogram(count={}, sum={}ns)", s.count, s.sum)
     }
 }
 
@@ -178,6 +257,7 @@ impl Histogram {
     pub fn new() -> Histogram {
         Histogram {
             counts: (0..BUCKETS).map(|_| AtomicU64::new(0)).collect(),
+            groups: (0..GROUPS).map(|_| AtomicU64::new(0)).collect(),
             sum: AtomicU64::new(0),
             sum_hi: AtomicU64::new(0),
             min: AtomicU64::new(u64::MAX),
@@ -193,7 +273,8 @@ impl Histogram {
         self.record_n(v, 1);
     }
 
-    /// Records `n` values of `v` nanoseconds each.
+    /// Records `n` values of `v` nanoseconds each (wait-free: a few atomic adds, a CAS
+    /// loop only for a batch).
     #[inline]
     pub fn record_n(&self, v: u64, n: u64) {
         if n == 0 {
@@ -204,7 +285,6 @@ impl Histogram {
         } else if v > MAX_TRACKED_NS {
             add_count(&self.overflow, n);
         }
-        add_count(&self.counts[index_of(v)], n);
         if v != 0 {
             // Immediate grants record 0: their sum needs no write.
             add_wide(&self.sum, &self.sum_hi, v as u128 * n as u128);
@@ -215,25 +295,223 @@ impl Histogram {
         if v > self.max.load(Ordering::Relaxed) {
             self.max.fetch_max(v, Ordering::Relaxed);
         }
+        let i = index_of(v);
+        add_count(&self.counts[i], n);
+        add_group(&self.groups[group_of(i)], n);
     }
 
     /// Adds a batch counted elsewhere (e.g. a local array filled without atomics);
     /// counts stick at u64::MAX rather than wrap.
     pub fn add_snapshot(&self, s: &Snapshot) {
-        for (i, c) in s.counts.iter().enumerate() {
-            add_sticky(&self.counts[i], *c);
-        }
         add_wide(&self.sum, &self.sum_hi, s.sum);
         self.min.fetch_min(s.min, Ordering::Relaxed);
         self.max.fetch_max(s.max, Ordering::Relaxed);
         add_sticky(&self.underflow, s.underflow);
         add_sticky(&self.overflow, s.overflow);
+        for g in 0..GROUPS {
+            let mut sub = 0u64;
+            for i in group_range(g) {
+                add_sticky(&self.counts[i], s.counts[i]);
+                sub = sub.saturating_add(s.counts[i]);
+            }
+            add_group(&self.groups[g], sub);
+        }
     }
 
-    /// A copy of the counters, consistent as the module doc says.
+    /// The group subtotals; a negative one (a reset racing a record) reads as 0, a
+    /// saturated one as the sum of its buckets.
+    fn groups(&self) -> Groups {
+        let mut counts = [0u64; GROUPS];
+        let mut total = 0u128;
+        let mut saturated = false;
+        for (c, slot) in counts.iter_mut().zip(self.groups.iter()) {
+            let raw = slot.load(Ordering::Acquire);
+            *c = if (raw as i64) < 0 { 0 } else { raw };
+            saturated |= *c >= GROUP_SATURATED;
+            total += *c as u128;
+        }
+        if saturated {
+            total = 0;
+            for (g, c) in counts.iter_mut().enumerate() {
+                if *c >= GROUP_SATURATED {
+                    let sum: u128 = group_range(g)
+                        .map(|i| self.counts[i].load(Ordering::Relaxed) as u128)
+                        .sum();
+                    *c = u64::try_from(sum).unwrap_or(u64::MAX);
+                }
+                total += *c as u128;
+            }
+        }
+        Groups { counts, total }
+    }
+
+    /// The lowest (or highest) non-empty bucket as the group subtotals say: the first
+    /// (last) non-empty bucket of the first (last) non-empty group, or that group's
+    /// first (last) bucket should a racing reset have emptied it.
+    fn extreme_bucket(&self, gs: &Groups, highest: bool) -> Option<usize> {
+        let nonzero = |g: &usize| gs.counts[*g] != 0;
+        let g = if highest {
+            (0..GROUPS).rev().find(nonzero)?
+        } else {
+            (0..GROUPS).find(nonzero)?
+        };
+        let r = group_range(g);
+        let busy = |i: &usize| self.counts[*i].load(Ordering::Relaxed) != 0;
+        Some(if highest {
+            r.clone().rev().find(busy).unwrap_or(r.end - 1)
+        } else {
+            r.clone().find(busy).unwrap_or(r.start)
+        })
+    }
+
+    fn summary_of(&self, gs: &Groups) -> Summary {
+        let (min, max) = match (self.extreme_bucket(gs, false), self.extreme_bucket(gs, true)) {
+            (Some(lo), Some(hi)) => consistent_range(
+                self.min.load(Ordering::Relaxed),
+                self.max.load(Ordering::Relaxed),
+                lo,
+                hi,
+            ),
+            _ => (u64::MAX, 0),
+        };
+        Summary {
+            count: u64::try_from(gs.total).unwrap_or(u64::MAX),
+            sum: load_wide(&self.sum, &self.sum_hi),
+            min,
+            max,
+            underflow: self.underflow.load(Ordering::Relaxed),
+            overflow: self.overflow.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Number of recorded values, read off the group subtotals (no bucket is read):
+    /// a value counts once its record has completed, and never before its bucket does.
+    pub fn count(&self) -> u64 {
+        u64::try_from(self.groups().total).unwrap_or(u64::MAX)
+    }
+
+    /// Sum of recorded values, nanoseconds (exact; may include a value whose record is
+    /// still in progress).
+    pub fn sum(&self) -> u128 {
+        load_wide(&self.sum, &self.sum_hi)
+    }
+
+    /// Values under 1 µs (one atomic load).
+    pub fn underflow(&self) -> u64 {
+        self.underflow.load(Ordering::Relaxed)
+    }
+
+    /// Values over the tracked range (one atomic load).
+    pub fn overflow(&self) -> u64 {
+        self.overflow.load(Ordering::Relaxed)
+    }
+
+    /// Count, sum, min, max without copying the buckets, as a snapshot guarantees them:
+    /// count = 0 gives min = u64::MAX and max = 0; count ≥ 1 gives min ≤ max, min in
+    /// the lowest and max in the highest non-empty bucket (a min or max not yet written
+    /// by a racing record is read off that bucket's edge). The count is the group
+    /// subtotals' total, the same total `percentiles` ranks against.
+    pub fn summary(&self) -> Summary {
+        self.summary_of(&self.groups())
+    }
+
+    /// Percentiles as [`Snapshot::percentiles`] gives them, without copying the buckets:
+    /// the ranks are exact against the count of [`Histogram::summary`] read in the same
+    /// pass, and each value is clamped to that read's min and max; walks the group
+    /// subtotals, then the buckets of the groups holding the ranks.
+    pub fn percentiles(&self, qs: &[f64]) -> (Summary, Vec<Option<f64>>) {
+        let gs = self.groups();
+        let s = self.summary_of(&gs);
+        if s.count == 0 {
+            return (s, vec![None; qs.len()]);
+        }
+        let mut order: Vec<(usize, u128)> = qs
+            .iter()
+            .enumerate()
+            .map(|(k, q)| (k, rank(*q, s.count) as u128))
+            .collect();
+        order.sort_by_key(|(_, r)| *r);
+        let mut out = vec![None; qs.len()];
+        let mut before = 0u128; // values in the groups before `g`
+        let mut g = 0usize;
+        let mut j = 0usize;
+        while j < order.len() && g < GROUPS {
+            let here = gs.counts[g] as u128;
+            if before + here < order[j].1 {
+                before += here;
+                g += 1;
+                continue;
+            }
+            // Group g holds rank order[j]; walk its buckets once for every rank it holds.
+            let r = group_range(g);
+            let mut seen = before;
+            let mut last = None;
+            for i in r.clone() {
+                let c = self.counts[i].load(Ordering::Relaxed) as u128;
+                if c == 0 {
+                    continue;
+                }
+                seen += c;
+                last = Some(i);
+                while j < order.len() && order[j].1 <= seen.min(before + here) {
+                    out[order[j].0] = Some(midpoint(i, s.min, s.max));
+                    j += 1;
+                }
+            }
+            // Buckets behind their subtotal (a reset racing a record): the group's
+            // highest non-empty bucket, or its top, takes the ranks it owes.
+            let fallback = last.unwrap_or(r.end - 1);
+            while j < order.len() && order[j].1 <= before + here {
+                out[order[j].0] = Some(midpoint(fallback, s.min, s.max));
+                j += 1;
+            }
+            before += here;
+            g += 1;
+        }
+        (s, out)
+    }
+
+    /// Values at or below each of `les` (ns), as [`Snapshot::count_le`] counts them,
+    /// against the group subtotals of one read: never more than that read's count.
+    pub fn cumulative(&self, les: &[u64]) -> Vec<u64> {
+        let gs = self.groups();
+        les.iter()
+            .map(|&le| {
+                if le >= MAX_TRACKED_NS {
+                    return gs.total;
+                }
+                let k = index_of(le);
+                let g = group_of(k);
+                let below: u128 = gs.counts[..g].iter().map(|c| *c as u128).sum();
+                let upto = if includes_bucket(k, le) { k + 1 } else { k };
+                let within: u128 = (g * GROUP_BUCKETS..upto)
+                    .map(|i| self.counts[i].load(Ordering::Relaxed) as u128)
+                    .sum();
+                below + within.min(gs.counts[g] as u128)
+            })
+            .map(|c| u64::try_from(c).unwrap_or(u64::MAX))
+            .collect()
+    }
+
+    /// Values at or below `le_ns` (see [`Histogram::cumulative`]).
+    pub fn count_le(&self, le_ns: u64) -> u64 {
+        self.cumulative(&[le_ns])[0]
+    }
+
+    /// A copy of the counters, consistent as the module doc says (the buckets of a
+    /// group whose subtotal reads 0 are not read: they hold only records in progress).
     pub fn snapshot(&self) -> Snapshot {
+        let gs = self.groups();
+        let mut counts = vec![0u64; BUCKETS];
+        for g in 0..GROUPS {
+            if gs.counts[g] != 0 {
+                for i in group_range(g) {
+                    counts[i] = self.counts[i].load(Ordering::Relaxed);
+                }
+            }
+        }
         Snapshot {
-            counts: self.counts.iter().map(|c| c.load(Ordering::Relaxed)).collect(),
+            counts,
             sum: load_wide(&self.sum, &self.sum_hi),
             min: self.min.load(Ordering::Relaxed),
             max: self.max.load(Ordering::Relaxed),
@@ -244,10 +522,30 @@ impl Histogram {
     }
 
     /// Empties the histogram, returning what it held (each counter swapped atomically;
-    /// consistent as a snapshot is).
+    /// consistent as a snapshot is). Each group's subtotal is lowered by exactly what
+    /// was taken out of its buckets, so subtotals and buckets agree again once the
+    /// records in progress complete.
     pub fn reset(&self) -> Snapshot {
+        let mut counts = vec![0u64; BUCKETS];
+        for g in 0..GROUPS {
+            let mut taken = 0u64;
+            for i in group_range(g) {
+                let c = self.counts[i].swap(0, Ordering::Relaxed);
+                counts[i] = c;
+                taken = taken.wrapping_add(c);
+            }
+            if taken != 0 {
+                let _ = self.groups[g].fetch_update(Ordering::Release, Ordering::Relaxed, |v| {
+                    Some(if v >= GROUP_SATURATED && (v as i64) >= 0 {
+                        0
+                    } else {
+                        v.wrapping_sub(taken)
+                    })
+                });
+            }
+        }
         Snapshot {
-            counts: self.counts.iter().map(|c| c.swap(0, Ordering::Relaxed)).collect(),
+            counts,
             sum: (self.sum_hi.swap(0, Ordering::Relaxed) as u128) << 64 | self.sum.swap(0, Ordering::Relaxed) as u128,
             min: self.min.swap(u64::MAX, Ordering::Relaxed),
             max: self.max.swap(0, Ordering::Relaxed),
@@ -256,6 +554,41 @@ impl Histogram {
         }
         .with_consistent_range()
     }
+}
+
+/// The value reported for bucket `i`: its midpoint, clamped to [min, max] (max/min
+/// first: no panic even if a racing read saw max < min).
+#[inline]
+fn midpoint(i: usize, min: u64, max: u64) -> f64 {
+    let (lo, hi) = (lower_of(i), upper_of(i));
+    let mid = if hi - lo <= 1 {
+        lo as f64
+    } else {
+        (lo as f64 + (hi - 1) as f64) / 2.0
+    };
+    mid.min(max as f64).max(min.min(max) as f64)
+}
+
+/// Whether `count_le(le)` counts bucket `k` = index_of(le): `le` is its top edge, or
+/// at or above its midpoint.
+#[inline]
+fn includes_bucket(k: usize, le: u64) -> bool {
+    let (lo, hi) = (lower_of(k), upper_of(k));
+    le + 1 >= hi || (lo + hi - 1) / 2 <= le
+}
+
+/// Min and max made to agree with the lowest (`lo`) and highest (`hi`) non-empty
+/// buckets: one outside its bucket becomes that bucket's outer edge (the top bucket's
+/// is open: it holds values beyond the range).
+fn consistent_range(mut min: u64, mut max: u64, lo: usize, hi: usize) -> (u64, u64) {
+    let top = |i: usize| if i == BUCKETS - 1 { u64::MAX } else { upper_of(i) - 1 };
+    if !(lower_of(lo)..=top(lo)).contains(&min) {
+        min = lower_of(lo);
+    }
+    if !(lower_of(hi)..=top(hi)).contains(&max) {
+        max = upper_of(hi) - 1;
+    }
+    (min, max.max(min))
 }
 
 /// A plain (non-atomic) copy of a histogram: percentiles, merge, serialisation.
@@ -315,15 +648,7 @@ impl Snapshot {
             }
             Some(lo) => {
                 let hi = self.counts.iter().rposition(|c| *c != 0).unwrap_or(lo);
-                // The top bucket also holds every value beyond the tracked range.
-                let top = |i: usize| if i == BUCKETS - 1 { u64::MAX } else { upper_of(i) - 1 };
-                if !(lower_of(lo)..=top(lo)).contains(&self.min) {
-                    self.min = lower_of(lo);
-                }
-                if !(lower_of(hi)..=top(hi)).contains(&self.max) {
-                    self.max = upper_of(hi) - 1;
-                }
-                self.max = self.max.max(self.min);
+                (self.min, self.max) = consistent_range(self.min, self.max, lo, hi);
             }
         }
         self
@@ -399,15 +724,7 @@ impl Snapshot {
         for (i, c) in self.counts.iter().enumerate() {
             seen += *c as u128;
             while j < order.len() && order[j].1 <= seen {
-                let (lo, hi) = (lower_of(i), upper_of(i));
-                let mid = if hi - lo <= 1 {
-                    lo as f64
-                } else {
-                    (lo as f64 + (hi - 1) as f64) / 2.0
-                };
-                // Never outside the recorded range (max/min first: no panic even if a
-                // snapshot racing the recorders saw max < min).
-                out[order[j].0] = Some(mid.min(self.max as f64).max(self.min.min(self.max) as f64));
+                out[order[j].0] = Some(midpoint(i, self.min, self.max));
                 j += 1;
             }
             if j == order.len() {
@@ -427,8 +744,7 @@ impl Snapshot {
         }
         let k = index_of(le_ns);
         let below: u64 = self.counts[..k].iter().sum();
-        let (lo, hi) = (lower_of(k), upper_of(k));
-        if le_ns + 1 >= hi || (lo + hi - 1) / 2 <= le_ns {
+        if includes_bucket(k, le_ns) {
             below + self.counts[k]
         } else {
             below
@@ -522,6 +838,15 @@ pub fn rank(q: f64, n: u64) -> u64 {
     }
     if q >= 100.0 {
         return n.max(1);
+    }
+    // Fast path: q has at most four decimals (r/m is then the only such decimal that
+    // reads as q, hence its shortest form: q < 100 keeps q's ulp far below 1/m).
+    for m in [1u32, 10, 100, 1000, 10_000] {
+        let r = (q * m as f64).round();
+        if r / m as f64 == q {
+            let r = (r as u128 * n as u128).div_ceil(100 * m as u128);
+            return u64::try_from(r).unwrap_or(u64::MAX).clamp(1, n.max(1));
+        }
     }
     let text = format!("{q:e}");
     let parsed = text.split_once('e').and_then(|(mantissa, exp)| {
@@ -711,6 +1036,19 @@ mod tests {
     }
 
     #[test]
+    fn the_fast_rank_agrees_with_the_shortest_decimal() {
+        for k in 0..=1_000_000u64 {
+            let q = k as f64 / 10_000.0;
+            for n in [1u64, 7, 100, 1001, 123_456_789, u64::MAX] {
+                let want = (k as u128 * n as u128).div_ceil(1_000_000).clamp(1, n as u128) as u64;
+                assert_eq!(rank(q, n), want, "q={q} n={n}");
+            }
+        }
+        assert_eq!(rank(1.0 / 3.0, 3_000_000_000_000_000), 10_000_000_000_000);
+        assert_eq!(rank(99.99999, 10_000_000), 9_999_999_900 / 1000);
+    }
+
+    #[test]
     fn percentile_of_1_to_100_is_the_exact_rank() {
         let h = Histogram::new();
         for v in 1..=100 {
@@ -724,9 +1062,16 @@ mod tests {
 
     #[test]
     fn a_snapshot_mid_record_is_consistent() {
-        // A record that has reached its bucket but not yet min and max.
+        // A record that has reached its bucket and subtotal but whose min and max were
+        // swapped out by a racing reset.
         let h = Histogram::new();
         h.counts[index_of(123_456)].fetch_add(1, Ordering::Relaxed);
+        h.groups[group_of(index_of(123_456))].fetch_add(1, Ordering::Relaxed);
+        let m = h.summary();
+        assert_eq!(
+            (m.count, m.min, m.max),
+            (1, lower_of(index_of(123_456)), upper_of(index_of(123_456)) - 1)
+        );
         let s = h.snapshot();
         assert_eq!(s.count(), 1);
         let b = index_of(123_456);
@@ -785,5 +1130,211 @@ mod tests {
         assert_eq!(s.count_le(500_000), 2);
         assert_eq!(s.count_le(2_500_000), 2);
         assert_eq!(s.count_le(u64::MAX), 4);
+    }
+
+    /// A spread of values from 0 to beyond the tracked range, from a fixed LCG.
+    fn spread(n: usize, seed: u64) -> Vec<u64> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                (x >> 1) >> (x % 64)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn reads_agree_with_the_snapshot() {
+        let h = Histogram::new();
+        let qs: Vec<f64> = (0..=1000)
+            .map(|k| k as f64 / 10.0)
+            .chain([7.0, 14.0, 28.0, 55.0, 56.0, 99.99])
+            .collect();
+        let les = [
+            0,
+            1,
+            999,
+            1_000,
+            1_001,
+            123_456,
+            1_000_000_000,
+            2_500_000,
+            u64::MAX >> 3,
+            MAX_TRACKED_NS,
+            u64::MAX,
+        ];
+        let e = h.summary();
+        assert_eq!((e.count, e.sum, e.min, e.max), (0, 0, u64::MAX, 0));
+        assert_eq!(h.percentiles(&[50.0]).1, vec![None]);
+        for (round, n) in [1usize, 2, 3, 100, 5_000].into_iter().enumerate() {
+            for v in spread(n, round as u64) {
+                h.record(v);
+            }
+            h.record_n(5_000_000, 3);
+            let s = h.snapshot();
+            let m = h.summary();
+            assert_eq!(
+                (m.count, m.sum, m.min, m.max, m.underflow, m.overflow),
+                (s.count(), s.sum, s.min, s.max, s.underflow, s.overflow)
+            );
+            assert_eq!(h.count(), s.count());
+            assert_eq!(h.percentiles(&qs).1, s.percentiles(&qs), "round {round}");
+            let want: Vec<u64> = les.iter().map(|le| s.count_le(*le)).collect();
+            assert_eq!(h.cumulative(&les), want);
+            assert_eq!(h.count_le(1_000_000_000), s.count_le(1_000_000_000));
+        }
+        // Merged and reset histograms keep subtotals and buckets in agreement.
+        let copy = Histogram::new();
+        copy.add_snapshot(&h.snapshot());
+        assert_eq!(copy.summary(), h.summary());
+        assert_eq!(copy.percentiles(&qs), h.percentiles(&qs));
+        let before = h.snapshot();
+        assert_eq!(h.reset(), before);
+        assert_eq!(h.summary().count, 0);
+        h.record(42_000);
+        assert_eq!(h.percentiles(&[0.0, 100.0]).1, vec![Some(42_000.0), Some(42_000.0)]);
+        assert_eq!(h.summary().count, 1);
+    }
+
+    #[test]
+    fn saturated_subtotals_fall_back_to_the_buckets() {
+        let mut s = Snapshot::default();
+        s.counts[500] = u64::MAX;
+        s.counts[501] = 7;
+        s.min = 500;
+        s.max = 501;
+        let h = Histogram::new();
+        h.add_snapshot(&s);
+        h.add_snapshot(&s);
+        h.record(500);
+        assert_eq!(h.count(), u64::MAX);
+        assert_eq!(h.percentiles(&[0.0, 100.0]).1, h.snapshot().percentiles(&[0.0, 100.0]));
+        assert_eq!(h.cumulative(&[500, 501]), vec![u64::MAX, u64::MAX]);
+        h.reset();
+        assert_eq!(h.count(), 0);
+        h.record(7);
+        assert_eq!((h.count(), h.summary().min), (1, 7));
+    }
+
+    #[test]
+    fn a_subtotal_ahead_of_its_buckets_still_reads_sanely() {
+        // A reset took a bucket whose record had not yet added to its subtotal: the
+        // subtotal then runs one ahead (or below zero) until that add lands.
+        let h = Histogram::new();
+        h.record(2_000_000);
+        let g = group_of(index_of(2_000_000));
+        h.groups[g].fetch_add(1, Ordering::Relaxed);
+        let (m, p) = h.percentiles(&[0.0, 50.0, 100.0]);
+        assert_eq!(m.count, 2);
+        assert!(p
+            .iter()
+            .all(|v| v.is_some_and(|v| m.min as f64 <= v && v <= m.max as f64)));
+        h.reset();
+        h.groups[g].fetch_sub(2, Ordering::Relaxed);
+        let m = h.summary();
+        assert_eq!((m.count, m.min, m.max), (0, u64::MAX, 0));
+        assert_eq!(h.percentiles(&[50.0]).1, vec![None]);
+        h.groups[g].fetch_add(1, Ordering::Relaxed);
+        assert_eq!(h.count(), 0);
+        h.groups[g].fetch_add(1, Ordering::Relaxed);
+        let (m, p) = h.percentiles(&[50.0]);
+        assert_eq!(m.count, 1);
+        assert!(m.min <= m.max && m.min != u64::MAX);
+        assert!(p[0].is_some_and(|v| m.min as f64 <= v && v <= m.max as f64));
+    }
+
+    #[test]
+    fn concurrent_writers_and_readers_see_consistent_reads() {
+        use std::sync::atomic::AtomicBool;
+        use std::sync::Arc;
+        const WRITERS: usize = 3;
+        const PER: usize = 300_000;
+        let h = Arc::new(Histogram::new());
+        let done = Arc::new(AtomicBool::new(false));
+        let writers: Vec<_> = (0..WRITERS)
+            .map(|t| {
+                let h = Arc::clone(&h);
+                std::thread::spawn(move || {
+                    for v in spread(PER, t as u64 + 11) {
+                        h.record(v);
+                    }
+                })
+            })
+            .collect();
+        let reader = {
+            let (h, done) = (Arc::clone(&h), Arc::clone(&done));
+            std::thread::spawn(move || {
+                let (mut last, mut reads) = (0u64, 0u64);
+                while !done.load(Ordering::Relaxed) || reads == 0 {
+                    let (m, p) = h.percentiles(&[0.0, 1.0, 50.0, 99.0, 100.0]);
+                    assert!(m.count >= last, "count went back: {} < {last}", m.count);
+                    assert!(m.count <= (WRITERS * PER) as u64);
+                    last = m.count;
+                    if m.count == 0 {
+                        assert_eq!((m.min, m.max), (u64::MAX, 0));
+                        assert!(p.iter().all(Option::is_none));
+                    } else {
+                        assert!(m.min <= m.max && m.min != u64::MAX, "{m:?}");
+                        let p: Vec<f64> = p.into_iter().map(|v| v.expect("non-empty")).collect();
+                        assert!(p.windows(2).all(|w| w[0] <= w[1]), "{p:?}");
+                        assert!(m.min as f64 <= p[0] && p[4] <= m.max as f64, "{m:?} {p:?}");
+                    }
+                    let c = h.cumulative(&[1_000, 1_000_000, u64::MAX]);
+                    assert!(c[0] <= c[1] && c[1] <= c[2] && c[2] >= last);
+                    let s = h.snapshot();
+                    assert!(s.count() >= last);
+                    assert!(s.count() == 0 || s.min <= s.max && s.min != u64::MAX);
+                    reads += 1;
+                }
+                reads
+            })
+        };
+        for w in writers {
+            w.join().unwrap();
+        }
+        done.store(true, Ordering::Relaxed);
+        assert!(reader.join().unwrap() > 0);
+        let all: Vec<u64> = (0..WRITERS).flat_map(|t| spread(PER, t as u64 + 11)).collect();
+        let m = h.summary();
+        assert_eq!(m.count, all.len() as u64);
+        assert_eq!(m.sum, all.iter().map(|v| *v as u128).sum::<u128>());
+        assert_eq!((m.min, m.max), (*all.iter().min().unwrap(), *all.iter().max().unwrap()));
+        assert_eq!(h.percentiles(&[50.0, 99.9]).1, h.snapshot().percentiles(&[50.0, 99.9]));
+    }
+
+    #[test]
+    fn resets_racing_writers_lose_nothing_and_never_panic() {
+        use std::sync::Arc;
+        const PER: usize = 200_000;
+        let h = Arc::new(Histogram::new());
+        let writers: Vec<_> = (0..2)
+            .map(|t| {
+                let h = Arc::clone(&h);
+                std::thread::spawn(move || {
+                    for v in spread(PER, t as u64 + 3) {
+                        h.record(v);
+                    }
+                })
+            })
+            .collect();
+        let mut taken = 0u64;
+        while !writers.iter().all(|w| w.is_finished()) {
+            let (m, p) = h.percentiles(&[50.0, 100.0]);
+            if m.count > 0 {
+                assert!(m.min <= m.max && m.min != u64::MAX);
+                assert!(p
+                    .iter()
+                    .all(|v| v.is_some_and(|v| m.min as f64 <= v && v <= m.max as f64)));
+            }
+            taken += h.reset().count();
+        }
+        for w in writers {
+            w.join().unwrap();
+        }
+        // Every record landed either in a reset or in what is left; subtotals agree.
+        let left = h.snapshot();
+        assert_eq!(taken + left.count(), 2 * PER as u64);
+        assert_eq!(h.count(), left.count());
+        assert_eq!(h.percentiles(&[50.0]).1, left.percentiles(&[50.0]));
     }
 }

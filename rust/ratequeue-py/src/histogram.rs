@@ -7,7 +7,7 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyString, PyType};
-use ratequeue_core::histogram::{lower_of, upper_of, BUCKETS};
+use ratequeue_core::histogram::{lower_of, upper_of, Summary, BUCKETS};
 use ratequeue_core::{Histogram, Snapshot};
 
 use crate::args::{number, numbers, shown};
@@ -40,9 +40,15 @@ impl HistogramPy {
         self.inner.snapshot()
     }
 
+    /// Count, sum, min and max without copying the buckets.
+    fn summary(&self) -> Summary {
+        self.inner.summary()
+    }
+
     fn at_percentiles(&self, qs: Vec<f64>) -> Vec<f64> {
-        self.snap()
+        self.inner
             .percentiles(&qs)
+            .1
             .into_iter()
             .map(|v| v.map_or(f64::NAN, secs))
             .collect()
@@ -137,10 +143,10 @@ impl HistogramPy {
         }
     }
 
-    /// Number of recorded values.
+    /// Number of recorded values (reads 121 group subtotals, not the buckets).
     #[getter]
     fn count(&self) -> u64 {
-        self.snap().count()
+        self.inner.count()
     }
 
     fn __len__(&self) -> usize {
@@ -150,14 +156,14 @@ impl HistogramPy {
     /// Sum of recorded values, seconds.
     #[getter]
     fn sum(&self) -> f64 {
-        secs(self.snap().sum as f64)
+        secs(self.inner.sum() as f64)
     }
 
     /// Smallest value (nan when empty).
     #[getter]
     fn min(&self) -> f64 {
-        let s = self.snap();
-        if s.count() == 0 {
+        let s = self.summary();
+        if s.count == 0 {
             f64::NAN
         } else {
             secs(s.min as f64)
@@ -167,8 +173,8 @@ impl HistogramPy {
     /// Largest value (nan when empty).
     #[getter]
     fn max(&self) -> f64 {
-        let s = self.snap();
-        if s.count() == 0 {
+        let s = self.summary();
+        if s.count == 0 {
             f64::NAN
         } else {
             secs(s.max as f64)
@@ -178,8 +184,8 @@ impl HistogramPy {
     /// Mean (nan when empty).
     #[getter]
     fn mean(&self) -> f64 {
-        let s = self.snap();
-        let n = s.count();
+        let s = self.summary();
+        let n = s.count;
         if n == 0 {
             f64::NAN
         } else {
@@ -191,12 +197,12 @@ impl HistogramPy {
     /// and max stay exact).
     #[getter]
     fn underflow(&self) -> u64 {
-        self.snap().underflow
+        self.inner.underflow()
     }
 
     #[getter]
     fn overflow(&self) -> u64 {
-        self.snap().overflow
+        self.inner.overflow()
     }
 
     /// The value at percentile `q` (0–100), seconds; nan when empty.
@@ -204,7 +210,8 @@ impl HistogramPy {
         Ok(self.at_percentiles(vec![percent("q", q)?])[0])
     }
 
-    /// Several percentiles in one pass, seconds; nan when empty.
+    /// Several percentiles from one read (exact ranks against one count), seconds; nan
+    /// when empty.
     fn percentiles(&self, qs: &Bound<'_, PyAny>) -> PyResult<Vec<f64>> {
         let qs = numbers("qs", qs, percent)?;
         Ok(self.at_percentiles(qs))
@@ -213,14 +220,13 @@ impl HistogramPy {
     /// Values at or below `le` seconds (exact when `le` has at most three significant
     /// digits in nanoseconds, as Prometheus boundaries do).
     fn count_le(&self, le: &Bound<'_, PyAny>) -> PyResult<u64> {
-        Ok(self.snap().count_le(bound_ns("le", le)?))
+        Ok(self.inner.count_le(bound_ns("le", le)?))
     }
 
-    /// Cumulative counts at each of `les` (seconds, ascending), from one snapshot.
+    /// Cumulative counts at each of `les` (seconds, ascending), against one count.
     fn cumulative(&self, les: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
         let les = numbers("les", les, bound_ns)?;
-        let s = self.snap();
-        Ok(les.into_iter().map(|le| s.count_le(le)).collect())
+        Ok(self.inner.cumulative(&les))
     }
 
     /// (counts, edges) like numpy.histogram: counts per bucket (uint64) and the
@@ -293,9 +299,8 @@ impl HistogramPy {
     }
 
     fn __repr__(&self) -> String {
-        let s = self.snap();
-        let p = s.percentiles(&[50.0, 99.0]);
+        let (s, p) = self.inner.percentiles(&[50.0, 99.0]);
         let f = |v: Option<f64>| v.map_or("nan".to_owned(), |x| format!("{:.6}", secs(x)));
-        format!("Histogram(count={}, p50={}, p99={})", s.count(), f(p[0]), f(p[1]))
+        format!("Histogram(count={}, p50={}, p99={})", s.count, f(p[0]), f(p[1]))
     }
 }
