@@ -652,16 +652,19 @@ def test_cancel_after_settle_gives_back_the_settled_cost():
 
 
 def test_policy_does_not_barge_past_a_keyed_waiter():
-    kl = rq.KeyedLimiter(rq.Rate(10, per="second", burst=2))
+    clock = rq.ManualClock()
+    kl = rq.KeyedLimiter(rq.Rate(10, per="second", burst=2), clock=clock)
     policy = rq.Policy({"user": kl})
     assert kl.try_acquire("k", 2)
     waiter = threading.Thread(target=kl.acquire, args=("k", 2))
     waiter.start()
-    time.sleep(0.13)  # one unit refilled; the waiter (cost 2) is due at 0.2 s
+    end = time.monotonic() + 10  # queued: retry_after counts it
+    while kl.retry_after("k") < 0.3 and time.monotonic() < end:
+        time.sleep(0.001)
     try:
-        if not waiter.is_alive():
-            pytest.skip("the waiter was granted before the check (slow machine)")
+        clock.advance(0.13)  # one unit refilled; the waiter (cost 2) is due at 0.2 s
         assert not kl.try_acquire("k", 1)
         assert policy.try_acquire(user="k") is None
     finally:
+        kl.run_until(1.0)
         waiter.join(10)
