@@ -14,6 +14,8 @@ with a burst far larger than what the bench can consume, so every call is admitt
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("pytest_benchmark")
@@ -135,3 +137,88 @@ def test_monotonic_clock_now_ns(benchmark):
     """MonotonicClock.now_ns(): the clock every limiter reads by default."""
     clock = rq.MonotonicClock()
     assert benchmark(clock.now_ns) >= 0
+
+
+# ---- side by side in one process: ``python benches/bench_core.py`` -----------------------
+
+_SIDE_BY_SIDE = [
+    ("the timing loop alone", "pass"),
+    ("floor: a plain Python function call", "py_noop()"),
+    ("floor: the extension's no-op method", "floor.noop()"),
+    ("try_acquire() admitted (monotonic clock)", "lim.try_acquire()"),
+    ("try_acquire(1) admitted", "lim.try_acquire(1)"),
+    ("try_acquire() refused", "dry.try_acquire()"),
+    ("try_acquire() admitted (ManualClock)", "frozen.try_acquire()"),
+]
+
+
+def _floor(lim: rq.Limiter) -> object:
+    """An object whose ``noop()`` method is the extension's own no-op method (``_Floor``,
+    or the limiter itself, whose ``_noop`` it was before ``_Floor`` existed)."""
+    floor = getattr(rq._ratequeue, "_Floor", None)
+    return floor() if floor is not None else lim
+
+
+def side_by_side(rounds: int = 31, number: int = 200_000) -> str:
+    """Interleaved rounds of plain timing loops; a markdown table of ns per call."""
+    import os
+    import statistics
+    import timeit
+
+    def py_noop() -> None:
+        return None
+
+    rq.MonotonicClock().now_ns()
+    lim = always()
+    env = {
+        "py_noop": py_noop,
+        "floor": _floor(lim),
+        "lim": lim,
+        "dry": drained(),
+        "frozen": rq.Limiter(
+            rq.Rate(1e9, per="second", burst=BURST_FROZEN), clock=rq.ManualClock()
+        ),
+    }
+    assert env["lim"].try_acquire() and env["frozen"].try_acquire() and not env["dry"].try_acquire()
+    noop = "floor.noop()" if hasattr(env["floor"], "noop") else "floor._noop()"
+    timers = {
+        stmt: timeit.Timer(noop if stmt == "floor.noop()" else stmt, globals=env)
+        for _, stmt in _SIDE_BY_SIDE
+    }
+    runs: dict[str, list[float]] = {stmt: [] for _, stmt in _SIDE_BY_SIDE}
+    load0, cpu0, t0 = os.getloadavg()[0], os.times(), time.perf_counter()
+    for r in range(rounds):
+        order = _SIDE_BY_SIDE[r % len(_SIDE_BY_SIDE) :] + _SIDE_BY_SIDE[: r % len(_SIDE_BY_SIDE)]
+        for _, stmt in order:
+            runs[stmt].append(timers[stmt].timeit(number) / number * 1e9)
+    assert env["lim"].try_acquire() and env["frozen"].try_acquire() and not env["dry"].try_acquire()
+    wall, cpu1 = time.perf_counter() - t0, os.times()
+    own = (cpu1.user - cpu0.user + cpu1.system - cpu0.system) / wall
+    loop_med = statistics.median(runs["pass"])
+    loop_min = min(runs["pass"])
+    noop_med = statistics.median(runs["floor.noop()"]) - loop_med
+    noop_min = min(runs["floor.noop()"]) - loop_min
+    lines = [
+        f"{rounds} interleaved rounds of {number:,} calls each (timeit loops); ns per call,",
+        "then the same less the timing loop alone; ratio = (call - loop) / (no-op - loop).",
+        f"Load average at start {load0:.2f} (2 vCPUs); this process used {own:.0%} of one core.",
+        "",
+        "| call | min ns | median ns | median - loop | ratio to the no-op (median) | (min) |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for name, stmt in _SIDE_BY_SIDE:
+        med, lo = statistics.median(runs[stmt]), min(runs[stmt])
+        if stmt == "pass":
+            lines.append(f"| {name} | {lo:.1f} | {med:.1f} | | | |")
+            continue
+        lines.append(
+            f"| {name} (`{stmt}`) | {lo:.1f} | {med:.1f} | {med - loop_med:.1f} |"
+            f" {(med - loop_med) / noop_med:.2f}x | {(lo - loop_min) / noop_min:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(side_by_side(*(int(a) for a in sys.argv[1:3])))

@@ -51,6 +51,16 @@ pub(crate) fn needs_rebase(epoch: u64, ns: u64) -> bool {
     ns.saturating_sub(epoch) >= REBASE_NS
 }
 
+/// After a lost compare-and-swap: pause 1, 2, 4 … up to 64 spins (the winner keeps the
+/// line for its next decision meanwhile), so contention does not become a retry storm.
+#[inline]
+fn backoff(spins: &mut u32) {
+    *spins = (*spins * 2).clamp(1, 64);
+    for _ in 0..*spins {
+        std::hint::spin_loop();
+    }
+}
+
 /// Why a bucket did not admit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Deny {
@@ -151,7 +161,7 @@ struct Slot {
 /// keyed map, whose TATs live in a table).
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Params {
-    pub(crate) m: u32,
+    pub(crate) m: u64,
     pub(crate) tau: u64,
     pub(crate) burst: u64,
     q_ticks: u64,
@@ -163,7 +173,7 @@ impl Params {
     pub(crate) fn of(rate: &Rate) -> Params {
         let t = rate.interval_ns();
         // 2^m ticks per interval, a tick in [0.5, 1) ns (t >= 1 ns by Rate's validation).
-        let m = (t.log2().floor() as u32 + 1).min(58);
+        let m = (t.log2().floor() as u64 + 1).min(58);
         let ticks_per_ns = (1u64 << m) as f64 / t;
         Params {
             m,
@@ -402,7 +412,7 @@ impl Bucket {
         let p = Params::of(rate);
         let s = &self.slots[gen];
         s.since.store(since_ns, Ordering::Relaxed);
-        s.m.store(p.m as u64, Ordering::Relaxed);
+        s.m.store(p.m, Ordering::Relaxed);
         s.tau.store(p.tau, Ordering::Relaxed);
         s.burst.store(p.burst, Ordering::Relaxed);
         s.q_ticks.store(p.q_ticks, Ordering::Relaxed);
@@ -420,7 +430,7 @@ impl Bucket {
     fn slot_params(&self, gen: usize) -> Params {
         let s = &self.slots[gen];
         Params {
-            m: s.m.load(Ordering::Relaxed) as u32,
+            m: s.m.load(Ordering::Relaxed),
             tau: s.tau.load(Ordering::Relaxed),
             burst: s.burst.load(Ordering::Relaxed),
             q_ticks: s.q_ticks.load(Ordering::Relaxed),
@@ -507,6 +517,59 @@ impl Bucket {
     #[inline]
     pub fn take(&self, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<Taken, Deny> {
         self.take_with(at_ns, cost, max_delay_ns, false)
+    }
+
+    /// Admits `cost` at `at_ns` now or refuses, changing nothing on a refusal: the
+    /// decision of [`Bucket::take`] with no delay allowed, keeping no record for an undo.
+    /// One clock conversion per decision; a lost CAS retries from the word it returned
+    /// after a pause, so two threads on one bucket do not keep taking the line from each
+    /// other.
+    #[inline]
+    pub fn try_take(&self, at_ns: u64, cost: u64) -> Result<(), Deny> {
+        let (mut w, mut p) = self.load_at(at_ns);
+        let mut spins = 0u32;
+        'params: loop {
+            if cost > p.burst {
+                return Err(Deny::TooLarge {
+                    cost,
+                    burst: p.burst,
+                    unit: 0,
+                });
+            }
+            // Both below 2^60 (cost <= burst, and tau = burst << m < 2^57).
+            let (now, add) = (p.ticks(at_ns), cost << p.m);
+            loop {
+                let new = (w & TAT_MASK).max(now) + add;
+                if new > now + p.tau || new > TAT_MASK {
+                    return Err(self.refusal(&p, at_ns, new));
+                }
+                let next = (w & !TAT_MASK) | new;
+                if next == w {
+                    return Ok(());
+                }
+                match self
+                    .word
+                    .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+                {
+                    Ok(_) => return Ok(()),
+                    Err(seen) if seen >> GEN_SHIFT == w >> GEN_SHIFT => {
+                        w = seen;
+                        backoff(&mut spins);
+                    }
+                    Err(_) => {
+                        (w, p) = self.load_at(at_ns);
+                        continue 'params;
+                    }
+                }
+            }
+        }
+    }
+
+    /// The refusal of a decision at `at_ns` that would leave the TAT at `new`.
+    #[cold]
+    #[inline(never)]
+    fn refusal(&self, p: &Params, at_ns: u64, new: u64) -> Deny {
+        Deny::Wait(p.ns_until(at_ns, new.saturating_sub(p.tau)))
     }
 
     /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.

@@ -162,10 +162,7 @@ impl Limiter {
     pub fn try_acquire_at(&self, now: u64, costs: &[u64]) -> Result<(), Deny> {
         if self.buckets.len() == 1 {
             let c = costs[self.bucket_unit[0]];
-            return self.buckets[0]
-                .take(now, c, 0)
-                .map(|_| ())
-                .map_err(|d| self.with_unit(0, d));
+            return self.buckets[0].try_take(now, c).map_err(|d| self.with_unit(0, d));
         }
         self.take_all(now, costs, 0, false).map(|_| ())
     }

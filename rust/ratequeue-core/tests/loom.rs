@@ -49,6 +49,61 @@ fn bucket_concurrent_takes_admit_exactly_the_burst() {
 }
 
 #[test]
+fn bucket_concurrent_try_takes_admit_exactly_the_burst() {
+    model(|| {
+        let b = bucket(2);
+        let ts: Vec<_> = (0..3)
+            .map(|_| {
+                let b = b.clone();
+                thread::spawn(move || b.try_take(0, 1).is_ok())
+            })
+            .collect();
+        let admitted = ts.into_iter().map(|t| t.join().unwrap()).filter(|ok| *ok).count();
+        assert_eq!(admitted, 2);
+        assert_eq!(b.available(0), 0.0);
+    });
+}
+
+#[test]
+fn bucket_try_take_and_untake_race_exactly() {
+    model(|| {
+        let b = bucket(1);
+        let first = b.take(0, 1, 0).unwrap();
+        let undo = {
+            let b = b.clone();
+            thread::spawn(move || b.untake(&first))
+        };
+        let other = {
+            let b = b.clone();
+            thread::spawn(move || b.try_take(0, 1).is_ok())
+        };
+        let (undone, took) = (undo.join().unwrap(), other.join().unwrap());
+        // A refused try_take changes nothing, so the undo is exact; the unit it freed is
+        // taken at most once.
+        assert!(undone);
+        assert_eq!(b.available(0), if took { 0.0 } else { 1.0 });
+    });
+}
+
+#[test]
+fn bucket_try_take_under_a_rate_change_keeps_content() {
+    model(|| {
+        let b = bucket(2);
+        let change = {
+            let b = b.clone();
+            thread::spawn(move || b.set_rate(0, Rate::new(1.0, 1e9, 4).unwrap()))
+        };
+        let other = {
+            let b = b.clone();
+            thread::spawn(move || b.try_take(0, 1).is_ok())
+        };
+        change.join().unwrap();
+        assert!(other.join().unwrap());
+        assert_eq!(b.available(0), 3.0);
+    });
+}
+
+#[test]
 fn bucket_concurrent_reservations_get_distinct_slots() {
     model(|| {
         let b = bucket(1);

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue};
 
@@ -210,6 +210,25 @@ impl LimiterPy {
         Ok(out)
     }
 
+    /// try_acquire's decision on `c` (costs per unit), counted: false while anyone
+    /// waits (nobody overtakes a waiter).
+    #[inline]
+    fn decide_now(&self, c: &[u64]) -> Result<bool, Deny> {
+        let queue = &self.gate.queue;
+        if queue.waiting() != 0 {
+            queue.note_try(false);
+            return Ok(false);
+        }
+        let core = &self.core;
+        let decided = try_or_unblocked(|| core.try_acquire_nowait(c), || core.try_acquire(c));
+        match decided {
+            Ok(()) => queue.note_try(true),
+            Err(Deny::Wait(_)) => queue.note_try(false),
+            Err(_) => {}
+        }
+        decided.map(|()| true)
+    }
+
     #[inline]
     fn deny(&self, py: Python<'_>, d: Deny) -> PyErr {
         to_py(py, self.core.error_for(d, "not admitted"))
@@ -279,34 +298,22 @@ impl LimiterPy {
         n: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<bool> {
-        let c = if n.is_none() && costs.is_none() {
-            match self.defaults {
-                [Some(d), ..] if self.core.units().len() == 1 => {
-                    let mut c = [0; MAX_RATES];
-                    c[0] = d;
-                    c
-                }
-                _ => self.costs(None, None)?,
-            }
-        } else {
-            self.costs(n, costs)?
+        // One unit: no argument, or a plain int below 2**64 - 1, decides on that cost
+        // alone; anything else (including the saturating 2**64 - 1) takes the one
+        // validation path.
+        let one = match (n, costs) {
+            _ if self.core.units().len() != 1 => None,
+            (None, None) => self.defaults[0],
+            (Some(n), None) if n.is_exact_instance_of::<PyInt>() => n.extract::<u64>().ok().filter(|v| *v != u64::MAX),
+            _ => None,
         };
-        if self.gate.queue.waiting() != 0 {
-            // Nobody overtakes a waiter.
-            self.gate.queue.note_try(false);
-            return Ok(false);
-        }
-        let core = &self.core;
-        let decided = try_or_unblocked(|| core.try_acquire_nowait(&c), || core.try_acquire(&c));
+        let decided = match one {
+            Some(c) => self.decide_now(&[c]),
+            None => self.decide_now(&self.costs(n, costs)?),
+        };
         match decided {
-            Ok(()) => {
-                self.gate.queue.note_try(true);
-                Ok(true)
-            }
-            Err(Deny::Wait(_)) => {
-                self.gate.queue.note_try(false);
-                Ok(false)
-            }
+            Ok(true) => Ok(true),
+            Ok(false) | Err(Deny::Wait(_)) => Ok(false),
             Err(d) => Err(self.deny(py, d)),
         }
     }
