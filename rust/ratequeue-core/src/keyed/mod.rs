@@ -1,0 +1,686 @@
+//! Per-key limits: one GCRA bucket per key (user, API key, tenant) in a sharded map,
+//! and one permit count per key for keyed concurrency.
+//!
+//! Keys are stored as 64-bit keyed hashes of their identity (kind and exact value, see
+//! [`KeyHasher`]; random seed per map), so a key costs a fixed
+//! 16 bytes in an open-addressing table whatever its length; two keys colliding would
+//! share a bucket (probability about n²/2^65: 3·10⁻⁸ at a million keys). Memory is
+//! bounded by `max_keys`: when a shard is full, keys whose bucket is full again are
+//! dropped first (a dropped full bucket and a new one decide alike), then the bucket
+//! nearest to full among a small sample (the change in decisions is smallest), counted.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use crate::bucket::{epoch_for, needs_rebase, Deny, Params, Undo};
+use crate::clock::AnyClock;
+use crate::error::Error;
+use crate::queue::GrantRef;
+use crate::rate::Rate;
+
+mod hasher;
+mod resources;
+mod semaphore;
+mod table;
+#[cfg(test)]
+mod tests;
+
+pub use hasher::KeyHasher;
+pub use resources::{KeyBucket, KeyPermits};
+pub use semaphore::KeyedSemaphore;
+use table::Table;
+
+const EMPTY: u64 = 0;
+/// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 4) and its
+/// live evictions (mod 4) above.
+const ERA_SHIFT: u32 = 62;
+const ERA_MASK: u64 = 0x3;
+const SAMPLE: usize = 32;
+const TOKEN_SHIFT: u32 = 60;
+const TOKEN_EVICTIONS: u64 = 0x3;
+/// Evictions of a debit known only by its grant time (not checked).
+const UNKNOWN_EVICTIONS: u64 = u64::MAX;
+
+#[repr(align(64))]
+struct Shard<T>(Mutex<T>);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match m.try_lock() {
+        Ok(g) => Some(g),
+        Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
+        Err(std::sync::TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Eviction counters of a keyed map.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KeyedCounts {
+    /// Keys in the map now.
+    pub keys: u64,
+    /// Keys dropped because their bucket was full again (no decision changes).
+    pub evicted_full: u64,
+    /// Keys dropped while not full, to stay within max_keys.
+    pub evicted_live: u64,
+    /// Give-backs kept because a later grant stood on them.
+    pub refunds_dropped: u64,
+}
+
+fn shard_layout(max_keys: usize) -> (usize, usize) {
+    let shards = (max_keys / 1024).next_power_of_two().clamp(1, 256);
+    (shards, max_keys.div_ceil(shards).max(1))
+}
+
+/// A debit on one key, held so that it can be given back by the one undo rule
+/// ([`KeyedLimiter::give_back`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KeyTaken {
+    key: u64,
+    before: Option<u64>,
+    after: u64,
+    cost: u64,
+    latest: bool,
+    /// The shard's live evictions when taken (only its low bits for a token).
+    evictions: u64,
+    token: bool,
+    /// The shard's rebase count (mod 16) when `before` and `after` were read.
+    era: u64,
+    /// Nanoseconds from the arrival until the grant.
+    pub delay_ns: u64,
+}
+
+impl KeyTaken {
+    /// A debit of `cost` on `key` known only by its grant's token ([`KeyTaken::token`]).
+    pub fn from_token(key: u64, token: u64, cost: u64) -> KeyTaken {
+        KeyTaken {
+            key,
+            before: None,
+            after: token & crate::bucket::TAT_LIMIT,
+            cost,
+            latest: true,
+            evictions: (token >> TOKEN_SHIFT) & TOKEN_EVICTIONS,
+            token: true,
+            era: token >> ERA_SHIFT,
+            delay_ns: 0,
+        }
+    }
+
+    /// The state this debit left on its key (its TAT, the shard's epoch and the low bits
+    /// of its live evictions), as a token.
+    pub fn token(&self) -> u64 {
+        (self.era << ERA_SHIFT) | ((self.evictions & TOKEN_EVICTIONS) << TOKEN_SHIFT) | self.after
+    }
+
+    /// The cost this debit stands for now (after any settle).
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+}
+
+/// One GCRA bucket per key, in a bounded sharded map.
+pub struct KeyedLimiter {
+    params: Params,
+    rate: Rate,
+    clock: AnyClock,
+    hasher: KeyHasher,
+    shards: Box<[Shard<Table>]>,
+    shard_bits: u32,
+    per_shard: usize,
+    cap: usize,
+    evicted_full: AtomicU64,
+    evicted_live: AtomicU64,
+    refunds_dropped: AtomicU64,
+    /// The latest clock time at which an undo or refund gave capacity back on any key.
+    given: AtomicU64,
+}
+
+impl std::fmt::Debug for KeyedLimiter {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "KeyedLimiter({:?}, keys={})", self.rate, self.len())
+    }
+}
+
+impl KeyedLimiter {
+    /// A keyed limiter at `rate` per key, holding at most about `max_keys` keys.
+    pub fn new(rate: Rate, max_keys: usize, clock: AnyClock) -> Result<KeyedLimiter, Error> {
+        if max_keys == 0 {
+            return Err(Error::invalid("max_keys", 0, "must be >= 1"));
+        }
+        let (n, per_shard) = shard_layout(max_keys);
+        let cap = (per_shard * 4 / 3 + 1).next_power_of_two().max(8);
+        let epoch = epoch_for(clock.now_ns());
+        let table = || Table {
+            epoch,
+            ..Table::default()
+        };
+        Ok(KeyedLimiter {
+            params: Params::of(&rate),
+            rate,
+            clock,
+            hasher: KeyHasher::default(),
+            shards: (0..n).map(|_| Shard(Mutex::new(table()))).collect(),
+            shard_bits: n.trailing_zeros(),
+            per_shard,
+            cap,
+            evicted_full: AtomicU64::new(0),
+            evicted_live: AtomicU64::new(0),
+            refunds_dropped: AtomicU64::new(0),
+            given: AtomicU64::new(0),
+        })
+    }
+
+    /// The rate of every key.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// The hasher that turns keys into map keys.
+    pub fn hasher(&self) -> &KeyHasher {
+        &self.hasher
+    }
+
+    /// The clock.
+    pub fn clock(&self) -> &AnyClock {
+        &self.clock
+    }
+
+    /// The most keys held at once (max_keys rounded up to a multiple of the shards,
+    /// sticking at usize::MAX).
+    pub fn max_keys(&self) -> usize {
+        self.per_shard.saturating_mul(self.shards.len())
+    }
+
+    fn shard_index(&self, key: u64) -> usize {
+        if self.shard_bits == 0 {
+            0
+        } else {
+            (key >> (64 - self.shard_bits)) as usize
+        }
+    }
+
+    fn shard(&self, key: u64) -> MutexGuard<'_, Table> {
+        lock(&self.shards[self.shard_index(key)].0)
+    }
+
+    /// The arithmetic of shard `t` for a reading at `at_ns`, rebasing the shard first
+    /// when `at_ns` lies far past its epoch.
+    #[inline]
+    fn params_at(&self, t: &mut Table, at_ns: u64) -> Params {
+        if needs_rebase(t.epoch, at_ns) {
+            t.rebase(&self.params, at_ns);
+        }
+        self.params.at_epoch(t.epoch)
+    }
+
+    /// Keys held now.
+    pub fn len(&self) -> usize {
+        self.shards.iter().map(|s| lock(&s.0).len).sum()
+    }
+
+    /// True when no key is held.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Eviction counters and the number of keys.
+    pub fn counts(&self) -> KeyedCounts {
+        KeyedCounts {
+            keys: self.len() as u64,
+            evicted_full: self.evicted_full.load(Ordering::Relaxed),
+            evicted_live: self.evicted_live.load(Ordering::Relaxed),
+            refunds_dropped: self.refunds_dropped.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Makes room for one more key in `t` at `now_ticks`.
+    fn make_room(&self, t: &mut Table, now_ticks: u64) {
+        if t.len < self.per_shard {
+            if t.len + 1 > t.slots.len() * 3 / 4 {
+                let cap = (t.slots.len() * 2).clamp(8, self.cap);
+                if cap > t.slots.len() {
+                    t.grow(cap);
+                }
+            }
+            return;
+        }
+        // Full. Drop every bucket that is full again (no decision changes) — a sweep of
+        // the shard, skipped until the earliest TAT the last sweep saw has passed, so a
+        // shard of live buckets costs one sweep per refill, not one per insert.
+        if now_ticks >= t.next_full {
+            let mut next_full = u64::MAX;
+            let full: Vec<u64> = t
+                .slots
+                .iter()
+                .filter(|s| s.key != EMPTY)
+                .filter(|s| {
+                    if s.tat > now_ticks {
+                        next_full = next_full.min(s.tat);
+                    }
+                    s.tat <= now_ticks
+                })
+                .map(|s| s.key)
+                .collect();
+            for key in &full {
+                if let Some(i) = t.find(*key) {
+                    t.remove_at(i);
+                }
+            }
+            self.evicted_full.fetch_add(full.len() as u64, Ordering::Relaxed);
+            t.next_full = next_full;
+            if !full.is_empty() {
+                return;
+            }
+        }
+        // Every bucket is live: drop the one nearest to full among a sample (the
+        // smallest change in decisions), counted.
+        let n = t.slots.len();
+        let mut nearest: Option<(u64, usize)> = None;
+        let mut k = 0;
+        while k < n && (k < SAMPLE || nearest.is_none()) {
+            let i = (t.cursor + k) % n;
+            let s = t.slots[i];
+            if s.key != EMPTY && nearest.is_none_or(|(tat, _)| s.tat < tat) {
+                nearest = Some((s.tat, i));
+            }
+            k += 1;
+        }
+        t.cursor = (t.cursor + k) % n;
+        if let Some((_, i)) = nearest {
+            t.remove_at(i);
+            t.evicted_live += 1;
+            self.evicted_live.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Debits `cost` on `key` for an arrival at `at_ns` if granted within `max_delay_ns`.
+    #[inline]
+    pub fn take(&self, key: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Result<KeyTaken, Deny> {
+        self.take_with(key, at_ns, cost, max_delay_ns, false)
+    }
+
+    /// [`KeyedLimiter::take`], for a grant time the queue scheduled or an arrival.
+    pub fn take_with(
+        &self,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
+        let mut t = self.shard(key);
+        self.take_in(&mut t, key, at_ns, cost, max_delay_ns, scheduled)
+    }
+
+    /// [`KeyedLimiter::take`] without waiting for the key's shard lock: None (nothing
+    /// changed) when it is busy.
+    #[inline]
+    pub fn take_nowait(&self, key: u64, at_ns: u64, cost: u64, max_delay_ns: u64) -> Option<Result<KeyTaken, Deny>> {
+        let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
+        Some(self.take_in(&mut t, key, at_ns, cost, max_delay_ns, false))
+    }
+
+    /// [`KeyedLimiter::try_acquire`] without waiting for a lock: None when it is busy.
+    #[inline]
+    pub fn try_acquire_nowait(&self, key: u64, cost: u64) -> Option<Result<(), Deny>> {
+        self.take_nowait(key, self.clock.now_ns(), cost, 0)
+            .map(|r| r.map(|_| ()))
+    }
+
+    fn take_in(
+        &self,
+        t: &mut Table,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
+        let p = self.params_at(t, at_ns);
+        let found = t.find(key);
+        let before = found.map_or(0, |i| t.slots[i].tat);
+        let (new, delay_ns) = p.step(before, at_ns, cost, max_delay_ns, scheduled)?;
+        match found {
+            Some(i) => t.slots[i].tat = new,
+            None => {
+                self.make_room(t, p.ticks(at_ns));
+                t.insert_new(key, new);
+            }
+        }
+        Ok(KeyTaken {
+            key,
+            before: Some(before),
+            after: new,
+            cost,
+            latest: true,
+            evictions: t.evicted_live,
+            token: false,
+            era: t.rebases & ERA_MASK,
+            delay_ns,
+        })
+    }
+
+    /// Admits `cost` on `key` now or refuses (nothing changes on refusal).
+    #[inline]
+    pub fn try_acquire(&self, key: u64, cost: u64) -> Result<(), Deny> {
+        self.take(key, self.clock.now_ns(), cost, 0).map(|_| ())
+    }
+
+    /// Decides `keys[i]` with `costs[i]` (or 1) in order, as the loop of single calls
+    /// would, reading the clock once; writes the decisions to `out`.
+    pub fn try_acquire_many(&self, keys: &[u64], costs: Option<&[u64]>, out: &mut [bool]) -> Result<(), Deny> {
+        let now = self.clock.now_ns();
+        let cost_of = |i: usize| costs.map_or(1, |c| c[i]);
+        if let Some(i) = (0..keys.len()).find(|i| cost_of(*i) > self.params.burst) {
+            return Err(Deny::TooLarge {
+                cost: cost_of(i),
+                burst: self.params.burst,
+                unit: 0,
+            });
+        }
+        // In chunks that stay in cache, group the requests by shard, each group in its
+        // original order (a key always falls in the same shard, so every key sees its
+        // own requests in order: the decisions are those of the loop), then take each
+        // shard's lock once per chunk and walk its group, prefetching a few slots ahead.
+        const CHUNK: usize = 4096;
+        let n = self.shards.len();
+        let shard_of = |k: u64| {
+            if self.shard_bits == 0 {
+                0
+            } else {
+                (k >> (64 - self.shard_bits)) as usize
+            }
+        };
+        let mut start = vec![0usize; n + 1];
+        let mut order = vec![0u32; CHUNK.min(keys.len())];
+        for base in (0..keys.len()).step_by(CHUNK) {
+            let chunk = &keys[base..(base + CHUNK).min(keys.len())];
+            start.iter_mut().for_each(|x| *x = 0);
+            for k in chunk {
+                start[shard_of(*k) + 1] += 1;
+            }
+            for sh in 0..n {
+                start[sh + 1] += start[sh];
+            }
+            let mut fill = start.clone();
+            for (i, k) in chunk.iter().enumerate() {
+                let sh = shard_of(*k);
+                order[fill[sh]] = i as u32;
+                fill[sh] += 1;
+            }
+            for sh in 0..n {
+                let group = &order[start[sh]..start[sh + 1]];
+                if group.is_empty() {
+                    continue;
+                }
+                let mut t = lock(&self.shards[sh].0);
+                let p = self.params_at(&mut t, now);
+                // The decision of `Params::step` with no delay allowed, from one clock
+                // conversion per shard: admitted iff the new TAT is within tau of now.
+                let now_ticks = p.ticks(now);
+                let limit = (now_ticks + p.tau).min(crate::bucket::TAT_LIMIT);
+                // Room for every key of the group up front while the shard cannot fill
+                // (then no key is dropped meanwhile): one growth instead of a rehash at
+                // each doubling.
+                let want = t.len + group.len();
+                if want <= self.per_shard {
+                    let cap = ((want * 4).div_ceil(3) + 1).next_power_of_two().clamp(8, self.cap);
+                    if cap > t.slots.len() {
+                        t.grow(cap);
+                    }
+                }
+                for (j, &i) in group.iter().enumerate() {
+                    if let Some(&ahead) = group.get(j + 8) {
+                        t.prefetch(chunk[ahead as usize]);
+                    }
+                    let (i, key) = (base + i as usize, chunk[i as usize]);
+                    let found = t.probe(key);
+                    let before = found.map_or(0, |x| t.slots[x].tat);
+                    let new = before.max(now_ticks) + (cost_of(i) << p.m);
+                    out[i] = new <= limit;
+                    if !out[i] {
+                        continue;
+                    }
+                    match found {
+                        Ok(x) => t.slots[x].tat = new,
+                        Err(x) if t.len < self.per_shard && t.len < t.slots.len() * 3 / 4 => t.insert_at(x, key, new),
+                        Err(_) => {
+                            self.make_room(&mut t, now_ticks);
+                            t.insert_new(key, new);
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Nanoseconds from `at_ns` until `cost` would conform on `key`; changes nothing.
+    pub fn delay_for(&self, key: u64, at_ns: u64, cost: u64) -> Result<u64, Deny> {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
+        match p.step(tat, at_ns, cost, u64::MAX, false) {
+            Ok((_, d)) => Ok(d),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// A private copy of `key`'s schedule read at `at_ns`, to play a backlog forward.
+    pub(crate) fn sim_at(&self, key: u64, at_ns: u64) -> crate::bucket::SimBucket {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
+        crate::bucket::SimBucket::new(tat, p)
+    }
+
+    /// When a backlog of `total` cost on `key`, served back to back from `at_ns`, would
+    /// have its last grant.
+    pub fn predict(&self, key: u64, at_ns: u64, total: u64) -> u64 {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
+        p.predict(tat, at_ns, total)
+    }
+
+    /// The one undo rule on `t`'s key (as [`crate::Bucket::give_back`], under the
+    /// shard's lock): gives back `ret` at `at_ns`, exactly while `t` is the key's latest
+    /// change, else by the refund rule capped by what `t` can still hold, else kept and
+    /// counted. `t` is updated, so a later give-back starts from here.
+    pub fn give_back(&self, t: &mut KeyTaken, ret: u64, at_ns: u64) -> Undo {
+        let ret = ret.min(t.cost);
+        if ret == 0 {
+            return Undo::Nothing;
+        }
+        let mut g = self.shard(t.key);
+        let p = self.params_at(&mut g, at_ns);
+        g.align(t);
+        let evictions = if t.token {
+            g.evicted_live & TOKEN_EVICTIONS
+        } else {
+            g.evicted_live
+        };
+        let found = g
+            .find(t.key)
+            .filter(|_| t.evictions == UNKNOWN_EVICTIONS || evictions == t.evictions);
+        let Some(i) = found else {
+            // Dropped as full (nothing is held on the key any more), or a live key was
+            // dropped since (the key's bucket may be a new one, holding others' debits).
+            t.latest = false;
+            t.cost -= ret;
+            return Undo::Nothing;
+        };
+        let tat = g.slots[i].tat;
+        let exact = t.latest && tat == t.after;
+        let (new, how) = if exact {
+            let new = match t.before {
+                Some(b) if ret == t.cost => b,
+                _ => tat.saturating_sub(self.params.cost_ticks(ret)),
+            };
+            t.after = new;
+            (new, Undo::Exact)
+        } else {
+            t.latest = false;
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), 0) {
+                Some(new) => {
+                    t.after -= (tat - new).min(t.after);
+                    (new, Undo::Refunded)
+                }
+                None => {
+                    t.cost -= ret;
+                    self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+                    return Undo::Dropped;
+                }
+            }
+        };
+        t.cost -= ret;
+        if new == tat {
+            return Undo::Nothing;
+        }
+        g.slots[i].tat = new;
+        g.next_full = g.next_full.min(new);
+        self.given.fetch_max(at_ns, Ordering::AcqRel);
+        how
+    }
+
+    /// The latest clock time at which an undo or refund gave capacity back on any key: a
+    /// key's grant scheduled in the past is never dated before it.
+    pub fn given_at(&self) -> u64 {
+        self.given.load(Ordering::Acquire)
+    }
+
+    /// Refunds `cost` to `key` at `at_ns` by the refund rule (for a debit not held, e.g.
+    /// a permit settled without its grant's token).
+    pub fn refund(&self, key: u64, cost: u64) -> Undo {
+        let now = self.clock.now_ns();
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, now);
+        let Some(i) = t.find(key) else {
+            return Undo::Nothing;
+        };
+        let tat = t.slots[i].tat;
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, 0) else {
+            self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
+            return Undo::Dropped;
+        };
+        if new == tat {
+            return Undo::Nothing;
+        }
+        t.slots[i].tat = new;
+        t.next_full = t.next_full.min(new);
+        self.given.fetch_max(now, Ordering::AcqRel);
+        Undo::Refunded
+    }
+
+    /// Charges `cost` to `key` now regardless of conformance (it may go into debt).
+    pub fn charge(&self, key: u64, cost: u64) {
+        self.charge_tat(key, self.clock.now_ns(), cost, None);
+    }
+
+    /// Charges `extra` more on the debit `t` at `at_ns` (may go into debt); `t` stays
+    /// exactly undoable while it is still its key's latest change.
+    pub fn charge_more(&self, t: &mut KeyTaken, extra: u64, at_ns: u64) {
+        let (old, new) = self.charge_tat(t.key, at_ns, extra, Some(t));
+        if t.latest && old == Some(t.after) {
+            t.after = new;
+        } else {
+            t.latest = false;
+        }
+        t.cost = t.cost.saturating_add(extra);
+    }
+
+    /// Returns the key's TAT before (None: not held) and after the charge, with `held`
+    /// brought to the shard's epoch.
+    fn charge_tat(&self, key: u64, at_ns: u64, cost: u64, held: Option<&mut KeyTaken>) -> (Option<u64>, u64) {
+        let mut t = self.shard(key);
+        let now_ticks = self.params_at(&mut t, at_ns).ticks(at_ns);
+        if let Some(h) = held {
+            t.align(h);
+        }
+        let add = self.params.cost_ticks(cost);
+        match t.find(key) {
+            Some(i) => {
+                let old = t.slots[i].tat;
+                let new = (old.max(now_ticks) + add).min(crate::bucket::TAT_LIMIT);
+                t.slots[i].tat = new;
+                (Some(old), new)
+            }
+            None => {
+                self.make_room(&mut t, now_ticks);
+                let new = (now_ticks + add).min(crate::bucket::TAT_LIMIT);
+                t.insert_new(key, new);
+                (None, new)
+            }
+        }
+    }
+
+    /// The token of the least TAT a debit of `cost` on `key` taken at `at_ns` left.
+    fn held_token(&self, key: u64, at_ns: u64, cost: u64) -> u64 {
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, at_ns);
+        let tat = p
+            .ticks(at_ns)
+            .saturating_add(p.cost_ticks(cost))
+            .min(crate::bucket::TAT_LIMIT);
+        ((t.rebases & ERA_MASK) << ERA_SHIFT) | tat
+    }
+
+    /// Give-backs kept so far because a later grant stood on them.
+    pub fn refunds_dropped(&self) -> u64 {
+        self.refunds_dropped.load(Ordering::Relaxed)
+    }
+
+    /// Units `key` could be admitted now (a key not held has a full bucket).
+    pub fn available(&self, key: u64) -> f64 {
+        let now = self.clock.now_ns();
+        let mut t = self.shard(key);
+        let p = self.params_at(&mut t, now);
+        let tat = t.find(key).map_or(0, |i| t.slots[i].tat);
+        p.available(tat, now)
+    }
+
+    /// Test hook: holds every shard's lock for `d` (as a long decision would).
+    #[doc(hidden)]
+    pub fn hold_locks_for(&self, d: std::time::Duration) {
+        let held: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        std::thread::sleep(d);
+        drop(held);
+    }
+
+    /// Drops every key whose bucket is full again; returns how many.
+    pub fn sweep(&self) -> usize {
+        let now_ns = self.clock.now_ns();
+        let mut dropped = 0;
+        for s in self.shards.iter() {
+            let mut t = lock(&s.0);
+            let now = self.params_at(&mut t, now_ns).ticks(now_ns);
+            let full: Vec<u64> = t
+                .slots
+                .iter()
+                .filter(|s| s.key != EMPTY && s.tat <= now)
+                .map(|s| s.key)
+                .collect();
+            for k in &full {
+                if let Some(i) = t.find(*k) {
+                    t.remove_at(i);
+                }
+            }
+            dropped += full.len();
+        }
+        self.evicted_full.fetch_add(dropped as u64, Ordering::Relaxed);
+        dropped
+    }
+}
+
+impl crate::fork::ForkLocks for KeyedLimiter {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Resource
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        let shards: Vec<_> = self.shards.iter().map(|s| lock(&s.0)).collect();
+        held.push(Box::new(shards));
+    }
+}

@@ -1,0 +1,170 @@
+//! One shard's table: open addressing with linear probing and backward-shift deletion,
+//! 16 bytes per key (its hash and its TAT).
+
+use super::*;
+
+#[derive(Clone, Copy, Default)]
+pub(super) struct Slot {
+    pub(super) key: u64,
+    pub(super) tat: u64,
+}
+
+/// One shard: linear probing, backward-shift deletion, grows up to its cap.
+#[derive(Default)]
+pub(super) struct Table {
+    pub(super) slots: Vec<Slot>,
+    pub(super) len: usize,
+    pub(super) cursor: usize,
+    /// No bucket is full again before this tick (from the last sweep).
+    pub(super) next_full: u64,
+    /// Live keys dropped from this shard so far: a key held before one may be a new
+    /// bucket now.
+    pub(super) evicted_live: u64,
+    /// Clock nanoseconds of tick 0 for this shard's TATs (see [`crate::Bucket`]).
+    pub(super) epoch: u64,
+    /// Rebases so far, and the ticks the last one moved every TAT by.
+    pub(super) rebases: u64,
+    pub(super) last_shift: u64,
+}
+
+impl Table {
+    pub(super) fn find(&self, key: u64) -> Option<usize> {
+        if self.slots.is_empty() {
+            return None;
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = (key as usize) & mask;
+        loop {
+            let s = self.slots[i];
+            if s.key == key {
+                return Some(i);
+            }
+            if s.key == EMPTY {
+                return None;
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// The slot of `key` (`Ok`) or the empty slot where it would go (`Err`), in one
+    /// probe (`Err(usize::MAX)` while the table has no slots).
+    #[inline]
+    pub(super) fn probe(&self, key: u64) -> Result<usize, usize> {
+        if self.slots.is_empty() {
+            return Err(usize::MAX);
+        }
+        let mask = self.slots.len() - 1;
+        let mut i = (key as usize) & mask;
+        loop {
+            let s = self.slots[i];
+            if s.key == key {
+                return Ok(i);
+            }
+            if s.key == EMPTY {
+                return Err(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Puts a new `key` in the empty slot `i` that [`Table::probe`] returned for it.
+    #[inline]
+    pub(super) fn insert_at(&mut self, i: usize, key: u64, tat: u64) {
+        debug_assert_eq!(self.slots[i].key, EMPTY);
+        self.slots[i] = Slot { key, tat };
+        self.len += 1;
+        self.next_full = self.next_full.min(tat);
+    }
+
+    pub(super) fn insert_new(&mut self, key: u64, tat: u64) {
+        let mask = self.slots.len() - 1;
+        let mut i = (key as usize) & mask;
+        while self.slots[i].key != EMPTY {
+            i = (i + 1) & mask;
+        }
+        self.slots[i] = Slot { key, tat };
+        self.len += 1;
+        self.next_full = self.next_full.min(tat);
+    }
+
+    pub(super) fn remove_at(&mut self, mut i: usize) {
+        let mask = self.slots.len() - 1;
+        self.slots[i] = Slot::default();
+        self.len -= 1;
+        let mut j = i;
+        loop {
+            j = (j + 1) & mask;
+            let s = self.slots[j];
+            if s.key == EMPTY {
+                return;
+            }
+            let home = (s.key as usize) & mask;
+            // Move s back into the hole if its home is not within (i, j].
+            let between = if i <= j {
+                home > i && home <= j
+            } else {
+                home > i || home <= j
+            };
+            if !between {
+                self.slots[i] = s;
+                self.slots[j] = Slot::default();
+                i = j;
+            }
+        }
+    }
+
+    /// Hints the CPU to fetch the home slot of `key`.
+    #[inline]
+    pub(super) fn prefetch(&self, key: u64) {
+        if self.slots.is_empty() {
+            return;
+        }
+        let p = &self.slots[(key as usize) & (self.slots.len() - 1)] as *const Slot;
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: a prefetch of a valid address has no effect but on the cache.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch(p as *const i8, std::arch::x86_64::_MM_HINT_T0);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
+
+    /// Moves the epoch to suit a reading at `at_ns`, shifting every TAT by exactly the
+    /// ticks between the epochs (a TAT before the new epoch becomes 0: full either way).
+    #[cold]
+    pub(super) fn rebase(&mut self, params: &Params, at_ns: u64) {
+        let epoch = epoch_for(at_ns);
+        let shift = params.at_epoch(self.epoch).shift_to(epoch);
+        for s in self.slots.iter_mut().filter(|s| s.key != EMPTY) {
+            s.tat = s.tat.saturating_sub(shift);
+        }
+        self.next_full = self.next_full.saturating_sub(shift);
+        self.epoch = epoch;
+        self.rebases += 1;
+        self.last_shift = shift;
+    }
+
+    /// Brings a debit recorded before the latest rebase(s) to this shard's epoch: exact
+    /// across one rebase; across more (years later) it holds nothing any more.
+    pub(super) fn align(&self, t: &mut KeyTaken) {
+        let era = self.rebases & ERA_MASK;
+        if t.era == era {
+            return;
+        }
+        if (t.era + 1) & ERA_MASK == era {
+            t.after = t.after.saturating_sub(self.last_shift);
+            t.before = t.before.map(|b| b.saturating_sub(self.last_shift));
+        } else {
+            (t.after, t.before, t.latest) = (0, None, false);
+        }
+        t.era = era;
+    }
+
+    pub(super) fn grow(&mut self, cap: usize) {
+        let old = std::mem::replace(&mut self.slots, vec![Slot::default(); cap]);
+        self.len = 0;
+        for s in old.into_iter().filter(|s| s.key != EMPTY) {
+            self.insert_new(s.key, s.tat);
+        }
+    }
+}
