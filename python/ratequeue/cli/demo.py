@@ -20,8 +20,8 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from ._errors import Overloaded
-from ._ratequeue import Limiter, ManualClock, Rate
+from .._errors import Overloaded
+from .._ratequeue import Limiter, ManualClock, Rate
 
 __all__ = ["BurstResult", "burst", "lab_demo", "run"]
 
@@ -94,7 +94,7 @@ def lab_demo(
     progress: bool | None = None,
 ) -> str:
     """Run the lab's default scenario; return the text to print (tables and files)."""
-    from . import lab
+    from .. import lab
 
     scenario = lab.Scenario(
         name="demo",

@@ -50,10 +50,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ._errors import Overloaded, WaitTimeout
-from ._ratequeue import Concurrency, Histogram, Limiter, Rate
-from .mock_provider import MockProvider, default_burst
-from .pool import parse_retry_after
+from .._errors import Overloaded, WaitTimeout
+from .._ratequeue import Concurrency, Histogram, Limiter, Rate
+from ..pool import parse_retry_after
+from ..testing._mock_provider import MockProvider, default_burst
 
 __all__ = ["LevelReport", "LoadTestConfig", "format_results", "main", "run_loadtest"]
 

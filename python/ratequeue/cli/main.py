@@ -115,7 +115,7 @@ def _run_demo(args: argparse.Namespace) -> int:
 
 
 def _run_lab(args: argparse.Namespace) -> int:
-    from . import lab
+    from .. import lab
 
     if args.scenario == "launch":
         print(lab.launch.main(out=args.out, formats=args.formats, seed=args.seed))
@@ -181,7 +181,7 @@ _MOCK_DIALECTS = ("auto", "openai", "anthropic", "ietf", "none")
 
 
 def _run_mock(args: argparse.Namespace) -> int:
-    from . import mock_provider
+    from ..testing import _mock_provider as mock_provider
 
     return mock_provider.serve(
         rpm=args.rpm,
@@ -320,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     mp.set_defaults(func=_run_mock)
 
-    from .ledger.cli import add_quota_parser
+    from ..ledger.cli import add_quota_parser
 
     add_quota_parser(sub)
 

@@ -36,7 +36,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
 from typing import Any
 
-from ._ratequeue import Limiter, Rate
+from .._ratequeue import Limiter, Rate
 
 __all__ = ["COMPLETION_PATHS", "MockProvider", "default_burst", "serve"]
 
