@@ -39,6 +39,7 @@ RATEQUEUE = {
     "Policy",
     "PolicyPermit",
     "Pool",
+    "PoolAcquiring",
     "PoolOverloaded",
     "Provider",
     "QuotaExceeded",
