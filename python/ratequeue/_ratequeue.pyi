@@ -19,6 +19,11 @@ class _PolicyKeywords:
         self, kw: Mapping[str, object] | None = None
     ) -> tuple[tuple[object, ...], dict[str, int]]: ...
 
+@final
+class _LimiterKeywords:
+    def __new__(cls, units: Sequence[str]) -> _LimiterKeywords: ...
+    def parse(self, n: object = None, kw: Mapping[str, object] | None = None) -> list[int]: ...
+
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
 )

@@ -1,6 +1,7 @@
-"""Pool.acquire_async before and after it returned a ``PoolAcquiring``, side by side.
+"""Issue 12's Python tidy-up, before and after, side by side in one run.
 
-"Before" is ``python/ratequeue/pool.py`` of a git revision (default: 8b1efa6, where
+1. ``Pool.acquire_async`` before and after it returned a ``PoolAcquiring``. "Before" is
+``python/ratequeue/pool.py`` of a git revision (default: 8b1efa6, where
 ``acquire_async`` was an ``async def``), loaded from git into this process as a module of
 the installed package; "after" is the installed ``ratequeue.pool``. Both route over the
 same kind of pool (two providers, rates far above the load: every call is granted at
@@ -8,9 +9,14 @@ once). Floors in the same run: an empty coroutine awaited (what asyncio itself c
 ``await limiter.acquire_async()`` on one provider's limiter (what the pool wraps).
 Interleaved rounds (A B C ... A B C ...); the table gives the median µs per call.
 
+2. A Redis limiter's reading of a call's costs (``tokens=5``): the Python
+``_parse_costs`` of ``python/ratequeue/redis/_args.py`` at REV against the bindings'
+parser it now uses (``_LimiterKeywords.parse``), with building the list by hand as the
+floor. No Redis is involved: this is the client-side part of every call.
+
 Usage::
 
-    .venv/bin/python benches/bench_pool_async.py [--rev REV] [--rounds 31] [--batch 2000]
+    .venv/bin/python benches/bench_tidy.py [--rev REV] [--rounds 31] [--batch 2000]
 """
 
 from __future__ import annotations
@@ -34,23 +40,23 @@ from ratequeue import pool as after
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def load_before(rev: str) -> types.ModuleType:
-    """``pool.py`` of ``rev`` as ``ratequeue._pool_before`` (its relative imports resolve
-    against the installed package)."""
+def load_before(rev: str, path: str = "pool.py", package: str = "ratequeue") -> types.ModuleType:
+    """``python/<package>/<path>`` of ``rev`` as a module of the installed ``package``
+    (its relative imports resolve against it)."""
     source = subprocess.run(
-        ["git", "show", f"{rev}:python/ratequeue/pool.py"],
+        ["git", "show", f"{rev}:python/{package.replace('.', '/')}/{path}"],
         cwd=ROOT,
         capture_output=True,
         text=True,
         check=True,
     ).stdout
-    name = "ratequeue._pool_before"
+    name = f"{package}._before_{path.removesuffix('.py')}"
     spec = importlib.util.spec_from_loader(name, loader=None)
     assert spec is not None
     module = importlib.util.module_from_spec(spec)
-    module.__package__ = "ratequeue"
+    module.__package__ = package
     sys.modules[name] = module
-    exec(compile(source, f"{rev}:pool.py", "exec"), module.__dict__)
+    exec(compile(source, f"{rev}:{path}", "exec"), module.__dict__)
     return module
 
 
@@ -106,6 +112,36 @@ async def run(rev: str, rounds: int, batch: int) -> list[tuple[str, float]]:
     return [(k, statistics.median(v)) for k, v in samples.items()]
 
 
+def costs_rows(rev: str, rounds: int, batch: int) -> list[tuple[str, float]]:
+    from ratequeue._ratequeue import _LimiterKeywords
+
+    before = load_before(rev, "_args.py", "ratequeue.redis")
+    units, kw = ["requests", "tokens"], {"tokens": 5}
+    parser = _LimiterKeywords(units)
+    cases: dict[str, Callable[[], object]] = {
+        "`[1, kw['tokens']]` by hand (floor)": lambda: [1, kw["tokens"]],
+        f"Python `_parse_costs` (before, {rev})": lambda: before._parse_costs(units, None, kw),
+        "bindings `_LimiterKeywords.parse` (after)": lambda: parser.parse(None, kw),
+    }
+    assert len({repr(case()) for case in cases.values()}) == 1
+    samples: dict[str, list[float]] = {k: [] for k in cases}
+    for _ in range(rounds):
+        for k, case in cases.items():
+            t0 = time.perf_counter()
+            for _ in range(batch):
+                case()
+            samples[k].append((time.perf_counter() - t0) / batch * 1e6)
+    return [(k, statistics.median(v)) for k, v in samples.items()]
+
+
+def table(rows: list[tuple[str, float]], base_key: str) -> None:
+    base = dict(rows)[base_key]
+    print("| case | µs/call | ratio |")
+    print("|---|---:|---:|")
+    for k, us in rows:
+        print(f"| {k} | {us:.3f} | {us / base:.2f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rev", default="8b1efa6")
@@ -113,17 +149,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2000)
     args = ap.parse_args()
     rows = asyncio.run(run(args.rev, args.rounds, args.batch))
-    base = dict(rows)[f"`await pool.acquire_async(tokens=100)`, before ({args.rev})"]
-    print(f"# Pool.acquire_async: before ({args.rev}) and after PoolAcquiring\n")
+    print(f"# Issue 12's Python tidy-up: before ({args.rev}) and after\n")
     print(
         f"{dt.date.today()}, Python {platform.python_version()}, {platform.machine()}; "
         f"{args.rounds} interleaved rounds of {args.batch} calls; median µs per call; "
-        "ratio to before.\n"
+        "ratio to before. `.venv/bin/python benches/bench_tidy.py`\n"
     )
-    print("| case | µs/call | ratio |")
-    print("|---|---:|---:|")
-    for k, us in rows:
-        print(f"| {k} | {us:.2f} | {us / base:.2f} |")
+    print("## `Pool.acquire_async` returns a `PoolAcquiring`\n")
+    table(rows, f"`await pool.acquire_async(tokens=100)`, before ({args.rev})")
+    print("\n## A Redis limiter's costs read by the bindings\n")
+    costs = costs_rows(args.rev, args.rounds, args.batch * 10)
+    table(costs, f"Python `_parse_costs` (before, {args.rev})")
 
 
 if __name__ == "__main__":
