@@ -694,10 +694,11 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
         self.drop_inherited();
         let mut g = lock(&self.inner);
+        // Read under the lock: arrivals are dated in the order they join the queue.
+        let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
@@ -867,9 +868,9 @@ impl WaitQueue {
         if self.waiting() == 0 {
             return now_path(self.clock.now_ns()).map(Reserved::Now);
         }
-        let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = if g.len == 0 {
@@ -989,9 +990,9 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        let now = self.clock.now_ns();
         self.drop_inherited();
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = if g.len == 0 {
@@ -1475,8 +1476,8 @@ impl WaitQueue {
             }
             return grant;
         }
-        let now = self.clock.now_ns();
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut actual = actual.to_vec();
         for (u, (a, e)) in actual.iter_mut().zip(estimated).enumerate() {
             if *a < *e {
