@@ -301,6 +301,35 @@ impl KeyedLimiter {
         self.take_with(key, at_ns, cost, max_delay_ns, false)
     }
 
+    /// [`KeyedLimiter::take`] at `at_ns` set by something other than this key's own
+    /// schedule (a policy's slowest level): a time after now is kept from refunds.
+    pub fn take_at(&self, key: u64, at_ns: u64, cost: u64) -> Result<KeyTaken, Deny> {
+        let mut t = self.shard(key);
+        let taken = self.take_in(&mut t, key, at_ns, cost, 0, false)?;
+        let now = self.clock.now_ns();
+        if at_ns > now {
+            if t.ahead.len() >= 64 && t.ahead.len() >= t.len {
+                // Bounded by the keys with a debit still to come.
+                t.ahead.retain(|_, a| *a > now);
+            }
+            let a = t.ahead.entry(key).or_insert(0);
+            *a = (*a).max(at_ns);
+        }
+        Ok(taken)
+    }
+
+    /// The latest time a debit on `key` was scheduled at past `at_ns` (0: none).
+    fn ahead_of(t: &mut Table, key: u64, at_ns: u64) -> u64 {
+        match t.ahead.get(&key) {
+            Some(&a) if a > at_ns => a,
+            Some(_) => {
+                t.ahead.remove(&key);
+                0
+            }
+            None => 0,
+        }
+    }
+
     /// [`KeyedLimiter::take`], for a grant time the queue scheduled or an arrival.
     pub fn take_with(
         &self,
@@ -523,7 +552,8 @@ impl KeyedLimiter {
             (new, Undo::Exact)
         } else {
             t.latest = false;
-            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), 0) {
+            let ahead = Self::ahead_of(&mut g, t.key, at_ns);
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), ahead) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
                     (new, Undo::Refunded)
@@ -561,7 +591,8 @@ impl KeyedLimiter {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, 0) else {
+        let ahead = Self::ahead_of(&mut t, key, now);
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, ahead) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
         };

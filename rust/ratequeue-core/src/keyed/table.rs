@@ -25,6 +25,10 @@ pub(super) struct Table {
     /// Rebases so far, and the ticks the last one moved every TAT by.
     pub(super) rebases: u64,
     pub(super) last_shift: u64,
+    /// Per key, the latest clock time a debit was scheduled at by a time its TAT does
+    /// not show (a policy's other level set it): refunds leave everything before it in
+    /// place (see [`crate::Bucket::note_ahead`]). Only keys with such a debit to come.
+    pub(super) ahead: std::collections::HashMap<u64, u64>,
 }
 
 impl Table {

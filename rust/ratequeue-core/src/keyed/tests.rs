@@ -204,6 +204,24 @@ mod epochs {
         }
     }
 
+    /// History checker seed 729: a policy debited a key at a future time its other level
+    /// set; a refund of an earlier debit on the key then freed that time too (4 units at
+    /// one instant with burst 3). Like a bucket, the key keeps it from refunds.
+    #[test]
+    fn a_refund_leaves_a_debit_scheduled_ahead_by_another_level_in_place() {
+        let (k, clock) = keyed_at(Rate::new(2.0, 1e9, 3).unwrap(), 0);
+        let key = k.hasher().int(1);
+        let mut a = k.take(key, 0, 2, 0).unwrap();
+        k.take_at(key, 1_000_000_000, 1).unwrap();
+        k.give_back(&mut a, 2, 0);
+        clock.set(1_000_000_000).unwrap();
+        assert!(
+            k.take(key, 1_000_000_000, 3, 0).is_err(),
+            "3 more units at the instant a debit of 1 was scheduled, with burst 3"
+        );
+        assert!(k.take(key, 1_000_000_000, 2, 0).is_ok());
+    }
+
     #[test]
     fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
         let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
