@@ -319,50 +319,44 @@ impl Bucket {
     /// other.
     #[inline]
     pub fn try_take(&self, at_ns: u64, cost: u64) -> Result<(), Deny> {
-        let (mut w, mut p) = self.load_at(at_ns);
+        // Only scalars live across the loop (a `Params` kept there is copied through the
+        // stack, and reading it back stalls on store forwarding).
+        let (mut w, p) = self.load_at(at_ns);
+        if cost > p.burst {
+            return Err(Deny::TooLarge {
+                cost,
+                burst: p.burst,
+                unit: 0,
+            });
+        }
+        // Below 2^60 each (cost <= burst, and tau = burst << m < 2^57).
+        let now = p.ticks(at_ns);
+        let (add, limit) = (cost << p.m, (now + p.tau).min(TAT_MASK));
+        let gen = w & !TAT_MASK;
         let mut spins = 0u32;
-        'params: loop {
-            if cost > p.burst {
-                return Err(Deny::TooLarge {
-                    cost,
-                    burst: p.burst,
-                    unit: 0,
-                });
+        loop {
+            let new = (w & TAT_MASK).max(now) + add;
+            if new > limit {
+                // Refused: the general path says how long until it conforms.
+                return self.take(at_ns, cost, 0).map(|_| ());
             }
-            // Both below 2^60 (cost <= burst, and tau = burst << m < 2^57).
-            let (now, add) = (p.ticks(at_ns), cost << p.m);
-            loop {
-                let new = (w & TAT_MASK).max(now) + add;
-                if new > now + p.tau || new > TAT_MASK {
-                    return Err(self.refusal(&p, at_ns, new));
+            let next = gen | new;
+            if next == w {
+                return Ok(());
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => return Ok(()),
+                Err(seen) if seen & !TAT_MASK == gen => {
+                    w = seen;
+                    backoff(&mut spins);
                 }
-                let next = (w & !TAT_MASK) | new;
-                if next == w {
-                    return Ok(());
-                }
-                match self
-                    .word
-                    .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
-                {
-                    Ok(_) => return Ok(()),
-                    Err(seen) if seen >> GEN_SHIFT == w >> GEN_SHIFT => {
-                        w = seen;
-                        backoff(&mut spins);
-                    }
-                    Err(_) => {
-                        (w, p) = self.load_at(at_ns);
-                        continue 'params;
-                    }
-                }
+                // A rate change or a rebase moved the generation: the general path.
+                Err(_) => return self.take(at_ns, cost, 0).map(|_| ()),
             }
         }
-    }
-
-    /// The refusal of a decision at `at_ns` that would leave the TAT at `new`.
-    #[cold]
-    #[inline(never)]
-    fn refusal(&self, p: &Params, at_ns: u64, new: u64) -> Deny {
-        Deny::Wait(p.ns_until(at_ns, new.saturating_sub(p.tau)))
     }
 
     /// [`Bucket::take`], for a grant time the queue scheduled (`scheduled`) or an arrival.
