@@ -446,40 +446,27 @@ impl KeyedLimiter {
                 }
                 let mut t = lock(&self.shards[sh].0);
                 let p = self.params_at(&mut t, now);
-                // The decision of `Params::step` with no delay allowed, from one clock
-                // conversion per shard: admitted iff the new TAT is within tau of now.
                 let now_ticks = p.ticks(now);
-                let limit = (now_ticks + p.tau).min(crate::bucket::TAT_LIMIT);
-                // Room for every key of the group up front while the shard cannot fill
-                // (then no key is dropped meanwhile): one growth instead of a rehash at
-                // each doubling.
-                let want = t.len + group.len();
-                if want <= self.per_shard {
-                    let cap = ((want * 4).div_ceil(3) + 1).next_power_of_two().clamp(8, self.cap);
-                    if cap > t.slots.len() {
-                        t.grow(cap);
-                    }
-                }
                 for (j, &i) in group.iter().enumerate() {
                     if let Some(&ahead) = group.get(j + 8) {
                         t.prefetch(chunk[ahead as usize]);
                     }
                     let (i, key) = (base + i as usize, chunk[i as usize]);
-                    let found = t.probe(key);
+                    let found = t.find(key);
                     let before = found.map_or(0, |x| t.slots[x].tat);
-                    let new = before.max(now_ticks) + (cost_of(i) << p.m);
-                    out[i] = new <= limit;
-                    if !out[i] {
-                        continue;
-                    }
-                    match found {
-                        Ok(x) => t.slots[x].tat = new,
-                        Err(x) if t.len < self.per_shard && t.len < t.slots.len() * 3 / 4 => t.insert_at(x, key, new),
-                        Err(_) => {
-                            self.make_room(&mut t, now_ticks);
-                            t.insert_new(key, new);
+                    out[i] = match p.step(before, now, cost_of(i), 0, false) {
+                        Ok((new, _)) => {
+                            match found {
+                                Some(x) => t.slots[x].tat = new,
+                                None => {
+                                    self.make_room(&mut t, now_ticks);
+                                    t.insert_new(key, new);
+                                }
+                            }
+                            true
                         }
-                    }
+                        Err(_) => false,
+                    };
                 }
             }
         }

@@ -50,36 +50,6 @@ impl Table {
         }
     }
 
-    /// The slot of `key` (`Ok`) or the empty slot where it would go (`Err`), in one
-    /// probe (`Err(usize::MAX)` while the table has no slots).
-    #[inline]
-    pub(super) fn probe(&self, key: u64) -> Result<usize, usize> {
-        if self.slots.is_empty() {
-            return Err(usize::MAX);
-        }
-        let mask = self.slots.len() - 1;
-        let mut i = (key as usize) & mask;
-        loop {
-            let s = self.slots[i];
-            if s.key == key {
-                return Ok(i);
-            }
-            if s.key == EMPTY {
-                return Err(i);
-            }
-            i = (i + 1) & mask;
-        }
-    }
-
-    /// Puts a new `key` in the empty slot `i` that [`Table::probe`] returned for it.
-    #[inline]
-    pub(super) fn insert_at(&mut self, i: usize, key: u64, tat: u64) {
-        debug_assert_eq!(self.slots[i].key, EMPTY);
-        self.slots[i] = Slot { key, tat };
-        self.len += 1;
-        self.next_full = self.next_full.min(tat);
-    }
-
     pub(super) fn insert_new(&mut self, key: u64, tat: u64) {
         let mask = self.slots.len() - 1;
         let mut i = (key as usize) & mask;
