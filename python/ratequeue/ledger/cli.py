@@ -68,7 +68,7 @@ def open_ledger(args: argparse.Namespace) -> LedgerBase:
     if args.redis:
         import redis
 
-        from ._redis import RedisLedger
+        from ..redis import RedisLedger
 
         return RedisLedger(redis.Redis.from_url(args.redis), name=args.name)
     raise ValueError("give --db FILE or --redis URL")

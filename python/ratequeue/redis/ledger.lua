@@ -3,15 +3,99 @@
 --
 -- KEYS: 1 account hash, 2 request record (audit hash for "comp"), 3 hold expiry zset,
 --       4 usage rows stream, 5 outbox list, 6 current period hash, (7 a hold's id index)
--- ARGV: 1 op, 2 now, 3 plan version, 4 key prefix, 5 retention s, 6 period key,
---       7 period end, 8 the account (for a hold's id index), 9-18 per op, 19... the plan: unit count, then per unit
---       its name, quota, threshold count and (basis points, level) pairs.
+-- ARGV: 1 op, 2 now, 3-11 per op (3 request id, 4 fingerprint, 5 input, 6 output,
+--       7 calls, 8 model, 9 parent, 10 meta, 11 hold expiry), 12 the account (a hold's
+--       id index) or the new record (a charge), then what the client sends pre-encoded
+--       per account and period: 13 plan version, 14 key prefix, 15 retention s,
+--       16 period key, 17 period end, 18 max rows, 19... the plan: unit count, then per
+--       unit its name, quota, threshold count and (basis points, level) pairs.
 -- A request record is one string: its fields joined by \31 (ids hold no control chars).
 
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local retention, pkey, pend = tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[13], ARGV[14]
+local retention, pkey, pend = tonumber(ARGV[15]), ARGV[16], ARGV[17]
 local SEP = '\31'
+
+-- Integers go to Redis as %d text: exact below 2**53 (the client refuses larger).
+local function int(x) return string.format('%d', x) end
+
+-- The plain charge, in the common case: the plan current, no hold due, the period
+-- started, the amount fits. Returns nil (nothing written) for every other case, which
+-- the general code below then decides. The client sends the record ready (ARGV 12).
+local function fast_charge()
+  local nu = tonumber(ARGV[19])
+  local af, pf, un, uq, ulv = {'ver', 'nx'}, {'end'}, {}, {}, {}
+  local at = 20
+  for k = 1, nu do
+    local u = ARGV[at]
+    un[k], uq[k] = u, tonumber(ARGV[at + 1])
+    af[k + 2], pf[k + 1] = 'b_' .. u, 'u_' .. u
+    at = at + 3 + 2 * tonumber(ARGV[at + 2])
+  end
+  local acct = redis.call('HMGET', A, unpack(af))
+  if acct[1] ~= ver then return {'STALE'} end
+  local nx = tonumber(acct[2])
+  if nx ~= nil and nx <= now then return nil end
+  -- the fired flags after the usage fields
+  at = 20
+  for k = 1, nu do
+    local lv = {}
+    for j = 1, tonumber(ARGV[at + 2]) do
+      local bp = ARGV[at + 1 + 2 * j]
+      pf[#pf + 1] = 'f:' .. un[k] .. ':' .. bp
+      lv[j] = {bp, tonumber(ARGV[at + 2 + 2 * j]), #pf}
+    end
+    ulv[k] = lv
+    at = at + 3 + 2 * #lv
+  end
+  local pv = redis.call('HMGET', P, unpack(pf))
+  if not pv[1] then return nil end
+  local i, o, c = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
+  local need = {tokens = i + o, input_tokens = i, output_tokens = o, calls = c}
+  local used, from_bonus = {}, {}
+  for k = 1, nu do
+    local u, n = un[k], need[un[k]]
+    local cur = tonumber(pv[k + 1]) or 0
+    local free = math.max(0, uq[k] - cur)
+    local fp = math.min(n, free)
+    local fb = math.min(n - fp, tonumber(acct[k + 2]) or 0)
+    if fp + fb < n then return nil end
+    used[k], from_bonus[k] = cur + fp, fb
+  end
+  local raw = ARGV[12]
+  local ttl = int(math.max(1, math.ceil(tonumber(pend) - now + retention)))
+  if not redis.call('SET', R, raw, 'NX', 'EX', ttl) then
+    local old = redis.call('GET', R)
+    local head = #op + #ARGV[4] + 10
+    if string.sub(old, 1, head) ~= string.sub(raw, 1, head) then return {'CONFLICT'} end
+    return {'REPLAY', old}
+  end
+  local hs, fired = {}, 0
+  for k = 1, nu do
+    local u = un[k]
+    hs[#hs + 1] = pf[k + 1]
+    hs[#hs + 1] = int(used[k])
+    if from_bonus[k] > 0 then redis.call('HINCRBY', A, af[k + 2], int(-from_bonus[k])) end
+    for _, l in ipairs(ulv[k]) do
+      if used[k] >= l[2] and not pv[l[3]] then
+        hs[#hs + 1] = pf[l[3]]
+        hs[#hs + 1] = '1'
+        redis.call('LPUSH', O, table.concat({u, l[1], int(used[k]), int(uq[k]), ARGV[2], pkey},
+          '|'))
+        fired = fired + 1
+      end
+    end
+  end
+  redis.call('HSET', P, unpack(hs))
+  if fired > 0 then redis.call('LTRIM', O, 0, 999) end
+  redis.call('XADD', S, 'MAXLEN', '~', ARGV[18], '*', 'id', ARGV[3], 'r', raw)
+  return {'OK', fired}
+end
+
+if op == 'charge' then
+  local r = fast_charge()
+  if r then return r end
+end
 
 local function split(s, sep)
   local out, i = {}, 1
@@ -27,8 +111,6 @@ local function split(s, sep)
   end
 end
 
--- Integers go to Redis as %d text: exact below 2**53 (the client refuses larger).
-local function int(x) return string.format('%d', x) end
 local function num(v) return tonumber(v) or 0 end
 
 -- Per unit: its quota, its thresholds {bp, level, flag field} and its field names.
@@ -220,7 +302,7 @@ local function record(raw, ttl)
 end
 
 local function row(raw, max_rows)
-  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[9], 'r', raw)
+  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[3], 'r', raw)
 end
 
 local function amounts_of(i, o, c)
@@ -231,31 +313,29 @@ end
 expire_holds()
 
 if op == 'charge' or op == 'hold' then
-  -- ARGV 9 rid, 10 fp, 11 in, 12 out, 13 calls, 14 model, 15 parent, 16 meta, 17 exp,
-  -- 18 max rows
-  local rid, fp = ARGV[9], ARGV[10]
+  local rid, fp = ARGV[3], ARGV[4]
   local raw = redis.call('GET', R)
   if raw then
     local rec = split(raw, SEP)
     if rec[KIND] ~= op or rec[FP] ~= fp then return {'CONFLICT'} end
     return {'REPLAY', raw}
   end
-  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  local am = amounts_of(ARGV[5], ARGV[6], ARGV[7])
   local per = load_period(P)
   local parts, unit, need, avail = take(per, am, false)
   if parts == nil then return {'QUOTA', unit, int(need), int(avail)} end
-  local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[11], ARGV[12], ARGV[13], ARGV[14],
-    ARGV[15], ARGV[16], '', ''}
+  local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+    ARGV[9], ARGV[10], '', ''}
   if op == 'hold' then
-    rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[17], encode_parts(parts)
+    rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[11], encode_parts(parts)
     for _, u in ipairs(units) do per.held[u] = per.held[u] + am[u] end
-    redis.call('ZADD', H, ARGV[17], rid)
+    redis.call('ZADD', H, ARGV[11], rid)
     if KEYS[7] then  -- the id -> account index (single server only: another slot)
-      redis.call('SET', KEYS[7], ARGV[8], 'EX', int(math.ceil(tonumber(ARGV[17]) - now + retention)))
+      redis.call('SET', KEYS[7], ARGV[12], 'EX', int(math.ceil(tonumber(ARGV[11]) - now + retention)))
     end
     local nx = tonumber(acct[2])
-    if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
-    record(table.concat(rec, SEP), tonumber(ARGV[17]) - now + retention)
+    if nx == nil or tonumber(ARGV[11]) < nx then redis.call('HSET', A, 'nx', ARGV[11]) end
+    record(table.concat(rec, SEP), tonumber(ARGV[11]) - now + retention)
   else
     local raw = table.concat(rec, SEP)
     record(raw, tonumber(pend) - now + retention)
@@ -268,13 +348,13 @@ if op == 'charge' or op == 'hold' then
 end
 
 if op == 'settle' then
-  -- ARGV 9 rid, 10 sfp, 11 in, 12 out, 13 calls, 14 model ('' = keep), 18 max rows
-  local rid, sfp, model, max_rows = ARGV[9], ARGV[10], ARGV[14], ARGV[18]
-  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  -- ARGV 4 is the settle fingerprint, 8 the model ('' = keep)
+  local rid, sfp, model, max_rows = ARGV[3], ARGV[4], ARGV[8], ARGV[18]
+  local am = amounts_of(ARGV[5], ARGV[6], ARGV[7])
   local raw = redis.call('GET', R)
   local rec = raw and split(raw, SEP)
   if rec and rec[STATUS] == 'charged' then
-    local same = rec[IN] == ARGV[11] and rec[OUT] == ARGV[12] and rec[CALLS] == ARGV[13]
+    local same = rec[IN] == ARGV[5] and rec[OUT] == ARGV[6] and rec[CALLS] == ARGV[7]
       and (model == '' or model == rec[MODEL])
     if rec[SFP] ~= sfp and not (rec[KIND] == 'charge' and same) then return {'CONFLICT'} end
     return {'REPLAY', raw}
@@ -296,7 +376,7 @@ if op == 'settle' then
   take(per, am, true)
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
   rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[PARTS] =
-    ARGV[11], ARGV[12], ARGV[13], model, ''
+    ARGV[5], ARGV[6], ARGV[7], model, ''
   local out = table.concat(rec, SEP)
   record(out, (period == pkey and tonumber(pend) or now) - now + retention)
   row(out, max_rows)
@@ -317,7 +397,7 @@ if op == 'release' then
   save_bonus()
   rec[STATUS], rec[PARTS] = 'released', ''
   redis.call('SET', R, table.concat(rec, SEP), 'KEEPTTL')
-  redis.call('ZREM', H, ARGV[9])
+  redis.call('ZREM', H, ARGV[3])
   return {'OK', 1}
 end
 
@@ -333,18 +413,18 @@ if op == 'balance' then
 end
 
 if op == 'comp' then
-  -- R is the account's audit hash; ARGV 9 campaign, 10 reset 0/1,
-  -- 11 "unit=credit=bonus,...", 12 account
-  local campaign = ARGV[9]
+  -- R is the account's audit hash; ARGV 3 campaign, 4 reset 0/1,
+  -- 5 "unit=credit=bonus,...", 6 account
+  local campaign = ARGV[3]
   local done = redis.call('HGET', R, campaign)
   if done then return {'DONE', done} end
   local per = load_period(P)
   local before_used, before_bonus, after_used, after_bonus, added = {}, {}, {}, {}, {}
-  for _, spec in ipairs(split(ARGV[11], ',')) do
+  for _, spec in ipairs(split(ARGV[5], ',')) do
     local u, credit, add = string.match(spec, '^([^=]+)=(%d+)=(%d+)$')
     local used = math.max(0, per.used[u])
     local new_used = used
-    if ARGV[10] == '1' then new_used = 0 end
+    if ARGV[4] == '1' then new_used = 0 end
     if tonumber(credit) > 0 then new_used = math.max(0, used - tonumber(credit)) end
     per.used[u] = new_used
     before_used[u], before_bonus[u] = int(used), int(bonus[u])
@@ -355,7 +435,7 @@ if op == 'comp' then
   end
   save_period(per, pend)
   save_bonus()
-  local rec = cjson.encode({account = ARGV[12], campaign = campaign, period = pkey,
+  local rec = cjson.encode({account = ARGV[6], campaign = campaign, period = pkey,
     status = 'changed', at = ARGV[2],
     before = {used = before_used, bonus = before_bonus},
     after = {used = after_used, bonus = after_bonus}, bonus_added = added})

@@ -1,5 +1,6 @@
 """How the Redis ledger encodes what it stores: a request record is one string of fields
-joined by ``\\x1f``, notices are ``|``-joined, commands are packed in RESP once."""
+joined by ``\\x1f``, notices are ``|``-joined; the parts of a command that stay the same
+for an account and period are packed in RESP once (``_Seg``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ._model import Charge, IdempotencyConflict, Notice, Plan, threshold_amounts
+from ..ledger._model import Charge, IdempotencyConflict, Notice, Plan, threshold_amounts
 
 SEP = "\x1f"
 
@@ -16,9 +17,62 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+def _b(v: Any) -> bytes:
+    return v if isinstance(v, bytes) else str(v).encode()
+
+
+class _Seg:
+    """Consecutive command arguments, kept as given and as RESP bulk strings."""
+
+    __slots__ = ("args", "n", "raw")
+
+    def __init__(self, args: Sequence[Any]) -> None:
+        self.args = tuple(args)
+        self.n = len(self.args)
+        self.raw = b"".join(b"$%d\r\n%s\r\n" % (len(x), x) for x in map(_b, self.args))
+
+
+def _pack_items(items: Sequence[Any]) -> bytes:
+    """A command of scalars and ``_Seg`` parts, in RESP."""
+    n = 0
+    out = [b""]
+    for it in items:
+        if type(it) is _Seg:
+            n += it.n
+            out.append(it.raw)
+        else:
+            x = _b(it)
+            n += 1
+            out.append(b"$%d\r\n%s\r\n" % (len(x), x))
+    out[0] = b"*%d\r\n" % n
+    return b"".join(out)
+
+
+def _flat(items: Sequence[Any]) -> list[Any]:
+    """A command of scalars and ``_Seg`` parts as plain arguments."""
+    out: list[Any] = []
+    for it in items:
+        if type(it) is _Seg:
+            out.extend(it.args)
+        else:
+            out.append(it)
+    return out
+
+
+class _Ctx:
+    """What a command of one account and period always carries: the EVALSHA head with
+    the account key, the other keys, and the script's ARGV 13... (plan and period)."""
+
+    __slots__ = ("head", "keys", "span", "tail")
+
+    def __init__(self, head: _Seg, keys: _Seg, tail: _Seg, span: Any) -> None:
+        self.head, self.keys, self.tail, self.span = head, keys, tail, span
+
+
 class _Info:
-    __slots__ = ("anchor", "plan", "plan_json", "spec", "thr", "ver")
+    __slots__ = ("anchor", "ctx", "plan", "plan_json", "spec", "thr", "ver")
     spec: list[Any]
+    ctx: dict[str, _Ctx]
 
     def __init__(
         self, ver: str, plan_json: str, anchor: float | None, thr: tuple[int, ...], plan: Plan
@@ -30,6 +84,7 @@ class _Info:
             thr,
             plan,
         )
+        self.ctx = {}
         # the plan as the script reads it (ARGV 19...): unit count, then per unit its
         # name, quota, threshold count and (basis points, level) pairs
         spec: list[Any] = [len(plan.quota)]
