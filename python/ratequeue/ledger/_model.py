@@ -397,6 +397,41 @@ class Charge:
         return self.input_tokens + self.output_tokens
 
 
+_new = object.__new__
+
+
+def new_charge(
+    request_id: str,
+    account: str,
+    period: str,
+    at: float,
+    input_tokens: int,
+    output_tokens: int,
+    calls: int,
+    model: str | None,
+    parent_id: str | None,
+    meta: dict[str, Any] | None,
+    replay: bool = False,
+) -> Charge:
+    """``Charge(...)`` for hot paths: the same object, without the frozen dataclass's
+    per-field ``object.__setattr__``."""
+    c = _new(Charge)
+    c.__dict__.update(
+        request_id=request_id,
+        account=account,
+        period=period,
+        at=at,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        calls=calls,
+        model=model,
+        parent_id=parent_id,
+        meta=meta,
+        replay=replay,
+    )
+    return c
+
+
 @dataclass(frozen=True)
 class Hold:
     """An estimate reserved before a call; settle, release or let it expire."""

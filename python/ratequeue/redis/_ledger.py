@@ -48,8 +48,10 @@ from ..ledger._model import (
     amounts,
     check_id,
     fingerprint,
+    new_charge,
 )
 from ._ledger_codec import (
+    HEAD_LEN,
     SEP,
     _conflict,
     _Ctx,
@@ -84,8 +86,9 @@ _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
 SWEEP_SECONDS = 60.0
 
 T = TypeVar("T")
-#: A step of a call: ("eval", items) runs the script (items: the ``EVALSHA`` command as
-#: scalars and ``_Seg`` parts); ("cmd", *args) any other command.
+#: A step of a call: ("eval", items[, packed]) runs the script (items: the ``EVALSHA``
+#: command as scalars and ``_Seg`` parts; packed: the same in RESP, when made already);
+#: ("cmd", *args) any other command.
 _Step = tuple[Any, ...]
 _Flow = Generator[_Step, Any, T]
 
@@ -207,23 +210,8 @@ class RedisLedger(LedgerBase):
         """The fixed parts of this account's commands in ``span`` (packed once)."""
         c = info.ctx.get(span.key)
         if c is None:
-            p = self._pfx(account)
-            c = _Ctx(
-                _Seg(("EVALSHA", LUA_SHA, 6, p + "a")),
-                _Seg((p + "h", p + "rows", p + "o", p + "p:" + span.key)),
-                _Seg(
-                    (
-                        info.ver,
-                        p,
-                        int(self.retention) + 1,
-                        span.key,
-                        repr(span.end),
-                        self.max_rows,
-                        *info.spec,
-                    )
-                ),
-                span,
-            )
+            pfx = self._pfx(account)
+            c = _Ctx(LUA_SHA, pfx, info, span, int(self.retention) + 1, self.max_rows)
             if len(info.ctx) > 8:
                 info.ctx.clear()
             info.ctx[span.key] = c
@@ -285,17 +273,18 @@ class RedisLedger(LedgerBase):
         if step[0] != "eval":
             return self.client.execute_command(*step[1:])
         try:
-            return self._send_eval(step[1])
+            return self._send_eval(step)
         except redis.exceptions.NoScriptError:
             self.client.script_load(LUA)
-            return self._send_eval(step[1])
+            return self._send_eval(step)
 
-    def _send_eval(self, items: list[Any]) -> Any:
+    def _send_eval(self, step: _Step) -> Any:
         if not self._raw:
-            return self.client.execute_command(*_flat(items))
-        # a plain client's pooled connection gets the command packed once, without
-        # redis-py's per-argument work
-        packed = _pack_items(items)
+            return self.client.execute_command(*_flat(step[1]))
+        # a plain client's pooled connection gets the command packed once (its fixed
+        # parts per account and period, packed before), without redis-py's work per
+        # argument
+        packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
         pool = self.client.connection_pool
         conn = pool.get_connection(*self._conn_args)
         try:
@@ -424,21 +413,49 @@ class RedisLedger(LedgerBase):
         fp: str,
     ) -> _Flow[Charge]:
         self._check_big(am)
-        i, o, c = am["input_tokens"], am["output_tokens"], am["calls"]
+        i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
+        extra = (rid, fp, i, o, n, model or "", parent or "", meta, "")
+        fast = True
         for attempt in range(3):
-            info = yield from self._info_flow(account, attempt > 0)
+            info = self._info.get(account) if attempt == 0 else None
+            if info is None:
+                info = yield from self._info_flow(account, attempt > 0)
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now)
             t = repr(now)
             m, pa = model or "", parent or ""
-            raw = SEP.join(("charge", "charged", fp, "", t, span.key, str(i), str(o), str(c)))
-            raw = SEP.join((raw, m, pa, meta, "", ""))
-            extra = (rid, fp, i, o, c, m, pa, meta, "")
-            r = yield self._op("charge", account, info, span, now, "r:" + rid, extra, raw)
+            if fast:
+                c = self._ctx(account, info, span)
+                head = SEP.join(("charge", "charged", fp, ""))
+                raw = SEP.join((head, t, span.key, str(i), str(o), str(n), m, pa, meta, "", ""))
+                ttl = str(max(1, math.ceil(span.end - now + int(self.retention) + 1)))
+                vals = (i + o, i, o, n)
+                rk = c.rkey + rid
+                needs = [str(vals[k]) for k in c.uidx]
+                items = [c.fhead, rk, "c", t, rid, raw, ttl, len(head), c.nu, *needs, c.ftail]
+                packed = None
+                if self._raw and len(head) == HEAD_LEN and rk.isascii() and raw.isascii():
+                    ns = "".join([f"${len(x)}\r\n{x}\r\n" for x in needs])
+                    packed = (
+                        c.fpre
+                        + (
+                            f"${len(rk)}\r\n{rk}\r\n$1\r\nc\r\n${len(t)}\r\n{t}\r\n"
+                            f"${len(rid)}\r\n{rid}\r\n${len(raw)}\r\n{raw}\r\n"
+                            f"${len(ttl)}\r\n{ttl}\r\n{c.fmid}{ns}"
+                        ).encode()
+                        + c.ftail.raw
+                    )
+                r = yield ("eval", items, packed)
+                if _s(r[0]) == "SLOW":  # the general op decides (nothing was written)
+                    fast = False
+                    r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)
+            else:
+                r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)
             tag = r[0]
             if tag == b"OK" or tag == "OK":
                 yield from self._fired(account, r[1])
-                return Charge(rid, account, span.key, now, i, o, c, model, parent, _meta(meta))
+                mt = _meta(meta) if meta else None
+                return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
             tag = _s(tag)
             if tag == "STALE":
                 continue

@@ -11,6 +11,8 @@ from typing import Any
 from ..ledger._model import Charge, IdempotencyConflict, Notice, Plan, threshold_amounts
 
 SEP = "\x1f"
+#: The length of a charge record's head: kind, status, fingerprint (24), separators.
+HEAD_LEN = len(SEP.join(("charge", "charged", "0" * 24, "")))
 
 
 def _s(v: Any) -> str:
@@ -35,17 +37,17 @@ class _Seg:
 def _pack_items(items: Sequence[Any]) -> bytes:
     """A command of scalars and ``_Seg`` parts, in RESP."""
     n = 0
-    out = [b""]
+    out = []
     for it in items:
-        if type(it) is _Seg:
+        t = type(it)
+        if t is _Seg:
             n += it.n
             out.append(it.raw)
-        else:
-            x = _b(it)
-            n += 1
-            out.append(b"$%d\r\n%s\r\n" % (len(x), x))
-    out[0] = b"*%d\r\n" % n
-    return b"".join(out)
+            continue
+        x = it.encode() if t is str else b"%d" % it if t is int else _b(it)
+        n += 1
+        out.append(b"$%d\r\n%b\r\n" % (len(x), x))
+    return b"*%d\r\n%b" % (n, b"".join(out))
 
 
 def _flat(items: Sequence[Any]) -> list[Any]:
@@ -61,12 +63,58 @@ def _flat(items: Sequence[Any]) -> list[Any]:
 
 class _Ctx:
     """What a command of one account and period always carries: the EVALSHA head with
-    the account key, the other keys, and the script's ARGV 13... (plan and period)."""
+    the account key, the other keys, and the script's ARGV 13... (plan and period); and
+    the same for the plain charge (op ``c``)."""
 
-    __slots__ = ("head", "keys", "span", "tail")
+    __slots__ = (
+        "fhead",
+        "fmid",
+        "fpre",
+        "ftail",
+        "head",
+        "keys",
+        "nu",
+        "rkey",
+        "span",
+        "tail",
+        "uidx",
+    )
 
-    def __init__(self, head: _Seg, keys: _Seg, tail: _Seg, span: Any) -> None:
-        self.head, self.keys, self.tail, self.span = head, keys, tail, span
+    def __init__(
+        self, sha: str, pfx: str, info: _Info, span: Any, retention: int, max_rows: int
+    ) -> None:
+        self.span = span
+        a, p = pfx + "a", pfx + "p:" + span.key
+        self.head = _Seg(("EVALSHA", sha, 6, a))
+        self.keys = _Seg((pfx + "h", pfx + "rows", pfx + "o", p))
+        self.tail = _Seg(
+            (info.ver, pfx, retention, span.key, repr(span.end), max_rows, *info.spec)
+        )
+        units = list(info.plan.quota.items())
+        self.nu = len(units)
+        self.rkey = pfx + "r:"
+        # where each unit's amount is in (tokens, input_tokens, output_tokens, calls)
+        self.uidx = tuple(
+            ("tokens", "input_tokens", "output_tokens", "calls").index(u) for u, _ in units
+        )
+        self.fhead = _Seg(("EVALSHA", sha, 5, a, p, pfx + "rows", pfx + "o"))
+        afields = ["ver", "nx", *("b_" + u for u, _ in units)]
+        pfields = ["end", *("u_" + u for u, _ in units)]
+        per_unit: list[Any] = []
+        for u, q in units:
+            lv = list(zip(info.thr, threshold_amounts(q, info.thr), strict=True)) if q > 0 else []
+            per_unit += [q, u, len(lv)]
+            for bp, level in lv:
+                pfields.append(f"f:{u}:{bp}")
+                per_unit += [level, bp, len(pfields)]
+        self.ftail = _Seg(
+            (info.ver, span.key, max_rows, len(pfields), *afields, *pfields, *per_unit)
+        )
+        # the packed command up to its request key: its argument count, then the head
+        count = self.fhead.n + 8 + self.nu + self.ftail.n
+        self.fpre = b"*%d\r\n%b" % (count, self.fhead.raw)
+        # ARGV 6 and 7: the record's head length (a fingerprint is 24 characters) and n
+        self.fmid = _Seg((HEAD_LEN, self.nu)).raw.decode()
 
 
 class _Info:

@@ -5,97 +5,83 @@
 --       4 usage rows stream, 5 outbox list, 6 current period hash, (7 a hold's id index)
 -- ARGV: 1 op, 2 now, 3-11 per op (3 request id, 4 fingerprint, 5 input, 6 output,
 --       7 calls, 8 model, 9 parent, 10 meta, 11 hold expiry), 12 the account (a hold's
---       id index) or the new record (a charge), then what the client sends pre-encoded
+--       id index), then what the client sends pre-encoded
 --       per account and period: 13 plan version, 14 key prefix, 15 retention s,
 --       16 period key, 17 period end, 18 max rows, 19... the plan: unit count, then per
 --       unit its name, quota, threshold count and (basis points, level) pairs.
 -- A request record is one string: its fields joined by \31 (ids hold no control chars).
 
+-- Op 'c', the plain charge in the common case, with its own compact ARGV (all that can
+-- be is computed and encoded by the client, once per account and period):
+--   KEYS 1 account hash, 2 period hash, 3 rows stream, 4 outbox, 5 request record.
+--   ARGV 1 'c', 2 now, 3 request id, 4 the record, 5 its ttl, 6 the length of its head
+--   (kind, status, fingerprint), 7 unit count n, 8.. the amount per unit; then from
+--   b = 8 + n: b version, b+1 period key, b+2 max rows, b+3 period field count m,
+--   b+4.. the account fields ('ver', 'nx', then 'b_<unit>' per unit), pa = b+6+n.. the
+--   period fields ('end', 'u_<unit>' per unit, then the fired flags), then per unit its
+--   quota, name, threshold count, and per threshold its level, basis points and the
+--   index of its flag among the period fields.
+-- Anything else (plan changed, hold expiry due, new period, out of quota) answers SLOW
+-- having written nothing: the client then runs the general 'charge'.
+if ARGV[1] == 'c' then
+  local nu = tonumber(ARGV[7])
+  local b = 8 + nu
+  local acct = redis.call('HMGET', KEYS[1], unpack(ARGV, b + 4, b + 5 + nu))
+  if acct[1] ~= ARGV[b] then return {'STALE'} end
+  local nx = tonumber(acct[2])
+  if nx and nx <= tonumber(ARGV[2]) then return {'SLOW'} end
+  local pa = b + 6 + nu
+  local pv = redis.call('HMGET', KEYS[2], unpack(ARGV, pa, pa + tonumber(ARGV[b + 3]) - 1))
+  if not pv[1] then return {'SLOW'} end
+  local ua = pa + tonumber(ARGV[b + 3])
+  local used, fb, at = {}, {}, ua
+  for k = 1, nu do
+    local n, cur = tonumber(ARGV[7 + k]), tonumber(pv[1 + k]) or 0
+    local free = math.max(0, tonumber(ARGV[at]) - cur)
+    local f = math.min(n, free)
+    local g = math.min(n - f, tonumber(acct[2 + k]) or 0)
+    if f + g < n then return {'SLOW'} end
+    used[k], fb[k] = cur + f, g
+    at = at + 3 + 3 * tonumber(ARGV[at + 2])
+  end
+  if not redis.call('SET', KEYS[5], ARGV[4], 'NX', 'EX', ARGV[5]) then
+    local old, h = redis.call('GET', KEYS[5]), tonumber(ARGV[6])
+    if string.sub(old, 1, h) ~= string.sub(ARGV[4], 1, h) then return {'CONFLICT'} end
+    return {'REPLAY', old}
+  end
+  local hs, fired = {}, 0
+  at = ua
+  for k = 1, nu do
+    local u = string.format('%d', used[k])
+    hs[#hs + 1] = ARGV[pa + k]
+    hs[#hs + 1] = u
+    if fb[k] > 0 then
+      redis.call('HINCRBY', KEYS[1], ARGV[b + 5 + k], string.format('%d', -fb[k]))
+    end
+    local nl = tonumber(ARGV[at + 2])
+    for j = 1, nl do
+      local l = at + 3 * j
+      local fi = tonumber(ARGV[l + 2])
+      if used[k] >= tonumber(ARGV[l]) and not pv[fi] then
+        hs[#hs + 1] = ARGV[pa + fi - 1]
+        hs[#hs + 1] = '1'
+        redis.call('LPUSH', KEYS[4],
+          table.concat({ARGV[at + 1], ARGV[l + 1], u, ARGV[at], ARGV[2], ARGV[b + 1]}, '|'))
+        fired = fired + 1
+      end
+    end
+    at = at + 3 + 3 * nl
+  end
+  redis.call('HSET', KEYS[2], unpack(hs))
+  if fired > 0 then redis.call('LTRIM', KEYS[4], 0, 999) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[b + 2], '*', 'id', ARGV[3], 'r', ARGV[4])
+  return {'OK', fired}
+end
+
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[13], ARGV[14]
 local retention, pkey, pend = tonumber(ARGV[15]), ARGV[16], ARGV[17]
 local SEP = '\31'
-
--- Integers go to Redis as %d text: exact below 2**53 (the client refuses larger).
-local function int(x) return string.format('%d', x) end
-
--- The plain charge, in the common case: the plan current, no hold due, the period
--- started, the amount fits. Returns nil (nothing written) for every other case, which
--- the general code below then decides. The client sends the record ready (ARGV 12).
-local function fast_charge()
-  local nu = tonumber(ARGV[19])
-  local af, pf, un, uq, ulv = {'ver', 'nx'}, {'end'}, {}, {}, {}
-  local at = 20
-  for k = 1, nu do
-    local u = ARGV[at]
-    un[k], uq[k] = u, tonumber(ARGV[at + 1])
-    af[k + 2], pf[k + 1] = 'b_' .. u, 'u_' .. u
-    at = at + 3 + 2 * tonumber(ARGV[at + 2])
-  end
-  local acct = redis.call('HMGET', A, unpack(af))
-  if acct[1] ~= ver then return {'STALE'} end
-  local nx = tonumber(acct[2])
-  if nx ~= nil and nx <= now then return nil end
-  -- the fired flags after the usage fields
-  at = 20
-  for k = 1, nu do
-    local lv = {}
-    for j = 1, tonumber(ARGV[at + 2]) do
-      local bp = ARGV[at + 1 + 2 * j]
-      pf[#pf + 1] = 'f:' .. un[k] .. ':' .. bp
-      lv[j] = {bp, tonumber(ARGV[at + 2 + 2 * j]), #pf}
-    end
-    ulv[k] = lv
-    at = at + 3 + 2 * #lv
-  end
-  local pv = redis.call('HMGET', P, unpack(pf))
-  if not pv[1] then return nil end
-  local i, o, c = tonumber(ARGV[5]), tonumber(ARGV[6]), tonumber(ARGV[7])
-  local need = {tokens = i + o, input_tokens = i, output_tokens = o, calls = c}
-  local used, from_bonus = {}, {}
-  for k = 1, nu do
-    local u, n = un[k], need[un[k]]
-    local cur = tonumber(pv[k + 1]) or 0
-    local free = math.max(0, uq[k] - cur)
-    local fp = math.min(n, free)
-    local fb = math.min(n - fp, tonumber(acct[k + 2]) or 0)
-    if fp + fb < n then return nil end
-    used[k], from_bonus[k] = cur + fp, fb
-  end
-  local raw = ARGV[12]
-  local ttl = int(math.max(1, math.ceil(tonumber(pend) - now + retention)))
-  if not redis.call('SET', R, raw, 'NX', 'EX', ttl) then
-    local old = redis.call('GET', R)
-    local head = #op + #ARGV[4] + 10
-    if string.sub(old, 1, head) ~= string.sub(raw, 1, head) then return {'CONFLICT'} end
-    return {'REPLAY', old}
-  end
-  local hs, fired = {}, 0
-  for k = 1, nu do
-    local u = un[k]
-    hs[#hs + 1] = pf[k + 1]
-    hs[#hs + 1] = int(used[k])
-    if from_bonus[k] > 0 then redis.call('HINCRBY', A, af[k + 2], int(-from_bonus[k])) end
-    for _, l in ipairs(ulv[k]) do
-      if used[k] >= l[2] and not pv[l[3]] then
-        hs[#hs + 1] = pf[l[3]]
-        hs[#hs + 1] = '1'
-        redis.call('LPUSH', O, table.concat({u, l[1], int(used[k]), int(uq[k]), ARGV[2], pkey},
-          '|'))
-        fired = fired + 1
-      end
-    end
-  end
-  redis.call('HSET', P, unpack(hs))
-  if fired > 0 then redis.call('LTRIM', O, 0, 999) end
-  redis.call('XADD', S, 'MAXLEN', '~', ARGV[18], '*', 'id', ARGV[3], 'r', raw)
-  return {'OK', fired}
-end
-
-if op == 'charge' then
-  local r = fast_charge()
-  if r then return r end
-end
 
 local function split(s, sep)
   local out, i = {}, 1
@@ -111,6 +97,8 @@ local function split(s, sep)
   end
 end
 
+-- Integers go to Redis as %d text: exact below 2**53 (the client refuses larger).
+local function int(x) return string.format('%d', x) end
 local function num(v) return tonumber(v) or 0 end
 
 -- Per unit: its quota, its thresholds {bp, level, flag field} and its field names.
