@@ -608,7 +608,6 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
     led.set_plan("acme", PRO)
     gate, given_back = threading.Event(), threading.Event()
     real_release = led.release
-    made = asyncio.Event()
 
     def release(request_id: str) -> None:
         real_release(request_id)
@@ -616,14 +615,33 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
     monkeypatch.setattr(led, "release", release)
     if make.backend == "sqlite":  # type: ignore[attr-defined]
-        real_hold = led.hold
+        # the hold runs in the writer thread's transaction while its caller is cancelled
+        real_hold_fn, real_release_fn = led._hold_fn, led._release_fn  # type: ignore[attr-defined]
 
-        def slow_hold(*a, **kw):
-            gate.wait(10)
-            return real_hold(*a, **kw)
+        def hold_fn(*a):
+            fn = real_hold_fn(*a)
 
-        monkeypatch.setattr(led, "hold", slow_hold)
+            def slow(conn):
+                made.set()
+                gate.wait(10)
+                return fn(conn)
+
+            return slow
+
+        def release_fn(rid):
+            fn = real_release_fn(rid)
+
+            def counted(conn):
+                fn(conn)
+                given_back.set()
+
+            return counted
+
+        monkeypatch.setattr(led, "_hold_fn", hold_fn)
+        monkeypatch.setattr(led, "_release_fn", release_fn)
+        made = threading.Event()  # type: ignore[assignment]
     else:  # redis.asyncio: the script runs, then the reply is late
+        made = asyncio.Event()  # type: ignore[assignment]
         real_aexec = led._aexec  # type: ignore[attr-defined]
 
         async def slow_aexec(client, step):
@@ -648,6 +666,8 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
         if make.backend == "redis":  # type: ignore[attr-defined]
             await asyncio.wait_for(made.wait(), 10)
             assert led.balance("acme").held["tokens"] == 500
+        else:
+            assert await asyncio.to_thread(made.wait, 10)  # in the transaction
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

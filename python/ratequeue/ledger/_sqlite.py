@@ -20,6 +20,7 @@ from ._model import (
     Page,
     Plan,
     UnknownRequest,
+    check_id,
     fingerprint,
 )
 from ._sqlite_store import (
@@ -66,10 +67,11 @@ class SqliteLedger(SqliteStore):
         meta: str,
         fp: str,
     ) -> Charge:
-        args = (rid, account, am, model, parent, meta)
-        return self._run(  # type: ignore[no-any-return]
-            lambda conn: _inline(self, conn, args, fp), charge=(args, fp)
-        )
+        return self._run(*self._charge_op(rid, account, am, model, parent, meta, fp))  # type: ignore[no-any-return]
+
+    def _charge_op(self, *a: Any) -> tuple[Callable[[sqlite3.Connection], Charge], Any]:
+        args, fp = a[:6], a[6]
+        return (lambda conn: _inline(self, conn, args, fp)), (args, fp)
 
     def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
         """Charges several requests in one transaction (each as ``charge(**request)``);
@@ -159,7 +161,10 @@ class SqliteLedger(SqliteStore):
         )
         return [x for x in out if x is not None]
 
-    def _hold(
+    def _hold(self, *args: Any) -> Hold:
+        return self._run(self._hold_fn(*args))  # type: ignore[no-any-return]
+
+    def _hold_fn(
         self,
         rid: str,
         account: str,
@@ -168,7 +173,7 @@ class SqliteLedger(SqliteStore):
         parent: str | None,
         meta: str,
         fp: str,
-    ) -> Hold:
+    ) -> Callable[[sqlite3.Connection], Hold]:
         def fn(conn: sqlite3.Connection) -> Hold:
             now = self._now()
             old = self._existing(conn, account, rid)
@@ -220,7 +225,7 @@ class SqliteLedger(SqliteStore):
                 parse_json_obj(meta),
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
 
     def _find_hold(self, conn: sqlite3.Connection, rid: str) -> str | None:
         row = conn.execute(
@@ -229,14 +234,17 @@ class SqliteLedger(SqliteStore):
         ).fetchone()
         return None if row is None else str(row[0])
 
-    def _settle(
+    def _settle(self, *args: Any) -> Charge:
+        return self._run(self._settle_fn(*args))  # type: ignore[no-any-return]
+
+    def _settle_fn(
         self,
         rid: str,
         am: dict[str, int],
         model: str | None,
         account: str | None,
         sfp: str,
-    ) -> Charge:
+    ) -> Callable[[sqlite3.Connection], Charge]:
         def fn(conn: sqlite3.Connection) -> Charge:
             now = self._now()
             acc = account if account is not None else self._find_hold(conn, rid)
@@ -328,9 +336,12 @@ class SqliteLedger(SqliteStore):
                 parse_json_obj(old[13]),
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
 
     def _release(self, rid: str) -> None:
+        self._run(self._release_fn(rid))
+
+    def _release_fn(self, rid: str) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
                 "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
@@ -349,7 +360,7 @@ class SqliteLedger(SqliteStore):
                     (acc, rid),
                 )
 
-        self._run(fn)
+        return fn
 
     def expire_holds(self) -> int:
         """Gives back every hold past its expiry now; returns how many."""
@@ -413,6 +424,9 @@ class SqliteLedger(SqliteStore):
         return self._read(lambda c: self._acct(c, account, create=False).plan)  # type: ignore[no-any-return]
 
     def _balance(self, account: str) -> Balance:
+        return self._run(self._balance_fn(account))  # type: ignore[no-any-return]
+
+    def _balance_fn(self, account: str) -> Callable[[sqlite3.Connection], Balance]:
         def fn(conn: sqlite3.Connection) -> Balance:
             now = self._now()
             a, p = self._current(conn, account, now)
@@ -428,7 +442,42 @@ class SqliteLedger(SqliteStore):
                 {u: a.bonus[u] for u in a.plan.quota},
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
+
+    # -- asyncio: the caller awaits the writer thread's commit ------------------------------
+
+    async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
+        """``charge`` awaiting the writer thread's commit (no worker thread per call);
+        cancelled once in a transaction, it still counts: retry with the same id."""
+        args = self._parse_request(request_id, account, **kw)
+        fp = fingerprint("charge", *args[1:])
+        return await self._run_async(*self._charge_op(*args, fp))  # type: ignore[no-any-return]
+
+    async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
+        """``hold`` awaiting the writer's commit; cancelled, the hold is given back (by the
+        writer thread: no event loop needed)."""
+        args = self._parse_request(request_id, account, **kw)
+        fn = self._hold_fn(*args, fingerprint("hold", *args[1:]))
+        release = self._release_fn(request_id)
+
+        def undo(conn: sqlite3.Connection, _hold: Any) -> None:
+            release(conn)
+
+        return await self._run_async(fn, None, undo)  # type: ignore[no-any-return]
+
+    async def settle_async(self, request_id: str, **kw: Any) -> Charge:
+        """``settle`` awaiting the writer's commit."""
+        return await self._run_async(self._settle_fn(*self._parse_settle(request_id, **kw)))  # type: ignore[no-any-return]
+
+    async def release_async(self, request_id: str) -> None:
+        """``release`` awaiting the writer's commit."""
+        check_id("request_id", request_id)
+        await self._run_async(self._release_fn(request_id))
+
+    async def balance_async(self, account: str) -> Balance:
+        """``balance`` read by the writer thread."""
+        check_id("account", account)
+        return await self._run_async(self._balance_fn(account))  # type: ignore[no-any-return]
 
     def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
         after_at, after_id = lo, ""
