@@ -189,6 +189,8 @@ class SqliteStore(LedgerBase):
         self._queue: list[_Op] = []
         self._writer: threading.Thread | None = None
         self._closing = False
+        self._in_tx = False  # a transaction is running (in the writer or inline)
+        self._shared = 0  # calls in the writer's last transaction: > 1 = contended
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._accts: dict[str, _Acct | None] = {}
@@ -369,6 +371,7 @@ class SqliteStore(LedgerBase):
             _INHERITED.append(self._conn)
         self._cv = threading.Condition(threading.Lock())
         self._queue, self._writer, self._conn, self._closing = [], None, None, False
+        self._in_tx = False
         self._reset_cache()
         self._dv = None
         self._pid = os.getpid()
@@ -421,6 +424,28 @@ class SqliteStore(LedgerBase):
         counted. Interrupted (Ctrl-C) while queued, nothing is done; once in a
         transaction, the call waits for its commit, then the interrupt is raised."""
         op = _Op(fn, charge)
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._cv:
+            inline = self._shared <= 1 and not (self._in_tx or self._queue or self._closing)
+            if inline:  # uncontended: this thread runs the transaction itself
+                self._in_tx = True
+                if self._conn is None:
+                    try:
+                        self._connect()
+                    except BaseException:
+                        self._in_tx = False
+                        raise
+        if inline:
+            try:
+                self._commit_batch([op])
+            finally:
+                with self._cv:
+                    self._in_tx = False
+                    self._cv.notify()
+            if op.exc is not None:
+                raise op.exc
+            return op.result
         op.done = done = threading.Lock()
         done.acquire()
         self._submit(op)
@@ -471,7 +496,9 @@ class SqliteStore(LedgerBase):
         expected = 1
         while True:
             with self._cv:
-                while not self._queue and not self._closing:
+                while (self._in_tx or not self._queue) and not self._closing:
+                    self._cv.wait()
+                while self._in_tx:  # closing: the inline transaction ends first
                     self._cv.wait()
                 if not self._queue:
                     return
@@ -481,13 +508,20 @@ class SqliteStore(LedgerBase):
                         rest = end - time.monotonic()
                         if rest <= 0 or not self._cv.wait(rest):
                             break
+                    while self._in_tx:  # a caller ran its own transaction meanwhile
+                        self._cv.wait()
                 batch = self._queue[:MAX_BATCH]
                 del self._queue[:MAX_BATCH]
                 for op in batch:
                     op.taken = True
-            expected = len(batch)
-            with contextlib.suppress(BaseException):
-                self._commit_batch(batch)
+                self._in_tx = True
+            expected = self._shared = len(batch)
+            try:
+                with contextlib.suppress(BaseException):
+                    self._commit_batch(batch)
+            finally:
+                with self._cv:
+                    self._in_tx = False
             self._finish(batch)
 
     def _finish(self, batch: Sequence[_Op]) -> None:
