@@ -176,6 +176,17 @@ class LedgerBase(abc.ABC):
             yield from batch
             after = batch[-1]
 
+    def settings(self, account: str) -> tuple[Plan, float | None, tuple[float, ...] | None]:
+        """The account's plan, anchor and own thresholds (None: the plan's), as
+        ``set_plan`` last stored them (``UnknownAccount`` if it has none)."""
+        check_id("account", account)
+        plan, anchor, thr = self._settings(account)
+        return plan, anchor, None if thr is None else tuple(bp / 10_000 for bp in thr)
+
+    @abc.abstractmethod
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+        raise NotImplementedError
+
     @abc.abstractmethod
     def _accounts_after(self, after: str, limit: int) -> list[str]:
         raise NotImplementedError

@@ -420,6 +420,17 @@ class SqliteLedger(SqliteStore):
             lambda c: c.execute("SELECT COUNT(*) FROM accounts").fetchone()[0]
         )
 
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+        def fn(conn: sqlite3.Connection) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+            row = conn.execute(
+                "SELECT plan, anchor, thresholds FROM accounts WHERE account=?", (account,)
+            ).fetchone()
+            if row is None:
+                raise self._unknown(account)
+            return self._plan(row[0]), row[1], tuple(json.loads(row[2])) if row[2] else None
+
+        return self._read(fn)  # type: ignore[no-any-return]
+
     def _plan_of(self, account: str) -> Plan:
         return self._read(lambda c: self._acct(c, account, create=False).plan)  # type: ignore[no-any-return]
 

@@ -387,6 +387,13 @@ class RedisLedger(LedgerBase):
         """How many accounts have a plan."""
         return int(self.client.zcard(self._prefix + "accounts"))
 
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+        ver, pj, anchor, thr = self.client.hmget(self._pfx(account) + "a", *_INFO_FIELDS)
+        if pj is None:
+            raise self._unknown(account)
+        a = float(anchor) if anchor not in (None, b"", "") else None
+        return self._plan(_s(pj)), a, tuple(json.loads(thr)) if thr else None
+
     def _plan_of(self, account: str) -> Plan:
         return self._drive(self._info_flow(account, True)).plan
 
