@@ -281,7 +281,8 @@ def sqlite_section(
                 got.setdefault("many", []).append(ledger_many(fresh("many"), per, sync))
                 if baseline:
                     for kind in ("single", "threads", "async"):
-                        vals = _child(baseline, "sqlite", kind, fresh(kind + "_old"), str(per), sync)
+                        path = fresh(kind + "_old")
+                        vals = _child(baseline, "sqlite", kind, path, str(per), sync)
                         got.setdefault(kind + "_old", []).append(vals[0])
                         if kind == "threads":
                             per_tx["threads_old"].append(vals[1])
@@ -348,7 +349,8 @@ def redis_section(
     led.charge("warm", "acme", input_tokens=1)
     incr_sha = client.script_load(INCR_LUA)
     min_sha = client.script_load(MIN_CHARGE_LUA)
-    record = "charge\x1fcharged\x1f" + "0" * 24 + "\x1f\x1f1764547200.5\x1fp\x1f100\x1f20\x1f1\x1fm\x1f\x1f\x1f\x1f"
+    record = "\x1f".join(["charge", "charged", "0" * 24, "", "1764547200.5", "p", "100", "20"])
+    record += "\x1f1\x1fm\x1f\x1f\x1f\x1f"
     counter = [0]
 
     def incrby() -> None:
@@ -362,8 +364,18 @@ def redis_section(
         k = "{m}"
         _raw_call(
             client,
-            ("EVALSHA", min_sha, 4, k + "a", f"{k}r:{counter[0]}", k + "p", k + "s", record,
-             100000, f"m{counter[0]}"),
+            (
+                "EVALSHA",
+                min_sha,
+                4,
+                k + "a",
+                f"{k}r:{counter[0]}",
+                k + "p",
+                k + "s",
+                record,
+                100000,
+                f"m{counter[0]}",
+            ),
         )
 
     def charge() -> None:
@@ -612,7 +624,7 @@ def main() -> int:
         "## SQLite: charges per second",
         "",
         "Five interleaved rounds per candidate, each on a fresh file; median (and best)"
-        " charges/s; ratios of the medians. \"before\" rows: main's ledger"
+        ' charges/s; ratios of the medians. "before" rows: main\'s ledger'
         + (f" (`--baseline {args.baseline}`)" if baseline else " (not run: no `--baseline`)")
         + ", in a child process per round.",
         "",

@@ -1,3 +1,4 @@
+# ruff: noqa: F811  (fixtures imported from ledger_backends are parameters here)
 """Issue 14's second round: the Redis ledger under ``ratequeue.redis`` with its plain-charge
 script path and ``redis.asyncio`` twins, the SQLite writer thread, ``LedgerBase`` as an
 ``abc.ABC`` and ``ratequeue quota set-plan``."""

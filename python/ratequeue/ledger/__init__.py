@@ -2,7 +2,8 @@
 
 ``SqliteLedger`` (one file, stdlib ``sqlite3``) and ``RedisLedger`` (several machines;
 it lives in ``ratequeue.redis`` and is re-exported here, imported on first use so that
-this package needs no redis-py) offer the same calls: ``charge``, ``hold``/``settle``/``release``, queries, warnings
+this package needs no redis-py) offer the same calls: ``charge``,
+``hold``/``settle``/``release``, queries, warnings
 through an outbox (``Notifier`` delivers them in the background), and compensation
 campaigns; ``QuotaPolicy`` makes an account a level of a ``Policy``. Periods are in UTC
 unless a plan's period names a time zone.

@@ -671,7 +671,7 @@ class LedgerBase(abc.ABC):
     def _unknown(self, account: str) -> UnknownAccount:
         return UnknownAccount(f"account {account!r} has no plan (set_plan first)")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a backend with nothing to release keeps it
         """Releases the storage handle."""
 
     def __enter__(self) -> LedgerBase:

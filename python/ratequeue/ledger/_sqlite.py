@@ -468,7 +468,8 @@ class SqliteLedger(SqliteStore):
         """``hold`` awaiting the writer's commit; cancelled, the hold is given back (by the
         writer thread: no event loop needed)."""
         args = self._parse_request(request_id, account, **kw)
-        fn = self._hold_fn(*args, fingerprint("hold", *args[1:]))
+        full = (*args, fingerprint("hold", *args[1:]))
+        fn = self._hold_fn(*full)
         release = self._release_fn(request_id)
 
         def undo(conn: sqlite3.Connection, _hold: Any) -> None:

@@ -112,6 +112,15 @@ class _Op:
         self.undo: Callable[[sqlite3.Connection, Any], None] | None = None
 
 
+def _undo_of(
+    undo: Callable[[sqlite3.Connection, Any], None], result: Any
+) -> Callable[[sqlite3.Connection], None]:
+    def fn(conn: sqlite3.Connection) -> None:
+        undo(conn, result)
+
+    return fn
+
+
 def _resolve(ops: Sequence[_Op]) -> None:
     """On an event loop: hands each call its result (its caller may have been cancelled)."""
     for op in ops:
@@ -486,8 +495,7 @@ class SqliteStore(LedgerBase):
                 with self._cv:
                     finished, op.abandoned = op.loop is None, True
                 if finished and op.exc is None:
-                    result = op.result
-                    self._submit(_Op(lambda conn: undo(conn, result)))
+                    self._submit(_Op(_undo_of(undo, op.result)))
                 elif not finished:
                     op.undo = undo  # run by _finish
             raise
@@ -542,7 +550,7 @@ class SqliteStore(LedgerBase):
             fn, result = op.undo, op.result
             if fn is not None:
                 with contextlib.suppress(LedgerError):
-                    self._submit(_Op(lambda conn, fn=fn, result=result: fn(conn, result)))
+                    self._submit(_Op(_undo_of(fn, result)))
         for loop, ops in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: its callers are gone
                 loop.call_soon_threadsafe(_resolve, ops)

@@ -70,9 +70,7 @@ def _fractions(text: str) -> list[float]:
     try:
         return [float(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(
-            f"expected shares like 0.8,0.95, got {text!r}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"expected shares like 0.8,0.95, got {text!r}") from None
 
 
 def _period(text: str) -> Period:
@@ -259,9 +257,7 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_quota_parser(sub: Any) -> None:
     """Adds ``quota`` and its subcommands to the ``ratequeue`` command line."""
-    q = sub.add_parser(
-        "quota", help="the quota ledger: set-plan, show, usage, export, compensate"
-    )
+    q = sub.add_parser("quota", help="the quota ledger: set-plan, show, usage, export, compensate")
     q.add_argument("--db", help="SQLite ledger file")
     q.add_argument("--redis", help="Redis URL of a Redis ledger")
     q.add_argument("--name", default="default", help="Redis ledger name (default)")

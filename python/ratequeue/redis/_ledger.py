@@ -45,7 +45,6 @@ from ..ledger._model import (
     Plan,
     Span,
     UnknownRequest,
-    amounts,
     check_id,
     fingerprint,
     new_charge,
@@ -65,7 +64,6 @@ from ._ledger_codec import (
     _record_charge,
     _row_charge,
     _s,
-    _Seg,
 )
 
 
@@ -125,16 +123,14 @@ _ASYNC_KWARGS = (
 def _async_twin(client: Any) -> Any:
     """A ``redis.asyncio`` client for the same server(s) as a blocking client."""
     if isinstance(client, redis.cluster.RedisCluster):
-        nodes = [
-            redis.asyncio.cluster.ClusterNode(n.host, n.port) for n in client.get_nodes()
-        ]
+        found = client.get_nodes()  # type: ignore[no-untyped-call]
+        nodes = [redis.asyncio.cluster.ClusterNode(n.host, n.port) for n in found]
         return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes)
     pool = getattr(client, "connection_pool", None)
-    cls = _ASYNC_CONN.get(getattr(pool, "connection_class", None))  # type: ignore[call-overload]
+    cls = _ASYNC_CONN.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
     if pool is None or cls is None:
         raise TypeError(
-            f"cannot derive a redis.asyncio client from {type(client).__name__}: "
-            "pass async_client="
+            f"cannot derive a redis.asyncio client from {type(client).__name__}: pass async_client="
         )
     kw = {k: v for k, v in pool.connection_kwargs.items() if k in _ASYNC_KWARGS}
     return redis.asyncio.Redis(
@@ -388,7 +384,7 @@ class RedisLedger(LedgerBase):
         return int(self.client.zcard(self._prefix + "accounts"))
 
     def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
-        ver, pj, anchor, thr = self.client.hmget(self._pfx(account) + "a", *_INFO_FIELDS)
+        _ver, pj, anchor, thr = self.client.hmget(self._pfx(account) + "a", *_INFO_FIELDS)
         if pj is None:
             raise self._unknown(account)
         a = float(anchor) if anchor not in (None, b"", "") else None
@@ -640,13 +636,15 @@ class RedisLedger(LedgerBase):
         """``charge`` on the event loop (``redis.asyncio``); cancelled, it may still have
         counted: retry with the same id (a replay then)."""
         args = self._parse_request(request_id, account, **kw)
-        return await self._adrive(self._charge_flow(*args, fingerprint("charge", *args[1:])))
+        full = (*args, fingerprint("charge", *args[1:]))
+        return await self._adrive(self._charge_flow(*full))
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
         """``hold`` on the event loop; cancelled, the hold is given back (by a worker
         thread on the blocking client: no event loop needed, so a closing loop is fine)."""
         args = self._parse_request(request_id, account, **kw)
-        flow = self._hold_flow(*args, fingerprint("hold", *args[1:]))
+        full = (*args, fingerprint("hold", *args[1:]))
+        flow = self._hold_flow(*full)
         try:
             return await self._adrive(flow)
         except asyncio.CancelledError:
@@ -857,7 +855,9 @@ class RedisLedger(LedgerBase):
                 }
             return out
         replies: list[Any] = []
-        steps = [self._comp_step(campaign_id, acc, info, span, params) for _, acc, info, span in todo]
+        steps = [
+            self._comp_step(campaign_id, acc, info, span, params) for _, acc, info, span in todo
+        ]
         if self._raw:  # one pipeline of scripts (a cluster client refuses scripts there)
             self.client.script_load(LUA)
             for step in steps:
@@ -908,4 +908,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-

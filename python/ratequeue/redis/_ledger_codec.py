@@ -87,9 +87,7 @@ class _Ctx:
         a, p = pfx + "a", pfx + "p:" + span.key
         self.head = _Seg(("EVALSHA", sha, 6, a))
         self.keys = _Seg((pfx + "h", pfx + "rows", pfx + "o", p))
-        self.tail = _Seg(
-            (info.ver, pfx, retention, span.key, repr(span.end), max_rows, *info.spec)
-        )
+        self.tail = _Seg((info.ver, pfx, retention, span.key, repr(span.end), max_rows, *info.spec))
         units = list(info.plan.quota.items())
         self.nu = len(units)
         self.rkey = pfx + "r:"
