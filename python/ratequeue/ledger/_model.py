@@ -30,6 +30,13 @@ class IdempotencyConflict(LedgerError, ValueError):
     """A request id was used again with a different payload; nothing was charged."""
 
 
+def conflict(request_id: str) -> IdempotencyConflict:
+    """The refusal of a request id used again with another payload or operation."""
+    return IdempotencyConflict(
+        f"request id {request_id!r} was already used with a different payload or operation"
+    )
+
+
 class UnknownAccount(LedgerError, LookupError):
     """The account has no plan (and the ledger has no ``default_plan``)."""
 

@@ -21,6 +21,7 @@ from ._model import (
     Plan,
     UnknownRequest,
     check_id,
+    conflict,
     fingerprint,
 )
 from ._sqlite_store import (
@@ -29,7 +30,6 @@ from ._sqlite_store import (
     SqliteStore,
     _am,
     _charge_of,
-    _conflict,
     _hold_of,
     _notice,
     _same_amounts,
@@ -129,12 +129,12 @@ class SqliteLedger(SqliteStore):
             old = existing.get((account, rid))
             if old is not None:
                 ok = old[0] == "charge" and old[2] == fp
-                out[k] = _charge_of(old[4:14], True) if ok else _conflict(rid)
+                out[k] = _charge_of(old[4:14], True) if ok else conflict(rid)
                 continue
             prior = fresh.get((account, rid))
             if prior is not None:
                 ok = prior[0] == fp
-                out[k] = dataclasses.replace(prior[1], replay=True) if ok else _conflict(rid)
+                out[k] = dataclasses.replace(prior[1], replay=True) if ok else conflict(rid)
                 continue
             now = self._now()
             try:
@@ -179,7 +179,7 @@ class SqliteLedger(SqliteStore):
             old = self._existing(conn, account, rid)
             if old is not None:
                 if old[0] != "hold" or old[2] != fp:
-                    raise _conflict(rid)
+                    raise conflict(rid)
                 return _hold_of(old[4:14], old[14], True)
             a, p = self._current(conn, account, now)
             parts = self._take(conn, account, a, p, am, now, force=False)
@@ -255,7 +255,7 @@ class SqliteLedger(SqliteStore):
                 if (old[3] or old[2]) != sfp and not (
                     old[0] == "charge" and _same_amounts(old, am, model)
                 ):
-                    raise _conflict(rid)
+                    raise conflict(rid)
                 return _charge_of(old[4:14], True)
             a, cur = self._current(conn, acc, now)
             if old is None:
@@ -720,5 +720,5 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
             )
         old = led._existing(conn, account, rid)
     if old[0] != "charge" or old[2] != fp:
-        raise _conflict(rid)
+        raise conflict(rid)
     return _charge_of(old[4:14], True)

@@ -21,7 +21,6 @@ from ._model import (
     Charge,
     ClockLike,
     Hold,
-    IdempotencyConflict,
     LedgerError,
     Notice,
     Plan,
@@ -748,12 +747,6 @@ def _same_amounts(old: Any, am: dict[str, int], model: str | None) -> bool:
         and old[9] == am["output_tokens"]
         and old[10] == am["calls"]
         and (model is None or model == old[11])
-    )
-
-
-def _conflict(rid: str) -> IdempotencyConflict:
-    return IdempotencyConflict(
-        f"request id {rid!r} was already used with a different payload or operation"
     )
 
 

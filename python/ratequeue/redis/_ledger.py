@@ -46,13 +46,13 @@ from ..ledger._model import (
     Span,
     UnknownRequest,
     check_id,
+    conflict,
     fingerprint,
     new_charge,
 )
 from ._ledger_codec import (
     HEAD_LEN,
     SEP,
-    _conflict,
     _Ctx,
     _flat,
     _Info,
@@ -465,7 +465,7 @@ class RedisLedger(LedgerBase):
             if tag == "REPLAY":
                 return _record_charge(rid, account, _s(r[1]), True)
             if tag == "CONFLICT":
-                raise _conflict(rid)
+                raise conflict(rid)
             if tag == "QUOTA":
                 raise quota_exceeded(account, _s(r[1]), int(r[2]), int(r[3]), span, now)
             raise LedgerError(f"unexpected reply from the ledger script: {r!r}")
@@ -496,7 +496,7 @@ class RedisLedger(LedgerBase):
             if tag == "STALE":
                 continue
             if tag == "CONFLICT":
-                raise _conflict(rid)
+                raise conflict(rid)
             if tag == "QUOTA":
                 raise quota_exceeded(account, _s(r[1]), int(r[2]), int(r[3]), span, now)
             if tag == "REPLAY":
@@ -571,7 +571,7 @@ class RedisLedger(LedgerBase):
         r, _info, _span = yield from self._call("settle", acc, "r:" + rid, extra)
         tag = _s(r[0])
         if tag == "CONFLICT":
-            raise _conflict(rid)
+            raise conflict(rid)
         if tag == "REPLAY":
             return _record_charge(rid, acc, _s(r[1]), True)
         yield from self._fired(acc, r[1])

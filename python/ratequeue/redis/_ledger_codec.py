@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..ledger._model import Charge, IdempotencyConflict, Notice, Plan, threshold_amounts
+from ..ledger._model import Charge, Notice, Plan, threshold_amounts
 
 SEP = "\x1f"
 #: The length of a charge record's head: kind, status, fingerprint (24), separators.
@@ -211,10 +211,4 @@ def _notice(account: str, raw: str) -> Notice:
         int(used),
         int(quota),
         float(at),
-    )
-
-
-def _conflict(rid: str) -> IdempotencyConflict:
-    return IdempotencyConflict(
-        f"request id {rid!r} was already used with a different payload or operation"
     )
