@@ -351,21 +351,27 @@ def test_set_plan_creates_and_updates_an_account(
 
 
 def test_set_plan_refuses_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Bad values are usage errors (exit 2, a message, no traceback); nothing is stored."""
     db = ["--db", str(tmp_path / "q.db")]
-    assert _cli(capsys, *db, "set-plan", "acme")[0] == 1  # no quota at all
-    with pytest.raises(SystemExit):
-        _cli(capsys, *db, "set-plan", "acme", "--tokens", "-5")
-    with pytest.raises(SystemExit):
-        _cli(capsys, *db, "set-plan", "acme", "--tokens", "10", "--period", "weekly")
-    code, _out, err = _cli(
-        capsys, *db, "set-plan", "acme", "--tokens", "10", "--period", "every:60", "--tz", "UTC"
-    )
-    assert code == 1 and "--tz" in err
-    code, _out, err = _cli(capsys, *db, "set-plan", "acme", "--tokens", "10", "--tz", "No/Where")
-    assert code == 1
-    code, _out, err = _cli(capsys, *db, "set-plan", "acme", "--tokens", "10", "--thresholds", "2")
-    assert code == 1
-    assert _cli(capsys, *db, "set-plan", "bad\nid", "--tokens", "10")[0] == 1
+    for argv in (
+        ["acme"],  # no quota at all
+        ["acme", "--tokens", "-5"],
+        ["acme", "--tokens", "10", "--period", "weekly"],
+        ["acme", "--tokens", "10", "--period", "every:60", "--tz", "UTC"],
+        ["acme", "--tokens", "10", "--tz", "No/Where"],
+        ["acme", "--tokens", "10", "--thresholds", "2"],
+        ["acme", "--tokens", "10", "--thresholds", "x"],
+        ["acme", "--tokens", "10", "--anchor", "someday"],
+        ["bad\nid", "--tokens", "10"],
+    ):
+        with pytest.raises(SystemExit) as e:
+            _cli(capsys, *db, "set-plan", *argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and "error" in err, argv
+    led = SqliteLedger(tmp_path / "q.db")
+    assert list(led.accounts()) == []
+    led.close()
 
 
 def test_set_plan_from_the_command_line(tmp_path: Path) -> None:

@@ -60,6 +60,7 @@ REDIS = {
     "OnFailure",
     "PolicyLevel",
     "RedisKeyedLimiter",
+    "RedisLedger",
     "RedisLimiter",
     "RedisPermit",
     "RedisPolicy",

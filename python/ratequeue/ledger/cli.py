@@ -215,7 +215,10 @@ def _set_plan(led: LedgerBase, args: argparse.Namespace) -> int:
         if "tz" not in d:
             raise ValueError("--tz applies to monthly, anchored and daily periods")
         d["tz"] = args.tz
-        period = Period.from_dict(d)
+        try:
+            period = Period.from_dict(d)
+        except LookupError:
+            raise ValueError(f"unknown time zone {args.tz!r}") from None
     thresholds = args.thresholds
     if thresholds is None:
         thresholds = old.thresholds if old is not None and not args.replace else (0.8, 0.95)
@@ -240,15 +243,11 @@ def _set_plan(led: LedgerBase, args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    try:
-        led = open_ledger(args, create=args.quota_func is _set_plan)
-    except (TypeError, ValueError) as e:
-        print(f"ratequeue quota: {e}", file=sys.stderr)
-        return 2
+    led = open_ledger(args, create=args.quota_func is _set_plan)
     try:
         code: int = args.quota_func(led, args)
         return code
-    except (LookupError, LedgerError, TypeError, ValueError) as e:
+    except (LookupError, LedgerError) as e:
         print(f"ratequeue quota: {e}", file=sys.stderr)
         return 1
     finally:
