@@ -23,6 +23,7 @@ from ._model import (
     check_id,
     conflict,
     fingerprint,
+    new_charge,
 )
 from ._sqlite_store import (
     _ROW_COLS,
@@ -148,9 +149,8 @@ class SqliteLedger(SqliteStore):
             rows.append(
                 (account, rid, now, p.span.key, i_, o_, c_, model, parent, meta or None, fp)
             )
-            c = Charge(
-                rid, account, p.span.key, now, i_, o_, c_, model, parent, parse_json_obj(meta)
-            )
+            mt = parse_json_obj(meta) if meta else None
+            c = new_charge(rid, account, p.span.key, now, i_, o_, c_, model, parent, mt)
             fresh[(account, rid)] = (fp, c)
             out[k] = c
         conn.executemany(

@@ -69,6 +69,7 @@ _ROW_COLS = (
 )
 #: Claimed notices are handed to no other deliverer for this long (seconds).
 CLAIM_SECONDS = 60.0
+_MAX_USED = 2**63 - 1
 #: At most this many calls share one transaction.
 MAX_BATCH = 1000
 #: How long the writer waits for as many calls as the last transaction had (seconds):
@@ -141,19 +142,16 @@ class _Acct:
         self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
         self.bonus = dict(zip(UNITS, row[3:7], strict=True))
         self.next_exp: float | None = row[7]
-        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)])
-        self.levels = [
-            (
-                u,
-                q,
-                [
+        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)], the
+        # lowest of those usages: below it, nothing can fire)
+        self.levels: list[tuple[str, int, list[tuple[int, int, str]], int]] = []
+        for u, q in self.plan.quota.items():
+            if q > 0:
+                lv = [
                     (bp, lvl, f"{u}:{bp}")
                     for bp, lvl in zip(self.thr, threshold_amounts(q, self.thr), strict=True)
-                ],
-            )
-            for u, q in self.plan.quota.items()
-            if q > 0
-        ]
+                ]
+                self.levels.append((u, q, lv, min((x[1] for x in lv), default=2**63)))
 
 
 class _Per:
@@ -246,16 +244,19 @@ class SqliteStore(LedgerBase):
         """The parts of ``am`` taken from the plan quota, then the bonus (nothing changed);
         ``QuotaExceeded`` if they do not fit (with ``force``, past the quota)."""
         parts: dict[str, list[int]] = {}
+        used, bonus = p.used, a.bonus
         for u, q in a.plan.quota.items():
             need = am[u]
-            free = max(0, q - p.used[u])
-            from_plan = min(need, free)
-            from_bonus = min(need - from_plan, a.bonus[u])
-            if not force and from_plan + from_bonus < need:
-                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
+            cur = used[u]
+            free = q - cur if q > cur else 0
+            from_plan = need if need < free else free
+            rest, b = need - from_plan, bonus[u]
+            from_bonus = rest if rest < b else b
+            if from_plan + from_bonus < need and not force:
+                raise quota_exceeded(account, u, need, free + b, p.span, now)
             if force:
                 from_plan = need - from_bonus
-            if p.used[u] + from_plan > 2**63 - 1:
+            if cur + from_plan > _MAX_USED:
                 raise ValueError(f"usage of {u} would pass 2**63-1")
             parts[u] = [from_plan, from_bonus]
         return parts
@@ -312,8 +313,10 @@ class SqliteStore(LedgerBase):
             self._save_bonus(conn, account, a)
 
     def _fire(self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per, now: float) -> None:
-        for u, q, levels in a.levels:
+        for u, q, levels, lowest in a.levels:
             used = p.used[u]
+            if used < lowest:
+                continue
             for bp, level, flag in levels:
                 if used >= level and flag not in p.fired:
                     p.fired.add(flag)
