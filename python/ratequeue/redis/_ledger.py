@@ -438,6 +438,7 @@ class RedisLedger(LedgerBase):
                 items = [c.fhead, rk, "c", t, rid, raw, ttl, len(head), c.nu, *needs, c.ftail]
                 packed = None
                 if self._raw and len(head) == HEAD_LEN and rk.isascii() and raw.isascii():
+                    # one str, encoded once (ASCII: its length is its byte count)
                     ns = "".join([f"${len(x)}\r\n{x}\r\n" for x in needs])
                     packed = (
                         c.fpre
@@ -456,7 +457,8 @@ class RedisLedger(LedgerBase):
                 r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)
             tag = r[0]
             if tag == b"OK" or tag == "OK":
-                yield from self._fired(account, r[1])
+                if r[1]:
+                    yield from self._fired(account, r[1])
                 mt = _meta(meta) if meta else None
                 return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
             tag = _s(tag)
