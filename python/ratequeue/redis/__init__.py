@@ -46,7 +46,8 @@ Redis; so a dead server costs at most one timeout per interval. Give the client 
 timeouts and no retries (see :func:`connect`).
 
 The quota ledger in Redis (``RedisLedger``, ``ratequeue.redis.ledger``; also importable
-from ``ratequeue.ledger``): ``ledger.lua`` and its client (``_ledger``, ``_ledger_codec``).
+from ``ratequeue.ledger``): ``ledger.lua`` and its client (``_ledger_core``: the script,
+keys and drivers; ``_ledger``: the calls; ``_ledger_codec``: encodings).
 
 Test clocks: ``clock=rq.ManualClock()`` makes the scripts decide at that clock's time
 (passed to the script, in microseconds) instead of ``TIME``; it is meant for tests that
