@@ -68,7 +68,8 @@ def test_header_list_of_any_headers_type(mod: Any) -> None:
     assert header_list(h) is h._list  # httpx's own list: no copy
 
     class Plain:
-        raw = [(b"Content-Type", b"a/b")]
+        def __init__(self) -> None:
+            self.raw = [(b"Content-Type", b"a/b")]
 
     assert header_list(Plain()) == [(b"Content-Type", b"content-type", b"a/b")]
 
