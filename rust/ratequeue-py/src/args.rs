@@ -1,15 +1,12 @@
 //! The one validation path for every Python argument: text, numbers, seconds, periods,
 //! counts and costs, sequences. Errors name the argument and show the value as given.
 
-use pyo3::exceptions::{PyOverflowError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyOverflowError, PyTypeError};
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyFloat, PyInt, PyString, PyTuple};
 use pyo3::Borrowed;
 
-use crate::errors::{type_err, value_err};
-
-static INDEX: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+use crate::errors::{missing_keyword, setup_err, type_err, unexpected_keyword, value_err};
 
 /// The value as the caller wrote it (str of the object), for messages.
 pub fn shown(v: &Bound<'_, PyAny>) -> String {
@@ -33,8 +30,7 @@ fn as_int<'py>(v: &Bound<'py, PyAny>) -> PyResult<Option<Bound<'py, PyInt>>> {
     if !v.hasattr("__index__")? {
         return Ok(None);
     }
-    let index = INDEX.import(v.py(), "operator", "index")?;
-    match index.call1((v,)) {
+    match crate::convert::index(v) {
         Ok(i) => Ok(i.cast_into::<PyInt>().ok()),
         Err(e) if e.is_instance_of::<PyTypeError>(v.py()) => Ok(None),
         Err(e) => Err(e),
@@ -286,9 +282,10 @@ pub fn policy_keywords<'py>(
     let mut out = Vec::with_capacity(levels.len());
     for l in levels {
         let key = if l.keyed {
-            Some(take(l.name).ok_or_else(|| {
-                PyTypeError::new_err(format!("missing key for level {:?}: pass {}=...", l.name, l.name))
-            })?)
+            Some(
+                take(l.name)
+                    .ok_or_else(|| missing_keyword(&format!("key for level {:?}: pass {}=...", l.name, l.name)))?,
+            )
         } else {
             None
         };
@@ -298,8 +295,8 @@ pub fn policy_keywords<'py>(
                 Some(v) => cost(u, &v)?,
                 None if u == "requests" => 1,
                 None => {
-                    return Err(PyTypeError::new_err(format!(
-                        "missing cost for unit {u:?} (level {:?}): pass {u}=...",
+                    return Err(missing_keyword(&format!(
+                        "cost for unit {u:?} (level {:?}): pass {u}=...",
                         l.name
                     )))
                 }
@@ -311,9 +308,10 @@ pub fn policy_keywords<'py>(
         out.push(LevelCall { key, costs });
     }
     if let Some((k, _, _)) = given.iter().find(|(_, _, used)| !used) {
-        return Err(PyTypeError::new_err(format!(
-            "unexpected keyword {k:?}: not a keyed level's name nor a unit of any level"
-        )));
+        return Err(unexpected_keyword(
+            k,
+            "not a keyed level's name nor a unit of any level",
+        ));
     }
     Ok(out)
 }
@@ -323,13 +321,13 @@ pub fn policy_keywords<'py>(
 pub fn check_policy_levels(levels: &[LevelKeywords<'_>]) -> PyResult<()> {
     for l in levels {
         if POLICY_KEYWORDS.contains(&l.name) {
-            return Err(PyValueError::new_err(format!(
+            return Err(setup_err(format!(
                 "level {:?} is named like a keyword of Policy calls {POLICY_KEYWORDS:?}: rename the level",
                 l.name
             )));
         }
         if levels.iter().any(|o| o.units.iter().any(|u| u == l.name)) {
-            return Err(PyValueError::new_err(format!(
+            return Err(setup_err(format!(
                 "level {:?} is named like a unit a level counts: its keyword would be both a key \
                  and a cost; rename the level",
                 l.name

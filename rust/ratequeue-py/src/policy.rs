@@ -4,18 +4,19 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::policy::{Held, LevelQueues, PolicyAcquire, QueueRef, Refusal, Step, Waker};
 use ratequeue_core::queue::Slot;
-use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy, Wake};
+use ratequeue_core::{AnyClock, Deny, Error, KeyQueue, KeyQueues, Level, LevelArgs, LevelKind, Policy, Wake};
 
 use crate::args::seconds_ns;
 use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
-use crate::errors::{to_py, type_err};
-use crate::keyed::{key_named, KeyGates, KeyedConcurrencyPy, KeyedLimiterPy};
+use crate::convert::key_named;
+use crate::errors::{setup_err, to_py, type_err};
+use crate::keyed_concurrency::KeyedConcurrencyPy;
+use crate::keyed_limiter::KeyedLimiterPy;
 use crate::limiter::LimiterPy;
 use crate::policy_permit::{PolicyAcquiringPy, PolicyPermitPy};
 use crate::waiting::{is_main_thread, Gate};
@@ -32,23 +33,25 @@ impl LevelQueues for OneQueue {
     }
 }
 
-/// A keyed level's queue of a key, kept in its map while the policy holds it.
-struct KeyQueues(Arc<KeyGates>);
+/// A key's queue, its handle kept with it (the queue stays in its map while in use).
+fn kept(handle: Arc<KeyQueue>) -> QueueRef {
+    QueueRef {
+        queue: handle.queue().clone(),
+        keep: Some(handle),
+    }
+}
 
-impl LevelQueues for KeyQueues {
+/// A keyed level's queue of a key (kept in its map while the policy holds it); a key
+/// the map has no room for has none, so the level refuses.
+struct KeyLevel(Arc<KeyQueues>);
+
+impl LevelQueues for KeyLevel {
     fn existing(&self, key: u64) -> Option<QueueRef> {
-        self.0.existing(key).map(|g| QueueRef {
-            queue: g.queue.clone(),
-            keep: Some(g),
-        })
+        self.0.existing(key).map(kept)
     }
 
     fn queue(&self, key: u64) -> Option<QueueRef> {
-        let g = self.0.get(key);
-        Some(QueueRef {
-            queue: g.queue.clone(),
-            keep: Some(g),
-        })
+        self.0.get(key).ok().map(kept)
     }
 
     fn done(&self, key: u64) {
@@ -249,8 +252,8 @@ impl PolicyPy {
             } else if let Ok(l) = v.cast::<KeyedLimiterPy>() {
                 let core = l.get().core().clone();
                 let c = core.clock().clone();
-                let gates = l.get().key_gates().clone();
-                queues = Some(Arc::new(KeyQueues(gates.clone())));
+                let gates = l.get().key_queues().clone();
+                queues = Some(Arc::new(KeyLevel(gates.clone())));
                 (
                     LevelKind::KeyedRate(core),
                     Shape::KeyedUnit(l.get().unit().to_owned()),
@@ -275,8 +278,8 @@ impl PolicyPy {
                     }),
                 )
             } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
-                let gates = l.get().key_gates().clone();
-                queues = Some(Arc::new(KeyQueues(gates.clone())));
+                let gates = l.get().key_queues().clone();
+                queues = Some(Arc::new(KeyLevel(gates.clone())));
                 (
                     LevelKind::KeyedConcurrency(l.get().core().clone()),
                     Shape::Permits { keyed: true },
@@ -312,9 +315,7 @@ impl PolicyPy {
         }
         for s in &shadow_names {
             if !py_levels.iter().any(|l| &l.name == s) {
-                return Err(PyValueError::new_err(format!(
-                    "shadow names {s:?}, which is not a level"
-                )));
+                return Err(setup_err(format!("shadow names {s:?}, which is not a level")));
             }
         }
         check_levels(&py_levels)?;
