@@ -9,6 +9,7 @@ mod clock;
 mod concurrency;
 mod convert;
 mod errors;
+mod floor;
 mod fork;
 mod histogram;
 mod keyed;
@@ -29,6 +30,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     m.add_class::<args::PolicyKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;
+    m.add_class::<floor::FloorPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
     m.add_class::<limiter::RatePy>()?;
     m.add_class::<limiter::LimiterPy>()?;

@@ -626,9 +626,6 @@ impl LimiterPy {
         self.gate.class_names()
     }
 
-    /// Does nothing: the floor of a method call, for benchmarks.
-    fn _noop(&self) {}
-
     fn __repr__(&self) -> String {
         let rates: Vec<String> = self.rates().iter().map(|r| r.__repr__()).collect();
         format!("Limiter({})", rates.join(", "))
