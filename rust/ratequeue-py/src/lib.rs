@@ -17,6 +17,7 @@ mod keyed_concurrency;
 mod keyed_limiter;
 mod limiter;
 mod policy;
+mod policy_level;
 mod policy_permit;
 mod waiting;
 
