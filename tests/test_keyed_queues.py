@@ -60,3 +60,16 @@ def test_the_call_floor_is_a_private_class() -> None:
     assert floor.noop() is None
     assert not hasattr(rq.Limiter, "_noop")
     assert "_Floor" not in rq.__all__
+
+
+def test_errors_are_raised_without_importing_the_package() -> None:
+    import sys
+
+    saved = sys.modules.pop("ratequeue._errors")
+    try:
+        lim = rq.Limiter(rq.Rate(1, per="second", burst=1))
+        with pytest.raises(saved.CostTooLarge):
+            lim.try_acquire(5)
+        assert "ratequeue._errors" not in sys.modules
+    finally:
+        sys.modules["ratequeue._errors"] = saved

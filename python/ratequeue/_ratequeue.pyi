@@ -9,6 +9,9 @@ import numpy.typing as npt
 
 __version__: str
 
+def _use_errors(
+    overloaded: type[Exception], wait_timeout: type[Exception], cost_too_large: type[Exception]
+) -> None: ...
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter | PolicyAcquiring, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
 

@@ -1,5 +1,6 @@
 //! The one place where core errors become Python exceptions (defined in
-//! ratequeue._errors so they can inherit from both RateQueueError and ValueError).
+//! ratequeue._errors so they can inherit from both RateQueueError and ValueError, which
+//! hands them over at import: no error path imports Python).
 
 use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
@@ -12,10 +13,30 @@ static WAIT_TIMEOUT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static COST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg: String, retry_after: f64) -> PyErr {
-    match cell.import(py, "ratequeue._errors", name) {
-        Ok(cls) => PyErr::from_type(cls.clone(), (msg, retry_after)),
-        Err(e) => e,
-    }
+    // Handed over by ratequeue._errors, which the package imports first; imported here
+    // only if the native module was somehow loaded without it.
+    let cls = match cell.get(py) {
+        Some(cls) => cls.bind(py),
+        None => match cell.import(py, "ratequeue._errors", name) {
+            Ok(cls) => cls,
+            Err(e) => return e,
+        },
+    };
+    PyErr::from_type(cls.clone(), (msg, retry_after))
+}
+
+/// Takes the exception classes core errors map onto (ratequeue._errors calls it once,
+/// at import; later calls change nothing).
+#[pyfunction]
+pub fn _use_errors(
+    py: Python<'_>,
+    overloaded: Bound<'_, PyType>,
+    wait_timeout: Bound<'_, PyType>,
+    cost_too_large: Bound<'_, PyType>,
+) {
+    let _ = OVERLOADED.set(py, overloaded.unbind());
+    let _ = WAIT_TIMEOUT.set(py, wait_timeout.unbind());
+    let _ = COST_TOO_LARGE.set(py, cost_too_large.unbind());
 }
 
 /// Maps a core error onto the Python hierarchy under ratequeue.RateQueueError.

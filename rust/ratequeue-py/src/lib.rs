@@ -27,6 +27,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Fork safety lives in pthread_atfork handlers (no Python runs while they hold the
     // core's locks); see ratequeue_core::fork.
     ratequeue_core::fork::install();
+    m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     m.add_class::<args::PolicyKeywordsPy>()?;
