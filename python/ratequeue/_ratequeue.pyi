@@ -447,6 +447,9 @@ class PolicyPermit:
     def delay(self) -> float:
         """Seconds from the call to the time every level holds it (0.0: at once)."""
     @property
+    def granted_at_ns(self) -> int:
+        """The time every level holds it, in nanoseconds of the policy's clock."""
+    @property
     def released(self) -> bool: ...
     def release(self) -> bool: ...
     def cancel(self) -> None: ...
