@@ -1438,6 +1438,10 @@ class Threads(Ops):
                 if not rate:
                     q.arrival_ns, q.lead = start, False
                 self.granted(q, at if rate else now)
+            self.oplog[op] += (
+                f" [reqs {[q.rid for q in qs]} from {start - self._t0()}ns granted at"
+                f" {at - self._t0()}ns]"
+            )
             mine.append(Holder(p, qs, "policy"))
             self.bump("policy_acquire")
             return
@@ -1471,6 +1475,9 @@ class Threads(Ops):
             return
         q = self.new_req(name, key, cls, clist, "wait", op, t)
         self.date_grant(q, p, None)
+        self.oplog[op] += (
+            f" [req {q.rid} granted at {p.granted_at_ns - self._t0()}ns after {p.waited}]"
+        )
         self.bump("queued_grant" if p.waited else "grant")
         self.check_deadline(q, p.waited, timeout)
         mine.append(Holder(p, [q], "permit"))
