@@ -15,6 +15,7 @@ mod histogram;
 mod keyed;
 mod keyed_concurrency;
 mod keyed_limiter;
+mod keywords;
 mod limiter;
 mod policy;
 mod policy_level;
@@ -30,7 +31,8 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
-    m.add_class::<args::PolicyKeywordsPy>()?;
+    m.add_class::<keywords::PolicyKeywordsPy>()?;
+    m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;
     m.add_class::<floor::FloorPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;

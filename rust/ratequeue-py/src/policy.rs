@@ -55,7 +55,7 @@ fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal, max_wait_ns: u64) -> 
 impl PolicyPy {
     fn args(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<LevelArgs>> {
         let levels: Vec<_> = self.levels.iter().map(LevelPy::keywords).collect();
-        let calls = crate::args::policy_keywords(&levels, kw)?;
+        let calls = crate::keywords::policy_keywords(&levels, kw)?;
         calls
             .into_iter()
             .enumerate()
@@ -334,7 +334,7 @@ impl PolicyPy {
 /// Refuses set-ups that can never work: a level named like a call keyword or like a
 /// unit of any level (its keyword would be ambiguous).
 fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
-    crate::args::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
+    crate::keywords::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
 }
 
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {

@@ -77,13 +77,13 @@ impl LevelPy {
     }
 
     /// How a call's keywords address this level.
-    pub fn keywords(&self) -> crate::args::LevelKeywords<'_> {
+    pub fn keywords(&self) -> crate::keywords::LevelKeywords<'_> {
         let (keyed, units) = match &self.shape {
             Shape::Units(u) => (false, u.as_slice()),
             Shape::KeyedUnit(u) => (true, std::slice::from_ref(u)),
             Shape::Permits { keyed } => (*keyed, &[][..]),
         };
-        crate::args::LevelKeywords {
+        crate::keywords::LevelKeywords {
             name: &self.name,
             keyed,
             units,

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from history import NS, History, Req
 
-HERE = Path(__file__).resolve().parent
+HERE = Path(__file__).resolve().parents[1]  # tests/, where stress_history.py is
 STRESS = HERE / "stress_history.py"
 
 
