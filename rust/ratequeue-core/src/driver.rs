@@ -12,7 +12,7 @@
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
@@ -40,10 +40,20 @@ fn precise_timers() {
     }
 }
 
-/// The current process id.
+/// This process's id with the fork generation it was read in (see [`pid`]).
+static PID: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// The current process id (read once per fork generation: no system call on hot paths).
 pub fn pid() -> i32 {
+    let gen = crate::fork::generation() & 0xffff_ffff;
+    let cached = PID.load(Ordering::Acquire);
+    if cached != u64::MAX && cached >> 32 == gen {
+        return cached as u32 as i32;
+    }
     // SAFETY: getpid has no preconditions and cannot fail.
-    unsafe { getpid() }
+    let p = unsafe { getpid() };
+    PID.store((gen << 32) | u64::from(p as u32), Ordering::Release);
+    p
 }
 
 /// After a wake panicked, its queue is looked at again this much later.

@@ -480,6 +480,64 @@ type Deliveries = Vec<(Wake, u64, Outcome, Box<[u64]>)>;
 /// Grants whose waiter is gone (its channel closed), to give back: costs and token.
 type Gone = Vec<(Box<[u64]>, u64)>;
 
+/// The rest of a submission decided under the queue's lock: asking the driver for a
+/// wake-up and giving back grants of gone waiters.
+#[must_use = "finish() completes the submission"]
+pub struct SubmitTail {
+    queue: Arc<WaitQueue>,
+    result: Result<Submitted, Error>,
+    next: Option<u64>,
+    gone: Gone,
+    now: u64,
+}
+
+impl SubmitTail {
+    fn refused(q: &Arc<WaitQueue>, e: Error) -> SubmitTail {
+        SubmitTail {
+            queue: q.clone(),
+            result: Err(e),
+            next: None,
+            gone: Vec::new(),
+            now: 0,
+        }
+    }
+
+    /// True when finishing takes no lock (no grant to give back, and a wake-up at the
+    /// time asked for is already pending with a running driver): nothing to wait for,
+    /// save in a narrow race with the driver's own short lock, which never waits for
+    /// anything else.
+    pub fn is_light(&self) -> bool {
+        self.gone.is_empty() && self.next.is_none_or(|t| self.queue.wake_pending_by(t))
+    }
+
+    /// Completes the submission: its outcome, dated by the clock reading it decided at.
+    pub fn finish(self) -> Result<(Submitted, u64), Error> {
+        let SubmitTail {
+            queue,
+            result,
+            next,
+            gone,
+            now,
+        } = self;
+        let mut refused = None;
+        if let Some(t) = next {
+            if let Err(e) = queue.schedule(t) {
+                // Nothing would ever wake this waiter: refuse it instead.
+                if let Ok(Submitted::Queued(ticket)) = result {
+                    if queue.cancel(ticket) == Cancelled::Removed {
+                        refused = Some(e);
+                    }
+                }
+            }
+        }
+        queue.give_back_gone(gone);
+        match refused {
+            Some(e) => Err(e),
+            None => result.map(|r| (r, now)),
+        }
+    }
+}
+
 impl WaitQueue {
     /// A queue over `resource` counting `units` cost components, read on `clock`.
     pub fn new(resource: Arc<dyn Resource>, units: usize, clock: AnyClock, config: QueueConfig) -> Arc<WaitQueue> {
@@ -694,10 +752,49 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
+        self.drop_inherited();
+        let g = lock(&self.inner);
+        self.submit_locked(g, costs, class, timeout_ns, wake).finish()
+    }
+
+    /// [`WaitQueue::submit_dated`] without waiting for the queue's lock: None (nothing
+    /// done) when it is busy. The decision is made; what is left ([`SubmitTail::finish`])
+    /// may ask the driver for a wake-up or give back grants, which can wait for a lock
+    /// unless [`SubmitTail::is_light`].
+    pub fn try_submit_dated(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Option<SubmitTail> {
+        if class >= self.config.classes.len() {
+            return Some(SubmitTail::refused(
+                self,
+                Error::invalid("priority", class, "is not a class of this limiter"),
+            ));
+        }
+        if self.generation.load(Ordering::Acquire) != crate::fork::generation() {
+            return None;
+        }
+        let g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(self.submit_locked(g, costs, class, timeout_ns, wake))
+    }
+
+    fn submit_locked(
+        self: &Arc<Self>,
+        mut g: MutexGuard<'_, Inner>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> SubmitTail {
         let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
-        self.drop_inherited();
-        let mut g = lock(&self.inner);
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
@@ -711,21 +808,12 @@ impl WaitQueue {
         // thread made them (slots and channels are leaf locks; nothing here waits).
         let gone = deliver(out);
         drop(g);
-        let mut refused = None;
-        if let Some(t) = next {
-            if let Err(e) = self.schedule(t) {
-                // Nothing would ever wake this waiter: refuse it instead.
-                if let Ok(Submitted::Queued(ticket)) = result {
-                    if self.cancel(ticket) == Cancelled::Removed {
-                        refused = Some(e);
-                    }
-                }
-            }
-        }
-        self.give_back_gone(gone);
-        match refused {
-            Some(e) => Err(e),
-            None => result.map(|r| (r, now)),
+        SubmitTail {
+            queue: self.clone(),
+            result,
+            next,
+            gone,
+            now,
         }
     }
 
@@ -1586,6 +1674,15 @@ impl WaitQueue {
         [&c.queued_grants, &c.timed_out, &c.cancelled]
             .iter()
             .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
+    }
+
+    /// True when a wake-up at or before `t` is pending with a running driver of this
+    /// process (or the queue runs on a manual clock): asking for `t` changes nothing.
+    fn wake_pending_by(&self, t: u64) -> bool {
+        self.clock.is_manual()
+            || (self.scheduled_pid.load(Ordering::Acquire) == crate::driver::pid()
+                && self.scheduled.load(Ordering::Acquire) <= t
+                && crate::driver::driver().is_running())
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
