@@ -9,8 +9,8 @@
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::bucket::Deny;
@@ -443,6 +443,8 @@ pub struct WaitQueue {
     scheduled: AtomicU64,
     scheduled_pid: std::sync::atomic::AtomicI32,
     generation: AtomicU64,
+    /// The next due time found is a grant to a blocked thread (a hint for the driver).
+    thread_next: AtomicBool,
     counters: Counters,
     waits: Vec<Arc<Histogram>>,
 }
@@ -586,6 +588,7 @@ impl WaitQueue {
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
             generation: AtomicU64::new(crate::fork::generation()),
+            thread_next: AtomicBool::new(false),
             config,
         });
         crate::fork::register_arc(&q);
@@ -1381,8 +1384,15 @@ impl WaitQueue {
     }
 
     fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
-        let grant = self.head_time(g).and_then(|(_, _, at)| at);
+        let head = self.head_time(g);
+        let grant = head.and_then(|(_, _, at)| at);
         let deadline = g.deadlines.first().map(|(d, _)| *d);
+        // A blocked thread granted next is woken precisely (see Driver::schedule).
+        let thread_next = head.is_some_and(|(ci, t, at)| {
+            at.is_some_and(|a| deadline.is_none_or(|d| a <= d))
+                && matches!(g.classes[ci].waiters[&t].wake, Wake::Thread(_))
+        });
+        self.thread_next.store(thread_next, Ordering::Relaxed);
         match (grant, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -1699,7 +1709,8 @@ impl WaitQueue {
         let driver = crate::driver::driver();
         // A wake-up already pending counts only while a driver runs to serve it.
         if t < self.scheduled.fetch_min(t, Ordering::AcqRel) || !driver.is_running() {
-            let asked = driver.schedule(Arc::downgrade(self), t);
+            let me: Weak<dyn crate::driver::Due> = Arc::downgrade(self) as Weak<dyn crate::driver::Due>;
+            let asked = driver.schedule(me, t, self.thread_next.load(Ordering::Relaxed));
             if asked.is_err() {
                 // Not pending with any running driver: the next call asks again.
                 self.scheduled.store(u64::MAX, Ordering::Release);
@@ -1708,19 +1719,18 @@ impl WaitQueue {
         }
         Ok(())
     }
+}
 
-    /// Called by the driver after a wake of this queue panicked: the next `schedule`
-    /// asks for a wake-up again whatever the queue believed was pending.
-    pub(crate) fn driver_rearm(&self) {
-        self.scheduled.store(u64::MAX, Ordering::Release);
-    }
-
-    /// Called by the driver at a due time `t` it was asked for.
-    pub(crate) fn driver_wake(self: &Arc<Self>, t: u64) {
+impl crate::driver::Due for WaitQueue {
+    fn wake(self: Arc<Self>, t: u64) {
         let _ = self
             .scheduled
             .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
         self.poll_now();
+    }
+
+    fn rearm(&self) {
+        self.scheduled.store(u64::MAX, Ordering::Release);
     }
 }
 
