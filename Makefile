@@ -55,13 +55,13 @@ test-python: build
 # history checker over >= 10^6 operations (it reports every violation it finds).
 stress: build
 	$(MAKE) stress-fork
-	cd tests && RATEQUEUE_FUZZ_EXAMPLES=20000 ../$(PY) -m pytest -q test_fuzz.py
+	cd tests && RATEQUEUE_FUZZ_EXAMPLES=20000 ../$(PY) -m pytest -q core/test_fuzz.py
 	cd tests && ../$(PY) stress_history.py --ops 1000000 --quiet
 
 # The fork stress test 200 times (forks from many threads while others use every lock).
 stress-fork: build
 	cd tests && RATEQUEUE_FORK_STRESS_RUNS=200 ../$(PY) -m pytest -q \
-		test_fork_safety.py -k stress
+		core/test_fork_safety.py -k stress
 
 lint: build
 	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"

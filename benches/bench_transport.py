@@ -49,7 +49,7 @@ import httpx2
 import openai
 import ratequeue as rq
 from ratequeue.httpx import CallBudget, Cap, RateLimitedTransport
-from ratequeue.mock_provider import MockProvider
+from ratequeue.testing import MockProvider
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE / "results" / "transport.md"

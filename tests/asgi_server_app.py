@@ -1,4 +1,4 @@
-"""The Starlette app that tests/test_asgi_server.py serves under a real uvicorn."""
+"""The Starlette app that tests/asgi/test_asgi_server.py serves under a real uvicorn."""
 
 from __future__ import annotations
 

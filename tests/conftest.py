@@ -91,6 +91,15 @@ def pytest_configure(config: pytest.Config) -> None:
     _real_stderr = os.fdopen(os.dup(fd), "w") if isinstance(fd, int) else sys.__stderr__
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Closes the duplicate of stderr that :func:`pytest_configure` opened."""
+    import io
+    import sys
+
+    if isinstance(_real_stderr, io.TextIOWrapper) and _real_stderr is not sys.__stderr__:
+        _real_stderr.close()
+
+
 @pytest.fixture(autouse=True)
 def _fail_fast_on_a_hang(request: pytest.FixtureRequest) -> object:
     import faulthandler

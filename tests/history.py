@@ -802,12 +802,29 @@ class Ops(History):
             return
         took = self.mode == "single" and self.shadow_refused() == sr
         self.oplog[op] += f" -> delay={p.delay}"
-        qs = self.policy_reqs(kw, op, t, "policy_" + name, took)
-        at = t + round(p.delay * NS)
+        start, at = self.policy_dating(p, t)
+        qs = self.policy_reqs(kw, op, start, "policy_" + name, took)
         for q in qs:
-            self.granted(q, t0=t, at_ns=at if self.levels[q.level].is_rate else t)
+            self.granted(q, at if self.levels[q.level].is_rate else start)
         holders.append(Holder(p, qs, "policy"))
         self.bump("policy_" + name)
+
+    def policy_dating(self, p: Any, t: int) -> tuple[int, int]:
+        """(the call's start, the time every level holds it) as the library dated a
+        PolicyPermit: exact even when the clock moved during the call (threads); with
+        one thread (the clock cannot move) it must agree with ``t + delay``."""
+        at = p.granted_at_ns
+        start = at - round(p.delay * NS)
+        if self.mode == "single" and abs(start - t) > TOL_NS:
+            self.violate(
+                "dating",
+                f"a policy call made at {t - self._t0()} ns was dated {start - self._t0()} ns"
+                " (granted_at_ns - delay)",
+                [],
+                tail=3,
+                dedupe=("dating", "policy"),
+            )
+        return start, at
 
     def op_finish(self, holders: list[Holder]) -> None:
         """Release, cancel or settle something held."""
@@ -1218,7 +1235,7 @@ class Single(Ops):
                 # Queued from t; granted at some time up to now (an upper bound only).
                 q.arrival_seq, q.lead = seq0, False
             # ``delay`` counts from the start of the acquire to the rate levels' time.
-            self.granted(q, t + round(p.delay * NS) if rate else now)
+            self.granted(q, p.granted_at_ns if rate else now)
         self.oplog[op] += f" [reqs {[q.rid for q in qs]} granted, delay {p.delay}]"
         self.holders.append(Holder(p, qs, "policy"))
         self.bump("policy_acquire")
@@ -1408,16 +1425,23 @@ class Threads(Ops):
             except rq.CostTooLarge:
                 return
             conc_first = any(not self.levels[n].is_rate for n in self.policy_levels)
-            # Rate levels are reserved after the concurrency waits, at a time not seen
-            # here: without concurrency levels that is t; otherwise only the grant time
-            # (t + delay) is known and the order check skips them.
-            qs = self.policy_reqs(kw, op, None if conc_first else t, "policy_acquire", False)
+            # The library dates the call (its start) and the grant exactly, however the
+            # clock moved meanwhile. Rate levels are reserved after the concurrency
+            # waits, at a time not seen here: without concurrency levels that is the
+            # start; otherwise only the grant time is known and the order check skips
+            # them.
+            start, at = self.policy_dating(p, t)
+            qs = self.policy_reqs(kw, op, None if conc_first else start, "policy_acquire", False)
             now = self.now()
             for q in qs:
                 rate = self.levels[q.level].is_rate
                 if not rate:
-                    q.arrival_ns, q.lead = t, False
-                self.granted(q, t + round(p.delay * NS) if rate else now)
+                    q.arrival_ns, q.lead = start, False
+                self.granted(q, at if rate else now)
+            self.oplog[op] += (
+                f" [reqs {[q.rid for q in qs]} from {start - self._t0()}ns granted at"
+                f" {at - self._t0()}ns]"
+            )
             mine.append(Holder(p, qs, "policy"))
             self.bump("policy_acquire")
             return
@@ -1451,6 +1475,9 @@ class Threads(Ops):
             return
         q = self.new_req(name, key, cls, clist, "wait", op, t)
         self.date_grant(q, p, None)
+        self.oplog[op] += (
+            f" [req {q.rid} granted at {p.granted_at_ns - self._t0()}ns after {p.waited}]"
+        )
         self.bump("queued_grant" if p.waited else "grant")
         self.check_deadline(q, p.waited, timeout)
         mine.append(Holder(p, [q], "permit"))

@@ -24,7 +24,7 @@ from ._ratequeue import (
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
 from .canary import Canary
 from .httpx._budget import BudgetExceeded, CallBudget
-from .pool import Pool, PoolOverloaded, Provider
+from .pool import Pool, PoolAcquiring, PoolOverloaded, Provider
 
 # Fork safety needs no Python hook: the core takes and releases its locks in
 # pthread_atfork handlers, and a child drops the waiters it inherited.
@@ -50,6 +50,7 @@ __all__ = [
     "Policy",
     "PolicyPermit",
     "Pool",
+    "PoolAcquiring",
     "PoolOverloaded",
     "Provider",
     "QueueDepth",

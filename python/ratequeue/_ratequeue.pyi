@@ -19,6 +19,11 @@ class _PolicyKeywords:
         self, kw: Mapping[str, object] | None = None
     ) -> tuple[tuple[object, ...], dict[str, int]]: ...
 
+@final
+class _LimiterKeywords:
+    def __new__(cls, units: Sequence[str]) -> _LimiterKeywords: ...
+    def parse(self, n: object = None, kw: Mapping[str, object] | None = None) -> list[int]: ...
+
 Period: TypeAlias = (
     float | int | Literal["second", "seconds", "minute", "minutes", "hour", "hours", "day", "days"]
 )
@@ -443,6 +448,9 @@ class PolicyPermit:
     @property
     def delay(self) -> float:
         """Seconds from the call to the time every level holds it (0.0: at once)."""
+    @property
+    def granted_at_ns(self) -> int:
+        """The time every level holds it, in nanoseconds of the policy's clock."""
     @property
     def released(self) -> bool: ...
     def release(self) -> bool: ...

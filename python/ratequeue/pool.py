@@ -35,8 +35,9 @@ import logging
 import math
 import numbers
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from ._errors import CostTooLarge, Overloaded, WaitTimeout
 from ._ratequeue import Channel, Limiter, Permit, Rate
@@ -44,7 +45,7 @@ from ._ratequeue import Channel, Limiter, Permit, Rate
 if TYPE_CHECKING:
     from ._ratequeue import Clock
 
-__all__ = ["Pool", "PoolOverloaded", "Provider", "parse_retry_after"]
+__all__ = ["Pool", "PoolAcquiring", "PoolOverloaded", "Provider", "parse_retry_after"]
 
 # On the real clock Limiter.predicted_wait can report a few nanoseconds (up to a few
 # hundred) for a request that would be admitted now: it reads the clock twice. Waits
@@ -398,8 +399,8 @@ class Pool:
     def on_grant(self, provider: Provider | str) -> bool:
         """Account a grant; False if its provider is in cooldown (route it again).
 
-        :meth:`acquire` calls this itself; call it when a ticket from :meth:`submit`
-        is granted through the channel.
+        :meth:`acquire` and :meth:`acquire_async` call this themselves; a driver of its
+        own (the lab's virtual time) calls it when a queued request is granted.
         """
         p = self._get(provider)
         cooling = p._cooldown_until > self._clock.now()
@@ -438,10 +439,16 @@ class Pool:
                 return p, permit
         raise self._give_up(deadline, costs, priority)
 
-    async def acquire_async(
+    def acquire_async(
         self, *, priority: str | None = None, timeout: float | None = None, **costs: int
+    ) -> PoolAcquiring:
+        """The asyncio form of :meth:`acquire` (one wake-up per grant, no polling): await
+        it for ``(provider, permit)``, or ``async with`` it to release the permit at exit."""
+        return PoolAcquiring(self, priority, timeout, costs)
+
+    async def _acquire_async(
+        self, priority: str | None, timeout: float | None, costs: dict[str, int]
     ) -> tuple[Provider, Permit]:
-        """The asyncio form of :meth:`acquire` (one wake-up per grant, no polling)."""
         budget = self._budget(timeout)
         deadline = None if budget is None else self._clock.now() + budget
         excluded: set[str] = set()
@@ -461,24 +468,15 @@ class Pool:
                 return p, permit
         raise self._give_up(deadline, costs, priority)
 
-    def submit(
+    def _submit(
         self,
         channel: Channel,
-        *,
-        priority: str | None = None,
-        timeout: float | None = None,
-        exclude: Iterable[str] = (),
-        **costs: int,
+        priority: str | None,
+        timeout: float | None,
+        costs: dict[str, int],
     ) -> tuple[Provider, Permit | int]:
-        """Without blocking: ``(provider, Permit)`` if granted at once, else a ticket.
-
-        The ticket's outcome comes through ``channel.drain()`` like
-        ``Limiter.submit``'s; when it is granted, call :meth:`on_grant` and, if that
-        says False, submit again. This is how a custom event loop or the virtual-time
-        lab drives the pool.
-        """
         budget = self._budget(timeout)
-        excluded = set(exclude)
+        excluded: set[str] = set()
         for _ in range(self._max_rounds()):
             p, _ = self.choose(max_wait=budget, exclude=excluded, priority=priority, **costs)
             with self._lock:
@@ -599,3 +597,71 @@ class Pool:
     def __repr__(self) -> str:
         names = ", ".join(p.name for p in self._providers)
         return f"Pool([{names}], max_wait={self.max_wait!r})"
+
+
+class PoolAcquiring(Coroutine[Any, Any, "tuple[Provider, Permit]"]):
+    """What :meth:`Pool.acquire_async` returns: await it for ``(provider, permit)``, or
+    ``async with`` it to release the permit at exit; a coroutine for ``create_task``.
+
+    Nothing is routed or queued until it is first awaited (or sent to).
+    """
+
+    __slots__ = ("_coro", "_costs", "_got", "_pool", "_priority", "_timeout")
+
+    def __init__(
+        self, pool: Pool, priority: str | None, timeout: float | None, costs: dict[str, int]
+    ) -> None:
+        self._pool = pool
+        self._priority = priority
+        self._timeout = timeout
+        self._costs = costs
+        self._coro: Coroutine[Any, Any, tuple[Provider, Permit]] | None = None
+        self._got: tuple[Provider, Permit] | None = None
+
+    def _run(self) -> Coroutine[Any, Any, tuple[Provider, Permit]]:
+        if self._coro is None:
+            self._coro = self._pool._acquire_async(self._priority, self._timeout, self._costs)
+        return self._coro
+
+    def __await__(self) -> Generator[Any, None, tuple[Provider, Permit]]:
+        coro = self._coro
+        if coro is None:
+            coro = self._coro = self._pool._acquire_async(
+                self._priority, self._timeout, self._costs
+            )
+        return coro.__await__()
+
+    def send(self, value: Any, /) -> Any:
+        """Coroutine protocol, so ``asyncio.create_task`` accepts it."""
+        return self._run().send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None, /) -> Any:
+        """Coroutine protocol: raise ``typ`` (or ``val``) at the wait."""
+        if val is None and tb is None:
+            return self._run().throw(typ)
+        return self._run().throw(typ, val, tb)
+
+    def close(self) -> None:
+        """Coroutine protocol: end a wait that was started (nothing to do otherwise)."""
+        if self._coro is not None:
+            self._coro.close()
+
+    async def __aenter__(self) -> tuple[Provider, Permit]:
+        self._got = await self
+        return self._got
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if self._got is not None:
+            self._got[1].release()
+        return False
+
+    def _submit(self, channel: Channel) -> tuple[Provider, Permit | int]:
+        """Without waiting, for a driver of its own (the lab's virtual time): the
+        provider and a Permit if granted at once, else the ticket whose outcome comes
+        through ``channel``; on a grant, :meth:`Pool.on_grant` says whether to use it."""
+        return self._pool._submit(channel, self._priority, self._timeout, self._costs)

@@ -1,6 +1,6 @@
 """One key identity on Redis: the keyed limiter and a policy's keyed levels store equal
 keys in one bucket and distinct keys apart, exactly as the local limiters do (the
-examples are test_keys.py's), and no key names another level's bucket."""
+examples are key_examples.py's), and no key names another level's bucket."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import ratequeue as rq
 import redis
 from hypothesis import given
 from hypothesis import strategies as st
+from key_examples import DISTINCT, NOT_KEYS, SAME, local_same, one_per_hour
 from ratequeue.redis import (
     AsyncRedisKeyedLimiter,
     AsyncRedisPolicy,
@@ -23,7 +24,6 @@ from ratequeue.redis import (
     RedisPolicy,
 )
 from redis_server import RedisServer
-from test_keys import DISTINCT, NOT_KEYS, SAME, local_same, one_per_hour
 
 _names = itertools.count()
 

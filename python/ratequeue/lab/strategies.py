@@ -353,7 +353,7 @@ class PoolStrategy(Strategy):
                     shed(req, tally)
                     return
             try:
-                provider, r = pool.submit(vt.channel, timeout=timeout)
+                provider, r = pool.acquire_async(timeout=timeout)._submit(vt.channel)
             except Overloaded as e:
                 # Every provider is cooling down or too far behind: come back when one
                 # can serve, if the deadline allows; else give up.

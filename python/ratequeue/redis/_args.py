@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import operator
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import SupportsIndex, TypeAlias
 
 from .._errors import Overloaded
@@ -43,33 +43,6 @@ def _units_of(rates: Sequence[Rate]) -> list[str]:
         if r.unit not in units:
             units.append(r.unit)
     return units
-
-
-def _parse_costs(units: Sequence[str], n: int | None, kw: Mapping[str, object]) -> list[int]:
-    """Costs per unit, with the rules of ``rq.Limiter``."""
-    costs: list[int | None] = [None] * len(units)
-    if n is not None:
-        costs[0] = _cost(units[0], n)
-    for k, v in kw.items():
-        try:
-            i = units.index(k)
-        except ValueError:
-            shown = ", ".join(f'"{u}"' for u in units)
-            raise TypeError(
-                f'unexpected keyword "{k}": this limiter counts units [{shown}]'
-            ) from None
-        if costs[i] is not None:
-            raise TypeError(f'cost for unit "{k}" given twice')
-        costs[i] = _cost(k, v)
-    out: list[int] = []
-    for u, c in zip(units, costs, strict=True):
-        if c is None:
-            if u == "requests" or len(units) == 1:
-                c = 1
-            else:
-                raise TypeError(f'missing cost for unit "{u}" (pass {u}=...)')
-        out.append(c)
-    return out
 
 
 def _scaled(rate: Rate, fraction: float) -> Rate:

@@ -13,8 +13,8 @@ from types import TracebackType
 from typing import Any
 
 from .._errors import CostTooLarge
-from .._ratequeue import Limiter, ManualClock, Rate
-from ._args import _max_wait_us, _overloaded, _parse_costs, _scaled, _units_of
+from .._ratequeue import Limiter, ManualClock, Rate, _LimiterKeywords
+from ._args import _max_wait_us, _overloaded, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _pack, _text
 from ._engine import OnFailure, _Down, _Engine
@@ -78,8 +78,9 @@ class _LimiterBase:
         # One generation key per bucket: exact undos and lease give-backs check it.
         self._gen_keys = [_gen_key(k) for k in self.keys]
         self._undo_head = self._engine.head(2 * len(self.keys))
+        self._keywords = _LimiterKeywords(self._units)
         try:
-            self._default: list[int] | None = _parse_costs(self._units, None, {})
+            self._default: list[int] | None = self._keywords.parse()
         except TypeError:
             self._default = None
         self._fast: tuple[Any, ...] | bytes | None = None
@@ -156,7 +157,7 @@ class _LimiterBase:
     def _costs(self, n: int | None, kw: Mapping[str, object]) -> list[int]:
         if n is None and not kw and self._default is not None:
             return self._default
-        return _parse_costs(self._units, n, kw)
+        return self._keywords.parse(n, kw)
 
     def _per_bucket(self, costs: Sequence[int]) -> list[int]:
         out = [costs[u] for u in self._bucket_unit]

@@ -54,6 +54,10 @@ struct Table {
     /// Rebases so far, and the ticks the last one moved every TAT by.
     rebases: u64,
     last_shift: u64,
+    /// Per key, the latest clock time a debit was scheduled at by a time its TAT does
+    /// not show (a policy's other level set it): refunds leave everything before it in
+    /// place (see [`crate::Bucket::note_ahead`]). Only keys with such a debit to come.
+    ahead: std::collections::HashMap<u64, u64>,
 }
 
 impl Table {
@@ -502,6 +506,35 @@ impl KeyedLimiter {
         self.take_with(key, at_ns, cost, max_delay_ns, false)
     }
 
+    /// [`KeyedLimiter::take`] at `at_ns` set by something other than this key's own
+    /// schedule (a policy's slowest level): a time after now is kept from refunds.
+    pub fn take_at(&self, key: u64, at_ns: u64, cost: u64) -> Result<KeyTaken, Deny> {
+        let mut t = self.shard(key);
+        let taken = self.take_in(&mut t, key, at_ns, cost, 0, false)?;
+        let now = self.clock.now_ns();
+        if at_ns > now {
+            if t.ahead.len() >= 64 && t.ahead.len() >= t.len {
+                // Bounded by the keys with a debit still to come.
+                t.ahead.retain(|_, a| *a > now);
+            }
+            let a = t.ahead.entry(key).or_insert(0);
+            *a = (*a).max(at_ns);
+        }
+        Ok(taken)
+    }
+
+    /// The latest time a debit on `key` was scheduled at past `at_ns` (0: none).
+    fn ahead_of(t: &mut Table, key: u64, at_ns: u64) -> u64 {
+        match t.ahead.get(&key) {
+            Some(&a) if a > at_ns => a,
+            Some(_) => {
+                t.ahead.remove(&key);
+                0
+            }
+            None => 0,
+        }
+    }
+
     /// [`KeyedLimiter::take`], for a grant time the queue scheduled or an arrival.
     pub fn take_with(
         &self,
@@ -711,7 +744,8 @@ impl KeyedLimiter {
             (new, Undo::Exact)
         } else {
             t.latest = false;
-            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), 0) {
+            let ahead = Self::ahead_of(&mut g, t.key, at_ns);
+            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), ahead) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
                     (new, Undo::Refunded)
@@ -749,7 +783,8 @@ impl KeyedLimiter {
             return Undo::Nothing;
         };
         let tat = t.slots[i].tat;
-        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, 0) else {
+        let ahead = Self::ahead_of(&mut t, key, now);
+        let Some(new) = p.refund_tat(tat, now, self.params.cost_ticks(cost), None, ahead) else {
             self.refunds_dropped.fetch_add(1, Ordering::Relaxed);
             return Undo::Dropped;
         };
@@ -1362,6 +1397,24 @@ mod epoch_tests {
             like_buckets(slow, 1 << 62, seed, 3_000, 2 * YEAR_NS);
             like_buckets(slow, 0, seed, 1_000, 11 * YEAR_NS);
         }
+    }
+
+    /// History checker seed 729: a policy debited a key at a future time its other level
+    /// set; a refund of an earlier debit on the key then freed that time too (4 units at
+    /// one instant with burst 3). Like a bucket, the key keeps it from refunds.
+    #[test]
+    fn a_refund_leaves_a_debit_scheduled_ahead_by_another_level_in_place() {
+        let (k, clock) = keyed_at(Rate::new(2.0, 1e9, 3).unwrap(), 0);
+        let key = k.hasher().int(1);
+        let mut a = k.take(key, 0, 2, 0).unwrap();
+        k.take_at(key, 1_000_000_000, 1).unwrap();
+        k.give_back(&mut a, 2, 0);
+        clock.set(1_000_000_000).unwrap();
+        assert!(
+            k.take(key, 1_000_000_000, 3, 0).is_err(),
+            "3 more units at the instant a debit of 1 was scheduled, with burst 3"
+        );
+        assert!(k.take(key, 1_000_000_000, 2, 0).is_ok());
     }
 
     #[test]

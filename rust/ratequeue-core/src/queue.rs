@@ -796,6 +796,7 @@ impl WaitQueue {
         timeout_ns: Option<u64>,
         wake: impl FnOnce() -> Wake,
     ) -> SubmitTail {
+        // Read under the lock: arrivals are dated in the order they join the queue.
         let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
         let mut out = Vec::new();
@@ -958,9 +959,9 @@ impl WaitQueue {
         if self.waiting() == 0 {
             return now_path(self.clock.now_ns()).map(Reserved::Now);
         }
-        let now = self.clock.now_ns();
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = if g.len == 0 {
@@ -1080,9 +1081,9 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        let now = self.clock.now_ns();
         self.drop_inherited();
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = if g.len == 0 {
@@ -1228,37 +1229,63 @@ impl WaitQueue {
     /// fair-share head, or the head of the reservations' class where [`Self::head_time`]
     /// would choose it; then `costs`, behind everyone.
     fn play_forward(&self, g: &Inner, mut sim: Sim, now: u64, costs: &[u64]) -> Option<u64> {
-        let mut rest: Vec<std::collections::VecDeque<(u64, &Waiter)>> = g
+        // Per class in FIFO order: (ticket, start tag, arrival, what the resource sees).
+        let mut rest: Vec<std::collections::VecDeque<(u64, f64, u64, Queued<'_>)>> = g
             .classes
             .iter()
-            .map(|c| c.waiters.iter().map(|(t, w)| (*t, w)).collect())
+            .map(|c| {
+                c.waiters
+                    .iter()
+                    .map(|(t, w)| (*t, w.start_tag, w.arrival_ns, w.queued()))
+                    .collect()
+            })
             .collect();
-        let mut reserved: Vec<(u64, u64)> = g.reserved.iter().rev().copied().collect();
+        let mut reserved = g.reserved.clone();
+        let charges: std::collections::HashSet<u64> = rest
+            .iter()
+            .flatten()
+            .filter(|(_, _, _, q)| q.charge)
+            .map(|(t, ..)| *t)
+            .collect();
         let mut last = now.max(g.last_grant_ns);
         loop {
             let head = rest
                 .iter()
                 .enumerate()
-                .filter_map(|(i, c)| c.front().map(|(t, w)| (w.start_tag, *t, i)))
+                .filter_map(|(i, c)| c.front().map(|(t, tag, ..)| (*tag, *t, i)))
                 .min_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
             let Some((_, t, mut ci)) = head else { break };
-            let w = rest[ci].front().expect("a head").1;
-            let from = w.arrival_ns.max(last);
-            if let Some(&(due, rt)) = reserved.last() {
+            if let Some(&(due, rt)) = reserved.first() {
                 let rci = g.where_is[&rt];
                 if rci != ci {
-                    let at = sim.ready(from, &w.queued());
-                    let later = rest.iter().map(|c| c.iter().copied());
-                    if at.is_none_or(|a| due <= a || !sim.clone().keeps(a, &w.costs, &promised(later, (ci, t)))) {
+                    let (_, _, arrival, q) = rest[ci].front().copied().expect("a head");
+                    let at = sim.ready(arrival.max(last), &q);
+                    let later = rest.iter().map(|c| c.iter().map(|(t, _, _, q)| (*t, *q)));
+                    if at.is_none_or(|a| due <= a || !sim.clone().keeps(a, q.costs, &promised(later, (ci, t)))) {
                         ci = rci;
                     }
                 }
             }
-            let (t, w) = rest[ci].pop_front().expect("a head");
-            let at = sim.ready(w.arrival_ns.max(last), &w.queued())?;
-            sim.take(at, &w.costs);
+            let (t, _, arrival, q) = rest[ci].pop_front().expect("a head");
+            let at = sim.ready(arrival.max(last), &q)?;
+            sim.take(at, q.costs);
             last = last.max(at);
-            reserved.retain(|(_, rt)| *rt != t);
+            if let Some(d) = q.due {
+                reserved.remove(&(d, t));
+                if !q.charge {
+                    // As the queue does when a reservation leaves (see `retime_charges`).
+                    let (due, late) = charges_to_retime(&reserved, |t| charges.contains(&t));
+                    for (d, t) in late {
+                        reserved.remove(&(d, t));
+                        if let Some(due) = due {
+                            reserved.insert((due, t));
+                        }
+                        if let Some(w) = rest.iter_mut().flatten().find(|(rt, ..)| *rt == t) {
+                            w.3.due = due;
+                        }
+                    }
+                }
+            }
         }
         let new = Queued {
             costs,
@@ -1368,7 +1395,10 @@ impl WaitQueue {
         let Some(sim) = self.resource.sim(at_ns) else {
             return true;
         };
-        let rest = g.classes.iter().map(|c| c.waiters.iter().map(|(t, w)| (*t, w)));
+        let rest = g
+            .classes
+            .iter()
+            .map(|c| c.waiters.iter().map(|(t, w)| (*t, w.queued())));
         sim.keeps(at_ns, &g.classes[ci].waiters[&t].costs, &promised(rest, (ci, t)))
     }
 
@@ -1497,10 +1527,9 @@ impl WaitQueue {
     /// none waits past the last promised time that is left (with none left, a charge is
     /// an ordinary waiter that needs no conformance).
     fn retime_charges(g: &mut Inner) {
-        let is_charge = |g: &Inner, t: &u64| matches!(g.classes[g.where_is[t]].waiters[t].wake, Wake::Nobody);
-        let last = g.reserved.iter().rev().find(|(_, t)| !is_charge(g, t)).map(|(d, _)| *d);
-        let from = last.map_or(0, |d| d.saturating_add(1));
-        let late: Vec<(u64, u64)> = g.reserved.range((from, 0)..).copied().collect();
+        let (last, late) = charges_to_retime(&g.reserved, |t| {
+            matches!(g.classes[g.where_is[&t]].waiters[&t].wake, Wake::Nobody)
+        });
         for (d, t) in late {
             g.reserved.remove(&(d, t));
             if let Some(last) = last {
@@ -1545,8 +1574,8 @@ impl WaitQueue {
             }
             return grant;
         }
-        let now = self.clock.now_ns();
         let mut g = lock(&self.inner);
+        let now = self.clock.now_ns();
         let mut actual = actual.to_vec();
         for (u, (a, e)) in actual.iter_mut().zip(estimated).enumerate() {
             if *a < *e {
@@ -1744,24 +1773,36 @@ const SIMULATED_BACKLOG: usize = 256;
 fn promised<'a, C, I>(classes: C, skip: (usize, u64)) -> Vec<Queued<'a>>
 where
     C: Iterator<Item = I>,
-    I: DoubleEndedIterator<Item = (u64, &'a Waiter)>,
+    I: DoubleEndedIterator<Item = (u64, Queued<'a>)>,
 {
     let mut out: Vec<(u64, usize, u64, Queued<'a>)> = Vec::new();
     for (k, c) in classes.enumerate() {
         let mut key = None;
         let at = out.len();
-        for (t, w) in c.rev() {
-            if w.due_ns.is_some() {
-                key = w.due_ns;
+        for (t, q) in c.rev() {
+            if q.due.is_some() {
+                key = q.due;
             }
             if let Some(key) = key.filter(|_| (k, t) != skip) {
-                out.push((key, k, t, w.queued()));
+                out.push((key, k, t, q));
             }
         }
         out[at..].reverse();
     }
     out.sort_by_key(|(key, k, t, _)| (*key, *k, *t));
     out.into_iter().map(|(_, _, _, q)| q).collect()
+}
+
+/// The overage charges to re-time when a reservation leaves the promised set
+/// `reserved`: those promised after the last reservation left (returned first; None
+/// when none is left), which then wait only until it (or, with none, not at all).
+fn charges_to_retime(
+    reserved: &BTreeSet<(u64, u64)>,
+    is_charge: impl Fn(u64) -> bool,
+) -> (Option<u64>, Vec<(u64, u64)>) {
+    let last = reserved.iter().rev().find(|(_, t)| !is_charge(*t)).map(|(d, _)| *d);
+    let from = last.map_or(0, |d| d.saturating_add(1));
+    (last, reserved.range((from, 0)..).copied().collect())
 }
 
 /// Cost totals as a resource reads them: past u64::MAX they can never be served anyway.
@@ -2407,6 +2448,54 @@ mod tests {
         assert!(
             q.try_now(&[1, 96], 0).is_ok(),
             "refused after the retry_after it was told"
+        );
+    }
+
+    /// History checker seed 29: an overage charge queued behind a reservation is
+    /// re-timed to an ordinary waiter once the reservation is granted (it then goes in
+    /// fair-share order, after a lower-tagged waiter of another class); the prediction
+    /// must play that forward too, or `retry_after` is short.
+    #[test]
+    fn retry_after_follows_a_charge_retimed_after_its_reservation() {
+        let clock = Arc::new(ManualClock::new(0).unwrap());
+        let lim = Arc::new(
+            Limiter::new(
+                vec![
+                    ("requests".into(), Rate::new(10.0, 1e9, 2).unwrap()),
+                    ("tokens".into(), Rate::new(250.0, 1e9, 100).unwrap()),
+                ],
+                AnyClock::Manual(clock.clone()),
+            )
+            .unwrap(),
+        );
+        let classes = vec![("hi".into(), 1.0), ("lo".into(), 1.0)];
+        let q = WaitQueue::new(
+            lim.clone(),
+            2,
+            AnyClock::Manual(clock.clone()),
+            QueueConfig::new(classes, 1000, None).unwrap(),
+        );
+        lim.try_acquire(&[1, 48]).unwrap();
+        lim.try_acquire(&[1, 0]).unwrap();
+        let w0 = Slot::new();
+        let w0c = w0.clone();
+        let Submitted::Queued(t0) = q.submit(&[1, 80], 0, None, || Wake::Thread(w0c)).unwrap() else {
+            panic!("queued")
+        };
+        let r = reserve_costs(&q, &lim, &[1, 80]);
+        assert_eq!(q.cancel(t0), Cancelled::Removed);
+        let w = Slot::new();
+        let wc = w.clone();
+        q.submit(&[1, 84], 1, None, || Wake::Thread(wc)).unwrap();
+        q.settle(&[1, 48], &[2, 48], GrantRef::default());
+        let retry = q.retry_after_ns(&[1, 21]);
+        q.run_until(&clock, retry).unwrap();
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { .. })));
+        assert!(granted(&w).is_some());
+        assert_eq!(q.waiting(), 0);
+        assert!(
+            q.try_now(&[1, 21], 0).is_ok(),
+            "refused after the retry_after it was told ({retry} ns)"
         );
     }
 

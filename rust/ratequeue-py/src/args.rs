@@ -393,3 +393,88 @@ fn keywords_of(specs: &[(String, bool, Vec<String>)]) -> Vec<LevelKeywords<'_>> 
         })
         .collect()
 }
+
+/// The most units a call's costs are read for (one bit each).
+pub const MAX_UNITS: usize = 64;
+
+/// The cost of a unit a Limiter call does not name: 1 for "requests" or a limiter's only
+/// unit; None for any other (the call must name it).
+pub fn default_cost(units: &[String], unit: &str) -> Option<u64> {
+    (units.len() == 1 || unit == "requests").then_some(1)
+}
+
+/// The one reading of a Limiter call's costs (`rq.Limiter` and `ratequeue.redis`'s
+/// limiters): `n` is the first unit's cost, each keyword names a unit once, a unit not
+/// named costs `defaults[i]` or is a TypeError. Writes one cost per unit into `out`.
+/// At most [`MAX_UNITS`] units; allocates nothing.
+pub fn unit_costs(
+    units: &[String],
+    defaults: &[Option<u64>],
+    n: Option<&Bound<'_, PyAny>>,
+    kw: Option<&Bound<'_, PyDict>>,
+    out: &mut [u64],
+) -> PyResult<()> {
+    debug_assert!(units.len() <= MAX_UNITS && out.len() >= units.len());
+    let mut given: u64 = 0;
+    if let Some(n) = n {
+        out[0] = cost(&units[0], n)?;
+        given = 1;
+    }
+    if let Some(kw) = kw {
+        for (k, v) in kw.iter() {
+            let k = k.cast::<PyString>()?;
+            let name = k.to_str()?;
+            let Some(i) = units.iter().position(|u| u == name) else {
+                return Err(PyTypeError::new_err(format!(
+                    "unexpected keyword {name:?}: this limiter counts units {units:?}"
+                )));
+            };
+            if given & (1 << i) != 0 {
+                return Err(PyTypeError::new_err(format!("cost for unit {name:?} given twice")));
+            }
+            out[i] = cost(name, &v)?;
+            given |= 1 << i;
+        }
+    }
+    for (i, u) in units.iter().enumerate() {
+        if given & (1 << i) == 0 {
+            out[i] = defaults[i]
+                .ok_or_else(|| PyTypeError::new_err(format!("missing cost for unit {u:?} (pass {u}=...)")))?;
+        }
+    }
+    Ok(())
+}
+
+/// Private (for `ratequeue.redis`): a limiter's units, read as `rq.Limiter` reads a
+/// call's costs.
+#[pyclass(frozen, name = "_LimiterKeywords", module = "ratequeue._ratequeue")]
+pub struct LimiterKeywordsPy {
+    units: Vec<String>,
+    defaults: Vec<Option<u64>>,
+}
+
+#[pymethods]
+impl LimiterKeywordsPy {
+    /// `units`: the units the costs are named by, first one first (at least one).
+    #[new]
+    fn new(units: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let units = texts("units", units)?;
+        if units.is_empty() || units.len() > MAX_UNITS {
+            return Err(value_err(
+                "units",
+                &format!("{units:?}"),
+                &format!("must name from 1 to {MAX_UNITS} units"),
+            ));
+        }
+        let defaults = units.iter().map(|u| default_cost(&units, u)).collect();
+        Ok(LimiterKeywordsPy { units, defaults })
+    }
+
+    /// The cost per unit of a call `(n, **kw)`, in the order of the units.
+    #[pyo3(signature = (n = None, kw = None))]
+    fn parse(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<u64>> {
+        let mut out = vec![0; self.units.len()];
+        unit_costs(&self.units, &self.defaults, n, kw, &mut out)?;
+        Ok(out)
+    }
+}

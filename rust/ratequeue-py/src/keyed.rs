@@ -239,10 +239,15 @@ impl PermitOwner for KeyOwner {
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        unblocked(|| {
-            let grant = self.resource.settle(estimated, actual, grant);
-            self.gates.poll(self.key);
-            grant
+        // Through the key's queue when it has one, as a Limiter permit settles: an
+        // overage then waits behind the reservations promised a time on the key.
+        unblocked(|| match self.gates.existing(self.key) {
+            Some(g) => g.queue.settle(estimated, actual, grant),
+            None => {
+                let grant = self.resource.settle(estimated, actual, grant);
+                self.gates.poll(self.key);
+                grant
+            }
         })
     }
 }

@@ -26,6 +26,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     m.add_class::<args::PolicyKeywordsPy>()?;
+    m.add_class::<args::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
     m.add_class::<limiter::RatePy>()?;

@@ -137,7 +137,7 @@ impl PolicyPy {
     }
 
     /// The permit of `held` for `args`, after `delay_ns`.
-    pub(crate) fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, delay_ns: u64) -> PolicyPermitPy {
+    pub(crate) fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, start_ns: u64, delay_ns: u64) -> PolicyPermitPy {
         let units = self
             .levels
             .iter()
@@ -147,7 +147,13 @@ impl PolicyPy {
                 Shape::Permits { .. } => Vec::new(),
             })
             .collect();
-        PolicyPermitPy::new(self.core.clone(), units, args, held, delay_ns, self.clock.clone())
+        PolicyPermitPy::new(
+            self.core.clone(),
+            units,
+            (args, held),
+            (start_ns, delay_ns),
+            self.clock.clone(),
+        )
     }
 
     /// The clock of the policy's levels.
@@ -336,7 +342,7 @@ impl PolicyPy {
         }
         let (core, now) = (&self.core, self.clock.now_ns());
         match unblocked(|| core.try_acquire(&args, now)) {
-            Ok(held) => Ok(Some(self.permit(args, held, 0))),
+            Ok(held) => Ok(Some(self.permit(args, held, now, 0))),
             Err(Refusal {
                 deny: Deny::Wait(_), ..
             }) => Ok(None),
@@ -377,7 +383,7 @@ impl PolicyPy {
             .unwrap_or(u64::MAX);
         let (core, now) = (&self.core, self.clock.now_ns());
         match py.detach(|| core.reserve(&args, now, mw, false)) {
-            Ok((delay, held)) => Ok(self.permit(args, held, delay)),
+            Ok((delay, held)) => Ok(self.permit(args, held, now, delay)),
             Err(r) => Err(refusal_error(py, self, r, mw)),
         }
     }
@@ -399,7 +405,7 @@ impl PolicyPy {
         // The call's time: the fast path decides at it, and the delay counts from it.
         let start = self.clock.now_ns();
         if let Some(held) = self.try_now(py, &args, start) {
-            return Ok(self.permit(args, held, 0));
+            return Ok(self.permit(args, held, start, 0));
         }
         let pa = PolicyAcquire::started_at(self.core.clone(), args, self.clock.clone(), t, start);
         let mut slice = None;
@@ -412,7 +418,7 @@ impl PolicyPy {
                     waited_ns,
                     held,
                 }) => {
-                    let permit = self.permit(pa.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                    let permit = self.permit(pa.args().to_vec(), held, start, waited_ns.saturating_add(delay_ns));
                     if delay_ns > 0 && !self.clock.is_manual() {
                         if let Err(e) = sleep_interruptibly(py, Duration::from_nanos(delay_ns)) {
                             permit.cancel(py);
@@ -452,7 +458,7 @@ impl PolicyPy {
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
         let start = me.clock.now_ns();
         let permit = match me.try_now(py, &args, start) {
-            Some(held) => Some(Py::new(py, me.permit(args.clone(), held, 0))?),
+            Some(held) => Some(Py::new(py, me.permit(args.clone(), held, start, 0))?),
             None => None,
         };
         let (policy, clock) = (me.core.clone(), me.clock.clone());

@@ -24,6 +24,8 @@ pub struct PolicyPermitPy {
     units: Vec<Vec<String>>,
     state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
     delay_ns: u64,
+    /// The time every level holds it, on the policy's clock.
+    granted_at_ns: u64,
     released: AtomicBool,
     clock: AnyClock,
     /// The fork generation it was granted in: in a forked child every permit starts
@@ -32,14 +34,13 @@ pub struct PolicyPermitPy {
 }
 
 impl PolicyPermitPy {
-    /// What `policy` granted: `held` for `args` (units named per level), after
-    /// `delay_ns`, on `clock`.
+    /// What `policy` granted: `held` for `args` (units named per level), `delay_ns`
+    /// after the call that read `clock` at `start_ns`.
     pub fn new(
         policy: Arc<Policy>,
         units: Vec<Vec<String>>,
-        args: Vec<LevelArgs>,
-        held: Vec<Held>,
-        delay_ns: u64,
+        (args, held): (Vec<LevelArgs>, Vec<Held>),
+        (start_ns, delay_ns): (u64, u64),
         clock: AnyClock,
     ) -> PolicyPermitPy {
         PolicyPermitPy {
@@ -47,6 +48,7 @@ impl PolicyPermitPy {
             units,
             state: Mutex::new((args, held)),
             delay_ns,
+            granted_at_ns: start_ns.saturating_add(delay_ns),
             released: AtomicBool::new(false),
             clock,
             fork_gen: ratequeue_core::fork::generation(),
@@ -75,6 +77,13 @@ impl PolicyPermitPy {
     #[getter]
     fn delay(&self) -> f64 {
         self.delay_ns as f64 / 1e9
+    }
+
+    /// The time every level holds it, in nanoseconds of the policy's clock: the call's
+    /// own clock reading plus `delay` (exact, whatever the clock did meanwhile).
+    #[getter]
+    fn granted_at_ns(&self) -> u64 {
+        self.granted_at_ns
     }
 
     /// True once released or cancelled.
@@ -251,7 +260,12 @@ impl PolicyAcquiringPy {
                 held,
             }) => {
                 let policy = self.policy.get();
-                let permit = policy.permit(core.args().to_vec(), held, waited_ns.saturating_add(delay_ns));
+                let permit = policy.permit(
+                    core.args().to_vec(),
+                    held,
+                    core.start_ns(),
+                    waited_ns.saturating_add(delay_ns),
+                );
                 if !policy.clock().is_manual() {
                     self.left_ns.store(delay_ns, Ordering::Release);
                 }

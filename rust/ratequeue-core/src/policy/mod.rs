@@ -230,7 +230,7 @@ impl Limit for Limiter {
 
 impl Limit for KeyedLimiter {
     fn take(&self, a: &LevelArgs, at_ns: u64) -> Result<Held, Deny> {
-        KeyedLimiter::take(self, a.key, at_ns, a.costs[0], 0).map(Held::KeyedRate)
+        self.take_at(a.key, at_ns, a.costs[0]).map(Held::KeyedRate)
     }
 
     fn undo(&self, held: &mut Held, now_ns: u64) -> bool {

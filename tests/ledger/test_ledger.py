@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from ledger_backends are parameters here)
 """The quota ledger's behaviour, the same suite against SQLite and a real redis-server."""
 
 from __future__ import annotations
@@ -12,14 +11,7 @@ from datetime import datetime, timezone
 
 import pytest
 import ratequeue as rq
-from ledger_backends import (  # noqa: F401
-    T0,
-    Factory,
-    clock,
-    make,
-    shared_redis,
-    stop_shared_redis,
-)
+from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
 from ratequeue.ledger import (
     Charge,
     Daily,

@@ -39,6 +39,7 @@ RATEQUEUE = {
     "Policy",
     "PolicyPermit",
     "Pool",
+    "PoolAcquiring",
     "PoolOverloaded",
     "Provider",
     "QuotaExceeded",
@@ -69,6 +70,8 @@ REDIS = {
     "connect_async",
 }
 
+TESTING = {"COMPLETION_PATHS", "MAX_BODY", "ManualClock", "MockProvider", "default_burst"}
+
 
 def public_names(module: types.ModuleType) -> set[str]:
     """Names a user sees in the module: neither private nor a submodule."""
@@ -80,7 +83,13 @@ def public_names(module: types.ModuleType) -> set[str]:
 
 
 @pytest.mark.parametrize(
-    ("name", "expected"), [("ratequeue", RATEQUEUE), ("ratequeue.redis", REDIS)]
+    ("name", "expected"),
+    [
+        ("ratequeue", RATEQUEUE),
+        ("ratequeue.redis", REDIS),
+        ("ratequeue.testing", TESTING),
+        ("ratequeue.cli", set()),
+    ],
 )
 def test_a_package_exports_exactly_its_all(name: str, expected: set[str]) -> None:
     module = importlib.import_module(name)

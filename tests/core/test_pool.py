@@ -55,12 +55,12 @@ def test_falls_back_when_the_wait_would_exceed_max_wait(clock: rq.ManualClock) -
     # weight); then fast would wait 1 s, slow 0 s or 10 s.
     assert got.count("fast") == 5 and got.count("slow") == 1
     ch = Channel()
-    p, r = pool.submit(ch)  # fast: 1 s <= 2 s
+    p, r = pool.acquire_async()._submit(ch)  # fast: 1 s <= 2 s
     assert p.name == "fast" and isinstance(r, int)
-    p, r = pool.submit(ch)  # fast: 2 s
+    p, r = pool.acquire_async()._submit(ch)  # fast: 2 s
     assert p.name == "fast"
     with pytest.raises(rq.PoolOverloaded) as e:
-        pool.submit(ch)  # fast 3 s, slow 10 s: both beyond max_wait
+        pool.acquire_async()._submit(ch)  # fast 3 s, slow 10 s: both beyond max_wait
     assert e.value.retry_after == pytest.approx(3.0)
     assert e.value.waits == pytest.approx({"fast": 3.0, "slow": 10.0})
     assert isinstance(e.value, rq.Overloaded)
@@ -113,16 +113,16 @@ def test_failures_back_off_exponentially_and_success_resets(clock: rq.ManualCloc
 def test_a_grant_that_arrives_during_cooldown_is_rerouted(clock: rq.ManualClock) -> None:
     pool = pool_of(clock, ("a", 60, 1, 1.0), ("b", 60, 1, 1.0))
     ch = Channel()
-    pool.submit(ch)
-    pool.submit(ch)
-    p, ticket = pool.submit(ch)  # both used up: queued on one of them
+    pool.acquire_async()._submit(ch)
+    pool.acquire_async()._submit(ch)
+    p, ticket = pool.acquire_async()._submit(ch)  # both used up: queued on one of them
     assert isinstance(ticket, int)
     pool.report(p, 429, retry_after=30)
     p.limiter.run_until(1.0)
     [(t, granted, _)] = ch.drain()
     assert (t, granted) == (ticket, True)
     assert pool.on_grant(p) is False  # do not use it: its provider is cooling down
-    q, _ = pool.submit(ch)
+    q, _ = pool.acquire_async()._submit(ch)
     assert q is not p
     assert pool.stats()[p.name]["rerouted"] == 1
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 from ratequeue import lab
-from ratequeue.__main__ import main as cli
+from ratequeue.cli.main import main as cli
 from ratequeue.lab import launch
 from ratequeue.lab.cluster import ClusterSpec, InferenceCluster, Job, ReplicaSpec
 from ratequeue.lab.engine import VirtualTime

@@ -41,7 +41,7 @@ def test_pool_serves_a_priority_request_the_provider_grants_in_time() -> None:
     assert pool.waits(priority="lo") == {"x": 11.0}
     chosen, wait = pool.choose(max_wait=5.0, priority="hi")
     assert chosen is provider and wait == 2.0
-    chosen, ticket = pool.submit(channel, priority="hi")
+    chosen, ticket = pool.acquire_async(priority="hi")._submit(channel)
     assert chosen is provider and isinstance(ticket, int)
     provider.limiter.run_until(2.0)
     assert (ticket, True, 2_000_000_000) in channel.drain()

@@ -15,7 +15,7 @@ import openai
 import pytest
 import ratequeue as rq
 from ratequeue.httpx import BudgetExceeded, CallBudget, RateLimitedTransport
-from ratequeue.mock_provider import MockProvider
+from ratequeue.testing import MockProvider
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,3 @@
-# ruff: noqa: F811  (fixtures imported from ledger_backends are parameters here)
 """QuotaPolicy: a ledger account as a policy level, all or nothing, every branch."""
 
 from __future__ import annotations
@@ -9,7 +8,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
-from ledger_backends import Factory, clock, make, stop_shared_redis  # noqa: F401
+from ledger_backends import Factory, stop_shared_redis
 from ratequeue.ledger import Plan, QuotaLevel, QuotaPolicy
 
 atexit.register(stop_shared_redis)

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ratequeue import loadtest
-from ratequeue.__main__ import main as cli
-from ratequeue.mock_provider import MockProvider
+from ratequeue.cli import loadtest
+from ratequeue.cli.main import main as cli
+from ratequeue.testing import MockProvider
 
 GEN = 0.1  # the mock's generation time, seconds
 

@@ -11,9 +11,9 @@ import openai
 import pytest
 from asgi_helpers import Server, check_fields
 from ratequeue.asgi import PROBLEM_TYPE
-from ratequeue.mock_provider import MockProvider
+from ratequeue.testing import MockProvider
 
-GATEWAY_DIR = str(Path(__file__).resolve().parent.parent / "examples" / "gateway")
+GATEWAY_DIR = str(Path(__file__).resolve().parents[2] / "examples" / "gateway")
 MESSAGES = [{"role": "user", "content": "Say ok."}]
 
 

@@ -18,9 +18,9 @@ import pytest
 import ratequeue as rq
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 from ratequeue import lab
-from ratequeue.loadtest import LoadTestConfig, _make_limiter
-from ratequeue.mock_provider import MockProvider
+from ratequeue.cli.loadtest import LoadTestConfig, _make_limiter
 from ratequeue.prometheus import RateQueueCollector
+from ratequeue.testing import MockProvider
 
 # -- Prometheus -------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import ratequeue as rq
 from ratequeue import lab
-from ratequeue.__main__ import main as cli
+from ratequeue.cli.main import main as cli
 from ratequeue.lab import arrivals as arr
 from ratequeue.lab import service as svc
 from ratequeue.lab import theory
@@ -261,7 +261,7 @@ def test_scenario_validation() -> None:
 
 
 def test_lab_demo_writes_its_files(tmp_path: Path) -> None:
-    from ratequeue import demo
+    from ratequeue.cli import demo
 
     text = demo.lab_demo(
         per_level=400, rhos=(0.8,), burst_requests=30, out=tmp_path, plot=False, progress=False

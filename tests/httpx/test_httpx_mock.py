@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 from ratequeue.httpx import parse_rate_limit_headers
 from ratequeue.httpx._usage import SSEUsage, usage_from_json
-from ratequeue.mock_provider import MAX_BODY, MockProvider
+from ratequeue.testing import MAX_BODY, MockProvider
 
 pytestmark = pytest.mark.timeout(60)
 

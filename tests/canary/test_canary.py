@@ -821,7 +821,7 @@ def test_the_transport_sends_the_candidate_to_another_endpoint_over_loopback(
     clock: rq.ManualClock,
 ) -> None:
     from ratequeue.canary.transport import to_endpoint
-    from ratequeue.mock_provider import MockProvider
+    from ratequeue.testing import MockProvider
 
     with MockProvider(6000, gen_time=0.0) as old, MockProvider(6000, gen_time=0.0) as new:
         canary = Canary(reply(0), reply(0), stages=(0.5,), clock=clock, gates=())

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from ratequeue.__main__ import main as cli
+from ratequeue.cli.main import main as cli
 from ratequeue.lab import canary as lab
 
 # A fast model of the scenario: the same stages, gates and models, with 2 tasks/s, 5 min
