@@ -3,6 +3,7 @@
 
 use pyo3::prelude::*;
 
+mod aio;
 mod args;
 mod blocking;
 mod clock;
@@ -49,5 +50,6 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;
+    m.add_class::<aio::LoopWaitersPy>()?;
     Ok(())
 }
