@@ -35,10 +35,14 @@ import argparse
 import asyncio
 import datetime as dt
 import importlib.metadata
+import importlib.util
 import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -77,6 +81,33 @@ SSE = (
     + b'data: {"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":19}}\n\n'
     + b"data: [DONE]\n\n"
 )
+
+
+def baseline_transport(ref: str) -> Any:
+    """``RateLimitedTransport`` as it is at git ``ref`` (loaded beside this one as
+    ``ratequeue._httpx_baseline``: before/after in one run, on the same native build)."""
+    root = HERE.parent
+    where = "python/ratequeue/httpx/"
+    names = subprocess.run(
+        ["git", "-C", str(root), "ls-tree", "--name-only", ref, where],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
+    d = Path(tempfile.mkdtemp(prefix="rq-baseline-"))
+    for name in names:
+        blob = subprocess.run(
+            ["git", "-C", str(root), "show", f"{ref}:{name}"], capture_output=True, check=True
+        ).stdout
+        (d / Path(name).name).write_bytes(blob)
+    spec = importlib.util.spec_from_file_location(
+        "ratequeue._httpx_baseline", d / "__init__.py", submodule_search_locations=[str(d)]
+    )
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod.RateLimitedTransport
 
 
 def roomy() -> rq.Limiter:
@@ -134,7 +165,9 @@ def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> Sampl
     return asyncio.run(main())
 
 
-def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None]]:
+def overhead(
+    calls: int, rounds: int, baseline: str | None
+) -> list[tuple[str, str, Sample, str | None]]:
     stream_body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
     caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-bench", task="x")]
     with MockProvider(10**7, gen_time=0.0, burst=10**6) as mock:
@@ -146,6 +179,10 @@ def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None
         )
         net = httpx2.Client(transport=httpx2.HTTPTransport())
         net_t = httpx2.Client(transport=RateLimitedTransport(httpx2.HTTPTransport(), roomy()))
+        req_only = rq.Limiter(rq.Rate(10**9, per="minute", burst=10**6))
+        mem_r = httpx2.Client(
+            transport=RateLimitedTransport(httpx2.MockTransport(answer), req_only)
+        )
         rows: dict[str, tuple[str, Callable[[], Sample], str | None]] = {
             "floor: MockTransport (in memory)": (
                 "memory",
@@ -155,6 +192,11 @@ def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None
             "RateLimitedTransport(MockTransport)": (
                 "memory",
                 lambda: sync_row(mem_t, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            ),
+            "... a Limiter of requests only (no estimate needed)": (
+                "memory",
+                lambda: sync_row(mem_r, url, BODY, calls),
                 "floor: MockTransport (in memory)",
             ),
             "... + output caps + CallBudget": (
@@ -201,13 +243,29 @@ def overhead(calls: int, rounds: int) -> list[tuple[str, str, Sample, str | None
                 "floor: HTTPTransport to the loopback mock",
             ),
         }
+        extra = [mem_r]
+        if baseline is not None:
+            old = baseline_transport(baseline)
+            mem_b = httpx2.Client(transport=old(httpx2.MockTransport(answer), roomy()))
+            net_b = httpx2.Client(transport=old(httpx2.HTTPTransport(), roomy()))
+            extra += [mem_b, net_b]
+            rows[f"before ({baseline}): RateLimitedTransport(MockTransport)"] = (
+                "memory",
+                lambda: sync_row(mem_b, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            )
+            rows[f"before ({baseline}): RateLimitedTransport(HTTPTransport), loopback"] = (
+                "loopback",
+                lambda: sync_row(net_b, url, BODY, calls),
+                "floor: HTTPTransport to the loopback mock",
+            )
         for _, fn, _ in rows.values():  # warm up: connections, imports, caches
             fn()
         samples: dict[str, list[Sample]] = {k: [] for k in rows}
         for _ in range(rounds):
             for name, (_, fn, _) in rows.items():
                 samples[name].append(fn())
-        for c in (mem, mem_t, mem_caps, net, net_t):
+        for c in (mem, mem_t, mem_caps, net, net_t, *extra):
             c.close()
     return [
         (
@@ -338,23 +396,34 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--burst", type=int, default=40)
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--baseline",
+        metavar="GIT_REF",
+        help="also run the transport as it is at this git ref (e.g. main), in the same rounds",
+    )
+    ap.add_argument("--skip-retries", action="store_true", help="only the added-cost table")
     args = ap.parse_args()
     versions = ", ".join(
         f"{p} {importlib.metadata.version(p)}" for p in ("httpx2", "openai", "ratequeue")
     )
+    base_arg = f" --baseline {args.baseline}" if args.baseline else ""
     head = [
         "# The LLM transport: added cost per call, and the queue against the SDK's retry loop",
         "",
         f"`benches/bench_transport.py --calls {args.calls} --rounds {args.rounds} "
-        f"--burst {args.burst}`, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"--burst {args.burst}{base_arg}`, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
         f"{os.getloadavg()[0]:.2f}; Python {platform.python_version()}, {versions}.",
         "",
         "## 1. Added cost per call (median of interleaved rounds)",
         "",
     ]
-    t1 = table_overhead(overhead(args.calls, args.rounds))
+    t1 = table_overhead(overhead(args.calls, args.rounds, args.baseline))
     print("\n".join(head + t1), flush=True)
+    if args.skip_retries:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(head + t1) + "\n")
+        return
     t2 = table_retries(retries(args.burst), args.burst)
     lines = head + t1 + ["", "## 2. The queue against the SDK's retry loop", ""] + t2
     print("\n".join(lines[len(head) + len(t1) :]))

@@ -117,8 +117,8 @@ def ratequeue_candidates() -> list[Candidate]:
         ),
         Candidate(
             "floor: ratequeue _noop",
-            "lim._noop()",
-            {"lim": lim},
+            "floor.noop()",
+            {"floor": rq._ratequeue._Floor()},
             "no-op method of the same extension object: the floor of a method call",
             kind="floor",
         ),

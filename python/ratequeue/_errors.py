@@ -64,3 +64,13 @@ class QuotaExceeded(RateQueueError):
         self.account = account
         self.unit = unit
         self.reset_at = float(reset_at)
+
+
+def _hand_over() -> None:
+    """Gives the native module the classes its errors map onto (no import on error paths)."""
+    from ._ratequeue import _use_errors
+
+    _use_errors(Overloaded, WaitTimeout, CostTooLarge)
+
+
+_hand_over()

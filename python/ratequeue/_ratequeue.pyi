@@ -9,6 +9,9 @@ import numpy.typing as npt
 
 __version__: str
 
+def _use_errors(
+    overloaded: type[Exception], wait_timeout: type[Exception], cost_too_large: type[Exception]
+) -> None: ...
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter | PolicyAcquiring, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
 
@@ -18,6 +21,13 @@ class _PolicyKeywords:
     def parse(
         self, kw: Mapping[str, object] | None = None
     ) -> tuple[tuple[object, ...], dict[str, int]]: ...
+
+@final
+class _Floor:
+    """The benchmarks' floor: ``noop()`` does nothing, called as any method of the extension."""
+
+    def __new__(cls) -> _Floor: ...
+    def noop(self) -> None: ...
 
 @final
 class _LimiterKeywords:
@@ -172,6 +182,8 @@ class Acquiring:
     """What acquire_async returns: await it for a Permit, or use ``async with``."""
 
     def __await__(self) -> Generator[Any, None, Permit]: ...
+    def __iter__(self) -> Acquiring: ...
+    def __next__(self) -> Any: ...
     def send(self, value: Any, /) -> Any:
         """Coroutine protocol, so ``asyncio.create_task`` accepts it."""
     def throw(self, typ: Any, val: Any = None, tb: Any = None, /) -> Any: ...
@@ -201,6 +213,14 @@ class Channel:
     def close(self) -> list[tuple[int, bool, int, int]]: ...
     @property
     def closed(self) -> bool: ...
+    def _pending(self) -> int: ...
+
+@final
+class _LoopWaiters:
+    """The futures an event loop's tasks wait on, resolved natively (internal)."""
+
+    def __new__(cls, channel: Channel) -> _LoopWaiters: ...
+    def _resolve(self) -> list[tuple[int, bool, int, int]]: ...
 
 @final
 class Concurrency:
@@ -352,7 +372,6 @@ class Limiter:
     def max_wait(self) -> float | None: ...
     @property
     def name(self) -> str | None: ...
-    def _noop(self) -> None: ...
 
 # A str, bytes or integer (int, bool, numpy integer); one key per kind and value.
 Key: TypeAlias = str | bytes | int | SupportsIndex
@@ -363,7 +382,8 @@ class KeyedLimiter:
 
     Keys are kept as 64-bit keyed hashes of their kind and exact value (``-1`` and
     ``2**64 - 1`` are two keys, ``1`` and ``"1"`` too); ``max_keys`` bounds memory (full
-    buckets are dropped first, which changes no decision; then the bucket nearest to full).
+    buckets are dropped first, which changes no decision; then the bucket nearest to full)
+    and the keys waiting at once (a waiter on one more key is refused with Overloaded).
     """
 
     def __new__(
@@ -405,7 +425,10 @@ class KeyedLimiter:
 
 @final
 class KeyedConcurrency:
-    """At most ``limit`` holders per key; keys holding nothing cost nothing."""
+    """At most ``limit`` holders per key; keys holding nothing cost nothing.
+
+    At most 2**20 keys wait at once: a waiter on one more key is refused with Overloaded.
+    """
 
     def __new__(
         cls,

@@ -5,6 +5,11 @@ eventfd on Linux, a pipe elsewhere). The native driver thread puts outcomes in t
 channel and signals the descriptor; the loop's reader drains the channel and resolves
 the waiting futures. No polling, one wake per waiter, no GIL needed by the driver.
 
+A limiter's ``Acquiring`` waits natively: awaiting it submits and yields one future of
+the running loop, kept in the loop's ``_LoopWaiters``, and the reader resolves a whole
+batch of those futures in one native call. A policy's acquire waits through
+:func:`_wait` below (one coroutine per wait, the same channel).
+
 Every end of a queued wait other than its outcome (cancellation, GeneratorExit from a
 closed or collected coroutine, KeyboardInterrupt or SystemExit thrown into the task)
 removes the waiter or gives back the grant that raced it, exactly once. When a loop goes
@@ -25,7 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._ratequeue import Channel
+from ._ratequeue import Channel, _LoopWaiters
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -58,6 +63,11 @@ class _Core:
         self.closed = False
         self.loop_part: weakref.ref[_LoopChannel] | None = None
 
+    @property
+    def pending(self) -> int:
+        """How many native waits on this channel still expect an outcome."""
+        return self.channel._pending()
+
     def close(self) -> None:
         """The loop is gone: cancel every pending ticket, give back what it holds."""
         if self.closed:
@@ -89,11 +99,15 @@ class _LoopChannel:
         self.core = _Core()
         self.core.loop_part = weakref.ref(self)
         self.futs: dict[int, asyncio.Future[Any]] = {}
+        self.waiters = _LoopWaiters(self.core.channel)
         loop.add_reader(self.core.channel.fileno(), self._drain)
 
     def _drain(self) -> None:
+        rest = self.waiters._resolve()
+        if not rest:
+            return
         core, futs = self.core, self.futs
-        for ticket, granted, waited_ns, token in core.channel.drain_tokens():
+        for ticket, granted, waited_ns, token in rest:
             acq = core.acqs.pop(ticket, None)
             if acq is None:
                 continue
@@ -116,22 +130,44 @@ _registry_lock = threading.Lock()
 
 
 def _after_fork_in_child() -> None:
-    """A thread of the parent may have held the registry's lock at fork: a fresh one."""
-    global _registry_lock
+    """A thread of the parent may have held the registry's lock at fork: a fresh one;
+    and the parent's channels are not this process's."""
+    global _registry_lock, _last
     _registry_lock = threading.Lock()
+    _last = None
 
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+#: The last loop asked for and its channel (weak), so a task's wait finds it at once.
+_last: tuple[weakref.ref[asyncio.AbstractEventLoop], weakref.ref[_LoopChannel]] | None = None
+_get_running_loop = asyncio.get_running_loop
+
+
+def _running_waiters() -> tuple[asyncio.AbstractEventLoop, _LoopWaiters]:
+    """The running loop and its table of native waits (made on first use)."""
+    loop = _get_running_loop()
+    last = _last
+    if last is not None and last[0]() is loop:
+        lc = last[1]()
+        if lc is not None and not lc.core.closed:
+            return loop, lc.waiters
+    return loop, _channel_for(loop).waiters
+
+
 def _channel_for(loop: asyncio.AbstractEventLoop) -> _LoopChannel:
+    global _last
     core = _channels.get(loop)
     if core is not None and core.pid == os.getpid() and core.loop_part is not None:
         lc = core.loop_part()
         if lc is not None:
+            _last = (weakref.ref(loop), weakref.ref(lc))
             return lc
-    return _new_channel(loop)
+    lc = _new_channel(loop)
+    _last = (weakref.ref(loop), weakref.ref(lc))
+    return lc
 
 
 def _new_channel(loop: asyncio.AbstractEventLoop) -> _LoopChannel:

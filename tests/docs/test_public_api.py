@@ -61,6 +61,7 @@ REDIS = {
     "OnFailure",
     "PolicyLevel",
     "RedisKeyedLimiter",
+    "RedisLedger",
     "RedisLimiter",
     "RedisPermit",
     "RedisPolicy",

@@ -432,12 +432,13 @@ def test_full_limiter_with_no_wait_sends_nothing(mod: Any) -> None:
 
 
 def test_a_waiting_call_is_granted_later_and_records_its_wait(mod: Any) -> None:
-    lim = rq.Limiter(rq.Rate(20, per="second", burst=1))
+    # Real time (the record measures it): a 0.5 s wait, with room for a loaded machine.
+    lim = rq.Limiter(rq.Rate(2, per="second", burst=1))
     rec = Recorder(mod)
     c = client(mod, rec, lim)
     chat(c)
     r = chat(c)
-    assert r.extensions["ratequeue"].waited == pytest.approx(0.05, abs=0.04)
+    assert 0.1 < r.extensions["ratequeue"].waited < 5
     assert c._transport.http_histogram.count == 2
 
 

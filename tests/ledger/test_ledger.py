@@ -595,25 +595,71 @@ def test_async_twins(make: Factory, clock) -> None:
 
 
 def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch) -> None:
+    """Cancelled after the hold was made but before its caller saw it: given back."""
     led = make(clock)
     led.set_plan("acme", PRO)
     gate, given_back = threading.Event(), threading.Event()
-    real_hold, real_release = led.hold, led.release
-
-    def slow_hold(*a, **kw):
-        gate.wait(10)
-        return real_hold(*a, **kw)
+    real_release = led.release
 
     def release(request_id: str) -> None:
         real_release(request_id)
         given_back.set()
 
-    monkeypatch.setattr(led, "hold", slow_hold)
     monkeypatch.setattr(led, "release", release)
+    if make.backend == "sqlite":  # type: ignore[attr-defined]
+        # the hold runs in the writer thread's transaction while its caller is cancelled
+        real_hold_fn, real_release_fn = led._hold_fn, led._release_fn  # type: ignore[attr-defined]
+
+        def hold_fn(*a):
+            fn = real_hold_fn(*a)
+
+            def slow(conn):
+                made.set()
+                gate.wait(10)
+                return fn(conn)
+
+            return slow
+
+        def release_fn(rid):
+            fn = real_release_fn(rid)
+
+            def counted(conn):
+                fn(conn)
+                given_back.set()
+
+            return counted
+
+        monkeypatch.setattr(led, "_hold_fn", hold_fn)
+        monkeypatch.setattr(led, "_release_fn", release_fn)
+        made = threading.Event()  # type: ignore[assignment]
+    else:  # redis.asyncio: the script runs, then the reply is late
+        made = asyncio.Event()  # type: ignore[assignment]
+        real_aexec = led._aexec  # type: ignore[attr-defined]
+
+        async def slow_aexec(client, step):
+            r = await real_aexec(client, step)
+            if step[0] == "eval":
+                made.set()
+                await asyncio.sleep(30)
+            return r
+
+        monkeypatch.setattr(led, "_aexec", slow_aexec)
+        real_release_flow = led._release_flow  # type: ignore[attr-defined]
+
+        def release_flow(rid, account=None):
+            yield from real_release_flow(rid, account)
+            given_back.set()
+
+        monkeypatch.setattr(led, "_release_flow", release_flow)
 
     async def main() -> None:
         task = asyncio.ensure_future(led.hold_async("h", "acme", input_tokens=500))
         await asyncio.sleep(0.05)
+        if make.backend == "redis":  # type: ignore[attr-defined]
+            await asyncio.wait_for(made.wait(), 10)
+            assert led.balance("acme").held["tokens"] == 500
+        else:
+            assert await asyncio.to_thread(made.wait, 10)  # in the transaction
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task

@@ -3,6 +3,7 @@ accounts spread over the nodes, campaigns and notices work across them."""
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import subprocess
 import time
@@ -83,3 +84,25 @@ def test_the_ledger_on_a_cluster(cluster: RedisCluster) -> None:
     assert rep.changed == 12 and led.compensate("camp").already_done == 12
     assert led.balance("tenant-0").bonus == {"tokens": 25}
     assert [r.request_id for r in led.usage("tenant-4").rows] == ["r1", "h-tenant-4"]
+
+
+def test_the_asyncio_twins_on_a_cluster(cluster: RedisCluster) -> None:
+    """The asyncio twins use a redis.asyncio cluster client made for the same nodes."""
+    clock = rq.ManualClock(T0)
+    led = RedisLedger(cluster, name=f"a{time.monotonic_ns()}", clock=clock)
+    accounts = [f"t-{i}" for i in range(6)]
+    for a in accounts:
+        led.set_plan(a, Plan("p", tokens=100, period=Daily()))
+
+    async def main() -> None:
+        for a in accounts:
+            assert not (await led.charge_async("r", a, input_tokens=50)).replay
+            assert (await led.charge_async("r", a, input_tokens=50)).replay
+            await led.hold_async("h-" + a, a, input_tokens=20)
+            c = await led.settle_async("h-" + a, input_tokens=5, output_tokens=5)
+            assert c.tokens == 10
+            assert (await led.balance_async(a)).used == {"tokens": 60}
+        await led.aclose()
+
+    asyncio.run(main())
+    assert sorted(led.balance(a).used["tokens"] for a in accounts) == [60] * 6

@@ -71,33 +71,26 @@ def _chars(v: Any, depth: int = 0) -> int:
     if depth > _MAX_DEPTH:
         return 0
     n = 0
+    depth += 1
+    # Strings are counted here and only containers recurse: most values of a chat body
+    # are strings or numbers.
     if t is dict:
         for k, x in v.items():
-            if k not in _SKIP and type(x) is not int:
-                n += _chars(x, depth + 1)
+            tx = type(x)
+            if tx is str:
+                if k not in _SKIP and not x.startswith("data:"):
+                    n += len(x) + 1
+            elif (tx is list or tx is dict) and k not in _SKIP:
+                n += _chars(x, depth)
     elif t is list:
         for x in v:
-            n += _chars(x, depth + 1)
+            tx = type(x)
+            if tx is str:
+                if not x.startswith("data:"):
+                    n += len(x) + 1
+            elif tx is dict or tx is list:
+                n += _chars(x, depth)
     return n
-
-
-def output_limit(body: dict[str, Any] | None) -> int | None:
-    """The request's own bound on output tokens, if it names one (a non-negative int)."""
-    if body is None:
-        return None
-    for f in OUTPUT_FIELDS:
-        v = body.get(f)
-        if isinstance(v, int) and not isinstance(v, bool) and v >= 0:
-            return v
-    return None
-
-
-def _messages(body: dict[str, Any]) -> int:
-    m = body.get("messages")
-    if isinstance(m, list):
-        return len(m)
-    i = body.get("input")
-    return len(i) if isinstance(i, list) else 1
 
 
 class TokenEstimator:
@@ -179,13 +172,22 @@ class TokenEstimator:
         """The estimate of a call with this JSON body (None: one unknown request)."""
         if body is None:
             return Estimate(0, self.default_output_tokens)
-        if self.encoding is None:
+        enc = self._encoding if self._started else self.encoding
+        if enc is None:
             prompt = -(-max(0, _chars(body) - 1) // self.chars_per_token)
         else:
             prompt = self.count("\n".join(_strings(body)))
-        prompt += 4 * _messages(body)
-        out = output_limit(body)
-        return Estimate(prompt, self.default_output_tokens if out is None else out)
+        m = body.get("messages")
+        if type(m) is list:
+            prompt += 4 * len(m)
+        else:
+            i = body.get("input")
+            prompt += 4 * len(i) if type(i) is list else 4
+        for f in OUTPUT_FIELDS:
+            v = body.get(f)
+            if type(v) is int and v >= 0:
+                return Estimate(prompt, v)
+        return Estimate(prompt, self.default_output_tokens)
 
 
 def _load(name: str | None) -> _Encoding | None:

@@ -12,7 +12,19 @@ from typing import TYPE_CHECKING, Any
 from ._usage import SSEUsage, Usage, usage_from_json, usage_of
 
 if TYPE_CHECKING:
-    from ._transport import RateLimitedTransport, _Call
+    from ._record import _Call
+    from ._transport import RateLimitedTransport
+
+
+def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
+    """Settle with the usage the body reported; without one, the estimate stays charged
+    (never admit more than allowed) and ``usage`` stays None."""
+    if usage is not None:
+        transport._settle(call, usage, call.status)
+        return
+    est = call.estimate
+    transport._settle(call, Usage(est.input_tokens, est.output_tokens), call.status)
+    call.usage = None
 
 
 class _Reader:
@@ -30,7 +42,7 @@ class _Reader:
     def feed(self, chunk: bytes) -> None:
         if self.sse is not None:
             self.sse.feed(chunk)
-            if self.sse.final and not self.call.done:
+            if self.sse.final and not self.call._done:
                 self.finish()
         elif not self.over:
             self.size += len(chunk)
@@ -40,7 +52,7 @@ class _Reader:
                 self.buf.append(chunk)
 
     def finish(self) -> None:
-        if self.call.done:
+        if self.call._done:
             return
         usage: Usage | None = None
         if self.sse is not None:
@@ -50,14 +62,7 @@ class _Reader:
         elif not self.over and self.buf:
             usage = _json_usage(b"".join(self.buf))
             self.buf = []
-        if usage is None:
-            # No usage reported: keep the estimate charged (never admit more than allowed).
-            usage_kept = self.call.record.estimate
-            usage = Usage(usage_kept.input_tokens, usage_kept.output_tokens)
-            self.transport._settle(self.call, usage, self.call.record.status)
-            self.call.record.usage = None
-            return
-        self.transport._settle(self.call, usage, self.call.record.status)
+        _done(self.call, self.transport, usage)
 
 
 _DECODER = json.JSONDecoder()
@@ -83,15 +88,16 @@ def _json_usage(body: bytes) -> Usage | None:
         return None
 
 
-_STREAMS: dict[str, tuple[type, type]] = {}
+_STREAMS: dict[type, tuple[type, type]] = {}
 
 
-def _stream_types(module: str) -> tuple[type, type]:
-    """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2."""
-    types = _STREAMS.get(module)
+def _stream_types(response_type: type) -> tuple[type, type]:
+    """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
+    (whichever defines ``response_type``)."""
+    types = _STREAMS.get(response_type)
     if types is not None:
         return types
-    mod = importlib.import_module(module)
+    mod = importlib.import_module(response_type.__module__.split(".", 1)[0])
 
     class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, reader: _Reader) -> None:
@@ -128,7 +134,7 @@ def _stream_types(module: str) -> tuple[type, type]:
                 self._reader.finish()
 
     types = (_SyncStream, _AsyncStream)
-    _STREAMS[module] = types
+    _STREAMS[response_type] = types
     return types
 
 
@@ -137,10 +143,17 @@ def wrap(
 ) -> None:
     """Put a reader between the response's stream and its consumer (or read the body
     at once when the response already holds it)."""
-    reader = _Reader(call, transport, sse)
     if response.is_stream_consumed:
-        reader.feed(response.content)
-        reader.finish()
+        content = response.content
+        usage: Usage | None = None
+        if sse:
+            events = SSEUsage()
+            events.feed(content)
+            usage = events.usage if events.final else None
+        elif content and len(content) <= transport.max_body:
+            usage = _json_usage(content)
+        _done(call, transport, usage)
         return
-    sync_t, async_t = _stream_types(type(response).__module__.split(".", 1)[0])
+    sync_t, async_t = _STREAMS.get(type(response)) or _stream_types(type(response))
+    reader = _Reader(call, transport, sse)
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)

@@ -10,30 +10,23 @@ from __future__ import annotations
 import json
 import math
 import threading
-import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from time import perf_counter
 from typing import Any, Protocol
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
-from ..pool import Pool, Provider
+from ..pool import Pool
 from . import _budget
-from ._caps import Cap, Capped, apply_caps
-from ._context import current_options
+from ._budget import _CURRENT as _CURRENT_BUDGET
+from ._caps import Cap, apply_caps
+from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
+from ._record import CallRecord, _Call, json_object, model_of
 from ._stream import wrap
 from ._usage import Usage
-from ._wire import (
-    _NO_LIMITS,
-    _REQUEST_FIRST,
-    for_sdk,
-    hint_retry,
-    new_id,
-    scan_response,
-    split_base,
-)
+from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
 __all__ = [
     "ACCOUNT_HEADER",
@@ -48,6 +41,19 @@ PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
 _OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
+# Request headers the transport reads, by lower-case name: 0-2 its own (removed before
+# sending), 3 the SDK's idempotency key, 4 the body's length.
+_READ = {
+    b"x-ratequeue-priority": 0,
+    b"x-ratequeue-task": 1,
+    b"x-ratequeue-account": 2,
+    b"idempotency-key": 3,
+    b"content-length": 4,
+}
+# Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
+# unit costs 1 per call.
+_UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 class Ledger(Protocol):
@@ -79,61 +85,18 @@ class Ledger(Protocol):
     def release(self, request_id: str) -> Any: ...
 
 
-@dataclass(slots=True)
-class CallRecord:
-    """One call through the transport, in ``response.extensions["ratequeue"]``.
-
-    ``waited`` is the queue wait and ``http_seconds`` the time from sending to the
-    response headers, measured apart; ``usage`` is set when the call settles (the end of
-    the body or stream), from the provider's own count.
-    """
-
-    request_id: str
-    path: str
-    model: str | None
-    estimate: Estimate
-    capped: Capped | None
-    priority: str | None
-    task: str | None
-    provider: str | None = None
-    waited: float = 0.0
-    http_seconds: float | None = None
-    status: int | None = None
-    usage: Usage | None = None
-    settled: bool = False
-    rate_limits: RateLimitHeaders | None = None
-
-
-class _Call:
-    """What one call holds while it is in flight (settled exactly once)."""
-
-    __slots__ = (
-        "account",
-        "chain",
-        "costs",
-        "done",
-        "held",
-        "lock",
-        "permit",
-        "provider",
-        "record",
-        "request",
-        "sub",
+def _rewrite(request: Any, body: dict[str, Any]) -> Any:
+    """The request with this body (a new content-length)."""
+    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
+    new_headers = request.headers.copy()
+    del new_headers["content-length"]
+    return type(request)(
+        request.method,
+        request.url,
+        headers=new_headers,
+        content=data,
+        extensions=request.extensions,
     )
-
-    request: Any
-    record: CallRecord
-    costs: dict[str, int]
-    account: str
-
-    def __init__(self) -> None:
-        self.permit: Any = None
-        self.provider: Provider | None = None
-        self.sub: _budget.SubCall | None = None
-        self.chain: list[_budget.CallBudget] = []
-        self.held = False
-        self.done = False
-        self.lock = threading.Lock()
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -222,7 +185,12 @@ class RateLimitedTransport:
         self.urls = {k: v.rstrip("/") for k, v in (urls or {}).items()}
         if urls and not isinstance(limit, Pool):
             raise ValueError("urls= maps a Pool's providers to base URLs")
-        self._bursts = self._unit_bursts()
+        self._set_bursts()
+        # Units whose cost follows the tokens: without them no call needs its estimate
+        # before sending (it is read from the body when asked for).
+        self._tokens = bool(self.units & {"tokens", "input_tokens", "output_tokens"})
+        self._is_pool = isinstance(limit, Pool)
+        self._is_policy = isinstance(limit, Policy)
         self.wait_histogram = Histogram()
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
@@ -247,194 +215,220 @@ class RateLimitedTransport:
                 out[u] = max(out.get(u, 0), b)
         return out
 
+    def _set_bursts(self) -> None:
+        self._bursts = self._unit_bursts()
+        # Per unit: where its cost is in (requests, tokens, input, output), -1 for 1 per
+        # call; and the clamp (None: none).
+        self._plan = tuple(
+            (u, _UNIT_INDEX.get(u, -1), self._bursts.get(u)) for u in sorted(self.units)
+        )
+
     def _prepare(self, request: Any) -> _Call:
-        call = _Call()
         headers = request.headers
         priority = task = account = request_id = length = None
         own = False
-        for k, v in headers.raw:  # one pass over the raw pairs: far cheaper than lookups
-            if k[0] not in _REQUEST_FIRST:
+        for _, lk, v in header_list(headers):
+            i = _READ.get(lk)
+            if i is None:
                 continue
-            lk = k.lower()
-            if lk.startswith(b"x-ratequeue-"):
-                own = True
-                if lk == b"x-ratequeue-priority":
-                    priority = v.decode("latin-1")
-                elif lk == b"x-ratequeue-task":
-                    task = v.decode("latin-1")
-                elif lk == b"x-ratequeue-account":
-                    account = v.decode("latin-1")
-            elif lk == b"idempotency-key":
-                request_id = v.decode("latin-1")
-            elif lk == b"content-length":
+            if i == 4:
                 length = v
+            elif i == 3:
+                request_id = v.decode("latin-1")
+            else:
+                own = True
+                if i == 0:
+                    priority = v.decode("latin-1")
+                elif i == 1:
+                    task = v.decode("latin-1")
+                else:
+                    account = v.decode("latin-1")
         if own:
             for h in _OWN_HEADERS:
                 if h in headers:
                     del headers[h]
-        opts = current_options()
-        priority = priority or opts.priority or self.priority
-        task = task or opts.task
-        account = account or opts.account
-        body_bytes = self._body(request, length)
+        opts = _OPTIONS.get()
+        if opts is not _EMPTY:
+            priority = priority or opts.priority
+            task = task or opts.task
+            account = account or opts.account
+        priority = priority or self.priority
+        data = None
+        if (
+            length is not None
+            and request.method in _BODY_METHODS
+            and length.isdigit()
+            and int(length) <= self.max_body
+        ):
+            try:
+                data = bytes(request.content)
+            except Exception:  # a stream not read (RequestNotRead): estimate without it
+                data = None
         path = request.url.path
-        body: dict[str, Any] | None = None
-        if body_bytes:
-            try:
-                parsed = json.loads(body_bytes)
-            except ValueError:
-                parsed = None
-            body = parsed if isinstance(parsed, dict) else None
-        changed = False
+        budget = _CURRENT_BUDGET.get()
         capped = None
-        if body is not None:
-            if self.caps:
-                capped = apply_caps(self.caps, body, path, task)
-                changed = capped is not None
-            if (
-                self.stream_usage
-                and body.get("stream") is True
-                and path.endswith("/chat/completions")
-            ):
-                so = body.get("stream_options")
-                if not (isinstance(so, dict) and so.get("include_usage") is True):
-                    body["stream_options"] = {
-                        **(so if isinstance(so, dict) else {}),
-                        "include_usage": True,
-                    }
-                    changed = True
-        est = self.estimator(body, path)
-        model = body.get("model") if body is not None else None
-        model = model if isinstance(model, str) else None
-        request_id = request_id or new_id()
-        if changed and body is not None:
-            data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-            new_headers = headers.copy()
-            del new_headers["content-length"]
-            request = type(request)(
-                request.method,
-                request.url,
-                headers=new_headers,
-                content=data,
-                extensions=request.extensions,
-            )
-        call.request = request
-        call.record = CallRecord(request_id, path, model, est, capped, priority, task)
-        call.costs = self._costs(est)
-        if callable(self.account):
-            account = account or self.account(request)
-        call.account = account or (self.account if isinstance(self.account, str) else "default")
-        sub = _budget.charge(request_id, model, est.input_tokens, est.output_tokens)
-        if sub is not None:
-            b = _budget.current_budget()
-            call.sub, call.chain = sub, (b.chain() if b is not None else [])
+        model = None
+        est: Estimate | None = None
+        if (
+            self._tokens
+            or self.caps
+            or self.ledger is not None
+            or budget is not None
+            or (data and self.stream_usage and b'"stream"' in data)
+        ):
+            body = json_object(data) if data else None
+            if body is not None:
+                changed = False
+                if self.caps:
+                    capped = apply_caps(self.caps, body, path, task)
+                    changed = capped is not None
+                if (
+                    self.stream_usage
+                    and body.get("stream") is True
+                    and path.endswith("/chat/completions")
+                ):
+                    so = body.get("stream_options")
+                    if not (isinstance(so, dict) and so.get("include_usage") is True):
+                        body["stream_options"] = {
+                            **(so if isinstance(so, dict) else {}),
+                            "include_usage": True,
+                        }
+                        changed = True
+                if changed:
+                    request = _rewrite(request, body)
+            est = self.estimator(body, path)
+            model = model_of(body)
+        call = _Call(
+            request,
+            request_id or new_id(),
+            path,
+            model,
+            est,
+            capped,
+            priority,
+            task,
+            None if est is not None else (data, self.estimator),
+        )
+        call._costs = self._costs(est)
+        acc = self.account
+        if type(acc) is str:
+            call._account = account or acc
+        else:
+            call._account = account or acc(request) or "default"  # type: ignore[operator]
+        if budget is not None:
+            assert est is not None
+            call._sub = _budget.charge(call.request_id, model, est.input_tokens, est.output_tokens)
+            call._chain = budget.chain()
         if self.ledger is not None:
-            try:
-                self.ledger.hold(
-                    request_id,
-                    call.account,
-                    input_tokens=est.input_tokens,
-                    output_tokens=est.output_tokens,
-                    calls=1,
-                    model=model,
-                    parent_id=call.chain[-1].id if call.chain else None,
-                    meta={"path": path, "task": task},
-                )
-            except BaseException:
-                self._unwind(call, None)
-                raise
-            call.held = True
+            self._hold(call)
         with self._lock:
             self._counts["calls"] += 1
         return call
 
-    def _costs(self, est: Estimate) -> dict[str, int]:
-        all_costs = {
-            "requests": 1,
-            "tokens": est.tokens,
-            "input_tokens": est.input_tokens,
-            "output_tokens": est.output_tokens,
-        }
+    def _hold(self, call: _Call) -> None:
+        assert self.ledger is not None
+        est = call.estimate
+        try:
+            self.ledger.hold(
+                call.request_id,
+                call._account,
+                input_tokens=est.input_tokens,
+                output_tokens=est.output_tokens,
+                calls=1,
+                model=call.model,
+                parent_id=call._chain[-1].id if call._chain else None,
+                meta={"path": call.path, "task": call.task},
+            )
+        except BaseException:
+            self._unwind(call)
+            raise
+        call._held = True
+
+    def _costs(self, est: Estimate | None) -> dict[str, int]:
+        if est is None:
+            return {u: 1 for u, _, _ in self._plan}
+        i, o = est
+        vals = (1, i + o, i, o)
         out = {}
-        for u in self.units:
-            c = all_costs.get(u, 1)
-            b = self._bursts.get(u)
-            out[u] = c if b is None else min(c, b)
+        for u, j, b in self._plan:
+            c = 1 if j < 0 else vals[j]
+            out[u] = c if b is None or c <= b else b
         return out
 
     def _acquire_args(self, call: _Call) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(call.costs)
-        if isinstance(self.limit, Policy):
+        kw: dict[str, Any] = dict(call._costs)
+        if self._is_policy:
             keys = dict(current_options().keys)
             if self.keys is not None:
-                keys.update(self.keys(call.request))
+                keys.update(self.keys(call._request))
             kw.update(keys)
-        elif call.record.priority is not None:
-            kw["priority"] = call.record.priority
+        elif call.priority is not None:
+            kw["priority"] = call.priority
         kw["timeout"] = self.timeout
         return kw
 
-    def _granted(self, call: _Call, grant: Any, waited: float) -> None:
-        if isinstance(self.limit, Pool):
-            call.provider, call.permit = grant
-            call.record.provider = call.provider.name
-            base = self.urls.get(call.provider.name)
-            if base is not None:
-                url = call.request.url.copy_with(**split_base(base, call.request.url))
-                call.request.url = url
-                call.request.headers["host"] = url.netloc.decode("ascii")
-        else:
-            call.permit = grant
-        call.record.waited = waited
-        self.wait_histogram.record(waited)
-
-    def _provider_limiter(self, call: _Call) -> Limiter | None:
-        return call.provider.limiter if call.provider is not None else self.upstream
+    def _granted(self, call: _Call, grant: Any) -> None:
+        """A Pool's grant: the provider chosen, and the request sent to its URL."""
+        call._provider, call._permit = grant
+        call.provider = name = call._provider.name
+        base = self.urls.get(name)
+        if base is not None:
+            request = call._request
+            url = request.url.copy_with(**split_base(base, request.url))
+            request.url = url
+            request.headers["host"] = url.netloc.decode("ascii")
 
     def _received(self, call: _Call, response: Any, http_seconds: float, is_async: bool) -> Any:
-        rec = call.record
-        rec.http_seconds = http_seconds
-        rec.status = status = response.status_code
+        call.http_seconds = http_seconds
+        call.status = status = response.status_code
         self.http_histogram.record(http_seconds)
         with self._lock:
             self._counts["sent"] += 1
-        info = _NO_LIMITS
-        raw = response.headers.raw
-        ctype, exhausted = scan_response(raw)
-        if status == 429 or self.calibrate or exhausted:
-            info = parse_raw_headers(raw)
-            rec.rate_limits = info if info else None
-        limiter = self._provider_limiter(call)
+        pairs = header_list(response.headers)
+        ctype, exhausted = scan_response(pairs)
+        if status == 429 or exhausted or self.calibrate:
+            self._limits(call, response, pairs, status)
+        elif self._is_pool and call._provider is not None:
+            self.limit.report(call._provider, status)  # type: ignore[union-attr]
+        if status >= 300 and status != 429:
+            self._settle(call, None, status)
+        response.extensions["ratequeue"] = call
+        if not call._done:
+            wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
+        return response
+
+    def _limits(
+        self, call: _Call, response: Any, pairs: list[tuple[bytes, bytes, bytes]], status: int
+    ) -> None:
+        """Follow what the headers say: calibrate, pause exhausted units; on a 429 pause
+        the limiter (or cool the Pool's provider down) and hint the SDK's retry."""
+        info = parse_raw_headers([(k, v) for k, _, v in pairs])
+        call.rate_limits = info if info else None
+        limiter = call._provider.limiter if call._provider is not None else self.upstream
         paused = False
         if info and limiter is not None:
             paused = self._follow(info, limiter)
-        if status == 429:
+        if status != 429:
+            if self._is_pool and call._provider is not None:
+                self.limit.report(call._provider, status)  # type: ignore[union-attr]
+            return
+        with self._lock:
+            self._counts["rate_limited"] += 1
+        wait = info.wait()
+        wait = min(self.max_pause, self.default_pause if wait is None else wait)
+        if limiter is not None and wait > 0:
+            # Every call costs one request: pausing that unit stops them all without
+            # emptying the token buckets (an exhausted quota was paused above).
+            limiter.pause(wait, unit="requests" if "requests" in limiter.units else None)
+            paused = True
             with self._lock:
-                self._counts["rate_limited"] += 1
-            wait = info.wait()
-            wait = min(self.max_pause, self.default_pause if wait is None else wait)
-            if limiter is not None and wait > 0:
-                # Every call costs one request: pausing that unit stops them all without
-                # emptying the token buckets (an exhausted quota was paused above).
-                limiter.pause(wait, unit="requests" if "requests" in limiter.units else None)
-                paused = True
-                with self._lock:
-                    self._counts["paused"] += 1
-            if isinstance(self.limit, Pool) and call.provider is not None:
-                self.limit.report(call.provider, 429, retry_after=wait)
-                paused = True
-            self._settle(call, None, status, rate_limited=True)
-            if paused and self.retry_hint:
-                hint_retry(response.headers)
-        elif isinstance(self.limit, Pool) and call.provider is not None:
-            self.limit.report(call.provider, status)
-        if status >= 300 and status != 429:
-            self._settle(call, None, status)
-        response.extensions["ratequeue"] = rec
-        if call.done:
-            return response
-        wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
-        return response
+                self._counts["paused"] += 1
+        if self._is_pool and call._provider is not None:
+            self.limit.report(call._provider, 429, retry_after=wait)  # type: ignore[union-attr]
+            paused = True
+        self._settle(call, None, status, rate_limited=True)
+        if paused and self.retry_hint:
+            hint_retry(response.headers)
 
     def _follow(self, info: RateLimitHeaders, limiter: Limiter) -> bool:
         """Calibrate the limiter's rates (when asked) and pause exhausted units."""
@@ -453,7 +447,7 @@ class RateLimitedTransport:
                     else:
                         with self._lock:
                             self._counts["calibrated"] += 1
-                        self._bursts = self._unit_bursts()  # estimates clamp to the new burst
+                        self._set_bursts()  # estimates clamp to the new burst
                     self._applied[key] = (q.limit, q.window)
             if q.remaining is not None and q.remaining <= 0 and q.reset:
                 limiter.pause(min(q.reset, self.max_pause), unit=dim if dim in units else None)
@@ -464,149 +458,142 @@ class RateLimitedTransport:
         self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used."""
-        with call.lock:
-            if call.done:
-                return
-            call.done = True
-        rec = call.record
-        rec.usage, rec.settled = usage, True
+        if not call._claim():
+            return
+        call.usage = usage
+        call.settled = True
+        permit = call._permit
         try:
-            if call.permit is not None:
-                used = usage if usage is not None else Usage(0, 0)
-                actual = {
-                    "requests": 1,
-                    "tokens": used.tokens,
-                    "input_tokens": used.input_tokens,
-                    "output_tokens": used.output_tokens,
-                }
-                costs = {u: actual.get(u, c) for u, c in call.costs.items()}
-                if call.provider is not None:
-                    costs = call.provider.costs_for(costs)
-                call.permit.settle(**costs)
+            if permit is not None:
+                i, o = (0, 0) if usage is None else usage
+                actual = (1, i + o, i, o)
+                costs = call._costs
+                # Only what differs from the estimate: the rest is already right.
+                kw = {u: actual[j] for u, j, _ in self._plan if j > 0 and actual[j] != costs[u]}
+                if kw:
+                    if call._provider is not None:
+                        kw = call._provider.costs_for(kw)
+                    permit.settle(**kw)
         finally:
             try:
-                if call.permit is not None and hasattr(call.permit, "release"):
-                    call.permit.release()
+                if permit is not None and self._is_policy:
+                    permit.release()  # its concurrency slots (a rate permit has none)
             finally:
-                if call.sub is not None:
+                if call._sub is not None:
                     if rate_limited:
-                        _budget.uncount(call.sub, call.chain, status)
+                        _budget.uncount(call._sub, call._chain, status)
                     else:
                         u = usage if usage is not None else Usage(0, 0)
                         _budget.settle(
-                            call.sub, call.chain, u.input_tokens, u.output_tokens, status
+                            call._sub, call._chain, u.input_tokens, u.output_tokens, status
                         )
-                if call.held and self.ledger is not None:
+                if call._held and self.ledger is not None:
                     if usage is None:
-                        self.ledger.release(rec.request_id)
+                        self.ledger.release(call.request_id)
                     else:
                         self.ledger.settle(
-                            rec.request_id,
+                            call.request_id,
                             input_tokens=usage.input_tokens,
                             output_tokens=usage.output_tokens,
                             calls=1,
-                            model=rec.model,
+                            model=call.model,
                         )
 
-    def _unwind(self, call: _Call, permit: Any) -> None:
-        """Nothing was sent: give back the budget, the ledger hold and the permit."""
-        call.done = True
-        if call.sub is not None:
-            _budget.uncount(call.sub, call.chain, None)
-        if call.held and self.ledger is not None:
-            self.ledger.release(call.record.request_id)
-        if permit is not None:
-            zero = {u: 0 for u in call.costs}
-            if call.provider is not None:
-                zero = call.provider.costs_for(zero)
-            permit.settle(**zero)
-            if hasattr(permit, "release"):
-                permit.release()
+    def _unwind(self, call: _Call) -> None:
+        """Nothing was sent: give back the budget and the ledger hold."""
+        call._done = True
+        if call._sub is not None:
+            _budget.uncount(call._sub, call._chain, None)
+        if call._held and self.ledger is not None:
+            self.ledger.release(call.request_id)
 
     def _failed(self, call: _Call) -> None:
         """Sent but no response (connection error, timeout, cancel): no tokens used."""
-        if isinstance(self.limit, Pool) and call.provider is not None:
-            self.limit.report(call.provider, ok=False)
+        if self._is_pool and call._provider is not None:
+            self.limit.report(call._provider, ok=False)  # type: ignore[union-attr]
         self._settle(call, None, None)
 
     def _reclamp(self, call: _Call) -> bool:
         """After a CostTooLarge: re-read the bursts (changed since) and clamp the call's
         costs again; False when nothing changed (the cost can never fit)."""
-        self._bursts = self._unit_bursts()
-        costs = self._costs(call.record.estimate)
-        if costs == call.costs:
+        self._set_bursts()
+        costs = self._costs(call.estimate if self._tokens else None)
+        if costs == call._costs:
             return False
-        call.costs = costs
+        call._costs = costs
         return True
 
-    def _retry_too_large(self, call: _Call, acquire: Callable[..., Any]) -> Any:
+    def _acquire(self, call: _Call) -> Any:
         try:
-            return acquire(**self._acquire_args(call))
+            return self.limit.acquire(**self._acquire_args(call))
         except CostTooLarge:
             if not self._reclamp(call):
                 raise
-            return acquire(**self._acquire_args(call))
+            return self.limit.acquire(**self._acquire_args(call))
+
+    async def _acquire_async(self, call: _Call) -> Any:
+        try:
+            return await self.limit.acquire_async(**self._acquire_args(call))
+        except CostTooLarge:
+            if not self._reclamp(call):
+                raise
+            return await self.limit.acquire_async(**self._acquire_args(call))
 
     # -- httpx entry points ----------------------------------------------------------------
-
-    def _body(self, request: Any, length: bytes | None) -> bytes | None:
-        if length is None or not length.isdigit() or int(length) > self.max_body:
-            return None
-        if request.method not in ("POST", "PUT", "PATCH"):
-            return None
-        try:
-            return bytes(request.content)
-        except Exception:  # a stream not read (RequestNotRead): estimate without it
-            return None
 
     def handle_request(self, request: Any) -> Any:
         """Wait for a permit (GIL released), send, and settle when the body is read."""
         try:
             call = self._prepare(request)
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             try:
-                grant: Any = self._retry_too_large(call, self.limit.acquire)
+                grant = self._acquire(call)
             except BaseException:
-                self._unwind(call, None)
+                self._unwind(call)
                 raise
         except RateQueueError as e:
             for_sdk(e, request)
             raise
-        t1 = time.perf_counter()
-        self._granted(call, grant, t1 - t0)
+        t1 = perf_counter()
+        if self._is_pool:
+            self._granted(call, grant)
+        else:
+            call._permit = grant
+        call.waited = waited = t1 - t0
+        self.wait_histogram.record(waited)
         try:
-            response = self.inner.handle_request(call.request)
+            response = self.inner.handle_request(call._request)
         except BaseException:
             self._failed(call)
             raise
-        return self._received(call, response, time.perf_counter() - t1, False)
+        return self._received(call, response, perf_counter() - t1, False)
 
     async def handle_async_request(self, request: Any) -> Any:
         """The asyncio form: one wake-up per grant, no polling; cancellation gives back."""
         try:
             call = self._prepare(request)
-            t0 = time.perf_counter()
+            t0 = perf_counter()
             try:
-                try:
-                    grant: Any = await self.limit.acquire_async(**self._acquire_args(call))
-                except CostTooLarge:
-                    if not self._reclamp(call):
-                        raise
-                    grant = await self.limit.acquire_async(**self._acquire_args(call))
+                grant = await self._acquire_async(call)
             except BaseException:
-                self._unwind(call, None)
+                self._unwind(call)
                 raise
         except RateQueueError as e:
             for_sdk(e, request)
             raise
-        t1 = time.perf_counter()
-        self._granted(call, grant, t1 - t0)
+        t1 = perf_counter()
+        if self._is_pool:
+            self._granted(call, grant)
+        else:
+            call._permit = grant
+        call.waited = waited = t1 - t0
+        self.wait_histogram.record(waited)
         try:
-            response = await self.inner.handle_async_request(call.request)
+            response = await self.inner.handle_async_request(call._request)
         except BaseException:
             self._failed(call)
             raise
-        return self._received(call, response, time.perf_counter() - t1, True)
+        return self._received(call, response, perf_counter() - t1, True)
 
     def close(self) -> None:
         """Close the inner transport."""

@@ -40,11 +40,15 @@ def usage_of(u: Any) -> Usage | None:
     """A ``usage`` object in either dialect, or None."""
     if not isinstance(u, dict):
         return None
-    i = _int(u.get("input_tokens"))
-    o = _int(u.get("output_tokens"))
+    i = u.get("input_tokens")
+    o = u.get("output_tokens")
+    i = i if type(i) is int and i >= 0 else None
+    o = o if type(o) is int and o >= 0 else None
     if i is None and o is None:
-        i = _int(u.get("prompt_tokens"))
-        o = _int(u.get("completion_tokens"))
+        i = u.get("prompt_tokens")
+        o = u.get("completion_tokens")
+        i = i if type(i) is int and i >= 0 else None
+        o = o if type(o) is int and o >= 0 else None
         if i is None and o is None:
             return None
     else:

@@ -14,38 +14,82 @@ from .._errors import RateQueueError
 from ._headers import RateLimitHeaders
 
 _NO_LIMITS = RateLimitHeaders()
-# First bytes of the header names a scan looks at (x-ratequeue-*, idempotency-key,
-# content-length; content-type, x-ratelimit-*, anthropic-ratelimit-*, ratelimit*).
-_REQUEST_FIRST = frozenset(b"xXiIcC")
-_RESPONSE_FIRST = frozenset(b"cCxXaArR")
+# First bytes of the response header names that may say a quota is exhausted
+# (x-ratelimit-remaining-*, anthropic-ratelimit-*, ratelimit*), and their prefixes.
+_RESPONSE_FIRST = frozenset(b"xar")
 _REMAINING = (b"x-ratelimit-remaining-", b"anthropic-ratelimit-", b"ratelimit")
+# Response headers known by name: the content type (0), and rate-limit fields that
+# cannot say a quota is exhausted (1: limits and resets, read only by the full parse).
+_KNOWN: dict[bytes, int] = {b"content-type": 0, b"ratelimit-policy": 1}
+for _part in ("limit", "reset"):
+    for _dim in ("requests", "tokens"):
+        _KNOWN[f"x-ratelimit-{_part}-{_dim}".encode()] = 1
+    for _dim in ("requests", "tokens", "input-tokens", "output-tokens"):
+        _KNOWN[f"anthropic-ratelimit-{_dim}-{_part}".encode()] = 1
+del _part, _dim
+
+# Header classes whose private ``_list`` holds (name, lower-case name, value).
+_TRIPLES: set[type] = set()
+_NOT_TRIPLES: set[type] = set()
 
 
-def scan_response(raw: list[tuple[bytes, bytes]]) -> tuple[bytes, bool]:
+def _keeps_triples(cls: type) -> bool:
+    try:
+        h = cls([("X-A", "b")])
+    except Exception:
+        return False
+    return getattr(h, "_list", None) == [(b"X-A", b"x-a", b"b")]
+
+
+def header_list(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
+    """``(name, lower-case name, value)`` of every header: httpx's and httpx2's own list
+    (no copy), or one built from ``raw`` for any other headers type."""
+    cls = type(headers)
+    if cls in _TRIPLES:
+        lst: list[tuple[bytes, bytes, bytes]] = headers._list
+        return lst
+    if cls not in _NOT_TRIPLES:
+        (_TRIPLES if _keeps_triples(cls) else _NOT_TRIPLES).add(cls)
+        return header_list(headers)
+    return [(k, k.lower(), v) for k, v in headers.raw]
+
+
+def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
     """The content type, and whether a rate-limit header may say a quota is exhausted
-    (a cheap scan of the raw pairs; the full parse decides)."""
+    (a cheap scan of the pairs; the full parse decides)."""
     ctype = b""
     exhausted = False
-    for k, v in raw:
-        if k[0] not in _RESPONSE_FIRST:
-            continue
-        lk = k.lower()
-        if lk == b"content-type":
+    known = _KNOWN
+    for _, lk, v in headers:
+        kind = known.get(lk)
+        if kind is None:
+            if exhausted or lk[0] not in _RESPONSE_FIRST or not lk.startswith(_REMAINING):
+                continue
+            if b"remaining" in lk or b"=0" in v:
+                s = v.strip()
+                exhausted = lk.startswith(b"ratelimit") or s == b"0" or s.startswith((b"0.", b"-"))
+        elif kind == 0:
             ctype = v
-        elif not exhausted and lk.startswith(_REMAINING) and (b"remaining" in lk or b"=0" in v):
-            s = v.strip()
-            exhausted = lk.startswith(b"ratelimit") or s == b"0" or s.startswith((b"0.", b"-"))
     return ctype, exhausted
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]
 _IDS = itertools.count(1)
+_PREFIX = f"rq-{_ID_PREFIX}-{os.getpid()}-"
+
+
+def _forked() -> None:
+    global _PREFIX
+    _PREFIX = f"rq-{_ID_PREFIX}-{os.getpid()}-"
+
+
+os.register_at_fork(after_in_child=_forked)
 
 
 def new_id() -> str:
     """A request id unique across processes (a random prefix per start, the pid for
     forks, a counter)."""
-    return f"rq-{_ID_PREFIX}-{os.getpid()}-{next(_IDS)}"
+    return _PREFIX + str(next(_IDS))
 
 
 _SDK_ERRORS: dict[type, type] = {}

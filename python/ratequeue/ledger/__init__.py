@@ -1,13 +1,17 @@
 """The quota ledger: per-account usage against a plan, idempotent per request id.
 
-``SqliteLedger`` (one file, stdlib ``sqlite3``) and ``RedisLedger`` (several machines)
-offer the same calls: ``charge``, ``hold``/``settle``/``release``, queries, warnings
+``SqliteLedger`` (one file, stdlib ``sqlite3``) and ``RedisLedger`` (several machines;
+it lives in ``ratequeue.redis`` and is re-exported here, imported on first use so that
+this package needs no redis-py) offer the same calls: ``charge``,
+``hold``/``settle``/``release``, queries, warnings
 through an outbox (``Notifier`` delivers them in the background), and compensation
 campaigns; ``QuotaPolicy`` makes an account a level of a ``Policy``. Periods are in UTC
 unless a plan's period names a time zone.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
 
 from .._errors import QuotaExceeded
 from ._base import LedgerBase
@@ -34,7 +38,6 @@ from ._model import (
 )
 from ._notifier import Notifier
 from ._policy import QuotaLevel, QuotaPermit, QuotaPolicy
-from ._redis import RedisLedger
 from ._sqlite import SqliteLedger
 
 __all__ = [
@@ -66,3 +69,14 @@ __all__ = [
     "UnknownAccount",
     "UnknownRequest",
 ]
+
+if TYPE_CHECKING:
+    from ..redis._ledger import RedisLedger
+
+
+def __getattr__(name: str) -> Any:
+    if name == "RedisLedger":
+        from ..redis._ledger import RedisLedger
+
+        return RedisLedger
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,6 +3,7 @@ warning delivery, compensation runs and queries over the backend's primitives.""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import csv
@@ -84,8 +85,9 @@ def compensation(
     return new_used, add
 
 
-class LedgerBase:
-    """The public surface of a quota ledger; backends fill in the storage."""
+class LedgerBase(abc.ABC):
+    """The public surface of a quota ledger; backends fill in the storage (the abstract
+    methods: every one is needed, so a backend missing one cannot be made)."""
 
     def __init__(
         self,
@@ -158,6 +160,7 @@ class LedgerBase:
         thr = None if thresholds is None else check_thresholds(thresholds)
         self._set_plan(account, plan, a, thr)
 
+    @abc.abstractmethod
     def _set_plan(
         self, account: str, plan: Plan, anchor: float | None, thr: tuple[int, ...] | None
     ) -> None:
@@ -173,9 +176,22 @@ class LedgerBase:
             yield from batch
             after = batch[-1]
 
+    def settings(self, account: str) -> tuple[Plan, float | None, tuple[float, ...] | None]:
+        """The account's plan, anchor and own thresholds (None: the plan's), as
+        ``set_plan`` last stored them (``UnknownAccount`` if it has none)."""
+        check_id("account", account)
+        plan, anchor, thr = self._settings(account)
+        return plan, anchor, None if thr is None else tuple(bp / 10_000 for bp in thr)
+
+    @abc.abstractmethod
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+        raise NotImplementedError
+
+    @abc.abstractmethod
     def _accounts_after(self, after: str, limit: int) -> list[str]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def count_accounts(self) -> int:
         """How many accounts have a plan."""
         raise NotImplementedError
@@ -201,6 +217,22 @@ class LedgerBase:
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
         return self._charge(*args, fingerprint("charge", *args[1:]))
+
+    def _parse_request(
+        self,
+        request_id: str,
+        account: str,
+        *,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> tuple[Any, ...]:
+        return self._request_args(
+            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
+        )
 
     def hold(
         self,
@@ -234,6 +266,27 @@ class LedgerBase:
         """Records a hold's actual usage (the difference given back or taken, past the
         quota if need be: the work was done); without a hold, charges ``account``
         directly. Idempotent: a retry returns the charge with ``replay=True``."""
+        return self._settle(
+            *self._parse_settle(
+                request_id,
+                input_tokens=input_tokens,
+                output_tokens=output_tokens,
+                calls=calls,
+                model=model,
+                account=account,
+            )
+        )
+
+    def _parse_settle(
+        self,
+        request_id: str,
+        *,
+        input_tokens: int,
+        output_tokens: int,
+        calls: int = 1,
+        model: str | None = None,
+        account: str | None = None,
+    ) -> tuple[Any, ...]:
         check_id("request_id", request_id)
         am = amounts(input_tokens, output_tokens, calls)
         if model is not None:
@@ -241,7 +294,7 @@ class LedgerBase:
         if account is not None:
             check_id("account", account)
         sfp = fingerprint("settle", am["input_tokens"], am["output_tokens"], am["calls"], model)
-        return self._settle(request_id, am, model, account, sfp)
+        return (request_id, am, model, account, sfp)
 
     def release(self, request_id: str) -> None:
         """Gives a hold back in full; a no-op when it was settled, released or expired."""
@@ -268,18 +321,23 @@ class LedgerBase:
             check_id("parent_id", parent_id)
         return (request_id, account, am, model, parent_id, check_meta(meta))
 
+    @abc.abstractmethod
     def _charge(self, *args: Any) -> Charge:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _hold(self, *args: Any) -> Hold:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _settle(self, *args: Any) -> Charge:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _release(self, request_id: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def expire_holds(self) -> int:
         """Gives back every hold past its expiry now; returns how many (also done lazily
         whenever an account is charged)."""
@@ -325,6 +383,7 @@ class LedgerBase:
         check_id("account", account)
         return self._balance(account)
 
+    @abc.abstractmethod
     def _balance(self, account: str) -> Balance:
         raise NotImplementedError
 
@@ -333,6 +392,7 @@ class LedgerBase:
         check_id("account", account)
         return self._plan_of(account)
 
+    @abc.abstractmethod
     def _plan_of(self, account: str) -> Plan:
         raise NotImplementedError
 
@@ -359,6 +419,7 @@ class LedgerBase:
             raise TypeError(f"cursor must be a str, got {type(cursor).__name__}")
         return self._usage(account, lo, hi, limit, cursor)
 
+    @abc.abstractmethod
     def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
         raise NotImplementedError
 
@@ -384,6 +445,7 @@ class LedgerBase:
             totals = totals.add(r)
         return RequestUsage(request_id, rows, totals)
 
+    @abc.abstractmethod
     def _request_rows(self, account: str, request_id: str) -> list[Charge]:
         raise NotImplementedError
 
@@ -481,15 +543,19 @@ class LedgerBase:
             raise
         return n
 
+    @abc.abstractmethod
     def _peek_notices(self, limit: int) -> list[Notice]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _claim_notices(self, limit: int) -> list[Notice]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _ack_notice(self, notice: Notice) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _unclaim(self, notices: Sequence[Notice]) -> None:
         raise NotImplementedError
 
@@ -581,17 +647,21 @@ class LedgerBase:
         if bar is not None:
             bar(report.accounts, -1, False)
 
+    @abc.abstractmethod
     def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _campaign_finish(self, campaign_id: str) -> None:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def _compensate_accounts(
         self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
     ) -> list[dict[str, Any]]:
         raise NotImplementedError
 
+    @abc.abstractmethod
     def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
         """The audit row a campaign wrote for an account (None if not done)."""
         raise NotImplementedError
@@ -601,7 +671,7 @@ class LedgerBase:
     def _unknown(self, account: str) -> UnknownAccount:
         return UnknownAccount(f"account {account!r} has no plan (set_plan first)")
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - a backend with nothing to release keeps it
         """Releases the storage handle."""
 
     def __enter__(self) -> LedgerBase:

@@ -30,6 +30,13 @@ class IdempotencyConflict(LedgerError, ValueError):
     """A request id was used again with a different payload; nothing was charged."""
 
 
+def conflict(request_id: str) -> IdempotencyConflict:
+    """The refusal of a request id used again with another payload or operation."""
+    return IdempotencyConflict(
+        f"request id {request_id!r} was already used with a different payload or operation"
+    )
+
+
 class UnknownAccount(LedgerError, LookupError):
     """The account has no plan (and the ledger has no ``default_plan``)."""
 
@@ -395,6 +402,41 @@ class Charge:
     def tokens(self) -> int:
         """Input plus output tokens."""
         return self.input_tokens + self.output_tokens
+
+
+_new = object.__new__
+
+
+def new_charge(
+    request_id: str,
+    account: str,
+    period: str,
+    at: float,
+    input_tokens: int,
+    output_tokens: int,
+    calls: int,
+    model: str | None,
+    parent_id: str | None,
+    meta: dict[str, Any] | None,
+    replay: bool = False,
+) -> Charge:
+    """``Charge(...)`` for hot paths: the same object, without the frozen dataclass's
+    per-field ``object.__setattr__``."""
+    c = _new(Charge)
+    c.__dict__.update(
+        request_id=request_id,
+        account=account,
+        period=period,
+        at=at,
+        input_tokens=input_tokens,
+        output_tokens=output_tokens,
+        calls=calls,
+        model=model,
+        parent_id=parent_id,
+        meta=meta,
+        replay=replay,
+    )
+    return c
 
 
 @dataclass(frozen=True)

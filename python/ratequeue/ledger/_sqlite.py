@@ -20,7 +20,10 @@ from ._model import (
     Page,
     Plan,
     UnknownRequest,
+    check_id,
+    conflict,
     fingerprint,
+    new_charge,
 )
 from ._sqlite_store import (
     _ROW_COLS,
@@ -28,7 +31,6 @@ from ._sqlite_store import (
     SqliteStore,
     _am,
     _charge_of,
-    _conflict,
     _hold_of,
     _notice,
     _same_amounts,
@@ -66,10 +68,11 @@ class SqliteLedger(SqliteStore):
         meta: str,
         fp: str,
     ) -> Charge:
-        args = (rid, account, am, model, parent, meta)
-        return self._run(  # type: ignore[no-any-return]
-            lambda conn: _inline(self, conn, args, fp), charge=(args, fp)
-        )
+        return self._run(*self._charge_op(rid, account, am, model, parent, meta, fp))  # type: ignore[no-any-return]
+
+    def _charge_op(self, *a: Any) -> tuple[Callable[[sqlite3.Connection], Charge], Any]:
+        args, fp = a[:6], a[6]
+        return (lambda conn: _inline(self, conn, args, fp)), (args, fp)
 
     def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
         """Charges several requests in one transaction (each as ``charge(**request)``);
@@ -127,12 +130,12 @@ class SqliteLedger(SqliteStore):
             old = existing.get((account, rid))
             if old is not None:
                 ok = old[0] == "charge" and old[2] == fp
-                out[k] = _charge_of(old[4:14], True) if ok else _conflict(rid)
+                out[k] = _charge_of(old[4:14], True) if ok else conflict(rid)
                 continue
             prior = fresh.get((account, rid))
             if prior is not None:
                 ok = prior[0] == fp
-                out[k] = dataclasses.replace(prior[1], replay=True) if ok else _conflict(rid)
+                out[k] = dataclasses.replace(prior[1], replay=True) if ok else conflict(rid)
                 continue
             now = self._now()
             try:
@@ -146,9 +149,8 @@ class SqliteLedger(SqliteStore):
             rows.append(
                 (account, rid, now, p.span.key, i_, o_, c_, model, parent, meta or None, fp)
             )
-            c = Charge(
-                rid, account, p.span.key, now, i_, o_, c_, model, parent, parse_json_obj(meta)
-            )
+            mt = parse_json_obj(meta) if meta else None
+            c = new_charge(rid, account, p.span.key, now, i_, o_, c_, model, parent, mt)
             fresh[(account, rid)] = (fp, c)
             out[k] = c
         conn.executemany(
@@ -159,7 +161,10 @@ class SqliteLedger(SqliteStore):
         )
         return [x for x in out if x is not None]
 
-    def _hold(
+    def _hold(self, *args: Any) -> Hold:
+        return self._run(self._hold_fn(*args))  # type: ignore[no-any-return]
+
+    def _hold_fn(
         self,
         rid: str,
         account: str,
@@ -168,13 +173,13 @@ class SqliteLedger(SqliteStore):
         parent: str | None,
         meta: str,
         fp: str,
-    ) -> Hold:
+    ) -> Callable[[sqlite3.Connection], Hold]:
         def fn(conn: sqlite3.Connection) -> Hold:
             now = self._now()
             old = self._existing(conn, account, rid)
             if old is not None:
                 if old[0] != "hold" or old[2] != fp:
-                    raise _conflict(rid)
+                    raise conflict(rid)
                 return _hold_of(old[4:14], old[14], True)
             a, p = self._current(conn, account, now)
             parts = self._take(conn, account, a, p, am, now, force=False)
@@ -220,7 +225,7 @@ class SqliteLedger(SqliteStore):
                 parse_json_obj(meta),
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
 
     def _find_hold(self, conn: sqlite3.Connection, rid: str) -> str | None:
         row = conn.execute(
@@ -229,14 +234,17 @@ class SqliteLedger(SqliteStore):
         ).fetchone()
         return None if row is None else str(row[0])
 
-    def _settle(
+    def _settle(self, *args: Any) -> Charge:
+        return self._run(self._settle_fn(*args))  # type: ignore[no-any-return]
+
+    def _settle_fn(
         self,
         rid: str,
         am: dict[str, int],
         model: str | None,
         account: str | None,
         sfp: str,
-    ) -> Charge:
+    ) -> Callable[[sqlite3.Connection], Charge]:
         def fn(conn: sqlite3.Connection) -> Charge:
             now = self._now()
             acc = account if account is not None else self._find_hold(conn, rid)
@@ -247,7 +255,7 @@ class SqliteLedger(SqliteStore):
                 if (old[3] or old[2]) != sfp and not (
                     old[0] == "charge" and _same_amounts(old, am, model)
                 ):
-                    raise _conflict(rid)
+                    raise conflict(rid)
                 return _charge_of(old[4:14], True)
             a, cur = self._current(conn, acc, now)
             if old is None:
@@ -328,9 +336,12 @@ class SqliteLedger(SqliteStore):
                 parse_json_obj(old[13]),
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
 
     def _release(self, rid: str) -> None:
+        self._run(self._release_fn(rid))
+
+    def _release_fn(self, rid: str) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
                 "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
@@ -349,7 +360,7 @@ class SqliteLedger(SqliteStore):
                     (acc, rid),
                 )
 
-        self._run(fn)
+        return fn
 
     def expire_holds(self) -> int:
         """Gives back every hold past its expiry now; returns how many."""
@@ -409,10 +420,24 @@ class SqliteLedger(SqliteStore):
             lambda c: c.execute("SELECT COUNT(*) FROM accounts").fetchone()[0]
         )
 
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+        def fn(conn: sqlite3.Connection) -> tuple[Plan, float | None, tuple[int, ...] | None]:
+            row = conn.execute(
+                "SELECT plan, anchor, thresholds FROM accounts WHERE account=?", (account,)
+            ).fetchone()
+            if row is None:
+                raise self._unknown(account)
+            return self._plan(row[0]), row[1], tuple(json.loads(row[2])) if row[2] else None
+
+        return self._read(fn)  # type: ignore[no-any-return]
+
     def _plan_of(self, account: str) -> Plan:
         return self._read(lambda c: self._acct(c, account, create=False).plan)  # type: ignore[no-any-return]
 
     def _balance(self, account: str) -> Balance:
+        return self._run(self._balance_fn(account))  # type: ignore[no-any-return]
+
+    def _balance_fn(self, account: str) -> Callable[[sqlite3.Connection], Balance]:
         def fn(conn: sqlite3.Connection) -> Balance:
             now = self._now()
             a, p = self._current(conn, account, now)
@@ -428,7 +453,43 @@ class SqliteLedger(SqliteStore):
                 {u: a.bonus[u] for u in a.plan.quota},
             )
 
-        return self._run(fn)  # type: ignore[no-any-return]
+        return fn
+
+    # -- asyncio: the caller awaits the writer thread's commit ------------------------------
+
+    async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
+        """``charge`` awaiting the writer thread's commit (no worker thread per call);
+        cancelled once in a transaction, it still counts: retry with the same id."""
+        args = self._parse_request(request_id, account, **kw)
+        fp = fingerprint("charge", *args[1:])
+        return await self._run_async(*self._charge_op(*args, fp))  # type: ignore[no-any-return]
+
+    async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
+        """``hold`` awaiting the writer's commit; cancelled, the hold is given back (by the
+        writer thread: no event loop needed)."""
+        args = self._parse_request(request_id, account, **kw)
+        full = (*args, fingerprint("hold", *args[1:]))
+        fn = self._hold_fn(*full)
+        release = self._release_fn(request_id)
+
+        def undo(conn: sqlite3.Connection, _hold: Any) -> None:
+            release(conn)
+
+        return await self._run_async(fn, None, undo)  # type: ignore[no-any-return]
+
+    async def settle_async(self, request_id: str, **kw: Any) -> Charge:
+        """``settle`` awaiting the writer's commit."""
+        return await self._run_async(self._settle_fn(*self._parse_settle(request_id, **kw)))  # type: ignore[no-any-return]
+
+    async def release_async(self, request_id: str) -> None:
+        """``release`` awaiting the writer's commit."""
+        check_id("request_id", request_id)
+        await self._run_async(self._release_fn(request_id))
+
+    async def balance_async(self, account: str) -> Balance:
+        """``balance`` read by the writer thread."""
+        check_id("account", account)
+        return await self._run_async(self._balance_fn(account))  # type: ignore[no-any-return]
 
     def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
         after_at, after_id = lo, ""
@@ -659,5 +720,5 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
             )
         old = led._existing(conn, account, rid)
     if old[0] != "charge" or old[2] != fp:
-        raise _conflict(rid)
+        raise conflict(rid)
     return _charge_of(old[4:14], True)

@@ -5,11 +5,13 @@ period rows cached while no other connection writes, and the accounting on them
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
 import sqlite3
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +21,6 @@ from ._model import (
     Charge,
     ClockLike,
     Hold,
-    IdempotencyConflict,
     LedgerError,
     Notice,
     Plan,
@@ -68,6 +69,12 @@ _ROW_COLS = (
 )
 #: Claimed notices are handed to no other deliverer for this long (seconds).
 CLAIM_SECONDS = 60.0
+_MAX_USED = 2**63 - 1
+#: At most this many calls share one transaction.
+MAX_BATCH = 1000
+#: How long the writer waits for as many calls as the last transaction had (seconds):
+#: callers woken by a commit come back with their next call meanwhile.
+LINGER = 0.002
 
 
 #: Connections a forked child inherited: kept referenced so that they are never closed
@@ -76,15 +83,53 @@ _INHERITED: list[sqlite3.Connection] = []
 
 
 class _Op:
-    __slots__ = ("charge", "event", "exc", "fn", "lead", "result")
+    """One call for the writer thread: its transaction body, and how its caller waits (a
+    lock released when done, or an asyncio future resolved on its loop)."""
+
+    __slots__ = (
+        "abandoned",
+        "charge",
+        "done",
+        "exc",
+        "fn",
+        "fut",
+        "loop",
+        "result",
+        "taken",
+        "undo",
+    )
 
     def __init__(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> None:
         self.fn = fn
         self.charge = charge  # a plain charge's arguments: decided with its neighbours
-        self.event: threading.Event | None = None
         self.result: Any = None
         self.exc: BaseException | None = None
-        self.lead = False
+        self.taken = False  # in a transaction: it can no longer be withdrawn
+        self.abandoned = False  # an asyncio caller was cancelled after it was taken
+        self.done: Any = None
+        self.fut: asyncio.Future[Any] | None = None
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.undo: Callable[[sqlite3.Connection, Any], None] | None = None
+
+
+def _undo_of(
+    undo: Callable[[sqlite3.Connection, Any], None], result: Any
+) -> Callable[[sqlite3.Connection], None]:
+    def fn(conn: sqlite3.Connection) -> None:
+        undo(conn, result)
+
+    return fn
+
+
+def _resolve(ops: Sequence[_Op]) -> None:
+    """On an event loop: hands each call its result (its caller may have been cancelled)."""
+    for op in ops:
+        f = op.fut
+        if f is not None and not f.done():
+            if op.exc is not None:
+                f.set_exception(op.exc)
+            else:
+                f.set_result(op.result)
 
 
 class _Acct:
@@ -97,19 +142,16 @@ class _Acct:
         self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
         self.bonus = dict(zip(UNITS, row[3:7], strict=True))
         self.next_exp: float | None = row[7]
-        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)])
-        self.levels = [
-            (
-                u,
-                q,
-                [
+        # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)], the
+        # lowest of those usages: below it, nothing can fire)
+        self.levels: list[tuple[str, int, list[tuple[int, int, str]], int]] = []
+        for u, q in self.plan.quota.items():
+            if q > 0:
+                lv = [
                     (bp, lvl, f"{u}:{bp}")
                     for bp, lvl in zip(self.thr, threshold_amounts(q, self.thr), strict=True)
-                ],
-            )
-            for u, q in self.plan.quota.items()
-            if q > 0
-        ]
+                ]
+                self.levels.append((u, q, lv, min((x[1] for x in lv), default=2**63)))
 
 
 class _Per:
@@ -149,9 +191,12 @@ class SqliteStore(LedgerBase):
         self.path = os.fspath(path)
         self._sync = synchronous
         self._busy = float(busy_timeout)
-        self._mu = threading.Lock()
+        self._cv = threading.Condition(threading.Lock())
         self._queue: list[_Op] = []
-        self._leader = False
+        self._writer: threading.Thread | None = None
+        self._closing = False
+        self._in_tx = False  # a transaction is running (in the writer or inline)
+        self._shared = 0  # calls in the writer's last transaction: > 1 = contended
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._accts: dict[str, _Acct | None] = {}
@@ -199,16 +244,19 @@ class SqliteStore(LedgerBase):
         """The parts of ``am`` taken from the plan quota, then the bonus (nothing changed);
         ``QuotaExceeded`` if they do not fit (with ``force``, past the quota)."""
         parts: dict[str, list[int]] = {}
+        used, bonus = p.used, a.bonus
         for u, q in a.plan.quota.items():
             need = am[u]
-            free = max(0, q - p.used[u])
-            from_plan = min(need, free)
-            from_bonus = min(need - from_plan, a.bonus[u])
-            if not force and from_plan + from_bonus < need:
-                raise quota_exceeded(account, u, need, free + a.bonus[u], p.span, now)
+            cur = used[u]
+            free = q - cur if q > cur else 0
+            from_plan = need if need < free else free
+            rest, b = need - from_plan, bonus[u]
+            from_bonus = rest if rest < b else b
+            if from_plan + from_bonus < need and not force:
+                raise quota_exceeded(account, u, need, free + b, p.span, now)
             if force:
                 from_plan = need - from_bonus
-            if p.used[u] + from_plan > 2**63 - 1:
+            if cur + from_plan > _MAX_USED:
                 raise ValueError(f"usage of {u} would pass 2**63-1")
             parts[u] = [from_plan, from_bonus]
         return parts
@@ -265,8 +313,10 @@ class SqliteStore(LedgerBase):
             self._save_bonus(conn, account, a)
 
     def _fire(self, conn: sqlite3.Connection, account: str, a: _Acct, p: _Per, now: float) -> None:
-        for u, q, levels in a.levels:
+        for u, q, levels, lowest in a.levels:
             used = p.used[u]
+            if used < lowest:
+                continue
             for bp, level, flag in levels:
                 if used >= level and flag not in p.fired:
                     p.fired.add(flag)
@@ -325,91 +375,199 @@ class SqliteStore(LedgerBase):
         raise NotImplementedError
 
     def _after_fork(self) -> None:
-        """In a forked child: a fresh lock, queue and connection. The parent's connection
-        is never used nor closed here (SQLite forbids carrying one across fork)."""
+        """In a forked child: a fresh lock, queue, writer and connection. The parent's
+        connection is never used nor closed here (SQLite forbids carrying one across
+        fork)."""
         if self._conn is not None:
             _INHERITED.append(self._conn)
-        self._mu = threading.Lock()
-        self._queue, self._leader, self._conn = [], False, None
+        self._cv = threading.Condition(threading.Lock())
+        self._queue, self._writer, self._conn, self._closing = [], None, None, False
+        self._in_tx = False
         self._reset_cache()
         self._dv = None
         self._pid = os.getpid()
 
     def close(self) -> None:
-        """Closes this process's connection (the file stays)."""
-        with self._mu:
-            if self._conn is not None and self._pid == os.getpid():
-                self._conn.close()
-            self._conn = None
-
-    def _run(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> Any:
-        """Runs ``fn`` in a write transaction shared with the calls that arrive meanwhile
-        (group commit); returns its result once committed, or raises its error. A failed
-        commit fails every call of that transaction, none of which then counted."""
+        """Finishes the calls queued, stops the writer thread and closes this process's
+        connection (the file stays)."""
         if self._pid != os.getpid():
             self._after_fork()
-        if self._conn is None:
-            with self._mu:
-                self._connect()
-        op = _Op(fn, charge)
-        with self._mu:
+        with self._cv:
+            w, self._closing = self._writer, True
+            self._cv.notify_all()
+        if w is not None and w is not threading.current_thread():
+            w.join()
+        with self._cv:
+            if self._conn is not None:
+                self._conn.close()
+            self._conn, self._writer, self._closing = None, None, False
+
+    # -- the writer thread -----------------------------------------------------------------
+
+    def _submit(self, op: _Op) -> None:
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._cv:
+            if self._closing:
+                raise LedgerError("the ledger is closing")
+            if self._writer is None:
+                if self._conn is None:
+                    self._connect()
+                self._writer = threading.Thread(
+                    target=self._write_loop, name="ratequeue-ledger-writer", daemon=True
+                )
+                self._writer.start()
             self._queue.append(op)
-            lead = not self._leader
-            if lead:
-                self._leader = True
-            else:
-                op.event = event = threading.Event()
-        if not lead:
-            interrupted: BaseException | None = None
+            self._cv.notify()
+
+    def _withdraw(self, op: _Op) -> bool:
+        """Takes a queued call back (True) unless a transaction has it already."""
+        with self._cv:
+            if op.taken:
+                return False
+            self._queue.remove(op)
+            return True
+
+    def _run(self, fn: Callable[[sqlite3.Connection], Any], charge: Any = None) -> Any:
+        """Runs ``fn`` in a write transaction of the writer thread, shared with the calls
+        queued meanwhile (group commit); returns its result once committed, or raises its
+        error. A failed commit fails every call of that transaction, none of which then
+        counted. Interrupted (Ctrl-C) while queued, nothing is done; once in a
+        transaction, the call waits for its commit, then the interrupt is raised."""
+        op = _Op(fn, charge)
+        if self._pid != os.getpid():
+            self._after_fork()
+        with self._cv:
+            inline = self._shared <= 1 and not (self._in_tx or self._queue or self._closing)
+            if inline:  # uncontended: this thread runs the transaction itself
+                self._in_tx = True
+                if self._conn is None:
+                    try:
+                        self._connect()
+                    except BaseException:
+                        self._in_tx = False
+                        raise
+        if inline:
+            try:
+                self._commit_batch([op])
+            finally:
+                with self._cv:
+                    self._in_tx = False
+                    self._cv.notify()
+            if op.exc is not None:
+                raise op.exc
+            return op.result
+        op.done = done = threading.Lock()
+        done.acquire()
+        self._submit(op)
+        try:
+            done.acquire()
+        except BaseException:
+            if self._withdraw(op):
+                raise
             while True:
                 try:
-                    event.wait()
+                    done.acquire()
                     break
-                except BaseException as e:  # Ctrl-C while queued
-                    with self._mu:
-                        if not op.lead and op in self._queue:
-                            self._queue.remove(op)
-                            raise
-                    interrupted = e  # already running or made leader: finish that first
-            if op.lead:
-                self._lead(op)
-            if interrupted is not None:
-                raise interrupted
-        else:
-            self._lead(op)
+                except BaseException:  # pragma: no cover - a second Ctrl-C
+                    continue
+            raise
         if op.exc is not None:
             raise op.exc
         return op.result
 
-    def _lead(self, mine: _Op) -> None:
-        with self._mu:
-            batch, self._queue = self._queue, []
+    async def _run_async(
+        self,
+        fn: Callable[[sqlite3.Connection], Any],
+        charge: Any = None,
+        undo: Callable[[sqlite3.Connection, Any], None] | None = None,
+    ) -> Any:
+        """``_run`` for asyncio: the caller awaits a future the writer resolves on its loop
+        (one wake-up per loop and transaction). Cancelled while queued, nothing is done;
+        once in a transaction it counts, and then ``undo(conn, result)``, if given, runs
+        in a later transaction of the writer (no event loop needed)."""
+        op = _Op(fn, charge)
+        op.loop = loop = asyncio.get_running_loop()
+        op.fut = fut = loop.create_future()
+        self._submit(op)
         try:
-            self._commit_batch(batch, mine)
-        finally:
-            with self._mu:
-                nxt = None
-                if self._queue:
-                    nxt = self._queue[0]
-                    nxt.lead = True
-                else:
-                    self._leader = False
+            return await fut
+        except asyncio.CancelledError:
+            if not self._withdraw(op) and undo is not None:
+                with self._cv:
+                    finished, op.abandoned = op.loop is None, True
+                if finished and op.exc is None:
+                    self._submit(_Op(_undo_of(undo, op.result)))
+                elif not finished:
+                    op.undo = undo  # run by _finish
+            raise
+
+    def _write_loop(self) -> None:
+        expected = 1
+        while True:
+            with self._cv:
+                while (self._in_tx or not self._queue) and not self._closing:
+                    self._cv.wait()
+                while self._in_tx:  # closing: the inline transaction ends first
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                if len(self._queue) < expected and not self._closing:
+                    end = time.monotonic() + LINGER
+                    while len(self._queue) < expected and not self._closing:
+                        rest = end - time.monotonic()
+                        if rest <= 0 or not self._cv.wait(rest):
+                            break
+                    while self._in_tx:  # a caller ran its own transaction meanwhile
+                        self._cv.wait()
+                batch = self._queue[:MAX_BATCH]
+                del self._queue[:MAX_BATCH]
+                for op in batch:
+                    op.taken = True
+                self._in_tx = True
+            expected = self._shared = len(batch)
+            try:
+                with contextlib.suppress(BaseException):
+                    self._commit_batch(batch)
+            finally:
+                with self._cv:
+                    self._in_tx = False
+            self._finish(batch)
+
+    def _finish(self, batch: Sequence[_Op]) -> None:
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Op]] = {}
+        undo: list[_Op] = []
+        with self._cv:
             for op in batch:
-                if op is not mine and op.event is not None:
-                    op.event.set()
-            if nxt is not None and nxt.event is not None:
-                nxt.event.set()
+                if op.done is not None:
+                    op.done.release()
+                elif op.loop is not None:
+                    if op.abandoned:  # its caller was cancelled meanwhile: undo it
+                        if op.exc is None:
+                            undo.append(op)
+                    else:
+                        by_loop.setdefault(op.loop, []).append(op)
+                    op.loop = None
+        for op in undo:
+            fn, result = op.undo, op.result
+            if fn is not None:
+                with contextlib.suppress(LedgerError):
+                    self._submit(_Op(_undo_of(fn, result)))
+        for loop, ops in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # a closed loop: its callers are gone
+                loop.call_soon_threadsafe(_resolve, ops)
 
     def _reset_cache(self) -> None:
         self._accts.clear()
         self._pers.clear()
         self._dirty.clear()
 
-    def _commit_batch(self, batch: Sequence[_Op], mine: _Op) -> None:
+    def _commit_batch(self, batch: Sequence[_Op]) -> None:
+        """One transaction for ``batch`` (in the writer thread): each call's result or
+        error set on it; a call that fails alone is rolled back to its savepoint, a
+        failed commit (or an interrupt) fails them all, and nothing of them counted."""
         conn = self._conn
         assert conn is not None
-        for op in batch:
-            op.lead = False
         try:
             conn.execute("BEGIN IMMEDIATE")
             # Rows cached by earlier transactions stay valid while no other connection
@@ -423,10 +581,12 @@ class SqliteStore(LedgerBase):
             for op in batch:
                 op.exc = e
             return
+        running: Sequence[_Op] = ()
         try:
             if len(batch) == 1:
                 # alone: a failure rolls the whole transaction back
                 op = batch[0]
+                running = batch
                 try:
                     op.result = op.fn(conn)
                     self._flush(conn)
@@ -443,7 +603,7 @@ class SqliteStore(LedgerBase):
                     j = k
                     while j < len(batch) and batch[j].charge is not None:
                         j += 1
-                    group = batch[k:j] if j - k > 1 else batch[k : k + 1]
+                    group = running = batch[k:j] if j - k > 1 else batch[k : k + 1]
                     conn.execute("SAVEPOINT op")
                     try:
                         if len(group) > 1:
@@ -463,6 +623,7 @@ class SqliteStore(LedgerBase):
                         self._reset_cache()
                     conn.execute("RELEASE op")
                     k += len(group)
+            running = ()
             self._maybe_purge(conn)
             conn.execute("COMMIT")
         except BaseException as e:
@@ -472,13 +633,11 @@ class SqliteStore(LedgerBase):
                 op.result = None
                 op.exc = (
                     e
-                    if op is mine or isinstance(e, Exception)
+                    if op in running or isinstance(e, Exception)
                     else LedgerError("the transaction was interrupted; nothing was recorded")
                 )
             self._reset_cache()
             self._dv = None
-            if not isinstance(e, Exception):
-                raise
 
     def _maybe_purge(self, conn: sqlite3.Connection) -> None:
         now = self._now()
@@ -591,12 +750,6 @@ def _same_amounts(old: Any, am: dict[str, int], model: str | None) -> bool:
         and old[9] == am["output_tokens"]
         and old[10] == am["calls"]
         and (model is None or model == old[11])
-    )
-
-
-def _conflict(rid: str) -> IdempotencyConflict:
-    return IdempotencyConflict(
-        f"request id {rid!r} was already used with a different payload or operation"
     )
 
 

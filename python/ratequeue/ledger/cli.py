@@ -1,4 +1,5 @@
-"""``ratequeue quota``: show an account, list or export its usage, run a compensation.
+"""``ratequeue quota``: set an account's plan, show it, list or export its usage, run a
+compensation.
 
 The ledger is ``--db FILE`` (SQLite) or ``--redis URL`` (with ``--name``). Times are
 Unix seconds or ISO 8601 (UTC unless the text names an offset).
@@ -14,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ._base import LedgerBase
-from ._model import LedgerError, utc
+from ._model import UNITS, Daily, Every, LedgerError, Monthly, Period, Plan, utc
 
 
 def _when(text: str) -> float:
@@ -55,20 +56,55 @@ def _limit(text: str) -> int:
     return v
 
 
-def open_ledger(args: argparse.Namespace) -> LedgerBase:
-    """The ledger the options name."""
+def _amount(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an int, got {text!r}") from None
+    if not 0 <= v <= 2**63 - 1:
+        raise argparse.ArgumentTypeError(f"a quota must be from 0 to 2**63-1, got {v}")
+    return v
+
+
+def _fractions(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected shares like 0.8,0.95, got {text!r}") from None
+
+
+def _period(text: str) -> Period:
+    kind, _, rest = text.partition(":")
+    if kind == "monthly" and not rest:
+        return Monthly()
+    if kind == "anchored" and not rest:
+        return Monthly(anchored=True)
+    if kind == "daily" and not rest:
+        return Daily()
+    if kind == "every":
+        try:
+            return Every(float(rest))
+        except (TypeError, ValueError):
+            pass
+    raise argparse.ArgumentTypeError(
+        f"expected monthly, anchored, daily or every:SECONDS, got {text!r}"
+    )
+
+
+def open_ledger(args: argparse.Namespace, *, create: bool = False) -> LedgerBase:
+    """The ledger the options name (``create``: a new SQLite file is fine)."""
     if args.db and args.redis:
         raise ValueError("give --db or --redis, not both")
     if args.db:
         from ._sqlite import SqliteLedger
 
-        if not os.path.isfile(args.db):
+        if not create and not os.path.isfile(args.db):
             raise ValueError(f"no ledger file at {args.db}")
         return SqliteLedger(args.db)
     if args.redis:
         import redis
 
-        from ._redis import RedisLedger
+        from ..redis import RedisLedger
 
         return RedisLedger(redis.Redis.from_url(args.redis), name=args.name)
     raise ValueError("give --db FILE or --redis URL")
@@ -161,8 +197,53 @@ def _compensate(led: LedgerBase, args: argparse.Namespace) -> int:
     return 0
 
 
+def _set_plan(led: LedgerBase, args: argparse.Namespace) -> int:
+    try:
+        old, anchor, own = led.settings(args.account)
+    except LookupError:
+        old, anchor, own = None, None, None
+    quota: dict[str, int] = {}
+    if old is not None and not args.replace:
+        quota.update(old.quota)
+    for u in UNITS:
+        v = getattr(args, u)
+        if v is not None:
+            quota[u] = v
+    period = args.period or (old.period if old is not None and not args.replace else Monthly())
+    if args.tz is not None:
+        d = period.to_dict()
+        if "tz" not in d:
+            raise ValueError("--tz applies to monthly, anchored and daily periods")
+        d["tz"] = args.tz
+        try:
+            period = Period.from_dict(d)
+        except LookupError:
+            raise ValueError(f"unknown time zone {args.tz!r}") from None
+    thresholds = args.thresholds
+    if thresholds is None:
+        thresholds = old.thresholds if old is not None and not args.replace else (0.8, 0.95)
+    name = args.plan or (old.name if old is not None else "default")
+    plan = Plan(name, period=period, thresholds=thresholds, **quota)
+    if args.anchor is not None:
+        anchor = args.anchor
+    elif args.replace:
+        anchor = None
+    if args.account_thresholds is not None:
+        own = tuple(args.account_thresholds) or None
+    elif args.replace:
+        own = None
+    led.set_plan(args.account, plan, anchor=anchor, thresholds=own)
+    print(f"{'updated' if old is not None else 'created'} account {args.account}: plan {name}")
+    rows = [[u, q] for u, q in plan.quota.items()]
+    print(_table(rows, ["unit", "quota"]))
+    print(f"period {period!r}" + (f", anchor {utc(anchor)}" if anchor is not None else ""))
+    shown = own if own is not None else plan.thresholds
+    print("warnings at " + ", ".join(f"{t:g}" for t in shown) + (" (account's own)" if own else ""))
+    return 0
+
+
 def _run(args: argparse.Namespace) -> int:
-    led = open_ledger(args)
+    led = open_ledger(args, create=args.quota_func is _set_plan)
     try:
         code: int = args.quota_func(led, args)
         return code
@@ -175,11 +256,38 @@ def _run(args: argparse.Namespace) -> int:
 
 def add_quota_parser(sub: Any) -> None:
     """Adds ``quota`` and its subcommands to the ``ratequeue`` command line."""
-    q = sub.add_parser("quota", help="the quota ledger: show, usage, export, compensate")
+    q = sub.add_parser("quota", help="the quota ledger: set-plan, show, usage, export, compensate")
     q.add_argument("--db", help="SQLite ledger file")
     q.add_argument("--redis", help="Redis URL of a Redis ledger")
     q.add_argument("--name", default="default", help="Redis ledger name (default)")
     qs = q.add_subparsers(dest="quota_command", required=True)
+
+    sp = qs.add_parser(
+        "set-plan",
+        help="create or update an account's plan (options not given keep their values)",
+    )
+    sp.add_argument("account")
+    sp.add_argument("--plan", default=None, help="the plan's name (default: kept, or default)")
+    for u in UNITS:
+        sp.add_argument(
+            "--" + u.replace("_", "-"), dest=u, type=_amount, default=None, help=f"{u} per period"
+        )
+    sp.add_argument(
+        "--period", type=_period, default=None, help="monthly, anchored, daily or every:SECONDS"
+    )
+    sp.add_argument("--tz", default=None, help="time zone of the period (default UTC)")
+    sp.add_argument("--anchor", type=_when, default=None, help="start of anchored periods")
+    sp.add_argument(
+        "--thresholds", type=_fractions, default=None, help="the plan's warnings (0.8,0.95)"
+    )
+    sp.add_argument(
+        "--account-thresholds",
+        type=_fractions,
+        default=None,
+        help="this account's own warnings ('' = the plan's)",
+    )
+    sp.add_argument("--replace", action="store_true", help="start from nothing, not the old plan")
+    sp.set_defaults(quota_func=_set_plan)
 
     s = qs.add_parser("show", help="an account's quota, usage, holds and bonus")
     s.add_argument("account")

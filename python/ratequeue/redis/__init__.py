@@ -45,6 +45,10 @@ take the failure path at once until ``retry_interval`` has passed, then one call
 Redis; so a dead server costs at most one timeout per interval. Give the client short
 timeouts and no retries (see :func:`connect`).
 
+The quota ledger in Redis (``RedisLedger``, ``ratequeue.redis.ledger``; also importable
+from ``ratequeue.ledger``): ``ledger.lua`` and its client (``_ledger_core``: the script,
+keys and drivers; ``_ledger``: the calls; ``_ledger_codec``: encodings).
+
 Test clocks: ``clock=rq.ManualClock()`` makes the scripts decide at that clock's time
 (passed to the script, in microseconds) instead of ``TIME``; it is meant for tests that
 compare Redis with the core call by call.
@@ -55,6 +59,7 @@ from ._breaker import CircuitBreaker
 from ._connection import connect, connect_async
 from ._engine import OnFailure, RedisUnavailable
 from ._keyed import AsyncRedisKeyedLimiter, RedisKeyedLimiter
+from ._ledger import RedisLedger
 from ._limiter import AsyncRedisLimiter, RedisLimiter
 from ._permits import RedisPermit, RedisReservation
 from ._policy import AsyncRedisPolicy, PolicyLevel, RedisPolicy
@@ -71,6 +76,7 @@ __all__ = [
     "OnFailure",
     "PolicyLevel",
     "RedisKeyedLimiter",
+    "RedisLedger",
     "RedisLimiter",
     "RedisPermit",
     "RedisPolicy",
@@ -86,6 +92,7 @@ for _obj in (
     AsyncRedisPolicy,
     CircuitBreaker,
     RedisKeyedLimiter,
+    RedisLedger,
     RedisLimiter,
     RedisPermit,
     RedisPolicy,

@@ -12,14 +12,23 @@
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
-use std::sync::{Condvar, Mutex, MutexGuard, Weak};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::clock::monotonic_ns;
 use crate::error::Error;
 use crate::fork::Held;
-use crate::queue::WaitQueue;
+
+/// What the driver wakes: anything with due times (a wait queue). The driver knows only
+/// this, so the queue depends on the driver and not the other way round.
+pub trait Due: Send + Sync {
+    /// Called at a due time `t` this asked for, or soon after.
+    fn wake(self: Arc<Self>, t: u64);
+    /// Called after a wake of this panicked: its next request must reach the driver
+    /// whatever it believed was pending.
+    fn rearm(&self);
+}
 
 extern "C" {
     fn getpid() -> i32;
@@ -40,10 +49,20 @@ fn precise_timers() {
     }
 }
 
-/// The current process id.
+/// This process's id with the fork generation it was read in (see [`pid`]).
+static PID: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// The current process id (read once per fork generation: no system call on hot paths).
 pub fn pid() -> i32 {
+    let gen = crate::fork::generation() & 0xffff_ffff;
+    let cached = PID.load(Ordering::Acquire);
+    if cached != u64::MAX && cached >> 32 == gen {
+        return cached as u32 as i32;
+    }
     // SAFETY: getpid has no preconditions and cannot fail.
-    unsafe { getpid() }
+    let p = unsafe { getpid() };
+    PID.store((gen << 32) | u64::from(p as u32), Ordering::Release);
+    p
 }
 
 /// After a wake panicked, its queue is looked at again this much later.
@@ -86,14 +105,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// The driver's time resolution: it sleeps at least this long between wake-ups (grants
-/// keep their schedule times; only their delivery is batched).
+/// The driver's time resolution for wake-ups that deliver to event loops: it sleeps at
+/// least this long before one (grants keep their schedule times; only their delivery is
+/// batched, one loop wake-up per batch). A precise wake-up (a blocked thread is next) is
+/// kept to the nanosecond asked for.
 pub const RESOLUTION_NS: u64 = 100_000;
 
 struct Entry {
     t: u64,
     id: u64,
-    queue: Weak<WaitQueue>,
+    queue: Weak<dyn Due>,
+    precise: bool,
 }
 
 impl PartialEq for Entry {
@@ -112,6 +134,17 @@ impl Ord for Entry {
         // A min-heap on (t, id).
         (o.t, o.id).cmp(&(self.t, self.id))
     }
+}
+
+/// When to wake for the heap's earliest entry `first` (> `now`): not before the
+/// resolution has passed, unless a precise entry is due earlier.
+fn wake_at(heap: &BinaryHeap<Entry>, first: u64, now: u64) -> u64 {
+    let floor = now.saturating_add(RESOLUTION_NS);
+    heap.iter()
+        .filter(|e| e.precise && e.t < floor)
+        .map(|e| e.t)
+        .min()
+        .unwrap_or(first.max(floor))
 }
 
 #[derive(Default)]
@@ -179,14 +212,16 @@ impl Drop for Exit {
 }
 
 impl Driver {
-    /// Wakes `queue` at `t` (monotonic nanoseconds) or soon after. Err when no driver
-    /// thread runs and none can be started (the wake-up stays pending for the next one).
-    pub fn schedule(&'static self, queue: Weak<WaitQueue>, t: u64) -> Result<(), Error> {
+    /// Wakes `queue` at `t` (monotonic nanoseconds) or soon after: as close to `t` as
+    /// the system's timers allow when `precise`, else within [`RESOLUTION_NS`]. Err when
+    /// no driver thread runs and none can be started (the wake-up stays pending for the
+    /// next one).
+    pub fn schedule(&'static self, queue: Weak<dyn Due>, t: u64, precise: bool) -> Result<(), Error> {
         let mut s = lock(&self.state);
         let earliest = s.heap.peek().map(|e| e.t);
         let id = s.next_id;
         s.next_id += 1;
-        s.heap.push(Entry { t, id, queue });
+        s.heap.push(Entry { t, id, queue, precise });
         if !self.running.load(Ordering::Acquire) {
             self.start(&mut s)
         } else {
@@ -231,10 +266,12 @@ impl Driver {
             match s.heap.peek().map(|e| e.t) {
                 None => s = self.cv.wait(s).unwrap_or_else(|e| e.into_inner()),
                 Some(t) if t > now => {
-                    // Never sleep less than the resolution: at high rates grants due within
-                    // it are handed out together (each still at its own schedule time),
-                    // one wake-up of each waiting thread or loop per batch.
-                    let d = Duration::from_nanos((t - now).max(RESOLUTION_NS));
+                    // Never sleep less than the resolution before a batched wake-up: at
+                    // high rates grants due within it are handed out together (each still
+                    // at its own schedule time), one wake-up of each loop per batch. A
+                    // precise wake-up due earlier cuts the sleep short.
+                    let at = wake_at(&s.heap, t, now);
+                    let d = Duration::from_nanos(at.saturating_sub(now).max(1));
                     s = self.cv.wait_timeout(s, d).unwrap_or_else(|e| e.into_inner()).0;
                 }
                 Some(_) => {
@@ -249,11 +286,11 @@ impl Driver {
                             if take_fault(&PANIC_WAKES) {
                                 panic!("ratequeue driver: a panic injected into a wake by a test");
                             }
-                            q.driver_wake(e.t);
+                            q.clone().wake(e.t);
                         }));
                         if woke.is_err() {
                             // The queue may have stopped half-way: look at it again soon.
-                            q.driver_rearm();
+                            q.rearm();
                             let mut s = lock(&self.state);
                             let id = s.next_id;
                             s.next_id += 1;
@@ -261,6 +298,7 @@ impl Driver {
                                 t: monotonic_ns().saturating_add(RETRY_AFTER_PANIC_NS),
                                 id,
                                 queue: e.queue,
+                                precise: false,
                             });
                         }
                     }
@@ -274,11 +312,33 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::queue::{Outcome, Slot};
+    use crate::queue::{Outcome, Slot, WaitQueue};
     use crate::{AnyClock, Limiter, QueueConfig, Rate, Submitted, Wake};
     use std::sync::Arc;
 
     const LONG: Duration = Duration::from_secs(10);
+
+    #[test]
+    fn batched_wake_ups_wait_for_the_resolution_precise_ones_do_not() {
+        let entry = |t: u64, precise: bool| Entry {
+            t,
+            id: t,
+            queue: Weak::<WaitQueue>::new() as Weak<dyn Due>,
+            precise,
+        };
+        let now = 1_000_000;
+        let mut heap = BinaryHeap::new();
+        heap.push(entry(now + 10_000, false));
+        assert_eq!(wake_at(&heap, now + 10_000, now), now + RESOLUTION_NS);
+        heap.push(entry(now + 30_000, true));
+        assert_eq!(wake_at(&heap, now + 10_000, now), now + 30_000);
+        heap.push(entry(now + 20_000, true));
+        assert_eq!(wake_at(&heap, now + 10_000, now), now + 20_000);
+        let mut far = BinaryHeap::new();
+        far.push(entry(now + 5 * RESOLUTION_NS, false));
+        far.push(entry(now + 6 * RESOLUTION_NS, true));
+        assert_eq!(wake_at(&far, now + 5 * RESOLUTION_NS, now), now + 5 * RESOLUTION_NS);
+    }
 
     fn real_time_queue() -> Arc<WaitQueue> {
         let lim = Limiter::new(

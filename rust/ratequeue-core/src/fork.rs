@@ -11,7 +11,8 @@
 //! 1. the registry below (only `register` and `prepare` take it, holding nothing else);
 //! 2. [`Rank::Acquire`]: a policy acquire under way (its state is held while it asks a
 //!    level's key map, queue or resource; nothing takes it while holding those);
-//! 3. [`Rank::KeyMap`]: the bindings' per-key queue maps (they look at a queue's state);
+//! 3. [`Rank::KeyMap`]: the per-key queue maps, [`crate::KeyQueues`] (they look at a
+//!    queue's state);
 //! 4. [`Rank::Queue`]: each wait queue (its decisions call its resource and deliver);
 //! 5. [`Rank::Resource`]: a limiter's multi-rate and rate-change locks, keyed shards;
 //! 6. [`Rank::Leaf`]: event-loop channels (a delivery writes to them);
@@ -33,7 +34,7 @@ use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
 pub enum Rank {
     /// Policy acquires under way.
     Acquire,
-    /// Maps of per-key queues (bindings).
+    /// Maps of per-key queues.
     KeyMap,
     /// Wait queues.
     Queue,

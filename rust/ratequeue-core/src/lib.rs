@@ -10,6 +10,7 @@ pub mod error;
 pub mod fork;
 pub mod histogram;
 pub mod keyed;
+pub mod keyed_queue;
 pub mod limiter;
 pub mod policy;
 pub mod queue;
@@ -22,6 +23,7 @@ pub use concurrency::Semaphore;
 pub use error::Error;
 pub use histogram::{Histogram, Snapshot};
 pub use keyed::{KeyHasher, KeyedLimiter, KeyedSemaphore};
+pub use keyed_queue::{KeyQueue, KeyQueues};
 pub use limiter::{Limiter, Reservation};
 pub use policy::{Level, LevelArgs, LevelKind, Policy};
 pub use queue::{

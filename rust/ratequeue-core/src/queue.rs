@@ -9,8 +9,8 @@
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::bucket::Deny;
@@ -443,6 +443,8 @@ pub struct WaitQueue {
     scheduled: AtomicU64,
     scheduled_pid: std::sync::atomic::AtomicI32,
     generation: AtomicU64,
+    /// The next due time found is a grant to a blocked thread (a hint for the driver).
+    thread_next: AtomicBool,
     counters: Counters,
     waits: Vec<Arc<Histogram>>,
 }
@@ -479,6 +481,64 @@ type Deliveries = Vec<(Wake, u64, Outcome, Box<[u64]>)>;
 
 /// Grants whose waiter is gone (its channel closed), to give back: costs and token.
 type Gone = Vec<(Box<[u64]>, u64)>;
+
+/// The rest of a submission decided under the queue's lock: asking the driver for a
+/// wake-up and giving back grants of gone waiters.
+#[must_use = "finish() completes the submission"]
+pub struct SubmitTail {
+    queue: Arc<WaitQueue>,
+    result: Result<Submitted, Error>,
+    next: Option<u64>,
+    gone: Gone,
+    now: u64,
+}
+
+impl SubmitTail {
+    fn refused(q: &Arc<WaitQueue>, e: Error) -> SubmitTail {
+        SubmitTail {
+            queue: q.clone(),
+            result: Err(e),
+            next: None,
+            gone: Vec::new(),
+            now: 0,
+        }
+    }
+
+    /// True when finishing takes no lock (no grant to give back, and a wake-up at the
+    /// time asked for is already pending with a running driver): nothing to wait for,
+    /// save in a narrow race with the driver's own short lock, which never waits for
+    /// anything else.
+    pub fn is_light(&self) -> bool {
+        self.gone.is_empty() && self.next.is_none_or(|t| self.queue.wake_pending_by(t))
+    }
+
+    /// Completes the submission: its outcome, dated by the clock reading it decided at.
+    pub fn finish(self) -> Result<(Submitted, u64), Error> {
+        let SubmitTail {
+            queue,
+            result,
+            next,
+            gone,
+            now,
+        } = self;
+        let mut refused = None;
+        if let Some(t) = next {
+            if let Err(e) = queue.schedule(t) {
+                // Nothing would ever wake this waiter: refuse it instead.
+                if let Ok(Submitted::Queued(ticket)) = result {
+                    if queue.cancel(ticket) == Cancelled::Removed {
+                        refused = Some(e);
+                    }
+                }
+            }
+        }
+        queue.give_back_gone(gone);
+        match refused {
+            Some(e) => Err(e),
+            None => result.map(|r| (r, now)),
+        }
+    }
+}
 
 impl WaitQueue {
     /// A queue over `resource` counting `units` cost components, read on `clock`.
@@ -528,6 +588,7 @@ impl WaitQueue {
             scheduled: AtomicU64::new(u64::MAX),
             scheduled_pid: std::sync::atomic::AtomicI32::new(0),
             generation: AtomicU64::new(crate::fork::generation()),
+            thread_next: AtomicBool::new(false),
             config,
         });
         crate::fork::register_arc(&q);
@@ -694,11 +755,50 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        let max_wait = timeout_ns.or(self.config.max_wait_ns);
         self.drop_inherited();
-        let mut g = lock(&self.inner);
+        let g = lock(&self.inner);
+        self.submit_locked(g, costs, class, timeout_ns, wake).finish()
+    }
+
+    /// [`WaitQueue::submit_dated`] without waiting for the queue's lock: None (nothing
+    /// done) when it is busy. The decision is made; what is left ([`SubmitTail::finish`])
+    /// may ask the driver for a wake-up or give back grants, which can wait for a lock
+    /// unless [`SubmitTail::is_light`].
+    pub fn try_submit_dated(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> Option<SubmitTail> {
+        if class >= self.config.classes.len() {
+            return Some(SubmitTail::refused(
+                self,
+                Error::invalid("priority", class, "is not a class of this limiter"),
+            ));
+        }
+        if self.generation.load(Ordering::Acquire) != crate::fork::generation() {
+            return None;
+        }
+        let g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        Some(self.submit_locked(g, costs, class, timeout_ns, wake))
+    }
+
+    fn submit_locked(
+        self: &Arc<Self>,
+        mut g: MutexGuard<'_, Inner>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+        wake: impl FnOnce() -> Wake,
+    ) -> SubmitTail {
         // Read under the lock: arrivals are dated in the order they join the queue.
         let now = self.clock.now_ns();
+        let max_wait = timeout_ns.or(self.config.max_wait_ns);
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
@@ -712,21 +812,12 @@ impl WaitQueue {
         // thread made them (slots and channels are leaf locks; nothing here waits).
         let gone = deliver(out);
         drop(g);
-        let mut refused = None;
-        if let Some(t) = next {
-            if let Err(e) = self.schedule(t) {
-                // Nothing would ever wake this waiter: refuse it instead.
-                if let Ok(Submitted::Queued(ticket)) = result {
-                    if self.cancel(ticket) == Cancelled::Removed {
-                        refused = Some(e);
-                    }
-                }
-            }
-        }
-        self.give_back_gone(gone);
-        match refused {
-            Some(e) => Err(e),
-            None => result.map(|r| (r, now)),
+        SubmitTail {
+            queue: self.clone(),
+            result,
+            next,
+            gone,
+            now,
         }
     }
 
@@ -1323,8 +1414,15 @@ impl WaitQueue {
     }
 
     fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
-        let grant = self.head_time(g).and_then(|(_, _, at)| at);
+        let head = self.head_time(g);
+        let grant = head.and_then(|(_, _, at)| at);
         let deadline = g.deadlines.first().map(|(d, _)| *d);
+        // A blocked thread granted next is woken precisely (see Driver::schedule).
+        let thread_next = head.is_some_and(|(ci, t, at)| {
+            at.is_some_and(|a| deadline.is_none_or(|d| a <= d))
+                && matches!(g.classes[ci].waiters[&t].wake, Wake::Thread(_))
+        });
+        self.thread_next.store(thread_next, Ordering::Relaxed);
         match (grant, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
@@ -1617,6 +1715,15 @@ impl WaitQueue {
             .fold(0u64, |a, x| a.wrapping_add(x.load(Ordering::Relaxed)))
     }
 
+    /// True when a wake-up at or before `t` is pending with a running driver of this
+    /// process (or the queue runs on a manual clock): asking for `t` changes nothing.
+    fn wake_pending_by(&self, t: u64) -> bool {
+        self.clock.is_manual()
+            || (self.scheduled_pid.load(Ordering::Acquire) == crate::driver::pid()
+                && self.scheduled.load(Ordering::Acquire) <= t
+                && crate::driver::driver().is_running())
+    }
+
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
     /// no driver thread can run (the wake-up stays pending for the next one that starts).
     fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {
@@ -1631,7 +1738,8 @@ impl WaitQueue {
         let driver = crate::driver::driver();
         // A wake-up already pending counts only while a driver runs to serve it.
         if t < self.scheduled.fetch_min(t, Ordering::AcqRel) || !driver.is_running() {
-            let asked = driver.schedule(Arc::downgrade(self), t);
+            let me: Weak<dyn crate::driver::Due> = Arc::downgrade(self) as Weak<dyn crate::driver::Due>;
+            let asked = driver.schedule(me, t, self.thread_next.load(Ordering::Relaxed));
             if asked.is_err() {
                 // Not pending with any running driver: the next call asks again.
                 self.scheduled.store(u64::MAX, Ordering::Release);
@@ -1640,19 +1748,18 @@ impl WaitQueue {
         }
         Ok(())
     }
+}
 
-    /// Called by the driver after a wake of this queue panicked: the next `schedule`
-    /// asks for a wake-up again whatever the queue believed was pending.
-    pub(crate) fn driver_rearm(&self) {
-        self.scheduled.store(u64::MAX, Ordering::Release);
-    }
-
-    /// Called by the driver at a due time `t` it was asked for.
-    pub(crate) fn driver_wake(self: &Arc<Self>, t: u64) {
+impl crate::driver::Due for WaitQueue {
+    fn wake(self: Arc<Self>, t: u64) {
         let _ = self
             .scheduled
             .compare_exchange(t, u64::MAX, Ordering::AcqRel, Ordering::Acquire);
         self.poll_now();
+    }
+
+    fn rearm(&self) {
+        self.scheduled.store(u64::MAX, Ordering::Release);
     }
 }
 

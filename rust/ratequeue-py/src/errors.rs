@@ -1,7 +1,8 @@
 //! The one place where core errors become Python exceptions (defined in
-//! ratequeue._errors so they can inherit from both RateQueueError and ValueError).
+//! ratequeue._errors so they can inherit from both RateQueueError and ValueError, which
+//! hands them over at import: no error path imports Python).
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -12,10 +13,30 @@ static WAIT_TIMEOUT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static COST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg: String, retry_after: f64) -> PyErr {
-    match cell.import(py, "ratequeue._errors", name) {
-        Ok(cls) => PyErr::from_type(cls.clone(), (msg, retry_after)),
-        Err(e) => e,
-    }
+    // Handed over by ratequeue._errors, which the package imports first; imported here
+    // only if the native module was somehow loaded without it.
+    let cls = match cell.get(py) {
+        Some(cls) => cls.bind(py),
+        None => match cell.import(py, "ratequeue._errors", name) {
+            Ok(cls) => cls,
+            Err(e) => return e,
+        },
+    };
+    PyErr::from_type(cls.clone(), (msg, retry_after))
+}
+
+/// Takes the exception classes core errors map onto (ratequeue._errors calls it once,
+/// at import; later calls change nothing).
+#[pyfunction]
+pub fn _use_errors(
+    py: Python<'_>,
+    overloaded: Bound<'_, PyType>,
+    wait_timeout: Bound<'_, PyType>,
+    cost_too_large: Bound<'_, PyType>,
+) {
+    let _ = OVERLOADED.set(py, overloaded.unbind());
+    let _ = WAIT_TIMEOUT.set(py, wait_timeout.unbind());
+    let _ = COST_TOO_LARGE.set(py, cost_too_large.unbind());
 }
 
 /// Maps a core error onto the Python hierarchy under ratequeue.RateQueueError.
@@ -57,4 +78,56 @@ pub fn type_err(name: &str, want: &str, got: &Bound<'_, PyAny>) -> PyErr {
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into());
     PyTypeError::new_err(format!("{name} must be {want}, got {ty}"))
+}
+
+/// A ValueError for a value found inside a collection argument: "`name` holds `bad`:
+/// `rule`".
+pub fn holds_err(name: &str, bad: impl std::fmt::Display, rule: &str) -> PyErr {
+    PyValueError::new_err(format!("{name} holds {bad}: {rule}"))
+}
+
+/// A ValueError for a batch argument of the wrong length.
+pub fn length_err(name: &str, got: usize, want: usize, of: &str) -> PyErr {
+    PyValueError::new_err(format!("{name} has {got} entries for {want} {of}"))
+}
+
+/// A ValueError for a name that is not one of `options`.
+pub fn not_one_of(name: &str, given: &str, options: &[impl std::fmt::Debug]) -> PyErr {
+    PyValueError::new_err(format!("{name}={given:?} is not one of {options:?}"))
+}
+
+/// A ValueError for a call that needs virtual time.
+pub fn needs_manual_clock(call: &str) -> PyErr {
+    PyValueError::new_err(format!("{call} needs a limiter on a ManualClock"))
+}
+
+/// A ValueError for a set-up that can never work as given (several arguments at once,
+/// or a name that clashes): `msg` says which and what to change.
+pub fn setup_err(msg: String) -> PyErr {
+    PyValueError::new_err(msg)
+}
+
+/// A TypeError for a keyword the call does not take: "unexpected keyword `name`: `why`".
+pub fn unexpected_keyword(name: &str, why: &str) -> PyErr {
+    PyTypeError::new_err(format!("unexpected keyword {name:?}: {why}"))
+}
+
+/// A TypeError for a keyword the call needs: "missing `what`".
+pub fn missing_keyword(what: &str) -> PyErr {
+    PyTypeError::new_err(format!("missing {what}"))
+}
+
+/// A TypeError for a cost given both ways (positionally and by keyword).
+pub fn given_twice(unit: &str) -> PyErr {
+    PyTypeError::new_err(format!("cost for unit {unit:?} given twice"))
+}
+
+/// A TypeError for an object of none of the accepted types, when no argument names it.
+pub fn wrong_type(want: &str) -> PyErr {
+    PyTypeError::new_err(want.to_owned())
+}
+
+/// The RuntimeError for a submit on a closed event-loop channel.
+pub fn channel_closed() -> PyErr {
+    PyRuntimeError::new_err("the channel is closed")
 }

@@ -2,12 +2,12 @@
 
 use std::time::Duration;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use crate::errors::{value_err, wrong_type};
 use pyo3::prelude::*;
 use ratequeue_core::driver::{inject_fault, Fault};
 
 use crate::args::seconds_ns;
-use crate::keyed::KeyedLimiterPy;
+use crate::keyed_limiter::KeyedLimiterPy;
 use crate::limiter::LimiterPy;
 use crate::policy_permit::PolicyAcquiringPy;
 
@@ -26,7 +26,7 @@ pub fn _hold_locks_for_test(py: Python<'_>, obj: &Bound<'_, PyAny>, seconds: &Bo
         let core = a.get().core().clone();
         py.detach(move || core.hold_lock_for(d));
     } else {
-        return Err(PyTypeError::new_err("a Limiter, a KeyedLimiter or a PolicyAcquiring"));
+        return Err(wrong_type("a Limiter, a KeyedLimiter or a PolicyAcquiring"));
     }
     Ok(())
 }
@@ -39,7 +39,7 @@ pub fn _driver_fault_for_test(kind: &str, n: u32) -> PyResult<()> {
         "fail_spawn" => Fault::FailSpawn,
         "panic_wake" => Fault::PanicWake,
         "exit" => Fault::Exit,
-        _ => return Err(PyValueError::new_err(format!("kind={kind:?} is not a driver fault"))),
+        _ => return Err(value_err("kind", &format!("{kind:?}"), "is not a driver fault")),
     };
     inject_fault(f, n);
     Ok(())

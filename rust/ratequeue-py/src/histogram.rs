@@ -3,7 +3,6 @@
 use std::sync::Arc;
 
 use numpy::{PyArray1, PyReadonlyArray1};
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyString, PyType};
@@ -11,7 +10,7 @@ use ratequeue_core::histogram::{lower_of, upper_of, Summary, BUCKETS};
 use ratequeue_core::{Histogram, Snapshot};
 
 use crate::args::{number, numbers, shown};
-use crate::errors::{to_py, type_err, value_err};
+use crate::errors::{holds_err, to_py, type_err, value_err};
 
 /// A histogram of durations (seconds): lock-free recording, ≤ 1 % relative error from
 /// 1 µs to centuries (exact sum, min and max), percentiles, numpy export, merge and bytes.
@@ -137,9 +136,11 @@ impl HistogramPy {
         };
         match filled {
             Ok(()) => Ok(()),
-            Err(bad) => Err(PyValueError::new_err(format!(
-                "values holds {bad}: every value must be a finite number of seconds >= 0"
-            ))),
+            Err(bad) => Err(holds_err(
+                "values",
+                bad,
+                "every value must be a finite number of seconds >= 0",
+            )),
         }
     }
 

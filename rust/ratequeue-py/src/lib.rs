@@ -3,16 +3,23 @@
 
 use pyo3::prelude::*;
 
+mod aio;
 mod args;
 mod blocking;
 mod clock;
 mod concurrency;
+mod convert;
 mod errors;
+mod floor;
 mod fork;
 mod histogram;
 mod keyed;
+mod keyed_concurrency;
+mod keyed_limiter;
+mod keywords;
 mod limiter;
 mod policy;
+mod policy_level;
 mod policy_permit;
 mod waiting;
 
@@ -22,24 +29,27 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // Fork safety lives in pthread_atfork handlers (no Python runs while they hold the
     // core's locks); see ratequeue_core::fork.
     ratequeue_core::fork::install();
+    m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
-    m.add_class::<args::PolicyKeywordsPy>()?;
-    m.add_class::<args::LimiterKeywordsPy>()?;
+    m.add_class::<keywords::PolicyKeywordsPy>()?;
+    m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;
+    m.add_class::<floor::FloorPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
     m.add_class::<limiter::RatePy>()?;
     m.add_class::<limiter::LimiterPy>()?;
     m.add_class::<limiter::ReservationPy>()?;
     m.add_class::<concurrency::ConcurrencyPy>()?;
     m.add_class::<histogram::HistogramPy>()?;
-    m.add_class::<keyed::KeyedLimiterPy>()?;
-    m.add_class::<keyed::KeyedConcurrencyPy>()?;
+    m.add_class::<keyed_limiter::KeyedLimiterPy>()?;
+    m.add_class::<keyed_concurrency::KeyedConcurrencyPy>()?;
     m.add_class::<policy::PolicyPy>()?;
     m.add_class::<policy_permit::PolicyPermitPy>()?;
     m.add_class::<policy_permit::PolicyAcquiringPy>()?;
     m.add_class::<waiting::PermitPy>()?;
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;
+    m.add_class::<aio::LoopWaitersPy>()?;
     Ok(())
 }

@@ -3,7 +3,6 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
@@ -12,7 +11,10 @@ use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Ra
 use crate::args::{cost, opt_text, period_seconds, seconds_ns, size};
 use crate::blocking::{try_or_unblocked, unblocked};
 use crate::clock::any_clock;
-use crate::errors::{to_py, type_err};
+use crate::errors::{
+    given_twice, missing_keyword, needs_manual_clock, not_one_of, setup_err, to_py, type_err, unexpected_keyword,
+    value_err,
+};
 use crate::histogram::HistogramPy;
 use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, PermitPy};
 
@@ -51,9 +53,11 @@ impl RatePy {
             None => (amount_f.floor().max(1.0)).min(u64::MAX as f64) as u64,
         };
         if unit.is_empty() || RESERVED.contains(&unit) || !unit.chars().all(|c| c.is_alphanumeric() || c == '_') {
-            return Err(PyValueError::new_err(format!(
-                "unit={unit:?} must be an identifier other than {RESERVED:?}"
-            )));
+            return Err(value_err(
+                "unit",
+                &format!("{unit:?}"),
+                &format!("must be an identifier other than {RESERVED:?}"),
+            ));
         }
         let rate = new_rate(amount_f, per_s * 1e9, burst_n)?;
         Ok(RatePy {
@@ -113,13 +117,13 @@ fn burst_arg(b: &Bound<'_, PyAny>) -> PyResult<u64> {
 fn new_rate(amount: f64, period_ns: f64, burst: u64) -> PyResult<Rate> {
     Rate::new(amount, period_ns, burst).map_err(|e| match &e {
         ratequeue_core::Error::Invalid { name, reason, .. } if name == "burst" && reason.contains("window") => {
-            PyValueError::new_err(format!(
+            setup_err(format!(
                 "burst={burst} at amount={amount:?} per={:?} s makes the burst window (burst / rate) \
                  longer than 2**56 ns (about 2.3 years): raise amount, shorten per or lower burst",
                 period_ns / 1e9
             ))
         }
-        _ => PyValueError::new_err(e.to_string()),
+        _ => setup_err(e.to_string()),
     })
 }
 
@@ -190,12 +194,13 @@ impl LimiterPy {
                 let k = k.cast::<PyString>()?;
                 let name = k.to_str()?;
                 let Some(i) = self.core.unit_index(name) else {
-                    return Err(PyTypeError::new_err(format!(
-                        "unexpected keyword {name:?}: this limiter counts units {units:?}"
-                    )));
+                    return Err(unexpected_keyword(
+                        name,
+                        &format!("this limiter counts units {units:?}"),
+                    ));
                 };
                 if given[i] {
-                    return Err(PyTypeError::new_err(format!("cost for unit {name:?} given twice")));
+                    return Err(given_twice(name));
                 }
                 out[i] = cost(name, &v)?;
                 given[i] = true;
@@ -203,8 +208,8 @@ impl LimiterPy {
         }
         for (i, u) in units.iter().enumerate() {
             if !given[i] {
-                out[i] = self.defaults[i]
-                    .ok_or_else(|| PyTypeError::new_err(format!("missing cost for unit {u:?} (pass {u}=...)")))?;
+                out[i] =
+                    self.defaults[i].ok_or_else(|| missing_keyword(&format!("cost for unit {u:?} (pass {u}=...)")))?;
             }
         }
         Ok(out)
@@ -398,7 +403,7 @@ impl LimiterPy {
             Some(u) => self
                 .core
                 .unit_index(u)
-                .ok_or_else(|| PyValueError::new_err(format!("unit={u:?} is not one of {:?}", self.core.units())))?,
+                .ok_or_else(|| not_one_of("unit", u, self.core.units()))?,
         };
         Ok(self.core.available(i))
     }
@@ -433,13 +438,14 @@ impl LimiterPy {
     fn pause(&self, py: Python<'_>, seconds: &Bound<'_, PyAny>, unit: Option<&Bound<'_, PyAny>>) -> PyResult<bool> {
         let ns = crate::args::seconds_ns("seconds", seconds)?;
         let unit = opt_text("unit", unit)?;
-        let i =
-            match unit.as_deref() {
-                None => None,
-                Some(u) => Some(self.core.unit_index(u).ok_or_else(|| {
-                    PyValueError::new_err(format!("unit={u:?} is not one of {:?}", self.core.units()))
-                })?),
-            };
+        let i = match unit.as_deref() {
+            None => None,
+            Some(u) => Some(
+                self.core
+                    .unit_index(u)
+                    .ok_or_else(|| not_one_of("unit", u, self.core.units()))?,
+            ),
+        };
         let until = self.gate.queue.now_ns().saturating_add(ns);
         let core = &self.core;
         Ok(py.detach(|| core.hold_until(until, i)))
@@ -588,7 +594,7 @@ impl LimiterPy {
     /// of wake-ups.
     fn run_until(&self, py: Python<'_>, until: &Bound<'_, PyAny>) -> PyResult<usize> {
         let AnyClock::Manual(m) = self.core.clock() else {
-            return Err(PyValueError::new_err("run_until needs a limiter on a ManualClock"));
+            return Err(needs_manual_clock("run_until"));
         };
         let t = seconds_ns("until", until)?;
         let (q, m) = (self.gate.queue.clone(), m.clone());
@@ -626,9 +632,6 @@ impl LimiterPy {
     fn classes(&self) -> Vec<String> {
         self.gate.class_names()
     }
-
-    /// Does nothing: the floor of a method call, for benchmarks.
-    fn _noop(&self) {}
 
     fn __repr__(&self) -> String {
         let rates: Vec<String> = self.rates().iter().map(|r| r.__repr__()).collect();
@@ -682,9 +685,11 @@ impl LimiterPy {
                 .filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == first))
                 .count();
             if same > 1 {
-                return Err(PyValueError::new_err(format!(
-                    "which= is required: this limiter has {same} rates in {first:?} (pass an index)"
-                )));
+                return Err(value_err(
+                    "which",
+                    "",
+                    &format!("is required: this limiter has {same} rates in {first:?} (pass an index)"),
+                ));
             }
             return Ok(0);
         };
@@ -695,12 +700,12 @@ impl LimiterPy {
                 .collect();
             return match hits.as_slice() {
                 [i] => Ok(*i),
-                [] => Err(PyValueError::new_err(format!(
-                    "which={s:?} names no rate of this limiter"
-                ))),
-                _ => Err(PyValueError::new_err(format!(
-                    "which={s:?} names several rates: pass an index"
-                ))),
+                [] => Err(value_err("which", &format!("{s:?}"), "names no rate of this limiter")),
+                _ => Err(value_err(
+                    "which",
+                    &format!("{s:?}"),
+                    "names several rates: pass an index",
+                )),
             };
         }
         if !w.is_instance_of::<pyo3::types::PyInt>() || w.is_instance_of::<pyo3::types::PyBool>() {
@@ -708,13 +713,17 @@ impl LimiterPy {
         }
         let i: i64 = w
             .extract()
-            .map_err(|_| PyValueError::new_err(format!("which={w} is out of range")))?;
-        let i = usize::try_from(i)
-            .map_err(|_| PyValueError::new_err(format!("which={i} is out of range: this limiter has {n} rates")))?;
+            .map_err(|_| value_err("which", &w.to_string(), "is out of range"))?;
+        let out_of_range = || {
+            value_err(
+                "which",
+                &i.to_string(),
+                &format!("is out of range: this limiter has {n} rates"),
+            )
+        };
+        let i = usize::try_from(i).map_err(|_| out_of_range())?;
         if i >= n {
-            return Err(PyValueError::new_err(format!(
-                "which={i} is out of range: this limiter has {n} rates"
-            )));
+            return Err(out_of_range());
         }
         Ok(i)
     }

@@ -1,92 +1,26 @@
 //! Python Policy: several limits passed at once (user quota → tenant concurrency →
-//! cluster bucket), all or nothing; its permit and awaitable are in policy_permit.rs.
+//! cluster bucket), all or nothing; its levels are in policy_level.rs, its permit and
+//! awaitable in policy_permit.rs.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use ratequeue_core::policy::{Held, LevelQueues, PolicyAcquire, QueueRef, Refusal, Step, Waker};
+use ratequeue_core::policy::{Held, PolicyAcquire, Refusal, Step};
 use ratequeue_core::queue::Slot;
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy, Wake};
 
 use crate::args::seconds_ns;
 use crate::blocking::unblocked;
-use crate::concurrency::ConcurrencyPy;
-use crate::errors::{to_py, type_err};
-use crate::keyed::{key_named, KeyGates, KeyedConcurrencyPy, KeyedLimiterPy};
-use crate::limiter::LimiterPy;
+use crate::convert::key_named;
+use crate::errors::{setup_err, to_py, type_err};
+use crate::policy_level::{level_of, LevelPy};
 use crate::policy_permit::{PolicyAcquiringPy, PolicyPermitPy};
-use crate::waiting::{is_main_thread, Gate};
+use crate::waiting::is_main_thread;
 
 /// Interval at which a main-thread wait looks for signals (Ctrl-C).
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
-
-/// A Limiter's one queue, for a policy to join.
-struct OneQueue(Arc<Gate>);
-
-impl LevelQueues for OneQueue {
-    fn existing(&self, _key: u64) -> Option<QueueRef> {
-        Some(QueueRef::new(self.0.queue.clone()))
-    }
-}
-
-/// A keyed level's queue of a key, kept in its map while the policy holds it.
-struct KeyQueues(Arc<KeyGates>);
-
-impl LevelQueues for KeyQueues {
-    fn existing(&self, key: u64) -> Option<QueueRef> {
-        self.0.existing(key).map(|g| QueueRef {
-            queue: g.queue.clone(),
-            keep: Some(g),
-        })
-    }
-
-    fn queue(&self, key: u64) -> Option<QueueRef> {
-        let g = self.0.get(key);
-        Some(QueueRef {
-            queue: g.queue.clone(),
-            keep: Some(g),
-        })
-    }
-
-    fn done(&self, key: u64) {
-        self.0.done(key, 0);
-    }
-}
-
-/// How a level reads its arguments from a call.
-enum Shape {
-    /// Costs per unit, in the limiter's unit order.
-    Units(Vec<String>),
-    /// A key (the level's name) and a cost in one unit.
-    KeyedUnit(String),
-    /// Permits (1 per call); `keyed`: a key is needed.
-    Permits { keyed: bool },
-}
-
-struct LevelPy {
-    name: String,
-    shape: Shape,
-    obj: Py<PyAny>,
-}
-
-impl LevelPy {
-    /// How a call's keywords address this level.
-    fn keywords(&self) -> crate::args::LevelKeywords<'_> {
-        let (keyed, units) = match &self.shape {
-            Shape::Units(u) => (false, u.as_slice()),
-            Shape::KeyedUnit(u) => (true, std::slice::from_ref(u)),
-            Shape::Permits { keyed } => (*keyed, &[][..]),
-        };
-        crate::args::LevelKeywords {
-            name: &self.name,
-            keyed,
-            units,
-        }
-    }
-}
 
 /// Several limits decided together: all or nothing, waiting for the latest.
 #[pyclass(frozen, name = "Policy", module = "ratequeue")]
@@ -121,7 +55,7 @@ fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal, max_wait_ns: u64) -> 
 impl PolicyPy {
     fn args(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<LevelArgs>> {
         let levels: Vec<_> = self.levels.iter().map(LevelPy::keywords).collect();
-        let calls = crate::args::policy_keywords(&levels, kw)?;
+        let calls = crate::keywords::policy_keywords(&levels, kw)?;
         calls
             .into_iter()
             .enumerate()
@@ -138,15 +72,7 @@ impl PolicyPy {
 
     /// The permit of `held` for `args`, after `delay_ns`.
     pub(crate) fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, start_ns: u64, delay_ns: u64) -> PolicyPermitPy {
-        let units = self
-            .levels
-            .iter()
-            .map(|l| match &l.shape {
-                Shape::Units(u) => u.clone(),
-                Shape::KeyedUnit(u) => vec![u.clone()],
-                Shape::Permits { .. } => Vec::new(),
-            })
-            .collect();
+        let units = self.levels.iter().map(LevelPy::units).collect();
         PolicyPermitPy::new(
             self.core.clone(),
             units,
@@ -178,19 +104,7 @@ impl PolicyPy {
             if self.core.levels()[i].shadow {
                 return None;
             }
-            let o = l.obj.bind(py);
-            let waits = if let Ok(x) = o.cast::<LimiterPy>() {
-                x.get().has_waiters()
-            } else if let Ok(x) = o.cast::<KeyedLimiterPy>() {
-                x.get().has_waiters(args[i].key)
-            } else if let Ok(x) = o.cast::<ConcurrencyPy>() {
-                x.get().gate().queue.waiting() != 0
-            } else if let Ok(x) = o.cast::<KeyedConcurrencyPy>() {
-                x.get().has_waiters(args[i].key)
-            } else {
-                false
-            };
-            waits.then_some(i)
+            l.has_waiters(py, args[i].key).then_some(i)
         })
     }
 
@@ -202,15 +116,7 @@ impl PolicyPy {
             if self.core.levels()[i].shadow {
                 continue;
             }
-            let o = l.obj.bind(py);
-            let d = if let Ok(x) = o.cast::<LimiterPy>() {
-                x.get().backlog_delay_ns(py, &args[i].costs)
-            } else if let Ok(x) = o.cast::<KeyedLimiterPy>() {
-                x.get().backlog_delay_ns(py, args[i].key, args[i].costs[0])
-            } else {
-                None
-            };
-            wait = wait.max(d.unwrap_or(0));
+            wait = wait.max(l.backlog_delay_ns(py, &args[i]).unwrap_or(0));
         }
         wait
     }
@@ -237,68 +143,7 @@ impl PolicyPy {
         let mut clock = None;
         for (k, v) in levels.iter() {
             let name = crate::args::text("levels", &k).map_err(|_| type_err("levels", "str names", &k))?;
-            // Each level's queue is woken whenever the policy gives capacity back to it.
-            let queues: Option<Arc<dyn LevelQueues>>;
-            let (kind, shape, c, wake): (_, _, _, Waker) = if let Ok(l) = v.cast::<LimiterPy>() {
-                let core = l.get().core().clone();
-                let units = core.units().to_vec();
-                let c = core.clock().clone();
-                let gate = l.get().gate().clone();
-                queues = Some(Arc::new(OneQueue(gate.clone())));
-                let wake = Arc::new(move |_| {
-                    let gate = gate.clone();
-                    unblocked(move || {
-                        gate.queue.poll_now();
-                    })
-                });
-                (LevelKind::Rate(core), Shape::Units(units), Some(c), wake)
-            } else if let Ok(l) = v.cast::<KeyedLimiterPy>() {
-                let core = l.get().core().clone();
-                let c = core.clock().clone();
-                let gates = l.get().key_gates().clone();
-                queues = Some(Arc::new(KeyQueues(gates.clone())));
-                (
-                    LevelKind::KeyedRate(core),
-                    Shape::KeyedUnit(l.get().unit().to_owned()),
-                    Some(c),
-                    Arc::new(move |key| {
-                        let gates = gates.clone();
-                        unblocked(move || gates.poll(key))
-                    }),
-                )
-            } else if let Ok(l) = v.cast::<ConcurrencyPy>() {
-                let gate = l.get().gate().clone();
-                queues = Some(Arc::new(OneQueue(gate.clone())));
-                (
-                    LevelKind::Concurrency(l.get().semaphore().clone()),
-                    Shape::Permits { keyed: false },
-                    None,
-                    Arc::new(move |_| {
-                        let gate = gate.clone();
-                        unblocked(move || {
-                            gate.queue.poll_now();
-                        })
-                    }),
-                )
-            } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
-                let gates = l.get().key_gates().clone();
-                queues = Some(Arc::new(KeyQueues(gates.clone())));
-                (
-                    LevelKind::KeyedConcurrency(l.get().core().clone()),
-                    Shape::Permits { keyed: true },
-                    None,
-                    Arc::new(move |key| {
-                        let gates = gates.clone();
-                        unblocked(move || gates.poll(key))
-                    }),
-                )
-            } else {
-                return Err(type_err(
-                    &format!("levels[{name:?}]"),
-                    "a Limiter, KeyedLimiter, Concurrency or KeyedConcurrency",
-                    &v,
-                ));
-            };
+            let (kind, shape, c, wake, queues) = level_of(&name, &v)?;
             if let (Some(c), None) = (&c, &clock) {
                 clock = Some(c.clone());
             }
@@ -310,17 +155,11 @@ impl PolicyPy {
                 wake: Some(wake),
                 queues,
             });
-            py_levels.push(LevelPy {
-                name,
-                shape,
-                obj: v.unbind(),
-            });
+            py_levels.push(LevelPy::new(name, shape, v.unbind()));
         }
         for s in &shadow_names {
             if !py_levels.iter().any(|l| &l.name == s) {
-                return Err(PyValueError::new_err(format!(
-                    "shadow names {s:?}, which is not a level"
-                )));
+                return Err(setup_err(format!("shadow names {s:?}, which is not a level")));
             }
         }
         check_levels(&py_levels)?;
@@ -495,7 +334,7 @@ impl PolicyPy {
 /// Refuses set-ups that can never work: a level named like a call keyword or like a
 /// unit of any level (its keyword would be ambiguous).
 fn check_levels(levels: &[LevelPy]) -> PyResult<()> {
-    crate::args::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
+    crate::keywords::check_policy_levels(&levels.iter().map(LevelPy::keywords).collect::<Vec<_>>())
 }
 
 fn sleep_interruptibly(py: Python<'_>, d: Duration) -> PyResult<()> {

@@ -5,14 +5,13 @@
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
 use ratequeue_core::policy::{Held, PolicyAcquire, Step};
 use ratequeue_core::{AnyClock, Error, LevelArgs, Outcome, Policy, Wake};
 
 use crate::args::cost;
-use crate::errors::to_py;
+use crate::errors::{channel_closed, to_py, unexpected_keyword};
 use crate::policy::PolicyPy;
 use crate::waiting::{ChannelPy, Ready};
 
@@ -134,9 +133,7 @@ impl PolicyPermitPy {
                     }
                 }
                 if !found {
-                    return Err(PyTypeError::new_err(format!(
-                        "unexpected keyword {name:?}: no level counts it"
-                    )));
+                    return Err(unexpected_keyword(&name, "no level counts it"));
                 }
             }
         }
@@ -249,7 +246,7 @@ impl PolicyAcquiringPy {
     fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
         if chan.is_closed() {
-            return Err(pyo3::exceptions::PyRuntimeError::new_err("the channel is closed"));
+            return Err(channel_closed());
         }
         let core = &self.core;
         match py.detach(|| core.advance(&|| Wake::Channel(chan.clone()))) {

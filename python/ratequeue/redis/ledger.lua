@@ -3,14 +3,84 @@
 --
 -- KEYS: 1 account hash, 2 request record (audit hash for "comp"), 3 hold expiry zset,
 --       4 usage rows stream, 5 outbox list, 6 current period hash, (7 a hold's id index)
--- ARGV: 1 op, 2 now, 3 plan version, 4 key prefix, 5 retention s, 6 period key,
---       7 period end, 8 the account (for a hold's id index), 9-18 per op, 19... the plan: unit count, then per unit
---       its name, quota, threshold count and (basis points, level) pairs.
+-- ARGV: 1 op, 2 now, 3-11 per op (3 request id, 4 fingerprint, 5 input, 6 output,
+--       7 calls, 8 model, 9 parent, 10 meta, 11 hold expiry), 12 the account (a hold's
+--       id index), then what the client sends pre-encoded
+--       per account and period: 13 plan version, 14 key prefix, 15 retention s,
+--       16 period key, 17 period end, 18 max rows, 19... the plan: unit count, then per
+--       unit its name, quota, threshold count and (basis points, level) pairs.
 -- A request record is one string: its fields joined by \31 (ids hold no control chars).
 
+-- Op 'c', the plain charge in the common case, with its own compact ARGV (all that can
+-- be is computed and encoded by the client, once per account and period):
+--   KEYS 1 account hash, 2 period hash, 3 rows stream, 4 outbox, 5 request record.
+--   ARGV 1 'c', 2 now, 3 request id, 4 the record, 5 its ttl, 6 the length of its head
+--   (kind, status, fingerprint), 7 unit count n, 8.. the amount per unit; then from
+--   b = 8 + n: b version, b+1 period key, b+2 max rows, b+3 period field count m,
+--   b+4.. the account fields ('ver', 'nx', then 'b_<unit>' per unit), pa = b+6+n.. the
+--   period fields ('end', 'u_<unit>' per unit, then the fired flags), then per unit its
+--   quota, name, threshold count, and per threshold its level, basis points and the
+--   index of its flag among the period fields.
+-- Anything else (plan changed, hold expiry due, new period, out of quota) answers SLOW
+-- having written nothing: the client then runs the general 'charge'.
+if ARGV[1] == 'c' then
+  local nu = tonumber(ARGV[7])
+  local b = 8 + nu
+  local acct = redis.call('HMGET', KEYS[1], unpack(ARGV, b + 4, b + 5 + nu))
+  if acct[1] ~= ARGV[b] then return {'STALE'} end
+  local nx = tonumber(acct[2])
+  if nx and nx <= tonumber(ARGV[2]) then return {'SLOW'} end
+  local pa = b + 6 + nu
+  local pv = redis.call('HMGET', KEYS[2], unpack(ARGV, pa, pa + tonumber(ARGV[b + 3]) - 1))
+  if not pv[1] then return {'SLOW'} end
+  local ua = pa + tonumber(ARGV[b + 3])
+  local used, fb, at = {}, {}, ua
+  for k = 1, nu do
+    local n, cur = tonumber(ARGV[7 + k]), tonumber(pv[1 + k]) or 0
+    local free = math.max(0, tonumber(ARGV[at]) - cur)
+    local f = math.min(n, free)
+    local g = math.min(n - f, tonumber(acct[2 + k]) or 0)
+    if f + g < n then return {'SLOW'} end
+    used[k], fb[k] = cur + f, g
+    at = at + 3 + 3 * tonumber(ARGV[at + 2])
+  end
+  if not redis.call('SET', KEYS[5], ARGV[4], 'NX', 'EX', ARGV[5]) then
+    local old, h = redis.call('GET', KEYS[5]), tonumber(ARGV[6])
+    if string.sub(old, 1, h) ~= string.sub(ARGV[4], 1, h) then return {'CONFLICT'} end
+    return {'REPLAY', old}
+  end
+  local hs, fired = {}, 0
+  at = ua
+  for k = 1, nu do
+    local u = string.format('%d', used[k])
+    hs[#hs + 1] = ARGV[pa + k]
+    hs[#hs + 1] = u
+    if fb[k] > 0 then
+      redis.call('HINCRBY', KEYS[1], ARGV[b + 5 + k], string.format('%d', -fb[k]))
+    end
+    local nl = tonumber(ARGV[at + 2])
+    for j = 1, nl do
+      local l = at + 3 * j
+      local fi = tonumber(ARGV[l + 2])
+      if used[k] >= tonumber(ARGV[l]) and not pv[fi] then
+        hs[#hs + 1] = ARGV[pa + fi - 1]
+        hs[#hs + 1] = '1'
+        redis.call('LPUSH', KEYS[4],
+          table.concat({ARGV[at + 1], ARGV[l + 1], u, ARGV[at], ARGV[2], ARGV[b + 1]}, '|'))
+        fired = fired + 1
+      end
+    end
+    at = at + 3 + 3 * nl
+  end
+  redis.call('HSET', KEYS[2], unpack(hs))
+  if fired > 0 then redis.call('LTRIM', KEYS[4], 0, 999) end
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[b + 2], '*', 'id', ARGV[3], 'r', ARGV[4])
+  return {'OK', fired}
+end
+
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[3], ARGV[4]
-local retention, pkey, pend = tonumber(ARGV[5]), ARGV[6], ARGV[7]
+local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[13], ARGV[14]
+local retention, pkey, pend = tonumber(ARGV[15]), ARGV[16], ARGV[17]
 local SEP = '\31'
 
 local function split(s, sep)
@@ -220,7 +290,7 @@ local function record(raw, ttl)
 end
 
 local function row(raw, max_rows)
-  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[9], 'r', raw)
+  redis.call('XADD', S, 'MAXLEN', '~', max_rows, '*', 'id', ARGV[3], 'r', raw)
 end
 
 local function amounts_of(i, o, c)
@@ -231,31 +301,29 @@ end
 expire_holds()
 
 if op == 'charge' or op == 'hold' then
-  -- ARGV 9 rid, 10 fp, 11 in, 12 out, 13 calls, 14 model, 15 parent, 16 meta, 17 exp,
-  -- 18 max rows
-  local rid, fp = ARGV[9], ARGV[10]
+  local rid, fp = ARGV[3], ARGV[4]
   local raw = redis.call('GET', R)
   if raw then
     local rec = split(raw, SEP)
     if rec[KIND] ~= op or rec[FP] ~= fp then return {'CONFLICT'} end
     return {'REPLAY', raw}
   end
-  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  local am = amounts_of(ARGV[5], ARGV[6], ARGV[7])
   local per = load_period(P)
   local parts, unit, need, avail = take(per, am, false)
   if parts == nil then return {'QUOTA', unit, int(need), int(avail)} end
-  local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[11], ARGV[12], ARGV[13], ARGV[14],
-    ARGV[15], ARGV[16], '', ''}
+  local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[5], ARGV[6], ARGV[7], ARGV[8],
+    ARGV[9], ARGV[10], '', ''}
   if op == 'hold' then
-    rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[17], encode_parts(parts)
+    rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[11], encode_parts(parts)
     for _, u in ipairs(units) do per.held[u] = per.held[u] + am[u] end
-    redis.call('ZADD', H, ARGV[17], rid)
+    redis.call('ZADD', H, ARGV[11], rid)
     if KEYS[7] then  -- the id -> account index (single server only: another slot)
-      redis.call('SET', KEYS[7], ARGV[8], 'EX', int(math.ceil(tonumber(ARGV[17]) - now + retention)))
+      redis.call('SET', KEYS[7], ARGV[12], 'EX', int(math.ceil(tonumber(ARGV[11]) - now + retention)))
     end
     local nx = tonumber(acct[2])
-    if nx == nil or tonumber(ARGV[17]) < nx then redis.call('HSET', A, 'nx', ARGV[17]) end
-    record(table.concat(rec, SEP), tonumber(ARGV[17]) - now + retention)
+    if nx == nil or tonumber(ARGV[11]) < nx then redis.call('HSET', A, 'nx', ARGV[11]) end
+    record(table.concat(rec, SEP), tonumber(ARGV[11]) - now + retention)
   else
     local raw = table.concat(rec, SEP)
     record(raw, tonumber(pend) - now + retention)
@@ -268,13 +336,13 @@ if op == 'charge' or op == 'hold' then
 end
 
 if op == 'settle' then
-  -- ARGV 9 rid, 10 sfp, 11 in, 12 out, 13 calls, 14 model ('' = keep), 18 max rows
-  local rid, sfp, model, max_rows = ARGV[9], ARGV[10], ARGV[14], ARGV[18]
-  local am = amounts_of(ARGV[11], ARGV[12], ARGV[13])
+  -- ARGV 4 is the settle fingerprint, 8 the model ('' = keep)
+  local rid, sfp, model, max_rows = ARGV[3], ARGV[4], ARGV[8], ARGV[18]
+  local am = amounts_of(ARGV[5], ARGV[6], ARGV[7])
   local raw = redis.call('GET', R)
   local rec = raw and split(raw, SEP)
   if rec and rec[STATUS] == 'charged' then
-    local same = rec[IN] == ARGV[11] and rec[OUT] == ARGV[12] and rec[CALLS] == ARGV[13]
+    local same = rec[IN] == ARGV[5] and rec[OUT] == ARGV[6] and rec[CALLS] == ARGV[7]
       and (model == '' or model == rec[MODEL])
     if rec[SFP] ~= sfp and not (rec[KIND] == 'charge' and same) then return {'CONFLICT'} end
     return {'REPLAY', raw}
@@ -296,7 +364,7 @@ if op == 'settle' then
   take(per, am, true)
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
   rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[PARTS] =
-    ARGV[11], ARGV[12], ARGV[13], model, ''
+    ARGV[5], ARGV[6], ARGV[7], model, ''
   local out = table.concat(rec, SEP)
   record(out, (period == pkey and tonumber(pend) or now) - now + retention)
   row(out, max_rows)
@@ -317,7 +385,7 @@ if op == 'release' then
   save_bonus()
   rec[STATUS], rec[PARTS] = 'released', ''
   redis.call('SET', R, table.concat(rec, SEP), 'KEEPTTL')
-  redis.call('ZREM', H, ARGV[9])
+  redis.call('ZREM', H, ARGV[3])
   return {'OK', 1}
 end
 
@@ -333,18 +401,18 @@ if op == 'balance' then
 end
 
 if op == 'comp' then
-  -- R is the account's audit hash; ARGV 9 campaign, 10 reset 0/1,
-  -- 11 "unit=credit=bonus,...", 12 account
-  local campaign = ARGV[9]
+  -- R is the account's audit hash; ARGV 3 campaign, 4 reset 0/1,
+  -- 5 "unit=credit=bonus,...", 6 account
+  local campaign = ARGV[3]
   local done = redis.call('HGET', R, campaign)
   if done then return {'DONE', done} end
   local per = load_period(P)
   local before_used, before_bonus, after_used, after_bonus, added = {}, {}, {}, {}, {}
-  for _, spec in ipairs(split(ARGV[11], ',')) do
+  for _, spec in ipairs(split(ARGV[5], ',')) do
     local u, credit, add = string.match(spec, '^([^=]+)=(%d+)=(%d+)$')
     local used = math.max(0, per.used[u])
     local new_used = used
-    if ARGV[10] == '1' then new_used = 0 end
+    if ARGV[4] == '1' then new_used = 0 end
     if tonumber(credit) > 0 then new_used = math.max(0, used - tonumber(credit)) end
     per.used[u] = new_used
     before_used[u], before_bonus[u] = int(used), int(bonus[u])
@@ -355,7 +423,7 @@ if op == 'comp' then
   end
   save_period(per, pend)
   save_bonus()
-  local rec = cjson.encode({account = ARGV[12], campaign = campaign, period = pkey,
+  local rec = cjson.encode({account = ARGV[6], campaign = campaign, period = pkey,
     status = 'changed', at = ARGV[2],
     before = {used = before_used, bonus = before_bonus},
     after = {used = after_used, bonus = after_bonus}, bonus_added = added})

@@ -1,0 +1,237 @@
+"""What one call through the transport is: its public record and what it holds in flight."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from ._budget import CallBudget, SubCall
+from ._caps import Capped
+from ._estimate import Estimate
+from ._headers import RateLimitHeaders
+from ._usage import Usage
+
+__all__ = ["CallRecord"]
+
+_Estimator = Callable[[dict[str, Any] | None, str], Estimate]
+_FIELDS = (
+    "request_id",
+    "path",
+    "model",
+    "estimate",
+    "capped",
+    "priority",
+    "task",
+    "provider",
+    "waited",
+    "http_seconds",
+    "status",
+    "usage",
+    "settled",
+    "rate_limits",
+)
+
+
+_DECODE = json.JSONDecoder().decode
+
+
+def json_object(data: bytes) -> dict[str, Any] | None:
+    """The body as a JSON object, or None (not JSON, or not an object)."""
+    try:
+        # UTF-8 straight to the decoder (what json.loads does after sniffing the
+        # encoding); anything else goes through json.loads.
+        parsed = _DECODE(data.decode())
+    except ValueError:
+        try:
+            parsed = json.loads(data)
+        except ValueError:
+            return None
+    return parsed if type(parsed) is dict else None
+
+
+def model_of(body: dict[str, Any] | None) -> str | None:
+    """The body's ``model`` when it is a string."""
+    if body is None:
+        return None
+    m = body.get("model")
+    return m if type(m) is str else None
+
+
+class CallRecord:
+    """One call through the transport, in ``response.extensions["ratequeue"]``.
+
+    ``waited`` is the queue wait and ``http_seconds`` the time from sending to the
+    response headers, measured apart; ``usage`` is set when the call settles (the end of
+    the body or stream), from the provider's own count. ``estimate`` and ``model`` are
+    read from the request body when first asked for if the call did not need them.
+    """
+
+    __slots__ = (
+        "_estimate",
+        "_model",
+        "_pending",
+        "capped",
+        "http_seconds",
+        "path",
+        "priority",
+        "provider",
+        "rate_limits",
+        "request_id",
+        "settled",
+        "status",
+        "task",
+        "usage",
+        "waited",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        path: str,
+        model: str | None,
+        estimate: Estimate | None,
+        capped: Capped | None,
+        priority: str | None,
+        task: str | None,
+        provider: str | None = None,
+        waited: float = 0.0,
+        http_seconds: float | None = None,
+        status: int | None = None,
+        usage: Usage | None = None,
+        settled: bool = False,
+        rate_limits: RateLimitHeaders | None = None,
+        *,
+        body: tuple[bytes | None, _Estimator] | None = None,
+    ) -> None:
+        self.request_id = request_id
+        self.path = path
+        self._model = model
+        self._estimate = estimate
+        self.capped = capped
+        self.priority = priority
+        self.task = task
+        self.provider = provider
+        self.waited = waited
+        self.http_seconds = http_seconds
+        self.status = status
+        self.usage = usage
+        self.settled = settled
+        self.rate_limits = rate_limits
+        self._pending = body if estimate is None else None
+
+    def _resolve(self) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        data, estimator = pending
+        body = json_object(data) if data else None
+        self._model = model_of(body)
+        self._estimate = estimator(body, self.path)
+
+    @property
+    def model(self) -> str | None:
+        """The request's ``model``, if its body named one."""
+        if self._pending is not None:
+            self._resolve()
+        return self._model
+
+    @model.setter
+    def model(self, value: str | None) -> None:
+        self._resolve()
+        self._model = value
+
+    @property
+    def estimate(self) -> Estimate:
+        """Tokens the call may use, estimated before sending (prompt + max output)."""
+        if self._pending is not None:
+            self._resolve()
+        assert self._estimate is not None
+        return self._estimate
+
+    @estimate.setter
+    def estimate(self, value: Estimate) -> None:
+        self._pending = None
+        self._estimate = value
+
+    def _astuple(self) -> tuple[Any, ...]:
+        return tuple(getattr(self, f) for f in _FIELDS)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, CallRecord)
+        return self._astuple() == other._astuple()
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in _FIELDS)
+        return f"CallRecord({inner})"
+
+
+#: Guards the settle-once flag of every call (held for two bytecodes, never across a call).
+_ONCE = threading.Lock()
+
+
+class _Call(CallRecord):
+    """The record of a call in flight, with what it holds (settled exactly once)."""
+
+    __slots__ = (
+        "_account",
+        "_chain",
+        "_costs",
+        "_done",
+        "_held",
+        "_permit",
+        "_provider",
+        "_request",
+        "_sub",
+    )
+
+    def __init__(
+        self,
+        request: Any,
+        request_id: str,
+        path: str,
+        model: str | None,
+        estimate: Estimate | None,
+        capped: Capped | None,
+        priority: str | None,
+        task: str | None,
+        pending: tuple[bytes | None, _Estimator] | None,
+    ) -> None:
+        # Every slot set here, without CallRecord.__init__: this runs on every call.
+        self.request_id = request_id
+        self.path = path
+        self._model = model
+        self._estimate = estimate
+        self._pending = pending
+        self.capped = capped
+        self.priority = priority
+        self.task = task
+        self.provider = None
+        self.waited = 0.0
+        self.http_seconds = None
+        self.status = None
+        self.usage = None
+        self.settled = False
+        self.rate_limits = None
+        self._request = request
+        self._permit: Any = None
+        self._provider: Any = None
+        self._sub: SubCall | None = None
+        self._chain: list[CallBudget] = []
+        self._held = False
+        self._done = False
+        self._costs: dict[str, int] = {}
+        self._account = ""
+
+    def _claim(self) -> bool:
+        """True for the one caller that settles this call."""
+        with _ONCE:
+            if self._done:
+                return False
+            self._done = True
+            return True

@@ -1,0 +1,304 @@
+"""The core of the Redis ledger (``RedisLedger`` is in ``_ledger``): the script, keys,
+the per-account command parts and the two drivers. One Lua script per call
+(``ledger.lua``, package data) checks the request id, deducts and records threshold
+crossings in one round trip.
+
+Keys: ``{prefix}{{tag}}:a`` (account: plan, version, bonus), ``:p:<period>`` (usage,
+holds, fired thresholds), ``:r:<request id>`` (the request, kept ``retention``), ``:h``
+(hold expiries), ``:rows`` (usage rows, a stream capped at ``max_rows``), ``:o`` (outbox),
+``:audit`` (compensation audit); the tag is the account, so one account's keys share a
+Redis Cluster slot. Integers must stay below 2**53 (Lua numbers are doubles).
+
+Each call is written once as a generator of Redis commands (``_*_flow``); ``_drive`` runs
+it on the blocking client and ``_adrive`` on a ``redis.asyncio`` client, so that the
+asyncio twins (``charge_async``...) wait on the event loop, not on a worker thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import importlib.resources
+import inspect
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
+
+import redis
+import redis.asyncio
+import redis.exceptions
+
+from ..ledger._base import LedgerBase
+from ..ledger._model import (
+    ClockLike,
+    Plan,
+    Span,
+    check_id,
+)
+from ._ledger_codec import (
+    _Ctx,
+    _flat,
+    _Info,
+    _is_reply_error,
+    _pack_items,
+)
+
+
+def _script_text() -> str:
+    """``ledger.lua`` as sent to Redis, without its comment lines."""
+    src = importlib.resources.files(__package__).joinpath("ledger.lua").read_text("utf-8")
+    return "".join(
+        line for line in src.splitlines(keepends=True) if not line.lstrip().startswith("--")
+    )
+
+
+LUA = _script_text()
+LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
+#: Lua numbers are doubles: amounts and totals stay below this in Redis.
+MAX_REDIS_AMOUNT = 2**53 - 1
+_INFO_FIELDS = ("ver", "plan", "anchor", "thr")
+#: Seconds between scans for outboxes whose pending hint was lost (a crash).
+SWEEP_SECONDS = 60.0
+
+T = TypeVar("T")
+#: A step of a call: ("eval", items[, packed]) runs the script (items: the ``EVALSHA``
+#: command as scalars and ``_Seg`` parts; packed: the same in RESP, when made already);
+#: ("cmd", *args) any other command.
+_Step = tuple[Any, ...]
+_Flow = Generator[_Step, Any, T]
+
+_ASYNC_CONN = {
+    redis.Connection: redis.asyncio.Connection,
+    redis.SSLConnection: redis.asyncio.SSLConnection,
+    redis.UnixDomainSocketConnection: redis.asyncio.UnixDomainSocketConnection,
+}
+_ASYNC_KWARGS = (
+    "db",
+    "username",
+    "password",
+    "socket_timeout",
+    "socket_connect_timeout",
+    "socket_keepalive",
+    "socket_keepalive_options",
+    "encoding",
+    "encoding_errors",
+    "decode_responses",
+    "client_name",
+    "health_check_interval",
+    "host",
+    "port",
+    "path",
+    "ssl_keyfile",
+    "ssl_certfile",
+    "ssl_cert_reqs",
+    "ssl_ca_certs",
+    "ssl_ca_data",
+    "ssl_check_hostname",
+)
+
+
+def _async_twin(client: Any) -> Any:
+    """A ``redis.asyncio`` client for the same server(s) as a blocking client."""
+    if isinstance(client, redis.cluster.RedisCluster):
+        found = client.get_nodes()  # type: ignore[no-untyped-call]
+        nodes = [redis.asyncio.cluster.ClusterNode(n.host, n.port) for n in found]
+        return redis.asyncio.cluster.RedisCluster(startup_nodes=nodes)
+    pool = getattr(client, "connection_pool", None)
+    cls = _ASYNC_CONN.get(getattr(pool, "connection_class", None))  # type: ignore[arg-type]
+    if pool is None or cls is None:
+        raise TypeError(
+            f"cannot derive a redis.asyncio client from {type(client).__name__}: pass async_client="
+        )
+    kw = {k: v for k, v in pool.connection_kwargs.items() if k in _ASYNC_KWARGS}
+    return redis.asyncio.Redis(
+        connection_pool=redis.asyncio.ConnectionPool(connection_class=cls, **kw)
+    )
+
+
+class _RedisLedgerCore(LedgerBase):
+    """A quota ledger in Redis shared by every process using the same ``name``.
+
+    ``client``: a ``redis.Redis`` or ``redis.cluster.RedisCluster``
+    (``ratequeue.redis.connect`` gives short timeouts). The asyncio twins
+    (``charge_async``, ``hold_async``, ``settle_async``, ``release_async``,
+    ``balance_async``) use ``async_client`` (a ``redis.asyncio`` client), by default one
+    made per event loop for the same server. Time comes from ``clock`` (default the wall
+    clock of each process), so keep hosts' clocks in sync (periods are calendar-sized;
+    seconds of skew only move a boundary).
+    """
+
+    def __init__(
+        self,
+        client: Any,
+        *,
+        name: str = "default",
+        clock: ClockLike | None = None,
+        retention: float | None = None,
+        hold_ttl: float = 600.0,
+        default_plan: Plan | None = None,
+        max_rows: int = 100_000,
+        async_client: Any = None,
+    ) -> None:
+        super().__init__(
+            clock=clock, retention=retention, hold_ttl=hold_ttl, default_plan=default_plan
+        )
+        check_id("name", name)
+        if "{" in name or "}" in name:
+            raise ValueError(f"name={name!r} must not contain braces")
+        if isinstance(max_rows, bool) or not isinstance(max_rows, int) or max_rows < 1:
+            raise ValueError(f"max_rows={max_rows!r} must be an int >= 1")
+        self.client = client
+        self.name = name
+        self.max_rows = max_rows
+        self._prefix = f"rq:ledger:{name}:"
+        self._info: OrderedDict[str, _Info] = OrderedDict()
+        self._holds: OrderedDict[str, tuple[str, float]] = OrderedDict()
+        self._lock = threading.Lock()
+        _LEDGERS.add(self)
+        self._last_sweep = float("-inf")
+        self._async_client = async_client
+        self._loop_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
+            weakref.WeakKeyDictionary()
+        )
+        pool = getattr(client, "connection_pool", None)
+        self._raw = (
+            type(client) is redis.Redis
+            and getattr(client, "connection", None) is None
+            and isinstance(pool, redis.ConnectionPool)
+        )
+        self._conn_args: tuple[str, ...] = ()
+        if self._raw and pool is not None:
+            params = list(inspect.signature(pool.get_connection).parameters.values())
+            if params and params[0].default is inspect.Parameter.empty:
+                self._conn_args = ("EVALSHA",)
+
+    # -- keys, the script and the two drivers --------------------------------------------
+
+    def _pfx(self, account: str) -> str:
+        braces = "{" in account or "}" in account
+        tag = "x:" + account.encode().hex() if braces else "s:" + account
+        return f"{self._prefix}{{{tag}}}:"
+
+    def _ctx(self, account: str, info: _Info, span: Span) -> _Ctx:
+        """The fixed parts of this account's commands in ``span`` (packed once)."""
+        c = info.ctx.get(span.key)
+        if c is None:
+            pfx = self._pfx(account)
+            c = _Ctx(LUA_SHA, pfx, info, span, int(self.retention) + 1, self.max_rows)
+            if len(info.ctx) > 8:
+                info.ctx.clear()
+            info.ctx[span.key] = c
+        return c
+
+    def _op(
+        self,
+        op: str,
+        account: str,
+        info: _Info,
+        span: Span,
+        now: float,
+        second: str,
+        extra: Sequence[Any] = (),
+        twelfth: str = "",
+        index_key: str | None = None,
+    ) -> _Step:
+        """The script step of ``op`` (ARGV 3-11 from ``extra``)."""
+        c = self._ctx(account, info, span)
+        pad = ("",) * (9 - len(extra))
+        if index_key is None:
+            items = [c.head, self._pfx(account) + second, c.keys, op, repr(now), *extra, *pad]
+        else:  # 7 keys
+            p = self._pfx(account)
+            items = ["EVALSHA", LUA_SHA, 7, p + "a", p + second, c.keys, index_key, op, repr(now)]
+            items += [*extra, *pad]
+        return ("eval", [*items, twelfth, c.tail])
+
+    def _drive(self, flow: _Flow[T]) -> T:
+        """Runs a call on the blocking client."""
+        try:
+            step = next(flow)
+            while True:
+                try:
+                    reply = self._exec(step)
+                except Exception as e:
+                    step = flow.throw(e)
+                else:
+                    step = flow.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    async def _adrive(self, flow: _Flow[T]) -> T:
+        """Runs a call on the asyncio client of the running loop."""
+        client = self._aclient()
+        try:
+            step = next(flow)
+            while True:
+                try:
+                    reply = await self._aexec(client, step)
+                except Exception as e:
+                    step = flow.throw(e)
+                else:
+                    step = flow.send(reply)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+
+    def _exec(self, step: _Step) -> Any:
+        if step[0] != "eval":
+            return self.client.execute_command(*step[1:])
+        try:
+            return self._send_eval(step)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(LUA)
+            return self._send_eval(step)
+
+    def _send_eval(self, step: _Step) -> Any:
+        if not self._raw:
+            return self.client.execute_command(*_flat(step[1]))
+        # a plain client's pooled connection gets the command packed once (its fixed
+        # parts per account and period, packed before), without redis-py's work per
+        # argument
+        packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
+        pool = self.client.connection_pool
+        conn = pool.get_connection(*self._conn_args)
+        try:
+            conn.send_packed_command([packed])
+            return conn.read_response()
+        except BaseException as e:
+            if not isinstance(e, Exception) or not _is_reply_error(e):
+                conn.disconnect()
+            raise
+        finally:
+            pool.release(conn)
+
+    async def _aexec(self, client: Any, step: _Step) -> Any:
+        if step[0] != "eval":
+            return await client.execute_command(*step[1:])
+        args = _flat(step[1])
+        try:
+            return await client.execute_command(*args)
+        except redis.exceptions.NoScriptError:
+            await client.script_load(LUA)
+            return await client.execute_command(*args)
+
+    def _aclient(self) -> Any:
+        if self._async_client is not None:
+            return self._async_client
+        loop = asyncio.get_running_loop()
+        c = self._loop_clients.get(loop)
+        if c is None:
+            c = self._loop_clients[loop] = _async_twin(self.client)
+        return c
+
+
+_LEDGERS: weakref.WeakSet[_RedisLedgerCore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for led in list(_LEDGERS):
+        led._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -1,0 +1,798 @@
+//! asyncio from Rust: the awaitable of acquire_async (the fast path at the call; a
+//! queued wait as one future of the running loop, resolved natively in one call per
+//! batch), the event-loop channel and the loop's table of waiting futures.
+//!
+//! A queued wait is split in two: what the channel must settle once the loop is gone
+//! (the queue, the costs, the grant: [`AcqShared`], held by the channel's `native` map,
+//! no Python object of the loop) and the loop's future (held by [`LoopWaitersPy`], which
+//! the loop owns and the garbage collector traverses).
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
+
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration};
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyTuple, PyWeakrefReference};
+use pyo3::{intern, PyTraverseError, PyVisit};
+use ratequeue_core::queue::{Cancelled, Channel};
+use ratequeue_core::{Error, GrantRef, Outcome, Submitted, Wake};
+
+use crate::blocking::unblocked;
+use crate::errors::to_py;
+use crate::waiting::{Gate, PermitOwner, PermitPy};
+
+/// An awaitable that is already done; with a permit, also an async context manager
+/// that releases it on exit.
+#[pyclass(frozen, module = "ratequeue")]
+pub struct Ready {
+    value: Py<PyAny>,
+}
+
+impl Ready {
+    /// Already done with `value`.
+    pub fn new(value: Py<PyAny>) -> Ready {
+        Ready { value }
+    }
+}
+
+#[pymethods]
+impl Ready {
+    fn __await__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<()> {
+        Err(stop(py, self.value.clone_ref(py)))
+    }
+
+    /// Coroutine protocol (so `asyncio.create_task` accepts it): done at once.
+    fn send(&self, py: Python<'_>, _value: &Bound<'_, PyAny>) -> PyResult<()> {
+        self.__next__(py)
+    }
+
+    /// Coroutine protocol: raises what is thrown in (nothing runs inside).
+    #[pyo3(signature = (typ, val = None, _tb = None))]
+    fn throw(
+        &self,
+        typ: &Bound<'_, PyAny>,
+        val: Option<&Bound<'_, PyAny>>,
+        _tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        Err(thrown(typ, val))
+    }
+
+    /// Coroutine protocol: nothing to close.
+    fn close(&self) {}
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
+        if let Ok(p) = self.value.bind(py).cast::<PermitPy>() {
+            p.get().release();
+        }
+        done_false(py)
+    }
+}
+
+/// The exception `throw(typ, val)` raises: `val` if given, else `typ` (an instance, or a
+/// class to instantiate).
+fn thrown(typ: &Bound<'_, PyAny>, val: Option<&Bound<'_, PyAny>>) -> PyErr {
+    let e = match val.filter(|v| !v.is_none()) {
+        Some(v) => v.clone(),
+        None if typ.is_instance_of::<pyo3::types::PyType>() => match typ.call0() {
+            Ok(e) => e,
+            Err(e) => return e,
+        },
+        None => typ.clone(),
+    };
+    PyErr::from_value(e)
+}
+
+/// The awaitable every `__aexit__` returns: done, False (exceptions propagate). Shared:
+/// awaiting it changes nothing.
+fn done_false(py: Python<'_>) -> PyResult<Py<Ready>> {
+    static DONE: PyOnceLock<Py<Ready>> = PyOnceLock::new();
+    DONE.get_or_try_init(py, || {
+        Py::new(
+            py,
+            Ready {
+                value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
+            },
+        )
+    })
+    .map(|r| r.clone_ref(py))
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// What a queued async acquire shares with the channel it waits on: enough to build its
+/// permit, and to settle it after its loop is gone (no Python object of the loop).
+pub(crate) struct AcqShared {
+    gate: Arc<Gate>,
+    costs: Vec<u64>,
+    class: usize,
+    timeout_ns: Option<u64>,
+    permit: OnceLock<Py<PermitPy>>,
+    token: OnceLock<u64>,
+    /// The queue's clock reading at the submit (the arrival): grant time = this + wait.
+    submitted_ns: OnceLock<u64>,
+    /// Who the permit belongs to, when not the queue (e.g. a key of a keyed limiter).
+    owner: Option<Arc<dyn PermitOwner>>,
+}
+
+impl AcqShared {
+    fn make_permit(&self, waited_ns: u64) -> PermitPy {
+        let p = match &self.owner {
+            Some(o) => PermitPy::new(o.clone(), &self.costs, waited_ns),
+            None => self.gate.permit(&self.costs, waited_ns),
+        };
+        let at_ns = self.submitted_ns.get().map_or(0, |s| s.saturating_add(waited_ns));
+        p.with_grant(GrantRef {
+            at_ns,
+            token: self.token.get().copied(),
+        })
+    }
+
+    /// The permit of a grant after waiting `waited_ns`, kept for the awaiting task.
+    fn granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PermitPy>> {
+        if let Some(t) = token {
+            let _ = self.token.set(t);
+        }
+        let p = Py::new(py, self.make_permit(waited_ns))?;
+        let _ = self.permit.set(p.clone_ref(py));
+        Ok(p)
+    }
+
+    fn timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+        to_py(
+            py,
+            Error::WaitTimeout {
+                waited_ns,
+                retry_after_ns: py.detach(|| self.gate.queue.retry_after_ns(&self.costs)),
+            },
+        )
+    }
+
+    /// Gives a grant back to the queue (see Resource::give_back for when a rate keeps it).
+    fn give_back(&self, token: Option<u64>) {
+        let token = token.or_else(|| self.token.get().copied());
+        unblocked(|| self.gate.queue.give_back(&self.costs, token));
+    }
+
+    /// Gives back, exactly once, a grant whose permit reached a waiter that left before
+    /// using it (the permit is marked released).
+    fn abandon(&self, permit: &PermitPy) {
+        if permit.mark_released() && permit.granted_here() {
+            self.give_back(None);
+        }
+    }
+}
+
+/// Where the awaitable of a queued acquire is.
+enum Wait {
+    /// Not awaited yet.
+    Idle,
+    /// Being submitted (a second, concurrent start is refused).
+    Starting,
+    /// In the queue under `ticket`; its future is in `side`.
+    Queued { ticket: u64, side: Arc<LoopSide> },
+    /// Over: granted (the permit is kept), timed out, refused or left.
+    Done,
+}
+
+/// The result of acquire_async: await it for a Permit, or use `async with`. Awaiting
+/// it queues once and yields one future of the running loop, resolved by one wake-up.
+#[pyclass(frozen, name = "Acquiring", module = "ratequeue")]
+pub struct AcquiringPy {
+    shared: Arc<AcqShared>,
+    wait: Mutex<Wait>,
+    /// Run when this object goes away (e.g. drop a per-key queue nobody uses).
+    on_drop: Option<Box<dyn Fn() + Send + Sync>>,
+}
+
+impl Drop for AcquiringPy {
+    fn drop(&mut self) {
+        let w = std::mem::replace(&mut *lock(&self.wait), Wait::Done);
+        if let Wait::Queued { ticket, side } = w {
+            // Collected without close(): leave the queue like close() would.
+            leave(&self.shared, ticket, &side);
+        }
+        if let Some(f) = self.on_drop.take() {
+            f();
+        }
+    }
+}
+
+impl AcquiringPy {
+    /// Not started yet: queues when awaited.
+    fn new(gate: &Arc<Gate>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> AcquiringPy {
+        AcquiringPy {
+            shared: Arc::new(AcqShared {
+                gate: gate.clone(),
+                costs: costs.to_vec(),
+                class,
+                timeout_ns,
+                permit: OnceLock::new(),
+                token: OnceLock::new(),
+                submitted_ns: OnceLock::new(),
+                owner: None,
+            }),
+            wait: Mutex::new(Wait::Idle),
+            on_drop: None,
+        }
+    }
+
+    /// The permit, once granted.
+    pub(crate) fn permit(&self) -> Option<&Py<PermitPy>> {
+        self.shared.permit.get()
+    }
+
+    /// Tries the fast path; the awaitable is ready at once when it admits.
+    pub fn start(
+        py: Python<'_>,
+        gate: &Arc<Gate>,
+        costs: &[u64],
+        class: usize,
+        timeout_ns: Option<u64>,
+    ) -> PyResult<AcquiringPy> {
+        let a = AcquiringPy::new(gate, costs, class, timeout_ns);
+        match gate.queue.try_now_token(costs, class) {
+            Ok((at_ns, token)) => {
+                let _ = a.shared.permit.set(Py::new(
+                    py,
+                    gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }),
+                )?);
+                *lock(&a.wait) = Wait::Done;
+            }
+            Err(Some(d)) => return Err(to_py(py, gate.queue.error_for(d))),
+            Err(None) => {}
+        }
+        Ok(a)
+    }
+
+    /// Queues on `gate` without a fast path (the caller tried it), with permits owned by
+    /// `owner` and `on_drop` run when the awaitable goes away.
+    pub fn queued(
+        gate: &Arc<Gate>,
+        costs: &[u64],
+        timeout_ns: Option<u64>,
+        owner: Arc<dyn PermitOwner>,
+        on_drop: Box<dyn Fn() + Send + Sync>,
+    ) -> AcquiringPy {
+        let mut a = AcquiringPy::new(gate, costs, 0, timeout_ns);
+        Arc::get_mut(&mut a.shared).expect("not shared yet").owner = Some(owner);
+        a.on_drop = Some(on_drop);
+        a
+    }
+
+    /// One step of the wait: the future to wait for, or the end (StopIteration with the
+    /// permit, or the error).
+    fn step(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let mut w = lock(&self.wait);
+        match &*w {
+            Wait::Idle => {
+                *w = Wait::Starting;
+                drop(w);
+                let r = self.begin(py);
+                if r.is_err() {
+                    *lock(&self.wait) = Wait::Done;
+                }
+                r
+            }
+            Wait::Starting => Err(PyRuntimeError::new_err("this acquire is already being awaited")),
+            Wait::Queued { ticket, side } => {
+                if let Some(p) = self.shared.permit.get() {
+                    *w = Wait::Done;
+                    return Err(stop(py, p.clone_ref(py).into_any()));
+                }
+                // Resumed before its outcome (driven by hand): wait for the same future.
+                let fut = lock(&side.futs).get(ticket).map(|f| f.clone_ref(py));
+                drop(w);
+                match fut {
+                    Some(f) => {
+                        f.bind(py).setattr(intern!(py, "_asyncio_future_blocking"), true)?;
+                        Ok(f)
+                    }
+                    None => Err(PyRuntimeError::new_err("this acquire's wait ended without a permit")),
+                }
+            }
+            Wait::Done => match self.shared.permit.get() {
+                Some(p) => Err(stop(py, p.clone_ref(py).into_any())),
+                None => Err(PyRuntimeError::new_err(
+                    "this acquire already ended without a permit: call acquire_async() again",
+                )),
+            },
+        }
+    }
+
+    /// Submits on the running loop's channel: the permit (StopIteration) when granted at
+    /// once, else the loop's future registered under the ticket.
+    fn begin(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let (event_loop, waiters) = running_waiters(py)?;
+        let side = waiters.get().inner.clone();
+        if side.chan.is_closed() {
+            return Err(PyRuntimeError::new_err("the channel is closed"));
+        }
+        let fut = event_loop.call_method0(intern!(py, "create_future"))?;
+        let sh = &self.shared;
+        let chan = side.chan.clone();
+        let q = &sh.gate.queue;
+        let submitted = match q.try_submit_dated(&sh.costs, sh.class, sh.timeout_ns, || Wake::Channel(chan.clone())) {
+            Some(tail) if tail.is_light() => tail.finish(),
+            Some(tail) => py.detach(|| tail.finish()),
+            None => py.detach(|| q.submit_dated(&sh.costs, sh.class, sh.timeout_ns, || Wake::Channel(chan))),
+        };
+        let ticket = match submitted {
+            Ok((Submitted::Granted { .. }, now)) => {
+                let _ = sh.submitted_ns.set(now);
+                *lock(&self.wait) = Wait::Done;
+                let p = sh.granted(py, 0, None)?;
+                return Err(stop(py, p.into_any()));
+            }
+            Ok((Submitted::Queued(t), now)) => {
+                let _ = sh.submitted_ns.set(now);
+                t
+            }
+            Err(e) => return Err(to_py(py, e)),
+        };
+        lock(&side.native).insert(ticket, sh.clone());
+        lock(&side.futs).insert(ticket, fut.clone().unbind());
+        *lock(&self.wait) = Wait::Queued { ticket, side };
+        fut.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
+        Ok(fut.unbind())
+    }
+
+    /// Ends the wait from outside (an exception thrown in, or close): leaves the queue,
+    /// or gives back the grant that raced the exit, exactly once.
+    fn end(&self) {
+        let w = std::mem::replace(&mut *lock(&self.wait), Wait::Done);
+        if let Wait::Queued { ticket, side } = w {
+            leave(&self.shared, ticket, &side);
+        }
+    }
+}
+
+/// A queued wait ended without its outcome: leaves the queue, or gives back the grant
+/// that raced the exit, exactly once (whoever takes the ticket out of `native` settles
+/// it: this, the loop's resolve, or the channel's close).
+fn leave(sh: &AcqShared, ticket: u64, side: &LoopSide) {
+    let fut = lock(&side.futs).remove(&ticket);
+    let queued = lock(&side.native).contains_key(&ticket);
+    if queued {
+        if unblocked(|| sh.gate.queue.cancel(ticket)) == Cancelled::Removed {
+            lock(&side.native).remove(&ticket);
+        }
+        // Else decided, its outcome in the channel: the resolve (or close) gives a grant
+        // back, as the ticket has no future any more.
+    } else if let Some(p) = sh.permit.get() {
+        // Granted, but the task left before it resumed.
+        sh.abandon(p.get());
+    }
+    drop(fut);
+}
+
+/// `StopIteration(value)`: the end of an awaitable with its result.
+/// The value is passed as is (not in a tuple), so the interpreter takes it without
+/// making an exception object (it is never a tuple or an exception here).
+fn stop(py: Python<'_>, value: Py<PyAny>) -> PyErr {
+    let _ = py;
+    PyStopIteration::new_err(value)
+}
+
+static RUNNING_WAITERS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// The last running loop this thread asked for and its waiters (both weak), in the
+/// fork generation they were found in.
+struct LastLoop {
+    generation: u64,
+    event_loop: Py<PyWeakrefReference>,
+    waiters: Py<PyWeakrefReference>,
+}
+
+thread_local! {
+    static LAST_LOOP: RefCell<Option<LastLoop>> = const { RefCell::new(None) };
+}
+
+/// The running loop and its waiters: from this thread's last answer when it is the same
+/// loop, else from ratequeue.aio (which makes the loop's channel on first use).
+fn running_waiters(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, LoopWaitersPy>)> {
+    let lp = GET_RUNNING_LOOP
+        .import(py, "asyncio.events", "_get_running_loop")?
+        .call0()?;
+    let generation = ratequeue_core::fork::generation();
+    if !lp.is_none() {
+        let hit = LAST_LOOP.with(|c| {
+            let c = c.borrow();
+            let last = c.as_ref().filter(|l| l.generation == generation)?;
+            if !last.event_loop.bind(py).upgrade().is_some_and(|l| l.is(&lp)) {
+                return None;
+            }
+            last.waiters.bind(py).upgrade()
+        });
+        if let Some(w) = hit {
+            if let Ok(w) = w.cast_into::<LoopWaitersPy>() {
+                return Ok((lp, w));
+            }
+        }
+    }
+    let pair = RUNNING_WAITERS
+        .import(py, "ratequeue.aio", "_running_waiters")?
+        .call0()?;
+    let (event_loop, waiters): (Bound<'_, PyAny>, Bound<'_, LoopWaitersPy>) = pair.extract()?;
+    let last = LastLoop {
+        generation,
+        event_loop: PyWeakrefReference::new(&event_loop)?.unbind(),
+        waiters: PyWeakrefReference::new(&waiters)?.unbind(),
+    };
+    LAST_LOOP.with(|c| c.replace(Some(last)));
+    Ok((event_loop, waiters))
+}
+
+/// acquire_async: on the fast path an already-done awaitable holding the permit (no
+/// ticket, no queue, one object), else an Acquiring that queues when awaited.
+pub fn acquire_async(
+    py: Python<'_>,
+    gate: &Arc<Gate>,
+    costs: &[u64],
+    class: usize,
+    timeout_ns: Option<u64>,
+) -> PyResult<Py<PyAny>> {
+    match gate.queue.try_now_token(costs, class) {
+        Ok((at_ns, token)) => {
+            let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }))?;
+            Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
+        }
+        Err(Some(d)) => Err(to_py(py, gate.queue.error_for(d))),
+        Err(None) => Ok(Py::new(py, AcquiringPy::new(gate, costs, class, timeout_ns))?.into_any()),
+    }
+}
+
+#[pymethods]
+impl AcquiringPy {
+    fn __await__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __iter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    fn __next__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.step(py)
+    }
+
+    /// Coroutine protocol (so `asyncio.create_task` accepts it): the first send queues,
+    /// the next one (after the future's wake-up) ends with the permit.
+    #[pyo3(signature = (value, /))]
+    fn send(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let _ = value;
+        self.step(py)
+    }
+
+    /// Coroutine protocol: raises what is thrown in, after leaving the queue cleanly
+    /// (a cancel removes the waiter or gives back the grant that raced it).
+    #[pyo3(signature = (typ, val = None, tb = None, /))]
+    fn throw(
+        &self,
+        typ: &Bound<'_, PyAny>,
+        val: Option<&Bound<'_, PyAny>>,
+        tb: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let _ = tb;
+        self.end();
+        Err(thrown(typ, val))
+    }
+
+    /// Coroutine protocol: leaves the queue if the wait started.
+    fn close(&self) {
+        self.end();
+    }
+
+    fn __aenter__(slf: Py<Self>) -> Py<Self> {
+        slf
+    }
+
+    #[pyo3(signature = (*_exc))]
+    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
+        if let Some(p) = self.shared.permit.get() {
+            p.get().release();
+        }
+        done_false(py)
+    }
+
+    /// Queues on `channel` (the caller drains it): returns a Permit if granted at once,
+    /// else the ticket. Raises RuntimeError on a closed channel.
+    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+        let chan = channel.get().inner.clone();
+        if chan.is_closed() {
+            return Err(PyRuntimeError::new_err("the channel is closed"));
+        }
+        let sh = &self.shared;
+        let submitted = py.detach(|| {
+            sh.gate
+                .queue
+                .submit_dated(&sh.costs, sh.class, sh.timeout_ns, || Wake::Channel(chan))
+        });
+        if let Ok((_, now)) = submitted {
+            let _ = sh.submitted_ns.set(now);
+        }
+        match submitted.map(|(s, _)| s) {
+            Ok(Submitted::Granted { .. }) => Ok(sh.granted(py, 0, None)?.into_any()),
+            Ok(Submitted::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+            Err(e) => Err(to_py(py, e)),
+        }
+    }
+
+    /// The permit of a grant after waiting `waited_ns` (`token` identifies the grant,
+    /// for an exact give-back if its waiter is cancelled before using it).
+    #[pyo3(signature = (waited_ns, token = None))]
+    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PermitPy>> {
+        self.shared.granted(py, waited_ns, token)
+    }
+
+    /// The WaitTimeout for a wait that expired after `waited_ns`.
+    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+        self.shared.timeout_error(py, waited_ns)
+    }
+
+    /// Removes the ticket from the queue; False if it was already decided.
+    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+        py.detach(|| self.shared.gate.queue.cancel(ticket)) == Cancelled::Removed
+    }
+
+    /// Gives back, exactly once, a grant whose permit was delivered to a waiter that was
+    /// cancelled before it could use it (the permit is marked released).
+    fn _abandon(&self, permit: &Bound<'_, PermitPy>) {
+        self.shared.abandon(permit.get());
+    }
+
+    /// Gives back a grant that arrived after its waiter was cancelled (see
+    /// Resource::give_back for when a rate keeps it instead).
+    #[pyo3(signature = (token = None))]
+    fn _give_back(&self, token: Option<u64>) {
+        self.shared.give_back(token);
+    }
+}
+
+/// Queued async acquires of one channel, by ticket: settled by whoever takes one out.
+type Native = Arc<Mutex<HashMap<u64, Arc<AcqShared>>>>;
+
+/// Outcomes for one event loop, signalled through a wake-up descriptor the channel
+/// owns (the loop reads it, never closes it).
+#[pyclass(frozen, name = "Channel", module = "ratequeue")]
+pub struct ChannelPy {
+    pub(crate) inner: Arc<Channel>,
+    /// The awaitables queued natively on this channel (see [`LoopWaitersPy`]).
+    native: Native,
+}
+
+#[pymethods]
+impl ChannelPy {
+    /// With `wakeup`, a channel whose descriptor (`fileno()`) becomes readable when
+    /// outcomes arrive; without, it never signals and the owner drains it after each
+    /// step (virtual time).
+    #[new]
+    #[pyo3(signature = (*, wakeup = false))]
+    fn new(wakeup: bool) -> PyResult<Self> {
+        // A new channel registers for fork safety: without the GIL.
+        let inner = unblocked(|| {
+            if wakeup {
+                Channel::with_wakeup()
+            } else {
+                Ok(Channel::new())
+            }
+        })
+        .map_err(PyErr::from)?;
+        Ok(ChannelPy {
+            inner,
+            native: Native::default(),
+        })
+    }
+
+    /// The descriptor to watch for readability (owned by the channel: do not close it).
+    fn fileno(&self) -> PyResult<i32> {
+        self.inner
+            .fileno()
+            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("this channel has no wake-up descriptor"))
+    }
+
+    /// Outcomes since the last drain: (ticket, granted, waited_ns).
+    fn drain(&self, py: Python<'_>) -> Vec<(u64, bool, u64)> {
+        self.drain_tokens(py)
+            .into_iter()
+            .map(|(t, g, w, _)| (t, g, w))
+            .collect()
+    }
+
+    /// Outcomes since the last drain with each grant's token: (ticket, granted,
+    /// waited_ns, token); clears the descriptor's signal.
+    fn drain_tokens(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        outcome_tuples(c.try_drain().unwrap_or_else(|| py.detach(|| c.drain())))
+    }
+
+    /// Closes the channel: later outcomes go back to their queues (a grant is given
+    /// back there). Settles the awaitables queued natively on it (a grant delivered to
+    /// one is given back, a pending one leaves its queue); returns the other outcomes
+    /// delivered but not drained, as drain_tokens: their grants are the caller's to give
+    /// back.
+    fn close(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
+        let c = &self.inner;
+        let undelivered = c.try_close().unwrap_or_else(|| py.detach(|| c.close()));
+        let mut native = std::mem::take(&mut *lock(&self.native));
+        let mut rest = Vec::new();
+        for (t, o) in undelivered {
+            match native.remove(&t) {
+                Some(sh) => {
+                    if let Outcome::Granted { token, .. } = o {
+                        sh.give_back(Some(token));
+                    }
+                }
+                None => rest.push((t, o)),
+            }
+        }
+        for (t, sh) in native {
+            // Not queued any more: decided after the close, and given back in the core.
+            unblocked(|| sh.gate.queue.cancel(t));
+        }
+        outcome_tuples(rest)
+    }
+
+    /// True once closed.
+    #[getter]
+    fn closed(&self) -> bool {
+        self.inner.is_closed()
+    }
+
+    /// How many awaitables wait natively on this channel for an outcome.
+    fn _pending(&self) -> usize {
+        lock(&self.native).len()
+    }
+}
+
+fn outcome_tuples(v: Vec<(u64, Outcome)>) -> Vec<(u64, bool, u64, u64)> {
+    v.into_iter()
+        .map(|(t, o)| match o {
+            Outcome::Granted { waited_ns, token, .. } => (t, true, waited_ns, token),
+            Outcome::TimedOut { waited_ns } => (t, false, waited_ns, 0),
+        })
+        .collect()
+}
+
+/// The loop's side of a channel: the future of each natively queued awaitable.
+pub(crate) struct LoopSide {
+    chan: Arc<Channel>,
+    native: Native,
+    futs: Mutex<HashMap<u64, Py<PyAny>>>,
+}
+
+/// The futures an event loop's tasks wait on, by ticket, and the native resolve of a
+/// batch of outcomes (owned by the loop's reader; the garbage collector sees the futures).
+#[pyclass(frozen, weakref, name = "_LoopWaiters", module = "ratequeue")]
+pub struct LoopWaitersPy {
+    inner: Arc<LoopSide>,
+}
+
+#[pymethods]
+impl LoopWaitersPy {
+    /// The loop's side of `channel`.
+    #[new]
+    fn new(channel: &Bound<'_, ChannelPy>) -> Self {
+        let c = channel.get();
+        LoopWaitersPy {
+            inner: Arc::new(LoopSide {
+                chan: c.inner.clone(),
+                native: c.native.clone(),
+                futs: Mutex::new(HashMap::new()),
+            }),
+        }
+    }
+
+    /// Drains the channel and resolves the future of every native waiter in it, in
+    /// delivery (grant) order: a permit, or WaitTimeout; a grant whose waiter left goes
+    /// back. Returns the outcomes of other tickets, as Channel.drain_tokens.
+    fn _resolve(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64, u64)>> {
+        let side = &self.inner;
+        let c = &side.chan;
+        let outcomes = c.try_drain().unwrap_or_else(|| py.detach(|| c.drain()));
+        let mut rest = Vec::new();
+        let mut first_err = None;
+        for (t, o) in outcomes {
+            let Some(sh) = lock(&side.native).remove(&t) else {
+                rest.push((t, o));
+                continue;
+            };
+            let fut = lock(&side.futs).remove(&t);
+            if let Err(e) = resolve(py, &sh, fut, o) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(outcome_tuples(rest)),
+        }
+    }
+
+    fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
+        // Never wait for the lock here: a busy table is skipped (its futures then look
+        // referenced from outside, which only delays their collection).
+        if let Ok(futs) = self.inner.futs.try_lock() {
+            for f in futs.values() {
+                visit.call(f)?;
+            }
+        }
+        Ok(())
+    }
+
+    fn __clear__(&self) {
+        let futs = std::mem::take(&mut *lock(&self.inner.futs));
+        drop(futs);
+    }
+}
+
+impl Drop for LoopWaitersPy {
+    fn drop(&mut self) {
+        // The futures are reported by this object alone: none outlives it in the table.
+        let futs = std::mem::take(&mut *lock(&self.inner.futs));
+        drop(futs);
+    }
+}
+
+/// Resolves one native waiter's future with its outcome. A grant whose waiter left (its
+/// future gone) goes back to its queue; one whose future was cancelled but whose task has
+/// not resumed yet is kept as the permit, which the task gives back when the cancellation
+/// reaches it (see [`leave`]).
+fn resolve(py: Python<'_>, sh: &AcqShared, fut: Option<Py<PyAny>>, o: Outcome) -> PyResult<()> {
+    let Some(fut) = fut else {
+        if let Outcome::Granted { token, .. } = o {
+            sh.give_back(Some(token));
+        }
+        return Ok(());
+    };
+    let fut = fut.bind(py);
+    let set = match o {
+        Outcome::Granted { waited_ns, token, .. } => {
+            let p = sh.granted(py, waited_ns, Some(token))?;
+            fut.call_method1(intern!(py, "set_result"), (p,))
+        }
+        Outcome::TimedOut { waited_ns } => {
+            let e = sh.timeout_error(py, waited_ns);
+            fut.call_method1(intern!(py, "set_exception"), (e.into_value(py),))
+        }
+    };
+    match set {
+        Ok(_) => Ok(()),
+        // Cancelled meanwhile: the task settles it when it resumes.
+        Err(_) if fut.call_method0(intern!(py, "done"))?.is_truthy()? => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Submits without blocking: a Permit when granted at once, else the ticket whose
+/// outcome arrives in `channel` (drain it); raises like acquire when refused.
+pub fn submit(
+    py: Python<'_>,
+    gate: &Arc<Gate>,
+    channel: &Bound<'_, ChannelPy>,
+    costs: &[u64],
+    class: usize,
+    timeout_ns: Option<u64>,
+) -> PyResult<Py<PyAny>> {
+    let a = AcquiringPy::start(py, gate, costs, class, timeout_ns)?;
+    if let Some(p) = a.permit() {
+        return Ok(p.clone_ref(py).into_any());
+    }
+    a._submit(py, channel)
+}
