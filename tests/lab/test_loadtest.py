@@ -58,14 +58,15 @@ def test_mock_provider_is_loopback_only() -> None:
 
 
 def test_queue_wait_and_http_time_are_measured_apart() -> None:
-    # The client limits itself a little below the mock (rate margin for network jitter),
-    # queues up to 1 s, and never makes the mock answer 429.
-    results = loadtest.run_loadtest(config(limits={"rpm": 110, "burst": 2, "max_wait": 1.0}))
+    # The client limits itself well below the mock (a margin for a loaded machine's
+    # scheduling jitter between the client's grant and the mock's arrival), queues up to
+    # 1 s, and never makes the mock answer 429.
+    results = loadtest.run_loadtest(config(limits={"rpm": 80, "burst": 2, "max_wait": 1.0}))
     [lv] = results["levels"]
     assert lv["arrivals"] == 12
     assert lv["rate_limited"] == 0 and lv["errors"] == 0 and lv["cancelled"] == 0
     assert lv["ok"] + lv["shed"] == 12
-    # burst 2, then one every 60/110 s, for about 2 s of arrivals plus 1 s of queue.
+    # burst 2, then one every 60/80 s, for about 2 s of arrivals plus 1 s of queue.
     assert 5 <= lv["ok"] <= 9
     assert lv["shed"] >= 2
     q, h, total = lv["queue_wait_s"], lv["http_time_s"], lv["total_latency_s"]
