@@ -6,9 +6,11 @@ use std::hash::BuildHasher;
 /// Hashing of keys, one identity per key: an integer by its exact value, a string by its
 /// UTF-8 text and a byte string by its bytes, each kind in a domain of its own.
 ///
-/// Distinct integers in [0, 2^64) never share a hash, nor do distinct integers in
-/// [-2^63, 0); any other two distinct keys share one only by chance (about 2^-64 a pair,
-/// the price of keeping a 64-bit hash per key).
+/// The integer mix is a bijection of u64 per domain, but 0 is the table's empty mark:
+/// the one integer of each domain whose mix is 0 shares the hash of the one whose mix is
+/// 1 (a pair drawn at random per process). So distinct integers in [0, 2^64), or in
+/// [-2^63, 0), share a hash only for that pair; any other two distinct keys share one
+/// only by chance (about 2^-64 a pair, the price of keeping a 64-bit hash per key).
 #[derive(Clone, Debug)]
 pub struct KeyHasher {
     state: RandomState,
