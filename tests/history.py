@@ -145,6 +145,7 @@ class Result:
     violations: list[Violation]
     counts: dict[str, int]
     setup: str
+    oplog: list[str] = field(default_factory=list)
 
     def report(self, limit: int = 5) -> str:
         out = [f"seed={self.seed} mode={self.mode} ops={self.ops} setup: {self.setup}"]
@@ -1644,7 +1645,7 @@ def run(
         h.run(ops, hang_after)
     h.check()
     n = sum(1 for line in h.oplog if " clock +" not in line)
-    return Result(seed, mode, n, h.violations, dict(h.counts), h.setup)
+    return Result(seed, mode, n, h.violations, dict(h.counts), h.setup, h.oplog)
 
 
 if __name__ == "__main__":

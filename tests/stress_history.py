@@ -38,6 +38,12 @@ def main(argv: list[str] | None = None) -> int:
         " operations and print it whole (a minimal repro)",
     )
     ap.add_argument("--kind", help="with --shrink: look for a violation of this kind only")
+    ap.add_argument(
+        "--dump",
+        metavar="DIR",
+        help="write each failing run's report and whole operation log (threads annotated"
+        " with the library's grant times) to DIR/seed-MODE.log",
+    )
     a = ap.parse_args(argv)
     if a.shrink:
         only = set(a.only) if a.only else None
@@ -80,6 +86,11 @@ def main(argv: list[str] | None = None) -> int:
         if nv:
             failed.append((s, mode))
             print(res.report(), flush=True)
+            if a.dump:
+                path = Path(a.dump) / f"{s}-{mode}.log"
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(res.report(limit=50) + "\n" + "\n".join(res.oplog) + "\n")
+                print(f"operation log: {path}", flush=True)
         elif not a.quiet:
             dt = time.monotonic() - t0
             print(f"seed={s} mode={mode}: {res.ops:,} operations, 0 violations ({dt:.1f} s)")
