@@ -309,8 +309,13 @@ impl KeyedLimiter {
         let now = self.clock.now_ns();
         if at_ns > now {
             if t.ahead.len() >= 64 && t.ahead.len() >= t.len {
-                // Bounded by the keys with a debit still to come.
                 t.ahead.retain(|_, a| *a > now);
+                if t.ahead.len() >= (2 * self.per_shard).max(64) {
+                    // Still all to come (keys dropped from the table meanwhile): fold
+                    // them into one time for the shard, so memory stays bounded.
+                    let latest = t.ahead.drain().map(|(_, a)| a).max().unwrap_or(0);
+                    t.ahead_all = t.ahead_all.max(latest);
+                }
             }
             let a = t.ahead.entry(key).or_insert(0);
             *a = (*a).max(at_ns);
@@ -320,13 +325,18 @@ impl KeyedLimiter {
 
     /// The latest time a debit on `key` was scheduled at past `at_ns` (0: none).
     fn ahead_of(t: &mut Table, key: u64, at_ns: u64) -> u64 {
-        match t.ahead.get(&key) {
+        let own = match t.ahead.get(&key) {
             Some(&a) if a > at_ns => a,
             Some(_) => {
                 t.ahead.remove(&key);
                 0
             }
             None => 0,
+        };
+        if t.ahead_all > at_ns {
+            own.max(t.ahead_all)
+        } else {
+            own
         }
     }
 

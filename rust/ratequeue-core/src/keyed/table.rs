@@ -29,6 +29,9 @@ pub(super) struct Table {
     /// not show (a policy's other level set it): refunds leave everything before it in
     /// place (see [`crate::Bucket::note_ahead`]). Only keys with such a debit to come.
     pub(super) ahead: std::collections::HashMap<u64, u64>,
+    /// The latest such time of keys folded out of `ahead` when it grew past its bound:
+    /// it then holds for every key of the shard (conservative: fewer refunds, never more).
+    pub(super) ahead_all: u64,
 }
 
 impl Table {

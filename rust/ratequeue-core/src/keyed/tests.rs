@@ -207,6 +207,29 @@ mod epochs {
     /// History checker seed 729: a policy debited a key at a future time its other level
     /// set; a refund of an earlier debit on the key then freed that time too (4 units at
     /// one instant with burst 3). Like a bucket, the key keeps it from refunds.
+    /// The per-key record of debits scheduled ahead stays bounded however many keys a
+    /// caller schedules ahead (keys dropped from the table included), and folding it
+    /// keeps every such debit from refunds.
+    #[test]
+    fn debits_scheduled_ahead_on_many_keys_stay_bounded_and_kept() {
+        let (k, _clock) = keyed_at(Rate::new(2.0, 1e9, 3).unwrap(), 0);
+        let first = k.hasher().int(0);
+        let mut a = k.take(first, 0, 2, 0).unwrap();
+        // The latest TAT of all: never the key the table drops for room.
+        k.take_at(first, 5_000_000_000, 1).unwrap();
+        for i in 1..20_000u64 {
+            k.take_at(k.hasher().int(i), 1_000_000_000, 1).unwrap();
+        }
+        let most = k.shards.iter().map(|s| lock(&s.0).ahead.len()).max().unwrap();
+        assert!(most <= (2 * k.per_shard).max(64), "{most}");
+        assert!(k.shards.iter().any(|s| lock(&s.0).ahead_all > 0), "never folded");
+        k.give_back(&mut a, 2, 0);
+        assert!(
+            k.take(first, 5_000_000_000, 3, 0).is_err(),
+            "a debit scheduled ahead was refunded"
+        );
+    }
+
     #[test]
     fn a_refund_leaves_a_debit_scheduled_ahead_by_another_level_in_place() {
         let (k, clock) = keyed_at(Rate::new(2.0, 1e9, 3).unwrap(), 0);
