@@ -11,7 +11,7 @@ use std::cell::RefCell;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use pyo3::exceptions::{PyRuntimeError, PyStopIteration};
+use pyo3::exceptions::PyStopIteration;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyTuple, PyWeakrefReference};
@@ -20,7 +20,7 @@ use ratequeue_core::queue::{Cancelled, Channel};
 use ratequeue_core::{Error, GrantRef, Outcome, Submitted, Wake};
 
 use crate::blocking::unblocked;
-use crate::errors::to_py;
+use crate::errors::{channel_closed, misuse, no_descriptor, to_py};
 use crate::waiting::{Gate, PermitOwner, PermitPy};
 
 /// An awaitable that is already done; with a permit, also an async context manager
@@ -290,7 +290,7 @@ impl AcquiringPy {
                 }
                 r
             }
-            Wait::Starting => Err(PyRuntimeError::new_err("this acquire is already being awaited")),
+            Wait::Starting => Err(misuse("this acquire is already being awaited")),
             Wait::Queued { ticket, side } => {
                 if let Some(p) = self.shared.permit.get() {
                     *w = Wait::Done;
@@ -304,12 +304,12 @@ impl AcquiringPy {
                         f.bind(py).setattr(intern!(py, "_asyncio_future_blocking"), true)?;
                         Ok(f)
                     }
-                    None => Err(PyRuntimeError::new_err("this acquire's wait ended without a permit")),
+                    None => Err(misuse("this acquire's wait ended without a permit")),
                 }
             }
             Wait::Done => match self.shared.permit.get() {
                 Some(p) => Err(stop(py, p.clone_ref(py).into_any())),
-                None => Err(PyRuntimeError::new_err(
+                None => Err(misuse(
                     "this acquire already ended without a permit: call acquire_async() again",
                 )),
             },
@@ -322,7 +322,7 @@ impl AcquiringPy {
         let (event_loop, waiters) = running_waiters(py)?;
         let side = waiters.get().inner.clone();
         if side.chan.is_closed() {
-            return Err(PyRuntimeError::new_err("the channel is closed"));
+            return Err(channel_closed());
         }
         let fut = event_loop.call_method0(intern!(py, "create_future"))?;
         let sh = &self.shared;
@@ -517,7 +517,7 @@ impl AcquiringPy {
     fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
         if chan.is_closed() {
-            return Err(PyRuntimeError::new_err("the channel is closed"));
+            return Err(channel_closed());
         }
         let sh = &self.shared;
         let submitted = py.detach(|| {
@@ -603,9 +603,7 @@ impl ChannelPy {
 
     /// The descriptor to watch for readability (owned by the channel: do not close it).
     fn fileno(&self) -> PyResult<i32> {
-        self.inner
-            .fileno()
-            .ok_or_else(|| pyo3::exceptions::PyValueError::new_err("this channel has no wake-up descriptor"))
+        self.inner.fileno().ok_or_else(no_descriptor)
     }
 
     /// Outcomes since the last drain: (ticket, granted, waited_ns).

@@ -131,3 +131,19 @@ pub fn wrong_type(want: &str) -> PyErr {
 pub fn channel_closed() -> PyErr {
     PyRuntimeError::new_err("the channel is closed")
 }
+
+/// A ValueError for a priority that is not one of the queue's classes.
+pub fn not_a_class(given: &str, classes: &[&str]) -> PyErr {
+    PyValueError::new_err(format!("priority={given:?} is not one of the classes {classes:?}"))
+}
+
+/// A RuntimeError for an awaitable driven out of turn (awaited twice, resumed after it
+/// ended): `msg` says what happened.
+pub fn misuse(msg: &'static str) -> PyErr {
+    PyRuntimeError::new_err(msg)
+}
+
+/// A ValueError for a channel made without a wake-up descriptor, asked for one.
+pub fn no_descriptor() -> PyErr {
+    PyValueError::new_err("this channel has no wake-up descriptor")
+}

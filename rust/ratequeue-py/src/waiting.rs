@@ -73,7 +73,7 @@ impl Gate {
             None => Ok(0),
             Some(p) => self.queue.class_index(p).ok_or_else(|| {
                 let names: Vec<&str> = self.queue.config().classes.iter().map(|(n, _)| n.as_str()).collect();
-                pyo3::exceptions::PyValueError::new_err(format!("priority={p:?} is not one of the classes {names:?}"))
+                crate::errors::not_a_class(p, &names)
             }),
         }
     }
@@ -274,19 +274,14 @@ impl PermitPy {
     fn settle(&self, costs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
         let units = self.owner.units();
         if units.is_empty() {
-            return Err(pyo3::exceptions::PyTypeError::new_err(
-                "a Concurrency permit has no costs to settle",
-            ));
+            return Err(crate::errors::wrong_type("a Concurrency permit has no costs to settle"));
         }
         let mut named = Vec::new();
         if let Some(kw) = costs {
             for (k, v) in kw.iter() {
                 let name: String = k.extract()?;
                 let i = units.iter().position(|u| *u == name).ok_or_else(|| {
-                    pyo3::exceptions::PyTypeError::new_err(format!(
-                        "unexpected keyword {name:?}: this limiter counts units {:?}",
-                        units
-                    ))
+                    crate::errors::unexpected_keyword(&name, &format!("this limiter counts units {units:?}"))
                 })?;
                 named.push((i, crate::args::cost(&name, &v)?));
             }
