@@ -163,8 +163,7 @@ class LedgerBase(abc.ABC):
     @abc.abstractmethod
     def _set_plan(
         self, account: str, plan: Plan, anchor: float | None, thr: tuple[int, ...] | None
-    ) -> None:
-        raise NotImplementedError
+    ) -> None: ...
 
     def accounts(self) -> Iterator[str]:
         """Every account with a plan (in batches from the backend)."""
@@ -184,17 +183,15 @@ class LedgerBase(abc.ABC):
         return plan, anchor, None if thr is None else tuple(bp / 10_000 for bp in thr)
 
     @abc.abstractmethod
-    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]:
-        raise NotImplementedError
+    def _settings(self, account: str) -> tuple[Plan, float | None, tuple[int, ...] | None]: ...
 
     @abc.abstractmethod
-    def _accounts_after(self, after: str, limit: int) -> list[str]:
-        raise NotImplementedError
+    def _accounts_after(self, after: str, limit: int) -> list[str]: ...
 
     @abc.abstractmethod
     def count_accounts(self) -> int:
         """How many accounts have a plan."""
-        raise NotImplementedError
+        ...
 
     # -- deduction -----------------------------------------------------------------------
 
@@ -322,26 +319,22 @@ class LedgerBase(abc.ABC):
         return (request_id, account, am, model, parent_id, check_meta(meta))
 
     @abc.abstractmethod
-    def _charge(self, *args: Any) -> Charge:
-        raise NotImplementedError
+    def _charge(self, *args: Any) -> Charge: ...
 
     @abc.abstractmethod
-    def _hold(self, *args: Any) -> Hold:
-        raise NotImplementedError
+    def _hold(self, *args: Any) -> Hold: ...
 
     @abc.abstractmethod
-    def _settle(self, *args: Any) -> Charge:
-        raise NotImplementedError
+    def _settle(self, *args: Any) -> Charge: ...
 
     @abc.abstractmethod
-    def _release(self, request_id: str) -> None:
-        raise NotImplementedError
+    def _release(self, request_id: str) -> None: ...
 
     @abc.abstractmethod
     def expire_holds(self) -> int:
         """Gives back every hold past its expiry now; returns how many (also done lazily
         whenever an account is charged)."""
-        raise NotImplementedError
+        ...
 
     # -- async twins ---------------------------------------------------------------------
 
@@ -384,8 +377,7 @@ class LedgerBase(abc.ABC):
         return self._balance(account)
 
     @abc.abstractmethod
-    def _balance(self, account: str) -> Balance:
-        raise NotImplementedError
+    def _balance(self, account: str) -> Balance: ...
 
     def plan_of(self, account: str) -> Plan:
         """The account's plan (``UnknownAccount`` if it has none)."""
@@ -393,8 +385,7 @@ class LedgerBase(abc.ABC):
         return self._plan_of(account)
 
     @abc.abstractmethod
-    def _plan_of(self, account: str) -> Plan:
-        raise NotImplementedError
+    def _plan_of(self, account: str) -> Plan: ...
 
     def usage(
         self,
@@ -420,8 +411,9 @@ class LedgerBase(abc.ABC):
         return self._usage(account, lo, hi, limit, cursor)
 
     @abc.abstractmethod
-    def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
-        raise NotImplementedError
+    def _usage(
+        self, account: str, lo: float, hi: float, limit: int, cursor: str | None
+    ) -> Page: ...
 
     def iter_usage(
         self, account: str, *, start: float | None = None, end: float | None = None
@@ -446,8 +438,7 @@ class LedgerBase(abc.ABC):
         return RequestUsage(request_id, rows, totals)
 
     @abc.abstractmethod
-    def _request_rows(self, account: str, request_id: str) -> list[Charge]:
-        raise NotImplementedError
+    def _request_rows(self, account: str, request_id: str) -> list[Charge]: ...
 
     def totals_by_model(
         self, account: str, *, start: float | None = None, end: float | None = None
@@ -544,20 +535,16 @@ class LedgerBase(abc.ABC):
         return n
 
     @abc.abstractmethod
-    def _peek_notices(self, limit: int) -> list[Notice]:
-        raise NotImplementedError
+    def _peek_notices(self, limit: int) -> list[Notice]: ...
 
     @abc.abstractmethod
-    def _claim_notices(self, limit: int) -> list[Notice]:
-        raise NotImplementedError
+    def _claim_notices(self, limit: int) -> list[Notice]: ...
 
     @abc.abstractmethod
-    def _ack_notice(self, notice: Notice) -> None:
-        raise NotImplementedError
+    def _ack_notice(self, notice: Notice) -> None: ...
 
     @abc.abstractmethod
-    def _unclaim(self, notices: Sequence[Notice]) -> None:
-        raise NotImplementedError
+    def _unclaim(self, notices: Sequence[Notice]) -> None: ...
 
     # -- compensation ----------------------------------------------------------------------
 
@@ -648,23 +635,20 @@ class LedgerBase(abc.ABC):
             bar(report.accounts, -1, False)
 
     @abc.abstractmethod
-    def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float:
-        raise NotImplementedError
+    def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float: ...
 
     @abc.abstractmethod
-    def _campaign_finish(self, campaign_id: str) -> None:
-        raise NotImplementedError
+    def _campaign_finish(self, campaign_id: str) -> None: ...
 
     @abc.abstractmethod
     def _compensate_accounts(
         self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
-    ) -> list[dict[str, Any]]:
-        raise NotImplementedError
+    ) -> list[dict[str, Any]]: ...
 
     @abc.abstractmethod
     def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
         """The audit row a campaign wrote for an account (None if not done)."""
-        raise NotImplementedError
+        ...
 
     # -- misc --------------------------------------------------------------------------------
 

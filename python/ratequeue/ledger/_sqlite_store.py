@@ -5,6 +5,7 @@ period rows cached while no other connection writes, and the accounting on them
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import json
@@ -370,9 +371,9 @@ class SqliteStore(LedgerBase):
             (account, rid),
         ).fetchone()
 
+    @abc.abstractmethod
     def _charge_batch(self, conn: sqlite3.Connection, items: list[Any]) -> list[Any]:
         """Decides several plain charges at once (the ledger's)."""
-        raise NotImplementedError
 
     def _after_fork(self) -> None:
         """In a forked child: a fresh lock, queue, writer and connection. The parent's
