@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import abc
 import calendar
 import hashlib
 import json
@@ -189,19 +190,19 @@ class Span:
     end: float
 
 
-class Period:
+class Period(abc.ABC):
     """How a plan's quota renews; ``at(t, anchor)`` is the period holding ``t``."""
 
     #: Longest length of one period, seconds (retention must be at least this).
     max_length: float = 0.0
 
+    @abc.abstractmethod
     def at(self, t: float, anchor: float | None = None) -> Span:
         """The period holding Unix time ``t`` (``anchor``: the account's, if any)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def to_dict(self) -> dict[str, Any]:
         """A JSON-able description (``Period.from_dict`` reads it back)."""
-        raise NotImplementedError
 
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Period:
