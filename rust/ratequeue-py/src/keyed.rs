@@ -164,7 +164,7 @@ impl Keyed {
         let q = &self.queues;
         match try_or_unblocked(|| q.try_now_nowait(key, &[c]), || q.try_now(key, &[c])) {
             Ok((at_ns, token)) => Ok(Some(
-                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef::new(at_ns, token)),
             )),
             Err(None) => Ok(None),
             Err(Some(d)) => Err(to_py(py, q.resource(key).error_for(d))),

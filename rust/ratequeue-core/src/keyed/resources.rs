@@ -67,6 +67,7 @@ impl crate::queue::Resource for KeyBucket {
         GrantRef {
             at_ns: grant.at_ns,
             token: t.latest.then_some(t.token()),
+            owed: None,
         }
     }
 

@@ -144,6 +144,7 @@ impl QueuedHold {
             Some(Outcome::Granted { at_ns, token, .. }) => Some(GrantRef {
                 at_ns,
                 token: Some(token),
+                owed: None,
             }),
             _ => None,
         })
@@ -170,6 +171,7 @@ impl QueuedHold {
                     let charge = GrantRef {
                         at_ns: now_ns,
                         token: None,
+                        owed: None,
                     };
                     self.queue.queue.settle(&self.costs, &up, charge);
                 }
