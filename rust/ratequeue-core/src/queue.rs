@@ -1582,7 +1582,10 @@ impl WaitQueue {
     /// still owes; only the rest is refunded, by the one undo rule on what the resource
     /// holds of it (its estimate less what it owes, which was never debited).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        if self.waiting() == 0 {
+        // Without the lock only a refund (it never moves a promised time later): an
+        // overage is decided under it, or a reservation joining meanwhile could be
+        // promised a time the charge then takes.
+        if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
             let grant = self
                 .resource
@@ -1640,6 +1643,13 @@ impl WaitQueue {
         out.owed = owed_ticket;
         self.poll_and_unlock(g, now);
         out
+    }
+
+    /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
+    /// debits is then ordered before any waiter or reservation that joins later.
+    pub fn while_idle<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        let g = lock(&self.inner);
+        (g.len == 0).then(f)
     }
 
     /// Cancels `costs` of the queued charge `t`; true when nothing of it is left.
