@@ -1628,13 +1628,18 @@ impl WaitQueue {
         }
         let mut out = self.resource.settle(&held, &keep, GrantRef { owed: None, ..grant });
         if let Some(due) = deferred {
-            owed_ticket = Some(match owed_ticket {
-                Some(t) => {
-                    self.add_to_charge(&mut g, t, &over);
-                    t
+            // What the grant still owes moves behind every waiter queued now, with the new
+            // overage: grown in place, it would land ahead of reservations promised a time
+            // since it joined.
+            let mut owes = over;
+            if let Some(t) = owed_ticket {
+                let ci = g.where_is[&t];
+                let w = self.remove(&mut g, ci, t);
+                for (o, x) in owes.iter_mut().zip(w.costs.iter()) {
+                    *o = o.saturating_add(*x);
                 }
-                None => self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody),
-            });
+            }
+            owed_ticket = Some(self.insert_locked(&mut g, now, &owes, 0, None, Some(due), Wake::Nobody));
         }
         if owed_ticket.is_some() {
             // The grant's costs include what it owes, not debited yet: no exact undo.
@@ -1667,17 +1672,6 @@ impl WaitQueue {
             return true;
         }
         false
-    }
-
-    /// Adds `costs` to the queued charge `t` (a grant's later overage, owed in turn).
-    fn add_to_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) {
-        let ci = g.where_is[&t];
-        let c = &mut g.classes[ci];
-        let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
-        for (u, x) in costs.iter().enumerate() {
-            w.costs[u] = w.costs[u].saturating_add(*x);
-            c.queued[u] += *x as u128;
-        }
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
