@@ -121,10 +121,16 @@ pub enum Held {
 pub struct QueuedHold {
     queue: QueueRef,
     r: QueuedReservation,
-    /// The costs the queue debits (a settle before the grant only charges more).
+    /// The costs held: what the queue debits at the grant, plus what a settle before
+    /// the grant charged more (a settle before the grant only charges more).
     costs: Vec<u64>,
     /// The grant once seen, as settles left it.
     grant: Option<GrantRef>,
+    /// The ticket of an overage settled before the grant and still owed in the queue.
+    owed: Option<u64>,
+    /// True once a settle before the grant charged more: the grant's debit is then not
+    /// all it holds, and its token no exact undo.
+    over: bool,
 }
 
 impl std::fmt::Debug for QueuedHold {
@@ -133,6 +139,8 @@ impl std::fmt::Debug for QueuedHold {
             .field("r", &self.r)
             .field("costs", &self.costs)
             .field("grant", &self.grant)
+            .field("owed", &self.owed)
+            .field("over", &self.over)
             .finish()
     }
 }
@@ -143,8 +151,8 @@ impl QueuedHold {
         self.grant.or_else(|| match self.r.outcome() {
             Some(Outcome::Granted { at_ns, token, .. }) => Some(GrantRef {
                 at_ns,
-                token: Some(token),
-                owed: None,
+                token: (!self.over).then_some(token),
+                owed: self.owed,
             }),
             _ => None,
         })
@@ -171,9 +179,13 @@ impl QueuedHold {
                     let charge = GrantRef {
                         at_ns: now_ns,
                         token: None,
-                        owed: None,
+                        owed: self.owed,
                     };
-                    self.queue.queue.settle(&self.costs, &up, charge);
+                    // What it owes now belongs to the grant: a later settle cancels it first,
+                    // and settles from these costs (never charging the overage again).
+                    self.owed = self.queue.queue.settle(&self.costs, &up, charge).owed;
+                    self.costs = up;
+                    self.over = true;
                 }
             }
         }
@@ -724,6 +736,8 @@ impl Policy {
                         r,
                         costs: a.costs.clone(),
                         grant: None,
+                        owed: None,
+                        over: false,
                     }))),
                     Ok(Joined::Later(t)) => Err(Ok(t)),
                     Err(error) => Err(Err(Refused::Queue { level: i, error })),
