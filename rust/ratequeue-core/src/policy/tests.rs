@@ -645,3 +645,37 @@ fn review10_a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
     // The reservation's unit ends at 0.4 s; the cancelled overage must not follow it.
     assert_eq!(lim.delay_at(350 * MS, &[1]).unwrap(), 50 * MS, "the owed overage was kept");
 }
+
+#[test]
+fn review10_a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
+    // Rate(10, burst 1). A policy debit at 0 (nobody waits), then a waiter (due 0.1 s)
+    // and a reservation (promised 0.2 s) queue on the level.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let mut held = p.try_acquire(&one(), 0).unwrap();
+    assert!(matches!(held[0], Held::Rate(_)));
+    let w = waiter(&q);
+    let l = lim.clone();
+    let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+        panic!("queued")
+    };
+    assert_eq!(r.at_ns, 200 * MS);
+    // Settled up: the overage is owed in the queue, behind the reservation.
+    p.settle(&mut held, &one(), &two(), 0);
+    assert_eq!(q.waiting(), 3);
+    // Settled back to the estimate: what it owes is cancelled (as a Limiter permit's
+    // is), not the unit it used at 0 refunded while the overage stays owed for later.
+    p.settle(&mut held, &two(), &one(), 0);
+    let owed = q.waiting() - 2;
+    q_run(&q, &clock, 250 * MS);
+    // One unit per 0.1 s at burst 1: the policy's unit at 0, the waiter's at 0.1 s (not
+    // at 0 on the policy's slot: two units in one slot), the reservation's at 0.2 s.
+    assert_eq!(
+        (owed, granted(&w)),
+        (0, Some(100 * MS)),
+        "(charges still owed, the waiter's grant time)"
+    );
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
+    assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 50 * MS);
+}
