@@ -1582,22 +1582,43 @@ impl WaitQueue {
     /// still owes; only the rest is refunded, by the one undo rule on what the resource
     /// holds of it (its estimate less what it owes, which was never debited).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let (mut out, owed) = self.settle_by(estimated, actual, grant.owed, |held, keep| {
+            self.resource.settle(held, keep, GrantRef { owed: None, ..grant })
+        });
+        if owed.is_some() {
+            // The grant's costs include what it owes, not debited yet: no exact undo.
+            out.token = None;
+        }
+        out.owed = owed;
+        out
+    }
+
+    /// [`WaitQueue::settle`] of a debit held elsewhere (a policy's): `owed` is the ticket
+    /// of what it still owes in this queue; `debit(held, keep)` settles the debit itself
+    /// from what it holds to what it should hold (under the queue's lock, but for a
+    /// refund while nobody is queued). Returns what `debit` returned and the ticket of
+    /// what the debit owes now.
+    pub fn settle_by<R>(
+        self: &Arc<Self>,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: impl FnOnce(&[u64], &[u64]) -> R,
+    ) -> (R, Option<u64>) {
         // Without the lock only a refund (it never moves a promised time later): an
         // overage is decided under it, or a reservation joining meanwhile could be
         // promised a time the charge then takes.
         if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
-            let grant = self
-                .resource
-                .settle(estimated, actual, GrantRef { owed: None, ..grant });
+            let r = debit(estimated, actual);
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
             }
-            return grant;
+            return (r, None);
         }
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
-        let owed_ticket = grant.owed.filter(|t| g.where_is.contains_key(t));
+        let owed_ticket = owed.filter(|t| g.where_is.contains_key(t));
         let owed: Vec<u64> = match owed_ticket {
             Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
             None => vec![0; estimated.len()],
@@ -1626,7 +1647,7 @@ impl WaitQueue {
                 *k += *o;
             }
         }
-        let mut out = self.resource.settle(&held, &keep, GrantRef { owed: None, ..grant });
+        let out = debit(&held, &keep);
         if let Some(due) = deferred {
             // What the grant still owes moves behind every waiter queued now, with the new
             // overage: grown in place, it would land ahead of reservations promised a time
@@ -1641,13 +1662,8 @@ impl WaitQueue {
             }
             owed_ticket = Some(self.insert_locked(&mut g, now, &owes, 0, None, Some(due), Wake::Nobody));
         }
-        if owed_ticket.is_some() {
-            // The grant's costs include what it owes, not debited yet: no exact undo.
-            out.token = None;
-        }
-        out.owed = owed_ticket;
         self.poll_and_unlock(g, now);
-        out
+        (out, owed_ticket)
     }
 
     /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`

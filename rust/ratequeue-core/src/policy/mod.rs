@@ -116,6 +116,25 @@ pub enum Held {
     Nothing,
 }
 
+impl Held {
+    /// The ticket of an overage this debit still owes in its level's queue.
+    fn owed(&self) -> Option<u64> {
+        match self {
+            Held::Rate(r) => r.owed,
+            Held::KeyedRate(t) => t.owed,
+            _ => None,
+        }
+    }
+
+    fn set_owed(&mut self, owed: Option<u64>) {
+        match self {
+            Held::Rate(r) => r.owed = owed,
+            Held::KeyedRate(t) => t.owed = owed,
+            _ => {}
+        }
+    }
+}
+
 /// A policy's reservation in one level's queue (see [`Policy::reserve_queued`]).
 #[derive(Clone)]
 pub struct QueuedHold {
@@ -432,25 +451,23 @@ impl Policy {
             let key = args[i].key;
             let limit = self.levels[i].kind.limit();
             let over = act.iter().zip(est).any(|(a, e)| a > e);
+            let owed = h.owed();
             // An overage is decided under the level's queue lock (made for the key if
-            // needed): charged on the debit itself while nobody is queued (so that a later
-            // undo gives it back too), else joining the queue, so that it never moves a
-            // waiter onto a reservation's promised time, even one joining meanwhile.
-            let queues = self.levels[i].queues.as_ref().filter(|_| over);
+            // needed), as a permit's (WaitQueue::settle_by): charged on the debit itself
+            // unless reservations are promised a time, else owed in the queue behind them
+            // (so that it never moves a waiter onto a promised time, even one joining
+            // meanwhile), and what it owes is cancelled first by a later settle down.
+            let queues = self.levels[i].queues.as_ref().filter(|_| over || owed.is_some());
             let q = queues.and_then(|qs| qs.queue(key));
             let woke = match &q {
                 None => limit.settle(h, est, act, now_ns),
-                Some(q) => match q.queue.while_idle(|| limit.settle(h, est, act, now_ns)) {
-                    Some(woke) => woke,
-                    None => {
-                        let refund: Vec<u64> = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
-                        let woke = limit.settle(h, est, &refund, now_ns);
-                        let none = vec![0; est.len()];
-                        let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
-                        q.queue.settle(&none, &over, GrantRef::default());
-                        woke
-                    }
-                },
+                Some(q) => {
+                    let (woke, owes) = q
+                        .queue
+                        .settle_by(est, act, owed, |held, keep| limit.settle(h, held, keep, now_ns));
+                    h.set_owed(owes);
+                    woke
+                }
             };
             drop(q);
             if let Some(qs) = queues {
