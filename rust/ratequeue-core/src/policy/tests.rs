@@ -679,3 +679,24 @@ fn review10_a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
     assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
     assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 50 * MS);
 }
+
+#[test]
+fn review10_an_undo_gives_back_what_a_rate_hold_still_owes_too() {
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let mut held = p.try_acquire(&one(), 0).unwrap();
+    let w = waiter(&q); // due 0.1 s
+    let l = lim.clone();
+    let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+        panic!("queued")
+    };
+    p.settle(&mut held, &one(), &two(), 0); // one unit owed behind the reservation
+    assert_eq!(q.waiting(), 3);
+    // Cancelled: everything it took comes back, the owed unit included.
+    p.undo_all(&mut held, &two(), 0);
+    assert_eq!(q.waiting(), 2, "the owed overage outlived the undo");
+    q_run(&q, &clock, 250 * MS);
+    assert_eq!(granted(&w), Some(0));
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
+}
