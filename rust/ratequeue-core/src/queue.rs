@@ -1666,6 +1666,19 @@ impl WaitQueue {
         (out, owed_ticket)
     }
 
+    /// Cancels what a grant still owes here (its queued charge `owed`, if still queued):
+    /// an undo gives back everything the grant took, its overage too.
+    pub fn cancel_owed(self: &Arc<Self>, owed: u64) {
+        let mut g = lock(&self.inner);
+        let Some(ci) = g.where_is.get(&owed).copied() else {
+            return;
+        };
+        if matches!(g.classes[ci].waiters[&owed].wake, Wake::Nobody) {
+            self.remove(&mut g, ci, owed);
+            self.poll_and_unlock(g, self.clock.now_ns());
+        }
+    }
+
     /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
     /// debits is then ordered before any waiter or reservation that joins later.
     pub fn while_idle<R>(&self, f: impl FnOnce() -> R) -> Option<R> {

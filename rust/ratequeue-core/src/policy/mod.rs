@@ -181,7 +181,12 @@ impl QueuedHold {
     /// (nothing was debited, the waiters behind move up); once granted — at its time,
     /// which the holder may have used — it is kept. True when it left the queue.
     fn undo(&self) -> bool {
-        self.queue.queue.cancel(self.r.ticket) == Cancelled::Removed
+        let left = self.queue.queue.cancel(self.r.ticket) == Cancelled::Removed;
+        if let Some(t) = self.owed.filter(|_| left) {
+            // Never granted: nothing of it was used, the overage settled before either.
+            self.queue.queue.cancel_owed(t);
+        }
+        left
     }
 
     /// Settles to `actual`: once granted by the one undo rule on the grant; before, the
@@ -411,6 +416,11 @@ impl Policy {
             q.undo();
             *held = Held::Nothing;
             return;
+        }
+        if let Some(t) = held.owed() {
+            if let Some(q) = self.queue_of(i, a.key) {
+                q.queue.cancel_owed(t);
+            }
         }
         let gave = self.levels[i].kind.limit().undo(held, now_ns);
         *held = Held::Nothing;
