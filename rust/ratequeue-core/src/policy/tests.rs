@@ -616,7 +616,11 @@ fn review10_a_queued_hold_settled_up_before_its_grant_is_not_charged_again_after
     // The same settle again (the permit already holds 2): nothing more to charge.
     p.settle(&mut held, &two(), &two(), 250 * MS);
     // Held: the waiter's unit to 0.2 s, the hold's to 0.3 s, its overage to 0.4 s.
-    assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 150 * MS, "the overage was charged twice");
+    assert_eq!(
+        lim.delay_at(250 * MS, &[1]).unwrap(),
+        150 * MS,
+        "the overage was charged twice"
+    );
 }
 
 #[test]
@@ -643,7 +647,11 @@ fn review10_a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
     assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 300 * MS));
     assert_eq!(q.waiting(), 0);
     // The reservation's unit ends at 0.4 s; the cancelled overage must not follow it.
-    assert_eq!(lim.delay_at(350 * MS, &[1]).unwrap(), 50 * MS, "the owed overage was kept");
+    assert_eq!(
+        lim.delay_at(350 * MS, &[1]).unwrap(),
+        50 * MS,
+        "the owed overage was kept"
+    );
 }
 
 #[test]
