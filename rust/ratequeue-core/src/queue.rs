@@ -1679,13 +1679,6 @@ impl WaitQueue {
         }
     }
 
-    /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
-    /// debits is then ordered before any waiter or reservation that joins later.
-    pub fn while_idle<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
-        let g = lock(&self.inner);
-        (g.len == 0).then(f)
-    }
-
     /// Cancels `costs` of the queued charge `t`; true when nothing of it is left.
     fn reduce_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) -> bool {
         let ci = g.where_is[&t];
@@ -2412,7 +2405,7 @@ mod tests {
     }
 
     #[test]
-    fn review10_a_second_overage_never_lands_ahead_of_a_reservation_promised_after_the_first() {
+    fn a_second_overage_never_lands_ahead_of_a_reservation_promised_after_the_first() {
         // A grant owing an overage (a queued charge) settles up again after a later
         // reservation was promised a time behind that charge: the new overage must follow
         // the reservation, not grow the charge queued ahead of it.

@@ -600,7 +600,7 @@ fn zero() -> Vec<LevelArgs> {
 }
 
 #[test]
-fn review10_a_queued_hold_settled_up_before_its_grant_is_not_charged_again_after_it() {
+fn a_queued_hold_settled_up_before_its_grant_is_not_charged_again_after_it() {
     // Rate(10, burst 1): one unit per 0.1 s. Used at 0, a waiter due at 0.1 s.
     let clock = Arc::new(ManualClock::new(0).unwrap());
     let (lim, q) = queued_limiter(&clock, 10.0, 1);
@@ -624,7 +624,7 @@ fn review10_a_queued_hold_settled_up_before_its_grant_is_not_charged_again_after
 }
 
 #[test]
-fn review10_a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
+fn a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
     let clock = Arc::new(ManualClock::new(0).unwrap());
     let (lim, q) = queued_limiter(&clock, 10.0, 1);
     lim.try_acquire(&[1]).unwrap();
@@ -655,7 +655,7 @@ fn review10_a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
 }
 
 #[test]
-fn review10_a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
+fn a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
     // Rate(10, burst 1). A policy debit at 0 (nobody waits), then a waiter (due 0.1 s)
     // and a reservation (promised 0.2 s) queue on the level.
     let clock = Arc::new(ManualClock::new(0).unwrap());
@@ -689,7 +689,7 @@ fn review10_a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
 }
 
 #[test]
-fn review10_an_undo_gives_back_what_a_rate_hold_still_owes_too() {
+fn an_undo_gives_back_what_a_rate_hold_still_owes_too() {
     let clock = Arc::new(ManualClock::new(0).unwrap());
     let (lim, q) = queued_limiter(&clock, 10.0, 1);
     let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
