@@ -21,6 +21,7 @@ from ._ratequeue import (
     Reservation,
     __version__,
 )
+from . import aio as _aio  # hands the policy's asyncio wait to the native module
 from .adaptive import AIMD, Adaptive, Gradient2, QueueDepth, Vegas
 from .canary import Canary
 from .httpx._budget import BudgetExceeded, CallBudget

@@ -14,8 +14,7 @@ use crate::blocking::{try_or_unblocked, unblocked};
 use crate::convert::key_of;
 use crate::errors::{needs_manual_clock, to_py};
 use crate::histogram::HistogramPy;
-use crate::limiter::DEFAULT_MAX_QUEUE;
-use crate::waiting::{AcquiringPy, Gate, PermitOwner, PermitPy, Ready};
+use crate::waiting::{AcquiringPy, Gate, GatePy, PermitOwner, PermitPy, Ready, DEFAULT_MAX_QUEUE};
 
 /// Default bound on the number of keys held (buckets, and queues of waiting keys).
 pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
@@ -152,11 +151,7 @@ impl Keyed {
 
     /// A gate over `key`'s queue, its permits behaving as this type's.
     fn gate(&self, queue: Arc<WaitQueue>) -> Arc<Gate> {
-        Arc::new(Gate {
-            queue,
-            units: self.units.to_vec(),
-            returns_on_exit: self.returns_on_exit,
-        })
+        Gate::new(queue, self.units.to_vec(), self.returns_on_exit)
     }
 
     /// Now, or None when it must queue; errors when it never can.
@@ -204,9 +199,7 @@ impl Keyed {
         }
         let handle = py.detach(|| self.queues.get(key)).map_err(|e| to_py(py, e))?;
         let gate = self.gate(handle.queue().clone());
-        let out = gate
-            .acquire_blocking(py, &[c], 0, timeout_ns)
-            .map(|p| p.rehome(self.owner(key)));
+        let out = gate.acquire(py, &[c], 0, timeout_ns).map(|p| p.rehome(self.owner(key)));
         drop((gate, handle));
         py.detach(|| self.queues.done(key, 0));
         out

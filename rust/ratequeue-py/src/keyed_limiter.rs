@@ -17,7 +17,7 @@ use crate::convert::{costs_array, key_of};
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
 use crate::keyed::{Keyed, DEFAULT_MAX_KEYS};
-use crate::limiter::RatePy;
+use crate::rate::RatePy;
 use crate::waiting::PermitPy;
 
 /// One GCRA bucket per key (user, API key, tenant), in a bounded map.

@@ -97,6 +97,31 @@ impl WaitQueue {
         ret - left
     }
 
+    /// [`WaitQueue::settle`] without waiting for a lock: None (nothing changed) when the
+    /// queue's lock or one the resource needs is busy, or when waiters are queued (an
+    /// overage may then have to join the queue: settle through the waiting call).
+    pub fn try_settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> Option<GrantRef> {
+        if self.waiting() != 0 {
+            return None;
+        }
+        if !actual.iter().zip(estimated).any(|(a, e)| a < e) {
+            return self.resource.try_settle(estimated, actual, grant);
+        }
+        // A refund may let a waiter through: the queue is polled under the lock held here.
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        self.forget_inherited(&mut g);
+        if g.len != 0 {
+            return None;
+        }
+        let grant = self.resource.try_settle(estimated, actual, grant)?;
+        self.poll_and_unlock(g, self.clock.now_ns());
+        Some(grant)
+    }
+
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
     /// now be granted.
     pub fn give_back(self: &Arc<Self>, costs: &[u64], token: Option<u64>) {

@@ -11,9 +11,11 @@
 mod config;
 mod drive;
 mod fork;
+mod gate;
 mod give_back;
 mod grant;
 mod outcome;
+mod permit;
 mod predict;
 mod reserve;
 mod resource;
@@ -36,7 +38,9 @@ use crate::histogram::Histogram;
 
 pub use config::{QueueConfig, QueueCounts};
 pub use drive::Stalled;
+pub use gate::{Gate, Host, Stopped};
 pub use outcome::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Submitted, Wake};
+pub use permit::{Detach, Inline, Permit, PermitOwner};
 use predict::{charges_to_retime, promised};
 use resource::saturated;
 pub use resource::{Queued, Resource, Sim};

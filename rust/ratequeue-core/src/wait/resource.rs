@@ -46,6 +46,11 @@ pub trait Resource: Send + Sync {
     fn settle(&self, _estimated: &[u64], _actual: &[u64], grant: GrantRef) -> GrantRef {
         grant
     }
+    /// [`Resource::settle`] without waiting for a lock: None (nothing changed) when it
+    /// would have to wait for one (by default always: a resource opts in).
+    fn try_settle(&self, _estimated: &[u64], _actual: &[u64], _grant: GrantRef) -> Option<GrantRef> {
+        None
+    }
     /// Service time of `costs` in nanoseconds, for fair shares across classes.
     fn service_ns(&self, costs: &[u64]) -> f64;
     /// The error a denial stands for.
