@@ -81,7 +81,7 @@ impl Gate {
     /// must queue (or a lock is busy), Err when it can never be admitted.
     pub fn try_now(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<Option<Permit>, Error> {
         match self.queue.try_now_token(costs, class) {
-            Ok((at_ns, token)) => Ok(Some(self.issue(costs, 0, GrantRef { at_ns, token }))),
+            Ok((at_ns, token)) => Ok(Some(self.issue(costs, 0, GrantRef::new(at_ns, token)))),
             Err(Some(d)) => Err(self.queue.error_for(d)),
             Err(None) => Ok(None),
         }
@@ -107,7 +107,7 @@ impl Gate {
                 .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
         });
         let ticket = match submitted.map_err(Stopped::Failed)? {
-            Submitted::Granted { at_ns } => return Ok(self.issue(costs, 0, GrantRef { at_ns, token: None })),
+            Submitted::Granted { at_ns } => return Ok(self.issue(costs, 0, GrantRef::new(at_ns, None))),
             Submitted::Queued(t) => t,
         };
         let slice = host.slice();
@@ -133,14 +133,7 @@ impl Gate {
                 at_ns,
                 waited_ns,
                 token,
-            } => Ok(self.issue(
-                costs,
-                waited_ns,
-                GrantRef {
-                    at_ns,
-                    token: Some(token),
-                },
-            )),
+            } => Ok(self.issue(costs, waited_ns, GrantRef::new(at_ns, Some(token)))),
             Outcome::TimedOut { waited_ns } => Err(Stopped::Failed(Error::WaitTimeout {
                 waited_ns,
                 retry_after_ns: host.detached(|| self.queue.retry_after_ns(costs)),

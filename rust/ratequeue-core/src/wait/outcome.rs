@@ -10,6 +10,20 @@ pub struct GrantRef {
     /// The grant's token (see [`Resource::take_at`]) while nothing is known to have
     /// come after it.
     pub token: Option<u64>,
+    /// The ticket of this grant's overage charge still queued (see
+    /// [`WaitQueue::settle`]): owed, not debited yet.
+    pub owed: Option<u64>,
+}
+
+impl GrantRef {
+    /// A grant taken at `at_ns` with `token`, owing nothing.
+    pub fn new(at_ns: u64, token: Option<u64>) -> GrantRef {
+        GrantRef {
+            at_ns,
+            token,
+            owed: None,
+        }
+    }
 }
 
 /// How a waiter learns its outcome.

@@ -442,7 +442,7 @@ fn an_overage_settled_under_a_queued_reservation_is_debited_behind_it() {
     let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
         panic!("granted at once")
     };
-    let grant = GrantRef { at_ns, token: None };
+    let grant = GrantRef::new(at_ns, None);
     let slot = Slot::new();
     let s2 = slot.clone();
     q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
@@ -464,7 +464,7 @@ fn a_refund_cancels_an_overage_still_queued_first() {
     let (q, clock) = setup(10.0, 1, vec![]);
     let ms = 1_000_000;
     q.submit(&[1], 0, None, || unreachable!()).unwrap();
-    let grant = GrantRef { at_ns: 0, token: None };
+    let grant = GrantRef::new(0, None);
     let s = Slot::new();
     let s2 = s.clone();
     q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
@@ -477,6 +477,38 @@ fn a_refund_cancels_an_overage_still_queued_first() {
     assert_eq!(q.waiting(), 2);
     q.run_until(&clock, 250 * ms).unwrap();
     assert_eq!(q.predict(&[1]), Some(300 * ms));
+}
+
+#[test]
+fn a_refund_after_its_owed_overage_is_cancelled_gives_back_only_what_the_bucket_holds() {
+    // Found by the threaded history checker (seed 60000): a permit settled up while a
+    // reservation held a promise owes the overage in the queue; settled down later, it
+    // cancels what it owes, and only the rest is refunded, capped by where its own debit
+    // (not the owed part, never debited) sits in the bucket.
+    let (q, clock) = setup(5.0, 3, vec![]); // one unit per 0.2 s, burst 3
+    let ms = 1_000_000;
+    let Submitted::Granted { at_ns } = q.submit(&[3], 0, None, || unreachable!()).unwrap() else {
+        panic!("granted at once")
+    };
+    let p = GrantRef::new(at_ns, None);
+    let slot = Slot::new();
+    let s2 = slot.clone();
+    q.submit(&[3], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.6 s
+    let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued behind the waiter")
+    };
+    assert_eq!(r.at_ns, 800 * ms);
+    let p = q.settle(&[3], &[4], p); // one more unit, owed behind the promise
+    q.run_until(&clock, 650 * ms).unwrap();
+    assert_eq!(granted(&slot), Some(600 * ms));
+    // Nothing used after all: the owed unit is cancelled, and the three units taken at
+    // 0 lie before now (0.65 s), behind the waiter's: nothing to give back.
+    q.settle(&[4], &[0], p);
+    q.run_until(&clock, 850 * ms).unwrap();
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 800 * ms));
+    assert_eq!(q.waiting(), 0);
+    // The waiter's three units end at 1.2 s, the reservation's at 1.4 s.
+    assert_eq!(q.predict(&[3]), Some(1400 * ms));
 }
 
 #[test]
