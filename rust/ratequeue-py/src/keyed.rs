@@ -108,6 +108,25 @@ impl Keyed {
         })
     }
 
+    /// Queues over the keyed map `core` (registered here for the fork handlers), the
+    /// resource of each key made by `resource(core, key)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn over<T: ratequeue_core::fork::ForkLocks + 'static>(
+        py: Python<'_>,
+        core: &Arc<T>,
+        clock: AnyClock,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        max_keys: usize,
+        units: Vec<String>,
+        resource: fn(Arc<T>, u64) -> Arc<dyn Resource>,
+    ) -> PyResult<Keyed> {
+        unblocked(|| ratequeue_core::fork::register_arc(core));
+        let core = core.clone();
+        let make: MakeResource = Box::new(move |key| resource(core.clone(), key));
+        Keyed::new(py, clock, max_wait, max_queue, max_keys, units, make)
+    }
+
     /// True when someone waits on `key` (nobody overtakes them); never waits for the
     /// map's lock with the GIL.
     #[inline]
