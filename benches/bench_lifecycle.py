@@ -7,7 +7,8 @@ subprocess, the builds interleaved round by round; each row shows its best round
 
 Rows: the floor of one extension method call (``_ratequeue._Floor().noop()``); blocking
 ``lim.acquire()`` admitted at once (and as ``with``); ``Permit.settle(tokens=...)`` on
-an idle limiter (alternating refund and charge); 8 threads sharing 20,000 blocking
+an idle limiter (alternating refund and charge), alone and while another Python thread
+runs (a call that releases the GIL then waits to get it back); 8 threads sharing 20,000 blocking
 acquires at 10,000/s, burst 10 (rate-bound: elapsed, and CPU per grant); 8 threads
 sharing 20,000 ``Concurrency(2)`` acquire/release pairs (CPU-bound), beside
 ``threading.Semaphore(2)`` doing the same (the floor of what Python itself costs).
@@ -90,6 +91,23 @@ def worker() -> dict[str, float]:
 
     out["settle"] = _per_call_us(settle)
 
+    # The same while another Python thread runs: a call that releases the GIL hands it
+    # to that thread and waits to get it back.
+    stop = threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        out["settle_busy"] = _per_call_us(settle, 50_000)
+        out["floor_busy"] = _per_call_us(floor.noop, 50_000)
+    finally:
+        stop.set()
+        spinner.join()
+
     rated = rq.Limiter(rq.Rate(10_000, per="second", burst=10))
 
     def rated_work(n: int) -> None:
@@ -125,6 +143,8 @@ ROWS = [
     ("acquire", "`lim.acquire()`, admitted at once", "µs/call"),
     ("with_acquire", "`with lim.acquire(): pass`, admitted at once", "µs/call"),
     ("settle", "`permit.settle(tokens=...)`, idle limiter (refund, then charge)", "µs/call"),
+    ("floor_busy", "`_Floor().noop()`, another Python thread running (floor)", "µs/call"),
+    ("settle_busy", "`permit.settle(tokens=...)`, another Python thread running", "µs/call"),
     ("rate_threads_s", "8 threads, 20,000 `acquire()`, 10,000/s burst 10: elapsed (ideal 2)", "s"),
     ("rate_threads_cpu", "(same) CPU per grant", "µs"),
     ("conc_threads_us", "8 threads, 20,000 `with Concurrency(2).acquire()`: wall/grant", "µs"),
