@@ -29,22 +29,43 @@ impl WaitQueue {
     /// still owes; only the rest is refunded, by the one undo rule on what the resource
     /// holds of it (its estimate less what it owes, which was never debited).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let (mut out, owed) = self.settle_by(estimated, actual, grant.owed, |held, keep| {
+            self.resource.settle(held, keep, GrantRef { owed: None, ..grant })
+        });
+        if owed.is_some() {
+            // The grant's costs include what it owes, not debited yet: no exact undo.
+            out.token = None;
+        }
+        out.owed = owed;
+        out
+    }
+
+    /// [`WaitQueue::settle`] of a debit held elsewhere (a policy's): `owed` is the ticket
+    /// of what it still owes in this queue; `debit(held, keep)` settles the debit itself
+    /// from what it holds to what it should hold (under the queue's lock, but for a
+    /// refund while nobody is queued). Returns what `debit` returned and the ticket of
+    /// what the debit owes now.
+    pub fn settle_by<R>(
+        self: &Arc<Self>,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: impl FnOnce(&[u64], &[u64]) -> R,
+    ) -> (R, Option<u64>) {
         // Without the lock only a refund (it never moves a promised time later): an
         // overage is decided under it, or a reservation joining meanwhile could be
         // promised a time the charge then takes.
         if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
-            let grant = self
-                .resource
-                .settle(estimated, actual, GrantRef { owed: None, ..grant });
+            let r = debit(estimated, actual);
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
             }
-            return grant;
+            return (r, None);
         }
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
-        let owed_ticket = grant.owed.filter(|t| g.where_is.contains_key(t));
+        let owed_ticket = owed.filter(|t| g.where_is.contains_key(t));
         let owed: Vec<u64> = match owed_ticket {
             Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
             None => vec![0; estimated.len()],
@@ -73,23 +94,36 @@ impl WaitQueue {
                 *k += *o;
             }
         }
-        let mut out = self.resource.settle(&held, &keep, GrantRef { owed: None, ..grant });
+        let out = debit(&held, &keep);
         if let Some(due) = deferred {
-            owed_ticket = Some(match owed_ticket {
-                Some(t) => {
-                    self.add_to_charge(&mut g, t, &over);
-                    t
+            // What the grant still owes moves behind every waiter queued now, with the new
+            // overage: grown in place, it would land ahead of reservations promised a time
+            // since it joined.
+            let mut owes = over;
+            if let Some(t) = owed_ticket {
+                let ci = g.where_is[&t];
+                let w = self.remove(&mut g, ci, t);
+                for (o, x) in owes.iter_mut().zip(w.costs.iter()) {
+                    *o = o.saturating_add(*x);
                 }
-                None => self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody),
-            });
+            }
+            owed_ticket = Some(self.insert_locked(&mut g, now, &owes, 0, None, Some(due), Wake::Nobody));
         }
-        if owed_ticket.is_some() {
-            // The grant's costs include what it owes, not debited yet: no exact undo.
-            out.token = None;
-        }
-        out.owed = owed_ticket;
         self.poll_and_unlock(g, now);
-        out
+        (out, owed_ticket)
+    }
+
+    /// Cancels what a grant still owes here (its queued charge `owed`, if still queued):
+    /// an undo gives back everything the grant took, its overage too.
+    pub fn cancel_owed(self: &Arc<Self>, owed: u64) {
+        let mut g = lock(&self.inner);
+        let Some(ci) = g.where_is.get(&owed).copied() else {
+            return;
+        };
+        if matches!(g.classes[ci].waiters[&owed].wake, Wake::Nobody) {
+            self.remove(&mut g, ci, owed);
+            self.poll_and_unlock(g, self.clock.now_ns());
+        }
     }
 
     /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
@@ -114,17 +148,6 @@ impl WaitQueue {
             return true;
         }
         false
-    }
-
-    /// Adds `costs` to the queued charge `t` (a grant's later overage, owed in turn).
-    pub(super) fn add_to_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) {
-        let ci = g.where_is[&t];
-        let c = &mut g.classes[ci];
-        let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
-        for (u, x) in costs.iter().enumerate() {
-            w.costs[u] = w.costs[u].saturating_add(*x);
-            c.queued[u] += *x as u128;
-        }
     }
 
     /// [`WaitQueue::settle`] without waiting for a lock: None (nothing changed) when the

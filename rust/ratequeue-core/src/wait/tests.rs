@@ -480,6 +480,41 @@ fn a_refund_cancels_an_overage_still_queued_first() {
 }
 
 #[test]
+fn review10_a_second_overage_never_lands_ahead_of_a_reservation_promised_after_the_first() {
+    // A grant owing an overage (a queued charge) settles up again after a later
+    // reservation was promised a time behind that charge: the new overage must follow
+    // the reservation, not grow the charge queued ahead of it.
+    let (q, clock) = setup(10.0, 1, vec![]); // one unit per 0.1 s, burst 1
+    let ms = 1_000_000;
+    let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
+        panic!("granted at once")
+    };
+    let p = GrantRef::new(at_ns, None);
+    let slot = Slot::new();
+    let s2 = slot.clone();
+    q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
+    let Reserved::Queued(r1) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued")
+    };
+    assert_eq!(r1.at_ns, 200 * ms);
+    let p = q.settle(&[1], &[2], p); // owes one unit behind r1
+    assert!(p.owed.is_some());
+    let Reserved::Queued(r2) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued")
+    };
+    assert_eq!(r2.at_ns, 400 * ms); // behind r1 (0.2 s) and the owed unit (0.3 s)
+    q.settle(&[2], &[3], p); // one more unit: must not move r2
+    q.run_until(&clock, 1000 * ms).unwrap();
+    assert_eq!(granted(&slot), Some(100 * ms));
+    assert!(matches!(r1.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * ms));
+    let o = r2.outcome();
+    assert!(
+        matches!(o, Some(Outcome::Granted { at_ns, .. }) if at_ns == 400 * ms),
+        "r2 was promised 0.4 s: {o:?}"
+    );
+}
+
+#[test]
 fn a_refund_after_its_owed_overage_is_cancelled_gives_back_only_what_the_bucket_holds() {
     // Found by the threaded history checker (seed 60000): a permit settled up while a
     // reservation held a promise owes the overage in the queue; settled down later, it
