@@ -4,6 +4,8 @@ The engine is a lock-free Rust core (``ratequeue._ratequeue``); this package re-
 its types and adds thin Python adapters.
 """
 
+# Imported first: ratequeue.aio hands the policy's asyncio wait to the native module.
+from . import aio as aio
 from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,

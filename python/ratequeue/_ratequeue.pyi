@@ -1,6 +1,6 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -12,6 +12,7 @@ __version__: str
 def _use_errors(
     overloaded: type[Exception], wait_timeout: type[Exception], cost_too_large: type[Exception]
 ) -> None: ...
+def _use_policy_wait(wait: Callable[[PolicyAcquiring], Awaitable[PolicyPermit]]) -> None: ...
 def _hold_locks_for_test(obj: Limiter | KeyedLimiter | PolicyAcquiring, seconds: float) -> None: ...
 def _driver_fault_for_test(kind: Literal["fail_spawn", "panic_wake", "exit"], n: int) -> None: ...
 

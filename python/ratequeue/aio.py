@@ -30,7 +30,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._ratequeue import Channel, _LoopWaiters
+from ._ratequeue import Channel, _LoopWaiters, _use_policy_wait
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -275,3 +275,6 @@ async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
             permit.cancel()
             raise
     return permit  # type: ignore[no-any-return]
+
+
+_use_policy_wait(_policy_wait)

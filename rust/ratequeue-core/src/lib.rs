@@ -13,9 +13,12 @@ pub mod keyed;
 pub mod keyed_queue;
 pub mod limiter;
 pub mod policy;
-pub mod queue;
 pub mod rate;
 mod sync;
+pub mod wait;
+
+/// The wait queue's former path, kept while code written against it lands.
+pub use wait as queue;
 
 pub use bucket::{Bucket, Deny};
 pub use clock::{AnyClock, ManualClock};
@@ -26,10 +29,10 @@ pub use keyed::{KeyHasher, KeyedLimiter, KeyedSemaphore};
 pub use keyed_queue::{KeyQueue, KeyQueues};
 pub use limiter::{Limiter, Reservation};
 pub use policy::{Level, LevelArgs, LevelKind, Policy};
-pub use queue::{
+pub use rate::Rate;
+pub use wait::{
     GrantRef, Joined, Outcome, QueueConfig, QueuedReservation, Reserved, Resource, Submitted, WaitQueue, Wake,
 };
-pub use rate::Rate;
 
 /// Nanoseconds in one second.
 pub const NS_PER_SEC: f64 = 1e9;

@@ -21,7 +21,7 @@ use ratequeue_core::{Error, GrantRef, Outcome, Submitted, Wake};
 
 use crate::blocking::unblocked;
 use crate::errors::{channel_closed, misuse, no_descriptor, to_py};
-use crate::waiting::{Gate, PermitOwner, PermitPy};
+use crate::waiting::{Gate, GatePy, PermitOwner, PermitPy};
 
 /// An awaitable that is already done; with a permit, also an async context manager
 /// that releases it on exit.

@@ -39,12 +39,3 @@ where
         None => unblocked(f),
     }
 }
-
-/// A copy of what `m` holds, never waiting for its lock with the GIL.
-pub fn copy_unblocked<T: Clone + Send>(m: &std::sync::Mutex<T>) -> T {
-    match m.try_lock() {
-        Ok(g) => g.clone(),
-        Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().clone(),
-        Err(std::sync::TryLockError::WouldBlock) => unblocked(|| m.lock().unwrap_or_else(|e| e.into_inner()).clone()),
-    }
-}

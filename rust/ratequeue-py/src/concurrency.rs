@@ -11,8 +11,7 @@ use crate::blocking::unblocked;
 use crate::clock::any_clock;
 use crate::errors::to_py;
 use crate::histogram::HistogramPy;
-use crate::limiter::new_gate;
-use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, PermitPy};
+use crate::waiting::{new_gate, queue_stats, submit, wait_histogram, ChannelPy, Gate, GatePy, PermitPy};
 
 /// At most `limit` holders at once; waiters queue by class, FIFO, bounded.
 #[pyclass(frozen, name = "Concurrency", module = "ratequeue")]
@@ -109,7 +108,7 @@ impl ConcurrencyPy {
     ) -> PyResult<PermitPy> {
         let c = Self::permits(n)?;
         self.gate
-            .acquire_blocking(py, &c, self.gate.class(priority)?, self.gate.timeout(timeout)?)
+            .acquire(py, &c, self.gate.class(priority)?, self.gate.timeout(timeout)?)
     }
 
     /// Awaitable and async context manager; the permits return on exit.

@@ -14,8 +14,7 @@ use crate::blocking::{try_or_unblocked, unblocked};
 use crate::convert::key_of;
 use crate::errors::{needs_manual_clock, to_py};
 use crate::histogram::HistogramPy;
-use crate::limiter::DEFAULT_MAX_QUEUE;
-use crate::waiting::{AcquiringPy, Gate, PermitOwner, PermitPy, Ready};
+use crate::waiting::{AcquiringPy, Gate, GatePy, PermitOwner, PermitPy, Ready, DEFAULT_MAX_QUEUE};
 
 /// Default bound on the number of keys held (buckets, and queues of waiting keys).
 pub const DEFAULT_MAX_KEYS: usize = 1 << 20;
@@ -109,6 +108,25 @@ impl Keyed {
         })
     }
 
+    /// Queues over the keyed map `core` (registered here for the fork handlers), the
+    /// resource of each key made by `resource(core, key)`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn over<T: ratequeue_core::fork::ForkLocks + 'static>(
+        py: Python<'_>,
+        core: &Arc<T>,
+        clock: AnyClock,
+        max_wait: Option<&Bound<'_, PyAny>>,
+        max_queue: Option<&Bound<'_, PyAny>>,
+        max_keys: usize,
+        units: Vec<String>,
+        resource: fn(Arc<T>, u64) -> Arc<dyn Resource>,
+    ) -> PyResult<Keyed> {
+        unblocked(|| ratequeue_core::fork::register_arc(core));
+        let core = core.clone();
+        let make: MakeResource = Box::new(move |key| resource(core.clone(), key));
+        Keyed::new(py, clock, max_wait, max_queue, max_keys, units, make)
+    }
+
     /// True when someone waits on `key` (nobody overtakes them); never waits for the
     /// map's lock with the GIL.
     #[inline]
@@ -161,11 +179,7 @@ impl Keyed {
 
     /// A gate over `key`'s queue, its permits behaving as this type's.
     fn gate(&self, queue: Arc<WaitQueue>) -> Arc<Gate> {
-        Arc::new(Gate {
-            queue,
-            units: self.units.to_vec(),
-            returns_on_exit: self.returns_on_exit,
-        })
+        Gate::new(queue, self.units.to_vec(), self.returns_on_exit)
     }
 
     /// Now, or None when it must queue; errors when it never can.
@@ -213,9 +227,7 @@ impl Keyed {
         }
         let handle = py.detach(|| self.queues.get(key)).map_err(|e| to_py(py, e))?;
         let gate = self.gate(handle.queue().clone());
-        let out = gate
-            .acquire_blocking(py, &[c], 0, timeout_ns)
-            .map(|p| p.rehome(self.owner(key)));
+        let out = gate.acquire(py, &[c], 0, timeout_ns).map(|p| p.rehome(self.owner(key)));
         drop((gate, handle));
         py.detach(|| self.queues.done(key, 0));
         out

@@ -6,7 +6,6 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::keyed::KeyPermits;
-use ratequeue_core::keyed_queue::MakeResource;
 use ratequeue_core::{KeyQueues, KeyedSemaphore};
 
 use crate::args::{opt_text, size, Permits};
@@ -62,17 +61,15 @@ impl KeyedConcurrencyPy {
     ) -> PyResult<Self> {
         let name = opt_text("name", name)?;
         let core = Arc::new(KeyedSemaphore::new(size("limit", limit, u64::MAX)?).map_err(|e| to_py(py, e))?);
-        unblocked(|| ratequeue_core::fork::register_arc(&core));
-        let c2 = core.clone();
-        let make: MakeResource = Box::new(move |key| Arc::new(KeyPermits { sem: c2.clone(), key }));
-        let keyed = Keyed::new(
+        let keyed = Keyed::over(
             py,
+            &core,
             any_clock(clock)?,
             max_wait,
             max_queue,
             DEFAULT_MAX_KEYS,
             Vec::new(),
-            make,
+            |sem, key| Arc::new(KeyPermits { sem, key }),
         )?;
         Ok(KeyedConcurrencyPy { core, keyed, name })
     }

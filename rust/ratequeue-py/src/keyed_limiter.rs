@@ -7,7 +7,6 @@ use numpy::{PyArray1, PyReadonlyArray1};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyString};
 use ratequeue_core::keyed::KeyBucket;
-use ratequeue_core::keyed_queue::MakeResource;
 use ratequeue_core::{Deny, Error, KeyQueues, KeyedLimiter};
 
 use crate::args::{opt_text, size, Cost};
@@ -17,7 +16,7 @@ use crate::convert::{costs_array, key_of};
 use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
 use crate::keyed::{Keyed, DEFAULT_MAX_KEYS};
-use crate::limiter::RatePy;
+use crate::rate::RatePy;
 use crate::waiting::PermitPy;
 
 /// One GCRA bucket per key (user, API key, tenant), in a bounded map.
@@ -79,10 +78,16 @@ impl KeyedLimiterPy {
         let any = any_clock(clock)?;
         let r = rate.get();
         let core = Arc::new(KeyedLimiter::new(r.rate, max_keys, any.clone()).map_err(|e| to_py(py, e))?);
-        unblocked(|| ratequeue_core::fork::register_arc(&core));
-        let c2 = core.clone();
-        let make: MakeResource = Box::new(move |key| Arc::new(KeyBucket { keyed: c2.clone(), key }));
-        let keyed = Keyed::new(py, any, max_wait, max_queue, max_keys, vec![r.unit.clone()], make)?;
+        let keyed = Keyed::over(
+            py,
+            &core,
+            any,
+            max_wait,
+            max_queue,
+            max_keys,
+            vec![r.unit.clone()],
+            |keyed, key| Arc::new(KeyBucket { keyed, key }),
+        )?;
         Ok(KeyedLimiterPy {
             core,
             keyed,

@@ -21,6 +21,8 @@ mod limiter;
 mod policy;
 mod policy_level;
 mod policy_permit;
+mod rate;
+mod reservation;
 mod waiting;
 
 #[pymodule(gil_used = false)]
@@ -30,6 +32,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // core's locks); see ratequeue_core::fork.
     ratequeue_core::fork::install();
     m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
+    m.add_function(wrap_pyfunction!(policy_permit::_use_policy_wait, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
@@ -37,9 +40,9 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<clock::ManualClockPy>()?;
     m.add_class::<floor::FloorPy>()?;
     m.add_class::<clock::MonotonicClockPy>()?;
-    m.add_class::<limiter::RatePy>()?;
+    m.add_class::<rate::RatePy>()?;
     m.add_class::<limiter::LimiterPy>()?;
-    m.add_class::<limiter::ReservationPy>()?;
+    m.add_class::<reservation::ReservationPy>()?;
     m.add_class::<concurrency::ConcurrencyPy>()?;
     m.add_class::<histogram::HistogramPy>()?;
     m.add_class::<keyed_limiter::KeyedLimiterPy>()?;

@@ -1,131 +1,20 @@
 //! Python Rate, Limiter and Reservation over the core's multi-rate limiter.
 
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{AnyClock, Deny, Limiter, QueueConfig, QueuedReservation, Rate, Reservation, Reserved, WaitQueue};
+use ratequeue_core::{AnyClock, Deny, Limiter, Rate, Reserved};
 
-use crate::args::{cost, opt_text, period_seconds, seconds_ns, size};
+use crate::args::{opt_text, period_seconds, seconds_ns};
 use crate::blocking::{try_or_unblocked, unblocked};
 use crate::clock::any_clock;
-use crate::errors::{
-    given_twice, missing_keyword, needs_manual_clock, not_one_of, setup_err, to_py, type_err, unexpected_keyword,
-    value_err,
-};
+use crate::errors::{needs_manual_clock, not_one_of, to_py, type_err, value_err};
 use crate::histogram::HistogramPy;
-use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, PermitPy};
-
-/// Default bound on queue depth: waiting never grows memory without limit.
-pub const DEFAULT_MAX_QUEUE: usize = 100_000;
-
-/// Keyword names that are arguments, never units.
-const RESERVED: [&str; 5] = ["max_wait", "timeout", "priority", "clock", "name"];
-
-/// `amount` units per `per`, at most `burst` at once.
-#[pyclass(frozen, name = "Rate", module = "ratequeue")]
-#[derive(Clone)]
-pub struct RatePy {
-    pub rate: Rate,
-    #[pyo3(get)]
-    pub unit: String,
-}
-
-#[pymethods]
-impl RatePy {
-    #[new]
-    #[pyo3(signature = (amount, per = None, burst = None, unit = None))]
-    #[pyo3(text_signature = "(amount, per=None, burst=None, unit='requests')")]
-    fn new(
-        amount: &Bound<'_, PyAny>,
-        per: Option<&Bound<'_, PyAny>>,
-        burst: Option<&Bound<'_, PyAny>>,
-        unit: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Self> {
-        let unit = opt_text("unit", unit)?.unwrap_or_else(|| "requests".to_owned());
-        let unit = unit.as_str();
-        let amount_f = crate::args::positive("amount", amount)?;
-        let per_s = per.map(period_seconds).transpose()?.unwrap_or(1.0);
-        let burst_n = match burst {
-            Some(b) => burst_arg(b)?,
-            None => (amount_f.floor().max(1.0)).min(u64::MAX as f64) as u64,
-        };
-        if unit.is_empty() || RESERVED.contains(&unit) || !unit.chars().all(|c| c.is_alphanumeric() || c == '_') {
-            return Err(value_err(
-                "unit",
-                &format!("{unit:?}"),
-                &format!("must be an identifier other than {RESERVED:?}"),
-            ));
-        }
-        let rate = new_rate(amount_f, per_s * 1e9, burst_n)?;
-        Ok(RatePy {
-            rate,
-            unit: unit.to_owned(),
-        })
-    }
-
-    /// Units per period.
-    #[getter]
-    fn amount(&self) -> f64 {
-        self.rate.amount
-    }
-
-    /// The period in seconds.
-    #[getter]
-    fn per(&self) -> f64 {
-        self.rate.period_ns / 1e9
-    }
-
-    /// The capacity: the most admitted at one instant.
-    #[getter]
-    fn burst(&self) -> u64 {
-        self.rate.burst
-    }
-
-    /// Units per second.
-    #[getter]
-    fn per_second(&self) -> f64 {
-        self.rate.per_second()
-    }
-
-    fn __eq__(&self, other: &Bound<'_, PyAny>) -> bool {
-        other
-            .cast::<RatePy>()
-            .is_ok_and(|o| o.get().rate == self.rate && o.get().unit == self.unit)
-    }
-
-    pub(crate) fn __repr__(&self) -> String {
-        format!(
-            "Rate({}, per={}, burst={}, unit={:?})",
-            self.rate.amount,
-            self.rate.period_ns / 1e9,
-            self.rate.burst,
-            self.unit
-        )
-    }
-}
-
-/// A burst: an integer >= 1.
-fn burst_arg(b: &Bound<'_, PyAny>) -> PyResult<u64> {
-    size("burst", b, u64::MAX)
-}
-
-/// A validated rate; a burst window too long names all three arguments (any of them
-/// may be what to change).
-fn new_rate(amount: f64, period_ns: f64, burst: u64) -> PyResult<Rate> {
-    Rate::new(amount, period_ns, burst).map_err(|e| match &e {
-        ratequeue_core::Error::Invalid { name, reason, .. } if name == "burst" && reason.contains("window") => {
-            setup_err(format!(
-                "burst={burst} at amount={amount:?} per={:?} s makes the burst window (burst / rate) \
-                 longer than 2**56 ns (about 2.3 years): raise amount, shorten per or lower burst",
-                period_ns / 1e9
-            ))
-        }
-        _ => setup_err(e.to_string()),
-    })
-}
+use crate::rate::{burst_arg, new_rate, RatePy};
+use crate::reservation::{ReservationHeld, ReservationPy};
+use crate::waiting::{new_gate, queue_stats, submit, wait_histogram, ChannelPy, Gate, GatePy, PermitPy};
 
 /// Costs per unit, as parsed from a call.
 type Costs = [u64; MAX_RATES];
@@ -183,35 +72,7 @@ impl LimiterPy {
 
     fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
         let mut out = [0u64; MAX_RATES];
-        let units = self.core.units();
-        let mut given = [false; MAX_RATES];
-        if let Some(n) = n {
-            out[0] = cost(&units[0], n)?;
-            given[0] = true;
-        }
-        if let Some(kw) = kw {
-            for (k, v) in kw.iter() {
-                let k = k.cast::<PyString>()?;
-                let name = k.to_str()?;
-                let Some(i) = self.core.unit_index(name) else {
-                    return Err(unexpected_keyword(
-                        name,
-                        &format!("this limiter counts units {units:?}"),
-                    ));
-                };
-                if given[i] {
-                    return Err(given_twice(name));
-                }
-                out[i] = cost(name, &v)?;
-                given[i] = true;
-            }
-        }
-        for (i, u) in units.iter().enumerate() {
-            if !given[i] {
-                out[i] =
-                    self.defaults[i].ok_or_else(|| missing_keyword(&format!("cost for unit {u:?} (pass {u}=...)")))?;
-            }
-        }
+        crate::keywords::unit_costs(self.core.units(), &self.defaults, n, kw, &mut out)?;
         Ok(out)
     }
 
@@ -377,21 +238,17 @@ impl LimiterPy {
             py.detach(|| q.reserve_if_idle(now_path))
         };
         let inner = match idle {
-            Some(r) => Held::Now(r.map_err(|e| to_py(py, e))?),
+            Some(r) => ReservationHeld::Now(r.map_err(|e| to_py(py, e))?),
             None => {
                 let (q, units) = (me.gate.queue.clone(), me.core.units().len());
                 match py.detach(move || q.reserve(&c[..units], 0, mw, now_path)) {
-                    Ok(Reserved::Now(r)) => Held::Now(r),
-                    Ok(Reserved::Queued(r)) => Held::Queued(r, c[..units].to_vec()),
+                    Ok(Reserved::Now(r)) => ReservationHeld::Now(r),
+                    Ok(Reserved::Queued(r)) => ReservationHeld::Queued(r, c[..units].to_vec()),
                     Err(e) => return Err(to_py(py, e)),
                 }
             }
         };
-        Ok(ReservationPy {
-            limiter: slf.clone().unbind(),
-            inner,
-            done: AtomicBool::new(false),
-        })
+        Ok(ReservationPy::new(slf.clone().unbind(), inner))
     }
 
     /// Units of `unit` that could be admitted now (negative while in debt).
@@ -505,7 +362,7 @@ impl LimiterPy {
         let c = self.costs(n, costs)?;
         let units = self.core.units().len();
         self.gate
-            .acquire_blocking(py, &c[..units], self.gate.class(priority)?, self.gate.timeout(timeout)?)
+            .acquire(py, &c[..units], self.gate.class(priority)?, self.gate.timeout(timeout)?)
     }
 
     /// Awaitable (and async context manager) version of acquire; no polling, one wake.
@@ -639,43 +496,6 @@ impl LimiterPy {
     }
 }
 
-/// A queue over `resource` from the Python arguments shared by Limiter and Concurrency.
-#[allow(clippy::too_many_arguments)]
-pub fn new_gate(
-    py: Python<'_>,
-    resource: Arc<dyn ratequeue_core::Resource>,
-    units: usize,
-    clock: AnyClock,
-    classes: Option<&Bound<'_, PyAny>>,
-    max_queue: Option<&Bound<'_, PyAny>>,
-    max_wait_ns: Option<u64>,
-    unit_names: Vec<String>,
-) -> PyResult<Arc<Gate>> {
-    let returns_on_exit = unit_names.is_empty();
-    let mut list = Vec::new();
-    if let Some(c) = classes {
-        let d = c
-            .cast::<PyDict>()
-            .map_err(|_| type_err("classes", "a dict of class name to weight", c))?;
-        for (k, v) in d.iter() {
-            let name = crate::args::text("classes", &k).map_err(|_| type_err("classes", "str names", &k))?;
-            let w = crate::args::positive(&format!("classes[{name:?}]"), &v)?;
-            list.push((name, w));
-        }
-    }
-    let max_queue = match max_queue {
-        None => DEFAULT_MAX_QUEUE,
-        Some(m) => usize::try_from(size("max_queue", m, u64::MAX)?).unwrap_or(usize::MAX),
-    };
-    let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
-    Ok(Arc::new(Gate {
-        // A new queue registers for fork safety: without the GIL.
-        queue: py.detach(|| WaitQueue::new(resource, units, clock, config)),
-        units: unit_names,
-        returns_on_exit,
-    }))
-}
-
 impl LimiterPy {
     fn which(&self, which: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
         let n = self.core.rate_count();
@@ -726,79 +546,5 @@ impl LimiterPy {
             return Err(out_of_range());
         }
         Ok(i)
-    }
-}
-
-/// What a reservation holds: a debit made at once, or a place in the queue (with its costs).
-enum Held {
-    Now(Reservation),
-    Queued(QueuedReservation, Vec<u64>),
-}
-
-/// Capacity held from `at` on; proceed after `delay` seconds.
-#[pyclass(frozen, name = "Reservation", module = "ratequeue")]
-pub struct ReservationPy {
-    limiter: Py<LimiterPy>,
-    inner: Held,
-    done: AtomicBool,
-}
-
-impl ReservationPy {
-    fn at_delay_ns(&self) -> (u64, u64) {
-        match &self.inner {
-            Held::Now(r) => (r.at_ns, r.delay_ns),
-            Held::Queued(r, _) => (r.at_ns, r.delay_ns),
-        }
-    }
-}
-
-#[pymethods]
-impl ReservationPy {
-    /// Seconds from the reservation until the caller may proceed.
-    #[getter]
-    fn delay(&self) -> f64 {
-        self.at_delay_ns().1 as f64 / 1e9
-    }
-
-    /// The clock time (seconds) at which the caller may proceed.
-    #[getter]
-    fn at(&self) -> f64 {
-        self.at_delay_ns().0 as f64 / 1e9
-    }
-
-    /// True once cancel() has been called.
-    #[getter]
-    fn cancelled(&self) -> bool {
-        self.done.load(Ordering::Acquire)
-    }
-
-    /// Cancels by the one undo rule: a reservation still queued leaves the queue (the
-    /// waiters behind it move up); a debited one is undone on each rate exactly where
-    /// nothing came after it, else refunded while no grant is scheduled ahead (never
-    /// past full), else kept (counted in stats()["refunds_dropped"]); capacity given
-    /// back wakes the limiter's queue. Returns True if anything was given back; only
-    /// the first call acts.
-    fn cancel(&self, py: Python<'_>) -> bool {
-        if self.done.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        let lim = self.limiter.get();
-        match &self.inner {
-            Held::Now(r) => py.detach(|| {
-                let gave = lim.core.cancel(r) > 0;
-                if gave {
-                    lim.gate.queue.poll_now();
-                }
-                gave
-            }),
-            Held::Queued(r, costs) => {
-                let q = lim.gate.queue.clone();
-                py.detach(|| q.cancel_reservation(r, costs))
-            }
-        }
-    }
-
-    fn __repr__(&self) -> String {
-        format!("Reservation(delay={}, at={})", self.delay(), self.at())
     }
 }

@@ -213,7 +213,16 @@ impl Drop for PolicyAcquiringPy {
     }
 }
 
+/// `ratequeue.aio._policy_wait`, the coroutine function that bridges a policy acquire to
+/// the running loop.
 static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
+
+/// Takes the coroutine function a queued policy acquire awaits (ratequeue.aio hands it
+/// over once, at import; later calls change nothing).
+#[pyfunction]
+pub fn _use_policy_wait(py: Python<'_>, wait: Bound<'_, PyAny>) {
+    let _ = POLICY_WAIT.set(py, wait.unbind());
+}
 
 #[pymethods]
 impl PolicyAcquiringPy {
@@ -224,7 +233,12 @@ impl PolicyAcquiringPy {
             // Granted at once (every level free, nobody waiting), or awaited again.
             return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
         }
-        let wait = POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?;
+        // Handed over by ratequeue.aio, which the package imports; imported here only
+        // if the native module was somehow loaded without it.
+        let wait = match POLICY_WAIT.get(py) {
+            Some(w) => w.bind(py),
+            None => POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?,
+        };
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
     }
 

@@ -1,74 +1,81 @@
-//! Waiting from Python: blocking acquire with the GIL released, the awaitable of
-//! acquire_async (fast path in Rust, queued path in ratequeue.aio), permits, and the
-//! event-loop channel. Shared by Limiter and Concurrency.
+//! Waiting from Python: the core's blocking acquire and permits driven with the GIL
+//! released (signal checks on the main thread), and the shared queue statistics.
+//! Shared by Limiter and Concurrency.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use ratequeue_core::queue::{Cancelled, Slot};
-use ratequeue_core::{Error, GrantRef, Outcome, Submitted, WaitQueue, Wake};
+use ratequeue_core::wait::{Detach, Host, Permit, Stopped};
+use ratequeue_core::{AnyClock, GrantRef, QueueConfig, WaitQueue};
 
-use crate::args::seconds_ns;
-use crate::blocking::{copy_unblocked, try_or_unblocked, unblocked};
-use crate::errors::to_py;
+use crate::args::{seconds_ns, size};
+use crate::blocking::unblocked;
+use crate::errors::{to_py, type_err};
 use crate::histogram::HistogramPy;
 
 pub use crate::aio::{acquire_async, submit, AcquiringPy, ChannelPy, Ready};
+pub use ratequeue_core::wait::{Gate, PermitOwner};
 
 /// Interval at which a main-thread wait looks for signals (Ctrl-C); other threads
 /// sleep until their wake-up.
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
-/// What a permit returns to when released or settled.
-pub trait PermitOwner: Send + Sync {
-    /// Unit names, indexed as the costs (empty: nothing to settle).
-    fn units(&self) -> &[String];
-    /// True when the permit is returned on exit (concurrency).
-    fn returns_on_exit(&self) -> bool;
-    /// Returns the permits of a grant.
-    fn give_back(&self, costs: &[u64]);
-    /// Settles estimated costs to actual ones by the one undo rule; returns the grant
-    /// as it now stands, for the next settle.
-    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef;
-}
+/// Waits of the core run detached from Python when this thread is attached.
+#[derive(Clone, Copy)]
+pub struct Unblocked;
 
-impl PermitOwner for Gate {
-    fn units(&self) -> &[String] {
-        &self.units
-    }
-
-    fn returns_on_exit(&self) -> bool {
-        self.returns_on_exit
-    }
-
-    fn give_back(&self, costs: &[u64]) {
-        let q = &self.queue;
-        try_or_unblocked(
-            || q.try_give_back(costs, None).then_some(()),
-            || q.give_back(costs, None),
-        );
-    }
-
-    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        unblocked(|| self.queue.settle(estimated, actual, grant))
+impl Detach for Unblocked {
+    #[inline]
+    fn detached<T: Send, F: FnOnce() -> T + Send>(&self, f: F) -> T {
+        unblocked(f)
     }
 }
 
-/// A queue plus how its permits behave on exit.
-pub struct Gate {
-    pub queue: Arc<WaitQueue>,
-    /// Unit names, indexed as the costs (empty for a semaphore: nothing to settle).
-    pub units: Vec<String>,
-    /// True for a semaphore: the permit is returned when the holder is done.
-    pub returns_on_exit: bool,
+/// A blocked acquire on a Python thread: detached while it waits; on the main thread,
+/// woken every [`SIGNAL_SLICE`] to run signal handlers (Ctrl-C stops the wait).
+struct PyHost<'py> {
+    py: Python<'py>,
 }
 
-impl Gate {
+impl Detach for PyHost<'_> {
+    #[inline]
+    fn detached<T: Send, F: FnOnce() -> T + Send>(&self, f: F) -> T {
+        self.py.detach(f)
+    }
+}
+
+impl Host for PyHost<'_> {
+    type Interrupt = PyErr;
+
+    fn slice(&self) -> Option<Duration> {
+        // Asked only once queued: the path admitted at once never looks.
+        is_main_thread(self.py).then_some(SIGNAL_SLICE)
+    }
+
+    fn check(&mut self) -> PyResult<()> {
+        self.py.check_signals()
+    }
+}
+
+/// A gate driven from Python: arguments converted, waits detached.
+pub trait GatePy {
     /// The class index for `priority` (None: the first class).
-    pub fn class(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    fn class(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<usize>;
+    /// The class names, in order.
+    fn class_names(&self) -> Vec<String>;
+    /// A timeout in seconds as nanoseconds (None: the queue's max_wait).
+    fn timeout(&self, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>>;
+    /// A permit of this gate holding `costs` (its grant set by `with_grant`).
+    fn permit(&self, costs: &[u64], waited_ns: u64) -> PermitPy;
+    /// Blocks until granted (GIL released), raising Overloaded, WaitTimeout, or
+    /// KeyboardInterrupt (leaving the queue clean).
+    fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy>;
+}
+
+impl GatePy for Arc<Gate> {
+    fn class(&self, priority: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
         match crate::args::opt_text("priority", priority)?.as_deref() {
             None => Ok(0),
             Some(p) => self.queue.class_index(p).ok_or_else(|| {
@@ -78,90 +85,24 @@ impl Gate {
         }
     }
 
-    /// The class names, in order.
-    pub fn class_names(&self) -> Vec<String> {
+    fn class_names(&self) -> Vec<String> {
         self.queue.config().classes.iter().map(|(n, _)| n.clone()).collect()
     }
 
-    pub fn timeout(&self, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
+    fn timeout(&self, timeout: Option<&Bound<'_, PyAny>>) -> PyResult<Option<u64>> {
         timeout.map(|t| seconds_ns("timeout", t)).transpose()
     }
 
-    pub(crate) fn permit(self: &Arc<Self>, costs: &[u64], waited_ns: u64) -> PermitPy {
+    fn permit(&self, costs: &[u64], waited_ns: u64) -> PermitPy {
         PermitPy::new(self.clone(), costs, waited_ns)
     }
 
-    /// Blocks until granted (GIL released), raising Overloaded, WaitTimeout, or
-    /// KeyboardInterrupt (leaving the queue clean).
-    pub fn acquire_blocking(
-        self: &Arc<Self>,
-        py: Python<'_>,
-        costs: &[u64],
-        class: usize,
-        timeout_ns: Option<u64>,
-    ) -> PyResult<PermitPy> {
-        match self.queue.try_now_token(costs, class) {
-            Ok((at_ns, token)) => return Ok(self.permit(costs, 0).with_grant(GrantRef::new(at_ns, token))),
-            Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
-            Err(None) => {}
-        }
-        let slot = Slot::new();
-        let submitted = py.detach(|| {
-            self.queue
-                .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
-        });
-        let ticket = match submitted {
-            Ok(Submitted::Granted { at_ns }) => {
-                return Ok(self.permit(costs, 0).with_grant(GrantRef::new(at_ns, None)))
-            }
-            Ok(Submitted::Queued(t)) => t,
-            Err(e) => return Err(to_py(py, e)),
-        };
-        let slice = is_main_thread(py).then_some(SIGNAL_SLICE);
-        loop {
-            let s = slot.clone();
-            if let Some(o) = py.detach(move || s.wait(slice)) {
-                return self.outcome(py, costs, o);
-            }
-            if let Err(e) = py.check_signals() {
-                py.detach(|| self.abandon(ticket, &slot, costs));
-                return Err(e);
-            }
-        }
-    }
-
-    fn queue_error(&self, d: ratequeue_core::Deny) -> Error {
-        self.queue.error_for(d)
-    }
-
-    fn outcome(self: &Arc<Self>, py: Python<'_>, costs: &[u64], o: Outcome) -> PyResult<PermitPy> {
-        match o {
-            Outcome::Granted {
-                at_ns,
-                waited_ns,
-                token,
-            } => Ok(self.permit(costs, waited_ns).with_grant(GrantRef {
-                at_ns,
-                token: Some(token),
-                owed: None,
-            })),
-            Outcome::TimedOut { waited_ns } => Err(to_py(
-                py,
-                Error::WaitTimeout {
-                    waited_ns,
-                    retry_after_ns: py.detach(|| self.queue.retry_after_ns(costs)),
-                },
-            )),
-        }
-    }
-
-    /// Leaves the queue after an interruption: removed, or the grant that won the race
-    /// is given back. Exactly once either way.
-    fn abandon(&self, ticket: u64, slot: &Slot, costs: &[u64]) {
-        if self.queue.cancel(ticket) == Cancelled::NotQueued {
-            if let Some(Outcome::Granted { token, .. }) = slot.take() {
-                self.queue.give_back(costs, Some(token));
-            }
+    fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
+        let mut host = PyHost { py };
+        match self.acquire_blocking(&mut host, costs, class, timeout_ns) {
+            Ok(p) => Ok(PermitPy { inner: p }),
+            Err(Stopped::Failed(e)) => Err(to_py(py, e)),
+            Err(Stopped::Interrupted(e)) => Err(e),
         }
     }
 }
@@ -184,51 +125,39 @@ pub(crate) fn is_main_thread(py: Python<'_>) -> bool {
 /// What a grant gave: context manager; a Concurrency permit is returned on exit.
 #[pyclass(frozen, name = "Permit", module = "ratequeue")]
 pub struct PermitPy {
-    owner: Arc<dyn PermitOwner>,
-    costs: Mutex<Vec<u64>>,
-    waited_ns: u64,
-    released: AtomicBool,
-    /// The grant, for settling by the one undo rule (locked after `costs`).
-    grant: Mutex<GrantRef>,
-    /// The fork generation it was granted in: in a forked child every permit starts
-    /// free, so one from before the fork gives nothing back there.
-    fork_gen: u64,
+    inner: Permit,
 }
 
 impl PermitPy {
     /// A permit of `owner` holding `costs`, granted after `waited_ns` in the queue.
     pub fn new(owner: Arc<dyn PermitOwner>, costs: &[u64], waited_ns: u64) -> PermitPy {
         PermitPy {
-            owner,
-            costs: Mutex::new(costs.to_vec()),
-            waited_ns,
-            released: AtomicBool::new(false),
-            grant: Mutex::new(GrantRef::default()),
-            fork_gen: ratequeue_core::fork::generation(),
+            inner: Permit::new(owner, costs, waited_ns, GrantRef::default()),
         }
     }
 
     /// True when granted in this process (not inherited across a fork).
     pub fn granted_here(&self) -> bool {
-        self.fork_gen == ratequeue_core::fork::generation()
+        self.inner.granted_here()
     }
 
     /// The same permit, knowing its grant (when it was taken, and its token).
     pub fn with_grant(self, grant: GrantRef) -> PermitPy {
-        *self.grant.lock().unwrap_or_else(|e| e.into_inner()) = grant;
-        self
+        PermitPy {
+            inner: self.inner.with_grant(grant),
+        }
     }
 
     /// Marks the permit released; true if this call did (the first one).
     pub(crate) fn mark_released(&self) -> bool {
-        !self.released.swap(true, Ordering::AcqRel)
+        self.inner.mark_released()
     }
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
-        let costs = copy_unblocked(&self.costs);
-        let grant = copy_unblocked(&self.grant);
-        PermitPy::new(owner, &costs, self.waited_ns).with_grant(grant)
+        PermitPy {
+            inner: self.inner.rehome(owner, &Unblocked),
+        }
     }
 }
 
@@ -237,33 +166,26 @@ impl PermitPy {
     /// Seconds spent in the queue (arrival to grant, in schedule time).
     #[getter]
     fn waited(&self) -> f64 {
-        self.waited_ns as f64 / 1e9
+        self.inner.waited_ns() as f64 / 1e9
     }
 
     /// The grant's schedule time, in nanoseconds of the limiter's clock (its
     /// `now_ns()`): when the capacity was taken, whenever the holder woke up.
     #[getter]
     fn granted_at_ns(&self) -> u64 {
-        copy_unblocked(&self.grant).at_ns
+        self.inner.held(&Unblocked).1.at_ns
     }
 
     /// True once released.
     #[getter]
     fn released(&self) -> bool {
-        self.released.load(Ordering::Acquire)
+        self.inner.released()
     }
 
     /// Returns a Concurrency permit now (a rate grant has nothing to return); only the
     /// first call has an effect. Returns True if this call released it.
     pub(crate) fn release(&self) -> bool {
-        if self.released.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        if self.owner.returns_on_exit() && self.granted_here() {
-            let costs = copy_unblocked(&self.costs);
-            self.owner.give_back(&costs);
-        }
-        true
+        self.inner.release(&Unblocked)
     }
 
     /// Corrects the costs this grant was admitted with (an estimate, e.g. prompt +
@@ -273,7 +195,7 @@ impl PermitPy {
     /// called again; each call settles against the previous one.
     #[pyo3(signature = (**costs))]
     fn settle(&self, costs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        let units = self.owner.units();
+        let units = self.inner.owner().units();
         if units.is_empty() {
             return Err(crate::errors::wrong_type("a Concurrency permit has no costs to settle"));
         }
@@ -287,25 +209,16 @@ impl PermitPy {
                 named.push((i, crate::args::cost(&name, &v)?));
             }
         }
-        // This permit's locks are held across the core call: taken without the GIL.
-        unblocked(|| {
-            let mut cur = self.costs.lock().unwrap_or_else(|e| e.into_inner());
-            let mut actual = cur.clone();
-            for &(i, c) in &named {
-                actual[i] = c;
-            }
-            let mut grant = self.grant.lock().unwrap_or_else(|e| e.into_inner());
-            *grant = self.owner.settle(&cur, &actual, *grant);
-            *cur = actual;
-        });
+        // Locks are tried first; only a busy one is waited for, detached from Python.
+        self.inner.settle(&named, &Unblocked);
         Ok(())
     }
 
     /// The costs this permit holds, by unit.
     #[getter]
     fn costs(&self) -> std::collections::HashMap<String, u64> {
-        let c = copy_unblocked(&self.costs);
-        self.owner.units().iter().cloned().zip(c).collect()
+        let (c, _) = self.inner.held(&Unblocked);
+        self.inner.owner().units().iter().cloned().zip(c).collect()
     }
 
     fn __enter__(slf: Py<Self>) -> Py<Self> {
@@ -323,8 +236,45 @@ impl PermitPy {
     }
 }
 
+/// Default bound on queue depth: waiting never grows memory without limit.
+pub const DEFAULT_MAX_QUEUE: usize = 100_000;
+
+/// A queue over `resource` from the Python arguments shared by Limiter and Concurrency.
+#[allow(clippy::too_many_arguments)]
+pub fn new_gate(
+    py: Python<'_>,
+    resource: Arc<dyn ratequeue_core::Resource>,
+    units: usize,
+    clock: AnyClock,
+    classes: Option<&Bound<'_, PyAny>>,
+    max_queue: Option<&Bound<'_, PyAny>>,
+    max_wait_ns: Option<u64>,
+    unit_names: Vec<String>,
+) -> PyResult<Arc<Gate>> {
+    let returns_on_exit = unit_names.is_empty();
+    let mut list = Vec::new();
+    if let Some(c) = classes {
+        let d = c
+            .cast::<PyDict>()
+            .map_err(|_| type_err("classes", "a dict of class name to weight", c))?;
+        for (k, v) in d.iter() {
+            let name = crate::args::text("classes", &k).map_err(|_| type_err("classes", "str names", &k))?;
+            let w = crate::args::positive(&format!("classes[{name:?}]"), &v)?;
+            list.push((name, w));
+        }
+    }
+    let max_queue = match max_queue {
+        None => DEFAULT_MAX_QUEUE,
+        Some(m) => usize::try_from(size("max_queue", m, u64::MAX)?).unwrap_or(usize::MAX),
+    };
+    let config = QueueConfig::new(list, max_queue, max_wait_ns).map_err(|e| to_py(py, e))?;
+    // A new queue registers for fork safety: without the GIL.
+    let queue = py.detach(|| WaitQueue::new(resource, units, clock, config));
+    Ok(Gate::new(queue, unit_names, returns_on_exit))
+}
+
 /// The live queue-wait histogram of a class (None: the first class).
-pub fn wait_histogram(gate: &Gate, priority: Option<&Bound<'_, PyAny>>) -> PyResult<HistogramPy> {
+pub fn wait_histogram(gate: &Arc<Gate>, priority: Option<&Bound<'_, PyAny>>) -> PyResult<HistogramPy> {
     let class = gate.class(priority)?;
     let h = gate.queue.wait_histogram(class).expect("class index checked");
     Ok(HistogramPy { inner: h.clone() })

@@ -123,6 +123,11 @@ impl Resource for Limiter {
         }
     }
 
+    fn try_settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> Option<GrantRef> {
+        // One rate settles lock-free; several serialise on a lock.
+        (self.buckets.len() == 1).then(|| self.settle(estimated, actual, grant))
+    }
+
     fn service_ns(&self, costs: &[u64]) -> f64 {
         self.buckets
             .iter()

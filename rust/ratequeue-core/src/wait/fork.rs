@@ -1,0 +1,61 @@
+//! Fork: the queue's lock held across fork(2), and the waiters a child inherited.
+
+use super::*;
+
+struct QueueHold<'a> {
+    queue: &'a WaitQueue,
+    inner: MutexGuard<'a, Inner>,
+}
+
+impl crate::fork::Held for QueueHold<'_> {
+    fn in_child(&mut self) {
+        self.queue.forget_inherited(&mut self.inner);
+    }
+}
+
+impl crate::fork::ForkLocks for WaitQueue {
+    fn rank(&self) -> crate::fork::Rank {
+        crate::fork::Rank::Queue
+    }
+
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn crate::fork::Held + 'a>>) {
+        held.push(Box::new(QueueHold {
+            queue: self,
+            inner: lock(&self.inner),
+        }));
+    }
+}
+
+impl WaitQueue {
+    /// In a forked child, drops the waiters queued in the parent (once); true if the
+    /// queue is now empty because of that.
+    #[cold]
+    pub(super) fn drop_inherited(&self) -> bool {
+        if self.generation.load(Ordering::Acquire) == crate::fork::generation() {
+            return false;
+        }
+        let mut g = lock(&self.inner);
+        self.forget_inherited(&mut g);
+        g.len == 0
+    }
+
+    /// Drops the waiters queued before the last fork (their threads and loops are not
+    /// in this process), once.
+    pub(super) fn forget_inherited(&self, g: &mut Inner) {
+        let now_gen = crate::fork::generation();
+        if self.generation.swap(now_gen, Ordering::AcqRel) != now_gen {
+            for c in g.classes.iter_mut() {
+                c.waiters.clear();
+                c.queued.iter_mut().for_each(|q| *q = 0);
+                c.last_finish = 0.0;
+            }
+            g.where_is.clear();
+            g.deadlines.clear();
+            g.reserved.clear();
+            g.len = 0;
+            g.vtime = 0.0;
+            self.waiting.store(0, Ordering::Release);
+            self.scheduled.store(u64::MAX, Ordering::Release);
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Permits: what a grant holds (costs and its [`GrantRef`]), released or settled once
+//! against its owner by the one undo rule, never waiting for a lock inside the host's
+//! own lock unless that lock is busy (see [`Detach`]).
+
+use super::*;
+
+/// How a host runs a call that may wait (for a lock or an outcome): Python detaches from
+/// the interpreter there, so no thread waits on a core lock while holding the GIL.
+pub trait Detach {
+    /// Runs `f`, which may wait, outside the host's lock.
+    fn detached<T: Send, F: FnOnce() -> T + Send>(&self, f: F) -> T;
+}
+
+/// A host without a lock of its own (Rust callers): a call that may wait just runs.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Inline;
+
+impl Detach for Inline {
+    #[inline]
+    fn detached<T: Send, F: FnOnce() -> T + Send>(&self, f: F) -> T {
+        f()
+    }
+}
+
+/// What a permit returns to when released or settled.
+pub trait PermitOwner: Send + Sync {
+    /// Unit names, indexed as the costs (empty: nothing to settle).
+    fn units(&self) -> &[String];
+    /// True when the permit is returned on exit (a semaphore).
+    fn returns_on_exit(&self) -> bool;
+    /// Returns the permits of a grant.
+    fn give_back(&self, costs: &[u64]);
+    /// [`PermitOwner::give_back`] without waiting for a lock: false (nothing done) when
+    /// one is busy (by default always).
+    fn try_give_back(&self, _costs: &[u64]) -> bool {
+        false
+    }
+    /// Settles estimated costs to actual ones by the one undo rule; returns the grant
+    /// as it now stands, for the next settle.
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef;
+    /// [`PermitOwner::settle`] without waiting for a lock: None (nothing changed) when
+    /// one is busy (by default always).
+    fn try_settle(&self, _estimated: &[u64], _actual: &[u64], _grant: GrantRef) -> Option<GrantRef> {
+        None
+    }
+}
+
+/// What a permit holds: its costs and its grant, changed together by a settle.
+#[derive(Clone, Debug)]
+struct Held {
+    costs: Vec<u64>,
+    grant: GrantRef,
+}
+
+impl Held {
+    /// The costs with `named` (unit index, cost) replaced.
+    fn actual(&self, named: &[(usize, u64)]) -> Vec<u64> {
+        let mut actual = self.costs.clone();
+        for &(i, c) in named {
+            actual[i] = c;
+        }
+        actual
+    }
+}
+
+/// A grant held by its caller: released at most once, settled any number of times, and
+/// worth nothing in a process forked after it was granted (the child starts free).
+pub struct Permit {
+    owner: Arc<dyn PermitOwner>,
+    held: Mutex<Held>,
+    waited_ns: u64,
+    released: AtomicBool,
+    fork_gen: u64,
+}
+
+impl std::fmt::Debug for Permit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Permit")
+            .field("waited_ns", &self.waited_ns)
+            .field("released", &self.released())
+            .finish()
+    }
+}
+
+impl Permit {
+    /// A permit of `owner` holding `costs` under `grant`, after `waited_ns` in the queue.
+    pub fn new(owner: Arc<dyn PermitOwner>, costs: &[u64], waited_ns: u64, grant: GrantRef) -> Permit {
+        Permit {
+            owner,
+            held: Mutex::new(Held {
+                costs: costs.to_vec(),
+                grant,
+            }),
+            waited_ns,
+            released: AtomicBool::new(false),
+            fork_gen: crate::fork::generation(),
+        }
+    }
+
+    /// The same permit under `grant` instead.
+    pub fn with_grant(self, grant: GrantRef) -> Permit {
+        let mut h = self.held.into_inner().unwrap_or_else(|e| e.into_inner());
+        h.grant = grant;
+        Permit {
+            held: Mutex::new(h),
+            ..self
+        }
+    }
+
+    /// What it returns to.
+    pub fn owner(&self) -> &Arc<dyn PermitOwner> {
+        &self.owner
+    }
+
+    /// Nanoseconds spent in the queue, arrival to grant, in schedule time.
+    pub fn waited_ns(&self) -> u64 {
+        self.waited_ns
+    }
+
+    /// True once released.
+    pub fn released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
+    }
+
+    /// True when granted in this process (not inherited across a fork).
+    pub fn granted_here(&self) -> bool {
+        self.fork_gen == crate::fork::generation()
+    }
+
+    /// Marks the permit released without returning anything; true if this call did (the
+    /// first one).
+    pub fn mark_released(&self) -> bool {
+        !self.released.swap(true, Ordering::AcqRel)
+    }
+
+    /// Its costs and grant now, waiting for its lock through `d` only when it is busy.
+    pub fn held(&self, d: &impl Detach) -> (Vec<u64>, GrantRef) {
+        let h = match self.held.try_lock() {
+            Ok(g) => g.clone(),
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().clone(),
+            Err(std::sync::TryLockError::WouldBlock) => d.detached(|| lock(&self.held).clone()),
+        };
+        (h.costs, h.grant)
+    }
+
+    /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
+    pub fn rehome(&self, owner: Arc<dyn PermitOwner>, d: &impl Detach) -> Permit {
+        let (costs, grant) = self.held(d);
+        Permit::new(owner, &costs, self.waited_ns, grant)
+    }
+
+    /// Releases the permit: a semaphore's permits go back (only when granted in this
+    /// process). Only the first call has an effect; true if this call released it.
+    pub fn release(&self, d: &impl Detach) -> bool {
+        if !self.mark_released() {
+            return false;
+        }
+        if self.owner.returns_on_exit() && self.granted_here() {
+            let (costs, _) = self.held(d);
+            if !self.owner.try_give_back(&costs) {
+                d.detached(|| self.owner.give_back(&costs));
+            }
+        }
+        true
+    }
+
+    /// Settles the costs to `named` (unit index, actual cost; units not named keep
+    /// theirs) by the one undo rule: refunds the difference or charges the overage.
+    /// Each call settles against the previous one. Waits (through `d`) only when a lock
+    /// it needs is busy.
+    pub fn settle(&self, named: &[(usize, u64)], d: &impl Detach) {
+        if let Ok(mut h) = self.held.try_lock() {
+            let actual = h.actual(named);
+            if let Some(grant) = self.owner.try_settle(&h.costs, &actual, h.grant) {
+                *h = Held { costs: actual, grant };
+                return;
+            }
+        }
+        d.detached(|| {
+            let mut h = lock(&self.held);
+            let actual = h.actual(named);
+            let grant = self.owner.settle(&h.costs, &actual, h.grant);
+            *h = Held { costs: actual, grant };
+        });
+    }
+}
