@@ -43,6 +43,30 @@ impl KeyHasher {
         x.max(1)
     }
 
+    /// The non-negative integer whose key is `h` before the empty mark (tests only).
+    #[cfg(test)]
+    pub(crate) fn int_preimage(&self, h: u64) -> u64 {
+        fn unshift(y: u64, s: u32) -> u64 {
+            let mut x = y;
+            for _ in 0..64 / s {
+                x = y ^ (x >> s);
+            }
+            x
+        }
+        fn inverse(a: u64) -> u64 {
+            let mut x = a;
+            for _ in 0..6 {
+                x = x.wrapping_mul(2u64.wrapping_sub(a.wrapping_mul(x)));
+            }
+            x
+        }
+        let mut x = unshift(h, 29).wrapping_mul(inverse(self.k1));
+        x = unshift(x, 32).wrapping_mul(inverse(0x9E37_79B9_7F4A_7C15));
+        let k = x ^ self.k0;
+        debug_assert_eq!(self.mix(k, self.k0), h.max(1));
+        k
+    }
+
     /// The key of a non-negative integer `k` (a uint64 value).
     #[inline]
     pub fn int(&self, k: u64) -> u64 {
