@@ -30,7 +30,6 @@ pub use resources::{KeyBucket, KeyPermits};
 pub use semaphore::KeyedSemaphore;
 use table::Table;
 
-const EMPTY: u64 = 0;
 /// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 4) and its
 /// live evictions (mod 4) above.
 const ERA_SHIFT: u32 = 62;
@@ -254,7 +253,7 @@ impl KeyedLimiter {
             let full: Vec<u64> = t
                 .slots
                 .iter()
-                .filter(|s| s.key != EMPTY)
+                .filter(|s| s.used())
                 .filter(|s| {
                     if s.tat > now_ticks {
                         next_full = next_full.min(s.tat);
@@ -282,7 +281,7 @@ impl KeyedLimiter {
         while k < n && (k < SAMPLE || nearest.is_none()) {
             let i = (t.cursor + k) % n;
             let s = t.slots[i];
-            if s.key != EMPTY && nearest.is_none_or(|(tat, _)| s.tat < tat) {
+            if s.used() && nearest.is_none_or(|(tat, _)| s.tat < tat) {
                 nearest = Some((s.tat, i));
             }
             k += 1;
@@ -687,7 +686,7 @@ impl KeyedLimiter {
             let full: Vec<u64> = t
                 .slots
                 .iter()
-                .filter(|s| s.key != EMPTY && s.tat <= now)
+                .filter(|s| s.used() && s.tat <= now)
                 .map(|s| s.key)
                 .collect();
             for k in &full {
