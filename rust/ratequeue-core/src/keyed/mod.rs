@@ -423,6 +423,7 @@ impl KeyedLimiter {
         // own requests in order: the decisions are those of the loop), then take each
         // shard's lock once per chunk and walk its group, prefetching a few slots ahead.
         const CHUNK: usize = 4096;
+        const AHEAD: usize = 8;
         let n = self.shards.len();
         let shard_of = |k: u64| {
             if self.shard_bits == 0 {
@@ -456,8 +457,13 @@ impl KeyedLimiter {
                 let mut t = lock(&self.shards[sh].0);
                 let p = self.params_at(&mut t, now);
                 let now_ticks = p.ticks(now);
+                // The group's first slots all at once (their misses overlap), then each
+                // one a few keys ahead.
+                for &ahead in group.iter().take(AHEAD) {
+                    t.prefetch(chunk[ahead as usize]);
+                }
                 for (j, &i) in group.iter().enumerate() {
-                    if let Some(&ahead) = group.get(j + 8) {
+                    if let Some(&ahead) = group.get(j + AHEAD) {
                         t.prefetch(chunk[ahead as usize]);
                     }
                     let (i, key) = (base + i as usize, chunk[i as usize]);
