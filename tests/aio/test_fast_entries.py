@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 from typing import Any
 
 import pytest
@@ -190,3 +191,31 @@ def test_a_wait_driven_by_hand_sends_and_stops_like_a_coroutine() -> None:
         assert stop.value.value is permit
 
     asyncio.run(main())
+
+
+def test_loops_in_two_threads_each_get_their_own_futures() -> None:
+    # The running loop is read per thread: a wait resolves on the loop that awaited it
+    # (a future of the other thread's loop would raise or never be resolved here).
+    lim = rq.Limiter(rq.Rate(2_000, burst=1))
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        async def main() -> int:
+            waits = asyncio.gather(*(lim.acquire_async() for _ in range(20)))
+            permits = await asyncio.wait_for(waits, 20)
+            return sum(isinstance(p, rq.Permit) for p in permits)
+
+        try:
+            got.append(asyncio.run(main()))
+        except BaseException as e:  # reported by the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=60)
+    assert not any(t.is_alive() for t in threads)
+    assert errors == []
+    assert got == [20, 20]
