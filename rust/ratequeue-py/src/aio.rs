@@ -9,12 +9,16 @@
 
 use std::cell::RefCell;
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
+use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
 use pyo3::exceptions::PyStopIteration;
+use pyo3::ffi;
+use pyo3::panic::PanicException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyTuple, PyWeakrefReference};
+use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
 use pyo3::{intern, PyTraverseError, PyVisit};
 use ratequeue_core::queue::{Cancelled, Channel};
 use ratequeue_core::{Error, GrantRef, Outcome, Submitted, Wake};
@@ -116,11 +120,63 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
+/// Hashes tickets (one sequence for the process): consecutive tickets keep consecutive
+/// slots (their low bits are kept), the top bits mixed for the table's tags.
+#[derive(Default, Clone, Copy)]
+struct TicketHash(u64);
+
+impl Hasher for TicketHash {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for b in bytes {
+            self.write_u64(self.0.rotate_left(8) ^ u64::from(*b));
+        }
+    }
+
+    fn write_u64(&mut self, t: u64) {
+        self.0 = t ^ (t.wrapping_mul(0x9E37_79B9_7F4A_7C15) & (0x7F << 57));
+    }
+}
+
+/// A map by ticket.
+type ByTicket<V> = HashMap<u64, V, BuildHasherDefault<TicketHash>>;
+
+/// The costs of an acquire: up to two units inline (no allocation), more on the heap.
+enum Costs {
+    Inline([u64; 2], usize),
+    Heap(Vec<u64>),
+}
+
+impl Costs {
+    fn new(c: &[u64]) -> Costs {
+        match *c {
+            [] => Costs::Inline([0; 2], 0),
+            [a] => Costs::Inline([a, 0], 1),
+            [a, b] => Costs::Inline([a, b], 2),
+            _ => Costs::Heap(c.to_vec()),
+        }
+    }
+}
+
+impl std::ops::Deref for Costs {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        match self {
+            Costs::Inline(a, n) => &a[..*n],
+            Costs::Heap(v) => v,
+        }
+    }
+}
+
 /// What a queued async acquire shares with the channel it waits on: enough to build its
 /// permit, and to settle it after its loop is gone (no Python object of the loop).
 pub(crate) struct AcqShared {
     gate: Arc<Gate>,
-    costs: Vec<u64>,
+    costs: Costs,
     class: usize,
     timeout_ns: Option<u64>,
     permit: OnceLock<Py<PermitPy>>,
@@ -221,7 +277,7 @@ impl AcquiringPy {
         AcquiringPy {
             shared: Arc::new(AcqShared {
                 gate: gate.clone(),
-                costs: costs.to_vec(),
+                costs: Costs::new(costs),
                 class,
                 timeout_ns,
                 permit: OnceLock::new(),
@@ -277,9 +333,9 @@ impl AcquiringPy {
         a
     }
 
-    /// One step of the wait: the future to wait for, or the end (StopIteration with the
-    /// permit, or the error).
-    fn step(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+    /// One step of the wait: the future to wait for, or the end (the permit, or the
+    /// error).
+    fn step(&self, py: Python<'_>) -> PyResult<Step> {
         let mut w = lock(&self.wait);
         match &*w {
             Wait::Idle => {
@@ -295,7 +351,7 @@ impl AcquiringPy {
             Wait::Queued { ticket, side } => {
                 if let Some(p) = self.shared.permit.get() {
                     *w = Wait::Done;
-                    return Err(stop(py, p.clone_ref(py).into_any()));
+                    return Ok(Step::Return(p.clone_ref(py).into_any()));
                 }
                 // Resumed before its outcome (driven by hand): wait for the same future.
                 let fut = lock(&side.futs).get(ticket).map(|f| f.clone_ref(py));
@@ -303,13 +359,13 @@ impl AcquiringPy {
                 match fut {
                     Some(f) => {
                         f.bind(py).setattr(intern!(py, "_asyncio_future_blocking"), true)?;
-                        Ok(f)
+                        Ok(Step::Yield(f))
                     }
                     None => Err(misuse("this acquire's wait ended without a permit")),
                 }
             }
             Wait::Done => match self.shared.permit.get() {
-                Some(p) => Err(stop(py, p.clone_ref(py).into_any())),
+                Some(p) => Ok(Step::Return(p.clone_ref(py).into_any())),
                 None => Err(misuse(
                     "this acquire already ended without a permit: call acquire_async() again",
                 )),
@@ -317,15 +373,21 @@ impl AcquiringPy {
         }
     }
 
-    /// Submits on the running loop's channel: the permit (StopIteration) when granted at
-    /// once, else the loop's future registered under the ticket.
-    fn begin(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let (event_loop, waiters) = running_waiters(py)?;
+    /// Submits on the running loop's channel: the permit when granted at once, else the
+    /// loop's future registered under the ticket.
+    fn begin(&self, py: Python<'_>) -> PyResult<Step> {
+        let (event_loop, waiters, plain) = running_waiters(py)?;
         let side = waiters.get().inner.clone();
         if side.chan.is_closed() {
             return Err(channel_closed());
         }
-        let fut = event_loop.call_method0(intern!(py, "create_future"))?;
+        let fut = if plain {
+            let kw = PyDict::new(py);
+            kw.set_item(intern!(py, "loop"), &event_loop)?;
+            FUTURE.import(py, "asyncio.futures", "Future")?.call((), Some(&kw))?
+        } else {
+            event_loop.call_method0(intern!(py, "create_future"))?
+        };
         let sh = &self.shared;
         let chan = side.chan.clone();
         let q = &sh.gate.queue;
@@ -339,7 +401,7 @@ impl AcquiringPy {
                 let _ = sh.submitted_ns.set(now);
                 *lock(&self.wait) = Wait::Done;
                 let p = sh.granted(py, 0, None)?;
-                return Err(stop(py, p.into_any()));
+                return Ok(Step::Return(p.into_any()));
             }
             Ok((Submitted::Queued(t), now)) => {
                 let _ = sh.submitted_ns.set(now);
@@ -351,7 +413,7 @@ impl AcquiringPy {
         lock(&side.futs).insert(ticket, fut.clone().unbind());
         *lock(&self.wait) = Wait::Queued { ticket, side };
         fut.setattr(intern!(py, "_asyncio_future_blocking"), true)?;
-        Ok(fut.unbind())
+        Ok(Step::Yield(fut.unbind()))
     }
 
     /// Ends the wait from outside (an exception thrown in, or close): leaves the queue,
@@ -383,6 +445,90 @@ fn leave(sh: &AcqShared, ticket: u64, side: &LoopSide) {
     drop(fut);
 }
 
+/// One step of an awaitable: it waits for this future, or it ends with this value.
+enum Step {
+    Yield(Py<PyAny>),
+    Return(Py<PyAny>),
+}
+
+impl Step {
+    /// As `__next__` gives it: the future, or StopIteration with the value.
+    fn into_next(self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        match self {
+            Step::Yield(f) => Ok(f),
+            Step::Return(v) => Err(stop(py, v)),
+        }
+    }
+}
+
+/// `am_send` of an awaitable of type `T`: the step as a send result, so the interpreter
+/// takes an end value without an exception object. No panic leaves it.
+unsafe extern "C" fn am_send<T: Stepping>(
+    slf: *mut ffi::PyObject,
+    _arg: *mut ffi::PyObject,
+    result: *mut *mut ffi::PyObject,
+) -> ffi::PySendResult {
+    // SAFETY: the interpreter calls am_send attached, with a live `slf` of this slot's
+    // type and a valid `result`.
+    let py = unsafe { Python::assume_attached() };
+    let out = catch_unwind(AssertUnwindSafe(|| {
+        let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
+        obj.cast::<T>().map_err(PyErr::from)?.get().step_py(py)
+    }));
+    let (ptr, status) = match out {
+        Ok(Ok(Step::Yield(f))) => (f.into_ptr(), ffi::PySendResult::PYGEN_NEXT),
+        Ok(Ok(Step::Return(v))) => (v.into_ptr(), ffi::PySendResult::PYGEN_RETURN),
+        Ok(Err(e)) => {
+            e.restore(py);
+            (std::ptr::null_mut(), ffi::PySendResult::PYGEN_ERROR)
+        }
+        Err(_) => {
+            PanicException::new_err("a ratequeue awaitable panicked").restore(py);
+            (std::ptr::null_mut(), ffi::PySendResult::PYGEN_ERROR)
+        }
+    };
+    // SAFETY: `result` is the caller's out pointer.
+    unsafe { *result = ptr };
+    status
+}
+
+/// An awaitable whose steps `am_send` gives.
+trait Stepping: pyo3::PyClass<Frozen = pyo3::pyclass::boolean_struct::True> + Sync {
+    fn step_py(&self, py: Python<'_>) -> PyResult<Step>;
+}
+
+impl Stepping for Ready {
+    fn step_py(&self, py: Python<'_>) -> PyResult<Step> {
+        Ok(Step::Return(self.value.clone_ref(py)))
+    }
+}
+
+impl Stepping for AcquiringPy {
+    fn step_py(&self, py: Python<'_>) -> PyResult<Step> {
+        self.step(py)
+    }
+}
+
+fn install_send<T: Stepping>(py: Python<'_>) -> PyResult<()> {
+    let tp = py.get_type::<T>().as_type_ptr();
+    // SAFETY: a heap type of this module, attached; its async methods are its own.
+    unsafe {
+        let am = (*tp).tp_as_async;
+        if am.is_null() {
+            return Err(PyErr::fetch(py));
+        }
+        (*am).am_send = Some(am_send::<T>);
+        ffi::PyType_Modified(tp);
+    }
+    Ok(())
+}
+
+/// Gives the awaitables their `am_send` slot (PyO3 has no attribute for it).
+pub fn install(py: Python<'_>) -> PyResult<()> {
+    install_send::<Ready>(py)?;
+    install_send::<AcquiringPy>(py)
+}
+
 /// `StopIteration(value)`: the end of an awaitable with its result.
 /// The value is passed as is (not in a tuple), so the interpreter takes it without
 /// making an exception object (it is never a tuple or an exception here).
@@ -393,6 +539,8 @@ fn stop(py: Python<'_>, value: Py<PyAny>) -> PyErr {
 
 static RUNNING_WAITERS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static FUTURE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+static BASE_CREATE_FUTURE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// The last running loop this thread asked for and its waiters (both weak), in the
 /// fork generation they were found in.
@@ -400,31 +548,87 @@ struct LastLoop {
     generation: u64,
     event_loop: Py<PyWeakrefReference>,
     waiters: Py<PyWeakrefReference>,
+    /// The loop makes its futures as asyncio's base loop does (`Future(loop=loop)`).
+    plain: bool,
 }
 
 thread_local! {
     static LAST_LOOP: RefCell<Option<LastLoop>> = const { RefCell::new(None) };
 }
 
-/// The running loop and its waiters: from this thread's last answer when it is the same
-/// loop, else from ratequeue.aio (which makes the loop's channel on first use).
-fn running_waiters(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, LoopWaitersPy>)> {
-    let lp = GET_RUNNING_LOOP
-        .import(py, "asyncio.events", "_get_running_loop")?
-        .call0()?;
-    let generation = ratequeue_core::fork::generation();
-    if !lp.is_none() {
-        let hit = LAST_LOOP.with(|c| {
-            let c = c.borrow();
-            let last = c.as_ref().filter(|l| l.generation == generation)?;
-            if !last.event_loop.bind(py).upgrade().is_some_and(|l| l.is(&lp)) {
-                return None;
+/// True when `event_loop` makes its futures with asyncio's base `create_future`.
+fn plain_futures(py: Python<'_>, event_loop: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let base = BASE_CREATE_FUTURE.get_or_try_init(py, || {
+        py.import("asyncio.base_events")?
+            .getattr("BaseEventLoop")?
+            .getattr("create_future")
+            .map(Bound::unbind)
+    })?;
+    Ok(event_loop.get_type().getattr(intern!(py, "create_future"))?.is(base))
+}
+
+type Running<'py> = (Bound<'py, PyAny>, Bound<'py, LoopWaitersPy>, bool);
+
+/// asyncio's C holder of a thread's running loop on CPython 3.11.
+#[repr(C)]
+struct RunningLoopHolder {
+    ob_base: ffi::PyObject,
+    rl_loop: *mut ffi::PyObject,
+}
+
+/// The loop asyncio's accelerator holds as running in this thread, read where its own
+/// reader makes a getpid system call per read (CPython 3.11; the fork generation guards
+/// the cache instead); None elsewhere, or when no such holder is found.
+fn held_running_loop(py: Python<'_>) -> Option<*mut ffi::PyObject> {
+    static ON_311: PyOnceLock<bool> = PyOnceLock::new();
+    static HOLDER_KEY: PyOnceLock<Py<PyString>> = PyOnceLock::new();
+    if !*ON_311.get_or_init(py, || py.version_info() >= (3, 11) && py.version_info() < (3, 12)) {
+        return None;
+    }
+    let key = HOLDER_KEY.get_or_init(py, || PyString::intern(py, "__asyncio_running_event_loop__").unbind());
+    // SAFETY: attached; the thread's dict and its items are borrowed only for this read,
+    // and a `_RunningLoopHolder` (checked by its type's name) starts with its loop.
+    unsafe {
+        let d = ffi::PyThreadState_GetDict();
+        if d.is_null() {
+            return None;
+        }
+        let h = ffi::PyDict_GetItemWithError(d, key.as_ptr());
+        if h.is_null() {
+            if !ffi::PyErr_Occurred().is_null() {
+                ffi::PyErr_Clear();
             }
-            last.waiters.bind(py).upgrade()
-        });
-        if let Some(w) = hit {
+            return None;
+        }
+        let name = std::ffi::CStr::from_ptr((*ffi::Py_TYPE(h)).tp_name);
+        (name == c"_RunningLoopHolder").then(|| (*h.cast::<RunningLoopHolder>()).rl_loop)
+    }
+}
+
+/// The running loop, its waiters and whether it makes plain futures: from this thread's
+/// last answer when it is the same loop, else from ratequeue.aio (which makes the loop's
+/// channel on first use).
+fn running_waiters(py: Python<'_>) -> PyResult<Running<'_>> {
+    let generation = ratequeue_core::fork::generation();
+    let cached = LAST_LOOP.with(|c| {
+        let c = c.borrow();
+        let last = c.as_ref().filter(|l| l.generation == generation)?;
+        Some((
+            last.event_loop.bind(py).upgrade()?,
+            last.waiters.bind(py).upgrade()?,
+            last.plain,
+        ))
+    });
+    let lp = match &cached {
+        Some((l, _, _)) if held_running_loop(py) == Some(l.as_ptr()) => l.clone(),
+        _ => GET_RUNNING_LOOP
+            .import(py, "asyncio.events", "_get_running_loop")?
+            .call0()?,
+    };
+    if let Some((l, w, plain)) = cached {
+        if !lp.is_none() && l.is(&lp) {
             if let Ok(w) = w.cast_into::<LoopWaitersPy>() {
-                return Ok((lp, w));
+                return Ok((lp, w, plain));
             }
         }
     }
@@ -432,13 +636,15 @@ fn running_waiters(py: Python<'_>) -> PyResult<(Bound<'_, PyAny>, Bound<'_, Loop
         .import(py, "ratequeue.aio", "_running_waiters")?
         .call0()?;
     let (event_loop, waiters): (Bound<'_, PyAny>, Bound<'_, LoopWaitersPy>) = pair.extract()?;
+    let plain = plain_futures(py, &event_loop)?;
     let last = LastLoop {
         generation,
         event_loop: PyWeakrefReference::new(&event_loop)?.unbind(),
         waiters: PyWeakrefReference::new(&waiters)?.unbind(),
+        plain,
     };
     LAST_LOOP.with(|c| c.replace(Some(last)));
-    Ok((event_loop, waiters))
+    Ok((event_loop, waiters, plain))
 }
 
 /// acquire_async: on the fast path an already-done awaitable holding the permit (no
@@ -471,7 +677,7 @@ impl AcquiringPy {
     }
 
     fn __next__(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.step(py)
+        self.step(py)?.into_next(py)
     }
 
     /// Coroutine protocol (so `asyncio.create_task` accepts it): the first send queues,
@@ -479,7 +685,7 @@ impl AcquiringPy {
     #[pyo3(signature = (value, /))]
     fn send(&self, py: Python<'_>, value: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let _ = value;
-        self.step(py)
+        self.step(py)?.into_next(py)
     }
 
     /// Coroutine protocol: raises what is thrown in, after leaving the queue cleanly
@@ -568,7 +774,7 @@ impl AcquiringPy {
 }
 
 /// Queued async acquires of one channel, by ticket: settled by whoever takes one out.
-type Native = Arc<Mutex<HashMap<u64, Arc<AcqShared>>>>;
+type Native = Arc<Mutex<ByTicket<Arc<AcqShared>>>>;
 
 /// Outcomes for one event loop, signalled through a wake-up descriptor the channel
 /// owns (the loop reads it, never closes it).
@@ -674,7 +880,7 @@ fn outcome_tuples(v: Vec<(u64, Outcome)>) -> Vec<(u64, bool, u64, u64)> {
 pub(crate) struct LoopSide {
     chan: Arc<Channel>,
     native: Native,
-    futs: Mutex<HashMap<u64, Py<PyAny>>>,
+    futs: Mutex<ByTicket<Py<PyAny>>>,
 }
 
 /// The futures an event loop's tasks wait on, by ticket, and the native resolve of a
@@ -694,7 +900,7 @@ impl LoopWaitersPy {
             inner: Arc::new(LoopSide {
                 chan: c.inner.clone(),
                 native: c.native.clone(),
-                futs: Mutex::new(HashMap::new()),
+                futs: Mutex::new(ByTicket::default()),
             }),
         }
     }

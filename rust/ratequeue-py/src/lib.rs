@@ -54,5 +54,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;
     m.add_class::<aio::LoopWaitersPy>()?;
+    limiter::install(m.py())?;
+    aio::install(m.py())?;
     Ok(())
 }

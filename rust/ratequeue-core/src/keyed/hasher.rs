@@ -6,11 +6,10 @@ use std::hash::BuildHasher;
 /// Hashing of keys, one identity per key: an integer by its exact value, a string by its
 /// UTF-8 text and a byte string by its bytes, each kind in a domain of its own.
 ///
-/// The integer mix is a bijection of u64 per domain, but 0 is the table's empty mark:
-/// the one integer of each domain whose mix is 0 shares the hash of the one whose mix is
-/// 1 (a pair drawn at random per process). So distinct integers in [0, 2^64), or in
-/// [-2^63, 0), share a hash only for that pair; any other two distinct keys share one
-/// only by chance (about 2^-64 a pair, the price of keeping a 64-bit hash per key).
+/// The integer mix is a bijection of u64 per domain (every hash is a key, 0 included:
+/// the table marks empty slots apart). So distinct integers in [0, 2^64), or in
+/// [-2^63, 0), never share a hash; any other two distinct keys share one only by chance
+/// (about 2^-64 a pair, the price of keeping a 64-bit hash per key).
 #[derive(Clone, Debug)]
 pub struct KeyHasher {
     state: RandomState,
@@ -39,8 +38,31 @@ impl KeyHasher {
         let mut x = (k ^ seed).wrapping_mul(0x9E37_79B9_7F4A_7C15);
         x ^= x >> 32;
         x = x.wrapping_mul(self.k1);
-        x ^= x >> 29;
-        x.max(1)
+        x ^ (x >> 29)
+    }
+
+    /// The non-negative integer whose key is `h` (tests only).
+    #[cfg(test)]
+    pub(crate) fn int_preimage(&self, h: u64) -> u64 {
+        fn unshift(y: u64, s: u32) -> u64 {
+            let mut x = y;
+            for _ in 0..64 / s {
+                x = y ^ (x >> s);
+            }
+            x
+        }
+        fn inverse(a: u64) -> u64 {
+            let mut x = a;
+            for _ in 0..6 {
+                x = x.wrapping_mul(2u64.wrapping_sub(a.wrapping_mul(x)));
+            }
+            x
+        }
+        let mut x = unshift(h, 29).wrapping_mul(inverse(self.k1));
+        x = unshift(x, 32).wrapping_mul(inverse(0x9E37_79B9_7F4A_7C15));
+        let k = x ^ self.k0;
+        debug_assert_eq!(self.mix(k, self.k0), h);
+        k
     }
 
     /// The key of a non-negative integer `k` (a uint64 value).
@@ -63,18 +85,18 @@ impl KeyHasher {
     /// The key of a string (never equal to the same text as bytes or an int, but by chance).
     #[inline]
     pub fn str(&self, s: &str) -> u64 {
-        self.state.hash_one((1u8, s)).max(1)
+        self.state.hash_one((1u8, s))
     }
 
     /// The key of an integer outside [-2^63, 2^64), from its decimal digits (with a sign).
     #[inline]
     pub fn big_int(&self, digits: &str) -> u64 {
-        self.state.hash_one((3u8, digits)).max(1)
+        self.state.hash_one((3u8, digits))
     }
 
     /// The key of a byte string.
     #[inline]
     pub fn bytes(&self, b: &[u8]) -> u64 {
-        self.state.hash_one((2u8, b)).max(1)
+        self.state.hash_one((2u8, b))
     }
 }

@@ -30,7 +30,6 @@ pub use resources::{KeyBucket, KeyPermits};
 pub use semaphore::KeyedSemaphore;
 use table::Table;
 
-const EMPTY: u64 = 0;
 /// A key's TAT fits 60 bits; a token carries the shard's rebase count (mod 4) and its
 /// live evictions (mod 4) above.
 const ERA_SHIFT: u32 = 62;
@@ -278,7 +277,7 @@ impl KeyedLimiter {
             let full: Vec<u64> = t
                 .slots
                 .iter()
-                .filter(|s| s.key != EMPTY)
+                .filter(|s| s.used())
                 .filter(|s| {
                     if s.tat > now_ticks {
                         next_full = next_full.min(s.tat);
@@ -306,7 +305,7 @@ impl KeyedLimiter {
         while k < n && (k < SAMPLE || nearest.is_none()) {
             let i = (t.cursor + k) % n;
             let s = t.slots[i];
-            if s.key != EMPTY && nearest.is_none_or(|(tat, _)| s.tat < tat) {
+            if s.used() && nearest.is_none_or(|(tat, _)| s.tat < tat) {
                 nearest = Some((s.tat, i));
             }
             k += 1;
@@ -453,6 +452,7 @@ impl KeyedLimiter {
         // own requests in order: the decisions are those of the loop), then take each
         // shard's lock once per chunk and walk its group, prefetching a few slots ahead.
         const CHUNK: usize = 4096;
+        const AHEAD: usize = 8;
         let n = self.shards.len();
         let shard_of = |k: u64| {
             if self.shard_bits == 0 {
@@ -486,8 +486,13 @@ impl KeyedLimiter {
                 let mut t = lock(&self.shards[sh].0);
                 let p = self.params_at(&mut t, now);
                 let now_ticks = p.ticks(now);
+                // The group's first slots all at once (their misses overlap), then each
+                // one a few keys ahead.
+                for &ahead in group.iter().take(AHEAD) {
+                    t.prefetch(chunk[ahead as usize]);
+                }
                 for (j, &i) in group.iter().enumerate() {
-                    if let Some(&ahead) = group.get(j + 8) {
+                    if let Some(&ahead) = group.get(j + AHEAD) {
                         t.prefetch(chunk[ahead as usize]);
                     }
                     let (i, key) = (base + i as usize, chunk[i as usize]);
@@ -725,7 +730,7 @@ impl KeyedLimiter {
             let full: Vec<u64> = t
                 .slots
                 .iter()
-                .filter(|s| s.key != EMPTY && s.tat <= now)
+                .filter(|s| s.used() && s.tat <= now)
                 .map(|s| s.key)
                 .collect();
             for k in &full {

@@ -1,12 +1,30 @@
 //! One shard's table: open addressing with linear probing and backward-shift deletion,
-//! 16 bytes per key (its hash and its TAT).
+//! 16 bytes per key (its hash and its TAT). Every 64-bit hash is a key (0 included): a
+//! slot is empty when its TAT is [`VACANT`], a value no TAT takes (they fit 60 bits).
 
 use super::*;
 
-#[derive(Clone, Copy, Default)]
+/// The TAT of an empty slot.
+pub(super) const VACANT: u64 = u64::MAX;
+
+#[derive(Clone, Copy)]
 pub(super) struct Slot {
     pub(super) key: u64,
     pub(super) tat: u64,
+}
+
+impl Default for Slot {
+    fn default() -> Self {
+        Slot { key: 0, tat: VACANT }
+    }
+}
+
+impl Slot {
+    /// True when the slot holds a key.
+    #[inline]
+    pub(super) fn used(&self) -> bool {
+        self.tat != VACANT
+    }
 }
 
 /// One shard: linear probing, backward-shift deletion, grows up to its cap.
@@ -43,20 +61,21 @@ impl Table {
         let mut i = (key as usize) & mask;
         loop {
             let s = self.slots[i];
+            if !s.used() {
+                return None;
+            }
             if s.key == key {
                 return Some(i);
-            }
-            if s.key == EMPTY {
-                return None;
             }
             i = (i + 1) & mask;
         }
     }
 
     pub(super) fn insert_new(&mut self, key: u64, tat: u64) {
+        debug_assert!(tat <= crate::bucket::TAT_LIMIT);
         let mask = self.slots.len() - 1;
         let mut i = (key as usize) & mask;
-        while self.slots[i].key != EMPTY {
+        while self.slots[i].used() {
             i = (i + 1) & mask;
         }
         self.slots[i] = Slot { key, tat };
@@ -72,7 +91,7 @@ impl Table {
         loop {
             j = (j + 1) & mask;
             let s = self.slots[j];
-            if s.key == EMPTY {
+            if !s.used() {
                 return;
             }
             let home = (s.key as usize) & mask;
@@ -112,7 +131,7 @@ impl Table {
     pub(super) fn rebase(&mut self, params: &Params, at_ns: u64) {
         let epoch = epoch_for(at_ns);
         let shift = params.at_epoch(self.epoch).shift_to(epoch);
-        for s in self.slots.iter_mut().filter(|s| s.key != EMPTY) {
+        for s in self.slots.iter_mut().filter(|s| s.used()) {
             s.tat = s.tat.saturating_sub(shift);
         }
         self.next_full = self.next_full.saturating_sub(shift);
@@ -141,7 +160,7 @@ impl Table {
     pub(super) fn grow(&mut self, cap: usize) {
         let old = std::mem::replace(&mut self.slots, vec![Slot::default(); cap]);
         self.len = 0;
-        for s in old.into_iter().filter(|s| s.key != EMPTY) {
+        for s in old.into_iter().filter(|s| s.used()) {
             self.insert_new(s.key, s.tat);
         }
     }

@@ -104,6 +104,39 @@ mod keys {
     }
 
     #[test]
+    fn the_integers_hashing_to_zero_and_one_keep_their_own_buckets() {
+        let (k, _) = keyed(1.0, 1, 1000);
+        let h = k.hasher();
+        let (zero, one) = (h.int_preimage(0), h.int_preimage(1));
+        assert_ne!(zero, one);
+        assert_ne!(h.int(zero), h.int(one), "two distinct integers share a hash");
+        assert!(k.try_acquire(h.int(zero), 1).is_ok());
+        assert!(k.try_acquire(h.int(one), 1).is_ok(), "a fresh key found a spent bucket");
+        assert!(k.try_acquire(h.int(zero), 1).is_err());
+        assert!(k.try_acquire(h.int(one), 1).is_err());
+        assert_eq!(k.len(), 2);
+        assert_eq!(k.sweep(), 0);
+    }
+
+    #[test]
+    fn the_table_holds_hash_zero_like_any_other() {
+        let mut t = Table::default();
+        t.grow(8);
+        assert_eq!(t.find(0), None);
+        for (k, tat) in [(8u64, 1u64), (0, 2), (16, 3)] {
+            t.insert_new(k, tat);
+        }
+        assert_eq!(t.slots[t.find(0).unwrap()].tat, 2);
+        t.remove_at(t.find(8).unwrap());
+        assert_eq!(t.slots[t.find(0).unwrap()].tat, 2);
+        assert_eq!(t.slots[t.find(16).unwrap()].tat, 3);
+        t.grow(16);
+        assert_eq!(t.slots[t.find(0).unwrap()].tat, 2);
+        t.remove_at(t.find(0).unwrap());
+        assert_eq!((t.find(0), t.len), (None, 1));
+    }
+
+    #[test]
     fn keyed_semaphore_counts_per_key() {
         let s = KeyedSemaphore::new(2).unwrap();
         let a = s.hasher().str("a");
