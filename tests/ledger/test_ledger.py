@@ -608,7 +608,7 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
     monkeypatch.setattr(led, "release", release)
     if make.backend == "sqlite":  # type: ignore[attr-defined]
         # the hold runs in the writer thread's transaction while its caller is cancelled
-        real_hold_fn, real_release_fn = led._hold_fn, led._release_fn  # type: ignore[attr-defined]
+        real_hold_fn, real_release_fn = led._hold_call, led._release_call  # type: ignore[attr-defined]
 
         def hold_fn(*a):
             fn = real_hold_fn(*a)
@@ -620,8 +620,8 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
             return slow
 
-        def release_fn(rid):
-            fn = real_release_fn(rid)
+        def release_fn(rid, account=None):
+            fn = real_release_fn(rid, account)
 
             def counted(conn):
                 fn(conn)
@@ -629,8 +629,8 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
             return counted
 
-        monkeypatch.setattr(led, "_hold_fn", hold_fn)
-        monkeypatch.setattr(led, "_release_fn", release_fn)
+        monkeypatch.setattr(led, "_hold_call", hold_fn)
+        monkeypatch.setattr(led, "_release_call", release_fn)
         made = threading.Event()  # type: ignore[assignment]
     else:  # redis.asyncio: the script runs, then the reply is late
         made = asyncio.Event()  # type: ignore[assignment]
@@ -644,13 +644,13 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
             return r
 
         monkeypatch.setattr(led, "_aexec", slow_aexec)
-        real_release_flow = led._release_flow  # type: ignore[attr-defined]
+        real_release_flow = led._release_call  # type: ignore[attr-defined]
 
         def release_flow(rid, account=None):
             yield from real_release_flow(rid, account)
             given_back.set()
 
-        monkeypatch.setattr(led, "_release_flow", release_flow)
+        monkeypatch.setattr(led, "_release_call", release_flow)
 
     async def main() -> None:
         task = asyncio.ensure_future(led.hold_async("h", "acme", input_tokens=500))

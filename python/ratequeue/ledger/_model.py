@@ -83,6 +83,8 @@ def check_amount(name: str, v: object) -> int:
 
 def check_id(name: str, v: object, *, optional: bool = False) -> str:
     """A non-empty str of at most 256 characters."""
+    if type(v) is str and 0 < len(v) <= MAX_ID_LEN and v.isprintable():
+        return v
     if v is None and optional:
         return ""
     if not isinstance(v, str):
@@ -144,6 +146,21 @@ def check_thresholds(v: object) -> tuple[int, ...]:
 
 def amounts(input_tokens: int, output_tokens: int, calls: int) -> dict[str, int]:
     """The amount of each unit of one request (validated)."""
+    if (
+        type(input_tokens) is int
+        and type(output_tokens) is int
+        and type(calls) is int
+        and input_tokens >= 0
+        and output_tokens >= 0
+        and 0 <= calls <= MAX_AMOUNT
+        and input_tokens + output_tokens <= MAX_AMOUNT
+    ):
+        return {
+            "tokens": input_tokens + output_tokens,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "calls": calls,
+        }
     i = check_amount("input_tokens", input_tokens)
     o = check_amount("output_tokens", output_tokens)
     c = check_amount("calls", calls)

@@ -9,9 +9,10 @@ holds, fired thresholds), ``:r:<request id>`` (the request, kept ``retention``),
 ``:audit`` (compensation audit); the tag is the account, so one account's keys share a
 Redis Cluster slot. Integers must stay below 2**53 (Lua numbers are doubles).
 
-Each call is written once as a generator of Redis commands (``_*_flow``); ``_drive`` runs
-it on the blocking client and ``_adrive`` on a ``redis.asyncio`` client, so that the
-asyncio twins (``charge_async``...) wait on the event loop, not on a worker thread.
+Each call is written once as a generator of Redis commands (``_*_call``, ``_*_flow``);
+``_drive`` runs it on the blocking client and ``_adrive`` on a ``redis.asyncio`` client,
+so that the asyncio twins (``charge_async``...) wait on the event loop, not on a worker
+thread.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from ..ledger._base import LedgerBase
+from ..ledger._base import LedgerBase, _executor
 from ..ledger._model import (
     ClockLike,
     Plan,
@@ -244,6 +245,17 @@ class _RedisLedgerCore(LedgerBase):
                     step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+
+    def _call(self, call: _Flow[T]) -> T:
+        return self._drive(call)
+
+    async def _call_async(self, call: _Flow[T], undo: _Flow[Any] | None = None) -> T:
+        try:
+            return await self._adrive(call)
+        except asyncio.CancelledError:
+            if undo is not None:  # on the blocking client: no event loop needed
+                _executor().submit(self._drive, undo)
+            raise
 
     def _exec(self, step: _Step) -> Any:
         if step[0] != "eval":
