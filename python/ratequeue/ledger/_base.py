@@ -38,6 +38,7 @@ from ._model import (
     check_thresholds,
     clock_fn,
     fingerprint,
+    request_fingerprint,
     utc,
 )
 
@@ -213,7 +214,8 @@ class LedgerBase(abc.ABC):
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._call(self._charge_call(*args, fingerprint("charge", *args[1:])))  # type: ignore[no-any-return]
+        fp = request_fingerprint("charge", *args[1:])
+        return self._call(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
     def _parse_request(
         self,
@@ -248,7 +250,8 @@ class LedgerBase(abc.ABC):
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._call(self._hold_call(*args, fingerprint("hold", *args[1:])))  # type: ignore[no-any-return]
+        fp = request_fingerprint("hold", *args[1:])
+        return self._call(self._hold_call(*args, fp))  # type: ignore[no-any-return]
 
     def settle(
         self,
@@ -360,13 +363,14 @@ class LedgerBase(abc.ABC):
         """``charge`` awaited on the event loop (no worker thread); cancelled, it may still
         have counted: retry with the same id (a replay then)."""
         args = self._parse_request(request_id, account, **kw)
-        return await self._call_async(self._charge_call(*args, fingerprint("charge", *args[1:])))  # type: ignore[no-any-return]
+        fp = request_fingerprint("charge", *args[1:])
+        return await self._call_async(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
         """``hold`` awaited on the event loop; cancelled once made, the hold is given back
         (without the event loop: a loop closing meanwhile is fine)."""
         args = self._parse_request(request_id, account, **kw)
-        call = self._hold_call(*args, fingerprint("hold", *args[1:]))
+        call = self._hold_call(*args, request_fingerprint("hold", *args[1:]))
         return await self._call_async(call, self._release_call(request_id, account))  # type: ignore[no-any-return]
 
     async def settle_async(self, request_id: str, **kw: Any) -> Charge:

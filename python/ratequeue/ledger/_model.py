@@ -176,6 +176,19 @@ def fingerprint(*parts: str | int | dict[str, int] | None) -> str:
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
 
 
+def request_fingerprint(
+    kind: str, account: str, am: dict[str, int], model: str | None, parent: str | None, meta: str
+) -> str:
+    """``fingerprint(kind, account, am, model, parent, meta)`` of a charge or hold, the
+    same digest built without ``repr`` of the amounts dict (``amounts``' key order)."""
+    text = (
+        f"({kind!r}, {account!r}, {{'tokens': {am['tokens']}, 'input_tokens': "
+        f"{am['input_tokens']}, 'output_tokens': {am['output_tokens']}, 'calls': "
+        f"{am['calls']}}}, {model!r}, {parent!r}, {meta!r})"
+    )
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
 # -- periods -------------------------------------------------------------------------------
 
 

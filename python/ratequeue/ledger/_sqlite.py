@@ -21,8 +21,8 @@ from ._model import (
     Plan,
     UnknownRequest,
     conflict,
-    fingerprint,
     new_charge,
+    request_fingerprint,
 )
 from ._sqlite_store import (
     _ROW_COLS,
@@ -85,7 +85,7 @@ class SqliteLedger(SqliteStore):
             except (TypeError, ValueError, KeyError) as e:
                 ops.append(e)
                 continue
-            ops.append((args, fingerprint("charge", *args[1:])))
+            ops.append((args, request_fingerprint("charge", *args[1:])))
 
         return self._run(lambda conn: self._charge_batch(conn, ops))  # type: ignore[no-any-return]
 
