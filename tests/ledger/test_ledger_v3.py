@@ -189,3 +189,81 @@ def test_async_twins_and_sync_calls_share_one_path(make: Factory, clock: Any) ->
         assert s.tokens == 42 and led.balance("acme").used["tokens"] == 42
 
     asyncio.run(main())
+
+
+def test_charge_many_answers_each_request_on_both(make: Factory, clock: Any) -> None:
+    """The same batch, the same answers on SQLite (one transaction) and Redis (one
+    pipelined round trip, each charge its own script)."""
+    from ratequeue.ledger import Charge
+
+    led = make(clock)
+    led.set_plan("acme", Plan("p", tokens=100, period=Every(3_600)))
+    led.charge("old", "acme", input_tokens=10)
+    out = led.charge_many(
+        [
+            {"request_id": "a", "account": "acme", "input_tokens": 30},
+            {"request_id": "old", "account": "acme", "input_tokens": 10},  # a replay
+            {"request_id": "old", "account": "acme", "input_tokens": 11},  # a conflict
+            {"request_id": "b", "account": "acme", "input_tokens": 70},  # out of quota
+            {"request_id": "c", "account": "acme", "input_tokens": -1},  # invalid
+            {"request_id": "d", "account": "nobody"},  # unknown account
+            {"request_id": "e", "account": "acme", "tokens": 1},  # unknown key
+            {"request_id": "a", "account": "acme", "input_tokens": 30},  # replay in batch
+            {"request_id": "f", "account": "acme", "input_tokens": 60},
+        ]
+    )
+    kinds = [type(x).__name__ for x in out]
+    assert kinds == [
+        "Charge",
+        "Charge",
+        "IdempotencyConflict",
+        "QuotaExceeded",
+        "ValueError",
+        "UnknownAccount",
+        "TypeError",
+        "Charge",
+        "Charge",
+    ]
+    assert [x.replay for x in out if isinstance(x, Charge)] == [False, True, True, False]
+    assert led.balance("acme").used == {"tokens": 100}
+    assert sorted(c.request_id for c in led.iter_usage("acme")) == ["a", "f", "old"]
+
+
+def test_redis_charge_many_is_one_round_trip(make: Factory, clock: Any) -> None:
+    led = make(clock)
+    if type(led).__name__ != "RedisLedger":
+        return  # SQLite: one transaction, covered above
+    led.set_plan("acme", Plan("t", tokens=1_000, period=Every(3_600)))
+    led.charge("warm", "acme", input_tokens=1)  # the plan is cached
+    sent: list[int] = []
+    real = led._pipeline  # type: ignore[attr-defined]
+
+    def counting(steps: Any) -> Any:
+        sent.append(len(steps))
+        return real(steps)
+
+    led._pipeline = counting  # type: ignore[attr-defined]
+    reqs = [{"request_id": f"r{i}", "account": "acme", "input_tokens": 5} for i in range(50)]
+    assert all(not c.replay for c in led.charge_many(reqs))
+    assert sent == [50]
+    assert all(c.replay for c in led.charge_many(reqs))
+    assert led.balance("acme").used["tokens"] == 1 + 50 * 5
+    more = [{"request_id": f"q{i}", "account": "acme", "input_tokens": 10} for i in range(80)]
+    out = led.charge_many(more)  # crosses 80 % and 95 %, then runs out of quota
+    assert sum(1 for c in out if isinstance(c, QuotaExceeded)) == 80 - 74
+    assert led.balance("acme").used["tokens"] == 991
+    assert sorted(n.threshold for n in led.pending_notices()) == [0.8, 0.95]
+
+
+def test_redis_charge_many_after_a_script_flush(make: Factory, clock: Any) -> None:
+    """NOSCRIPT in the middle of a pipeline: those charges are sent again, none twice."""
+    led = make(clock)
+    if type(led).__name__ != "RedisLedger":
+        return
+    led.set_plan("acme", PRO)
+    led.charge("warm", "acme", input_tokens=1)
+    led.client.script_flush()  # type: ignore[attr-defined]
+    reqs = [{"request_id": f"s{i}", "account": "acme", "input_tokens": 3} for i in range(20)]
+    out = led.charge_many(reqs)
+    assert all(not isinstance(c, Exception) and not c.replay for c in out)
+    assert led.balance("acme").used["tokens"] == 1 + 20 * 3

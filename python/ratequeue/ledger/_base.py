@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
@@ -46,6 +46,19 @@ NoticeCallback = Callable[[Notice], "Awaitable[None] | None"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+_CHARGE_KEYS = frozenset(
+    (
+        "request_id",
+        "account",
+        "input_tokens",
+        "output_tokens",
+        "calls",
+        "model",
+        "parent_id",
+        "meta",
+    )
+)
 
 #: Kept at most per compensation report (totals always count every account).
 MAX_REPORT_ACTIONS = 1000
@@ -216,6 +229,38 @@ class LedgerBase(abc.ABC):
         )
         fp = request_fingerprint("charge", *args[1:])
         return self._call(self._charge_call(*args, fp))  # type: ignore[no-any-return]
+
+    def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
+        """Charges several requests (each as ``charge(**request)``) together: one
+        transaction in SQLite, one pipelined round trip in Redis; returns each one's
+        Charge or the error it raised (the others still count). After an error that is
+        not the request's own (a lost connection), retry it with the same id."""
+        ops: list[tuple[tuple[Any, ...], str] | Exception] = []
+        for r in requests:
+            try:
+                unknown = set(r) - _CHARGE_KEYS
+                if unknown:
+                    raise TypeError(f"unexpected keys {sorted(unknown)} in a charge")
+                args = self._request_args(
+                    r["request_id"],
+                    r["account"],
+                    r.get("input_tokens", 0),
+                    r.get("output_tokens", 0),
+                    r.get("calls", 1),
+                    r.get("model"),
+                    r.get("parent_id"),
+                    r.get("meta"),
+                )
+            except (TypeError, ValueError, KeyError) as e:
+                ops.append(e)
+                continue
+            ops.append((args, request_fingerprint("charge", *args[1:])))
+        return self._charge_many(ops)
+
+    @abc.abstractmethod
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
+        """Charges ``(arguments, fingerprint)`` pairs in order (an Exception item stays
+        that item's result)."""
 
     def _parse_request(
         self,

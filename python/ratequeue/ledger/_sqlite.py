@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
@@ -22,7 +22,6 @@ from ._model import (
     UnknownRequest,
     conflict,
     new_charge,
-    request_fingerprint,
 )
 from ._sqlite_store import (
     _ROW_COLS,
@@ -33,19 +32,6 @@ from ._sqlite_store import (
     _hold_of,
     _notice,
     _same_amounts,
-)
-
-_CHARGE_KEYS = frozenset(
-    (
-        "request_id",
-        "account",
-        "input_tokens",
-        "output_tokens",
-        "calls",
-        "model",
-        "parent_id",
-        "meta",
-    )
 )
 
 
@@ -63,30 +49,7 @@ class SqliteLedger(SqliteStore):
         args, fp = a[:6], a[6]
         return (lambda conn: _inline(self, conn, args, fp)), (args, fp)
 
-    def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
-        """Charges several requests in one transaction (each as ``charge(**request)``);
-        returns each one's Charge or the error it raised (the others still count)."""
-        ops: list[tuple[tuple[Any, ...], str] | Exception] = []
-        for r in requests:
-            try:
-                unknown = set(r) - _CHARGE_KEYS
-                if unknown:
-                    raise TypeError(f"unexpected keys {sorted(unknown)} in a charge")
-                args = self._request_args(
-                    r["request_id"],
-                    r["account"],
-                    r.get("input_tokens", 0),
-                    r.get("output_tokens", 0),
-                    r.get("calls", 1),
-                    r.get("model"),
-                    r.get("parent_id"),
-                    r.get("meta"),
-                )
-            except (TypeError, ValueError, KeyError) as e:
-                ops.append(e)
-                continue
-            ops.append((args, request_fingerprint("charge", *args[1:])))
-
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
         return self._run(lambda conn: self._charge_batch(conn, ops))  # type: ignore[no-any-return]
 
     def _charge_batch(self, conn: sqlite3.Connection, ops: list[Any]) -> list[Charge | Exception]:

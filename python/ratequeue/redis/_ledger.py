@@ -224,6 +224,15 @@ class RedisLedger(_RedisLedgerCore):
             raise LedgerError(f"unexpected reply from the ledger script: {r!r}")
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
 
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
+        out: list[Any] = list(ops)
+        todo = [k for k, op in enumerate(ops) if not isinstance(op, Exception)]
+        calls: list[tuple[Any, ...]] = [(*ops[k][0], ops[k][1]) for k in todo]
+        got = self._drive_many([self._charge_call(*c) for c in calls])
+        for k, r in zip(todo, got, strict=True):
+            out[k] = r
+        return out
+
     def _hold_call(
         self,
         rid: str,

@@ -221,6 +221,12 @@ class _RedisLedgerCore(LedgerBase):
         """Runs a call on the blocking client."""
         try:
             step = next(flow)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        return self._resume(flow, step)
+
+    def _resume(self, flow: _Flow[T], step: _Step) -> T:
+        try:
             while True:
                 try:
                     reply = self._exec(step)
@@ -230,6 +236,73 @@ class _RedisLedgerCore(LedgerBase):
                     step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+
+    def _drive_many(self, flows: Sequence[_Flow[Any]]) -> list[Any]:
+        """Runs several calls, their first scripts pipelined in one round trip (on a
+        plain client), each going on alone if it needs more; each one's result or error."""
+        out: list[Any] = [None] * len(flows)
+        firsts: list[tuple[int, _Step]] = []
+        for k, flow in enumerate(flows):
+            try:
+                step = next(flow)
+                while step[0] != "eval":  # e.g. the account's plan read first
+                    try:
+                        reply = self._exec(step)
+                    except Exception as e:
+                        step = flow.throw(e)
+                    else:
+                        step = flow.send(reply)
+                firsts.append((k, step))
+            except StopIteration as stop:
+                out[k] = stop.value
+            except Exception as e:
+                out[k] = e
+        replies = self._pipeline([step for _, step in firsts])
+        for (k, _step), reply in zip(firsts, replies, strict=True):
+            flow = flows[k]
+            try:
+                nxt = flow.throw(reply) if isinstance(reply, Exception) else flow.send(reply)
+                out[k] = self._resume(flow, nxt)
+            except StopIteration as stop:
+                out[k] = stop.value
+            except Exception as e:
+                out[k] = e
+        return out
+
+    def _pipeline(self, steps: Sequence[_Step]) -> list[Any]:
+        """Each script step's reply or error: sent together on one pooled connection of a
+        plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
+        sent again alone once the script is loaded."""
+        if not self._raw or len(steps) < 2:
+            return [self._try(step) for step in steps]
+        packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
+        pool = self.client.connection_pool
+        conn = pool.get_connection(*self._conn_args)
+        out: list[Any] = []
+        try:
+            conn.send_packed_command([packed])
+            for _ in steps:
+                try:
+                    out.append(conn.read_response())
+                except redis.exceptions.ResponseError as e:  # that script's own error
+                    out.append(e)
+        except BaseException as e:
+            conn.disconnect()
+            if not isinstance(e, Exception):
+                raise
+            out += [e] * (len(steps) - len(out))  # unknown: retry with the same ids
+        finally:
+            pool.release(conn)
+        for k, r in enumerate(out):
+            if isinstance(r, redis.exceptions.NoScriptError):
+                out[k] = self._try(steps[k])
+        return out
+
+    def _try(self, step: _Step) -> Any:
+        try:
+            return self._exec(step)
+        except Exception as e:
+            return e
 
     async def _adrive(self, flow: _Flow[T]) -> T:
         """Runs a call on the asyncio client of the running loop."""
