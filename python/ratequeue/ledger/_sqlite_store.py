@@ -519,22 +519,24 @@ class SqliteStore(LedgerBase):
         expected = 1
         while True:
             with self._cv:
-                if expected > 1 and not self._closing:
+                while (self._in_tx or not self._queue) and not self._closing:
+                    self._want = 1
+                    self._cv.wait()
+                while self._in_tx:  # closing: the inline transaction ends first
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                if len(self._queue) < expected and not self._closing:
                     # callers woken by the last commit come back with their next call:
-                    # one wake-up when they all have, or after LINGER
+                    # one wake-up when they all have, or LINGER after the first
                     self._want = expected
                     end = time.monotonic() + LINGER
                     while len(self._queue) < expected and not self._closing:
                         rest = end - time.monotonic()
                         if rest <= 0 or not self._cv.wait(rest):
                             break
-                while (self._in_tx or not self._queue) and not self._closing:
-                    self._want = 1
-                    self._cv.wait()
-                while self._in_tx:  # closing, or a caller's inline transaction ends first
-                    self._cv.wait()
-                if not self._queue:
-                    return
+                    while self._in_tx:  # a caller ran its own transaction meanwhile
+                        self._cv.wait()
                 self._want = _NEVER
                 batch = self._queue[:MAX_BATCH]
                 del self._queue[:MAX_BATCH]

@@ -609,5 +609,7 @@ class RedisLedger(_RedisLedgerCore):
         return None if v is None else _ints(json.loads(v))
 
     def close(self) -> None:
-        """Closes the client's connections."""
+        """Closes the client's connections and the ledger's own (one per thread that ran
+        a script)."""
+        self._close_conns()
         self.client.close()

@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.resources
-import inspect
 import os
 import threading
 import weakref
@@ -170,11 +169,10 @@ class _RedisLedgerCore(LedgerBase):
             and getattr(client, "connection", None) is None
             and isinstance(pool, redis.ConnectionPool)
         )
-        self._conn_args: tuple[str, ...] = ()
-        if self._raw and pool is not None:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
-            if params and params[0].default is inspect.Parameter.empty:
-                self._conn_args = ("EVALSHA",)
+        # a plain client's scripts go on a connection per thread made like the pool's (no
+        # pool get/release per call); ``close`` closes them
+        self._local = threading.local()
+        self._conns: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- keys, the script and the two drivers --------------------------------------------
 
@@ -276,8 +274,7 @@ class _RedisLedgerCore(LedgerBase):
         if not self._raw or len(steps) < 2:
             return [self._try(step) for step in steps]
         packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
-        pool = self.client.connection_pool
-        conn = pool.get_connection(*self._conn_args)
+        conn = self._thread_conn()
         out: list[Any] = []
         try:
             conn.send_packed_command([packed])
@@ -291,8 +288,6 @@ class _RedisLedgerCore(LedgerBase):
             if not isinstance(e, Exception):
                 raise
             out += [e] * (len(steps) - len(out))  # unknown: retry with the same ids
-        finally:
-            pool.release(conn)
         for k, r in enumerate(out):
             if isinstance(r, redis.exceptions.NoScriptError):
                 out[k] = self._try(steps[k])
@@ -342,12 +337,11 @@ class _RedisLedgerCore(LedgerBase):
     def _send_eval(self, step: _Step) -> Any:
         if not self._raw:
             return self.client.execute_command(*_flat(step[1]))
-        # a plain client's pooled connection gets the command packed once (its fixed
-        # parts per account and period, packed before), without redis-py's work per
-        # argument
+        # a plain client's connection of this thread gets the command packed once (its
+        # fixed parts per account and period, packed before), without redis-py's work
+        # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
-        pool = self.client.connection_pool
-        conn = pool.get_connection(*self._conn_args)
+        conn = self._thread_conn()
         try:
             conn.send_packed_command([packed])
             return conn.read_response()
@@ -355,8 +349,23 @@ class _RedisLedgerCore(LedgerBase):
             if not isinstance(e, Exception) or not _is_reply_error(e):
                 conn.disconnect()
             raise
-        finally:
-            pool.release(conn)
+
+    def _thread_conn(self) -> Any:
+        """This thread's connection for scripts (made like the client's pool makes its
+        own; a forked child makes new ones)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            pool = self.client.connection_pool
+            conn = self._local.conn = pool.connection_class(**pool.connection_kwargs)
+            with self._lock:
+                self._conns.add(conn)
+        return conn
+
+    def _close_conns(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns), weakref.WeakSet()
+        for c in conns:
+            c.disconnect()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
@@ -384,6 +393,8 @@ _LEDGERS: weakref.WeakSet[_RedisLedgerCore] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for led in list(_LEDGERS):
         led._lock = threading.Lock()
+        led._local = threading.local()  # the parent's sockets are never used here
+        led._conns = weakref.WeakSet()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
