@@ -267,3 +267,43 @@ def test_redis_charge_many_after_a_script_flush(make: Factory, clock: Any) -> No
     out = led.charge_many(reqs)
     assert all(not isinstance(c, Exception) and not c.replay for c in out)
     assert led.balance("acme").used["tokens"] == 1 + 20 * 3
+
+
+def test_redis_connections_per_thread_survive_fork_and_close(make: Factory, clock: Any) -> None:
+    """Scripts go on a connection of each thread: a forked child charging through the
+    parent's ledger object opens its own (replies never cross), and close() closes them."""
+    import multiprocessing
+
+    led = make(clock)
+    if type(led).__name__ != "RedisLedger":
+        return
+    led.set_plan("acme", Plan("big", tokens=10**9, period=Every(3_600)))
+    led.charge("p0", "acme", input_tokens=1)
+    mine = led._thread_conn()  # type: ignore[attr-defined]
+
+    def child() -> None:
+        for i in range(200):
+            led.charge(f"c{i}", "acme", input_tokens=2)
+        assert led._thread_conn() is not mine  # type: ignore[attr-defined]
+
+    ctx = multiprocessing.get_context("fork")
+    p = ctx.Process(target=child)
+    p.start()
+    for i in range(200):  # the parent keeps charging on its own socket meanwhile
+        led.charge(f"p{i + 1}", "acme", input_tokens=3)
+    p.join(60)
+    assert p.exitcode == 0
+    assert led.balance("acme").used["tokens"] == 1 + 200 * 3 + 200 * 2
+
+    seen: list[Any] = []
+
+    def other() -> None:
+        led.charge("t", "acme", input_tokens=1)
+        seen.append(led._thread_conn())  # type: ignore[attr-defined]
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join(30)
+    assert seen[0] is not mine
+    led.close()
+    assert mine._sock is None
