@@ -225,15 +225,22 @@ class _RedisLedgerCore(LedgerBase):
 
     def _resume(self, flow: _Flow[T], step: _Step) -> T:
         try:
-            while True:
-                try:
-                    reply = self._exec(step)
-                except Exception as e:
-                    step = flow.throw(e)
-                else:
-                    step = flow.send(reply)
+            self._steps(flow, step, to_script=False)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _steps(self, flow: _Flow[Any], step: _Step, *, to_script: bool) -> _Step:
+        """Runs ``flow`` from ``step`` until it ends (``StopIteration``), or with
+        ``to_script`` until its next step is a script (returned, not run)."""
+        while not (to_script and step[0] == "eval"):
+            try:
+                reply = self._exec(step)
+            except Exception as e:
+                step = flow.throw(e)
+            else:
+                step = flow.send(reply)
+        return step
 
     def _drive_many(self, flows: Sequence[_Flow[Any]]) -> list[Any]:
         """Runs several calls, their first scripts pipelined in one round trip (on a
@@ -241,16 +248,8 @@ class _RedisLedgerCore(LedgerBase):
         out: list[Any] = [None] * len(flows)
         firsts: list[tuple[int, _Step]] = []
         for k, flow in enumerate(flows):
-            try:
-                step = next(flow)
-                while step[0] != "eval":  # e.g. the account's plan read first
-                    try:
-                        reply = self._exec(step)
-                    except Exception as e:
-                        step = flow.throw(e)
-                    else:
-                        step = flow.send(reply)
-                firsts.append((k, step))
+            try:  # e.g. the account's plan read first
+                firsts.append((k, self._steps(flow, next(flow), to_script=True)))
             except StopIteration as stop:
                 out[k] = stop.value
             except Exception as e:
