@@ -296,17 +296,27 @@ SQLITE_ROWS = (
 )
 
 
+def _with_cpu(fn: Callable[..., Any], *args: Any) -> tuple[float, float, float]:
+    """(calls/s, calls per transaction or 0, CPU seconds of this process) of ``fn``."""
+    c0 = time.process_time()
+    r = fn(*args)
+    cpu = time.process_time() - c0
+    rate, tx = r if isinstance(r, tuple) else (r, 0.0)
+    return rate, tx, cpu
+
+
 def sqlite_section(
-    quick: bool, baseline: str | None, rounds: int = 5
+    quick: bool, baseline: str | None, rounds: int = 7
 ) -> tuple[list[str], dict[str, float]]:
     """Each candidate on a fresh file per round, rounds interleaved (A B C ... A B C ...)
-    so that the drifts of a shared machine hit every candidate alike; medians."""
+    so that the drifts of a shared machine hit every candidate alike; medians. The CPU
+    time per charge (every thread of the process) is the steadier figure on a loaded
+    machine: waiting for a core does not count in it."""
     rows: list[str] = []
     figures: dict[str, float] = {}
-    for sync, n in (("NORMAL", 5_000 if quick else 20_000), ("FULL", 1_000 if quick else 4_000)):
+    for sync, n in (("NORMAL", 5_000 if quick else 21_000), ("FULL", 1_400 if quick else 4_200)):
         per = n // rounds
-        got: dict[str, list[float]] = {}
-        per_tx: dict[str, list[float]] = {"threads": [], "threads_old": [], "handoff": []}
+        got: dict[str, list[tuple[float, float, float]]] = {}
         for _ in range(rounds):
             d = tempfile.mkdtemp(prefix="rq-bench-sqlite-")
             try:
@@ -314,41 +324,41 @@ def sqlite_section(
                 def fresh(name: str, d: str = d) -> str:
                     return os.path.join(d, f"{name}.db")
 
-                got.setdefault("floor1", []).append(floor_loop(fresh("floor1"), per, sync, 1))
-                got.setdefault("floor8", []).append(floor_loop(fresh("floor8"), per, sync, 8))
-                got.setdefault("floor100", []).append(floor_loop(fresh("floor100"), per, sync, 100))
-                rate, tx = handoff_floor(fresh("handoff"), per, sync)
-                got.setdefault("handoff", []).append(rate)
-                per_tx["handoff"].append(tx)
-                got.setdefault("single", []).append(ledger_single(fresh("single"), per, sync))
-                rate, tx = ledger_threads(fresh("threads"), per, sync)
-                got.setdefault("threads", []).append(rate)
-                per_tx["threads"].append(tx)
-                got.setdefault("async_floor", []).append(asyncio_floor(per))
-                got.setdefault("async", []).append(ledger_async(fresh("async"), per, sync))
-                got.setdefault("many", []).append(ledger_many(fresh("many"), per, sync))
+                def run(key: str, fn: Callable[..., Any], *args: Any, got: Any = got) -> None:
+                    got.setdefault(key, []).append(_with_cpu(fn, *args))
+
+                for every in (1, 8, 100):
+                    run(f"floor{every}", floor_loop, fresh(f"floor{every}"), per, sync, every)
+                run("handoff", handoff_floor, fresh("handoff"), per, sync)
+                run("single", ledger_single, fresh("single"), per, sync)
+                run("threads", ledger_threads, fresh("threads"), per, sync)
+                run("async_floor", asyncio_floor, per)
+                run("async", ledger_async, fresh("async"), per, sync)
+                run("many", ledger_many, fresh("many"), per, sync)
                 if baseline:
                     for kind in ("single", "threads", "async", "many"):
                         path = fresh(kind + "_old")
                         vals = _child(baseline, "sqlite", kind, path, str(per), sync)
-                        got.setdefault(kind + "_old", []).append(vals[0])
-                        if kind == "threads":
-                            per_tx["threads_old"].append(vals[1])
+                        got.setdefault(kind + "_old", []).append((vals[0], vals[1], vals[2]))
             finally:
                 shutil.rmtree(d, ignore_errors=True)
-        med = {k: statistics.median(v) for k, v in got.items()}
+        med = {k: statistics.median(x[0] for x in v) for k, v in got.items()}
         for k, v in med.items():
             figures[f"{sync}.{k}"] = v
+            figures[f"{sync}.{k}.cpu"] = statistics.median(x[2] for x in got[k]) / per * 1e6
         floor1, floor8 = med["floor1"], med["floor8"]
         for key, name, note in SQLITE_ROWS:
             if key not in med:
                 continue
-            if key in per_tx:
-                note += f"; {statistics.median(per_tx[key]):.1f} calls per transaction"
+            tx = statistics.median(x[1] for x in got[key])
+            if tx:
+                note += f"; {tx:.1f} calls per transaction"
             rate = med[key]
+            best = max(x[0] for x in got[key])
             rows.append(
-                f"| {sync} | {name} | {rate:,.0f} | {max(got[key]):,.0f} | {rate / floor1:.2f} | "
-                f"{rate / floor8:.2f} | {note} |"
+                f"| {sync} | {name} | {rate:,.0f} | {best:,.0f} |"
+                f" {figures[f'{sync}.{key}.cpu']:.1f} | {rate / floor1:.2f} |"
+                f" {rate / floor8:.2f} | {note} |"
             )
     return rows, figures
 
@@ -627,14 +637,13 @@ def measure(args: list[str]) -> None:
     kind = args[0]
     if kind == "sqlite":
         what, path, n, sync = args[1], args[2], int(args[3]), args[4]
-        if what == "single":
-            print(ledger_single(path, n, sync))
-        elif what == "threads":
-            print(*ledger_threads(path, n, sync))
-        elif what == "many":
-            print(ledger_many(path, n, sync))
-        else:
-            print(ledger_async(path, n, sync))
+        fn = {
+            "single": ledger_single,
+            "threads": ledger_threads,
+            "many": ledger_many,
+            "async": ledger_async,
+        }[what]
+        print(*_with_cpu(fn, path, n, sync))
         return
     what, url, n, start = args[1], args[2], int(args[3]), int(args[4])
     led = RedisLedger(redis.Redis.from_url(url), name="bench", retention=RETENTION)
@@ -769,14 +778,15 @@ def main() -> int:
         "",
         "## SQLite: charges per second",
         "",
-        "Five interleaved rounds per candidate, each on a fresh file; median (and best)"
-        ' charges/s; ratios of the medians. "before" rows: main\'s ledger'
+        "Seven interleaved rounds per candidate, each on a fresh file; median (and best)"
+        " charges/s, and the median CPU time per charge (all threads; steadier than the"
+        ' rate on a loaded machine); ratios of the medians. "before" rows: main\'s ledger'
         + (f" (`--baseline {args.baseline}`)" if baseline else " (not run: no `--baseline`)")
         + ", in a child process per round.",
         "",
-        "| synchronous | candidate | charges/s (median) | best | x floor (COMMIT each) |"
-        " x COMMIT every 8 | notes |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| synchronous | candidate | charges/s (median) | best | CPU us per charge |"
+        " x floor (COMMIT each) | x COMMIT every 8 | notes |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
         *sq_rows,
         "",
         "## Redis: one charge vs a bare INCRBY round trip",
@@ -816,10 +826,17 @@ def main() -> int:
         f"  beside its floors in the same run: the plain loop committing every 8 (the largest"
         f" transaction 8 synchronous threads can share) {figs['NORMAL.floor8']:,.0f}/s, and the"
         f" handoff alone (8 threads through the writer, empty transactions)"
-        f" {figs['NORMAL.handoff']:,.0f}/s; `charge_many(100)` {figs['NORMAL.many']:,.0f}/s,"
+        f" {figs['NORMAL.handoff']:,.0f}/s, which together allow at most"
+        f" {1 / (1 / figs['NORMAL.floor8'] + 1 / figs['NORMAL.handoff']):,.0f}/s before any"
+        f" ledger work; `charge_many(100)` {figs['NORMAL.many']:,.0f}/s,"
         f" `charge_async` (500 in flight) {figs['NORMAL.async']:,.0f}/s: "
         f"{'met' if figs['NORMAL.threads'] >= 50_000 else 'not met on this machine'}"
-        f" (load average {load[0]:.1f} on {os.cpu_count()} CPUs during the run)",
+        f" (load average {load[0]:.1f} on {os.cpu_count()} CPUs during the run). In CPU time"
+        f" per charge: 8 threads {figs['NORMAL.threads.cpu']:.1f} us"
+        + (f" (before {figs['NORMAL.threads_old.cpu']:.1f} us)" if baseline else "")
+        + f"; the floors {figs['NORMAL.floor8.cpu']:.1f} us (COMMIT every 8) +"
+        f" {figs['NORMAL.handoff.cpu']:.1f} us (handoff); 50,000/s leaves 20 us of wall time"
+        " per charge",
         f"- Redis: one charge {ratio:.2f} x INCRBY (hiredis: {hired:.2f} x INCRBY through"
         f" hiredis; target <= 1.3): {'met' if ratio <= 1.3 else 'not met'}. A bare EVALSHA"
         f" returning 1 is already {one:.2f} x INCRBY and the least a charge does"
