@@ -262,22 +262,6 @@ class LedgerBase(abc.ABC):
         """Charges ``(arguments, fingerprint)`` pairs in order (an Exception item stays
         that item's result)."""
 
-    def _parse_request(
-        self,
-        request_id: str,
-        account: str,
-        *,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        calls: int = 1,
-        model: str | None = None,
-        parent_id: str | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> tuple[Any, ...]:
-        return self._request_args(
-            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
-        )
-
     def hold(
         self,
         request_id: str,
@@ -349,13 +333,15 @@ class LedgerBase(abc.ABC):
         self,
         request_id: str,
         account: str,
-        input_tokens: int,
-        output_tokens: int,
-        calls: int,
-        model: str | None,
-        parent_id: str | None,
-        meta: dict[str, Any] | None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> tuple[Any, ...]:
+        """A charge's or hold's arguments checked: (request id, account, amounts, model,
+        parent id, meta JSON); the asyncio twins pass their keywords here."""
         check_id("request_id", request_id)
         check_id("account", account)
         am = amounts(input_tokens, output_tokens, calls)
@@ -407,14 +393,14 @@ class LedgerBase(abc.ABC):
     async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
         """``charge`` awaited on the event loop (no worker thread); cancelled, it may still
         have counted: retry with the same id (a replay then)."""
-        args = self._parse_request(request_id, account, **kw)
+        args = self._request_args(request_id, account, **kw)
         fp = request_fingerprint("charge", *args[1:])
         return await self._call_async(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
         """``hold`` awaited on the event loop; cancelled once made, the hold is given back
         (without the event loop: a loop closing meanwhile is fine)."""
-        args = self._parse_request(request_id, account, **kw)
+        args = self._request_args(request_id, account, **kw)
         call = self._hold_call(*args, request_fingerprint("hold", *args[1:]))
         return await self._call_async(call, self._release_call(request_id, account))  # type: ignore[no-any-return]
 
