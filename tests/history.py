@@ -872,11 +872,17 @@ class Ops(History):
                 return
         if h.what == "policy" and r.random() < 0.4:
             op = self.note(f"policy_permit(reqs {[q.rid for q in qs]}).cancel()")
+            now = self.now()
             for q in qs:
                 self.ended(q)
                 q.lead = False  # later arrivals may take its place
                 if self.levels[q.level].is_rate:
                     q.eff = [0] * len(q.eff)  # given back where the rule allows: not counted
+                    if q.grant_ns is not None and now < q.grant_ns:
+                        # Cancelled before its time: never granted (it left its queue), so
+                        # its promised time orders nothing, not even against earlier
+                        # arrivals whom later events delayed past it.
+                        q.outcome = "cancelled"
             h.obj.cancel()
             self.bump("policy_cancel")
             if r.random() < 0.3:
