@@ -4,10 +4,11 @@
 on 127.0.0.1 with ``--save '' --appendonly no`` and stops it afterwards; ``stop()`` and
 ``start()`` again on the same port let tests kill Redis in the middle of a run.
 
-The fixtures below (``redis_server``, ``own_redis``, ``r``) reach every test under
-``tests/redis/`` through its ``conftest.py``; a test module elsewhere imports them from
-here. Without redis-server or redis-py a test that needs them fails (never skips): CI
-installs both.
+The fixtures below (``redis_server``, ``own_redis``, ``r``, and ``cluster``: a real
+three-node Redis Cluster) reach every test under ``tests/redis/`` through its
+``conftest.py`` (``cluster`` also those under ``tests/ledger/``); a test module
+elsewhere imports them from here. Without redis-server or redis-py a test that needs
+them fails (never skips): CI installs both.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from collections.abc import Iterator, Sequence
 import pytest
 import redis
 import redis.asyncio
+from redis.cluster import ClusterNode, RedisCluster
 
 
 def server_binary() -> str | None:
@@ -224,6 +226,48 @@ def r(redis_server: RedisServer) -> Iterator[redis.Redis]:
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[RedisCluster]:
+    """A three-node Redis Cluster (no replicas) of the test module's own."""
+    binary = require_binary()
+    cli = shutil.which("redis-cli")
+    if cli is None:
+        pytest.fail("redis-cli not found (it comes with redis-server)")
+    nodes = [
+        RedisServer(binary, extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
+        for _ in range(3)
+    ]
+    try:
+        for n in nodes:
+            n.start()
+        subprocess.run(
+            [
+                *(cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes)),
+                *("--cluster-replicas", "0", "--cluster-yes"),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
+        for _ in range(200):  # bounded: the nodes agree within a few hundred ms
+            out = subprocess.run(
+                [cli, "-p", str(nodes[0].port), "cluster", "info"],
+                capture_output=True,
+                timeout=5,
+            ).stdout
+            if b"cluster_state:ok" in out:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the cluster did not reach cluster_state:ok")
+        client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes])
+        yield client
+        client.close()
+    finally:
+        for n in nodes:
+            n.cleanup()
 
 
 def _stop_shared() -> None:

@@ -13,7 +13,6 @@ import pytest
 import ratequeue as rq
 from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
 from ratequeue.ledger import (
-    Charge,
     Daily,
     Every,
     IdempotencyConflict,
@@ -608,7 +607,7 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
     monkeypatch.setattr(led, "release", release)
     if make.backend == "sqlite":  # type: ignore[attr-defined]
         # the hold runs in the writer thread's transaction while its caller is cancelled
-        real_hold_fn, real_release_fn = led._hold_fn, led._release_fn  # type: ignore[attr-defined]
+        real_hold_fn, real_release_fn = led._hold_call, led._release_call  # type: ignore[attr-defined]
 
         def hold_fn(*a):
             fn = real_hold_fn(*a)
@@ -620,8 +619,8 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
             return slow
 
-        def release_fn(rid):
-            fn = real_release_fn(rid)
+        def release_fn(rid, account=None):
+            fn = real_release_fn(rid, account)
 
             def counted(conn):
                 fn(conn)
@@ -629,8 +628,8 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
 
             return counted
 
-        monkeypatch.setattr(led, "_hold_fn", hold_fn)
-        monkeypatch.setattr(led, "_release_fn", release_fn)
+        monkeypatch.setattr(led, "_hold_call", hold_fn)
+        monkeypatch.setattr(led, "_release_call", release_fn)
         made = threading.Event()  # type: ignore[assignment]
     else:  # redis.asyncio: the script runs, then the reply is late
         made = asyncio.Event()  # type: ignore[assignment]
@@ -644,13 +643,13 @@ def test_a_cancelled_hold_async_is_given_back(make: Factory, clock, monkeypatch)
             return r
 
         monkeypatch.setattr(led, "_aexec", slow_aexec)
-        real_release_flow = led._release_flow  # type: ignore[attr-defined]
+        real_release_flow = led._release_call  # type: ignore[attr-defined]
 
         def release_flow(rid, account=None):
             yield from real_release_flow(rid, account)
             given_back.set()
 
-        monkeypatch.setattr(led, "_release_flow", release_flow)
+        monkeypatch.setattr(led, "_release_call", release_flow)
 
     async def main() -> None:
         task = asyncio.ensure_future(led.hold_async("h", "acme", input_tokens=500))
@@ -873,40 +872,6 @@ def test_a_campaign_over_many_accounts_in_batches(make: Factory, clock) -> None:
     assert len(rep.actions) == 1000  # the report keeps the first 1,000 actions
     assert led.balance(accounts[7]).used == {"tokens": 0}
     assert led.compensate("big").already_done == 1200
-
-
-def test_sqlite_charge_many_answers_each_request(tmp_path, clock) -> None:
-    led = SqliteLedger(tmp_path / "q.db", clock=clock)
-    led.set_plan("acme", Plan("p", tokens=100))
-    led.charge("old", "acme", input_tokens=10)
-    out = led.charge_many(
-        [
-            {"request_id": "a", "account": "acme", "input_tokens": 30},
-            {"request_id": "old", "account": "acme", "input_tokens": 10},  # a replay
-            {"request_id": "old", "account": "acme", "input_tokens": 11},  # a conflict
-            {"request_id": "b", "account": "acme", "input_tokens": 70},  # out of quota
-            {"request_id": "c", "account": "acme", "input_tokens": -1},  # invalid
-            {"request_id": "d", "account": "nobody"},  # unknown account
-            {"request_id": "e", "account": "acme", "tokens": 1},  # unknown key
-            {"request_id": "a", "account": "acme", "input_tokens": 30},  # replay in batch
-            {"request_id": "f", "account": "acme", "input_tokens": 60},
-        ]
-    )
-    kinds = [type(x).__name__ for x in out]
-    assert kinds == [
-        "Charge",
-        "Charge",
-        "IdempotencyConflict",
-        "QuotaExceeded",
-        "ValueError",
-        "UnknownAccount",
-        "TypeError",
-        "Charge",
-        "Charge",
-    ]
-    assert [x.replay for x in out if isinstance(x, Charge)] == [False, True, True, False]
-    assert led.balance("acme").used == {"tokens": 100}
-    led.close()
 
 
 def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) -> None:

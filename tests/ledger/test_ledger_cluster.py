@@ -4,56 +4,13 @@ accounts spread over the nodes, campaigns and notices work across them."""
 from __future__ import annotations
 
 import asyncio
-import shutil
-import subprocess
 import time
-from collections.abc import Iterator
 
-import pytest
 import ratequeue as rq
 from ledger_backends import T0
 from ratequeue.ledger import Daily, Notice, Plan, RedisLedger
-from redis.cluster import ClusterNode, RedisCluster
+from redis.cluster import RedisCluster
 from redis.crc import key_slot
-from redis_server import RedisServer, server_binary
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    binary, cli = server_binary(), shutil.which("redis-cli")
-    if binary is None or cli is None:
-        pytest.fail("redis-server and redis-cli are needed (never skipped)")
-    nodes = [
-        RedisServer(binary, extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
-        for _ in range(3)
-    ]
-    try:
-        for n in nodes:
-            n.start()
-        subprocess.run(
-            [
-                *(cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes)),
-                *("--cluster-replicas", "0", "--cluster-yes"),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        for _ in range(200):
-            out = subprocess.run(
-                [cli, "-p", str(nodes[0].port), "cluster", "info"], capture_output=True, timeout=5
-            ).stdout
-            if b"cluster_state:ok" in out:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the cluster did not reach cluster_state:ok")
-        client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes])
-        yield client
-        client.close()
-    finally:
-        for n in nodes:
-            n.cleanup()
 
 
 def test_the_ledger_on_a_cluster(cluster: RedisCluster) -> None:

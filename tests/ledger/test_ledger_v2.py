@@ -68,13 +68,14 @@ def test_ledger_base_is_abstract() -> None:
         LedgerBase()  # type: ignore[abstract]
 
     class Half(LedgerBase):
-        def _charge(self, *args: Any) -> Any:
+        def _charge_call(self, *args: Any) -> Any:
             raise AssertionError
 
     with pytest.raises(TypeError, match="abstract"):
         Half()  # type: ignore[abstract]
     names = LedgerBase.__abstractmethods__
-    assert {"_charge", "_hold", "_settle", "_release", "_balance", "_settings"} <= names
+    calls = {"_charge_call", "_hold_call", "_settle_call", "_release_call", "_balance_call"}
+    assert calls | {"_call", "_call_async", "_settings"} <= names
 
 
 # -- the Redis plain-charge path and its fallback ---------------------------------------------
@@ -154,7 +155,7 @@ def test_redis_plain_charge_with_odd_ids_and_meta(clock: rq.ManualClock) -> None
 
 def test_async_twins_use_no_worker_thread(make: Factory, clock, monkeypatch) -> None:
     import ratequeue.ledger._base as base
-    import ratequeue.redis._ledger as redis_ledger
+    import ratequeue.redis._ledger_core as redis_ledger
 
     def no_threads() -> Any:
         raise AssertionError("an asyncio twin used a worker thread")

@@ -3,57 +3,9 @@ over the nodes, the script is loaded on every primary."""
 
 from __future__ import annotations
 
-import shutil
-import subprocess
-import time
-from collections.abc import Iterator
-
-import pytest
 import ratequeue as rq
 from ratequeue.redis import GCRA_SHA, RedisKeyedLimiter, RedisLimiter, RedisPolicy
-from redis.cluster import ClusterNode, RedisCluster
-from redis_server import RedisServer, require_binary
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[RedisCluster]:
-    binary = require_binary()
-    cli = shutil.which("redis-cli")
-    if cli is None:
-        pytest.fail("redis-cli not found (it comes with redis-server)")
-    nodes = [
-        RedisServer(binary, extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000"])
-        for _ in range(3)
-    ]
-    try:
-        for n in nodes:
-            n.start()
-        subprocess.run(
-            [
-                *(cli, "--cluster", "create", *(f"127.0.0.1:{n.port}" for n in nodes)),
-                *("--cluster-replicas", "0", "--cluster-yes"),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
-        for _ in range(200):  # bounded: the nodes agree within a few hundred ms
-            out = subprocess.run(
-                [cli, "-p", str(nodes[0].port), "cluster", "info"],
-                capture_output=True,
-                timeout=5,
-            ).stdout
-            if b"cluster_state:ok" in out:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the cluster did not reach cluster_state:ok")
-        client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes])
-        yield client
-        client.close()
-    finally:
-        for n in nodes:
-            n.cleanup()
+from redis.cluster import RedisCluster
 
 
 def test_policy_in_one_slot_on_a_cluster(cluster: RedisCluster) -> None:

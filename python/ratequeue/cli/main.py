@@ -49,6 +49,17 @@ def _number(kind: type[int] | type[float], low: float, *, strict: bool = True) -
     return parse
 
 
+#: argparse types: a finite number > 0 (``_INT``, ``_FLOAT``) or >= 0 (``_INT0``, ``_FLOAT0``).
+_INT, _FLOAT = _number(int, 0), _number(float, 0)
+_INT0, _FLOAT0 = _number(int, 0, strict=False), _number(float, 0, strict=False)
+
+
+def _options(p: argparse.ArgumentParser, *rows: tuple[str, Any, Any, str | None]) -> None:
+    """Adds an option per ``(flag, type or None for text, default, help)``."""
+    for flag, kind, default, text in rows:
+        p.add_argument(flag, type=kind, default=default, help=text)
+
+
 def _positive_floats(text: str) -> tuple[float, ...]:
     values = _floats(text)
     if not values or not all(math.isfinite(v) and v > 0 for v in values):
@@ -204,23 +215,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     d = sub.add_parser("demo", help="the lab's default scenario (or --burst-only)")
     d.add_argument("--burst-only", action="store_true", help="only the first burst demo")
-    d.add_argument("--requests", type=_number(int, 0), default=500, help="size of the burst (500)")
-    d.add_argument("--rpm", type=_number(float, 0), default=100.0, help="requests per minute (100)")
-    d.add_argument("--burst", type=_number(int, 0), default=5, help="bucket capacity (5)")
-    d.add_argument(
-        "--max-wait",
-        type=_number(float, 0, strict=False),
-        default=5.0,
-        help="bound on the wait, seconds (5)",
+    _options(
+        d,
+        ("--requests", _INT, 500, "size of the burst (500)"),
+        ("--rpm", _FLOAT, 100.0, "requests per minute (100)"),
+        ("--burst", _INT, 5, "bucket capacity (5)"),
+        ("--max-wait", _FLOAT0, 5.0, "bound on the wait, seconds (5)"),
+        ("--per-level", _INT, 30_000, "arrivals per load level"),
+        ("--rho", _positive_floats, None, "load levels, e.g. 0.5,0.9,0.98"),
+        ("--seed", int, 1, None),
+        ("--out", None, "lab-out", "folder for demo.png/json/csv (lab-out)"),
     )
-    d.add_argument(
-        "--per-level", type=_number(int, 0), default=30_000, help="arrivals per load level"
-    )
-    d.add_argument(
-        "--rho", type=_positive_floats, default=None, help="load levels, e.g. 0.5,0.9,0.98"
-    )
-    d.add_argument("--seed", type=int, default=1)
-    d.add_argument("--out", default="lab-out", help="folder for demo.png/json/csv (lab-out)")
     d.add_argument("--no-plot", action="store_true", help="skip the PNG")
     d.add_argument("--no-files", action="store_true", help="write nothing, print only")
     _add_progress(d)
@@ -236,46 +241,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         "against a virtual inference cluster, adaptive strategies side by side; canary: a "
         "verbose candidate model rolled back by the canary's KPI gates",
     )
-    lb.add_argument(
-        "--rpm", type=_number(float, 0), default=100.0, help="provider limit, requests/minute"
+    _options(
+        lb,
+        ("--rpm", _FLOAT, 100.0, "provider limit, requests/minute"),
+        ("--burst", _INT, 1, "provider bucket capacity"),
+        ("--rho", _positive_floats, (0.5, 0.7, 0.8, 0.9, 0.95, 0.98), None),
+        ("--requests", _INT, 20_000, "arrivals per load level"),
+        (
+            "--arrivals",
+            None,
+            "poisson",
+            "poisson | constant | batches:SIZE | onoff:ON:OFF | replay:FILE",
+        ),
+        (
+            "--service",
+            None,
+            "lognormal:2:0.5",
+            "constant:S | exponential:MEAN | lognormal:MEAN:SIGMA",
+        ),
+        ("--strategies", None, "naive,queue,bounded,priority,pool", None),
+        ("--max-wait", _FLOAT0, 5.0, None),
+        ("--pool", _INT, 2, "providers in the pool"),
+        ("--interactive-share", _FLOAT0, 0.2, None),
+        ("--backoff-base", _FLOAT, 1.0, None),
+        ("--backoff-cap", _FLOAT, 60.0, None),
+        ("--max-attempts", _INT, None, None),
+        ("--burst-requests", _INT0, 0, "also run a burst of N"),
+        ("--warmup", _FLOAT0, 0.05, "share of each level unmeasured"),
+        ("--seed", int, 1, None),
+        ("--out", None, "lab-out", None),
+        ("--formats", _formats, _FORMATS, "any of json,csv,png"),
     )
-    lb.add_argument("--burst", type=_number(int, 0), default=1, help="provider bucket capacity")
-    lb.add_argument("--rho", type=_positive_floats, default=(0.5, 0.7, 0.8, 0.9, 0.95, 0.98))
-    lb.add_argument(
-        "--requests", type=_number(int, 0), default=20_000, help="arrivals per load level"
-    )
-    lb.add_argument(
-        "--arrivals",
-        default="poisson",
-        help="poisson | constant | batches:SIZE | onoff:ON:OFF | replay:FILE",
-    )
-    lb.add_argument(
-        "--service",
-        default="lognormal:2:0.5",
-        help="constant:S | exponential:MEAN | lognormal:MEAN:SIGMA",
-    )
-    lb.add_argument("--strategies", default="naive,queue,bounded,priority,pool")
-    lb.add_argument("--max-wait", type=_number(float, 0, strict=False), default=5.0)
-    lb.add_argument("--pool", type=_number(int, 0), default=2, help="providers in the pool")
-    lb.add_argument("--interactive-share", type=_number(float, 0, strict=False), default=0.2)
-    lb.add_argument("--backoff-base", type=_number(float, 0), default=1.0)
-    lb.add_argument("--backoff-cap", type=_number(float, 0), default=60.0)
-    lb.add_argument("--max-attempts", type=_number(int, 0), default=None)
-    lb.add_argument(
-        "--burst-requests",
-        type=_number(int, 0, strict=False),
-        default=0,
-        help="also run a burst of N",
-    )
-    lb.add_argument(
-        "--warmup",
-        type=_number(float, 0, strict=False),
-        default=0.05,
-        help="share of each level unmeasured",
-    )
-    lb.add_argument("--seed", type=int, default=1)
-    lb.add_argument("--out", default="lab-out")
-    lb.add_argument("--formats", type=_formats, default=_FORMATS, help="any of json,csv,png")
     _add_progress(lb)
     lb.set_defaults(func=_run_lab)
 
@@ -286,25 +282,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     lt.set_defaults(func=_run_loadtest)
 
     mp = sub.add_parser("mock-provider", help="a local HTTP provider enforcing an RPM limit")
-    mp.add_argument(
-        "--rpm", type=_number(float, 0), required=True, help="its limit, requests per minute"
-    )
-    mp.add_argument("--port", type=_port, default=8000, help="port on 127.0.0.1 (0: any free)")
-    mp.add_argument(
-        "--gen-time",
-        type=_number(float, 0, strict=False),
-        default=1.0,
-        help="generation time, seconds",
-    )
-    mp.add_argument(
-        "--burst", type=_number(int, 0), default=None, help="bucket capacity (rpm/60, >= 1)"
-    )
-    mp.add_argument("--host", default="127.0.0.1", help="loopback address to bind")
-    mp.add_argument(
-        "--duration", type=_number(float, 0), default=None, help="stop after this many seconds"
-    )
-    mp.add_argument(
-        "--tpm", type=_number(float, 0), default=None, help="its token limit, tokens per minute"
+    mp.add_argument("--rpm", type=_FLOAT, required=True, help="its limit, requests per minute")
+    _options(
+        mp,
+        ("--port", _port, 8000, "port on 127.0.0.1 (0: any free)"),
+        ("--gen-time", _FLOAT0, 1.0, "generation time, seconds"),
+        ("--burst", _INT, None, "bucket capacity (rpm/60, >= 1)"),
+        ("--host", None, "127.0.0.1", "loopback address to bind"),
+        ("--duration", _FLOAT, None, "stop after this many seconds"),
+        ("--tpm", _FLOAT, None, "its token limit, tokens per minute"),
     )
     mp.add_argument(
         "--dialect",

@@ -12,7 +12,7 @@ import json
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
@@ -38,6 +38,7 @@ from ._model import (
     check_thresholds,
     clock_fn,
     fingerprint,
+    request_fingerprint,
     utc,
 )
 
@@ -45,6 +46,19 @@ NoticeCallback = Callable[[Notice], "Awaitable[None] | None"]
 
 P = ParamSpec("P")
 T = TypeVar("T")
+
+_CHARGE_KEYS = frozenset(
+    (
+        "request_id",
+        "account",
+        "input_tokens",
+        "output_tokens",
+        "calls",
+        "model",
+        "parent_id",
+        "meta",
+    )
+)
 
 #: Kept at most per compensation report (totals always count every account).
 MAX_REPORT_ACTIONS = 1000
@@ -213,23 +227,40 @@ class LedgerBase(abc.ABC):
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._charge(*args, fingerprint("charge", *args[1:]))
+        fp = request_fingerprint("charge", *args[1:])
+        return self._call(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
-    def _parse_request(
-        self,
-        request_id: str,
-        account: str,
-        *,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        calls: int = 1,
-        model: str | None = None,
-        parent_id: str | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> tuple[Any, ...]:
-        return self._request_args(
-            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
-        )
+    def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
+        """Charges several requests (each as ``charge(**request)``) together: one
+        transaction in SQLite, one pipelined round trip in Redis; returns each one's
+        Charge or the error it raised (the others still count). After an error that is
+        not the request's own (a lost connection), retry it with the same id."""
+        ops: list[tuple[tuple[Any, ...], str] | Exception] = []
+        for r in requests:
+            try:
+                unknown = set(r) - _CHARGE_KEYS
+                if unknown:
+                    raise TypeError(f"unexpected keys {sorted(unknown)} in a charge")
+                args = self._request_args(
+                    r["request_id"],
+                    r["account"],
+                    r.get("input_tokens", 0),
+                    r.get("output_tokens", 0),
+                    r.get("calls", 1),
+                    r.get("model"),
+                    r.get("parent_id"),
+                    r.get("meta"),
+                )
+            except (TypeError, ValueError, KeyError) as e:
+                ops.append(e)
+                continue
+            ops.append((args, request_fingerprint("charge", *args[1:])))
+        return self._charge_many(ops)
+
+    @abc.abstractmethod
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
+        """Charges ``(arguments, fingerprint)`` pairs in order (an Exception item stays
+        that item's result)."""
 
     def hold(
         self,
@@ -248,7 +279,8 @@ class LedgerBase(abc.ABC):
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        return self._hold(*args, fingerprint("hold", *args[1:]))
+        fp = request_fingerprint("hold", *args[1:])
+        return self._call(self._hold_call(*args, fp))  # type: ignore[no-any-return]
 
     def settle(
         self,
@@ -263,16 +295,15 @@ class LedgerBase(abc.ABC):
         """Records a hold's actual usage (the difference given back or taken, past the
         quota if need be: the work was done); without a hold, charges ``account``
         directly. Idempotent: a retry returns the charge with ``replay=True``."""
-        return self._settle(
-            *self._parse_settle(
-                request_id,
-                input_tokens=input_tokens,
-                output_tokens=output_tokens,
-                calls=calls,
-                model=model,
-                account=account,
-            )
+        args = self._parse_settle(
+            request_id,
+            input_tokens=input_tokens,
+            output_tokens=output_tokens,
+            calls=calls,
+            model=model,
+            account=account,
         )
+        return self._call(self._settle_call(*args))  # type: ignore[no-any-return]
 
     def _parse_settle(
         self,
@@ -296,19 +327,21 @@ class LedgerBase(abc.ABC):
     def release(self, request_id: str) -> None:
         """Gives a hold back in full; a no-op when it was settled, released or expired."""
         check_id("request_id", request_id)
-        self._release(request_id)
+        self._call(self._release_call(request_id, None))
 
     def _request_args(
         self,
         request_id: str,
         account: str,
-        input_tokens: int,
-        output_tokens: int,
-        calls: int,
-        model: str | None,
-        parent_id: str | None,
-        meta: dict[str, Any] | None,
+        input_tokens: int = 0,
+        output_tokens: int = 0,
+        calls: int = 1,
+        model: str | None = None,
+        parent_id: str | None = None,
+        meta: dict[str, Any] | None = None,
     ) -> tuple[Any, ...]:
+        """A charge's or hold's arguments checked: (request id, account, amounts, model,
+        parent id, meta JSON); the asyncio twins pass their keywords here."""
         check_id("request_id", request_id)
         check_id("account", account)
         am = amounts(input_tokens, output_tokens, calls)
@@ -318,17 +351,36 @@ class LedgerBase(abc.ABC):
             check_id("parent_id", parent_id)
         return (request_id, account, am, model, parent_id, check_meta(meta))
 
-    @abc.abstractmethod
-    def _charge(self, *args: Any) -> Charge: ...
+    # -- what a backend provides: calls, and how to run one -----------------------------
 
     @abc.abstractmethod
-    def _hold(self, *args: Any) -> Hold: ...
+    def _charge_call(self, *args: Any) -> Any:
+        """The backend's call charging ``_request_args`` + fingerprint."""
 
     @abc.abstractmethod
-    def _settle(self, *args: Any) -> Charge: ...
+    def _hold_call(self, *args: Any) -> Any:
+        """The backend's call holding ``_request_args`` + fingerprint."""
 
     @abc.abstractmethod
-    def _release(self, request_id: str) -> None: ...
+    def _settle_call(self, *args: Any) -> Any:
+        """The backend's call settling ``_parse_settle``'s arguments."""
+
+    @abc.abstractmethod
+    def _release_call(self, request_id: str, account: str | None) -> Any:
+        """The backend's call giving a hold back (``account``: where it is, if known)."""
+
+    @abc.abstractmethod
+    def _balance_call(self, account: str) -> Any:
+        """The backend's call reading an account's balance."""
+
+    @abc.abstractmethod
+    def _call(self, call: Any) -> Any:
+        """Runs a call, blocking this thread."""
+
+    @abc.abstractmethod
+    async def _call_async(self, call: Any, undo: Any = None) -> Any:
+        """Runs a call on the running event loop without a worker thread; cancelled once
+        the call counted, ``undo`` (a call) runs without the loop."""
 
     @abc.abstractmethod
     def expire_holds(self) -> int:
@@ -336,48 +388,42 @@ class LedgerBase(abc.ABC):
         whenever an account is charged)."""
         ...
 
-    # -- async twins ---------------------------------------------------------------------
+    # -- async twins: the same calls, awaited on the event loop ---------------------------
 
     async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
-        """``charge`` on a worker thread: the event loop never blocks on storage."""
-        return await _in_thread(self.charge, request_id, account, **kw)
+        """``charge`` awaited on the event loop (no worker thread); cancelled, it may still
+        have counted: retry with the same id (a replay then)."""
+        args = self._request_args(request_id, account, **kw)
+        fp = request_fingerprint("charge", *args[1:])
+        return await self._call_async(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
-        """``hold`` on a worker thread; cancelled while running, the hold is given back."""
-        cf = _executor().submit(self.hold, request_id, account, **kw)
-        try:
-            return await asyncio.shield(asyncio.wrap_future(cf))
-        except asyncio.CancelledError:
-            # Runs in the worker thread (or here if done): needs no event loop, so a
-            # loop closed meanwhile still gets its hold given back.
-            def undo(f: concurrent.futures.Future[Hold]) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    self.release(request_id)
-
-            cf.add_done_callback(undo)
-            raise
+        """``hold`` awaited on the event loop; cancelled once made, the hold is given back
+        (without the event loop: a loop closing meanwhile is fine)."""
+        args = self._request_args(request_id, account, **kw)
+        call = self._hold_call(*args, request_fingerprint("hold", *args[1:]))
+        return await self._call_async(call, self._release_call(request_id, account))  # type: ignore[no-any-return]
 
     async def settle_async(self, request_id: str, **kw: Any) -> Charge:
-        """``settle`` on a worker thread."""
-        return await _in_thread(self.settle, request_id, **kw)
+        """``settle`` awaited on the event loop."""
+        return await self._call_async(self._settle_call(*self._parse_settle(request_id, **kw)))  # type: ignore[no-any-return]
 
     async def release_async(self, request_id: str) -> None:
-        """``release`` on a worker thread."""
-        await _in_thread(self.release, request_id)
+        """``release`` awaited on the event loop."""
+        check_id("request_id", request_id)
+        await self._call_async(self._release_call(request_id, None))
 
     async def balance_async(self, account: str) -> Balance:
-        """``balance`` on a worker thread."""
-        return await _in_thread(self.balance, account)
+        """``balance`` awaited on the event loop."""
+        check_id("account", account)
+        return await self._call_async(self._balance_call(account))  # type: ignore[no-any-return]
 
     # -- queries -------------------------------------------------------------------------
 
     def balance(self, account: str) -> Balance:
         """Quota, usage (open holds included), holds and bonus of the current period."""
         check_id("account", account)
-        return self._balance(account)
-
-    @abc.abstractmethod
-    def _balance(self, account: str) -> Balance: ...
+        return self._call(self._balance_call(account))  # type: ignore[no-any-return]
 
     def plan_of(self, account: str) -> Plan:
         """The account's plan (``UnknownAccount`` if it has none)."""

@@ -83,6 +83,8 @@ def check_amount(name: str, v: object) -> int:
 
 def check_id(name: str, v: object, *, optional: bool = False) -> str:
     """A non-empty str of at most 256 characters."""
+    if type(v) is str and 0 < len(v) <= MAX_ID_LEN and v.isprintable():
+        return v
     if v is None and optional:
         return ""
     if not isinstance(v, str):
@@ -144,6 +146,21 @@ def check_thresholds(v: object) -> tuple[int, ...]:
 
 def amounts(input_tokens: int, output_tokens: int, calls: int) -> dict[str, int]:
     """The amount of each unit of one request (validated)."""
+    if (
+        type(input_tokens) is int
+        and type(output_tokens) is int
+        and type(calls) is int
+        and input_tokens >= 0
+        and output_tokens >= 0
+        and 0 <= calls <= MAX_AMOUNT
+        and input_tokens + output_tokens <= MAX_AMOUNT
+    ):
+        return {
+            "tokens": input_tokens + output_tokens,
+            "input_tokens": input_tokens,
+            "output_tokens": output_tokens,
+            "calls": calls,
+        }
     i = check_amount("input_tokens", input_tokens)
     o = check_amount("output_tokens", output_tokens)
     c = check_amount("calls", calls)
@@ -157,6 +174,19 @@ def fingerprint(*parts: str | int | dict[str, int] | None) -> str:
     """A short stable digest of a request's payload (idempotency check): the ``repr`` of
     str, int, None and insertion-ordered dicts of them is the same in every process."""
     return hashlib.blake2b(repr(parts).encode(), digest_size=12).hexdigest()
+
+
+def request_fingerprint(
+    kind: str, account: str, am: dict[str, int], model: str | None, parent: str | None, meta: str
+) -> str:
+    """``fingerprint(kind, account, am, model, parent, meta)`` of a charge or hold, the
+    same digest built without ``repr`` of the amounts dict (``amounts``' key order)."""
+    text = (
+        f"({kind!r}, {account!r}, {{'tokens': {am['tokens']}, 'input_tokens': "
+        f"{am['input_tokens']}, 'output_tokens': {am['output_tokens']}, 'calls': "
+        f"{am['calls']}}}, {model!r}, {parent!r}, {meta!r})"
+    )
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
 # -- periods -------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sqlite3
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
@@ -20,9 +20,7 @@ from ._model import (
     Page,
     Plan,
     UnknownRequest,
-    check_id,
     conflict,
-    fingerprint,
     new_charge,
 )
 from ._sqlite_store import (
@@ -36,19 +34,6 @@ from ._sqlite_store import (
     _same_amounts,
 )
 
-_CHARGE_KEYS = frozenset(
-    (
-        "request_id",
-        "account",
-        "input_tokens",
-        "output_tokens",
-        "calls",
-        "model",
-        "parent_id",
-        "meta",
-    )
-)
-
 
 class SqliteLedger(SqliteStore):
     """A quota ledger in one SQLite file; every process opening the file shares it.
@@ -58,46 +43,13 @@ class SqliteLedger(SqliteStore):
     Concurrent calls from threads are committed together (group commit).
     """
 
-    def _charge(
-        self,
-        rid: str,
-        account: str,
-        am: dict[str, int],
-        model: str | None,
-        parent: str | None,
-        meta: str,
-        fp: str,
-    ) -> Charge:
-        return self._run(*self._charge_op(rid, account, am, model, parent, meta, fp))  # type: ignore[no-any-return]
-
-    def _charge_op(self, *a: Any) -> tuple[Callable[[sqlite3.Connection], Charge], Any]:
+    def _charge_call(self, *a: Any) -> tuple[Callable[[sqlite3.Connection], Charge], Any]:
+        """A plain charge: its transaction body, and its arguments for ``_charge_batch``
+        (the writer decides consecutive plain charges together)."""
         args, fp = a[:6], a[6]
         return (lambda conn: _inline(self, conn, args, fp)), (args, fp)
 
-    def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:
-        """Charges several requests in one transaction (each as ``charge(**request)``);
-        returns each one's Charge or the error it raised (the others still count)."""
-        ops: list[tuple[tuple[Any, ...], str] | Exception] = []
-        for r in requests:
-            try:
-                unknown = set(r) - _CHARGE_KEYS
-                if unknown:
-                    raise TypeError(f"unexpected keys {sorted(unknown)} in a charge")
-                args = self._request_args(
-                    r["request_id"],
-                    r["account"],
-                    r.get("input_tokens", 0),
-                    r.get("output_tokens", 0),
-                    r.get("calls", 1),
-                    r.get("model"),
-                    r.get("parent_id"),
-                    r.get("meta"),
-                )
-            except (TypeError, ValueError, KeyError) as e:
-                ops.append(e)
-                continue
-            ops.append((args, fingerprint("charge", *args[1:])))
-
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
         return self._run(lambda conn: self._charge_batch(conn, ops))  # type: ignore[no-any-return]
 
     def _charge_batch(self, conn: sqlite3.Connection, ops: list[Any]) -> list[Charge | Exception]:
@@ -125,33 +77,44 @@ class SqliteLedger(SqliteStore):
                     existing[(r[5], r[4])] = r
         rows: list[tuple[Any, ...]] = []
         fresh: dict[tuple[str, str], tuple[str, Charge]] = {}
+        # per account: (account, period) while ``now`` stays in the period and before
+        # the next hold expiry (then ``_current`` would do nothing else)
+        cur: dict[str, tuple[Any, Any, float, float]] = {}
+        clock = self._now
         for k, (args, fp) in todo:
             rid, account, am, model, parent, meta = args
-            old = existing.get((account, rid))
+            key = (account, rid)
+            old = existing.get(key)
             if old is not None:
                 ok = old[0] == "charge" and old[2] == fp
                 out[k] = _charge_of(old[4:14], True) if ok else conflict(rid)
                 continue
-            prior = fresh.get((account, rid))
+            prior = fresh.get(key)
             if prior is not None:
                 ok = prior[0] == fp
                 out[k] = dataclasses.replace(prior[1], replay=True) if ok else conflict(rid)
                 continue
-            now = self._now()
+            now = clock()
             try:
-                a, p = self._current(conn, account, now)
+                hit = cur.get(account)
+                if hit is not None and hit[3] <= now < hit[2]:
+                    a, p = hit[0], hit[1]
+                else:
+                    a, p = self._current(conn, account, now)
+                    nx = a.next_exp
+                    end = p.span.end if nx is None else min(nx, p.span.end)
+                    cur[account] = (a, p, end, p.span.start)
                 parts = self._fit(account, a, p, am, now, force=False)
             except (QuotaExceeded, LookupError, ValueError) as e:
                 out[k] = e  # refused before writing anything
                 continue
             self._apply(conn, account, a, p, parts, now)
             i_, o_, c_ = am["input_tokens"], am["output_tokens"], am["calls"]
-            rows.append(
-                (account, rid, now, p.span.key, i_, o_, c_, model, parent, meta or None, fp)
-            )
+            pk = p.span.key
+            rows.append((account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp))
             mt = parse_json_obj(meta) if meta else None
-            c = new_charge(rid, account, p.span.key, now, i_, o_, c_, model, parent, mt)
-            fresh[(account, rid)] = (fp, c)
+            c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt)
+            fresh[key] = (fp, c)
             out[k] = c
         conn.executemany(
             "INSERT INTO requests(account, request_id, kind, status, at, period,"
@@ -161,10 +124,7 @@ class SqliteLedger(SqliteStore):
         )
         return [x for x in out if x is not None]
 
-    def _hold(self, *args: Any) -> Hold:
-        return self._run(self._hold_fn(*args))  # type: ignore[no-any-return]
-
-    def _hold_fn(
+    def _hold_call(
         self,
         rid: str,
         account: str,
@@ -234,10 +194,7 @@ class SqliteLedger(SqliteStore):
         ).fetchone()
         return None if row is None else str(row[0])
 
-    def _settle(self, *args: Any) -> Charge:
-        return self._run(self._settle_fn(*args))  # type: ignore[no-any-return]
-
-    def _settle_fn(
+    def _settle_call(
         self,
         rid: str,
         am: dict[str, int],
@@ -338,10 +295,9 @@ class SqliteLedger(SqliteStore):
 
         return fn
 
-    def _release(self, rid: str) -> None:
-        self._run(self._release_fn(rid))
-
-    def _release_fn(self, rid: str) -> Callable[[sqlite3.Connection], None]:
+    def _release_call(
+        self, rid: str, account: str | None = None
+    ) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
                 "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
@@ -434,10 +390,7 @@ class SqliteLedger(SqliteStore):
     def _plan_of(self, account: str) -> Plan:
         return self._read(lambda c: self._acct(c, account, create=False).plan)  # type: ignore[no-any-return]
 
-    def _balance(self, account: str) -> Balance:
-        return self._run(self._balance_fn(account))  # type: ignore[no-any-return]
-
-    def _balance_fn(self, account: str) -> Callable[[sqlite3.Connection], Balance]:
+    def _balance_call(self, account: str) -> Callable[[sqlite3.Connection], Balance]:
         def fn(conn: sqlite3.Connection) -> Balance:
             now = self._now()
             a, p = self._current(conn, account, now)
@@ -454,42 +407,6 @@ class SqliteLedger(SqliteStore):
             )
 
         return fn
-
-    # -- asyncio: the caller awaits the writer thread's commit ------------------------------
-
-    async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
-        """``charge`` awaiting the writer thread's commit (no worker thread per call);
-        cancelled once in a transaction, it still counts: retry with the same id."""
-        args = self._parse_request(request_id, account, **kw)
-        fp = fingerprint("charge", *args[1:])
-        return await self._run_async(*self._charge_op(*args, fp))  # type: ignore[no-any-return]
-
-    async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
-        """``hold`` awaiting the writer's commit; cancelled, the hold is given back (by the
-        writer thread: no event loop needed)."""
-        args = self._parse_request(request_id, account, **kw)
-        full = (*args, fingerprint("hold", *args[1:]))
-        fn = self._hold_fn(*full)
-        release = self._release_fn(request_id)
-
-        def undo(conn: sqlite3.Connection, _hold: Any) -> None:
-            release(conn)
-
-        return await self._run_async(fn, None, undo)  # type: ignore[no-any-return]
-
-    async def settle_async(self, request_id: str, **kw: Any) -> Charge:
-        """``settle`` awaiting the writer's commit."""
-        return await self._run_async(self._settle_fn(*self._parse_settle(request_id, **kw)))  # type: ignore[no-any-return]
-
-    async def release_async(self, request_id: str) -> None:
-        """``release`` awaiting the writer's commit."""
-        check_id("request_id", request_id)
-        await self._run_async(self._release_fn(request_id))
-
-    async def balance_async(self, account: str) -> Balance:
-        """``balance`` read by the writer thread."""
-        check_id("account", account)
-        return await self._run_async(self._balance_fn(account))  # type: ignore[no-any-return]
 
     def _usage(self, account: str, lo: float, hi: float, limit: int, cursor: str | None) -> Page:
         after_at, after_id = lo, ""

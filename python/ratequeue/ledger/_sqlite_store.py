@@ -76,6 +76,7 @@ MAX_BATCH = 1000
 #: How long the writer waits for as many calls as the last transaction had (seconds):
 #: callers woken by a commit come back with their next call meanwhile.
 LINGER = 0.002
+_NEVER = 1 << 62
 
 
 #: Connections a forked child inherited: kept referenced so that they are never closed
@@ -110,16 +111,7 @@ class _Op:
         self.done: Any = None
         self.fut: asyncio.Future[Any] | None = None
         self.loop: asyncio.AbstractEventLoop | None = None
-        self.undo: Callable[[sqlite3.Connection, Any], None] | None = None
-
-
-def _undo_of(
-    undo: Callable[[sqlite3.Connection, Any], None], result: Any
-) -> Callable[[sqlite3.Connection], None]:
-    def fn(conn: sqlite3.Connection) -> None:
-        undo(conn, result)
-
-    return fn
+        self.undo: Callable[[sqlite3.Connection], Any] | None = None
 
 
 def _resolve(ops: Sequence[_Op]) -> None:
@@ -198,6 +190,7 @@ class SqliteStore(LedgerBase):
         self._closing = False
         self._in_tx = False  # a transaction is running (in the writer or inline)
         self._shared = 0  # calls in the writer's last transaction: > 1 = contended
+        self._want = 1  # queued calls at which the writer wants a wake-up
         self._conn: sqlite3.Connection | None = None
         self._pid = 0
         self._accts: dict[str, _Acct | None] = {}
@@ -383,7 +376,7 @@ class SqliteStore(LedgerBase):
             _INHERITED.append(self._conn)
         self._cv = threading.Condition(threading.Lock())
         self._queue, self._writer, self._conn, self._closing = [], None, None, False
-        self._in_tx = False
+        self._in_tx, self._want = False, 1
         self._reset_cache()
         self._dv = None
         self._pid = os.getpid()
@@ -409,16 +402,23 @@ class SqliteStore(LedgerBase):
         if self._pid != os.getpid():
             self._after_fork()
         with self._cv:
-            if self._closing:
-                raise LedgerError("the ledger is closing")
-            if self._writer is None:
-                if self._conn is None:
-                    self._connect()
-                self._writer = threading.Thread(
-                    target=self._write_loop, name="ratequeue-ledger-writer", daemon=True
-                )
-                self._writer.start()
-            self._queue.append(op)
+            self._enqueue(op)
+
+    def _enqueue(self, op: _Op) -> None:
+        """Queues ``op`` for the writer (under ``_cv``); wakes the writer only when it
+        waits for as many calls as are now queued (one wake-up per transaction)."""
+        if self._closing:
+            raise LedgerError("the ledger is closing")
+        if self._writer is None:
+            if self._conn is None:
+                self._connect()
+            self._writer = threading.Thread(
+                target=self._write_loop, name="ratequeue-ledger-writer", daemon=True
+            )
+            self._writer.start()
+        q = self._queue
+        q.append(op)
+        if len(q) >= self._want:
             self._cv.notify()
 
     def _withdraw(self, op: _Op) -> bool:
@@ -448,6 +448,10 @@ class SqliteStore(LedgerBase):
                     except BaseException:
                         self._in_tx = False
                         raise
+            else:
+                op.done = done = threading.Lock()
+                done.acquire()
+                self._enqueue(op)
         if inline:
             try:
                 self._commit_batch([op])
@@ -458,9 +462,6 @@ class SqliteStore(LedgerBase):
             if op.exc is not None:
                 raise op.exc
             return op.result
-        op.done = done = threading.Lock()
-        done.acquire()
-        self._submit(op)
         try:
             done.acquire()
         except BaseException:
@@ -477,16 +478,27 @@ class SqliteStore(LedgerBase):
             raise op.exc
         return op.result
 
+    def _call(self, call: Any) -> Any:
+        """Runs a call (a transaction body, or a plain charge's pair) in the writer."""
+        if type(call) is tuple:
+            return self._run(*call)
+        return self._run(call)
+
+    async def _call_async(self, call: Any, undo: Any = None) -> Any:
+        """``_call`` awaited: see ``_run_async``."""
+        fn, charge = call if type(call) is tuple else (call, None)
+        return await self._run_async(fn, charge, undo)
+
     async def _run_async(
         self,
         fn: Callable[[sqlite3.Connection], Any],
         charge: Any = None,
-        undo: Callable[[sqlite3.Connection, Any], None] | None = None,
+        undo: Callable[[sqlite3.Connection], Any] | None = None,
     ) -> Any:
         """``_run`` for asyncio: the caller awaits a future the writer resolves on its loop
         (one wake-up per loop and transaction). Cancelled while queued, nothing is done;
-        once in a transaction it counts, and then ``undo(conn, result)``, if given, runs
-        in a later transaction of the writer (no event loop needed)."""
+        once in a transaction it counts, and then ``undo``, if given, runs in a later
+        transaction of the writer (no event loop needed)."""
         op = _Op(fn, charge)
         op.loop = loop = asyncio.get_running_loop()
         op.fut = fut = loop.create_future()
@@ -498,7 +510,7 @@ class SqliteStore(LedgerBase):
                 with self._cv:
                     finished, op.abandoned = op.loop is None, True
                 if finished and op.exc is None:
-                    self._submit(_Op(_undo_of(undo, op.result)))
+                    self._submit(_Op(undo))
                 elif not finished:
                     op.undo = undo  # run by _finish
             raise
@@ -508,12 +520,16 @@ class SqliteStore(LedgerBase):
         while True:
             with self._cv:
                 while (self._in_tx or not self._queue) and not self._closing:
+                    self._want = 1
                     self._cv.wait()
                 while self._in_tx:  # closing: the inline transaction ends first
                     self._cv.wait()
                 if not self._queue:
                     return
                 if len(self._queue) < expected and not self._closing:
+                    # callers woken by the last commit come back with their next call:
+                    # one wake-up when they all have, or LINGER after the first
+                    self._want = expected
                     end = time.monotonic() + LINGER
                     while len(self._queue) < expected and not self._closing:
                         rest = end - time.monotonic()
@@ -521,6 +537,7 @@ class SqliteStore(LedgerBase):
                             break
                     while self._in_tx:  # a caller ran its own transaction meanwhile
                         self._cv.wait()
+                self._want = _NEVER
                 batch = self._queue[:MAX_BATCH]
                 del self._queue[:MAX_BATCH]
                 for op in batch:
@@ -550,10 +567,9 @@ class SqliteStore(LedgerBase):
                         by_loop.setdefault(op.loop, []).append(op)
                     op.loop = None
         for op in undo:
-            fn, result = op.undo, op.result
-            if fn is not None:
+            if op.undo is not None:
                 with contextlib.suppress(LedgerError):
-                    self._submit(_Op(_undo_of(fn, result)))
+                    self._submit(_Op(op.undo))
         for loop, ops in by_loop.items():
             with contextlib.suppress(RuntimeError):  # a closed loop: its callers are gone
                 loop.call_soon_threadsafe(_resolve, ops)
@@ -584,46 +600,34 @@ class SqliteStore(LedgerBase):
             return
         running: Sequence[_Op] = ()
         try:
-            if len(batch) == 1:
-                # alone: a failure rolls the whole transaction back
-                op = batch[0]
-                running = batch
+            groups = _groups(batch)
+            if len(groups) == 1:
+                # one call, or only plain charges: a failure rolls the whole transaction
+                # back (no savepoint needed)
+                running = group = groups[0]
                 try:
-                    op.result = op.fn(conn)
+                    self._run_group(conn, group)
                     self._flush(conn)
                 except Exception as e:
-                    op.exc = e
+                    for op in group:
+                        op.result, op.exc = None, e
                     conn.execute("ROLLBACK")
                     self._reset_cache()
                     self._dv = None
                     return
             else:
-                k = 0
-                while k < len(batch):
-                    # consecutive plain charges: one lookup, one executemany
-                    j = k
-                    while j < len(batch) and batch[j].charge is not None:
-                        j += 1
-                    group = running = batch[k:j] if j - k > 1 else batch[k : k + 1]
+                for group in groups:
+                    running = group
                     conn.execute("SAVEPOINT op")
                     try:
-                        if len(group) > 1:
-                            results = self._charge_batch(conn, [op.charge for op in group])
-                            for op, r in zip(group, results, strict=True):
-                                if isinstance(r, Exception):
-                                    op.exc = r
-                                else:
-                                    op.result = r
-                        else:
-                            group[0].result = group[0].fn(conn)
+                        self._run_group(conn, group)
                         self._flush(conn)
                     except Exception as e:
                         for op in group:
-                            op.exc = e
+                            op.result, op.exc = None, e
                         conn.execute("ROLLBACK TO op")
                         self._reset_cache()
                     conn.execute("RELEASE op")
-                    k += len(group)
             running = ()
             self._maybe_purge(conn)
             conn.execute("COMMIT")
@@ -639,6 +643,19 @@ class SqliteStore(LedgerBase):
                 )
             self._reset_cache()
             self._dv = None
+
+    def _run_group(self, conn: sqlite3.Connection, group: Sequence[_Op]) -> None:
+        """Runs one call, or consecutive plain charges decided together."""
+        if len(group) == 1:
+            op = group[0]
+            op.result = op.fn(conn)
+            return
+        results = self._charge_batch(conn, [op.charge for op in group])
+        for op, r in zip(group, results, strict=True):
+            if isinstance(r, Exception):
+                op.exc = r
+            else:
+                op.result = r
 
     def _maybe_purge(self, conn: sqlite3.Connection) -> None:
         now = self._now()
@@ -739,6 +756,20 @@ class SqliteStore(LedgerBase):
             " WHERE account=?",
             (*(a.bonus[u] for u in UNITS), account),
         )
+
+
+def _groups(batch: Sequence[_Op]) -> list[Sequence[_Op]]:
+    """``batch`` cut into single calls and runs of consecutive plain charges."""
+    out: list[Sequence[_Op]] = []
+    k = 0
+    while k < len(batch):
+        j = k
+        while j < len(batch) and batch[j].charge is not None:
+            j += 1
+        j = max(j, k + 1)
+        out.append(batch[k:j])
+        k = j
+    return out
 
 
 def _am(i: int, o: int, c: int) -> dict[str, int]:

@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..ledger._base import _executor, compensation, quota_exceeded
+from ..ledger._base import compensation, quota_exceeded
 from ..ledger._model import (
     Balance,
     Charge,
@@ -22,9 +22,7 @@ from ..ledger._model import (
     Plan,
     Span,
     UnknownRequest,
-    check_id,
     conflict,
-    fingerprint,
     new_charge,
 )
 from ._ledger_codec import (
@@ -158,7 +156,7 @@ class RedisLedger(_RedisLedgerCore):
             yield ("cmd", "SADD", self._prefix + "notify", account)
             self._notice_event.set()
 
-    def _charge_flow(
+    def _charge_call(
         self,
         rid: str,
         account: str,
@@ -226,7 +224,16 @@ class RedisLedger(_RedisLedgerCore):
             raise LedgerError(f"unexpected reply from the ledger script: {r!r}")
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
 
-    def _hold_flow(
+    def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
+        out: list[Any] = list(ops)
+        todo = [k for k, op in enumerate(ops) if not isinstance(op, Exception)]
+        calls: list[tuple[Any, ...]] = [(*ops[k][0], ops[k][1]) for k in todo]
+        got = self._drive_many([self._charge_call(*c) for c in calls])
+        for k, r in zip(todo, got, strict=True):
+            out[k] = r
+        return out
+
+    def _hold_call(
         self,
         rid: str,
         account: str,
@@ -301,7 +308,7 @@ class RedisLedger(_RedisLedgerCore):
         v = yield ("cmd", "GET", self._prefix + "hold:" + rid)
         return None if v is None else _s(v)
 
-    def _call(
+    def _period_op(
         self, op: str, account: str, second: str, extra: Sequence[Any] = ()
     ) -> _Flow[tuple[Any, _Info, Span]]:
         """Runs one op in the current period; reads the plan again when it changed."""
@@ -314,7 +321,7 @@ class RedisLedger(_RedisLedgerCore):
                 return r, info, span
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
 
-    def _settle_flow(
+    def _settle_call(
         self, rid: str, am: dict[str, int], model: str | None, account: str | None, sfp: str
     ) -> _Flow[Charge]:
         self._check_big(am)
@@ -323,7 +330,7 @@ class RedisLedger(_RedisLedgerCore):
             raise UnknownRequest(f"no hold has request id {rid!r}; pass account= to charge it")
         i, o, c = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, sfp, i, o, c, model or "")
-        r, _info, _span = yield from self._call("settle", acc, "r:" + rid, extra)
+        r, _info, _span = yield from self._period_op("settle", acc, "r:" + rid, extra)
         tag = _s(r[0])
         if tag == "CONFLICT":
             raise conflict(rid)
@@ -334,19 +341,19 @@ class RedisLedger(_RedisLedgerCore):
             self._holds.pop(rid, None)
         return _record_charge(rid, acc, _s(r[2]), False)
 
-    def _release_flow(self, rid: str, account: str | None = None) -> _Flow[None]:
+    def _release_call(self, rid: str, account: str | None = None) -> _Flow[None]:
         acc = (yield from self._hold_account(rid)) if account is None else account
         if acc is None:
             return
         try:
-            yield from self._call("release", acc, "r:" + rid, (rid,))
+            yield from self._period_op("release", acc, "r:" + rid, (rid,))
         except LookupError:
             return
         with self._lock:
             self._holds.pop(rid, None)
 
-    def _balance_flow(self, account: str) -> _Flow[Balance]:
-        r, info, span = yield from self._call("balance", account, "r:")
+    def _balance_call(self, account: str) -> _Flow[Balance]:
+        r, info, span = yield from self._period_op("balance", account, "r:")
         quota = info.plan.quota
         used, held, bonus = {}, {}, {}
         for k, u in enumerate(quota):
@@ -357,21 +364,6 @@ class RedisLedger(_RedisLedgerCore):
             account, info.plan.name, span.key, span.start, span.end, dict(quota), used, held, bonus
         )
 
-    def _charge(self, *args: Any) -> Charge:
-        return self._drive(self._charge_flow(*args))
-
-    def _hold(self, *args: Any) -> Hold:
-        return self._drive(self._hold_flow(*args))
-
-    def _settle(self, *args: Any) -> Charge:
-        return self._drive(self._settle_flow(*args))
-
-    def _release(self, request_id: str) -> None:
-        self._drive(self._release_flow(request_id))
-
-    def _balance(self, account: str) -> Balance:
-        return self._drive(self._balance_flow(account))
-
     def expire_holds(self) -> int:
         """Gives back every hold past its expiry now; returns how many (each account is
         also expired lazily whenever it is used)."""
@@ -381,44 +373,11 @@ class RedisLedger(_RedisLedgerCore):
                 due = int(self.client.zcount(self._pfx(acc) + "h", "-inf", repr(self._now())))
                 if not due:
                     break
-                self._balance(acc)  # the script expires up to 100 a call
+                self._drive(self._balance_call(acc))  # the script expires up to 100 a call
                 n += min(due, 100)
         return n
 
-    # -- asyncio twins on redis.asyncio ---------------------------------------------------
-
-    async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
-        """``charge`` on the event loop (``redis.asyncio``); cancelled, it may still have
-        counted: retry with the same id (a replay then)."""
-        args = self._parse_request(request_id, account, **kw)
-        full = (*args, fingerprint("charge", *args[1:]))
-        return await self._adrive(self._charge_flow(*full))
-
-    async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
-        """``hold`` on the event loop; cancelled, the hold is given back (by a worker
-        thread on the blocking client: no event loop needed, so a closing loop is fine)."""
-        args = self._parse_request(request_id, account, **kw)
-        full = (*args, fingerprint("hold", *args[1:]))
-        flow = self._hold_flow(*full)
-        try:
-            return await self._adrive(flow)
-        except asyncio.CancelledError:
-            _executor().submit(self._drive, self._release_flow(request_id, account))
-            raise
-
-    async def settle_async(self, request_id: str, **kw: Any) -> Charge:
-        """``settle`` on the event loop."""
-        return await self._adrive(self._settle_flow(*self._parse_settle(request_id, **kw)))
-
-    async def release_async(self, request_id: str) -> None:
-        """``release`` on the event loop."""
-        check_id("request_id", request_id)
-        await self._adrive(self._release_flow(request_id))
-
-    async def balance_async(self, account: str) -> Balance:
-        """``balance`` on the event loop."""
-        check_id("account", account)
-        return await self._adrive(self._balance_flow(account))
+    # -- asyncio ----------------------------------------------------------------------
 
     async def aclose(self) -> None:
         """Closes the asyncio client this loop made (one passed in is the caller's)."""
@@ -650,5 +609,7 @@ class RedisLedger(_RedisLedgerCore):
         return None if v is None else _ints(json.loads(v))
 
     def close(self) -> None:
-        """Closes the client's connections."""
+        """Closes the client's connections and the ledger's own (one per thread that ran
+        a script)."""
+        self._close_conns()
         self.client.close()

@@ -9,9 +9,10 @@ holds, fired thresholds), ``:r:<request id>`` (the request, kept ``retention``),
 ``:audit`` (compensation audit); the tag is the account, so one account's keys share a
 Redis Cluster slot. Integers must stay below 2**53 (Lua numbers are doubles).
 
-Each call is written once as a generator of Redis commands (``_*_flow``); ``_drive`` runs
-it on the blocking client and ``_adrive`` on a ``redis.asyncio`` client, so that the
-asyncio twins (``charge_async``...) wait on the event loop, not on a worker thread.
+Each call is written once as a generator of Redis commands (``_*_call``, ``_*_flow``);
+``_drive`` runs it on the blocking client and ``_adrive`` on a ``redis.asyncio`` client,
+so that the asyncio twins (``charge_async``...) wait on the event loop, not on a worker
+thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import importlib.resources
-import inspect
 import os
 import threading
 import weakref
@@ -31,7 +31,7 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from ..ledger._base import LedgerBase
+from ..ledger._base import LedgerBase, _executor
 from ..ledger._model import (
     ClockLike,
     Plan,
@@ -169,11 +169,10 @@ class _RedisLedgerCore(LedgerBase):
             and getattr(client, "connection", None) is None
             and isinstance(pool, redis.ConnectionPool)
         )
-        self._conn_args: tuple[str, ...] = ()
-        if self._raw and pool is not None:
-            params = list(inspect.signature(pool.get_connection).parameters.values())
-            if params and params[0].default is inspect.Parameter.empty:
-                self._conn_args = ("EVALSHA",)
+        # a plain client's scripts go on a connection per thread made like the pool's (no
+        # pool get/release per call); ``close`` closes them
+        self._local = threading.local()
+        self._conns: weakref.WeakSet[Any] = weakref.WeakSet()
 
     # -- keys, the script and the two drivers --------------------------------------------
 
@@ -220,15 +219,84 @@ class _RedisLedgerCore(LedgerBase):
         """Runs a call on the blocking client."""
         try:
             step = next(flow)
-            while True:
-                try:
-                    reply = self._exec(step)
-                except Exception as e:
-                    step = flow.throw(e)
-                else:
-                    step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        return self._resume(flow, step)
+
+    def _resume(self, flow: _Flow[T], step: _Step) -> T:
+        try:
+            self._steps(flow, step, to_script=False)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    def _steps(self, flow: _Flow[Any], step: _Step, *, to_script: bool) -> _Step:
+        """Runs ``flow`` from ``step`` until it ends (``StopIteration``), or with
+        ``to_script`` until its next step is a script (returned, not run)."""
+        while not (to_script and step[0] == "eval"):
+            try:
+                reply = self._exec(step)
+            except Exception as e:
+                step = flow.throw(e)
+            else:
+                step = flow.send(reply)
+        return step
+
+    def _drive_many(self, flows: Sequence[_Flow[Any]]) -> list[Any]:
+        """Runs several calls, their first scripts pipelined in one round trip (on a
+        plain client), each going on alone if it needs more; each one's result or error."""
+        out: list[Any] = [None] * len(flows)
+        firsts: list[tuple[int, _Step]] = []
+        for k, flow in enumerate(flows):
+            try:  # e.g. the account's plan read first
+                firsts.append((k, self._steps(flow, next(flow), to_script=True)))
+            except StopIteration as stop:
+                out[k] = stop.value
+            except Exception as e:
+                out[k] = e
+        replies = self._pipeline([step for _, step in firsts])
+        for (k, _step), reply in zip(firsts, replies, strict=True):
+            flow = flows[k]
+            try:
+                nxt = flow.throw(reply) if isinstance(reply, Exception) else flow.send(reply)
+                out[k] = self._resume(flow, nxt)
+            except StopIteration as stop:
+                out[k] = stop.value
+            except Exception as e:
+                out[k] = e
+        return out
+
+    def _pipeline(self, steps: Sequence[_Step]) -> list[Any]:
+        """Each script step's reply or error: sent together on one pooled connection of a
+        plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
+        sent again alone once the script is loaded."""
+        if not self._raw or len(steps) < 2:
+            return [self._try(step) for step in steps]
+        packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
+        conn = self._thread_conn()
+        out: list[Any] = []
+        try:
+            conn.send_packed_command([packed])
+            for _ in steps:
+                try:
+                    out.append(conn.read_response())
+                except redis.exceptions.ResponseError as e:  # that script's own error
+                    out.append(e)
+        except BaseException as e:
+            conn.disconnect()
+            if not isinstance(e, Exception):
+                raise
+            out += [e] * (len(steps) - len(out))  # unknown: retry with the same ids
+        for k, r in enumerate(out):
+            if isinstance(r, redis.exceptions.NoScriptError):
+                out[k] = self._try(steps[k])
+        return out
+
+    def _try(self, step: _Step) -> Any:
+        try:
+            return self._exec(step)
+        except Exception as e:
+            return e
 
     async def _adrive(self, flow: _Flow[T]) -> T:
         """Runs a call on the asyncio client of the running loop."""
@@ -245,6 +313,17 @@ class _RedisLedgerCore(LedgerBase):
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
 
+    def _call(self, call: _Flow[T]) -> T:
+        return self._drive(call)
+
+    async def _call_async(self, call: _Flow[T], undo: _Flow[Any] | None = None) -> T:
+        try:
+            return await self._adrive(call)
+        except asyncio.CancelledError:
+            if undo is not None:  # on the blocking client: no event loop needed
+                _executor().submit(self._drive, undo)
+            raise
+
     def _exec(self, step: _Step) -> Any:
         if step[0] != "eval":
             return self.client.execute_command(*step[1:])
@@ -257,12 +336,11 @@ class _RedisLedgerCore(LedgerBase):
     def _send_eval(self, step: _Step) -> Any:
         if not self._raw:
             return self.client.execute_command(*_flat(step[1]))
-        # a plain client's pooled connection gets the command packed once (its fixed
-        # parts per account and period, packed before), without redis-py's work per
-        # argument
+        # a plain client's connection of this thread gets the command packed once (its
+        # fixed parts per account and period, packed before), without redis-py's work
+        # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
-        pool = self.client.connection_pool
-        conn = pool.get_connection(*self._conn_args)
+        conn = self._thread_conn()
         try:
             conn.send_packed_command([packed])
             return conn.read_response()
@@ -270,8 +348,23 @@ class _RedisLedgerCore(LedgerBase):
             if not isinstance(e, Exception) or not _is_reply_error(e):
                 conn.disconnect()
             raise
-        finally:
-            pool.release(conn)
+
+    def _thread_conn(self) -> Any:
+        """This thread's connection for scripts (made like the client's pool makes its
+        own; a forked child makes new ones)."""
+        conn = getattr(self._local, "conn", None)
+        if conn is None:
+            pool = self.client.connection_pool
+            conn = self._local.conn = pool.connection_class(**pool.connection_kwargs)
+            with self._lock:
+                self._conns.add(conn)
+        return conn
+
+    def _close_conns(self) -> None:
+        with self._lock:
+            conns, self._conns = list(self._conns), weakref.WeakSet()
+        for c in conns:
+            c.disconnect()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
@@ -299,6 +392,8 @@ _LEDGERS: weakref.WeakSet[_RedisLedgerCore] = weakref.WeakSet()
 def _after_fork_in_child() -> None:
     for led in list(_LEDGERS):
         led._lock = threading.Lock()
+        led._local = threading.local()  # the parent's sockets are never used here
+        led._conns = weakref.WeakSet()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
