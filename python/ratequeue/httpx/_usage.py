@@ -130,7 +130,7 @@ class SSEUsage:
         )
         try:
             ev = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return
         if not isinstance(ev, dict):
             return
