@@ -24,6 +24,9 @@ _SKIP = frozenset(
 _MAX_DEPTH = 64
 
 
+_new = tuple.__new__
+
+
 class Estimate(NamedTuple):
     """Tokens a call may use: prompt (input) and the most it may produce (output)."""
 
@@ -186,8 +189,8 @@ class TokenEstimator:
         for f in OUTPUT_FIELDS:
             v = body.get(f)
             if type(v) is int and v >= 0:
-                return Estimate(prompt, v)
-        return Estimate(prompt, self.default_output_tokens)
+                return _new(Estimate, (prompt, v))  # type: ignore[no-any-return]
+        return _new(Estimate, (prompt, self.default_output_tokens))  # type: ignore[no-any-return]
 
 
 def _load(name: str | None) -> _Encoding | None:

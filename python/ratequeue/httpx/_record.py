@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import json.scanner
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -183,8 +182,6 @@ class CallRecord:
         return f"CallRecord({inner})"
 
 
-#: Guards the settle-once flag of every call (held for two bytecodes, never across a call).
-_ONCE = threading.Lock()
 #: What a call owes its ledger when it used nothing: a release (else its ``Usage``).
 _RELEASE = object()
 
@@ -200,6 +197,7 @@ class _Call(CallRecord):
         "_done",
         "_held",
         "_kw",
+        "_once",
         "_owed",
         "_permit",
         "_provider",
@@ -249,3 +247,4 @@ class _Call(CallRecord):
         self._async = False
         self._owed: object = None
         self._retried = False
+        self._once = [None]  # popped by the one caller that settles

@@ -20,12 +20,7 @@ if TYPE_CHECKING:
 def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
     (never admit more than allowed) and ``usage`` stays None."""
-    if usage is not None:
-        transport._settle(call, usage, call.status)
-        return
-    est = call.estimate
-    transport._settle(call, Usage(est.input_tokens, est.output_tokens), call.status)
-    call.usage = None
+    transport._settle(call, usage, call.status, reported=True)
 
 
 class _Reader:

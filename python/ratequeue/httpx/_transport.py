@@ -24,8 +24,8 @@ from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import Ledger, call_async, hold_async
-from ._record import _ONCE, _RELEASE, CallRecord, _Call, json_object
-from ._stream import wrap
+from ._record import _RELEASE, CallRecord, _Call, json_object
+from ._stream import _json_usage, wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
@@ -38,6 +38,7 @@ __all__ = [
     "RateLimitedTransport",
 ]
 
+_new = tuple.__new__
 PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
@@ -375,7 +376,15 @@ class RateLimitedTransport:
             self._settle(call, None, status)
         response.extensions["ratequeue"] = call
         if not call._done:
-            wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
+            sse = ctype.startswith(b"text/event-stream")
+            if sse or not response.is_stream_consumed:
+                wrap(response, call, self, is_async, sse)
+            else:  # the body is here already (what MockTransport and ASGI tests return)
+                content = response.content
+                usage = (
+                    _json_usage(content) if content and len(content) <= self.max_body else None
+                )
+                self._settle(call, usage, status, reported=True)
         return response
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:
@@ -434,16 +443,27 @@ class RateLimitedTransport:
         return paused
 
     def _settle(
-        self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        *,
+        rate_limited: bool = False,
+        reported: bool = False,
     ) -> None:
-        """Settle the permit, budget and ledger once: real usage, or nothing used (an
-        asyncio call leaves the ledger's part owed, for its caller to await)."""
-        with _ONCE:
-            if call._done:
-                return
-            call._done = True
+        """Settle the permit, budget and ledger once: real usage, or nothing used; a body
+        ``reported`` without a usage keeps the estimate charged (never admit more than
+        allowed). An asyncio call leaves the ledger's part owed, for its caller to await."""
+        try:
+            call._once.pop()  # atomic: one caller settles
+        except IndexError:
+            return
+        call._done = True
         call.usage = usage
         call.settled = True
+        if usage is None and reported:
+            est = call.estimate
+            usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
         try:
             if permit is not None:
@@ -506,6 +526,7 @@ class RateLimitedTransport:
 
     def _unwind(self, call: _Call) -> None:
         """Nothing was sent: give back the budget and the ledger hold."""
+        call._once.clear()
         call._done = True
         if call._sub is not None:
             _budget.uncount(call._sub, call._chain, None)
