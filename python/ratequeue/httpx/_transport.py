@@ -381,9 +381,7 @@ class RateLimitedTransport:
                 wrap(response, call, self, is_async, sse)
             else:  # the body is here already (what MockTransport and ASGI tests return)
                 content = response.content
-                usage = (
-                    _json_usage(content) if content and len(content) <= self.max_body else None
-                )
+                usage = _json_usage(content) if content and len(content) <= self.max_body else None
                 self._settle(call, usage, status, reported=True)
         return response
 
