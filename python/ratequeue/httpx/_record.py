@@ -182,6 +182,7 @@ class CallRecord:
         return f"CallRecord({inner})"
 
 
+_NO_CHAIN: list[CallBudget] = []  # never changed: a call outside budgets shares it
 #: What a call owes its ledger when it used nothing: a release (else its ``Usage``).
 _RELEASE = object()
 
@@ -217,6 +218,10 @@ class _Call(CallRecord):
         priority: str | None,
         task: str | None,
         pending: tuple[bytes | None, _Estimator] | None,
+        costs: dict[str, int],
+        kw: dict[str, Any],
+        account: str,
+        is_async: bool,
     ) -> None:
         # Every slot set here, without CallRecord.__init__: this runs on every call.
         self.request_id = request_id
@@ -238,13 +243,13 @@ class _Call(CallRecord):
         self._permit: Any = None
         self._provider: Any = None
         self._sub: SubCall | None = None
-        self._chain: list[CallBudget] = []
+        self._chain: list[CallBudget] = _NO_CHAIN
         self._held = False
         self._done = False
-        self._costs: dict[str, int] = {}
-        self._kw: dict[str, Any] = {}
-        self._account = ""
-        self._async = False
+        self._costs = costs
+        self._kw = kw
+        self._account = account
+        self._async = is_async
         self._owed: object = None
         self._retried = False
         self._once = [None]  # popped by the one caller that settles

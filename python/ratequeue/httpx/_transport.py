@@ -232,6 +232,7 @@ class RateLimitedTransport:
             account = account or opts.account
         priority = priority or self.priority
         data = None
+        data = None
         if (
             length is not None
             and request.method in _BODY_METHODS
@@ -239,14 +240,12 @@ class RateLimitedTransport:
             and int(length) <= self.max_body
         ):
             try:
-                data = bytes(request.content)
+                data = request.content
             except Exception:  # a stream not read (RequestNotRead): estimate without it
                 data = None
         path = request.url.path
         budget = _CURRENT_BUDGET.get()
-        capped = None
-        model = None
-        est: Estimate | None = None
+        capped = model = est = None
         if (
             self._needs_body
             or budget is not None
@@ -254,40 +253,24 @@ class RateLimitedTransport:
         ):
             body = json_object(data) if data else None
             if body is not None:
-                changed = False
                 if self.caps:
                     capped = apply_caps(self.caps, body, path, task)
-                    changed = capped is not None
-                if (
-                    self.stream_usage
-                    and body.get("stream") is True
-                    and path.endswith("/chat/completions")
-                ):
-                    so = body.get("stream_options")
-                    if not (isinstance(so, dict) and so.get("include_usage") is True):
-                        body["stream_options"] = {
-                            **(so if isinstance(so, dict) else {}),
-                            "include_usage": True,
-                        }
-                        changed = True
+                changed = capped is not None
+                if body.get("stream") is True and self._stream_opts(body, path):
+                    changed = True
                 if changed:
                     request = _rewrite(request, body)
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
-        call = _Call(
-            request,
-            request_id or new_id(),
-            path,
-            model,
-            est,
-            capped,
-            priority,
-            task,
-            None if est is not None else (data, self.estimator),
-        )
-        call._async = is_async
-        costs = call._costs = self._costs(est) if est is not None else self._unit_costs
+            i, o = est
+            vals = (1, i + o, i, o)
+            costs = {}
+            for u, j, b in self._plan:
+                c = 1 if j < 0 else vals[j]
+                costs[u] = c if b is None or c <= b else b
+        else:
+            costs = self._unit_costs
         # What acquire takes: the costs, and the priority, keys and bound on the wait.
         if self._is_policy:
             kw: dict[str, Any] = dict(costs)
@@ -302,17 +285,40 @@ class RateLimitedTransport:
                 kw["priority"] = priority
         else:
             kw = costs
-        call._kw = kw
         acc = self.account
-        if type(acc) is str:
-            call._account = account or acc
-        else:
-            call._account = account or acc(request) or "default"  # type: ignore[operator]
+        if type(acc) is not str:
+            acc = acc(request) or "default"  # type: ignore[operator]
+        call = _Call(
+            request,
+            request_id or new_id(),
+            path,
+            model,
+            est,
+            capped,
+            priority,
+            task,
+            None if est is not None else (data, self.estimator),
+            costs,
+            kw,
+            account or acc,
+            is_async,
+        )
         if budget is not None:
             assert est is not None
             call._sub = _budget.charge(call.request_id, model, est.input_tokens, est.output_tokens)
             call._chain = budget.chain()
         return call
+
+    def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
+        """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
+        True if the body changed."""
+        if not self.stream_usage or not path.endswith("/chat/completions"):
+            return False
+        so = body.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            return False
+        body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+        return True
 
     def _hold_kw(self, call: _Call) -> dict[str, Any]:
         est = call.estimate
