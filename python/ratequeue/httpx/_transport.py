@@ -44,7 +44,7 @@ TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
 _OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
 # Request headers the transport reads, by lower-case name: 0-2 its own (removed before
-# sending), 3 the SDK's idempotency key, 4 the body's length.
+# sending), 3 the SDK's idempotency key, 4 the body's length; 5 read by nobody.
 _READ = {
     b"x-ratequeue-priority": 0,
     b"x-ratequeue-task": 1,
@@ -52,6 +52,29 @@ _READ = {
     b"idempotency-key": 3,
     b"content-length": 4,
 }
+_READ_MAX = 512
+
+
+def _read_request(
+    hl: list[tuple[bytes, bytes, bytes]],
+) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
+    """The headers the transport reads, by name (``_READ``; names seen are added to it
+    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
+    content length."""
+    out: list[Any] = [None, None, None, None, None]
+    for _, lk, v in hl:
+        i = _READ.get(lk)
+        if i is None:
+            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
+                _READ[lk] = 5
+            continue
+        if i == 4:
+            out[4] = v
+        elif i != 5:
+            out[i] = v.decode("latin-1")
+    return out[0], out[1], out[2], out[3], out[4]
+
+
 # Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
@@ -204,24 +227,26 @@ class RateLimitedTransport:
         estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
         priority = task = account = request_id = length = None
-        own = False
-        for _, lk, v in header_list(headers):
-            i = _READ.get(lk)
-            if i is None:
-                continue
-            if i == 4:
-                length = v
-            elif i == 3:
-                request_id = v.decode("latin-1")
-            else:
-                own = True
-                if i == 0:
+        hl = header_list(headers)
+        read = _READ
+        try:
+            for _, lk, v in hl:
+                i = read[lk]  # a name not seen yet raises: read below
+                if i == 5:
+                    continue
+                if i == 4:
+                    length = v
+                elif i == 3:
+                    request_id = v.decode("latin-1")
+                elif i == 0:
                     priority = v.decode("latin-1")
                 elif i == 1:
                     task = v.decode("latin-1")
                 else:
                     account = v.decode("latin-1")
-        if own:
+        except KeyError:
+            priority, task, account, request_id, length = _read_request(hl)
+        if priority is not None or task is not None or account is not None:
             for h in _OWN_HEADERS:
                 if h in headers:
                     del headers[h]

@@ -80,17 +80,41 @@ def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, boo
     ctype = b""
     exhausted = False
     known = _KNOWN
-    for _, lk, v in headers:
-        kind = known.get(lk)
-        if kind == 1:
-            continue
-        if kind is None:
-            kind = _kind(lk)
+    try:
+        for _, lk, v in headers:
+            kind = known[lk]  # a name not seen yet raises: classified below, then again
             if kind == 1:
                 continue
+            if kind == 0:
+                ctype = v
+            elif not exhausted:
+                if kind == 3:
+                    exhausted = b"=0" in v
+                elif kind == 4:
+                    exhausted = True
+                else:
+                    s = v.strip()
+                    exhausted = s == b"0" or s.startswith((b"0.", b"-"))
+    except KeyError:
+        return _scan_new(headers)
+    return ctype, exhausted
+
+
+def _scan_new(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
+    """``scan_response`` of headers with names not classified yet (the table of names
+    full: every time)."""
+    if len(_KNOWN) < _KNOWN_MAX:
+        for _, lk, _ in headers:
+            _kind(lk)
+        if len(_KNOWN) < _KNOWN_MAX:
+            return scan_response(headers)
+    ctype = b""
+    exhausted = False
+    for _, lk, v in headers:
+        kind = _kind(lk)
         if kind == 0:
             ctype = v
-        elif not exhausted:
+        elif kind != 1 and not exhausted:
             if kind == 3:
                 exhausted = b"=0" in v
             elif kind == 4:
