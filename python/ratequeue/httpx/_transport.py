@@ -221,6 +221,8 @@ class RateLimitedTransport:
             (u, _UNIT_INDEX.get(u, -1), self._bursts.get(u)) for u in sorted(self.units)
         )
         self._unit_costs = {u: 1 for u in sorted(self.units)}  # a call without an estimate
+        # The units a settle corrects (those that follow the tokens).
+        self._token_plan = tuple((u, j) for u, j, _ in self._plan if j > 0)
 
     def _prepare(self, request: Any, is_async: bool) -> _Call:
         """The call's record: its own headers read (and removed), the body capped and
@@ -495,7 +497,7 @@ class RateLimitedTransport:
             usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
         try:
-            if permit is not None:
+            if permit is not None and self._token_plan:
                 if usage is None:
                     i = o = 0
                 else:
@@ -503,7 +505,10 @@ class RateLimitedTransport:
                 actual = (1, i + o, i, o)
                 costs = call._costs
                 # Only what differs from the estimate: the rest is already right.
-                kw = {u: actual[j] for u, j, _ in self._plan if j > 0 and actual[j] != costs[u]}
+                kw = {}
+                for u, j in self._token_plan:
+                    if actual[j] != costs[u]:
+                        kw[u] = actual[j]
                 if kw:
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)
