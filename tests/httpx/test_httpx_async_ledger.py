@@ -259,7 +259,7 @@ def test_cancelled_while_the_hold_runs_gives_the_hold_back(mod: Any) -> None:
 def test_async_stream_settles_the_ledger_at_the_final_usage_event(mod: Any) -> None:
     led = PlainLedger()
 
-    class Events(mod.AsyncByteStream):  # type: ignore[misc,name-defined]
+    class Events(mod.AsyncByteStream):  # type: ignore[misc]
         async def __aiter__(self) -> Any:
             yield b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n'
             final = {"choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}
@@ -280,7 +280,7 @@ def test_async_stream_settles_the_ledger_at_the_final_usage_event(mod: Any) -> N
 
             chunks, ticks = await ticking(led.gates, ("settle",), read())
             assert ticks > 0
-            return chunks
+            return list(chunks)
 
     chunks = asyncio.run(main())
     assert len(chunks) == 3

@@ -219,8 +219,8 @@ class TokenEstimator:
         for f in OUTPUT_FIELDS:
             v = body.get(f)
             if type(v) is int and v >= 0:
-                return _new(Estimate, (prompt, v))  # type: ignore[no-any-return]
-        return _new(Estimate, (prompt, self.default_output_tokens))  # type: ignore[no-any-return]
+                return _new(Estimate, (prompt, v))
+        return _new(Estimate, (prompt, self.default_output_tokens))
 
 
 def _load(name: str | None) -> _Encoding | None:

@@ -36,7 +36,7 @@ _FIELDS = (
 
 #: The C scanner of the json module: one call decodes a value (``json.loads`` adds two
 #: Python frames and two regex matches around it).
-SCAN = json.scanner.make_scanner(json.JSONDecoder())
+SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _JSON_SPACE = " \t\n\r"
 
 

@@ -506,9 +506,9 @@ class RateLimitedTransport:
                 costs = call._costs
                 # Only what differs from the estimate: the rest is already right.
                 kw = {}
-                for u, j in self._token_plan:
-                    if actual[j] != costs[u]:
-                        kw[u] = actual[j]
+                for unit, j in self._token_plan:
+                    if actual[j] != costs[unit]:
+                        kw[unit] = actual[j]
                 if kw:
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)

@@ -50,12 +50,12 @@ def usage_of(u: Any) -> Usage | None:
         i = g("prompt_tokens")
         o = g("completion_tokens")
         if type(i) is int and type(o) is int and i >= 0 and o >= 0:
-            return _new(Usage, (i, o))  # type: ignore[no-any-return]
+            return _new(Usage, (i, o))
         i = i if type(i) is int and i >= 0 else None
         o = o if type(o) is int and o >= 0 else None
         if i is None and o is None:
             return None
-        return _new(Usage, (i or 0, o or 0))  # type: ignore[no-any-return]
+        return _new(Usage, (i or 0, o or 0))
     i = i if type(i) is int and i >= 0 else None
     o = o if type(o) is int and o >= 0 else None
     if i is None and o is None:
@@ -72,7 +72,7 @@ def usage_of(u: Any) -> Usage | None:
             e = _int(g(extra))
             if e:
                 i = (i or 0) + e
-    return _new(Usage, (i or 0, o or 0))  # type: ignore[no-any-return]
+    return _new(Usage, (i or 0, o or 0))
 
 
 def usage_from_json(body: Any) -> Usage | None:
