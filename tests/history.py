@@ -805,10 +805,23 @@ class Ops(History):
         self.oplog[op] += f" -> delay={p.delay}"
         start, at = self.policy_dating(p, t)
         qs = self.policy_reqs(kw, op, start, "policy_" + name, took)
+        self.unlead_if_moved(qs, t)
         for q in qs:
             self.granted(q, at if self.levels[q.level].is_rate else start)
         holders.append(Holder(p, qs, "policy"))
         self.bump("policy_" + name)
+
+    def unlead_if_moved(self, qs: list[Req], t: int) -> None:
+        """A policy call dates its arrival when it is made (``start``) but decides its
+        levels later, at a clock reading it does not report; when the clock moved during
+        the call, another thread's call that arrived in between may have been decided
+        first, legitimately (overlapping calls have no order). Its requests then still
+        must not pass anyone who arrived before ``start``, but later arrivals are not
+        ordered behind them."""
+        if self.mode == "threads" and self.now() != t:
+            for q in qs:
+                q.lead = False
+            self.bump("policy_moved")
 
     def policy_dating(self, p: Any, t: int) -> tuple[int, int]:
         """(the call's start, the time every level holds it) as the library dated a
@@ -859,11 +872,17 @@ class Ops(History):
                 return
         if h.what == "policy" and r.random() < 0.4:
             op = self.note(f"policy_permit(reqs {[q.rid for q in qs]}).cancel()")
+            now = self.now()
             for q in qs:
                 self.ended(q)
                 q.lead = False  # later arrivals may take its place
                 if self.levels[q.level].is_rate:
                     q.eff = [0] * len(q.eff)  # given back where the rule allows: not counted
+                    if q.grant_ns is not None and now < q.grant_ns:
+                        # Cancelled before its time: never granted (it left its queue), so
+                        # its promised time orders nothing, not even against earlier
+                        # arrivals whom later events delayed past it.
+                        q.outcome = "cancelled"
             h.obj.cancel()
             self.bump("policy_cancel")
             if r.random() < 0.3:
@@ -1433,6 +1452,7 @@ class Threads(Ops):
             # them.
             start, at = self.policy_dating(p, t)
             qs = self.policy_reqs(kw, op, None if conc_first else start, "policy_acquire", False)
+            self.unlead_if_moved(qs, t)
             now = self.now()
             for q in qs:
                 rate = self.levels[q.level].is_rate

@@ -164,6 +164,20 @@ pub struct GrantRef {
     /// The grant's token (see [`Resource::take_at`]) while nothing is known to have
     /// come after it.
     pub token: Option<u64>,
+    /// The ticket of this grant's overage charge still queued (see
+    /// [`WaitQueue::settle`]): owed, not debited yet.
+    pub owed: Option<u64>,
+}
+
+impl GrantRef {
+    /// A grant taken at `at_ns` with `token`, owing nothing.
+    pub fn new(at_ns: u64, token: Option<u64>) -> GrantRef {
+        GrantRef {
+            at_ns,
+            token,
+            owed: None,
+        }
+    }
 }
 
 /// How a waiter learns its outcome.
@@ -1562,13 +1576,20 @@ impl WaitQueue {
     ///
     /// While queued reservations hold promised times, an overage is not charged at once
     /// (that would push the waiters ahead of a reservation onto its promised time, or
-    /// the reservation past it): it joins the queue as a charge debited in turn, no
-    /// earlier than the last promised time, behind every waiter already queued. A later
-    /// refund of any grant first cancels such pending charges (giving back later is
-    /// never less strict than giving back now).
+    /// the reservation past it): it joins the queue as this grant's charge, debited in
+    /// turn no earlier than the last promised time, behind every waiter already queued
+    /// (`owed` in the returned grant). Settled down later, the grant first cancels what it
+    /// still owes; only the rest is refunded, by the one undo rule on what the resource
+    /// holds of it (its estimate less what it owes, which was never debited).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        if self.waiting() == 0 {
-            let grant = self.resource.settle(estimated, actual, grant);
+        // Without the lock only a refund (it never moves a promised time later): an
+        // overage is decided under it, or a reservation joining meanwhile could be
+        // promised a time the charge then takes.
+        if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
+            // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
+            let grant = self
+                .resource
+                .settle(estimated, actual, GrantRef { owed: None, ..grant });
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
             }
@@ -1576,64 +1597,87 @@ impl WaitQueue {
         }
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
-        let mut actual = actual.to_vec();
-        for (u, (a, e)) in actual.iter_mut().zip(estimated).enumerate() {
-            if *a < *e {
-                *a += self.absorb_charges(&mut g, u, *e - *a);
-            }
-        }
-        let last_due = g.reserved.last().map(|(d, _)| *d);
+        let owed_ticket = grant.owed.filter(|t| g.where_is.contains_key(t));
+        let owed: Vec<u64> = match owed_ticket {
+            Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
+            None => vec![0; estimated.len()],
+        };
+        // What the resource holds of the grant, and what it should hold.
+        let held: Vec<u64> = estimated.iter().zip(&owed).map(|(e, o)| e.saturating_sub(*o)).collect();
+        let mut keep: Vec<u64> = held.iter().zip(actual).map(|(h, a)| (*h).min(*a)).collect();
+        let cancel: Vec<u64> = (0..estimated.len())
+            .map(|u| estimated[u].saturating_sub(actual[u]).min(owed[u]))
+            .collect();
         let over: Vec<u64> = actual
             .iter()
             .zip(estimated)
             .map(|(a, e)| a.saturating_sub(*e))
             .collect();
-        let deferred = last_due.filter(|_| self.resource.schedules_in_time() && over.iter().any(|x| *x > 0));
-        if deferred.is_some() {
-            for (a, e) in actual.iter_mut().zip(estimated) {
-                *a = (*a).min(*e);
+        let mut owed_ticket = owed_ticket;
+        if let Some(t) = owed_ticket.filter(|_| cancel.iter().any(|c| *c > 0)) {
+            if self.reduce_charge(&mut g, t, &cancel) {
+                owed_ticket = None;
             }
         }
-        let mut grant = self.resource.settle(estimated, &actual, grant);
-        if let Some(due) = deferred {
-            self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody);
-            // The permit's costs now include an overage not debited yet: no exact undo.
-            grant.token = None;
+        let last_due = g.reserved.last().map(|(d, _)| *d);
+        let deferred = last_due.filter(|_| self.resource.schedules_in_time() && over.iter().any(|x| *x > 0));
+        if deferred.is_none() {
+            for (k, o) in keep.iter_mut().zip(&over) {
+                *k += *o;
+            }
         }
+        let mut out = self.resource.settle(&held, &keep, GrantRef { owed: None, ..grant });
+        if let Some(due) = deferred {
+            owed_ticket = Some(match owed_ticket {
+                Some(t) => {
+                    self.add_to_charge(&mut g, t, &over);
+                    t
+                }
+                None => self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody),
+            });
+        }
+        if owed_ticket.is_some() {
+            // The grant's costs include what it owes, not debited yet: no exact undo.
+            out.token = None;
+        }
+        out.owed = owed_ticket;
         self.poll_and_unlock(g, now);
-        grant
+        out
     }
 
-    /// Cancels up to `ret` units of unit `u` from the overage charges still queued;
-    /// returns how many.
-    fn absorb_charges(&self, g: &mut Inner, u: usize, ret: u64) -> u64 {
-        let mut left = ret;
-        let charges: Vec<(usize, u64)> = g
-            .classes
-            .iter()
-            .enumerate()
-            .flat_map(|(ci, c)| {
-                c.waiters
-                    .iter()
-                    .filter(|(_, w)| matches!(w.wake, Wake::Nobody))
-                    .map(move |(t, _)| (ci, *t))
-            })
-            .collect();
-        for (ci, t) in charges {
-            if left == 0 {
-                break;
-            }
-            let c = &mut g.classes[ci];
-            let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
-            let take = w.costs[u].min(left);
-            w.costs[u] -= take;
-            c.queued[u] -= take as u128;
-            left -= take;
-            if w.costs.iter().all(|x| *x == 0) {
-                self.remove(g, ci, t);
-            }
+    /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
+    /// debits is then ordered before any waiter or reservation that joins later.
+    pub fn while_idle<R>(&self, f: impl FnOnce() -> R) -> Option<R> {
+        let g = lock(&self.inner);
+        (g.len == 0).then(f)
+    }
+
+    /// Cancels `costs` of the queued charge `t`; true when nothing of it is left.
+    fn reduce_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) -> bool {
+        let ci = g.where_is[&t];
+        let c = &mut g.classes[ci];
+        let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
+        for (u, x) in costs.iter().enumerate() {
+            let x = (*x).min(w.costs[u]);
+            w.costs[u] -= x;
+            c.queued[u] -= x as u128;
         }
-        ret - left
+        if w.costs.iter().all(|x| *x == 0) {
+            self.remove(g, ci, t);
+            return true;
+        }
+        false
+    }
+
+    /// Adds `costs` to the queued charge `t` (a grant's later overage, owed in turn).
+    fn add_to_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) {
+        let ci = g.where_is[&t];
+        let c = &mut g.classes[ci];
+        let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
+        for (u, x) in costs.iter().enumerate() {
+            w.costs[u] = w.costs[u].saturating_add(*x);
+            c.queued[u] += *x as u128;
+        }
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
@@ -2307,7 +2351,7 @@ mod tests {
         let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
             panic!("granted at once")
         };
-        let grant = GrantRef { at_ns, token: None };
+        let grant = GrantRef::new(at_ns, None);
         let slot = Slot::new();
         let s2 = slot.clone();
         q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
@@ -2329,7 +2373,7 @@ mod tests {
         let (q, clock) = setup(10.0, 1, vec![]);
         let ms = 1_000_000;
         q.submit(&[1], 0, None, || unreachable!()).unwrap();
-        let grant = GrantRef { at_ns: 0, token: None };
+        let grant = GrantRef::new(0, None);
         let s = Slot::new();
         let s2 = s.clone();
         q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap();
@@ -2342,6 +2386,38 @@ mod tests {
         assert_eq!(q.waiting(), 2);
         q.run_until(&clock, 250 * ms).unwrap();
         assert_eq!(q.predict(&[1]), Some(300 * ms));
+    }
+
+    #[test]
+    fn a_refund_after_its_owed_overage_is_cancelled_gives_back_only_what_the_bucket_holds() {
+        // Found by the threaded history checker (seed 60000): a permit settled up while a
+        // reservation held a promise owes the overage in the queue; settled down later, it
+        // cancels what it owes, and only the rest is refunded, capped by where its own debit
+        // (not the owed part, never debited) sits in the bucket.
+        let (q, clock) = setup(5.0, 3, vec![]); // one unit per 0.2 s, burst 3
+        let ms = 1_000_000;
+        let Submitted::Granted { at_ns } = q.submit(&[3], 0, None, || unreachable!()).unwrap() else {
+            panic!("granted at once")
+        };
+        let p = GrantRef::new(at_ns, None);
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        q.submit(&[3], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.6 s
+        let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued behind the waiter")
+        };
+        assert_eq!(r.at_ns, 800 * ms);
+        let p = q.settle(&[3], &[4], p); // one more unit, owed behind the promise
+        q.run_until(&clock, 650 * ms).unwrap();
+        assert_eq!(granted(&slot), Some(600 * ms));
+        // Nothing used after all: the owed unit is cancelled, and the three units taken at
+        // 0 lie before now (0.65 s), behind the waiter's: nothing to give back.
+        q.settle(&[4], &[0], p);
+        q.run_until(&clock, 850 * ms).unwrap();
+        assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 800 * ms));
+        assert_eq!(q.waiting(), 0);
+        // The waiter's three units end at 1.2 s, the reservation's at 1.4 s.
+        assert_eq!(q.predict(&[3]), Some(1400 * ms));
     }
 
     #[test]

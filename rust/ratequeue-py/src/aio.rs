@@ -141,6 +141,7 @@ impl AcqShared {
         p.with_grant(GrantRef {
             at_ns,
             token: self.token.get().copied(),
+            owed: None,
         })
     }
 
@@ -251,7 +252,7 @@ impl AcquiringPy {
             Ok((at_ns, token)) => {
                 let _ = a.shared.permit.set(Py::new(
                     py,
-                    gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }),
+                    gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token)),
                 )?);
                 *lock(&a.wait) = Wait::Done;
             }
@@ -451,7 +452,7 @@ pub fn acquire_async(
 ) -> PyResult<Py<PyAny>> {
     match gate.queue.try_now_token(costs, class) {
         Ok((at_ns, token)) => {
-            let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef { at_ns, token }))?;
+            let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token)))?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
         Err(Some(d)) => Err(to_py(py, gate.queue.error_for(d))),

@@ -87,7 +87,7 @@ impl ConcurrencyPy {
                 Ok(Some(
                     self.gate
                         .permit(&c, 0)
-                        .with_grant(ratequeue_core::GrantRef { at_ns, token: None }),
+                        .with_grant(ratequeue_core::GrantRef::new(at_ns, None)),
                 ))
             }
             Err(ratequeue_core::Deny::Wait(_)) => {

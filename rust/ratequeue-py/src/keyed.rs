@@ -47,18 +47,27 @@ impl PermitOwner for KeyOwner {
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         // Through the key's queue when it has one, as a Limiter permit settles: an
-        // overage then waits behind the reservations promised a time on the key.
-        unblocked(|| match self.queues.existing(self.key) {
-            Some(handle) => {
-                let grant = handle.queue().settle(estimated, actual, grant);
-                drop(handle);
-                self.queues.done(self.key, 0);
-                grant
-            }
-            None => {
-                let grant = self.resource.settle(estimated, actual, grant);
-                self.queues.poll(self.key);
-                grant
+        // overage then waits behind the reservations promised a time on the key. An
+        // overage makes the queue if needed: decided under its lock, it is ordered with
+        // any reservation joining meanwhile.
+        let over = actual.iter().zip(estimated).any(|(a, e)| a > e);
+        unblocked(|| {
+            match if over {
+                self.queues.get(self.key).ok()
+            } else {
+                self.queues.existing(self.key)
+            } {
+                Some(handle) => {
+                    let grant = handle.queue().settle(estimated, actual, grant);
+                    drop(handle);
+                    self.queues.done(self.key, 0);
+                    grant
+                }
+                None => {
+                    let grant = self.resource.settle(estimated, actual, grant);
+                    self.queues.poll(self.key);
+                    grant
+                }
             }
         })
     }
@@ -164,7 +173,7 @@ impl Keyed {
         let q = &self.queues;
         match try_or_unblocked(|| q.try_now_nowait(key, &[c]), || q.try_now(key, &[c])) {
             Ok((at_ns, token)) => Ok(Some(
-                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef { at_ns, token }),
+                PermitPy::new(self.owner(key), &[c], 0).with_grant(GrantRef::new(at_ns, token)),
             )),
             Err(None) => Ok(None),
             Err(Some(d)) => Err(to_py(py, q.resource(key).error_for(d))),

@@ -101,7 +101,7 @@ impl Gate {
         timeout_ns: Option<u64>,
     ) -> PyResult<PermitPy> {
         match self.queue.try_now_token(costs, class) {
-            Ok((at_ns, token)) => return Ok(self.permit(costs, 0).with_grant(GrantRef { at_ns, token })),
+            Ok((at_ns, token)) => return Ok(self.permit(costs, 0).with_grant(GrantRef::new(at_ns, token))),
             Err(Some(d)) => return Err(to_py(py, self.queue_error(d))),
             Err(None) => {}
         }
@@ -112,7 +112,7 @@ impl Gate {
         });
         let ticket = match submitted {
             Ok(Submitted::Granted { at_ns }) => {
-                return Ok(self.permit(costs, 0).with_grant(GrantRef { at_ns, token: None }))
+                return Ok(self.permit(costs, 0).with_grant(GrantRef::new(at_ns, None)))
             }
             Ok(Submitted::Queued(t)) => t,
             Err(e) => return Err(to_py(py, e)),
@@ -143,6 +143,7 @@ impl Gate {
             } => Ok(self.permit(costs, waited_ns).with_grant(GrantRef {
                 at_ns,
                 token: Some(token),
+                owed: None,
             })),
             Outcome::TimedOut { waited_ns } => Err(to_py(
                 py,

@@ -88,6 +88,10 @@ pub struct KeyTaken {
     token: bool,
     /// The shard's rebase count (mod 16) when `before` and `after` were read.
     era: u64,
+    /// The least TAT the debit can end at now (in `era`'s ticks): its time plus its
+    /// cost. Refunds of debits below it since it was taken moved it down from `after`,
+    /// never below this; a refund that is not exact is capped by it.
+    held: u64,
     /// Nanoseconds from the arrival until the grant.
     pub delay_ns: u64,
 }
@@ -104,8 +108,24 @@ impl KeyTaken {
             evictions: (token >> TOKEN_SHIFT) & TOKEN_EVICTIONS,
             token: true,
             era: token >> ERA_SHIFT,
+            // Nothing better known (see `bound_by`).
+            held: token & crate::bucket::TAT_LIMIT,
             delay_ns: 0,
         }
+    }
+
+    /// Caps what a refund of this debit can give back by `held_token`, the token of the
+    /// least TAT the debit can end at (its grant time plus its cost).
+    pub fn bound_by(mut self, held_token: u64) -> KeyTaken {
+        let era = held_token >> ERA_SHIFT;
+        let held = held_token & crate::bucket::TAT_LIMIT;
+        if era == self.era {
+            self.held = self.held.min(held);
+        } else {
+            // A rebase came between the grant and now: nothing is known of where it sits.
+            self.held = 0;
+        }
+        self
     }
 
     /// The state this debit left on its key (its TAT, the shard's epoch and the low bits
@@ -391,6 +411,10 @@ impl KeyedLimiter {
         Ok(KeyTaken {
             key,
             before: Some(before),
+            held: p
+                .ticks(at_ns.saturating_sub(1))
+                .saturating_add(p.cost_ticks(cost))
+                .min(new),
             after: new,
             cost,
             latest: true,
@@ -546,13 +570,21 @@ impl KeyedLimiter {
                 _ => tat.saturating_sub(self.params.cost_ticks(ret)),
             };
             t.after = new;
+            t.held = t.held.saturating_sub(self.params.cost_ticks(ret)).min(new);
             (new, Undo::Exact)
         } else {
             t.latest = false;
             let ahead = Self::ahead_of(&mut g, t.key, at_ns);
-            match p.refund_tat(tat, at_ns, self.params.cost_ticks(ret), Some(t.after), ahead) {
+            match p.refund_tat(
+                tat,
+                at_ns,
+                self.params.cost_ticks(ret),
+                Some(t.after.min(t.held)),
+                ahead,
+            ) {
                 Some(new) => {
                     t.after -= (tat - new).min(t.after);
+                    t.held -= (tat - new).min(t.held);
                     (new, Undo::Refunded)
                 }
                 None => {
@@ -611,6 +643,7 @@ impl KeyedLimiter {
     /// exactly undoable while it is still its key's latest change.
     pub fn charge_more(&self, t: &mut KeyTaken, extra: u64, at_ns: u64) {
         let (old, new) = self.charge_tat(t.key, at_ns, extra, Some(t));
+        t.held = t.held.saturating_add(self.params.cost_ticks(extra));
         if t.latest && old == Some(t.after) {
             t.after = new;
         } else {

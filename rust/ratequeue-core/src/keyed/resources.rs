@@ -54,7 +54,7 @@ impl crate::queue::Resource for KeyBucket {
         let now = self.keyed.clock.now_ns();
         // Without a token: capped by what a debit of `e` taken at `grant.at_ns` holds.
         let held = self.keyed.held_token(self.key, grant.at_ns.saturating_sub(1), e);
-        let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e);
+        let mut t = KeyTaken::from_token(self.key, grant.token.unwrap_or(held), e).bound_by(held);
         if grant.token.is_none() {
             t.latest = false;
             t.evictions = UNKNOWN_EVICTIONS;
@@ -67,6 +67,7 @@ impl crate::queue::Resource for KeyBucket {
         GrantRef {
             at_ns: grant.at_ns,
             token: t.latest.then_some(t.token()),
+            owed: None,
         }
     }
 

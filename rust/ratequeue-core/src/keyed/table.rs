@@ -130,9 +130,10 @@ impl Table {
         }
         if (t.era + 1) & ERA_MASK == era {
             t.after = t.after.saturating_sub(self.last_shift);
+            t.held = t.held.saturating_sub(self.last_shift);
             t.before = t.before.map(|b| b.saturating_sub(self.last_shift));
         } else {
-            (t.after, t.before, t.latest) = (0, None, false);
+            (t.after, t.held, t.before, t.latest) = (0, 0, None, false);
         }
         t.era = era;
     }

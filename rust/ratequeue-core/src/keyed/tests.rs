@@ -246,6 +246,28 @@ mod epochs {
     }
 
     #[test]
+    fn a_refund_is_capped_where_the_debit_sits_after_refunds_below_it_moved_it_down() {
+        // Found by the threaded history checker (seed 62233): a debit's record keeps the
+        // TAT it left, but a refund of a debit below it since moves it down; capped by the
+        // stale TAT, its own refund gave back capacity that time had already repaid.
+        let (k, clock) = keyed_at(Rate::new(5.0, 1e9, 4).unwrap(), 0); // 0.2 s a unit
+        let key = k.hasher().int(3);
+        let ms = 1_000_000;
+        let mut a = k.take(key, 0, 3, 0).unwrap(); // TAT 0.6 s
+        let mut b = k.take(key, 0, 1, 0).unwrap(); // TAT 0.8 s
+        assert_eq!(k.give_back(&mut a, 2, 0), Undo::Refunded); // TAT 0.4 s: b ends at 0.4 s
+        clock.set(450 * ms).unwrap();
+        k.take(key, 450 * ms, 2, 0).unwrap(); // TAT 0.85 s
+                                              // b's unit lies before now: nothing of it to give back.
+        let u = k.give_back(&mut b, 1, 450 * ms);
+        assert!(matches!(u, Undo::Nothing | Undo::Dropped), "{u:?}");
+        assert!(
+            k.take(key, 450 * ms, 3, 0).is_err(),
+            "3 units at 0.45 s on a TAT of 0.85 s with burst 4 (0.2 s a unit)"
+        );
+    }
+
+    #[test]
     fn a_give_back_across_a_rebase_stays_capped_by_what_the_debit_holds() {
         let (k, clock) = keyed_at(Rate::new(1.0, 1e9, 10).unwrap(), 0);
         let key = k.hasher().int(7);

@@ -119,6 +119,7 @@ impl Resource for Limiter {
         GrantRef {
             at_ns: grant.at_ns,
             token: latest.then_some(if self.buckets.len() == 1 { word } else { seq }),
+            owed: None,
         }
     }
 

@@ -143,6 +143,7 @@ mod rates {
         let old = GrantRef {
             at_ns: 0,
             token: l.try_take_token(0, &[1]).unwrap(),
+            owed: None,
         };
         clock.set(5 * S).unwrap();
         l.try_acquire(&[1]).unwrap();
@@ -152,6 +153,7 @@ mod rates {
         let g = GrantRef {
             at_ns: 5 * S,
             token: l.try_take_token(5 * S, &[1]).unwrap(),
+            owed: None,
         };
         let g = Resource::settle(&l, &[1], &[3], g);
         assert!(g.token.is_some());
@@ -176,6 +178,7 @@ mod rates {
             let g = GrantRef {
                 at_ns: 0,
                 token: l.try_take_token(0, &cost).unwrap(),
+                owed: None,
             };
             l.try_acquire(&vec![1; n]).unwrap();
             assert_eq!(l.available(n - 1), 4.0);
@@ -192,6 +195,7 @@ mod rates {
         let g = GrantRef {
             at_ns: 0,
             token: l.try_take_token(0, &[1, 1]).unwrap(),
+            owed: None,
         };
         clock.set(5 * S).unwrap();
         l.try_acquire(&[1, 1]).unwrap();

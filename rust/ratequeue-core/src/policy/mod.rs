@@ -144,6 +144,7 @@ impl QueuedHold {
             Some(Outcome::Granted { at_ns, token, .. }) => Some(GrantRef {
                 at_ns,
                 token: Some(token),
+                owed: None,
             }),
             _ => None,
         })
@@ -170,6 +171,7 @@ impl QueuedHold {
                     let charge = GrantRef {
                         at_ns: now_ns,
                         token: None,
+                        owed: None,
                     };
                     self.queue.queue.settle(&self.costs, &up, charge);
                 }
@@ -415,28 +417,35 @@ impl Policy {
                 _ => {}
             }
             let (est, act) = (&args[i].costs, &actual[i].costs);
-            let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
-            // While requests wait on the level, the overage joins its queue; otherwise it
-            // is charged on the debit itself (so that a later undo gives it back too).
-            let queue = over
-                .iter()
-                .any(|x| *x > 0)
-                .then(|| self.queue_of(i, args[i].key))
-                .flatten()
-                .filter(|q| q.queue.waiting() != 0);
-            let refund_only: Vec<u64>;
-            let act = if queue.is_some() {
-                refund_only = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
-                &refund_only
-            } else {
-                act
+            let key = args[i].key;
+            let limit = self.levels[i].kind.limit();
+            let over = act.iter().zip(est).any(|(a, e)| a > e);
+            // An overage is decided under the level's queue lock (made for the key if
+            // needed): charged on the debit itself while nobody is queued (so that a later
+            // undo gives it back too), else joining the queue, so that it never moves a
+            // waiter onto a reservation's promised time, even one joining meanwhile.
+            let queues = self.levels[i].queues.as_ref().filter(|_| over);
+            let q = queues.and_then(|qs| qs.queue(key));
+            let woke = match &q {
+                None => limit.settle(h, est, act, now_ns),
+                Some(q) => match q.queue.while_idle(|| limit.settle(h, est, act, now_ns)) {
+                    Some(woke) => woke,
+                    None => {
+                        let refund: Vec<u64> = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
+                        let woke = limit.settle(h, est, &refund, now_ns);
+                        let none = vec![0; est.len()];
+                        let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
+                        q.queue.settle(&none, &over, GrantRef::default());
+                        woke
+                    }
+                },
             };
-            if self.levels[i].kind.limit().settle(h, est, act, now_ns) {
-                self.wake(i, args[i].key);
+            drop(q);
+            if let Some(qs) = queues {
+                qs.done(key);
             }
-            if let Some(q) = queue {
-                let none = vec![0; over.len()];
-                q.queue.settle(&none, &over, GrantRef::default());
+            if woke {
+                self.wake(i, key);
             }
         }
     }
