@@ -332,8 +332,11 @@ class RateLimitedTransport:
         )
         if budget is not None:
             assert est is not None
-            call._sub = _budget.charge(call.request_id, model, est.input_tokens, est.output_tokens)
-            call._chain = budget.chain()
+            chain = budget.chain()
+            call._sub = _budget.charge(
+                chain, call.request_id, model, est.input_tokens, est.output_tokens
+            )
+            call._chain = chain
         return call
 
     def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
