@@ -18,8 +18,9 @@ class Ledger(Protocol):
     """A quota ledger (e.g. ``ratequeue.ledger``): holds, settles or releases a call.
 
     Async clients use its ``hold_async`` / ``settle_async`` / ``release_async`` twins
-    when it has them (``ratequeue.ledger`` does), else run these methods on a worker
-    thread: the event loop never waits on the ledger's storage.
+    when it has them (``ratequeue.ledger`` does; a ``hold_async`` cancelled while it runs
+    gives its hold back, as theirs do), else run these methods on a worker thread: the
+    event loop never waits on the ledger's storage.
     """
 
     def hold(

@@ -259,7 +259,6 @@ class RateLimitedTransport:
             account = account or opts.account
         priority = priority or self.priority
         data = None
-        data = None
         if (
             length is not None
             and request.method in _BODY_METHODS
