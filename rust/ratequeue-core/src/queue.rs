@@ -1582,22 +1582,43 @@ impl WaitQueue {
     /// still owes; only the rest is refunded, by the one undo rule on what the resource
     /// holds of it (its estimate less what it owes, which was never debited).
     pub fn settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let (mut out, owed) = self.settle_by(estimated, actual, grant.owed, |held, keep| {
+            self.resource.settle(held, keep, GrantRef { owed: None, ..grant })
+        });
+        if owed.is_some() {
+            // The grant's costs include what it owes, not debited yet: no exact undo.
+            out.token = None;
+        }
+        out.owed = owed;
+        out
+    }
+
+    /// [`WaitQueue::settle`] of a debit held elsewhere (a policy's): `owed` is the ticket
+    /// of what it still owes in this queue; `debit(held, keep)` settles the debit itself
+    /// from what it holds to what it should hold (under the queue's lock, but for a
+    /// refund while nobody is queued). Returns what `debit` returned and the ticket of
+    /// what the debit owes now.
+    pub fn settle_by<R>(
+        self: &Arc<Self>,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: impl FnOnce(&[u64], &[u64]) -> R,
+    ) -> (R, Option<u64>) {
         // Without the lock only a refund (it never moves a promised time later): an
         // overage is decided under it, or a reservation joining meanwhile could be
         // promised a time the charge then takes.
         if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
-            let grant = self
-                .resource
-                .settle(estimated, actual, GrantRef { owed: None, ..grant });
+            let r = debit(estimated, actual);
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
             }
-            return grant;
+            return (r, None);
         }
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
-        let owed_ticket = grant.owed.filter(|t| g.where_is.contains_key(t));
+        let owed_ticket = owed.filter(|t| g.where_is.contains_key(t));
         let owed: Vec<u64> = match owed_ticket {
             Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
             None => vec![0; estimated.len()],
@@ -1626,23 +1647,36 @@ impl WaitQueue {
                 *k += *o;
             }
         }
-        let mut out = self.resource.settle(&held, &keep, GrantRef { owed: None, ..grant });
+        let out = debit(&held, &keep);
         if let Some(due) = deferred {
-            owed_ticket = Some(match owed_ticket {
-                Some(t) => {
-                    self.add_to_charge(&mut g, t, &over);
-                    t
+            // What the grant still owes moves behind every waiter queued now, with the new
+            // overage: grown in place, it would land ahead of reservations promised a time
+            // since it joined.
+            let mut owes = over;
+            if let Some(t) = owed_ticket {
+                let ci = g.where_is[&t];
+                let w = self.remove(&mut g, ci, t);
+                for (o, x) in owes.iter_mut().zip(w.costs.iter()) {
+                    *o = o.saturating_add(*x);
                 }
-                None => self.insert_locked(&mut g, now, &over, 0, None, Some(due), Wake::Nobody),
-            });
+            }
+            owed_ticket = Some(self.insert_locked(&mut g, now, &owes, 0, None, Some(due), Wake::Nobody));
         }
-        if owed_ticket.is_some() {
-            // The grant's costs include what it owes, not debited yet: no exact undo.
-            out.token = None;
-        }
-        out.owed = owed_ticket;
         self.poll_and_unlock(g, now);
-        out
+        (out, owed_ticket)
+    }
+
+    /// Cancels what a grant still owes here (its queued charge `owed`, if still queued):
+    /// an undo gives back everything the grant took, its overage too.
+    pub fn cancel_owed(self: &Arc<Self>, owed: u64) {
+        let mut g = lock(&self.inner);
+        let Some(ci) = g.where_is.get(&owed).copied() else {
+            return;
+        };
+        if matches!(g.classes[ci].waiters[&owed].wake, Wake::Nobody) {
+            self.remove(&mut g, ci, owed);
+            self.poll_and_unlock(g, self.clock.now_ns());
+        }
     }
 
     /// Runs `f` under the queue's lock if nobody is queued (None otherwise): what `f`
@@ -1667,17 +1701,6 @@ impl WaitQueue {
             return true;
         }
         false
-    }
-
-    /// Adds `costs` to the queued charge `t` (a grant's later overage, owed in turn).
-    fn add_to_charge(&self, g: &mut Inner, t: u64, costs: &[u64]) {
-        let ci = g.where_is[&t];
-        let c = &mut g.classes[ci];
-        let w = c.waiters.get_mut(&t).expect("a charge is queued in its class");
-        for (u, x) in costs.iter().enumerate() {
-            w.costs[u] = w.costs[u].saturating_add(*x);
-            c.queued[u] += *x as u128;
-        }
     }
 
     /// Returns what a grant took (a cancelled or unused grant), then grants whoever can
@@ -2386,6 +2409,41 @@ mod tests {
         assert_eq!(q.waiting(), 2);
         q.run_until(&clock, 250 * ms).unwrap();
         assert_eq!(q.predict(&[1]), Some(300 * ms));
+    }
+
+    #[test]
+    fn review10_a_second_overage_never_lands_ahead_of_a_reservation_promised_after_the_first() {
+        // A grant owing an overage (a queued charge) settles up again after a later
+        // reservation was promised a time behind that charge: the new overage must follow
+        // the reservation, not grow the charge queued ahead of it.
+        let (q, clock) = setup(10.0, 1, vec![]); // one unit per 0.1 s, burst 1
+        let ms = 1_000_000;
+        let Submitted::Granted { at_ns } = q.submit(&[1], 0, None, || unreachable!()).unwrap() else {
+            panic!("granted at once")
+        };
+        let p = GrantRef::new(at_ns, None);
+        let slot = Slot::new();
+        let s2 = slot.clone();
+        q.submit(&[1], 0, None, || Wake::Thread(s2)).unwrap(); // due 0.1 s
+        let Reserved::Queued(r1) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued")
+        };
+        assert_eq!(r1.at_ns, 200 * ms);
+        let p = q.settle(&[1], &[2], p); // owes one unit behind r1
+        assert!(p.owed.is_some());
+        let Reserved::Queued(r2) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+            panic!("queued")
+        };
+        assert_eq!(r2.at_ns, 400 * ms); // behind r1 (0.2 s) and the owed unit (0.3 s)
+        q.settle(&[2], &[3], p); // one more unit: must not move r2
+        q.run_until(&clock, 1000 * ms).unwrap();
+        assert_eq!(granted(&slot), Some(100 * ms));
+        assert!(matches!(r1.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * ms));
+        let o = r2.outcome();
+        assert!(
+            matches!(o, Some(Outcome::Granted { at_ns, .. }) if at_ns == 400 * ms),
+            "r2 was promised 0.4 s: {o:?}"
+        );
     }
 
     #[test]

@@ -92,6 +92,9 @@ pub struct KeyTaken {
     /// cost. Refunds of debits below it since it was taken moved it down from `after`,
     /// never below this; a refund that is not exact is capped by it.
     held: u64,
+    /// The ticket of an overage settled on it still owed in its key's queue (see
+    /// [`crate::WaitQueue::settle_by`]): a policy's, not debited yet.
+    pub(crate) owed: Option<u64>,
     /// Nanoseconds from the arrival until the grant.
     pub delay_ns: u64,
 }
@@ -110,6 +113,7 @@ impl KeyTaken {
             era: token >> ERA_SHIFT,
             // Nothing better known (see `bound_by`).
             held: token & crate::bucket::TAT_LIMIT,
+            owed: None,
             delay_ns: 0,
         }
     }
@@ -421,6 +425,7 @@ impl KeyedLimiter {
             evictions: t.evicted_live,
             token: false,
             era: t.rebases & ERA_MASK,
+            owed: None,
             delay_ns,
         })
     }

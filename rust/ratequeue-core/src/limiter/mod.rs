@@ -65,6 +65,9 @@ pub struct Reservation {
     taken: Vec<Taken>,
     /// Several rates: the change count right after this debit (see `Limiter::seq`).
     seq: u64,
+    /// The ticket of an overage settled on it still owed in a queue (see
+    /// [`crate::WaitQueue::settle_by`]): a policy's, not debited yet.
+    pub(crate) owed: Option<u64>,
 }
 
 impl Limiter {
@@ -252,6 +255,7 @@ impl Limiter {
                     delay_ns: delay,
                     taken,
                     seq: self.seq.fetch_add(1, Ordering::AcqRel) + 1,
+                    owed: None,
                 });
             }
             // Every change is serialised, so this is not expected: give back what this
@@ -288,6 +292,7 @@ impl Limiter {
                     delay_ns: t.delay_ns,
                     taken: vec![t],
                     seq: 0,
+                    owed: None,
                 })
                 .map_err(|d| self.with_unit(0, d));
         }
@@ -393,6 +398,7 @@ impl Limiter {
                     delay_ns: t.delay_ns,
                     taken: vec![t],
                     seq: 0,
+                    owed: None,
                 })
                 .map_err(|d| self.with_unit(0, d))
         } else {

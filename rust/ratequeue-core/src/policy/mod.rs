@@ -116,15 +116,40 @@ pub enum Held {
     Nothing,
 }
 
+impl Held {
+    /// The ticket of an overage this debit still owes in its level's queue.
+    fn owed(&self) -> Option<u64> {
+        match self {
+            Held::Rate(r) => r.owed,
+            Held::KeyedRate(t) => t.owed,
+            _ => None,
+        }
+    }
+
+    fn set_owed(&mut self, owed: Option<u64>) {
+        match self {
+            Held::Rate(r) => r.owed = owed,
+            Held::KeyedRate(t) => t.owed = owed,
+            _ => {}
+        }
+    }
+}
+
 /// A policy's reservation in one level's queue (see [`Policy::reserve_queued`]).
 #[derive(Clone)]
 pub struct QueuedHold {
     queue: QueueRef,
     r: QueuedReservation,
-    /// The costs the queue debits (a settle before the grant only charges more).
+    /// The costs held: what the queue debits at the grant, plus what a settle before
+    /// the grant charged more (a settle before the grant only charges more).
     costs: Vec<u64>,
     /// The grant once seen, as settles left it.
     grant: Option<GrantRef>,
+    /// The ticket of an overage settled before the grant and still owed in the queue.
+    owed: Option<u64>,
+    /// True once a settle before the grant charged more: the grant's debit is then not
+    /// all it holds, and its token no exact undo.
+    over: bool,
 }
 
 impl std::fmt::Debug for QueuedHold {
@@ -133,6 +158,8 @@ impl std::fmt::Debug for QueuedHold {
             .field("r", &self.r)
             .field("costs", &self.costs)
             .field("grant", &self.grant)
+            .field("owed", &self.owed)
+            .field("over", &self.over)
             .finish()
     }
 }
@@ -143,8 +170,8 @@ impl QueuedHold {
         self.grant.or_else(|| match self.r.outcome() {
             Some(Outcome::Granted { at_ns, token, .. }) => Some(GrantRef {
                 at_ns,
-                token: Some(token),
-                owed: None,
+                token: (!self.over).then_some(token),
+                owed: self.owed,
             }),
             _ => None,
         })
@@ -154,7 +181,12 @@ impl QueuedHold {
     /// (nothing was debited, the waiters behind move up); once granted — at its time,
     /// which the holder may have used — it is kept. True when it left the queue.
     fn undo(&self) -> bool {
-        self.queue.queue.cancel(self.r.ticket) == Cancelled::Removed
+        let left = self.queue.queue.cancel(self.r.ticket) == Cancelled::Removed;
+        if let Some(t) = self.owed.filter(|_| left) {
+            // Never granted: nothing of it was used, the overage settled before either.
+            self.queue.queue.cancel_owed(t);
+        }
+        left
     }
 
     /// Settles to `actual`: once granted by the one undo rule on the grant; before, the
@@ -171,9 +203,13 @@ impl QueuedHold {
                     let charge = GrantRef {
                         at_ns: now_ns,
                         token: None,
-                        owed: None,
+                        owed: self.owed,
                     };
-                    self.queue.queue.settle(&self.costs, &up, charge);
+                    // What it owes now belongs to the grant: a later settle cancels it first,
+                    // and settles from these costs (never charging the overage again).
+                    self.owed = self.queue.queue.settle(&self.costs, &up, charge).owed;
+                    self.costs = up;
+                    self.over = true;
                 }
             }
         }
@@ -381,6 +417,11 @@ impl Policy {
             *held = Held::Nothing;
             return;
         }
+        if let Some(t) = held.owed() {
+            if let Some(q) = self.queue_of(i, a.key) {
+                q.queue.cancel_owed(t);
+            }
+        }
         let gave = self.levels[i].kind.limit().undo(held, now_ns);
         *held = Held::Nothing;
         if gave {
@@ -420,25 +461,23 @@ impl Policy {
             let key = args[i].key;
             let limit = self.levels[i].kind.limit();
             let over = act.iter().zip(est).any(|(a, e)| a > e);
+            let owed = h.owed();
             // An overage is decided under the level's queue lock (made for the key if
-            // needed): charged on the debit itself while nobody is queued (so that a later
-            // undo gives it back too), else joining the queue, so that it never moves a
-            // waiter onto a reservation's promised time, even one joining meanwhile.
-            let queues = self.levels[i].queues.as_ref().filter(|_| over);
+            // needed), as a permit's (WaitQueue::settle_by): charged on the debit itself
+            // unless reservations are promised a time, else owed in the queue behind them
+            // (so that it never moves a waiter onto a promised time, even one joining
+            // meanwhile), and what it owes is cancelled first by a later settle down.
+            let queues = self.levels[i].queues.as_ref().filter(|_| over || owed.is_some());
             let q = queues.and_then(|qs| qs.queue(key));
             let woke = match &q {
                 None => limit.settle(h, est, act, now_ns),
-                Some(q) => match q.queue.while_idle(|| limit.settle(h, est, act, now_ns)) {
-                    Some(woke) => woke,
-                    None => {
-                        let refund: Vec<u64> = act.iter().zip(est).map(|(a, e)| *a.min(e)).collect();
-                        let woke = limit.settle(h, est, &refund, now_ns);
-                        let none = vec![0; est.len()];
-                        let over: Vec<u64> = act.iter().zip(est).map(|(a, e)| a.saturating_sub(*e)).collect();
-                        q.queue.settle(&none, &over, GrantRef::default());
-                        woke
-                    }
-                },
+                Some(q) => {
+                    let (woke, owes) = q
+                        .queue
+                        .settle_by(est, act, owed, |held, keep| limit.settle(h, held, keep, now_ns));
+                    h.set_owed(owes);
+                    woke
+                }
             };
             drop(q);
             if let Some(qs) = queues {
@@ -724,6 +763,8 @@ impl Policy {
                         r,
                         costs: a.costs.clone(),
                         grant: None,
+                        owed: None,
+                        over: false,
                     }))),
                     Ok(Joined::Later(t)) => Err(Ok(t)),
                     Err(error) => Err(Err(Refused::Queue { level: i, error })),

@@ -587,3 +587,124 @@ fn a_timeout_racing_an_abandon_ends_the_wait_on_its_level() {
     policy.release(0, &mut first[0]);
     assert_eq!(sem.in_use(), 0);
 }
+
+// ---------------------------------------------------------------------------------
+// review of issue 10's owed overages (c5000b4, b7026bc)
+
+fn two() -> Vec<LevelArgs> {
+    vec![LevelArgs { key: 0, costs: vec![2] }]
+}
+
+fn zero() -> Vec<LevelArgs> {
+    vec![LevelArgs { key: 0, costs: vec![0] }]
+}
+
+#[test]
+fn review10_a_queued_hold_settled_up_before_its_grant_is_not_charged_again_after_it() {
+    // Rate(10, burst 1): one unit per 0.1 s. Used at 0, a waiter due at 0.1 s.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    lim.try_acquire(&[1]).unwrap();
+    let w = waiter(&q);
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let (delay, mut held) = p.reserve_queued(&one(), 0, u64::MAX).unwrap();
+    assert_eq!(delay, 200 * MS);
+    // Settled to 2 before the grant: one unit owed, debited behind the hold.
+    p.settle(&mut held, &one(), &two(), 0);
+    q_run(&q, &clock, 250 * MS);
+    assert_eq!(granted(&w), Some(100 * MS));
+    // The same settle again (the permit already holds 2): nothing more to charge.
+    p.settle(&mut held, &two(), &two(), 250 * MS);
+    // Held: the waiter's unit to 0.2 s, the hold's to 0.3 s, its overage to 0.4 s.
+    assert_eq!(
+        lim.delay_at(250 * MS, &[1]).unwrap(),
+        150 * MS,
+        "the overage was charged twice"
+    );
+}
+
+#[test]
+fn review10_a_queued_hold_settled_down_after_its_grant_cancels_what_it_owes() {
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    lim.try_acquire(&[1]).unwrap();
+    let w = waiter(&q); // due 0.1 s
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let (delay, mut held) = p.reserve_queued(&one(), 0, u64::MAX).unwrap();
+    assert_eq!(delay, 200 * MS);
+    let l = lim.clone();
+    let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+        panic!("queued")
+    };
+    assert_eq!(r.at_ns, 300 * MS);
+    // Settled to 2 before the grant: one unit owed, behind the reservation (0.3 s).
+    p.settle(&mut held, &one(), &two(), 0);
+    q_run(&q, &clock, 250 * MS);
+    assert_eq!(granted(&w), Some(100 * MS));
+    // Nothing used after all, while the overage is still owed: it is cancelled first.
+    p.settle(&mut held, &two(), &zero(), 250 * MS);
+    q_run(&q, &clock, 350 * MS);
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 300 * MS));
+    assert_eq!(q.waiting(), 0);
+    // The reservation's unit ends at 0.4 s; the cancelled overage must not follow it.
+    assert_eq!(
+        lim.delay_at(350 * MS, &[1]).unwrap(),
+        50 * MS,
+        "the owed overage was kept"
+    );
+}
+
+#[test]
+fn review10_a_rate_hold_settled_back_down_cancels_the_overage_it_queued() {
+    // Rate(10, burst 1). A policy debit at 0 (nobody waits), then a waiter (due 0.1 s)
+    // and a reservation (promised 0.2 s) queue on the level.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let mut held = p.try_acquire(&one(), 0).unwrap();
+    assert!(matches!(held[0], Held::Rate(_)));
+    let w = waiter(&q);
+    let l = lim.clone();
+    let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+        panic!("queued")
+    };
+    assert_eq!(r.at_ns, 200 * MS);
+    // Settled up: the overage is owed in the queue, behind the reservation.
+    p.settle(&mut held, &one(), &two(), 0);
+    assert_eq!(q.waiting(), 3);
+    // Settled back to the estimate: what it owes is cancelled (as a Limiter permit's
+    // is), not the unit it used at 0 refunded while the overage stays owed for later.
+    p.settle(&mut held, &two(), &one(), 0);
+    let owed = q.waiting() - 2;
+    q_run(&q, &clock, 250 * MS);
+    // One unit per 0.1 s at burst 1: the policy's unit at 0, the waiter's at 0.1 s (not
+    // at 0 on the policy's slot: two units in one slot), the reservation's at 0.2 s.
+    assert_eq!(
+        (owed, granted(&w)),
+        (0, Some(100 * MS)),
+        "(charges still owed, the waiter's grant time)"
+    );
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
+    assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 50 * MS);
+}
+
+#[test]
+fn review10_an_undo_gives_back_what_a_rate_hold_still_owes_too() {
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q) = queued_limiter(&clock, 10.0, 1);
+    let p = Policy::new(vec![rate_level("l", &lim, &q)]).unwrap();
+    let mut held = p.try_acquire(&one(), 0).unwrap();
+    let w = waiter(&q); // due 0.1 s
+    let l = lim.clone();
+    let Ok(Reserved::Queued(r)) = q.reserve(&[1], 0, None, move |_| l.reserve(&[1], None)) else {
+        panic!("queued")
+    };
+    p.settle(&mut held, &one(), &two(), 0); // one unit owed behind the reservation
+    assert_eq!(q.waiting(), 3);
+    // Cancelled: everything it took comes back, the owed unit included.
+    p.undo_all(&mut held, &two(), 0);
+    assert_eq!(q.waiting(), 2, "the owed overage outlived the undo");
+    q_run(&q, &clock, 250 * MS);
+    assert_eq!(granted(&w), Some(0));
+    assert!(matches!(r.outcome(), Some(Outcome::Granted { at_ns, .. }) if at_ns == 200 * MS));
+}
