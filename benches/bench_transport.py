@@ -11,7 +11,8 @@ written to ``benches/results/transport.md``::
    call). The floor is the bare transport; "added" is a row minus its floor. Floors: an
    in-memory ``MockTransport`` (the answer is built in-process: the floor is httpx2
    itself) and ``HTTPTransport`` to the loopback mock provider (a real HTTP round trip,
-   keep-alive). CPU is ``time.thread_time()`` of the calling thread (what the call
+   keep-alive); each round runs the rows in a new random order. CPU is
+   ``time.thread_time()`` of the calling thread (what the call
    costs, robust on a loaded machine); wall is ``time.perf_counter()`` (the loopback
    rows include the mock server's threads and the scheduler). ``RateLimitedTransport``
    rows wrap the same transport over a Limiter of requests and tokens that never makes
@@ -39,6 +40,7 @@ import importlib.util
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -248,11 +250,28 @@ def overhead(
             old = baseline_transport(baseline)
             mem_b = httpx2.Client(transport=old(httpx2.MockTransport(answer), roomy()))
             net_b = httpx2.Client(transport=old(httpx2.HTTPTransport(), roomy()))
-            extra += [mem_b, net_b]
+            mem_rb = httpx2.Client(transport=old(httpx2.MockTransport(answer), req_only))
+            extra += [mem_b, net_b, mem_rb]
             rows[f"before ({baseline}): RateLimitedTransport(MockTransport)"] = (
                 "memory",
                 lambda: sync_row(mem_b, url, BODY, calls),
                 "floor: MockTransport (in memory)",
+            )
+            rows[f"before ({baseline}): a Limiter of requests only"] = (
+                "memory",
+                lambda: sync_row(mem_rb, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            )
+            rows[f"before ({baseline}): async RateLimitedTransport(MockTransport)"] = (
+                "memory",
+                lambda: async_row(
+                    lambda: httpx2.AsyncClient(
+                        transport=old(httpx2.MockTransport(answer), roomy())
+                    ),
+                    url,
+                    calls,
+                ),
+                "floor: async MockTransport",
             )
             rows[f"before ({baseline}): RateLimitedTransport(HTTPTransport), loopback"] = (
                 "loopback",
@@ -262,9 +281,12 @@ def overhead(
         for _, fn, _ in rows.values():  # warm up: connections, imports, caches
             fn()
         samples: dict[str, list[Sample]] = {k: [] for k in rows}
+        order = list(rows)
+        shuffle = random.Random(15).shuffle
         for _ in range(rounds):
-            for name, (_, fn, _) in rows.items():
-                samples[name].append(fn())
+            shuffle(order)  # no row always runs after the same one (caches, frequency)
+            for name in order:
+                samples[name].append(rows[name][1]())
         for c in (mem, mem_t, mem_caps, net, net_t, *extra):
             c.close()
     return [

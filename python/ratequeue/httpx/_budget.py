@@ -164,14 +164,14 @@ class CallBudget:
 
 
 def charge(
-    request_id: str, model: str | None, input_tokens: int, output_tokens: int
-) -> SubCall | None:
-    """Count one call against every budget of this context (all or none); raises
-    :class:`BudgetExceeded` when one has no room. None outside any budget."""
-    b = _CURRENT.get()
-    if b is None:
-        return None
-    chain = b.chain()
+    chain: list[CallBudget],
+    request_id: str,
+    model: str | None,
+    input_tokens: int,
+    output_tokens: int,
+) -> SubCall:
+    """Count one call against every budget of ``chain`` (a budget's :meth:`CallBudget.chain`;
+    all or none); raises :class:`BudgetExceeded` when one has no room."""
     tokens = input_tokens + output_tokens
     locks = [x._lock for x in chain]
     for lk in locks:  # outermost first: one order, no deadlock

@@ -24,6 +24,9 @@ _SKIP = frozenset(
 _MAX_DEPTH = 64
 
 
+_new = tuple.__new__
+
+
 class Estimate(NamedTuple):
     """Tokens a call may use: prompt (input) and the most it may produce (output)."""
 
@@ -72,24 +75,54 @@ def _chars(v: Any, depth: int = 0) -> int:
         return 0
     n = 0
     depth += 1
-    # Strings are counted here and only containers recurse: most values of a chat body
-    # are strings or numbers.
+    # Strings are counted here and only containers recurse (most values of a chat body
+    # are strings or numbers); a list's dicts (messages, content parts) are read here
+    # too, one frame less for each.
     if t is dict:
         for k, x in v.items():
-            tx = type(x)
-            if tx is str:
-                if k not in _SKIP and not x.startswith("data:"):
-                    n += len(x) + 1
-            elif (tx is list or tx is dict) and k not in _SKIP:
-                n += _chars(x, depth)
-    elif t is list:
-        for x in v:
+            if k in _SKIP:
+                continue
             tx = type(x)
             if tx is str:
                 if not x.startswith("data:"):
                     n += len(x) + 1
-            elif tx is dict or tx is list:
+            elif tx is list:
+                n += _list_chars(x, depth)
+            elif tx is dict:
                 n += _chars(x, depth)
+    elif t is list:
+        n = _list_chars(v, depth - 1)
+    return n
+
+
+def _list_chars(v: list[Any], depth: int) -> int:
+    """``_chars`` of a list at ``depth``, reading the strings of its dicts in place."""
+    if depth > _MAX_DEPTH:
+        return 0
+    n = 0
+    depth += 1
+    inner = depth + 1  # the depth of what a dict of this list holds
+    for x in v:
+        tx = type(x)
+        if tx is str:
+            if not x.startswith("data:"):
+                n += len(x) + 1
+        elif tx is dict:
+            if depth > _MAX_DEPTH:
+                continue
+            for k, y in x.items():
+                if k in _SKIP:
+                    continue
+                ty = type(y)
+                if ty is str:
+                    if not y.startswith("data:"):
+                        n += len(y) + 1
+                elif ty is list:
+                    n += _list_chars(y, inner)
+                elif ty is dict:
+                    n += _chars(y, inner)
+        elif tx is list:
+            n += _list_chars(x, depth)
     return n
 
 
@@ -186,8 +219,8 @@ class TokenEstimator:
         for f in OUTPUT_FIELDS:
             v = body.get(f)
             if type(v) is int and v >= 0:
-                return Estimate(prompt, v)
-        return Estimate(prompt, self.default_output_tokens)
+                return _new(Estimate, (prompt, v))
+        return _new(Estimate, (prompt, self.default_output_tokens))
 
 
 def _load(name: str | None) -> _Encoding | None:

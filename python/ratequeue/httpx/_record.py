@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import threading
+import json.scanner
 from collections.abc import Callable
 from typing import Any
 
@@ -34,20 +34,31 @@ _FIELDS = (
 )
 
 
-_DECODE = json.JSONDecoder().decode
+#: The C scanner of the json module: one call decodes a value (``json.loads`` adds two
+#: Python frames and two regex matches around it).
+SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
+_JSON_SPACE = " \t\n\r"
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:
     """The body as a JSON object, or None (not JSON, or not an object)."""
     try:
-        # UTF-8 straight to the decoder (what json.loads does after sniffing the
-        # encoding); anything else goes through json.loads.
-        parsed = _DECODE(data.decode())
-    except ValueError:
+        s = data.decode()
+    except UnicodeDecodeError:
+        s = ""
+    if s[:1] == "{":
+        # UTF-8 without leading space (what clients send) straight to the scanner.
         try:
-            parsed = json.loads(data)
-        except ValueError:
+            parsed, end = SCAN(s, 0)
+        except (StopIteration, ValueError, RecursionError):
             return None
+        if end != len(s) and s[end:].strip(_JSON_SPACE):
+            return None
+        return parsed if type(parsed) is dict else None
+    try:
+        parsed = json.loads(data)  # other encodings, a BOM, leading space, lone surrogates
+    except (ValueError, RecursionError):
+        return None
     return parsed if type(parsed) is dict else None
 
 
@@ -171,8 +182,9 @@ class CallRecord:
         return f"CallRecord({inner})"
 
 
-#: Guards the settle-once flag of every call (held for two bytecodes, never across a call).
-_ONCE = threading.Lock()
+_NO_CHAIN: list[CallBudget] = []  # never changed: a call outside budgets shares it
+#: What a call owes its ledger when it used nothing: a release (else its ``Usage``).
+_RELEASE = object()
 
 
 class _Call(CallRecord):
@@ -180,13 +192,18 @@ class _Call(CallRecord):
 
     __slots__ = (
         "_account",
+        "_async",
         "_chain",
         "_costs",
         "_done",
         "_held",
+        "_kw",
+        "_once",
+        "_owed",
         "_permit",
         "_provider",
         "_request",
+        "_retried",
         "_sub",
     )
 
@@ -201,6 +218,10 @@ class _Call(CallRecord):
         priority: str | None,
         task: str | None,
         pending: tuple[bytes | None, _Estimator] | None,
+        costs: dict[str, int],
+        kw: dict[str, Any],
+        account: str,
+        is_async: bool,
     ) -> None:
         # Every slot set here, without CallRecord.__init__: this runs on every call.
         self.request_id = request_id
@@ -222,16 +243,13 @@ class _Call(CallRecord):
         self._permit: Any = None
         self._provider: Any = None
         self._sub: SubCall | None = None
-        self._chain: list[CallBudget] = []
+        self._chain: list[CallBudget] = _NO_CHAIN
         self._held = False
         self._done = False
-        self._costs: dict[str, int] = {}
-        self._account = ""
-
-    def _claim(self) -> bool:
-        """True for the one caller that settles this call."""
-        with _ONCE:
-            if self._done:
-                return False
-            self._done = True
-            return True
+        self._costs = costs
+        self._kw = kw
+        self._account = account
+        self._async = is_async
+        self._owed: object = None
+        self._retried = False
+        self._once = [None]  # popped by the one caller that settles

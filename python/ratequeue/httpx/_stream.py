@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._record import SCAN
 from ._usage import SSEUsage, Usage, usage_from_json, usage_of
 
 if TYPE_CHECKING:
@@ -19,12 +20,7 @@ if TYPE_CHECKING:
 def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
     (never admit more than allowed) and ``usage`` stays None."""
-    if usage is not None:
-        transport._settle(call, usage, call.status)
-        return
-    est = call.estimate
-    transport._settle(call, Usage(est.input_tokens, est.output_tokens), call.status)
-    call.usage = None
+    transport._settle(call, usage, call.status, reported=True)
 
 
 class _Reader:
@@ -65,26 +61,23 @@ class _Reader:
         _done(self.call, self.transport, usage)
 
 
-_DECODER = json.JSONDecoder()
-
-
 def _json_usage(body: bytes) -> Usage | None:
-    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is at the
-    top level (the common case, without decoding the rest), else the whole body."""
+    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is the
+    only one and at the top level (the common case, without decoding the rest), else
+    the whole body; None when there is none or the body is not JSON (however nested)."""
     i = body.rfind(b'"usage"')
     if i != -1:
         j = body.find(b"{", i + 7, i + 40)
-        if j != -1 and body[i + 7 : j].strip() == b":":
+        if j != -1 and body[i + 7 : j].strip() == b":" and body.count(b'"usage"') == 1:
             try:
-                obj, _ = _DECODER.raw_decode(body[j:].decode("utf-8", "replace"))
-            except ValueError:
-                obj = None
-            u = usage_of(obj)
-            if u is not None and body.count(b'"usage"') == 1:
+                u = usage_of(SCAN(body[j:].decode("utf-8", "replace"), 0)[0])
+            except (StopIteration, ValueError, RecursionError):
+                u = None
+            if u is not None:
                 return u
     try:
         return usage_from_json(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
 
 
@@ -121,10 +114,16 @@ def _stream_types(response_type: type) -> tuple[type, type]:
             self._inner, self._reader = inner, reader
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
+            reader = self._reader
+            call = reader.call
             async for chunk in self._inner:
-                self._reader.feed(chunk)
+                reader.feed(chunk)
+                if call._owed is not None:  # settled at the final usage event
+                    await reader.transport._pay_async(call)
                 yield chunk
-            self._reader.finish()
+            reader.finish()
+            if call._owed is not None:
+                await reader.transport._pay_async(call)
 
         async def aclose(self) -> None:
             try:
@@ -132,6 +131,8 @@ def _stream_types(response_type: type) -> tuple[type, type]:
                     await self._inner.aclose()
             finally:
                 self._reader.finish()
+                if self._reader.call._owed is not None:
+                    await self._reader.transport._pay_async(self._reader.call)
 
     types = (_SyncStream, _AsyncStream)
     _STREAMS[response_type] = types

@@ -12,7 +12,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import Any, Protocol
+from typing import Any
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
@@ -23,8 +23,9 @@ from ._caps import Cap, apply_caps
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
-from ._record import CallRecord, _Call, json_object, model_of
-from ._stream import wrap
+from ._ledger import Ledger, call_async, hold_async
+from ._record import _RELEASE, CallRecord, _Call, json_object
+from ._stream import _json_usage, wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
@@ -37,12 +38,13 @@ __all__ = [
     "RateLimitedTransport",
 ]
 
+_new = tuple.__new__
 PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
 _OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
 # Request headers the transport reads, by lower-case name: 0-2 its own (removed before
-# sending), 3 the SDK's idempotency key, 4 the body's length.
+# sending), 3 the SDK's idempotency key, 4 the body's length; 5 read by nobody.
 _READ = {
     b"x-ratequeue-priority": 0,
     b"x-ratequeue-task": 1,
@@ -50,39 +52,33 @@ _READ = {
     b"idempotency-key": 3,
     b"content-length": 4,
 }
+_READ_MAX = 512
+
+
+def _read_request(
+    hl: list[tuple[bytes, bytes, bytes]],
+) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
+    """The headers the transport reads, by name (``_READ``; names seen are added to it
+    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
+    content length."""
+    out: list[Any] = [None, None, None, None, None]
+    for _, lk, v in hl:
+        i = _READ.get(lk)
+        if i is None:
+            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
+                _READ[lk] = 5
+            continue
+        if i == 4:
+            out[4] = v
+        elif i != 5:
+            out[i] = v.decode("latin-1")
+    return out[0], out[1], out[2], out[3], out[4]
+
+
 # Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-class Ledger(Protocol):
-    """A quota ledger (e.g. ``ratequeue.ledger``): holds, settles or releases a call."""
-
-    def hold(
-        self,
-        request_id: str,
-        account: str,
-        *,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        calls: int = 1,
-        model: str | None = None,
-        parent_id: str | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> Any: ...
-
-    def settle(
-        self,
-        request_id: str,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        calls: int = 1,
-        model: str | None = None,
-    ) -> Any: ...
-
-    def release(self, request_id: str) -> Any: ...
 
 
 def _rewrite(request: Any, body: dict[str, Any]) -> Any:
@@ -189,13 +185,15 @@ class RateLimitedTransport:
         # Units whose cost follows the tokens: without them no call needs its estimate
         # before sending (it is read from the body when asked for).
         self._tokens = bool(self.units & {"tokens", "input_tokens", "output_tokens"})
+        self._needs_body = self._tokens or bool(self.caps) or self.ledger is not None
         self._is_pool = isinstance(limit, Pool)
         self._is_policy = isinstance(limit, Policy)
         self.wait_histogram = Histogram()
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
         self._lock = threading.Lock()
-        self._counts = {"calls": 0, "sent": 0, "rate_limited": 0, "paused": 0, "calibrated": 0}
+        # Calls granted and sent are the histograms' counts; the rest, rare, are here.
+        self._counts = {"refused": 0, "rate_limited": 0, "paused": 0, "calibrated": 0}
 
     # -- the steps of a call -------------------------------------------------------------
 
@@ -222,28 +220,35 @@ class RateLimitedTransport:
         self._plan = tuple(
             (u, _UNIT_INDEX.get(u, -1), self._bursts.get(u)) for u in sorted(self.units)
         )
+        self._unit_costs = {u: 1 for u in sorted(self.units)}  # a call without an estimate
+        # The units a settle corrects (those that follow the tokens).
+        self._token_plan = tuple((u, j) for u, j, _ in self._plan if j > 0)
 
-    def _prepare(self, request: Any) -> _Call:
+    def _prepare(self, request: Any, is_async: bool) -> _Call:
+        """The call's record: its own headers read (and removed), the body capped and
+        estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
         priority = task = account = request_id = length = None
-        own = False
-        for _, lk, v in header_list(headers):
-            i = _READ.get(lk)
-            if i is None:
-                continue
-            if i == 4:
-                length = v
-            elif i == 3:
-                request_id = v.decode("latin-1")
-            else:
-                own = True
-                if i == 0:
+        hl = header_list(headers)
+        read = _READ
+        try:
+            for _, lk, v in hl:
+                i = read[lk]  # a name not seen yet raises: read below
+                if i == 5:
+                    continue
+                if i == 4:
+                    length = v
+                elif i == 3:
+                    request_id = v.decode("latin-1")
+                elif i == 0:
                     priority = v.decode("latin-1")
                 elif i == 1:
                     task = v.decode("latin-1")
                 else:
                     account = v.decode("latin-1")
-        if own:
+        except KeyError:
+            priority, task, account, request_id, length = _read_request(hl)
+        if priority is not None or task is not None or account is not None:
             for h in _OWN_HEADERS:
                 if h in headers:
                     del headers[h]
@@ -261,43 +266,54 @@ class RateLimitedTransport:
             and int(length) <= self.max_body
         ):
             try:
-                data = bytes(request.content)
+                data = request.content
             except Exception:  # a stream not read (RequestNotRead): estimate without it
                 data = None
         path = request.url.path
         budget = _CURRENT_BUDGET.get()
-        capped = None
-        model = None
-        est: Estimate | None = None
+        capped = model = est = None
         if (
-            self._tokens
-            or self.caps
-            or self.ledger is not None
+            self._needs_body
             or budget is not None
             or (data and self.stream_usage and b'"stream"' in data)
         ):
             body = json_object(data) if data else None
             if body is not None:
-                changed = False
                 if self.caps:
                     capped = apply_caps(self.caps, body, path, task)
-                    changed = capped is not None
-                if (
-                    self.stream_usage
-                    and body.get("stream") is True
-                    and path.endswith("/chat/completions")
-                ):
-                    so = body.get("stream_options")
-                    if not (isinstance(so, dict) and so.get("include_usage") is True):
-                        body["stream_options"] = {
-                            **(so if isinstance(so, dict) else {}),
-                            "include_usage": True,
-                        }
-                        changed = True
+                changed = capped is not None
+                if body.get("stream") is True and self._stream_opts(body, path):
+                    changed = True
                 if changed:
                     request = _rewrite(request, body)
+                m = body.get("model")
+                model = m if type(m) is str else None
             est = self.estimator(body, path)
-            model = model_of(body)
+            i, o = est
+            vals = (1, i + o, i, o)
+            costs = {}
+            for u, j, b in self._plan:
+                c = 1 if j < 0 else vals[j]
+                costs[u] = c if b is None or c <= b else b
+        else:
+            costs = self._unit_costs
+        # What acquire takes: the costs, and the priority, keys and bound on the wait.
+        if self._is_policy:
+            kw: dict[str, Any] = dict(costs)
+            kw.update(current_options().keys)
+            if self.keys is not None:
+                kw.update(self.keys(request))
+            kw["timeout"] = self.timeout
+        elif priority is not None or self.timeout is not None:
+            kw = dict(costs)
+            kw["timeout"] = self.timeout
+            if priority is not None:
+                kw["priority"] = priority
+        else:
+            kw = costs
+        acc = self.account
+        if type(acc) is not str:
+            acc = acc(request) or "default"  # type: ignore[operator]
         call = _Call(
             request,
             request_id or new_id(),
@@ -308,45 +324,61 @@ class RateLimitedTransport:
             priority,
             task,
             None if est is not None else (data, self.estimator),
+            costs,
+            kw,
+            account or acc,
+            is_async,
         )
-        call._costs = self._costs(est)
-        acc = self.account
-        if type(acc) is str:
-            call._account = account or acc
-        else:
-            call._account = account or acc(request) or "default"  # type: ignore[operator]
         if budget is not None:
             assert est is not None
-            call._sub = _budget.charge(call.request_id, model, est.input_tokens, est.output_tokens)
-            call._chain = budget.chain()
-        if self.ledger is not None:
-            self._hold(call)
-        with self._lock:
-            self._counts["calls"] += 1
+            chain = budget.chain()
+            call._sub = _budget.charge(
+                chain, call.request_id, model, est.input_tokens, est.output_tokens
+            )
+            call._chain = chain
         return call
+
+    def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
+        """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
+        True if the body changed."""
+        if not self.stream_usage or not path.endswith("/chat/completions"):
+            return False
+        so = body.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            return False
+        body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+        return True
+
+    def _hold_kw(self, call: _Call) -> dict[str, Any]:
+        est = call.estimate
+        return {
+            "input_tokens": est.input_tokens,
+            "output_tokens": est.output_tokens,
+            "calls": 1,
+            "model": call.model,
+            "parent_id": call._chain[-1].id if call._chain else None,
+            "meta": {"path": call.path, "task": call.task},
+        }
 
     def _hold(self, call: _Call) -> None:
         assert self.ledger is not None
-        est = call.estimate
         try:
-            self.ledger.hold(
-                call.request_id,
-                call._account,
-                input_tokens=est.input_tokens,
-                output_tokens=est.output_tokens,
-                calls=1,
-                model=call.model,
-                parent_id=call._chain[-1].id if call._chain else None,
-                meta={"path": call.path, "task": call.task},
-            )
+            self.ledger.hold(call.request_id, call._account, **self._hold_kw(call))
         except BaseException:
             self._unwind(call)
             raise
         call._held = True
 
-    def _costs(self, est: Estimate | None) -> dict[str, int]:
-        if est is None:
-            return {u: 1 for u, _, _ in self._plan}
+    async def _hold_async(self, call: _Call) -> None:
+        """The hold, off the event loop."""
+        try:
+            await hold_async(self.ledger, call.request_id, call._account, **self._hold_kw(call))
+        except BaseException:
+            self._unwind(call)
+            raise
+        call._held = True
+
+    def _costs(self, est: Estimate) -> dict[str, int]:
         i, o = est
         vals = (1, i + o, i, o)
         out = {}
@@ -354,18 +386,6 @@ class RateLimitedTransport:
             c = 1 if j < 0 else vals[j]
             out[u] = c if b is None or c <= b else b
         return out
-
-    def _acquire_args(self, call: _Call) -> dict[str, Any]:
-        kw: dict[str, Any] = dict(call._costs)
-        if self._is_policy:
-            keys = dict(current_options().keys)
-            if self.keys is not None:
-                keys.update(self.keys(call._request))
-            kw.update(keys)
-        elif call.priority is not None:
-            kw["priority"] = call.priority
-        kw["timeout"] = self.timeout
-        return kw
 
     def _granted(self, call: _Call, grant: Any) -> None:
         """A Pool's grant: the provider chosen, and the request sent to its URL."""
@@ -382,27 +402,28 @@ class RateLimitedTransport:
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         self.http_histogram.record(http_seconds)
-        with self._lock:
-            self._counts["sent"] += 1
-        pairs = header_list(response.headers)
-        ctype, exhausted = scan_response(pairs)
+        ctype, exhausted = scan_response(header_list(response.headers))
         if status == 429 or exhausted or self.calibrate:
-            self._limits(call, response, pairs, status)
+            self._limits(call, response, status)
         elif self._is_pool and call._provider is not None:
             self.limit.report(call._provider, status)  # type: ignore[union-attr]
         if status >= 300 and status != 429:
             self._settle(call, None, status)
         response.extensions["ratequeue"] = call
         if not call._done:
-            wrap(response, call, self, is_async, ctype.startswith(b"text/event-stream"))
+            sse = ctype.startswith(b"text/event-stream")
+            if sse or not response.is_stream_consumed:
+                wrap(response, call, self, is_async, sse)
+            else:  # the body is here already (what MockTransport and ASGI tests return)
+                content = response.content
+                usage = _json_usage(content) if content and len(content) <= self.max_body else None
+                self._settle(call, usage, status, reported=True)
         return response
 
-    def _limits(
-        self, call: _Call, response: Any, pairs: list[tuple[bytes, bytes, bytes]], status: int
-    ) -> None:
+    def _limits(self, call: _Call, response: Any, status: int) -> None:
         """Follow what the headers say: calibrate, pause exhausted units; on a 429 pause
         the limiter (or cool the Pool's provider down) and hint the SDK's retry."""
-        info = parse_raw_headers([(k, v) for k, _, v in pairs])
+        info = parse_raw_headers([(k, v) for k, _, v in header_list(response.headers)])
         call.rate_limits = info if info else None
         limiter = call._provider.limiter if call._provider is not None else self.upstream
         paused = False
@@ -455,21 +476,41 @@ class RateLimitedTransport:
         return paused
 
     def _settle(
-        self, call: _Call, usage: Usage | None, status: int | None, *, rate_limited: bool = False
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        *,
+        rate_limited: bool = False,
+        reported: bool = False,
     ) -> None:
-        """Settle the permit, budget and ledger once: real usage, or nothing used."""
-        if not call._claim():
+        """Settle the permit, budget and ledger once: real usage, or nothing used; a body
+        ``reported`` without a usage keeps the estimate charged (never admit more than
+        allowed). An asyncio call leaves the ledger's part owed, for its caller to await."""
+        try:
+            call._once.pop()  # atomic: one caller settles
+        except IndexError:
             return
+        call._done = True
         call.usage = usage
         call.settled = True
+        if usage is None and reported:
+            est = call.estimate
+            usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
         try:
-            if permit is not None:
-                i, o = (0, 0) if usage is None else usage
+            if permit is not None and self._token_plan:
+                if usage is None:
+                    i = o = 0
+                else:
+                    i, o = usage
                 actual = (1, i + o, i, o)
                 costs = call._costs
                 # Only what differs from the estimate: the rest is already right.
-                kw = {u: actual[j] for u, j, _ in self._plan if j > 0 and actual[j] != costs[u]}
+                kw = {}
+                for unit, j in self._token_plan:
+                    if actual[j] != costs[unit]:
+                        kw[unit] = actual[j]
                 if kw:
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)
@@ -487,25 +528,48 @@ class RateLimitedTransport:
                         _budget.settle(
                             call._sub, call._chain, u.input_tokens, u.output_tokens, status
                         )
-                if call._held and self.ledger is not None:
-                    if usage is None:
-                        self.ledger.release(call.request_id)
-                    else:
-                        self.ledger.settle(
-                            call.request_id,
-                            input_tokens=usage.input_tokens,
-                            output_tokens=usage.output_tokens,
-                            calls=1,
-                            model=call.model,
-                        )
+                if call._held:
+                    call._owed = _RELEASE if usage is None else usage
+                    if not call._async:
+                        self._pay(call)
+
+    def _ledger_op(self, call: _Call) -> tuple[str, dict[str, Any]] | None:
+        """The ledger call the call owes (settle or release), taken once."""
+        owed, call._owed = call._owed, None
+        if owed is None:
+            return None
+        if owed is _RELEASE:
+            return "release", {}
+        assert isinstance(owed, Usage)
+        return "settle", {
+            "input_tokens": owed.input_tokens,
+            "output_tokens": owed.output_tokens,
+            "calls": 1,
+            "model": call.model,
+        }
+
+    def _pay(self, call: _Call) -> None:
+        """What the call owes the ledger, inline."""
+        op = self._ledger_op(call)
+        if op is not None:
+            getattr(self.ledger, op[0])(call.request_id, **op[1])
+
+    async def _pay_async(self, call: _Call) -> None:
+        """What the call owes the ledger, off the event loop."""
+        op = self._ledger_op(call)
+        if op is not None:
+            await call_async(self.ledger, op[0], call.request_id, **op[1])
 
     def _unwind(self, call: _Call) -> None:
         """Nothing was sent: give back the budget and the ledger hold."""
+        call._once.clear()
         call._done = True
         if call._sub is not None:
             _budget.uncount(call._sub, call._chain, None)
-        if call._held and self.ledger is not None:
-            self.ledger.release(call.request_id)
+        if call._held:
+            call._owed = _RELEASE
+            if not call._async:
+                self._pay(call)
 
     def _failed(self, call: _Call) -> None:
         """Sent but no response (connection error, timeout, cancel): no tokens used."""
@@ -513,44 +577,39 @@ class RateLimitedTransport:
             self.limit.report(call._provider, ok=False)  # type: ignore[union-attr]
         self._settle(call, None, None)
 
-    def _reclamp(self, call: _Call) -> bool:
-        """After a CostTooLarge: re-read the bursts (changed since) and clamp the call's
-        costs again; False when nothing changed (the cost can never fit)."""
-        self._set_bursts()
-        costs = self._costs(call.estimate if self._tokens else None)
-        if costs == call._costs:
-            return False
-        call._costs = costs
-        return True
-
-    def _acquire(self, call: _Call) -> Any:
-        try:
-            return self.limit.acquire(**self._acquire_args(call))
-        except CostTooLarge:
-            if not self._reclamp(call):
-                raise
-            return self.limit.acquire(**self._acquire_args(call))
-
-    async def _acquire_async(self, call: _Call) -> Any:
-        try:
-            return await self.limit.acquire_async(**self._acquire_args(call))
-        except CostTooLarge:
-            if not self._reclamp(call):
-                raise
-            return await self.limit.acquire_async(**self._acquire_args(call))
+    def _refused(self, call: _Call, err: BaseException) -> bool:
+        """After acquire raised ``err``: True to try once more (a CostTooLarge after the
+        bursts changed: the call's costs are clamped again), else the call is unwound."""
+        if isinstance(err, CostTooLarge) and not call._retried:
+            call._retried = True
+            self._set_bursts()
+            est = call.estimate if self._tokens else None
+            costs = self._costs(est) if est is not None else self._unit_costs
+            if costs != call._costs:
+                call._kw = {**call._kw, **costs}
+                call._costs = costs
+                return True
+        with self._lock:
+            self._counts["refused"] += 1
+        self._unwind(call)
+        return False
 
     # -- httpx entry points ----------------------------------------------------------------
 
     def handle_request(self, request: Any) -> Any:
         """Wait for a permit (GIL released), send, and settle when the body is read."""
         try:
-            call = self._prepare(request)
+            call = self._prepare(request, False)
+            if self.ledger is not None:
+                self._hold(call)
             t0 = perf_counter()
-            try:
-                grant = self._acquire(call)
-            except BaseException:
-                self._unwind(call)
-                raise
+            while True:
+                try:
+                    grant = self.limit.acquire(**call._kw)
+                    break
+                except BaseException as e:
+                    if not self._refused(call, e):
+                        raise
         except RateQueueError as e:
             for_sdk(e, request)
             raise
@@ -569,15 +628,22 @@ class RateLimitedTransport:
         return self._received(call, response, perf_counter() - t1, False)
 
     async def handle_async_request(self, request: Any) -> Any:
-        """The asyncio form: one wake-up per grant, no polling; cancellation gives back."""
+        """The asyncio form: one wake-up per grant, no polling; cancellation gives back;
+        the ledger is called off the event loop."""
         try:
-            call = self._prepare(request)
+            call = self._prepare(request, True)
+            if self.ledger is not None:
+                await self._hold_async(call)
             t0 = perf_counter()
-            try:
-                grant = await self._acquire_async(call)
-            except BaseException:
-                self._unwind(call)
-                raise
+            while True:
+                try:
+                    grant = await self.limit.acquire_async(**call._kw)
+                    break
+                except BaseException as e:
+                    if not self._refused(call, e):
+                        if call._owed is not None:
+                            await self._pay_async(call)
+                        raise
         except RateQueueError as e:
             for_sdk(e, request)
             raise
@@ -592,8 +658,13 @@ class RateLimitedTransport:
             response = await self.inner.handle_async_request(call._request)
         except BaseException:
             self._failed(call)
+            if call._owed is not None:
+                await self._pay_async(call)
             raise
-        return self._received(call, response, perf_counter() - t1, True)
+        self._received(call, response, perf_counter() - t1, True)
+        if call._owed is not None:
+            await self._pay_async(call)
+        return response
 
     def close(self) -> None:
         """Close the inner transport."""
@@ -618,10 +689,15 @@ class RateLimitedTransport:
         await self.aclose()
 
     def stats(self) -> dict[str, Any]:
-        """Counters (calls, sent, rate_limited, paused, calibrated) and the p50/p99 of the
-        queue wait and the HTTP time, in seconds."""
+        """Counters (calls: granted or refused by the queue; sent, rate_limited, paused,
+        calibrated) and the p50/p99 of the queue wait and the HTTP time, in seconds."""
         with self._lock:
-            out: dict[str, Any] = dict(self._counts)
+            counts = dict(self._counts)
+        out: dict[str, Any] = {
+            "calls": self.wait_histogram.count + counts.pop("refused"),
+            "sent": self.http_histogram.count,
+            **counts,
+        }
         for name, h in (("wait", self.wait_histogram), ("http", self.http_histogram)):
             out[f"{name}_p50"], out[f"{name}_p99"] = (
                 h.percentiles([50, 99]) if h.count else (0.0, 0.0)

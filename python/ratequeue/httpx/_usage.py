@@ -36,17 +36,32 @@ def _int(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
+_new = tuple.__new__
+
+
 def usage_of(u: Any) -> Usage | None:
     """A ``usage`` object in either dialect, or None."""
     if not isinstance(u, dict):
         return None
-    i = u.get("input_tokens")
-    o = u.get("output_tokens")
+    g = u.get
+    i = g("input_tokens")
+    o = g("output_tokens")
+    if i is None and o is None:
+        i = g("prompt_tokens")
+        o = g("completion_tokens")
+        if type(i) is int and type(o) is int and i >= 0 and o >= 0:
+            return _new(Usage, (i, o))
+        i = i if type(i) is int and i >= 0 else None
+        o = o if type(o) is int and o >= 0 else None
+        if i is None and o is None:
+            return None
+        return _new(Usage, (i or 0, o or 0))
     i = i if type(i) is int and i >= 0 else None
     o = o if type(o) is int and o >= 0 else None
     if i is None and o is None:
-        i = u.get("prompt_tokens")
-        o = u.get("completion_tokens")
+        # Neither field usable: the OpenAI chat names may still be.
+        i = g("prompt_tokens")
+        o = g("completion_tokens")
         i = i if type(i) is int and i >= 0 else None
         o = o if type(o) is int and o >= 0 else None
         if i is None and o is None:
@@ -54,10 +69,10 @@ def usage_of(u: Any) -> Usage | None:
     else:
         # Anthropic counts cached input apart from input_tokens: all of it was sent.
         for extra in ("cache_creation_input_tokens", "cache_read_input_tokens"):
-            e = _int(u.get(extra))
+            e = _int(g(extra))
             if e:
                 i = (i or 0) + e
-    return Usage(i or 0, o or 0)
+    return _new(Usage, (i or 0, o or 0))
 
 
 def usage_from_json(body: Any) -> Usage | None:
@@ -130,7 +145,7 @@ class SSEUsage:
         )
         try:
             ev = json.loads(payload)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
             return
         if not isinstance(ev, dict):
             return

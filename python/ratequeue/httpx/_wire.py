@@ -18,15 +18,35 @@ _NO_LIMITS = RateLimitHeaders()
 # (x-ratelimit-remaining-*, anthropic-ratelimit-*, ratelimit*), and their prefixes.
 _RESPONSE_FIRST = frozenset(b"xar")
 _REMAINING = (b"x-ratelimit-remaining-", b"anthropic-ratelimit-", b"ratelimit")
-# Response headers known by name: the content type (0), and rate-limit fields that
-# cannot say a quota is exhausted (1: limits and resets, read only by the full parse).
+# Response header names by what the scan does with them: 0 the content type; 1 nothing
+# (not a rate-limit field, or one that cannot say a quota is exhausted: limits and
+# resets, read only by the full parse); 2 a remaining count (0 or less: exhausted);
+# 3 an IETF field (any "=0" may say so); 4 the IETF draft's remaining count (the full
+# parse decides). Names seen are added, up to _KNOWN_MAX.
 _KNOWN: dict[bytes, int] = {b"content-type": 0, b"ratelimit-policy": 1}
+_KNOWN_MAX = 512
 for _part in ("limit", "reset"):
     for _dim in ("requests", "tokens"):
         _KNOWN[f"x-ratelimit-{_part}-{_dim}".encode()] = 1
     for _dim in ("requests", "tokens", "input-tokens", "output-tokens"):
         _KNOWN[f"anthropic-ratelimit-{_dim}-{_part}".encode()] = 1
 del _part, _dim
+
+
+def _kind(lk: bytes) -> int:
+    """What the scan does with a header of this lower-case name (see ``_KNOWN``)."""
+    kind = _KNOWN.get(lk)
+    if kind is None:
+        if not lk or lk[0] not in _RESPONSE_FIRST or not lk.startswith(_REMAINING):
+            kind = 1
+        elif lk.startswith(b"ratelimit"):
+            kind = 4 if b"remaining" in lk else 3
+        else:
+            kind = 2 if b"remaining" in lk else 1
+        if len(_KNOWN) < _KNOWN_MAX:  # names come from the network: the table stays bounded
+            _KNOWN[lk] = kind
+    return kind
+
 
 # Header classes whose private ``_list`` holds (name, lower-case name, value).
 _TRIPLES: set[type] = set()
@@ -60,16 +80,48 @@ def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, boo
     ctype = b""
     exhausted = False
     known = _KNOWN
-    for _, lk, v in headers:
-        kind = known.get(lk)
-        if kind is None:
-            if exhausted or lk[0] not in _RESPONSE_FIRST or not lk.startswith(_REMAINING):
+    try:
+        for _, lk, v in headers:
+            kind = known[lk]  # a name not seen yet raises: classified below, then again
+            if kind == 1:
                 continue
-            if b"remaining" in lk or b"=0" in v:
-                s = v.strip()
-                exhausted = lk.startswith(b"ratelimit") or s == b"0" or s.startswith((b"0.", b"-"))
-        elif kind == 0:
+            if kind == 0:
+                ctype = v
+            elif not exhausted:
+                if kind == 3:
+                    exhausted = b"=0" in v
+                elif kind == 4:
+                    exhausted = True
+                else:
+                    s = v.strip()
+                    exhausted = s == b"0" or s.startswith((b"0.", b"-"))
+    except KeyError:
+        return _scan_new(headers)
+    return ctype, exhausted
+
+
+def _scan_new(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
+    """``scan_response`` of headers with names not classified yet (the table of names
+    full: every time)."""
+    if len(_KNOWN) < _KNOWN_MAX:
+        for _, lk, _ in headers:
+            _kind(lk)
+        if len(_KNOWN) < _KNOWN_MAX:
+            return scan_response(headers)
+    ctype = b""
+    exhausted = False
+    for _, lk, v in headers:
+        kind = _kind(lk)
+        if kind == 0:
             ctype = v
+        elif kind != 1 and not exhausted:
+            if kind == 3:
+                exhausted = b"=0" in v
+            elif kind == 4:
+                exhausted = True
+            else:
+                s = v.strip()
+                exhausted = s == b"0" or s.startswith((b"0.", b"-"))
     return ctype, exhausted
 
 
