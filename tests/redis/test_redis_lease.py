@@ -191,7 +191,9 @@ def test_threads_share_one_lease(redis_server: RedisServer) -> None:
     elapsed = time.monotonic() - start
     lim.close()
     assert sum(counts) <= burst + rate * elapsed
-    assert sum(counts) >= 0.9 * (burst + rate * 0.5) - 10
+    # Behaviour, not speed (a loaded machine may run the threads slowly): the shared
+    # lease admits at least the burst across the threads.
+    assert sum(counts) >= 0.9 * burst - 10
     c.close()
 
 
