@@ -936,3 +936,20 @@ def test_a_request_is_booked_once_when_threads_race_to_finish(clock: rq.ManualCl
             th.join()
         assert sorted(won) == [False, False, False, True]
     assert canary.kpis()["candidate"].requests == 50
+
+
+def test_deeply_nested_bodies_are_not_json_never_an_error() -> None:
+    # A body nested deeper than the JSON parser allows (from a caller, or from the remote
+    # candidate provider) is "not JSON": no RecursionError reaches the caller.
+    from ratequeue.canary.transport import _tokens, with_model
+
+    deep = b"[" * 100_000 + b"]" * 100_000
+    req = httpx.Request("POST", "http://x/v1/chat", content=deep)
+    assert with_model("m2")(req).read() == deep
+    resp = httpx.Response(
+        200,
+        content=deep,
+        headers={"content-type": "application/json", "content-length": str(len(deep))},
+    )
+    resp.read()
+    assert _tokens(resp, 10**7) == 0

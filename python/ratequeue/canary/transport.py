@@ -69,8 +69,8 @@ def with_model(model: str, *, then: Rewrite | None = None) -> Rewrite:
             return then(request) if then is not None else request
         try:
             data = json.loads(body) if body else None
-        except (ValueError, UnicodeDecodeError):
-            data = None
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            data = None  # not JSON (nested past the parser's depth counts as not JSON)
         if isinstance(data, dict):
             data["model"] = model
             request = httpx.Request(
@@ -107,8 +107,8 @@ def _tokens(response: httpx.Response, max_body: int) -> int:
         return 0
     try:
         return _default_usage(json.loads(response.content))
-    except (ValueError, UnicodeDecodeError):
-        return 0
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return 0  # a remote body nested past the parser's depth is not JSON
 
 
 def _small(headers: httpx.Headers, max_body: int) -> bool:
