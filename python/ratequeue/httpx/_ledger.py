@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import os
-import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
+
+from .._threads import ProcessThreads
 
 __all__ = ["Ledger"]
 
@@ -49,30 +49,12 @@ class Ledger(Protocol):
     def release(self, request_id: str) -> Any: ...
 
 
-_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_threads = ProcessThreads("ratequeue-httpx-ledger", 8)
 
 
 def _worker() -> concurrent.futures.ThreadPoolExecutor:
     """Threads for ledgers without asyncio twins (made again in a forked child)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (
-                os.getpid(),
-                concurrent.futures.ThreadPoolExecutor(
-                    max_workers=8, thread_name_prefix="ratequeue-httpx-ledger"
-                ),
-            )
-        return _pool[1]
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _threads.get()
 
 
 def _retrieve(f: asyncio.Future[Any]) -> None:

@@ -9,13 +9,13 @@ import concurrent.futures
 import csv
 import inspect
 import json
-import os
 import sys
 import threading
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
 from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
+from .._threads import ProcessThreads
 from ._model import (
     DAY,
     Balance,
@@ -711,30 +711,12 @@ class LedgerBase(abc.ABC):
         self.close()
 
 
-_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
-_pool_lock = threading.Lock()
+_threads = ProcessThreads("ratequeue-ledger", 16)
 
 
 def _executor() -> concurrent.futures.ThreadPoolExecutor:
     """The ledger's worker threads for asyncio callers (made again in a forked child)."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool[0] != os.getpid():
-            _pool = (
-                os.getpid(),
-                concurrent.futures.ThreadPoolExecutor(
-                    max_workers=16, thread_name_prefix="ratequeue-ledger"
-                ),
-            )
-        return _pool[1]
-
-
-def _after_fork_in_child() -> None:
-    global _pool, _pool_lock
-    _pool, _pool_lock = None, threading.Lock()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+    return _threads.get()
 
 
 async def _in_thread(fn: Callable[P, T], *args: P.args, **kw: P.kwargs) -> T:
