@@ -8,15 +8,14 @@ kills a child that hangs.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import threading
 import time
-import traceback
 
 import pytest
 import ratequeue as rq
+from forking import check_child, fork_child
 
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)"),
@@ -27,49 +26,8 @@ pytestmark = [
 CHILD_TIMEOUT = 15
 
 
-def run_in_child(body):
-    """Runs ``body()`` in a forked child; returns (exit code, report)."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # child: never returns into pytest
-        code = 1
-        try:
-            os.close(rfd)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)  # pytest-timeout's handler
-            signal.alarm(CHILD_TIMEOUT)
-            body()
-            code = 0
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.write(wfd, traceback.format_exc().encode())
-        finally:
-            os._exit(code)
-    os.close(wfd)
-    chunks = []
-    while True:
-        chunk = os.read(rfd, 65536)
-        if not chunk:
-            break
-        chunks.append(chunk)
-    os.close(rfd)
-    deadline = time.monotonic() + CHILD_TIMEOUT + 5
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail("child hung")
-        time.sleep(0.01)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
-
-
 def assert_child_ok(body):
-    code, report = run_in_child(body)
-    if code == -signal.SIGALRM:
-        pytest.fail(f"child hung (killed by its watchdog after {CHILD_TIMEOUT} s)")
-    assert code == 0, f"child exited with {code}:\n{report}"
+    check_child(fork_child(body, CHILD_TIMEOUT), CHILD_TIMEOUT)
 
 
 async def acquire_in_task(limiter, *args, **kwargs):

@@ -31,6 +31,7 @@ import traceback
 import numpy as np
 import pytest
 import ratequeue as rq
+from forking import check_child, fork_child
 from ratequeue import _ratequeue
 
 pytestmark = [
@@ -42,47 +43,8 @@ CHILD_TIMEOUT = 20
 STRESS_RUNS = int(os.environ.get("RATEQUEUE_FORK_STRESS_RUNS", "1"))
 
 
-def fork_child(body):
-    """Runs ``body()`` in a forked child (from whichever thread calls this); returns
-    (exit code, report). The child never returns into the caller."""
-    rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            os.close(rfd)
-            signal.signal(signal.SIGALRM, signal.SIG_DFL)
-            signal.alarm(CHILD_TIMEOUT)
-            body()
-            code = 0
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.write(wfd, traceback.format_exc().encode())
-        finally:
-            os._exit(code)
-    os.close(wfd)
-    chunks = []
-    while chunk := os.read(rfd, 65536):
-        chunks.append(chunk)
-    os.close(rfd)
-    deadline = time.monotonic() + CHILD_TIMEOUT + 5
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > deadline:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            return -signal.SIGKILL, "child hung (killed by the parent)"
-        time.sleep(0.005)
-    return os.waitstatus_to_exitcode(status), b"".join(chunks).decode(errors="replace")
-
-
 def check(result):
-    code, report = result
-    if code == -signal.SIGALRM:
-        pytest.fail(f"child hung (killed by its watchdog after {CHILD_TIMEOUT} s):\n{report}")
-    assert code == 0, f"child exited with {code}:\n{report}"
+    check_child(result, CHILD_TIMEOUT)
 
 
 class Objects:
@@ -216,7 +178,7 @@ def test_fork_stress_from_many_threads_while_others_hammer_every_lock(run):
     def forker(n):
         for _ in range(n):
             time.sleep(random.random() * 0.01)
-            r = fork_child(lambda: use_everything(objs))
+            r = fork_child(lambda: use_everything(objs), CHILD_TIMEOUT)
             with lock:
                 results.append(r)
 
@@ -250,7 +212,7 @@ def test_fork_while_a_thread_holds_a_shard_lock_waits_for_it():
     holder.start()
     time.sleep(0.1)
     t0 = time.monotonic()
-    check(fork_child(lambda: keyed.try_acquire("k") or sys.exit(3)))
+    check(fork_child(lambda: keyed.try_acquire("k") or sys.exit(3), CHILD_TIMEOUT))
     assert time.monotonic() - t0 >= 0.3
     holder.join()
 
@@ -267,7 +229,7 @@ def test_fork_while_a_thread_holds_a_queue_lock_waits_for_it():
         assert lim.try_acquire(tokens=1) in (True, False)
         lim.poll()
 
-    check(fork_child(child))
+    check(fork_child(child, CHILD_TIMEOUT))
     holder.join()
 
 
@@ -334,7 +296,7 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
         assert lim.waiting == 0
 
     out = []
-    t = threading.Thread(target=lambda: out.append(fork_child(child)))
+    t = threading.Thread(target=lambda: out.append(fork_child(child, CHILD_TIMEOUT)))
     t.start()
     t.join(CHILD_TIMEOUT + 10)
     assert out
@@ -372,7 +334,7 @@ def test_child_forked_from_another_thread_starts_with_every_permit_free():
     def forker():
         mine.append(conc.acquire())  # held by the forking thread itself
         holding.wait()
-        out.append(fork_child(child))
+        out.append(fork_child(child, CHILD_TIMEOUT))
 
     f = threading.Thread(target=forker)
     f.start()
@@ -466,7 +428,7 @@ def test_fork_while_a_policy_acquire_holds_its_lock_waits_for_it():
         with policy.acquire(timeout=2):
             pass
 
-    check(fork_child(child))
+    check(fork_child(child, CHILD_TIMEOUT))
     assert time.monotonic() - t0 >= 0.3
     holder.join()
 
@@ -519,7 +481,7 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
 
                 asyncio.run(one())
 
-            check(fork_child(child))
+            check(fork_child(child, CHILD_TIMEOUT))
     finally:
         stop.set()
         for t in threads:
