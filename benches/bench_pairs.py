@@ -20,12 +20,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import os
+import json
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
+
+from _pairs import Machine, builds_from, run_rounds
 
 N_TASKS = 100_000
 N_KEYS = 1_000_000
@@ -72,9 +72,9 @@ def child(what: str) -> None:
     if what == "gather":
         floor = asyncio.run(_gather("floor"))
         ours = asyncio.run(_gather("rq"))
-        print(f"{floor:.2f} {ours:.2f}", flush=True)
+        print(json.dumps({"floor": floor, "rq": ours}), flush=True)
     else:
-        print(f"{_keyed():.2f}", flush=True)
+        print(json.dumps({"keyed": _keyed()}), flush=True)
 
 
 def main() -> None:
@@ -87,31 +87,20 @@ def main() -> None:
     if args.child:
         child(args.child)
         return
-    builds = [("this build", sys.executable)] + [
-        tuple(p.split("=", 1))
-        for p in args.python  # type: ignore[misc]
-    ]
-    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
-    got: dict[tuple[str, str], list[list[float]]] = {}
-    load0 = os.getloadavg()[0]
-    for k in range(args.pairs):
-        for what in ("gather", "keyed"):
-            for label, python in builds[k % 2 :] + builds[: k % 2]:
-                out = subprocess.run(
-                    [python, str(Path(__file__).resolve()), "--child", what],
-                    capture_output=True,
-                    text=True,
-                    check=True,
-                    cwd="/",
-                    env=env,
-                ).stdout
-                got.setdefault((label, what), []).append([float(x) for x in out.split()])
-        print(f"pair {k + 1}/{args.pairs} done", flush=True)
+    builds = builds_from(args.python)
+    machine = Machine()
+    got = run_rounds(
+        __file__,
+        builds,
+        args.pairs,
+        {what: ["--child", what] for what in ("gather", "keyed")},
+        env={"OPENBLAS_NUM_THREADS": "1"},
+        cwd="/",
+    )
     lines = [
         "# Before/after pairs in CPU time (`benches/bench_pairs.py`)",
         "",
-        f"{args.pairs} alternating runs per build; load average {load0:.1f} at the start"
-        f" and {os.getloadavg()[0]:.1f} at the end (2 vCPUs). Builds: "
+        f"{args.pairs} alternating runs per build; {machine.summary()}. Builds: "
         + "; ".join(f"{label}: `{python}`" for label, python in builds)
         + ".",
         "",
@@ -120,12 +109,12 @@ def main() -> None:
         "|---|--:|--:|---|--:|---|",
     ]
     for label, _ in builds:
-        g = got[(label, "gather")]
-        above = [r - f for f, r in g]
-        keyed = [r[0] for r in got[(label, "keyed")]]
+        g = got["gather"][label]
+        above = [r["rq"] - r["floor"] for r in g]
+        keyed = [r["keyed"] for r in got["keyed"][label]]
         lines.append(
-            f"| {label} | {statistics.median(f for f, _ in g):.1f} "
-            f"| {statistics.median(r for _, r in g):.1f} "
+            f"| {label} | {statistics.median(r['floor'] for r in g):.1f} "
+            f"| {statistics.median(r['rq'] for r in g):.1f} "
             f"| {', '.join(f'{a:.1f}' for a in above)} | {statistics.median(above):.1f} "
             f"| {', '.join(f'{x:.1f}' for x in keyed)} |"
         )
