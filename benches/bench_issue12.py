@@ -1,0 +1,356 @@
+"""Issue 12 (the restructuring) before/after, both builds side by side in one run.
+
+Each build's interpreter (``--build LABEL=PYTHON``: the first is "before", the second
+"after") measures every row in a subprocess; the builds alternate round by round (the
+order rotating) and each row shows its best round. Per-call rows are CPU time of the
+measuring process (every thread), which a descheduled process does not accrue; the
+thread and gather rows give elapsed time too. One redis-server (loopback, a free port,
+no persistence) serves both builds.
+
+    .venv/bin/python benches/bench_issue12.py --build before=/tmp/before/bin/python \
+        --build after=.venv/bin/python [--rounds 5] [--out benches/results/issue12_before_after.md]
+
+Floors, measured by each build in the same round: one extension method call with no work
+(``_Floor().noop()``, or ``Limiter._noop()`` where a build has no ``_Floor``), a plain
+native getter both builds have (``ManualClock.now_ns()``), ``await`` of a coroutine that
+returns at once, a future resolved by ``loop.call_soon`` (one asyncio wake per task),
+``threading.Semaphore`` across 8 threads, and a bare ``INCRBY`` round trip on the Redis
+limiter's own client. A regression is a ratio above the floor rows' own ratio.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import gc
+import json
+import sys
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from _pairs import Machine, best, builds_from, cpu_per_call_us, redis_server, run_rounds, threads
+
+BIG = 1_000_000_000
+CALLS = 200_000
+GATHER_TASKS = 10_000
+THREADS = 8
+THREAD_GRANTS = 20_000
+REDIS_CALLS = 3_000
+
+
+def _quiet(measure: Callable[[], Any]) -> Any:
+    """``measure()`` with the cyclic GC collected first and off meanwhile."""
+    gc.collect()
+    gc.disable()
+    try:
+        return measure()
+    finally:
+        gc.enable()
+
+
+def _cpu(fn: Callable[[], object], n: int = CALLS) -> float:
+    return float(_quiet(lambda: cpu_per_call_us(fn, n)))
+
+
+def _cpu_async(make: Callable[[], Awaitable[object]], n: int = CALLS) -> float:
+    """CPU µs per ``await make()`` in one coroutine's loop, in a fresh event loop."""
+
+    async def loop() -> float:
+        cpu = time.process_time
+        c0 = cpu()
+        for _ in range(n):
+            await make()
+        return (cpu() - c0) / n * 1e6
+
+    return float(_quiet(lambda: asyncio.run(loop())))
+
+
+def _cpu_async_with(make: Callable[[], Any], n: int = CALLS) -> float:
+    async def loop() -> float:
+        cpu = time.process_time
+        c0 = cpu()
+        for _ in range(n):
+            async with make():
+                pass
+        return (cpu() - c0) / n * 1e6
+
+    return float(_quiet(lambda: asyncio.run(loop())))
+
+
+def _gather(acquire_for: Callable[[asyncio.AbstractEventLoop], Callable[[], Any]]) -> list[float]:
+    """[elapsed s, CPU µs per task] for GATHER_TASKS tasks gathered at once, one await each."""
+
+    async def main() -> list[float]:
+        acq = acquire_for(asyncio.get_running_loop())
+
+        async def task() -> None:
+            await acq()
+
+        c0, t0 = time.process_time(), time.perf_counter()
+        await asyncio.gather(*(task() for _ in range(GATHER_TASKS)))
+        return [time.perf_counter() - t0, (time.process_time() - c0) / GATHER_TASKS * 1e6]
+
+    return list(_quiet(lambda: asyncio.run(main())))
+
+
+def _floor_call() -> Callable[[], object]:
+    import ratequeue as rq
+    from ratequeue import _ratequeue
+
+    floor = getattr(_ratequeue, "_Floor", None)
+    if floor is not None:
+        return floor().noop
+    return rq.Limiter(rq.Rate(BIG, per="second", burst=BIG))._noop
+
+
+def worker(redis_url: str) -> dict[str, float]:
+    """One round of every row in this interpreter."""
+    import ratequeue as rq
+
+    out: dict[str, float] = {}
+    out["floor"] = _cpu(_floor_call())
+    out["floor_now"] = _cpu(rq.ManualClock().now_ns)
+
+    lim = rq.Limiter(rq.Rate(BIG, per="second", burst=BIG))
+    out["try_acquire"] = _cpu(lim.try_acquire)
+    two = rq.Limiter(
+        rq.Rate(BIG, per="second", burst=BIG),
+        rq.Rate(BIG, per="second", burst=BIG, unit="tokens"),
+    )
+    out["try_acquire_tokens"] = _cpu(functools.partial(two.try_acquire, tokens=100))
+    out["acquire"] = _cpu(lim.acquire)
+
+    def with_acquire() -> None:
+        with lim.acquire():
+            pass
+
+    out["with_acquire"] = _cpu(with_acquire)
+
+    tok = rq.Limiter(rq.Rate(BIG, per="second", burst=BIG, unit="tokens"))
+    permit = tok.acquire(tokens=1_000)
+    flip = [500, 1_000]
+    i = [0]
+
+    def settle() -> None:
+        i[0] ^= 1
+        permit.settle(tokens=flip[i[0]])
+
+    out["settle"] = _cpu(settle)
+
+    async def nothing() -> None:
+        return None
+
+    out["await_floor"] = _cpu_async(nothing)
+    out["await_acquire"] = _cpu_async(lim.acquire_async)
+
+    def one_wake(loop: asyncio.AbstractEventLoop) -> Callable[[], Any]:
+        def acq() -> asyncio.Future[None]:
+            f = loop.create_future()
+            loop.call_soon(f.set_result, None)
+            return f
+
+        return acq
+
+    out["gather_floor_s"], out["gather_floor_cpu"] = _gather(one_wake)
+    out["gather_s"], out["gather_cpu"] = _gather(
+        lambda _loop: rq.Limiter(rq.Rate(50_000, per="second", burst=10)).acquire_async
+    )
+
+    rated = rq.Limiter(rq.Rate(10_000, per="second", burst=10))
+
+    def rated_work(n: int) -> None:
+        for _ in range(n):
+            rated.acquire()
+
+    out["rate_threads_s"], out["rate_threads_cpu"] = threads(rated_work, THREADS, THREAD_GRANTS)
+
+    policy = rq.Policy(
+        {"rate": rq.Limiter(rq.Rate(BIG, per="second", burst=BIG)), "conc": rq.Concurrency(BIG)}
+    )
+
+    def policy_acquire() -> None:
+        with policy.acquire():
+            pass
+
+    out["policy"] = _cpu(policy_acquire, CALLS // 4)
+    out["policy_async"] = _cpu_async_with(policy.acquire_async, CALLS // 4)
+
+    keyed = rq.KeyedLimiter(rq.Rate(BIG, per="second", burst=BIG))
+    str_keys = [f"user-{k}" for k in range(1_000)] * (CALLS // 1_000)
+    int_keys = list(range(1_000)) * (CALLS // 1_000)
+    for k in str_keys[:1_000] + int_keys[:1_000]:
+        keyed.try_acquire(k)
+    out["keyed_str"] = _quiet(lambda: _cpu_over(keyed.try_acquire, str_keys))
+    out["keyed_int"] = _quiet(lambda: _cpu_over(keyed.try_acquire, int_keys))
+
+    conc = rq.Concurrency(2)
+
+    def conc_once() -> None:
+        with conc.acquire():
+            pass
+
+    out["conc"] = _cpu(conc_once)
+
+    def conc_work(n: int) -> None:
+        for _ in range(n):
+            with conc.acquire():
+                pass
+
+    elapsed, out["conc_threads_cpu"] = threads(conc_work, THREADS, THREAD_GRANTS)
+    out["conc_threads_us"] = elapsed / THREAD_GRANTS * 1e6
+    sem = threading.Semaphore(2)
+
+    def sem_work(n: int) -> None:
+        for _ in range(n):
+            with sem:
+                pass
+
+    elapsed, out["sem_threads_cpu"] = threads(sem_work, THREADS, THREAD_GRANTS)
+    out["sem_threads_us"] = elapsed / THREAD_GRANTS * 1e6
+
+    out.update(_redis_rows(rq, redis_url))
+
+    pool = rq.Pool([rq.Provider("only", rpm=BIG, tpm=BIG, burst=BIG, token_burst=BIG)])
+
+    def pool_acquire() -> Awaitable[Any]:
+        return pool.acquire_async(tokens=100)
+
+    out["pool_async"] = _cpu_async(pool_acquire, CALLS // 4)
+    return out
+
+
+def _cpu_over(fn: Callable[[Any], object], args: list[Any]) -> float:
+    cpu = time.process_time
+    c0 = cpu()
+    for a in args:
+        fn(a)
+    return (cpu() - c0) / len(args) * 1e6
+
+
+def _redis_rows(rq: Any, url: str) -> dict[str, float]:
+    """The Redis limiter's try_acquire beside an INCRBY round trip on its own client."""
+    from ratequeue.redis import RedisLimiter, connect
+
+    client = connect(url, timeout=5.0)
+    tag = f"{time.monotonic_ns()}"
+    lim = RedisLimiter(client, rq.Rate(BIG, per="second", burst=BIG), name=f"bench12-{tag}")
+    for _ in range(100):
+        lim.try_acquire()
+        client.incrby(f"bench12-floor-{tag}", 1)
+    out: dict[str, float] = {}
+    for key, fn in (
+        ("redis_floor", functools.partial(client.incrby, f"bench12-floor-{tag}", 1)),
+        ("redis", lim.try_acquire),
+    ):
+        t0 = time.perf_counter()
+        out[f"{key}_cpu"] = _cpu(fn, REDIS_CALLS)
+        out[f"{key}_wall"] = (time.perf_counter() - t0) / REDIS_CALLS * 1e6
+    client.close()
+    return out
+
+
+ROWS = [
+    ("floor", "floor: one extension method call with no work (`_Floor().noop()` / `_noop()`)"),
+    ("floor_now", "floor: `ManualClock.now_ns()` (a native getter both builds have)"),
+    ("try_acquire", "`lim.try_acquire()`"),
+    ("try_acquire_tokens", "`lim.try_acquire(tokens=100)`, two rates (requests, tokens)"),
+    ("acquire", "`lim.acquire()`, admitted at once"),
+    ("with_acquire", "`with lim.acquire(): pass`, admitted at once"),
+    ("settle", "`permit.settle(tokens=...)` (refund, then charge)"),
+    ("await_floor", "floor: `await` of a coroutine that returns at once"),
+    ("await_acquire", "`await lim.acquire_async()`, uncontended"),
+    ("gather_floor_cpu", "floor: 10,000 tasks gathered, each awaits a `call_soon` future"),
+    ("gather_cpu", "10,000 tasks gathered, `await acquire_async()` at 50,000/s burst 10"),
+    ("gather_s", "(same) elapsed, s (ideal 0.2)"),
+    ("rate_threads_cpu", "8 threads x 2,500 blocking `acquire()` at 10,000/s burst 10"),
+    ("rate_threads_s", "(same) elapsed, s (ideal 2.0)"),
+    ("policy", "`with policy.acquire(): pass`, Policy(rate, Concurrency)"),
+    ("policy_async", "`async with policy.acquire_async(): pass`, same policy"),
+    ("keyed_str", "`KeyedLimiter.try_acquire(key)`, 1,000 str keys in turn"),
+    ("keyed_int", "`KeyedLimiter.try_acquire(key)`, 1,000 int keys in turn"),
+    ("conc", "`with Concurrency(2).acquire(): pass`, one thread"),
+    ("sem_threads_cpu", "floor: 8 threads x 2,500 `with threading.Semaphore(2)`"),
+    ("conc_threads_cpu", "8 threads x 2,500 `with Concurrency(2).acquire()`"),
+    ("sem_threads_us", "floor: (Semaphore, 8 threads) elapsed per grant"),
+    ("conc_threads_us", "(Concurrency, 8 threads) elapsed per grant"),
+    ("redis_floor_cpu", "floor: `client.incrby(key, 1)`, one Redis round trip"),
+    ("redis_cpu", "`RedisLimiter.try_acquire()`, one EVALSHA round trip"),
+    ("redis_floor_wall", "floor: (INCRBY) elapsed per call"),
+    ("redis_wall", "(RedisLimiter.try_acquire) elapsed per call"),
+    ("pool_async", "`await pool.acquire_async(tokens=100)`, one provider"),
+]
+ELAPSED = {
+    "gather_s",
+    "rate_threads_s",
+    "sem_threads_us",
+    "conc_threads_us",
+    "redis_floor_wall",
+    "redis_wall",
+}
+
+
+def table(labels: list[str], figures: dict[str, dict[str, float]]) -> list[str]:
+    """Markdown rows: each figure per build, the after/before ratio and the floor's."""
+    lines = [
+        "| row | unit | " + " | ".join(labels) + " | ratio |",
+        "|---|---|" + "--:|" * len(labels) + "--:|",
+    ]
+    for key, what in ROWS:
+        vals = [figures[label].get(key) for label in labels]
+        if key.endswith("_s"):
+            unit = "s"
+        elif key in ELAPSED:
+            unit = "µs wall"
+        else:
+            unit = "µs CPU"
+        cells = " | ".join("cannot run" if v is None else f"{v:.3f}" for v in vals)
+        a, b = vals[0], vals[-1]
+        ratio = f"{b / a:.2f}x" if a and b else "-"
+        lines.append(f"| {what} | {unit} | {cells} | {ratio} |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--worker", metavar="REDIS_URL", help=argparse.SUPPRESS)
+    ap.add_argument("--build", action="append", default=[], help="LABEL=PYTHON (repeatable)")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--note", default="", help="a paragraph appended under the table")
+    a = ap.parse_args()
+    if a.worker:
+        print(json.dumps(worker(a.worker)))
+        return
+    builds = builds_from(a.build, this=None) or [("this build", sys.executable)]
+    labels = [label for label, _ in builds]
+    machine = Machine()
+    t0 = time.perf_counter()
+    with redis_server() as url:
+        runs = run_rounds(__file__, builds, a.rounds, {"": ["--worker", url]})[""]
+    figures = {label: best(r) for label, r in runs.items()}
+    when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    lines = [
+        "# Issue 12 before/after (`benches/bench_issue12.py`)",
+        "",
+        f"Generated on {when}: {machine.summary()}; {a.rounds} interleaved rounds, best "
+        f"round per row; total {time.perf_counter() - t0:.0f} s. Builds: "
+        + ", ".join(f"{label} = `{p}`" for label, p in builds)
+        + ".",
+        "",
+        *table(labels, figures),
+    ]
+    if a.note:
+        lines += ["", a.note]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.out:
+        a.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
