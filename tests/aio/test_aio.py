@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import itertools
 import os
 import threading
 import time
@@ -278,8 +279,18 @@ def test_hundred_tasks_in_real_time():
         return time.monotonic() - t0, permits
 
     elapsed, permits = asyncio.run(main())
-    assert 0.49 <= elapsed <= 3.0, elapsed
-    assert done == list(range(100))  # FIFO: resumed in arrival order
+    # At most burst + rate * d over any window: 100 grants take 0.495 s at least; the
+    # upper bound only catches a lost wake-up (a loaded machine adds seconds, not more).
+    assert 0.49 <= elapsed <= 20.0, elapsed
+    # FIFO: granted in arrival order, spaced by the rate (schedule time)...
+    granted = [p.granted_at_ns for p in permits]
+    assert all(b - a >= 5_000_000 - 1 for a, b in itertools.pairwise(granted)), granted
+    # ...and the queued ones resumed in that order. A task that starts after every earlier
+    # one was granted (a loop slowed down by a loaded machine) finds nobody waiting and is
+    # admitted at once, maybe before the granted ones resume (exact on a ManualClock in
+    # test_aio_order.py).
+    queued = [i for i in done if permits[i].waited > 0]
+    assert queued == sorted(queued)
     # Each waited at most its place in the schedule (a loaded loop may start late).
     assert all(0.0 <= p.waited <= 0.5 + 1e-3 for p in permits)
     assert limiter.waiting == 0
