@@ -20,7 +20,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
 use pyo3::{intern, PyTraverseError, PyVisit};
-use ratequeue_core::queue::{Cancelled, Channel};
+use ratequeue_core::wait::{Cancelled, Channel};
 use ratequeue_core::{Error, GrantRef, Outcome, Submitted, Wake};
 
 use crate::blocking::unblocked;
