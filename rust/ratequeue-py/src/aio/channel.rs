@@ -226,5 +226,5 @@ pub fn submit(
     if let Some(p) = a.permit() {
         return Ok(p.clone_ref(py).into_any());
     }
-    a._submit(py, channel)
+    a.submit(py, channel)
 }
