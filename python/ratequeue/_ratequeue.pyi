@@ -210,7 +210,8 @@ class Acquiring:
 
 @final
 class Channel:
-    """Outcomes for one event loop, signalled through a descriptor it owns (internal)."""
+    """Where a queue delivers the outcomes of ``submit(channel, ...)``: for an event loop
+    other than asyncio (watch ``fileno()``, then drain) or for virtual time."""
 
     def __new__(cls, *, wakeup: bool = False) -> Channel: ...
     def fileno(self) -> int: ...
@@ -219,7 +220,8 @@ class Channel:
     def close(self) -> list[tuple[int, bool, int, int]]: ...
     @property
     def closed(self) -> bool: ...
-    def _pending(self) -> int: ...
+    @property
+    def pending(self) -> int: ...
 
 @final
 class _LoopWaiters:

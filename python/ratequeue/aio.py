@@ -77,7 +77,7 @@ class _Core:
     @property
     def pending(self) -> int:
         """How many native waits on this channel still expect an outcome."""
-        return self.channel._pending()
+        return self.channel.pending
 
     def close(self) -> None:
         """The loop is gone: cancel every pending ticket, give back what it holds."""
