@@ -32,7 +32,6 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // core's locks); see ratequeue_core::fork.
     ratequeue_core::fork::install();
     m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
-    m.add_function(wrap_pyfunction!(policy_permit::_use_policy_wait, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     aio::register(m)?;
