@@ -163,3 +163,8 @@ pub fn stop_iteration(value: Py<PyAny>) -> PyErr {
 pub fn aio_not_ready() -> PyErr {
     PyRuntimeError::new_err("ratequeue.aio is not imported: import ratequeue first")
 }
+
+/// The RuntimeError of a native fast path that could not be set up (`what` says why).
+pub fn not_installed(what: &'static str) -> PyErr {
+    PyRuntimeError::new_err(what)
+}

@@ -18,6 +18,7 @@ mod keyed_concurrency;
 mod keyed_limiter;
 mod keywords;
 mod limiter;
+mod limiter_entry;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -54,7 +55,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;
     m.add_class::<aio::LoopWaitersPy>()?;
-    limiter::install(m.py())?;
+    limiter_entry::install(m.py())?;
     aio::install(m.py())?;
     Ok(())
 }
