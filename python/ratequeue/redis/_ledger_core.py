@@ -18,13 +18,15 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.resources
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -60,6 +62,9 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
 _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
+#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s in all
+#: while Redis is unreachable).
+_FINISH_ATTEMPTS = 20
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
 
@@ -316,13 +321,40 @@ class _RedisLedgerCore(LedgerBase):
     def _call(self, call: _Flow[T]) -> T:
         return self._drive(call)
 
-    async def _call_async(self, call: _Flow[T], undo: _Flow[Any] | None = None) -> T:
+    async def _call_async(
+        self,
+        call: _Flow[T],
+        undo: _Flow[Any] | None = None,
+        again: Callable[[], _Flow[Any]] | None = None,
+        finish: bool = False,
+    ) -> T:
+        """Cancelled, whether the script ran is unknown (sent or not, a late reply): the
+        same idempotent call runs ``again`` on the blocking client to finish it (or
+        replay it), then ``undo``; both without the event loop."""
         try:
             return await self._adrive(call)
         except asyncio.CancelledError:
-            if undo is not None:  # on the blocking client: no event loop needed
-                _executor().submit(self._drive, undo)
+            if again is not None or undo is not None:
+                _executor().submit(self._finish_cancelled, again, undo)
             raise
+
+    def _finish_cancelled(
+        self, again: Callable[[], _Flow[Any]] | None, undo: _Flow[Any] | None
+    ) -> None:
+        """A cancelled asyncio call's ending (on a worker thread): ``again()`` run until
+        Redis answers (its own refusal counts as an answer), then ``undo``."""
+        if again is not None:
+            for attempt in range(_FINISH_ATTEMPTS):
+                try:
+                    self._drive(again())
+                    break
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    time.sleep(min(2.0, 0.05 * 2**attempt))
+                except Exception:
+                    break
+        if undo is not None:
+            with contextlib.suppress(Exception):
+                self._drive(undo)
 
     def _exec(self, step: _Step) -> Any:
         if step[0] != "eval":
