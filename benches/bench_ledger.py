@@ -463,7 +463,8 @@ def redis_section(
 
     fake = RedisLedger(client, name="bench", retention=RETENTION)
     fake.charge("warm3", "acme", input_tokens=1)
-    fake._send_eval = lambda step: [b"OK", 0]  # type: ignore[method-assign]
+    fake._send_eval = lambda step: 0  # type: ignore[method-assign]
+    fake._send_packed = lambda packed: 0  # type: ignore[method-assign]
 
     def charge_client() -> None:
         counter[0] += 1

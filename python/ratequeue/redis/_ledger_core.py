@@ -224,9 +224,18 @@ class _RedisLedgerCore(LedgerBase):
         """Runs a call on the blocking client."""
         try:
             step = next(flow)
+            while True:
+                try:
+                    if step[0] == "eval" and len(step) > 2 and step[2] is not None and self._raw:
+                        reply = self._send_packed(step[2])  # a plain charge: packed already
+                    else:
+                        reply = self._exec(step)
+                except Exception as e:
+                    step = flow.throw(e)
+                else:
+                    step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        return self._resume(flow, step)
 
     def _resume(self, flow: _Flow[T], step: _Step) -> T:
         try:
@@ -372,14 +381,25 @@ class _RedisLedgerCore(LedgerBase):
         # fixed parts per account and period, packed before), without redis-py's work
         # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
+        return self._send_packed(packed)
+
+    def _send_packed(self, packed: bytes) -> Any:
+        """One packed script call on this thread's connection (loaded first if Redis lost
+        the script)."""
         conn = self._thread_conn()
-        try:
-            conn.send_packed_command([packed])
-            return conn.read_response()
-        except BaseException as e:
-            if not isinstance(e, Exception) or not _is_reply_error(e):
-                conn.disconnect()
-            raise
+        for attempt in (0, 1):
+            try:
+                conn.send_packed_command([packed])
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(LUA)
+            except BaseException as e:
+                if not isinstance(e, Exception) or not _is_reply_error(e):
+                    conn.disconnect()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _thread_conn(self) -> Any:
         """This thread's connection for scripts (made like the client's pool makes its
