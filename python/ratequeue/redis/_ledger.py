@@ -146,6 +146,8 @@ class RedisLedger(_RedisLedgerCore):
     # -- deduction ---------------------------------------------------------------------
 
     def _check_big(self, am: dict[str, int]) -> None:
+        if am["tokens"] <= MAX_REDIS_AMOUNT and am["calls"] <= MAX_REDIS_AMOUNT:
+            return  # tokens = input + output: each part is below it too
         for u, v in am.items():
             if v > MAX_REDIS_AMOUNT:
                 raise ValueError(f"{u}={v} must be < 2**53 in a Redis ledger")
