@@ -489,6 +489,10 @@ def redis_section(
         conn.send_packed_command([next(scripts)])
         conn.read_response()
 
+    def least_then_client() -> None:
+        min_charge()
+        charge_client()
+
     def script_then_client() -> None:
         charge_script()
         charge_client()
@@ -574,6 +578,14 @@ def redis_section(
             1,
             py,
             "the charge's EVALSHA (op `c`) made beforehand by the client: round trip + script",
+        ),
+        (
+            "the least script, then the client side alone",
+            least_then_client,
+            1,
+            py,
+            "the floor of a charge that does this client work: the least script's round trip"
+            " after the client's work, back to back",
         ),
         (
             "the same script call, then the client side alone",
@@ -789,7 +801,12 @@ def _redis_target(rfig: dict[str, float]) -> list[str]:
         f" the least a charge does as a script"
         f" {rfig['EVALSHA of the least a charge does (script floor)']:.2f}, the charge's own"
         f" script call {script:.2f}, the client side alone {client_side:.2f}; script call +"
-        f" client side = {script + client_side:.2f} x. Inside Redis (INFO commandstats):"
+        f" client side = {script + client_side:.2f} x; back to back, as a charge pays them,"
+        f" the least script then the client side"
+        f" {rfig['the least script, then the client side alone']:.2f} x and the charge's own"
+        f" script then the client side"
+        f" {rfig['the same script call, then the client side alone']:.2f} x."
+        f" Inside Redis (INFO commandstats):"
         f" INCRBY {rfig['server INCRBY']:.1f} us, the least charge"
         f" {rfig['server EVALSHA least charge']:.1f} us, the charge"
         f" {rfig['server EVALSHA ledger.charge']:.1f} us",
