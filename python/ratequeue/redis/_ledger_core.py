@@ -344,7 +344,8 @@ class _RedisLedgerCore(LedgerBase):
             return await self._adrive(call)
         except asyncio.CancelledError:
             if again is not None or undo is not None:
-                _executor().submit(self._finish_cancelled, again, undo)
+                with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+                    _executor().submit(self._finish_cancelled, again, undo)
             raise
 
     def _finish_cancelled(
