@@ -29,7 +29,8 @@ if ARGV[1] == 'c' then
   local nu = tonumber(ARGV[6])
   local t = 7 + nu
   if acct[1] ~= ARGV[t] then return {'STALE'} end
-  if acct[2] and tonumber(acct[2]) <= tonumber(ARGV[2]) then return {'SLOW'} end
+  local nx = tonumber(acct[2])
+  if nx and nx <= tonumber(ARGV[2]) then return {'SLOW'} end
   local fields, spec, at = {'end'}, {}, t + 3
   for k = 1, nu do
     fields[k + 1], spec[k] = ARGV[at], at
