@@ -2,7 +2,8 @@
 //! ratequeue._errors so they can inherit from both RateQueueError and ValueError, which
 //! hands them over at import: no error path imports Python).
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyTypeError, PyValueError};
+use pyo3::panic::PanicException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -146,4 +147,17 @@ pub fn misuse(msg: &'static str) -> PyErr {
 /// A ValueError for a channel made without a wake-up descriptor, asked for one.
 pub fn no_descriptor() -> PyErr {
     PyValueError::new_err("this channel has no wake-up descriptor")
+}
+
+/// The PanicException raised in place of a Rust panic caught at the boundary (`what`
+/// panicked), so no panic crosses into Python.
+pub fn panicked(what: &'static str) -> PyErr {
+    PanicException::new_err(what)
+}
+
+/// `StopIteration(value)`: the end of an awaitable with its result. The value is passed
+/// as is (not in a tuple), so the interpreter takes it without making an exception
+/// object (it is never a tuple or an exception here).
+pub fn stop_iteration(value: Py<PyAny>) -> PyErr {
+    PyStopIteration::new_err(value)
 }

@@ -35,6 +35,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(policy_permit::_use_policy_wait, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
+    aio::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;

@@ -2,7 +2,7 @@
 //! rule, settling, and the predictions of a backlog.
 
 use super::*;
-use crate::queue::{GrantRef, Queued, Resource, Sim};
+use crate::wait::{GrantRef, Queued, Resource, Sim};
 
 impl Resource for Limiter {
     #[inline]
