@@ -86,7 +86,11 @@ impl LimiterPy {
             return Ok(false);
         }
         let core = &self.core;
-        let decided = try_or_unblocked(|| core.try_acquire_nowait(c), || core.try_acquire(c));
+        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined).
+        let decided = try_or_unblocked(
+            || core.try_acquire_idle_nowait(c, || queue.joined()),
+            || core.try_acquire_idle(c, || queue.joined()),
+        );
         match decided {
             Ok(()) => queue.note_try(true),
             Err(Deny::Wait(_)) => queue.note_try(false),
@@ -241,11 +245,15 @@ impl LimiterPy {
         let core = me.core.clone();
         let now_path = move |_| core.reserve(&c, mw);
         // A multi-rate reservation takes the limiter's lock: without the GIL.
+        // A reservation that raced a waiter joining is cancelled, then queued behind it.
+        let undo = |r: ratequeue_core::Reservation| {
+            me.core.cancel(&r);
+        };
         let idle = if me.core.rate_count() == 1 {
-            me.gate.queue.reserve_if_idle(now_path.clone())
+            me.gate.queue.reserve_if_idle(now_path.clone(), undo)
         } else {
             let (q, now_path) = (&me.gate.queue, now_path.clone());
-            py.detach(|| q.reserve_if_idle(now_path))
+            py.detach(|| q.reserve_if_idle(now_path, undo))
         };
         let inner = match idle {
             Some(r) => ReservationHeld::Now(r.map_err(|e| to_py(py, e))?),
