@@ -12,8 +12,7 @@ use common::{check_windows, S};
 use ratequeue_core::bucket::Deny;
 use ratequeue_core::wait::Slot;
 use ratequeue_core::{
-    AnyClock, Limiter, ManualClock, Outcome, QueueConfig, QueuedReservation, Rate, Reserved, Submitted, WaitQueue,
-    Wake,
+    AnyClock, Limiter, ManualClock, Outcome, QueueConfig, QueuedReservation, Rate, Reserved, Submitted, WaitQueue, Wake,
 };
 
 /// One unit per second, `burst`, one unit used at 0; a queue in front of it.
@@ -126,7 +125,9 @@ fn a_panic_inside_a_decision_leaves_no_phantom_waiter() {
 fn a_panic_in_a_reservations_now_path_leaves_no_phantom_waiter() {
     let (clock, _lim, q) = setup(2);
     let caught = catch_unwind(AssertUnwindSafe(|| {
-        let _ = q.reserve(&[1], 0, None, |_| -> Result<(), ratequeue_core::Error> { panic!("now_path failed") });
+        let _ = q.reserve(&[1], 0, None, |_| -> Result<(), ratequeue_core::Error> {
+            panic!("now_path failed")
+        });
     }));
     assert!(caught.is_err());
     clock.set(5 * S).unwrap();
