@@ -12,7 +12,8 @@ use common::{check_windows, S};
 use ratequeue_core::bucket::Deny;
 use ratequeue_core::wait::Slot;
 use ratequeue_core::{
-    AnyClock, Limiter, ManualClock, Outcome, QueueConfig, QueuedReservation, Rate, Reserved, Submitted, WaitQueue, Wake,
+    AnyClock, Limiter, ManualClock, Outcome, QueueConfig, QueuedReservation, Rate, Reserved, Resource, Submitted,
+    WaitQueue, Wake,
 };
 
 /// One unit per second, `burst`, one unit used at 0; a queue in front of it.
@@ -138,9 +139,8 @@ fn a_panic_in_a_reservations_now_path_leaves_no_phantom_waiter() {
 /// A keyed limiter's fast path (the bindings' `KeyedLimiter.try_acquire`, and
 /// `KeyQueues::try_now`, the keyed acquire's): "nobody waits on the key", then the take.
 /// A waiter of cost 2 joining the key's queue in between is scheduled at 1 s; the take
-/// must not move it. Open: the keyed fast paths have no re-check (see the report).
+/// must not move it: the re-check after the take sees the joiner and undoes the take.
 #[test]
-#[ignore = "open defect: the keyed fast path is not re-checked after its take"]
 fn keyed_fast_path_racing_a_joiner_keeps_its_schedule() {
     use ratequeue_core::keyed::KeyBucket;
     use ratequeue_core::keyed_queue::MakeResource;
@@ -163,7 +163,23 @@ fn keyed_fast_path_racing_a_joiner_keeps_its_schedule() {
     let slot = Slot::new();
     let s = q.queue().submit(&[2], 0, None, || Wake::Thread(slot.clone())).unwrap();
     assert!(matches!(s, Submitted::Queued(_)));
-    let fast = keyed.try_acquire(k, 1);
+    let bucket = KeyBucket {
+        keyed: keyed.clone(),
+        key: k,
+    };
+    let joined = || kq.joined(k);
+    let via_queue = Resource::try_take_token_idle_nowait(&bucket, 0, &[1], &joined);
+    assert_eq!(
+        via_queue,
+        Some(Err(Deny::Wait(0))),
+        "the keyed acquire's fast take is undone"
+    );
+    let fast = keyed.try_acquire_idle(k, 1, &joined);
+    assert_eq!(
+        fast,
+        Err(Deny::Wait(0)),
+        "refused: a waiter joined the key before the take"
+    );
     q.queue().run_until(&clock, 10 * S).unwrap();
     let w_at = granted_at(slot.take());
     let mut grants = vec![(0, 1.0), (w_at, 2.0)];
