@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 from ._ratequeue import (
     Channel,
     _LoopWaiters,
-    _use_policy_wait,
+    _use_aio,
     _wait_abandon,
     _wait_cancel,
     _wait_give_back,
@@ -288,4 +288,4 @@ async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
     return permit  # type: ignore[no-any-return]
 
 
-_use_policy_wait(_policy_wait)
+_use_aio(_policy_wait, _running_waiters)

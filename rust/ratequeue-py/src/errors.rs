@@ -14,16 +14,12 @@ static WAIT_TIMEOUT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static COST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg: String, retry_after: f64) -> PyErr {
-    // Handed over by ratequeue._errors, which the package imports first; imported here
-    // only if the native module was somehow loaded without it.
-    let cls = match cell.get(py) {
-        Some(cls) => cls.bind(py),
-        None => match cell.import(py, "ratequeue._errors", name) {
-            Ok(cls) => cls,
-            Err(e) => return e,
-        },
-    };
-    PyErr::from_type(cls.clone(), (msg, retry_after))
+    // Handed over by ratequeue._errors, which the package imports before anything can
+    // raise: the native module never imports the package.
+    match cell.get(py) {
+        Some(cls) => PyErr::from_type(cls.bind(py).clone(), (msg, retry_after)),
+        None => PyRuntimeError::new_err(format!("{name}: {msg} (ratequeue._errors is not imported)")),
+    }
 }
 
 /// Takes the exception classes core errors map onto (ratequeue._errors calls it once,
@@ -160,4 +156,15 @@ pub fn panicked(what: &'static str) -> PyErr {
 /// object (it is never a tuple or an exception here).
 pub fn stop_iteration(value: Py<PyAny>) -> PyErr {
     PyStopIteration::new_err(value)
+}
+
+/// The RuntimeError of an asyncio wait before `ratequeue.aio` handed over its bridge
+/// (never, once the `ratequeue` package is imported: it imports `ratequeue.aio` first).
+pub fn aio_not_ready() -> PyErr {
+    PyRuntimeError::new_err("ratequeue.aio is not imported: import ratequeue first")
+}
+
+/// The RuntimeError of a native fast path that could not be set up (`what` says why).
+pub fn not_installed(what: &'static str) -> PyErr {
+    PyRuntimeError::new_err(what)
 }

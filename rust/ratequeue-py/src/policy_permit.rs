@@ -11,7 +11,7 @@ use ratequeue_core::policy::{Held, PolicyAcquire, Step};
 use ratequeue_core::{AnyClock, Error, LevelArgs, Outcome, Policy, Wake};
 
 use crate::args::cost;
-use crate::errors::{channel_closed, to_py, unexpected_keyword};
+use crate::errors::{aio_not_ready, channel_closed, to_py, unexpected_keyword};
 use crate::policy::PolicyPy;
 use crate::waiting::{ChannelPy, Ready};
 
@@ -214,15 +214,8 @@ impl Drop for PolicyAcquiringPy {
 }
 
 /// `ratequeue.aio._policy_wait`, the coroutine function that bridges a policy acquire to
-/// the running loop.
-static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-
-/// Takes the coroutine function a queued policy acquire awaits (ratequeue.aio hands it
-/// over once, at import; later calls change nothing).
-#[pyfunction]
-pub fn _use_policy_wait(py: Python<'_>, wait: Bound<'_, PyAny>) {
-    let _ = POLICY_WAIT.set(py, wait.unbind());
-}
+/// the running loop (handed over by `_use_aio`).
+pub(crate) static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
 
 #[pymethods]
 impl PolicyAcquiringPy {
@@ -233,12 +226,7 @@ impl PolicyAcquiringPy {
             // Granted at once (every level free, nobody waiting), or awaited again.
             return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
         }
-        // Handed over by ratequeue.aio, which the package imports; imported here only
-        // if the native module was somehow loaded without it.
-        let wait = match POLICY_WAIT.get(py) {
-            Some(w) => w.bind(py),
-            None => POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?,
-        };
+        let wait = POLICY_WAIT.get(py).ok_or_else(aio_not_ready)?.bind(py);
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
     }
 

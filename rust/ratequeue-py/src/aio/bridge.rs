@@ -5,9 +5,10 @@
 use pyo3::prelude::*;
 use pyo3::wrap_pyfunction;
 
+use super::running::RUNNING_WAITERS;
 use super::{AcquiringPy, ChannelPy};
 use crate::errors::type_err;
-use crate::policy_permit::PolicyAcquiringPy;
+use crate::policy_permit::{PolicyAcquiringPy, POLICY_WAIT};
 use crate::waiting::PermitPy;
 
 /// A queued wait of either kind.
@@ -96,8 +97,19 @@ fn _wait_left(acq: &Bound<'_, PolicyAcquiringPy>) -> f64 {
     acq.get().left()
 }
 
+/// Takes the two Python halves of the bridge (ratequeue.aio hands them over once, at
+/// import; later calls change nothing): the coroutine function a queued policy acquire
+/// awaits, and the function that returns the running loop and its table of waits. The
+/// native module never imports the package itself.
+#[pyfunction]
+fn _use_aio(py: Python<'_>, policy_wait: Bound<'_, PyAny>, running_waiters: Bound<'_, PyAny>) {
+    let _ = POLICY_WAIT.set(py, policy_wait.unbind());
+    let _ = RUNNING_WAITERS.set(py, running_waiters.unbind());
+}
+
 /// Adds the bridge's functions to the native module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_use_aio, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_submit, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_granted, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_timeout_error, m)?)?;
