@@ -189,3 +189,48 @@ fn keyed_fast_path_racing_a_joiner_keeps_its_schedule() {
     check_windows(grants, 1.0, 2);
     assert_eq!(w_at, S, "the take moved the waiter that joined before it");
 }
+
+/// A policy's fast path (the bindings' `Policy.try_acquire`: "nobody waits on any
+/// level", then `Policy::try_acquire`). A waiter and a reservation joining a rate
+/// level's queue in between are promised times the take must not move: the re-check
+/// after the take sees them and undoes it.
+#[test]
+fn policy_fast_path_racing_a_joiner_keeps_the_promise() {
+    use ratequeue_core::policy::{LevelQueues, QueueRef};
+    use ratequeue_core::{Level, LevelArgs, LevelKind, Policy};
+    struct Queues(Arc<WaitQueue>);
+    impl LevelQueues for Queues {
+        fn existing(&self, _key: u64) -> Option<QueueRef> {
+            Some(QueueRef::new(self.0.clone()))
+        }
+    }
+    let (clock, lim, q) = setup(2);
+    let policy = Policy::new(vec![Level {
+        name: "rate".into(),
+        kind: LevelKind::Rate(lim.clone()),
+        shadow: false,
+        wake: None,
+        queues: Some(Arc::new(Queues(q.clone()))),
+    }])
+    .unwrap();
+    assert_eq!(q.waiting(), 0, "the policy's check passes");
+    let (waiter, reservation) = join(&q, &lim, 2);
+    assert_eq!(reservation.at_ns, 2 * S);
+    let fast = policy.try_acquire(&[LevelArgs { key: 0, costs: vec![1] }], 0);
+    assert!(
+        fast.as_ref().is_err_and(|r| r.deny == Deny::Wait(0)),
+        "refused: a waiter joined"
+    );
+    q.run_until(&clock, 10 * S).unwrap();
+    let w_at = granted_at(waiter.take());
+    let r_at = granted_at(reservation.outcome());
+    let mut grants = vec![(0, 1.0), (w_at, 2.0), (r_at, 1.0)];
+    if fast.is_ok() {
+        grants.push((0, 1.0));
+    }
+    check_windows(grants, 1.0, 2);
+    assert_eq!(
+        r_at, reservation.at_ns,
+        "the policy's take moved the reservation's promise"
+    );
+}
