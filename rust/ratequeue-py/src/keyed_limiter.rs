@@ -105,8 +105,13 @@ impl KeyedLimiterPy {
             self.keyed.queues.note_try(false);
             return Ok(false);
         }
-        let core = &self.core;
-        match try_or_unblocked(|| core.try_acquire_nowait(k, cost.0), || core.try_acquire(k, cost.0)) {
+        let (core, queues) = (&self.core, &self.keyed.queues);
+        // Re-checked after the take: a waiter joining the key meanwhile undoes it.
+        let joined = || queues.joined(k);
+        match try_or_unblocked(
+            || core.try_acquire_idle_nowait(k, cost.0, &joined),
+            || core.try_acquire_idle(k, cost.0, &joined),
+        ) {
             Ok(()) => {
                 self.keyed.queues.note_try(true);
                 Ok(true)
@@ -190,7 +195,7 @@ impl KeyedLimiterPy {
                     if queues.has_waiters(*k) {
                         continue;
                     }
-                    match core.try_acquire(*k, costs.as_ref().map_or(1, |c| c[i])) {
+                    match core.try_acquire_idle(*k, costs.as_ref().map_or(1, |c| c[i]), &|| queues.joined(*k)) {
                         Ok(()) => out[i] = true,
                         Err(Deny::Wait(_)) => {}
                         Err(d) => return Err(d),

@@ -391,6 +391,55 @@ impl KeyedLimiter {
             .map(|r| r.map(|_| ()))
     }
 
+    /// [`KeyedLimiter::take_nowait`] (no delay) for a fast path that checked that nobody
+    /// waits on `key`: `joined()` (the key queue's, see [`crate::KeyQueues::joined`]) is
+    /// asked again right after the take, under the shard's lock that a joiner's reads of
+    /// the key take after it announced itself; when true, the take is undone exactly and
+    /// refused with `Deny::Wait(0)`, so no time scheduled for a joiner moves.
+    #[inline]
+    pub fn take_idle_nowait(
+        &self,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        joined: &dyn Fn() -> bool,
+    ) -> Option<Result<KeyTaken, Deny>> {
+        let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
+        Some(self.take_idle_in(&mut t, key, at_ns, cost, joined))
+    }
+
+    /// [`KeyedLimiter::try_acquire`] re-checked as [`KeyedLimiter::take_idle_nowait`].
+    pub fn try_acquire_idle(&self, key: u64, cost: u64, joined: &dyn Fn() -> bool) -> Result<(), Deny> {
+        let now = self.clock.now_ns();
+        self.take_idle_in(&mut self.shard(key), key, now, cost, joined)
+            .map(|_| ())
+    }
+
+    /// [`KeyedLimiter::try_acquire_idle`] without waiting for a lock: None when it is busy.
+    #[inline]
+    pub fn try_acquire_idle_nowait(&self, key: u64, cost: u64, joined: &dyn Fn() -> bool) -> Option<Result<(), Deny>> {
+        self.take_idle_nowait(key, self.clock.now_ns(), cost, joined)
+            .map(|r| r.map(|_| ()))
+    }
+
+    fn take_idle_in(
+        &self,
+        t: &mut Table,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        joined: &dyn Fn() -> bool,
+    ) -> Result<KeyTaken, Deny> {
+        let taken = self.take_in(t, key, at_ns, cost, 0, false)?;
+        if joined() {
+            if let Some(i) = t.find(key) {
+                t.slots[i].tat = taken.before.unwrap_or(0);
+            }
+            return Err(Deny::Wait(0));
+        }
+        Ok(taken)
+    }
+
     fn take_in(
         &self,
         t: &mut Table,

@@ -49,6 +49,17 @@ impl crate::wait::Resource for KeyBucket {
             .map(|r| r.map(|t| Some(t.token())))
     }
 
+    fn try_take_token_idle_nowait(
+        &self,
+        now_ns: u64,
+        costs: &[u64],
+        joined: &dyn Fn() -> bool,
+    ) -> Option<Result<Option<u64>, Deny>> {
+        self.keyed
+            .take_idle_nowait(self.key, now_ns, costs[0], joined)
+            .map(|r| r.map(|t| Some(t.token())))
+    }
+
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let (e, a) = (estimated[0], actual[0]);
         let now = self.keyed.clock.now_ns();

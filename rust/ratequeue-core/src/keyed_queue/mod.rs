@@ -146,6 +146,21 @@ impl KeyQueues {
             .map(|q| q.is_some_and(|q| q.queue.waiting() != 0))
     }
 
+    /// True when someone waits on `key` or a decision that may queue someone there is
+    /// under way (see [`WaitQueue::joined`]), or when the map's lock is busy (then the
+    /// caller cannot tell): a fast path asks it after its take. Never waits for a lock.
+    #[inline]
+    pub fn joined(&self, key: u64) -> bool {
+        if self.is_empty() {
+            return false;
+        }
+        match self.map.try_lock() {
+            Ok(m) => m.get(&key).is_some_and(|q| q.queue.joined()),
+            Err(TryLockError::Poisoned(e)) => e.into_inner().get(&key).is_some_and(|q| q.queue.joined()),
+            Err(TryLockError::WouldBlock) => true,
+        }
+    }
+
     /// True when someone waits on `key` (nobody overtakes them).
     pub fn has_waiters(&self, key: u64) -> bool {
         self.existing(key).is_some_and(|q| q.queue.waiting() != 0)
@@ -266,7 +281,8 @@ impl KeyQueues {
             return Some(Err(None));
         }
         let at_ns = self.clock.now_ns();
-        let taken = self.resource(key).try_take_token_nowait(at_ns, costs)?;
+        let joined = || self.joined(key);
+        let taken = self.resource(key).try_take_token_idle_nowait(at_ns, costs, &joined)?;
         Some(self.granted_now(at_ns, taken))
     }
 
@@ -276,7 +292,11 @@ impl KeyQueues {
             return Err(None);
         }
         let at_ns = self.clock.now_ns();
-        let taken = self.resource(key).try_take_token(at_ns, costs);
+        let joined = || self.joined(key);
+        // A busy lock: the caller's slow path decides under the locks.
+        let Some(taken) = self.resource(key).try_take_token_idle_nowait(at_ns, costs, &joined) else {
+            return Err(None);
+        };
         self.granted_now(at_ns, taken)
     }
 

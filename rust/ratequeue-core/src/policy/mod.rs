@@ -539,9 +539,23 @@ impl Policy {
     }
 
     /// Admits now on every level or on none.
+    /// The caller checked first that nobody waits on any level: a waiter or reservation
+    /// that joined a level's queue since (see [`crate::WaitQueue::joined`]) undoes the
+    /// takes (the one undo rule) and refuses with `Deny::Wait(0)`, moving no promise.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
         self.check_costs(args, now_ns)?;
-        let r = self.take_all(args, now_ns, now_ns, true, false);
+        let mut r = self.take_all(args, now_ns, now_ns, true, false);
+        if let Ok(held) = &mut r {
+            let joined =
+                (0..self.levels.len()).find(|i| self.queue_of(*i, args[*i].key).is_some_and(|q| q.queue.joined()));
+            if let Some(level) = joined {
+                self.undo_all(held, args, now_ns);
+                return Err(Refusal {
+                    level,
+                    deny: Deny::Wait(0),
+                });
+            }
+        }
         if r.is_ok() {
             self.admitted.fetch_add(1, Ordering::Relaxed);
         }

@@ -49,14 +49,14 @@ impl WaitQueue {
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        self.announce(&g);
-        let result = if g.len == 0 {
-            now_path(now).map(Reserved::Now)
-        } else {
-            self.enqueue_reservation(&mut g, now, costs, class, max_wait)
-                .map(Reserved::Queued)
-        };
-        self.announced(&g);
+        let result = self.decide_announced(&mut g, |g| {
+            if g.len == 0 {
+                now_path(now).map(Reserved::Now)
+            } else {
+                self.enqueue_reservation(g, now, costs, class, max_wait)
+                    .map(Reserved::Queued)
+            }
+        });
         let next = matches!(result, Ok(Reserved::Queued(_)))
             .then(|| self.next_wake_locked(&g))
             .flatten();
@@ -173,17 +173,17 @@ impl WaitQueue {
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        self.announce(&g);
-        let result = if g.len == 0 {
-            match now_path(at_ns) {
-                Ok(r) => Ok(Joined::Held(Reserved::Now(r))),
-                Err(Deny::Wait(d)) => Ok(Joined::Later(at_ns.saturating_add(d.max(1)))),
-                Err(d) => Err(self.deny_error(d)),
+        let result = self.decide_announced(&mut g, |g| {
+            if g.len == 0 {
+                match now_path(at_ns) {
+                    Ok(r) => Ok(Joined::Held(Reserved::Now(r))),
+                    Err(Deny::Wait(d)) => Ok(Joined::Later(at_ns.saturating_add(d.max(1)))),
+                    Err(d) => Err(self.deny_error(d)),
+                }
+            } else {
+                self.join_at_locked(g, now, costs, class, at_ns)
             }
-        } else {
-            self.join_at_locked(&mut g, now, costs, class, at_ns)
-        };
-        self.announced(&g);
+        });
         let next = matches!(result, Ok(Joined::Held(Reserved::Queued(_))))
             .then(|| self.next_wake_locked(&g))
             .flatten();

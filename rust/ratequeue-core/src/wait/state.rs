@@ -103,6 +103,15 @@ impl WaitQueue {
         self.waiting.store(g.len, Ordering::Release);
     }
 
+    /// Runs `decide` announced; the count is the queue's own again after it, even when
+    /// it panics (else every later fast path would count a waiter that is not there).
+    pub(super) fn decide_announced<T>(&self, g: &mut Inner, decide: impl FnOnce(&mut Inner) -> T) -> T {
+        self.announce(g);
+        let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| decide(&mut *g)));
+        self.announced(g);
+        r.unwrap_or_else(|p| std::panic::resume_unwind(p))
+    }
+
     /// Test hook: holds the queue's lock for `d` (as a long decision would).
     #[doc(hidden)]
     pub fn hold_lock_for(&self, d: Duration) {

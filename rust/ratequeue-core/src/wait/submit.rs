@@ -175,9 +175,9 @@ impl WaitQueue {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
-        self.announce(&g);
-        let result = self.enqueue_locked(&mut g, now, costs, class, (max_wait, bound), wake);
-        self.announced(&g);
+        let result = self.decide_announced(&mut g, |g| {
+            self.enqueue_locked(g, now, costs, class, (max_wait, bound), wake)
+        });
         let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
             self.next_wake_locked(&g)
         } else {
