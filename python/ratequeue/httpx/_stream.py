@@ -5,12 +5,11 @@ the response), imported only then."""
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._record import SCAN
-from ._usage import SSEUsage, Usage, usage_from_json, usage_of
+from ._record import json_object
+from ._usage import SSEUsage, Usage, usage_from_json
 
 if TYPE_CHECKING:
     from ._record import _Call
@@ -62,23 +61,12 @@ class _Reader:
 
 
 def _json_usage(body: bytes) -> Usage | None:
-    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is the
-    only one and at the top level (the common case, without decoding the rest), else
-    the whole body; None when there is none or the body is not JSON (however nested)."""
-    i = body.rfind(b'"usage"')
-    if i != -1:
-        j = body.find(b"{", i + 7, i + 40)
-        if j != -1 and body[i + 7 : j].strip() == b":" and body.count(b'"usage"') == 1:
-            try:
-                u = usage_of(SCAN(body[j:].decode("utf-8", "replace"), 0)[0])
-            except (StopIteration, ValueError, RecursionError):
-                u = None
-            if u is not None:
-                return u
-    try:
-        return usage_from_json(json.loads(body))
-    except (ValueError, RecursionError):
+    """The usage of a JSON body, exactly as a full parse finds it (None when there is
+    none or the body is not JSON, however nested); a UTF-8 object that cannot name
+    ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
+    if body[:1] == b"{" and b'"usage"' not in body and b"\\u" not in body:
         return None
+    return usage_from_json(json_object(body))
 
 
 _STREAMS: dict[type, tuple[type, type]] = {}

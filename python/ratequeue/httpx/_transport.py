@@ -7,7 +7,6 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -18,10 +17,11 @@ from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
 from ..pool import Pool
 from . import _budget
+from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
 from ._caps import Cap, apply_caps
 from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import Estimate, default_estimator
+from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import Ledger, call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
@@ -79,20 +79,7 @@ def _read_request(
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-def _rewrite(request: Any, body: dict[str, Any]) -> Any:
-    """The request with this body (a new content-length)."""
-    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    new_headers = request.headers.copy()
-    del new_headers["content-length"]
-    return type(request)(
-        request.method,
-        request.url,
-        headers=new_headers,
-        content=data,
-        extensions=request.extensions,
-    )
+_MISSING = object()
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -279,13 +266,19 @@ class RateLimitedTransport:
         ):
             body = json_object(data) if data else None
             if body is not None:
+                fields: dict[str, Any] = {}
                 if self.caps:
+                    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
                     capped = apply_caps(self.caps, body, path, task)
-                changed = capped is not None
+                    if capped is not None:
+                        for f, was in zip(OUTPUT_FIELDS, before, strict=True):
+                            v = body.get(f, _MISSING)
+                            if v is not was:
+                                fields[f] = v
                 if body.get("stream") is True and self._stream_opts(body, path):
-                    changed = True
-                if changed:
-                    request = _rewrite(request, body)
+                    fields["stream_options"] = body["stream_options"]
+                if fields:
+                    set_body(request, data, body, fields)  # type: ignore[arg-type]
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
