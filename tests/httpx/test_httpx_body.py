@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ratequeue.httpx import usage_from_json
-from ratequeue.httpx._stream import _json_usage
+from ratequeue.httpx._record import json_usage as _json_usage
 
 USAGE = {"prompt_tokens": 5, "completion_tokens": 6}
 
@@ -276,3 +276,15 @@ def test_uncapped_body_is_not_touched(mod: Any) -> None:
     body = json.dumps({"model": "m", "max_tokens": 50, "messages": MSG}).encode()
     sent, r = send(mod, body, [Cap(100)])
     assert sent.content == body and r.extensions["ratequeue"].capped is None
+
+
+def test_usage_only_the_record_wants_is_read_when_asked(mod: Any) -> None:
+    import ratequeue as rq
+    from ratequeue.httpx import RateLimitedTransport
+
+    lim = rq.Limiter(rq.Rate(60, per="minute", burst=5), clock=rq.ManualClock())
+    c = mod.Client(transport=RateLimitedTransport(Capture(mod), lim))
+    rec = c.post("http://p" + CHAT, json={"model": "m"}).extensions["ratequeue"]
+    assert rec.settled and rec._usage_body is not None  # not parsed yet
+    assert rec.usage == (1, 1) and rec._usage_body is None
+    assert lim.available() == pytest.approx(4)

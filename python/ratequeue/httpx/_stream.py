@@ -8,8 +8,8 @@ import importlib
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._record import json_object
-from ._usage import SSEUsage, Usage, usage_from_json
+from ._record import json_usage as _json_usage
+from ._usage import SSEUsage, Usage
 
 if TYPE_CHECKING:
     from ._record import _Call
@@ -58,15 +58,6 @@ class _Reader:
             usage = _json_usage(b"".join(self.buf))
             self.buf = []
         _done(self.call, self.transport, usage)
-
-
-def _json_usage(body: bytes) -> Usage | None:
-    """The usage of a JSON body, exactly as a full parse finds it (None when there is
-    none or the body is not JSON, however nested); a UTF-8 object that cannot name
-    ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
-    if body[:1] == b"{" and b'"usage"' not in body and b"\\u" not in body:
-        return None
-    return usage_from_json(json_object(body))
 
 
 _STREAMS: dict[type, tuple[type, type]] = {}

@@ -409,8 +409,13 @@ class RateLimitedTransport:
                 wrap(response, call, self, is_async, sse)
             else:  # the body is here already (what MockTransport and ASGI tests return)
                 content = response.content
-                usage = _json_usage(content) if content and len(content) <= self.max_body else None
-                self._settle(call, usage, status, reported=True)
+                if not content or len(content) > self.max_body:
+                    self._settle(call, None, status, reported=True)
+                elif self._token_plan or call._sub or call._held:
+                    self._settle(call, _json_usage(content), status, reported=True)
+                else:  # only the record wants the usage: read when asked for
+                    self._settle(call, None, status, reported=True)
+                    call._usage_body = content
         return response
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:
@@ -485,9 +490,9 @@ class RateLimitedTransport:
         except IndexError:
             return
         call._done = True
-        call.usage = usage
+        call._usage = usage
         call.settled = True
-        if usage is None and reported:
+        if usage is None and reported and (self._token_plan or call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
