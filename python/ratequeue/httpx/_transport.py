@@ -25,7 +25,8 @@ from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import Ledger, call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
-from ._stream import _json_usage, wrap
+from ._record import json_usage as _json_usage
+from ._stream import wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
