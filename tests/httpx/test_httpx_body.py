@@ -288,3 +288,24 @@ def test_usage_only_the_record_wants_is_read_when_asked(mod: Any) -> None:
     assert rec.settled and rec._usage_body is not None  # not parsed yet
     assert rec.usage == (1, 1) and rec._usage_body is None
     assert lim.available() == pytest.approx(4)
+
+
+def test_async_client_sends_the_rewritten_body(mod: Any) -> None:
+    import asyncio
+
+    from ratequeue.httpx import Cap, RateLimitedTransport
+
+    sent: list[bytes] = []
+
+    async def handler(request: Any) -> Any:
+        sent.append(await request.aread())
+        return mod.Response(200, json={"usage": {"prompt_tokens": 1, "completion_tokens": 2}})
+
+    async def main() -> Any:
+        t = RateLimitedTransport(mod.MockTransport(handler), limiter(), caps=[Cap(100)])
+        async with mod.AsyncClient(transport=t) as client:
+            return await client.post("http://p" + CHAT, content=b'{"max_tokens": 4000}')
+
+    r = asyncio.run(main())
+    assert sent == [b'{"max_tokens": 100}'] and r.request.content == sent[0]
+    assert r.request.headers["content-length"] == str(len(sent[0]))
