@@ -309,3 +309,24 @@ def test_async_client_sends_the_rewritten_body(mod: Any) -> None:
     r = asyncio.run(main())
     assert sent == [b'{"max_tokens": 100}'] and r.request.content == sent[0]
     assert r.request.headers["content-length"] == str(len(sent[0]))
+
+
+def test_cap_table_gives_what_the_rules_give_and_stays_bounded() -> None:
+    from ratequeue.httpx import Cap, apply_caps
+    from ratequeue.httpx._caps import CapTable
+
+    caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-4*", task="t"), Cap(70)]
+    table = CapTable(caps, size=4)
+    for i in range(20):
+        for model in ("gpt-4o", "gpt-3", None, 7):
+            for task in ("t", None, f"n{i}"):
+                for path in (CHAT, "/v1/responses", f"/x{i}"):
+                    body: dict[str, Any] = (
+                        {"max_tokens": 90 + i}
+                        if model is None
+                        else {"model": model, "max_tokens": 90 + i}
+                    )
+                    want = dict(body)
+                    assert table.apply(body, path, task) == apply_caps(caps, want, path, task)
+                    assert body == want
+    assert len(table.limits) == 4

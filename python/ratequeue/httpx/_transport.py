@@ -19,7 +19,7 @@ from ..pool import Pool
 from . import _budget
 from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, apply_caps
+from ._caps import Cap, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
@@ -142,6 +142,7 @@ class RateLimitedTransport:
         for c in self.caps:
             if not isinstance(c, Cap):
                 raise TypeError(f"caps must be Cap rules, got {c!r}")
+        self._cap_table = CapTable(self.caps)
         self.ledger = ledger
         self.account = account
         self.calibrate = bool(calibrate)
@@ -270,7 +271,7 @@ class RateLimitedTransport:
                 fields: dict[str, Any] = {}
                 if self.caps:
                     before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
-                    capped = apply_caps(self.caps, body, path, task)
+                    capped = self._cap_table.apply(body, path, task)
                     if capped is not None:
                         for f, was in zip(OUTPUT_FIELDS, before, strict=True):
                             v = body.get(f, _MISSING)
