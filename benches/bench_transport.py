@@ -152,8 +152,12 @@ def sync_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> S
     return (time.perf_counter() - t0) / n * 1e6, (time.thread_time() - c0) / n * 1e6
 
 
-def budget_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
-    with CallBudget(calls=n + 1, tokens=10**9):
+def budget_row(
+    client: httpx2.Client, url: str, body: dict[str, Any], n: int, budget: Any = CallBudget
+) -> Sample:
+    """``sync_row`` inside a CallBudget (``budget``: the class of the transport's own module,
+    which a baseline transport loaded beside this one has apart)."""
+    with budget(calls=n + 1, tokens=10**9):
         return sync_row(client, url, body, n)
 
 
@@ -256,10 +260,16 @@ def overhead(
         extra = [mem_r]
         if baseline is not None:
             old = baseline_transport(baseline)
+            old_mod = sys.modules["ratequeue._httpx_baseline"]
+            old_budget = old_mod.CallBudget
+            old_caps = [old_mod.Cap(c.max_tokens, c.route, c.model, c.task) for c in caps]
             mem_b = httpx2.Client(transport=old(httpx2.MockTransport(answer), roomy()))
             net_b = httpx2.Client(transport=old(httpx2.HTTPTransport(), roomy()))
             mem_rb = httpx2.Client(transport=old(httpx2.MockTransport(answer), req_only))
-            extra += [mem_b, net_b, mem_rb]
+            mem_cb = httpx2.Client(
+                transport=old(httpx2.MockTransport(answer), roomy(), caps=old_caps)
+            )
+            extra += [mem_b, net_b, mem_rb, mem_cb]
             rows[f"before ({baseline}): RateLimitedTransport(MockTransport)"] = (
                 "memory",
                 lambda: sync_row(mem_b, url, BODY, calls),
@@ -268,6 +278,11 @@ def overhead(
             rows[f"before ({baseline}): a Limiter of requests only"] = (
                 "memory",
                 lambda: sync_row(mem_rb, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            )
+            rows[f"before ({baseline}): ... + output caps + CallBudget"] = (
+                "memory",
+                lambda: budget_row(mem_cb, url, BODY, calls, old_budget),
                 "floor: MockTransport (in memory)",
             )
             rows[f"before ({baseline}): async RateLimitedTransport(MockTransport)"] = (
@@ -433,16 +448,21 @@ IR_ROWS = {
 IR_FLOOR = {"tokens": "floor", "requests": "floor", "caps": "floor", "async": "afloor"}
 
 
+def _floors(rows: list[str]) -> set[str]:
+    return {IR_FLOOR[r] for r in rows if r in IR_FLOOR}
+
+
 def ir_child(which: str, row: str, n: int) -> None:
     """One row's calls (run under valgrind by ``instructions``)."""
     cls = RateLimitedTransport if which == "now" else baseline_transport(which)
+    mod = sys.modules[cls.__module__.rsplit(".", 1)[0]]  # its own Cap and CallBudget
     inner = httpx2.MockTransport(answer)
     if row in ("floor", "afloor"):
         t: Any = inner
     elif row == "requests":
         t = cls(inner, rq.Limiter(rq.Rate(10**9, per="minute", burst=10**6)))
     elif row == "caps":
-        caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-bench", task="x")]
+        caps = [mod.Cap(100, route="/chat/completions"), mod.Cap(50, model="gpt-bench", task="x")]
         t = cls(inner, roomy(), caps=caps)
     else:
         t = cls(inner, roomy())
@@ -455,7 +475,7 @@ def ir_child(which: str, row: str, n: int) -> None:
     client = httpx2.Client(transport=t)
     sync_row(client, "http://x/v1/chat/completions", BODY, 50)
     if row == "caps":
-        budget_row(client, "http://x/v1/chat/completions", BODY, n)
+        budget_row(client, "http://x/v1/chat/completions", BODY, n, mod.CallBudget)
     else:
         sync_row(client, "http://x/v1/chat/completions", BODY, n)
 
@@ -483,15 +503,16 @@ def _ir(which: str, row: str, n: int) -> int:
     return int(line.rsplit(":", 1)[1].strip().replace(",", ""))
 
 
-def instructions(baseline: str | None, jobs: int) -> list[str]:
+def instructions(baseline: str | None, jobs: int, rows: list[str] | None = None) -> list[str]:
     """The instruction table: per row, instructions per call and added over its floor."""
     from concurrent.futures import ThreadPoolExecutor
 
     if shutil.which("valgrind") is None:
         raise SystemExit("--instructions needs valgrind")
-    runs = [("now", r) for r in IR_ROWS]
+    names = {r: n for r, n in IR_ROWS.items() if rows is None or r in rows or r in _floors(rows)}
+    runs = [("now", r) for r in names]
     if baseline is not None:
-        runs += [(baseline, r) for r in IR_ROWS if r in IR_FLOOR]
+        runs += [(baseline, r) for r in names if r in IR_FLOOR]
     with ThreadPoolExecutor(jobs) as ex:
         counts = {
             (w, r, n): f
@@ -506,7 +527,7 @@ def instructions(baseline: str | None, jobs: int) -> list[str]:
         + (f" added before ({baseline}) |" if baseline else ""),
         "|---|---:|---:|" + ("---:|" if baseline else ""),
     ]
-    for r, name in IR_ROWS.items():
+    for r, name in names.items():
         v = per["now", r]
         if r not in IR_FLOOR:
             out.append(f"| {name} | {v:,.0f} | — |" + (" — |" if baseline else ""))
@@ -538,6 +559,10 @@ def main() -> None:
         help="only the table of instructions per call (valgrind), rows in parallel",
     )
     ap.add_argument("--jobs", type=int, default=4, help="valgrind processes at once")
+    ap.add_argument(
+        "--ir-rows",
+        help=f"with --instructions: only these rows (comma-separated of {', '.join(IR_ROWS)})",
+    )
     ap.add_argument("--ir-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ir_child:
@@ -549,6 +574,8 @@ def main() -> None:
     base_arg = f" --baseline {args.baseline}" if args.baseline else ""
     if args.instructions:
         base_arg = f" --instructions{base_arg}"
+        if args.ir_rows:
+            base_arg += f" --ir-rows {args.ir_rows}"
     head = [
         "# The LLM transport: added cost per call, and the queue against the SDK's retry loop",
         "",
@@ -559,7 +586,8 @@ def main() -> None:
         "",
     ]
     if args.instructions:
-        t3 = instructions(args.baseline, args.jobs)
+        rows = args.ir_rows.split(",") if args.ir_rows else None
+        t3 = instructions(args.baseline, args.jobs, rows)
         lines = [*head, "## 3. Instructions per call (valgrind; load-independent)", "", *t3]
         print("\n".join(lines))
         args.out.parent.mkdir(parents=True, exist_ok=True)
