@@ -3,8 +3,8 @@
 
 use crate::bucket::Deny;
 use crate::error::Error;
-use crate::queue::Resource;
 use crate::sync::{AtomicU64, Ordering};
+use crate::wait::Resource;
 
 /// At most `limit` permits held at once; lock-free take and release.
 #[derive(Debug)]
@@ -175,6 +175,20 @@ impl Resource for Semaphore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fork::{ForkLocks, Held};
+    use crate::wait::Resource;
+
+    #[test]
+    fn a_child_starts_with_every_permit_free() {
+        let sem = Semaphore::new(3).unwrap();
+        sem.try_take(0, &[2]).unwrap();
+        let mut held: Vec<Box<dyn Held + '_>> = Vec::new();
+        sem.lock_for_fork(&mut held);
+        held.iter_mut().for_each(|h| h.in_child());
+        drop(held);
+        assert_eq!(sem.in_use(), 0);
+        assert!(sem.try_take(0, &[3]).is_ok());
+    }
 
     #[test]
     fn sums_never_wrap() {

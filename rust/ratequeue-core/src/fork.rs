@@ -27,7 +27,7 @@
 
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, Once, Weak};
+use std::sync::{Arc, Mutex, MutexGuard, Once, OnceLock, Weak};
 
 /// Where an object's locks sit in the lock order (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -80,6 +80,34 @@ static REGISTRY: Mutex<Registry> = Mutex::new(Registry {
     prune_at: 64,
 });
 
+/// This process's id with the fork generation it was read in (see [`pid()`]).
+static PID: AtomicU64 = AtomicU64::new(u64::MAX);
+
+/// The current process id (read once per fork generation: no system call on hot paths).
+pub fn pid() -> i32 {
+    let gen = crate::fork::generation() & 0xffff_ffff;
+    let cached = PID.load(Ordering::Acquire);
+    if cached != u64::MAX && cached >> 32 == gen {
+        return cached as u32 as i32;
+    }
+    // SAFETY: getpid has no preconditions and cannot fail.
+    let p = unsafe { getpid() };
+    PID.store((gen << 32) | u64::from(p as u32), Ordering::Release);
+    p
+}
+
+/// What [`hold_last`] asked `prepare` to take after every registered object.
+static LAST: OnceLock<TakeLast> = OnceLock::new();
+
+/// Takes a lock for a fork, if there is one to take now.
+pub type TakeLast = fn() -> Option<Box<dyn Held>>;
+
+/// Makes `prepare` take the lock `take` returns after every registered object's (the
+/// driver's state, last in the lock order). Set once per process; later calls do nothing.
+pub fn hold_last(take: TakeLast) {
+    let _ = LAST.set(take);
+}
+
 /// Incremented in each forked child, before its locks are released.
 static GENERATION: AtomicU64 = AtomicU64::new(0);
 
@@ -118,6 +146,7 @@ pub fn registered() -> usize {
 }
 
 extern "C" {
+    fn getpid() -> i32;
     fn pthread_atfork(
         prepare: Option<extern "C" fn()>,
         parent: Option<extern "C" fn()>,
@@ -156,7 +185,7 @@ extern "C" fn prepare() {
     for o in &objects {
         o.lock_for_fork(&mut held);
     }
-    if let Some(g) = crate::driver::lock_for_fork() {
+    if let Some(g) = LAST.get().and_then(|take| take()) {
         held.push(g);
     }
     // SAFETY: each guard borrows an object kept alive in `objects` (moving the Vec does
@@ -225,26 +254,6 @@ mod tests {
         assert!(t.a.try_lock().is_err() && t.b.try_lock().is_err());
         after_in_parent();
         assert!(t.a.try_lock().is_ok() && t.b.try_lock().is_ok());
-    }
-
-    #[test]
-    fn a_child_starts_with_every_permit_free() {
-        use crate::queue::Resource;
-        let sem = crate::Semaphore::new(3).unwrap();
-        sem.try_take(0, &[2]).unwrap();
-        let keyed = crate::KeyedSemaphore::new(1).unwrap();
-        let k = keyed.hasher().str("k");
-        keyed.try_take(k, 1).unwrap();
-        let mut held: Vec<Box<dyn Held + '_>> = Vec::new();
-        sem.lock_for_fork(&mut held);
-        keyed.lock_for_fork(&mut held);
-        for h in held.iter_mut() {
-            h.in_child();
-        }
-        drop(held);
-        assert_eq!(sem.in_use(), 0);
-        assert_eq!(keyed.in_use(k), 0);
-        assert!(keyed.try_take(k, 1).is_ok());
     }
 
     #[test]

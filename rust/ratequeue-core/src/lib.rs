@@ -2,10 +2,8 @@
 //! bucket, multi-rate limiters and the errors they report. No Python in here.
 
 pub mod bucket;
-pub mod channel;
 pub mod clock;
 pub mod concurrency;
-pub mod driver;
 pub mod error;
 pub mod fork;
 pub mod histogram;
@@ -16,9 +14,6 @@ pub mod policy;
 pub mod rate;
 mod sync;
 pub mod wait;
-
-/// The wait queue's former path, kept while code written against it lands.
-pub use wait as queue;
 
 pub use bucket::{Bucket, Deny};
 pub use clock::{AnyClock, ManualClock};

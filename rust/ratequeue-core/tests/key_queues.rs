@@ -11,7 +11,7 @@ use std::sync::Arc;
 use proptest::prelude::*;
 use ratequeue_core::keyed::KeyBucket;
 use ratequeue_core::keyed_queue::MakeResource;
-use ratequeue_core::queue::{Outcome, Slot, Submitted, Wake};
+use ratequeue_core::wait::{Outcome, Slot, Submitted, Wake};
 use ratequeue_core::{AnyClock, KeyQueue, KeyQueues, KeyedLimiter, ManualClock, QueueConfig, Rate};
 
 const SEC: u64 = 1_000_000_000;

@@ -13,7 +13,7 @@ use loom::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 use ratequeue_core::bucket::Undo;
-use ratequeue_core::channel::Channel;
+use ratequeue_core::wait::channel::Channel;
 use ratequeue_core::{Bucket, Outcome, Rate, Resource, Semaphore};
 
 const SEC: u64 = 1_000_000_000;

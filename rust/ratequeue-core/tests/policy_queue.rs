@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use common::{check_windows, Lcg, S};
 use ratequeue_core::policy::{Held, LevelQueues, QueueRef};
-use ratequeue_core::queue::{Slot, Submitted, Wake};
+use ratequeue_core::wait::{Slot, Submitted, Wake};
 use ratequeue_core::{
     AnyClock, Level, LevelArgs, LevelKind, Limiter, ManualClock, Outcome, Policy, QueueConfig, Rate, Reserved,
     WaitQueue,

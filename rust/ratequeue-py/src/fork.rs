@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use crate::errors::{value_err, wrong_type};
 use pyo3::prelude::*;
-use ratequeue_core::driver::{inject_fault, Fault};
+use ratequeue_core::wait::driver::{inject_fault, Fault};
 
 use crate::args::seconds_ns;
 use crate::keyed_limiter::KeyedLimiterPy;

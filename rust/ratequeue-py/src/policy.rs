@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use ratequeue_core::policy::{Held, PolicyAcquire, Refusal, Step};
-use ratequeue_core::queue::Slot;
+use ratequeue_core::wait::Slot;
 use ratequeue_core::{AnyClock, Deny, Error, Level, LevelArgs, LevelKind, Policy, Wake};
 
 use crate::args::seconds_ns;

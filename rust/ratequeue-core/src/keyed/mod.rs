@@ -15,8 +15,8 @@ use std::sync::{Mutex, MutexGuard};
 use crate::bucket::{epoch_for, needs_rebase, Deny, Params, Undo};
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::GrantRef;
 use crate::rate::Rate;
+use crate::wait::GrantRef;
 
 mod hasher;
 mod resources;

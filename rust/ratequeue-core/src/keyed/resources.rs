@@ -10,7 +10,7 @@ pub struct KeyBucket {
     pub key: u64,
 }
 
-impl crate::queue::Resource for KeyBucket {
+impl crate::wait::Resource for KeyBucket {
     fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
         self.keyed.take(self.key, now_ns, costs[0], 0).map(|_| ())
     }
@@ -96,10 +96,10 @@ impl crate::queue::Resource for KeyBucket {
     /// The FIFO schedule played forward on a copy of the key's bucket, each queued
     /// reservation debited no earlier than its promised time (a summed prediction would
     /// count the capacity a bucket cannot keep while it waits for that time).
-    fn predict_backlog(&self, now_ns: u64, backlog: &[crate::queue::Queued<'_>], costs: &[u64]) -> Option<u64> {
+    fn predict_backlog(&self, now_ns: u64, backlog: &[crate::wait::Queued<'_>], costs: &[u64]) -> Option<u64> {
         let mut sim = self.keyed.sim_at(self.key, now_ns);
         let mut t = now_ns;
-        let me = crate::queue::Queued {
+        let me = crate::wait::Queued {
             costs,
             due: None,
             charge: false,
@@ -122,7 +122,7 @@ pub struct KeyPermits {
     pub key: u64,
 }
 
-impl crate::queue::Resource for KeyPermits {
+impl crate::wait::Resource for KeyPermits {
     fn try_take(&self, _now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
         self.sem.try_take(self.key, costs[0])
     }

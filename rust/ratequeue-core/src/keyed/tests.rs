@@ -156,7 +156,7 @@ mod keys {
         assert_eq!(s.try_take(a, (1 << 63) + 1), Err(Deny::Wait(u64::MAX)));
         assert_eq!(s.in_use(a), 1 << 63);
         let key = KeyPermits { sem: s.clone(), key: a };
-        assert_eq!(crate::queue::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
+        assert_eq!(crate::wait::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
     }
 }
 
@@ -358,5 +358,23 @@ mod epochs {
             assert_eq!(admitted, days, "start {start}");
             assert_eq!(k.sweep(), 2);
         }
+    }
+}
+
+mod fork {
+    use crate::fork::{ForkLocks, Held};
+    use crate::KeyedSemaphore;
+
+    #[test]
+    fn a_child_starts_with_every_key_permit_free() {
+        let keyed = KeyedSemaphore::new(1).unwrap();
+        let k = keyed.hasher().str("k");
+        keyed.try_take(k, 1).unwrap();
+        let mut held: Vec<Box<dyn Held + '_>> = Vec::new();
+        keyed.lock_for_fork(&mut held);
+        held.iter_mut().for_each(|h| h.in_child());
+        drop(held);
+        assert_eq!(keyed.in_use(k), 0);
+        assert!(keyed.try_take(k, 1).is_ok());
     }
 }

@@ -19,7 +19,7 @@ use crate::bucket::Deny;
 use crate::clock::{AnyClock, ManualClock};
 use crate::error::Error;
 use crate::histogram::Histogram;
-use crate::queue::{QueueConfig, Resource, Stalled, WaitQueue};
+use crate::wait::{QueueConfig, Resource, Stalled, WaitQueue};
 
 /// Makes the queue resource of one key.
 pub type MakeResource = Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync>;

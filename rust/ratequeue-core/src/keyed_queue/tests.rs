@@ -3,7 +3,7 @@ use std::time::Duration;
 
 use super::*;
 use crate::keyed::{KeyBucket, KeyPermits};
-use crate::queue::{Outcome, Slot, Submitted, Wake};
+use crate::wait::{Outcome, Slot, Submitted, Wake};
 use crate::{KeyedLimiter, KeyedSemaphore, Rate};
 
 const SEC: u64 = 1_000_000_000;

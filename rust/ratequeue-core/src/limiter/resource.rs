@@ -2,7 +2,7 @@
 //! rule, settling, and the predictions of a backlog.
 
 use super::*;
-use crate::queue::{GrantRef, Queued, Resource, Sim};
+use crate::wait::{GrantRef, Queued, Resource, Sim};
 
 impl Resource for Limiter {
     #[inline]
@@ -23,6 +23,23 @@ impl Resource for Limiter {
         let _serial = self.try_lock_multi()?;
         Some(
             self.take_all_serial(now_ns, costs, 0, false)
+                .map(|r| Some(self.token_of(&r))),
+        )
+    }
+
+    #[inline]
+    fn try_take_token_idle_nowait(
+        &self,
+        now_ns: u64,
+        costs: &[u64],
+        joined: &dyn Fn() -> bool,
+    ) -> Option<Result<Option<u64>, Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_take_one_idle(now_ns, costs, joined).map(Some));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(
+            self.take_all_idle(now_ns, costs, joined)
                 .map(|r| Some(self.token_of(&r))),
         )
     }

@@ -3,7 +3,7 @@
 mod rates {
     use super::super::*;
     use crate::clock::ManualClock;
-    use crate::queue::{GrantRef, Resource};
+    use crate::wait::{GrantRef, Resource};
     use std::sync::Arc;
 
     fn limiter(rates: &[(&str, f64, u64)]) -> (Limiter, Arc<ManualClock>) {

@@ -9,7 +9,7 @@ use super::{Held, LevelArgs, LevelKind, Policy, QueueRef, Refusal, Refused};
 use crate::bucket::Deny;
 use crate::clock::AnyClock;
 use crate::error::Error;
-use crate::queue::{Cancelled, Outcome, Slot, Submitted, Wake};
+use crate::wait::{Cancelled, Outcome, Slot, Submitted, Wake};
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())

@@ -11,7 +11,7 @@ use crate::concurrency::Semaphore;
 use crate::error::Error;
 use crate::keyed::{KeyTaken, KeyedLimiter, KeyedSemaphore};
 use crate::limiter::{Limiter, Reservation};
-use crate::queue::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Resource, WaitQueue};
+use crate::wait::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Resource, WaitQueue};
 
 mod acquire;
 #[cfg(test)]

@@ -97,7 +97,7 @@ fn cancel_under_a_later_reservation_keeps_the_slot_and_settle_after_it_does_noth
 
 #[test]
 fn release_wakes_the_level_queue() {
-    use crate::queue::{Outcome, QueueConfig, Slot, Submitted, WaitQueue, Wake};
+    use crate::wait::{Outcome, QueueConfig, Slot, Submitted, WaitQueue, Wake};
     let clock = AnyClock::Manual(Arc::new(ManualClock::new(0).unwrap()));
     let sem = Arc::new(Semaphore::new(1).unwrap());
     let q = WaitQueue::new(sem.clone(), 1, clock, QueueConfig::new(vec![], 10, None).unwrap());
@@ -122,7 +122,7 @@ fn release_wakes_the_level_queue() {
 // ---------------------------------------------------------------------------------
 // a policy's wait joins its rate levels' queues (issue 10)
 
-use crate::queue::{QueueConfig, Slot, Submitted, Wake};
+use crate::wait::{QueueConfig, Slot, Submitted, Wake};
 
 const MS: u64 = 1_000_000;
 
@@ -483,7 +483,7 @@ fn a_grant_to_a_closed_channel_goes_back_and_abandon_frees_the_rest() {
     ];
     qb.try_now(&[1], 0).unwrap();
     let acq = PolicyAcquire::new(p, args, AnyClock::Manual(clock), None);
-    let ch = crate::queue::Channel::new();
+    let ch = crate::wait::Channel::new();
     let c2 = ch.clone();
     let Step::Queued(_) = acq.advance(&move || Wake::Channel(c2.clone())).unwrap() else {
         panic!("queued")
@@ -532,7 +532,7 @@ impl LevelQueues for Counted {
 #[test]
 fn a_timeout_racing_an_abandon_ends_the_wait_on_its_level() {
     use crate::concurrency::Semaphore;
-    use crate::queue::Outcome;
+    use crate::wait::Outcome;
     use std::sync::atomic::{AtomicUsize, Ordering as O};
     let clock = Arc::new(ManualClock::new(0).unwrap());
     let sem = Arc::new(Semaphore::new(1).unwrap());

@@ -38,9 +38,17 @@ impl WaitQueue {
     /// process (or the queue runs on a manual clock): asking for `t` changes nothing.
     pub(super) fn wake_pending_by(&self, t: u64) -> bool {
         self.clock.is_manual()
-            || (self.scheduled_pid.load(Ordering::Acquire) == crate::driver::pid()
+            || (self.scheduled_pid.load(Ordering::Acquire) == crate::fork::pid()
                 && self.scheduled.load(Ordering::Acquire) <= t
-                && crate::driver::driver().is_running())
+                && crate::wait::driver::driver().is_running())
+    }
+
+    /// Asks the driver for a poll now (a fast take was undone, see
+    /// [`WaitQueue::try_now_token`]); on a manual clock the next run finds it anyway.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn rewake(self: &Arc<Self>, now: u64) {
+        let _ = self.schedule(now);
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
@@ -49,15 +57,15 @@ impl WaitQueue {
         if self.clock.is_manual() {
             return Ok(());
         }
-        let pid = crate::driver::pid();
+        let pid = crate::fork::pid();
         if self.scheduled_pid.swap(pid, Ordering::AcqRel) != pid {
             // First use, or a forked child: the parent's wake-ups are not ours.
             self.scheduled.store(u64::MAX, Ordering::Release);
         }
-        let driver = crate::driver::driver();
+        let driver = crate::wait::driver::driver();
         // A wake-up already pending counts only while a driver runs to serve it.
         if t < self.scheduled.fetch_min(t, Ordering::AcqRel) || !driver.is_running() {
-            let me: Weak<dyn crate::driver::Due> = Arc::downgrade(self) as Weak<dyn crate::driver::Due>;
+            let me: Weak<dyn crate::wait::driver::Due> = Arc::downgrade(self) as Weak<dyn crate::wait::driver::Due>;
             let asked = driver.schedule(me, t, self.thread_next.load(Ordering::Relaxed));
             if asked.is_err() {
                 // Not pending with any running driver: the next call asks again.
@@ -69,7 +77,7 @@ impl WaitQueue {
     }
 }
 
-impl crate::driver::Due for WaitQueue {
+impl crate::wait::driver::Due for WaitQueue {
     fn wake(self: Arc<Self>, t: u64) {
         let _ = self
             .scheduled

@@ -8,8 +8,10 @@
 //! wake-up never costs throughput) and expires deadlines; `cancel` removes a waiter or,
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
+pub mod channel;
 mod config;
 mod drive;
+pub mod driver;
 mod fork;
 mod gate;
 mod give_back;
@@ -31,10 +33,10 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::bucket::Deny;
-pub use crate::channel::Channel;
 use crate::clock::AnyClock;
 use crate::error::Error;
 use crate::histogram::Histogram;
+pub use channel::Channel;
 
 pub use config::{QueueConfig, QueueCounts};
 pub use drive::Stalled;

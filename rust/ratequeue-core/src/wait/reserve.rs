@@ -6,15 +6,28 @@ impl WaitQueue {
     /// Without taking the queue's lock: `Some(now_path(now))` when nobody waits (the
     /// resource reserves by itself, e.g. a GCRA debit at the Lindley time), `None` when
     /// someone does (then call [`WaitQueue::reserve`], which may block on the lock).
+    /// A reservation that raced someone joining (see [`WaitQueue::joined`]) is handed to
+    /// `undo` and `None` returned.
     #[inline]
-    pub fn reserve_if_idle<R>(&self, now_path: impl FnOnce(u64) -> Result<R, Error>) -> Option<Result<R, Error>> {
+    pub fn reserve_if_idle<R>(
+        &self,
+        now_path: impl FnOnce(u64) -> Result<R, Error>,
+        undo: impl FnOnce(R),
+    ) -> Option<Result<R, Error>> {
         if self.waiting() != 0 {
             return None;
         }
-        Some(now_path(self.clock.now_ns()))
+        match now_path(self.clock.now_ns()) {
+            Ok(r) if self.joined() => {
+                undo(r);
+                None
+            }
+            other => Some(other),
+        }
     }
 
-    /// Reserves `costs` in arrival order without barging: when nobody waits, returns
+    /// Reserves `costs` in arrival order without barging, under the queue's lock (see
+    /// [`WaitQueue::reserve_if_idle`] for the lock-free try): when nobody waits, returns
     /// what `now_path(now)` reserves; otherwise joins `class` behind the waiters, within
     /// the queue's bounds (`max_queue`, and `timeout_ns` or max_wait: `Overloaded` at once
     /// when the predicted wait exceeds it), and is granted — the resource debited — at
@@ -30,20 +43,20 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        if self.waiting() == 0 {
-            return now_path(self.clock.now_ns()).map(Reserved::Now);
-        }
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        self.drop_inherited();
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
+        self.announce(&g);
         let result = if g.len == 0 {
             now_path(now).map(Reserved::Now)
         } else {
             self.enqueue_reservation(&mut g, now, costs, class, max_wait)
                 .map(Reserved::Queued)
         };
+        self.announced(&g);
         let next = matches!(result, Ok(Reserved::Queued(_)))
             .then(|| self.next_wake_locked(&g))
             .flatten();
@@ -160,6 +173,7 @@ impl WaitQueue {
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
+        self.announce(&g);
         let result = if g.len == 0 {
             match now_path(at_ns) {
                 Ok(r) => Ok(Joined::Held(Reserved::Now(r))),
@@ -169,6 +183,7 @@ impl WaitQueue {
         } else {
             self.join_at_locked(&mut g, now, costs, class, at_ns)
         };
+        self.announced(&g);
         let next = matches!(result, Ok(Joined::Held(Reserved::Queued(_))))
             .then(|| self.next_wake_locked(&g))
             .flatten();

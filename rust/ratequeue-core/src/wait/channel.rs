@@ -11,8 +11,8 @@ use std::io;
 use std::os::fd::RawFd;
 use std::sync::Arc;
 
-use crate::queue::Outcome;
 use crate::sync::{AtomicBool, Mutex, MutexGuard, Ordering};
+use crate::wait::Outcome;
 
 /// The descriptor(s) a channel signals through, owned by the process that made them.
 struct WakeFd {
@@ -32,7 +32,7 @@ impl WakeFd {
         Ok(WakeFd {
             read: fd,
             write: fd,
-            pid: crate::driver::pid(),
+            pid: crate::fork::pid(),
         })
     }
 
@@ -46,7 +46,7 @@ impl WakeFd {
         let w = WakeFd {
             read: fds[0],
             write: fds[1],
-            pid: crate::driver::pid(),
+            pid: crate::fork::pid(),
         };
         for fd in fds {
             // SAFETY: fcntl on descriptors this function just opened.
@@ -92,7 +92,7 @@ impl Drop for WakeFd {
     fn drop(&mut self) {
         // In a forked child the numbers may since have been closed and reused by the
         // child: leave them alone rather than close someone else's file.
-        if self.pid != crate::driver::pid() {
+        if self.pid != crate::fork::pid() {
             return;
         }
         // SAFETY: closing descriptors this object opened, once.
@@ -155,7 +155,7 @@ impl Channel {
         }
         if let Some(fd) = &self.fd {
             if !self.signalled.swap(true, Ordering::AcqRel) {
-                if fd.pid != crate::driver::pid() {
+                if fd.pid != crate::fork::pid() {
                     self.closed.store(true, Ordering::Release);
                     return Err(o);
                 }

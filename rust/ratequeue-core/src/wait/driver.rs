@@ -12,13 +12,13 @@
 use std::cmp::Ordering as CmpOrdering;
 use std::collections::BinaryHeap;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicPtr, AtomicU32, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, Weak};
 use std::time::Duration;
 
 use crate::clock::monotonic_ns;
 use crate::error::Error;
-use crate::fork::Held;
+use crate::fork::{pid, Held};
 
 /// What the driver wakes: anything with due times (a wait queue). The driver knows only
 /// this, so the queue depends on the driver and not the other way round.
@@ -28,10 +28,6 @@ pub trait Due: Send + Sync {
     /// Called after a wake of this panicked: its next request must reach the driver
     /// whatever it believed was pending.
     fn rearm(&self);
-}
-
-extern "C" {
-    fn getpid() -> i32;
 }
 
 #[cfg(target_os = "linux")]
@@ -47,22 +43,6 @@ fn precise_timers() {
     unsafe {
         prctl(29, 1, 0, 0, 0);
     }
-}
-
-/// This process's id with the fork generation it was read in (see [`pid`]).
-static PID: AtomicU64 = AtomicU64::new(u64::MAX);
-
-/// The current process id (read once per fork generation: no system call on hot paths).
-pub fn pid() -> i32 {
-    let gen = crate::fork::generation() & 0xffff_ffff;
-    let cached = PID.load(Ordering::Acquire);
-    if cached != u64::MAX && cached >> 32 == gen {
-        return cached as u32 as i32;
-    }
-    // SAFETY: getpid has no preconditions and cannot fail.
-    let p = unsafe { getpid() };
-    PID.store((gen << 32) | u64::from(p as u32), Ordering::Release);
-    p
 }
 
 /// After a wake panicked, its queue is looked at again this much later.
@@ -182,8 +162,11 @@ pub fn driver() -> &'static Driver {
             running: AtomicBool::new(false),
         }));
         match DRIVER.compare_exchange(p, fresh, Ordering::AcqRel, Ordering::Acquire) {
-            // SAFETY: just leaked above.
-            Ok(_) => return unsafe { &*fresh },
+            Ok(_) => {
+                crate::fork::hold_last(lock_for_fork);
+                // SAFETY: just leaked above.
+                return unsafe { &*fresh };
+            }
             // SAFETY: `fresh` was never shared.
             Err(_) => drop(unsafe { Box::from_raw(fresh) }),
         }
@@ -191,7 +174,7 @@ pub fn driver() -> &'static Driver {
 }
 
 /// Takes this process's driver state for a fork (see [`crate::fork`]).
-pub(crate) fn lock_for_fork() -> Option<Box<dyn Held>> {
+fn lock_for_fork() -> Option<Box<dyn Held>> {
     // SAFETY: drivers are leaked, never freed.
     let d = unsafe { DRIVER.load(Ordering::Acquire).as_ref() }?;
     (d.pid == pid()).then(|| Box::new(lock(&d.state)) as Box<dyn Held>)
@@ -312,7 +295,7 @@ impl Driver {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::queue::{Outcome, Slot, WaitQueue};
+    use crate::wait::{Outcome, Slot, WaitQueue};
     use crate::{AnyClock, Limiter, QueueConfig, Rate, Submitted, Wake};
     use std::sync::Arc;
 
