@@ -28,6 +28,13 @@ written to ``benches/results/transport.md``::
    ``calibrate=True`` (it learns the limit from the headers and pauses on 429).
    Shown: calls the provider saw per success, 429s, and the p50 / p99 / max latency of a
    call as its caller sees it (queue wait + HTTP + the SDK's sleeps).
+3. ``--instructions`` (needs valgrind): machine instructions per call, which a loaded
+   machine does not change. Each row runs in its own process under ``valgrind
+   --tool=cachegrind --cache-sim=no`` twice (50 warm-up calls, then 100 or 600 calls):
+   instructions per call = the difference / 500, so start-up and imports cancel out.
+   Rows: the sync and async floors, the transport over a Limiter of requests and tokens,
+   of requests only, with caps + a CallBudget, async; with ``--baseline`` each also as
+   it was at that ref.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -144,8 +152,12 @@ def sync_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> S
     return (time.perf_counter() - t0) / n * 1e6, (time.thread_time() - c0) / n * 1e6
 
 
-def budget_row(client: httpx2.Client, url: str, body: dict[str, Any], n: int) -> Sample:
-    with CallBudget(calls=n + 1, tokens=10**9):
+def budget_row(
+    client: httpx2.Client, url: str, body: dict[str, Any], n: int, budget: Any = CallBudget
+) -> Sample:
+    """``sync_row`` inside a CallBudget (``budget``: the class of the transport's own module,
+    which a baseline transport loaded beside this one has apart)."""
+    with budget(calls=n + 1, tokens=10**9):
         return sync_row(client, url, body, n)
 
 
@@ -248,10 +260,16 @@ def overhead(
         extra = [mem_r]
         if baseline is not None:
             old = baseline_transport(baseline)
+            old_mod = sys.modules["ratequeue._httpx_baseline"]
+            old_budget = old_mod.CallBudget
+            old_caps = [old_mod.Cap(c.max_tokens, c.route, c.model, c.task) for c in caps]
             mem_b = httpx2.Client(transport=old(httpx2.MockTransport(answer), roomy()))
             net_b = httpx2.Client(transport=old(httpx2.HTTPTransport(), roomy()))
             mem_rb = httpx2.Client(transport=old(httpx2.MockTransport(answer), req_only))
-            extra += [mem_b, net_b, mem_rb]
+            mem_cb = httpx2.Client(
+                transport=old(httpx2.MockTransport(answer), roomy(), caps=old_caps)
+            )
+            extra += [mem_b, net_b, mem_rb, mem_cb]
             rows[f"before ({baseline}): RateLimitedTransport(MockTransport)"] = (
                 "memory",
                 lambda: sync_row(mem_b, url, BODY, calls),
@@ -260,6 +278,11 @@ def overhead(
             rows[f"before ({baseline}): a Limiter of requests only"] = (
                 "memory",
                 lambda: sync_row(mem_rb, url, BODY, calls),
+                "floor: MockTransport (in memory)",
+            )
+            rows[f"before ({baseline}): ... + output caps + CallBudget"] = (
+                "memory",
+                lambda: budget_row(mem_cb, url, BODY, calls, old_budget),
                 "floor: MockTransport (in memory)",
             )
             rows[f"before ({baseline}): async RateLimitedTransport(MockTransport)"] = (
@@ -412,6 +435,112 @@ def table_retries(rows: list[tuple[str, dict[str, float]]], n: int) -> list[str]
     return out
 
 
+# -- 3. instructions per call -----------------------------------------------------------------
+
+IR_ROWS = {
+    "floor": "floor: MockTransport (in memory)",
+    "tokens": "RateLimitedTransport(MockTransport)",
+    "requests": "... a Limiter of requests only (no estimate needed)",
+    "caps": "... + output caps + CallBudget",
+    "afloor": "floor: async MockTransport",
+    "async": "async RateLimitedTransport(MockTransport)",
+}
+IR_FLOOR = {"tokens": "floor", "requests": "floor", "caps": "floor", "async": "afloor"}
+
+
+def _floors(rows: list[str]) -> set[str]:
+    return {IR_FLOOR[r] for r in rows if r in IR_FLOOR}
+
+
+def ir_child(which: str, row: str, n: int) -> None:
+    """One row's calls (run under valgrind by ``instructions``)."""
+    cls = RateLimitedTransport if which == "now" else baseline_transport(which)
+    mod = sys.modules[cls.__module__.rsplit(".", 1)[0]]  # its own Cap and CallBudget
+    inner = httpx2.MockTransport(answer)
+    if row in ("floor", "afloor"):
+        t: Any = inner
+    elif row == "requests":
+        t = cls(inner, rq.Limiter(rq.Rate(10**9, per="minute", burst=10**6)))
+    elif row == "caps":
+        caps = [mod.Cap(100, route="/chat/completions"), mod.Cap(50, model="gpt-bench", task="x")]
+        t = cls(inner, roomy(), caps=caps)
+    else:
+        t = cls(inner, roomy())
+    if hasattr(getattr(t, "estimator", None), "load"):
+        t.estimator.load(60)  # the tiktoken loader thread is done before counting
+    if row in ("afloor", "async"):
+        for k in (50, n):
+            async_row(lambda: httpx2.AsyncClient(transport=t), "http://x/v1/chat/completions", k)
+        return
+    client = httpx2.Client(transport=t)
+    sync_row(client, "http://x/v1/chat/completions", BODY, 50)
+    if row == "caps":
+        budget_row(client, "http://x/v1/chat/completions", BODY, n, mod.CallBudget)
+    else:
+        sync_row(client, "http://x/v1/chat/completions", BODY, n)
+
+
+def _ir(which: str, row: str, n: int) -> int:
+    out = subprocess.run(
+        [
+            "valgrind",
+            "--tool=cachegrind",
+            "--cache-sim=no",
+            "--cachegrind-out-file=/dev/null",
+            sys.executable,
+            __file__,
+            "--ir-child",
+            which,
+            row,
+            str(n),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+        check=True,
+    ).stderr
+    line = next(x for x in out.splitlines() if "I   refs:" in x or "I refs:" in x)
+    return int(line.rsplit(":", 1)[1].strip().replace(",", ""))
+
+
+def instructions(baseline: str | None, jobs: int, rows: list[str] | None = None) -> list[str]:
+    """The instruction table: per row, instructions per call and added over its floor."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if shutil.which("valgrind") is None:
+        raise SystemExit("--instructions needs valgrind")
+    names = {r: n for r, n in IR_ROWS.items() if rows is None or r in rows or r in _floors(rows)}
+    runs = [("now", r) for r in names]
+    if baseline is not None:
+        runs += [(baseline, r) for r in names if r in IR_FLOOR]
+    with ThreadPoolExecutor(jobs) as ex:
+        counts = {
+            (w, r, n): f
+            for w, r in runs
+            for n, f in ((n, ex.submit(_ir, w, r, n)) for n in (100, 600))
+        }
+        per = {
+            (w, r): (counts[w, r, 600].result() - counts[w, r, 100].result()) / 500 for w, r in runs
+        }
+    out = [
+        "| transport | instructions/call | added vs its floor |"
+        + (f" added before ({baseline}) |" if baseline else ""),
+        "|---|---:|---:|" + ("---:|" if baseline else ""),
+    ]
+    for r, name in names.items():
+        v = per["now", r]
+        if r not in IR_FLOOR:
+            out.append(f"| {name} | {v:,.0f} | — |" + (" — |" if baseline else ""))
+            continue
+        f = per["now", IR_FLOOR[r]]
+        line = f"| {name} | {v:,.0f} | {v - f:+,.0f} ({(v - f) / f:+.1%}) |"
+        if baseline:
+            b = per[baseline, r]
+            line += f" {b - f:+,.0f} ({(b - f) / f:+.1%}) |"
+        out.append(line)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=300)
@@ -424,11 +553,29 @@ def main() -> None:
         help="also run the transport as it is at this git ref (e.g. main), in the same rounds",
     )
     ap.add_argument("--skip-retries", action="store_true", help="only the added-cost table")
+    ap.add_argument(
+        "--instructions",
+        action="store_true",
+        help="only the table of instructions per call (valgrind), rows in parallel",
+    )
+    ap.add_argument("--jobs", type=int, default=4, help="valgrind processes at once")
+    ap.add_argument(
+        "--ir-rows",
+        help=f"with --instructions: only these rows (comma-separated of {', '.join(IR_ROWS)})",
+    )
+    ap.add_argument("--ir-child", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.ir_child:
+        ir_child(args.ir_child[0], args.ir_child[1], int(args.ir_child[2]))
+        return
     versions = ", ".join(
         f"{p} {importlib.metadata.version(p)}" for p in ("httpx2", "openai", "ratequeue")
     )
     base_arg = f" --baseline {args.baseline}" if args.baseline else ""
+    if args.instructions:
+        base_arg = f" --instructions{base_arg}"
+        if args.ir_rows:
+            base_arg += f" --ir-rows {args.ir_rows}"
     head = [
         "# The LLM transport: added cost per call, and the queue against the SDK's retry loop",
         "",
@@ -437,9 +584,16 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
         f"{os.getloadavg()[0]:.2f}; Python {platform.python_version()}, {versions}.",
         "",
-        "## 1. Added cost per call (median of interleaved rounds)",
-        "",
     ]
+    if args.instructions:
+        rows = args.ir_rows.split(",") if args.ir_rows else None
+        t3 = instructions(args.baseline, args.jobs, rows)
+        lines = [*head, "## 3. Instructions per call (valgrind; load-independent)", "", *t3]
+        print("\n".join(lines))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+        return
+    head += ["## 1. Added cost per call (median of interleaved rounds)", ""]
     t1 = table_overhead(overhead(args.calls, args.rounds, args.baseline))
     print("\n".join(head + t1), flush=True)
     if args.skip_retries:

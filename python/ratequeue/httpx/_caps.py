@@ -70,14 +70,14 @@ def output_field(path: str) -> str:
     return "max_tokens"
 
 
-def apply_caps(
-    caps: Sequence[Cap], body: dict[str, Any], path: str, task: str | None
-) -> Capped | None:
-    """Lower (or add) the body's output bound to the smallest matching cap, in place;
-    what was done, or None when no cap applied."""
-    model = body.get("model")
-    model = model if isinstance(model, str) else None
-    limit = min((c.max_tokens for c in caps if c.matches(path, model, task)), default=None)
+def cap_limit(caps: Sequence[Cap], path: str, model: str | None, task: str | None) -> int | None:
+    """The smallest cap matching a call (None: none matches)."""
+    return min((c.max_tokens for c in caps if c.matches(path, model, task)), default=None)
+
+
+def apply_limit(body: dict[str, Any], path: str, limit: int | None) -> Capped | None:
+    """Lower (or add) the body's output bound to ``limit``, in place; what was done, or
+    None when nothing was."""
     if limit is None:
         return None
     present = [f for f in OUTPUT_FIELDS if f in body]
@@ -92,3 +92,37 @@ def apply_caps(
             body[f] = limit
             done = Capped(f, v if isinstance(v, int) and not isinstance(v, bool) else None, limit)
     return done
+
+
+def apply_caps(
+    caps: Sequence[Cap], body: dict[str, Any], path: str, task: str | None
+) -> Capped | None:
+    """Lower (or add) the body's output bound to the smallest matching cap, in place;
+    what was done, or None when no cap applied."""
+    model = body.get("model")
+    model = model if isinstance(model, str) else None
+    return apply_limit(body, path, cap_limit(caps, path, model, task))
+
+
+class CapTable:
+    """The caps of one transport, with the limit of each (route, model, task) seen kept
+    (at most ``size`` of them: they come from callers)."""
+
+    __slots__ = ("caps", "limits", "size")
+
+    def __init__(self, caps: Sequence[Cap], size: int = 1024) -> None:
+        self.caps = tuple(caps)
+        self.limits: dict[tuple[str, str | None, str | None], int | None] = {}
+        self.size = size
+
+    def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
+        """``apply_caps`` with this table's caps."""
+        model = body.get("model")
+        key = (path, model if type(model) is str else None, task)
+        try:
+            limit = self.limits[key]
+        except KeyError:
+            limit = cap_limit(self.caps, *key)
+            if len(self.limits) < self.size:
+                self.limits[key] = limit
+        return apply_limit(body, path, limit)

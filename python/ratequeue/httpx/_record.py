@@ -11,7 +11,7 @@ from ._budget import CallBudget, SubCall
 from ._caps import Capped
 from ._estimate import Estimate
 from ._headers import RateLimitHeaders
-from ._usage import Usage
+from ._usage import Usage, usage_from_json
 
 __all__ = ["CallRecord"]
 
@@ -62,6 +62,15 @@ def json_object(data: bytes) -> dict[str, Any] | None:
     return parsed if type(parsed) is dict else None
 
 
+def json_usage(body: bytes) -> Usage | None:
+    """The usage of a JSON body, exactly as a full parse finds it (None when there is
+    none or the body is not JSON, however nested); a UTF-8 object that cannot name
+    ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
+    if body[:1] == b"{" and b'"usage"' not in body and b"\\u" not in body:
+        return None
+    return usage_from_json(json_object(body))
+
+
 def model_of(body: dict[str, Any] | None) -> str | None:
     """The body's ``model`` when it is a string."""
     if body is None:
@@ -83,6 +92,8 @@ class CallRecord:
         "_estimate",
         "_model",
         "_pending",
+        "_usage",
+        "_usage_body",
         "capped",
         "http_seconds",
         "path",
@@ -93,7 +104,6 @@ class CallRecord:
         "settled",
         "status",
         "task",
-        "usage",
         "waited",
     )
 
@@ -127,7 +137,8 @@ class CallRecord:
         self.waited = waited
         self.http_seconds = http_seconds
         self.status = status
-        self.usage = usage
+        self._usage = usage
+        self._usage_body: bytes | None = None
         self.settled = settled
         self.rate_limits = rate_limits
         self._pending = body if estimate is None else None
@@ -165,6 +176,21 @@ class CallRecord:
     def estimate(self, value: Estimate) -> None:
         self._pending = None
         self._estimate = value
+
+    @property
+    def usage(self) -> Usage | None:
+        """Tokens the call really used, from the provider's count (None: not settled, or
+        no count reported); read from the JSON body when first asked for if the call did
+        not need it to settle."""
+        if self._usage_body is not None:
+            body, self._usage_body = self._usage_body, None
+            self._usage = json_usage(body)
+        return self._usage
+
+    @usage.setter
+    def usage(self, value: Usage | None) -> None:
+        self._usage_body = None
+        self._usage = value
 
     def _astuple(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f) for f in _FIELDS)
@@ -236,7 +262,8 @@ class _Call(CallRecord):
         self.waited = 0.0
         self.http_seconds = None
         self.status = None
-        self.usage = None
+        self._usage = None
+        self._usage_body = None
         self.settled = False
         self.rate_limits = None
         self._request = request

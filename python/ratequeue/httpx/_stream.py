@@ -5,12 +5,11 @@ the response), imported only then."""
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ._record import SCAN
-from ._usage import SSEUsage, Usage, usage_from_json, usage_of
+from ._record import json_usage as _json_usage
+from ._usage import SSEUsage, Usage
 
 if TYPE_CHECKING:
     from ._record import _Call
@@ -59,26 +58,6 @@ class _Reader:
             usage = _json_usage(b"".join(self.buf))
             self.buf = []
         _done(self.call, self.transport, usage)
-
-
-def _json_usage(body: bytes) -> Usage | None:
-    """The usage of a JSON body: its ``"usage"`` object decoded alone when it is the
-    only one and at the top level (the common case, without decoding the rest), else
-    the whole body; None when there is none or the body is not JSON (however nested)."""
-    i = body.rfind(b'"usage"')
-    if i != -1:
-        j = body.find(b"{", i + 7, i + 40)
-        if j != -1 and body[i + 7 : j].strip() == b":" and body.count(b'"usage"') == 1:
-            try:
-                u = usage_of(SCAN(body[j:].decode("utf-8", "replace"), 0)[0])
-            except (StopIteration, ValueError, RecursionError):
-                u = None
-            if u is not None:
-                return u
-    try:
-        return usage_from_json(json.loads(body))
-    except (ValueError, RecursionError):
-        return None
 
 
 _STREAMS: dict[type, tuple[type, type]] = {}

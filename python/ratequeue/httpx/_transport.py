@@ -7,7 +7,6 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 
 from __future__ import annotations
 
-import json
 import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
@@ -18,14 +17,16 @@ from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
 from ..pool import Pool
 from . import _budget
+from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, apply_caps
+from ._caps import Cap, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import Estimate, default_estimator
+from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import Ledger, call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
-from ._stream import _json_usage, wrap
+from ._record import json_usage as _json_usage
+from ._stream import wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
@@ -79,20 +80,7 @@ def _read_request(
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-
-
-def _rewrite(request: Any, body: dict[str, Any]) -> Any:
-    """The request with this body (a new content-length)."""
-    data = json.dumps(body, separators=(",", ":"), ensure_ascii=False).encode()
-    new_headers = request.headers.copy()
-    del new_headers["content-length"]
-    return type(request)(
-        request.method,
-        request.url,
-        headers=new_headers,
-        content=data,
-        extensions=request.extensions,
-    )
+_MISSING = object()
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -154,6 +142,7 @@ class RateLimitedTransport:
         for c in self.caps:
             if not isinstance(c, Cap):
                 raise TypeError(f"caps must be Cap rules, got {c!r}")
+        self._cap_table = CapTable(self.caps)
         self.ledger = ledger
         self.account = account
         self.calibrate = bool(calibrate)
@@ -279,13 +268,19 @@ class RateLimitedTransport:
         ):
             body = json_object(data) if data else None
             if body is not None:
+                fields: dict[str, Any] = {}
                 if self.caps:
-                    capped = apply_caps(self.caps, body, path, task)
-                changed = capped is not None
+                    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+                    capped = self._cap_table.apply(body, path, task)
+                    if capped is not None:
+                        for f, was in zip(OUTPUT_FIELDS, before, strict=True):
+                            v = body.get(f, _MISSING)
+                            if v is not was:
+                                fields[f] = v
                 if body.get("stream") is True and self._stream_opts(body, path):
-                    changed = True
-                if changed:
-                    request = _rewrite(request, body)
+                    fields["stream_options"] = body["stream_options"]
+                if fields:
+                    set_body(request, data, body, fields)  # type: ignore[arg-type]
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
@@ -416,8 +411,13 @@ class RateLimitedTransport:
                 wrap(response, call, self, is_async, sse)
             else:  # the body is here already (what MockTransport and ASGI tests return)
                 content = response.content
-                usage = _json_usage(content) if content and len(content) <= self.max_body else None
-                self._settle(call, usage, status, reported=True)
+                if not content or len(content) > self.max_body:
+                    self._settle(call, None, status, reported=True)
+                elif self._token_plan or call._sub or call._held:
+                    self._settle(call, _json_usage(content), status, reported=True)
+                else:  # only the record wants the usage: read when asked for
+                    self._settle(call, None, status, reported=True)
+                    call._usage_body = content
         return response
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:
@@ -492,9 +492,9 @@ class RateLimitedTransport:
         except IndexError:
             return
         call._done = True
-        call.usage = usage
+        call._usage = usage
         call.settled = True
-        if usage is None and reported:
+        if usage is None and reported and (self._token_plan or call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit

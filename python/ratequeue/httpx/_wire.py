@@ -74,12 +74,16 @@ def header_list(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
     return [(k, k.lower(), v) for k, v in headers.raw]
 
 
-def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
+def scan_response(
+    headers: list[tuple[bytes, bytes, bytes]], known: dict[bytes, int] | None = None
+) -> tuple[bytes, bool]:
     """The content type, and whether a rate-limit header may say a quota is exhausted
-    (a cheap scan of the pairs; the full parse decides)."""
+    (a cheap scan of the pairs, by the kinds of their names in ``known``; the full
+    parse decides)."""
     ctype = b""
     exhausted = False
-    known = _KNOWN
+    if known is None:
+        known = _KNOWN
     try:
         for _, lk, v in headers:
             kind = known[lk]  # a name not seen yet raises: classified below, then again
@@ -96,32 +100,9 @@ def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, boo
                     s = v.strip()
                     exhausted = s == b"0" or s.startswith((b"0.", b"-"))
     except KeyError:
-        return _scan_new(headers)
-    return ctype, exhausted
-
-
-def _scan_new(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
-    """``scan_response`` of headers with names not classified yet (the table of names
-    full: every time)."""
-    if len(_KNOWN) < _KNOWN_MAX:
-        for _, lk, _ in headers:
-            _kind(lk)
-        if len(_KNOWN) < _KNOWN_MAX:
-            return scan_response(headers)
-    ctype = b""
-    exhausted = False
-    for _, lk, v in headers:
-        kind = _kind(lk)
-        if kind == 0:
-            ctype = v
-        elif kind != 1 and not exhausted:
-            if kind == 3:
-                exhausted = b"=0" in v
-            elif kind == 4:
-                exhausted = True
-            else:
-                s = v.strip()
-                exhausted = s == b"0" or s.startswith((b"0.", b"-"))
+        # Names not classified yet: into the table while it has room; once it is full,
+        # the kinds of these headers' names, every time.
+        return scan_response(headers, {lk: _kind(lk) for _, lk, _ in headers})
     return ctype, exhausted
 
 

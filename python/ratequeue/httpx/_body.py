@@ -1,0 +1,115 @@
+"""A request body rewritten in place: only the top-level fields that change are written
+again, the rest of the bytes stay as the SDK serialized them."""
+
+from __future__ import annotations
+
+import json
+import json.decoder
+import re
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from ._record import SCAN
+from ._wire import header_list
+
+_WS = re.compile(r"[ \t\n\r]*")
+_scanstring: Callable[[str, int], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def _skip(s: str, pos: int = 0) -> int:
+    """Where the JSON whitespace from ``pos`` ends."""
+    m = _WS.match(s, pos)
+    return m.end() if m is not None else pos
+
+
+def _dumps(v: Any) -> str:
+    return json.dumps(v, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+
+
+def _members(s: str) -> tuple[dict[str, list[tuple[int, int]]], int] | None:
+    """Where the value of each top-level member of the JSON object ``s`` is (every
+    occurrence of a key), and where its closing brace is; None if ``s`` is not one."""
+    ws = _skip
+    spans: dict[str, list[tuple[int, int]]] = {}
+    try:
+        pos = ws(s)
+        if s[pos] != "{":
+            return None
+        pos = ws(s, pos + 1)
+        if s[pos] == "}":
+            return spans, pos
+        while True:
+            if s[pos] != '"':
+                return None
+            key, pos = _scanstring(s, pos + 1)
+            pos = ws(s, pos)
+            if s[pos] != ":":
+                return None
+            pos = ws(s, pos + 1)
+            _, end = SCAN(s, pos)
+            spans.setdefault(key, []).append((pos, end))
+            pos = ws(s, end)
+            c = s[pos]
+            if c == "}":
+                return (spans, pos) if not s[pos + 1 :].strip(" \t\n\r") else None
+            if c != ",":
+                return None
+            pos = ws(s, pos + 1)
+    except (IndexError, StopIteration, ValueError, RecursionError):
+        return None
+
+
+def spliced(data: bytes, fields: Mapping[str, Any]) -> bytes | None:
+    """``data`` (a UTF-8 JSON object) with these top-level fields set: each value written
+    where the field is (every occurrence), a missing field added at the end; every other
+    byte kept. None when ``data`` is not such an object."""
+    try:
+        s = data.decode()
+    except UnicodeDecodeError:
+        return None
+    found = _members(s)
+    if found is None:
+        return None
+    spans, close = found
+    edits: list[tuple[int, int, str]] = []
+    added: list[str] = []
+    for key, value in fields.items():
+        text = _dumps(value)
+        where = spans.get(key)
+        if where:
+            edits.extend((a, b, text) for a, b in where)
+        else:
+            added.append(_dumps(key) + ":" + text)
+    if added:
+        edits.append((close, close, ("," if spans else "") + ",".join(added)))
+    edits.sort()
+    out: list[str] = []
+    at = 0
+    for a, b, text in edits:
+        out.append(s[at:a])
+        out.append(text)
+        at = b
+    out.append(s[at:])
+    return "".join(out).encode()
+
+
+def set_body(request: Any, data: bytes, body: dict[str, Any], fields: Mapping[str, Any]) -> None:
+    """Send ``request`` with ``body`` (whose ``fields`` changed): the bytes it had with
+    only those fields written again (the whole body serialized again when its bytes are
+    not plain UTF-8 JSON), its stream, content and ``Content-Length`` replaced in place."""
+    new = spliced(data, fields)
+    if new is None:
+        new = _dumps(body).encode()
+    stream_type = type(request.stream)
+    if stream_type.__name__ != "ByteStream":
+        stream_type = sys.modules[type(request).__module__].ByteStream
+    request.stream = stream_type(new)
+    request._content = new
+    headers = request.headers
+    name = "Content-Length"
+    for raw, lower, _ in header_list(headers):
+        if lower == b"content-length":
+            name = raw.decode("latin-1")  # the SDK's spelling, kept
+            break
+    headers[name] = str(len(new))
