@@ -19,7 +19,7 @@ use crate::bucket::Deny;
 use crate::clock::{AnyClock, ManualClock};
 use crate::error::Error;
 use crate::histogram::Histogram;
-use crate::wait::{QueueConfig, Resource, Stalled, WaitQueue};
+use crate::wait::{GrantRef, QueueConfig, Resource, Stalled, WaitQueue};
 
 /// Makes the queue resource of one key.
 pub type MakeResource = Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync>;
@@ -204,6 +204,27 @@ impl KeyQueues {
             }
         }
         self.live.store(m.len(), Ordering::Release);
+    }
+
+    /// Settles a grant on `key` from its `estimated` costs to the `actual` ones (see
+    /// [`WaitQueue::settle`]): through the key's queue when it has one, as a Limiter
+    /// permit settles, so that an overage waits behind the reservations promised a time
+    /// on the key; an overage makes the queue if needed.
+    pub fn settle(&self, key: u64, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let over = actual.iter().zip(estimated).any(|(a, e)| a > e);
+        match if over { self.get(key).ok() } else { self.existing(key) } {
+            Some(handle) => {
+                let grant = handle.queue().settle(estimated, actual, grant);
+                drop(handle);
+                self.done(key, 0);
+                grant
+            }
+            None => {
+                let grant = (self.make)(key).settle(estimated, actual, grant);
+                self.poll(key);
+                grant
+            }
+        }
     }
 
     /// Grants whatever can now be granted on `key` (after capacity came back to it).
