@@ -10,8 +10,12 @@ use std::time::Duration;
 use ratequeue_core::bucket::Deny;
 use ratequeue_core::keyed::KeyBucket;
 use ratequeue_core::keyed_queue::MakeResource;
-use ratequeue_core::wait::{GrantRef, Outcome, Queued, Reserved, Sim, Slot, Submitted, Wake};
-use ratequeue_core::{AnyClock, Error, KeyQueues, KeyedLimiter, ManualClock, QueueConfig, Rate, Resource};
+use ratequeue_core::policy::{LevelQueues, QueueRef};
+use ratequeue_core::wait::{GrantRef, Outcome, Queued, Reserved, Sim, Slot, Submitted, Wake, WaitQueue};
+use ratequeue_core::{
+    AnyClock, Error, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Policy, QueueConfig,
+    Rate, Resource,
+};
 
 const MS: u64 = 1_000_000;
 
@@ -129,4 +133,89 @@ fn a_keyed_overage_on_a_full_key_map_is_decided_under_a_lock() {
     let r_at = granted_at(r.outcome());
     assert_eq!(r_at, Some(r.at_ns), "promised {} ms", r.at_ns / MS);
     assert!(w_at >= 200 * MS && r.at_ns >= w_at + 100 * MS, "waiter {w_at}, reservation {}", r.at_ns);
+}
+
+// ---------------------------------------------------------------------------------
+// a settle down before a queued hold's grant
+
+/// A Limiter of 10 per second with `burst` and its queue; a policy over it whose wait
+/// joins that queue.
+fn queued_policy(clock: &Arc<ManualClock>, burst: u64) -> (Arc<Limiter>, Arc<WaitQueue>, Policy) {
+    let any = AnyClock::Manual(clock.clone());
+    let lim = Arc::new(Limiter::new(vec![("requests".into(), Rate::new(10.0, 1e9, burst).unwrap())], any.clone()).unwrap());
+    let q = WaitQueue::new(lim.clone(), 1, any, QueueConfig::new(vec![], 100, None).unwrap());
+    let p = Policy::new(vec![Level {
+        name: "l".into(),
+        kind: LevelKind::Rate(lim.clone()),
+        shadow: false,
+        wake: None,
+        queues: Some(Arc::new(One(q.clone()))),
+    }])
+    .unwrap();
+    (lim, q, p)
+}
+
+struct One(Arc<WaitQueue>);
+
+impl LevelQueues for One {
+    fn existing(&self, _key: u64) -> Option<QueueRef> {
+        Some(QueueRef::new(self.0.clone()))
+    }
+}
+
+fn cost(c: u64) -> Vec<LevelArgs> {
+    vec![LevelArgs { key: 0, costs: vec![c] }]
+}
+
+/// Queues a waiter of `c` on `q`; its slot.
+fn waiter(q: &Arc<WaitQueue>, c: u64) -> Arc<Slot> {
+    let s = Slot::new();
+    let s2 = s.clone();
+    assert!(matches!(
+        q.submit(&[c], 0, None, || Wake::Thread(s2)).unwrap(),
+        Submitted::Queued(_)
+    ));
+    s
+}
+
+#[test]
+fn a_settle_down_before_a_queued_holds_grant_cancels_what_it_owes() {
+    // One unit per 0.1 s, burst 1. Used at 0, a waiter due at 0.1 s, the hold at 0.2 s.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q, p) = queued_policy(&clock, 1);
+    lim.try_acquire(&[1]).unwrap();
+    let w = waiter(&q, 1);
+    let (delay, mut held) = p.reserve_queued(&cost(1), 0, u64::MAX).unwrap();
+    assert_eq!(delay, 200 * MS);
+    // Settled up before the grant: one unit owed behind the hold; then back down to the
+    // estimate, still before the grant: nothing is owed any more.
+    p.settle(&mut held, &cost(1), &cost(2), 0);
+    assert_eq!(q.waiting(), 3);
+    p.settle(&mut held, &cost(2), &cost(1), 0);
+    assert_eq!(q.waiting(), 2, "the owed unit is still queued");
+    q.run_until(&clock, 250 * MS).unwrap();
+    assert_eq!(granted_at(w.take()), Some(100 * MS));
+    // The hold's unit ends at 0.3 s: free at 0.3 s, not at 0.4 s.
+    assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 50 * MS, "the owed unit was charged");
+}
+
+#[test]
+fn a_settle_below_the_estimate_before_a_queued_holds_grant_is_debited_as_settled() {
+    // One unit per 0.1 s, burst 2. Two used at 0, a waiter due at 0.1 s, the hold of two
+    // at 0.3 s; settled to one before its grant, its grant debits one unit.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let (lim, q, p) = queued_policy(&clock, 2);
+    lim.try_acquire(&[2]).unwrap();
+    let w = waiter(&q, 1);
+    let (delay, mut held) = p.reserve_queued(&cost(2), 0, u64::MAX).unwrap();
+    assert_eq!(delay, 300 * MS);
+    p.settle(&mut held, &cost(2), &cost(1), 0);
+    q.run_until(&clock, 350 * MS).unwrap();
+    assert_eq!(granted_at(w.take()), Some(100 * MS));
+    // Two units at 0, the waiter's at 0.1 s, the hold's one at 0.3 s: the bucket is full
+    // again at 0.4 s, and two units conform from 0.4 s (not 0.5 s).
+    assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 50 * MS, "the hold was debited its estimate");
+    // Settled back to zero after the grant: the one unit it holds comes back.
+    p.settle(&mut held, &cost(1), &cost(0), 350 * MS);
+    assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 0);
 }
