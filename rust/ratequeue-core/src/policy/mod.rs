@@ -210,29 +210,25 @@ impl QueuedHold {
         left
     }
 
-    /// Settles to `actual`: once granted by the one undo rule on the grant; before, the
-    /// queue debits the estimate when it grants, so only an overage is charged now.
-    fn settle(&mut self, actual: &[u64], now_ns: u64) {
-        match self.grant() {
-            Some(g) => {
-                self.grant = Some(self.queue.queue.settle(&self.costs, actual, g));
+    /// Settles to `actual`: once granted by the one undo rule on the grant; before, in
+    /// the queue (what it owes cancelled first, then what its grant will debit lowered;
+    /// an overage owed behind the waiters queued now).
+    fn settle(&mut self, actual: &[u64]) {
+        if self.grant().is_none() {
+            let q = &self.queue.queue;
+            if let Some(owed) = q.settle_queued(self.r.ticket, &self.costs, actual, self.owed) {
+                // What it owes now belongs to the grant: a later settle cancels it first,
+                // and settles from these costs (never charging the overage again).
+                self.owed = owed;
+                self.over |= actual.iter().zip(&self.costs).any(|(a, e)| a > e);
                 self.costs = actual.to_vec();
+                return;
             }
-            None => {
-                let up: Vec<u64> = self.costs.iter().zip(actual).map(|(e, a)| *e.max(a)).collect();
-                if up != self.costs {
-                    let charge = GrantRef {
-                        at_ns: now_ns,
-                        token: None,
-                        owed: self.owed,
-                    };
-                    // What it owes now belongs to the grant: a later settle cancels it first,
-                    // and settles from these costs (never charging the overage again).
-                    self.owed = self.queue.queue.settle(&self.costs, &up, charge).owed;
-                    self.costs = up;
-                    self.over = true;
-                }
-            }
+            // Granted meanwhile: its outcome is in its slot now.
+        }
+        if let Some(g) = self.grant() {
+            self.grant = Some(self.queue.queue.settle(&self.costs, actual, g));
+            self.costs = actual.to_vec();
         }
     }
 }
@@ -472,7 +468,7 @@ impl Policy {
         for (i, h) in held.iter_mut().enumerate() {
             match h {
                 Held::Queued(q) => {
-                    q.settle(&actual[i].costs, now_ns);
+                    q.settle(&actual[i].costs);
                     continue;
                 }
                 Held::Nothing => continue,
