@@ -219,3 +219,58 @@ fn a_settle_below_the_estimate_before_a_queued_holds_grant_is_debited_as_settled
     p.settle(&mut held, &cost(1), &cost(0), 350 * MS);
     assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 0);
 }
+
+// ---------------------------------------------------------------------------------
+// a parent's owed charge in a forked child
+
+#[test]
+fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket_holds() {
+    // One unit per 0.1 s, burst 2. A permit of two at 0; a waiter (due 0.1 s) and a
+    // reservation (promised 0.2 s) queue; the permit settles up to five: three units
+    // owed behind the reservation. Then the process forks.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let any = AnyClock::Manual(clock.clone());
+    let lim = Arc::new(Limiter::new(vec![("requests".into(), Rate::new(10.0, 1e9, 2).unwrap())], any.clone()).unwrap());
+    let q = WaitQueue::new(lim.clone(), 1, any, QueueConfig::new(vec![], 100, None).unwrap());
+    let Submitted::Granted { at_ns } = q.submit(&[2], 0, None, || unreachable!()).unwrap() else {
+        panic!("granted at once")
+    };
+    let _w = waiter(&q, 1);
+    let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued behind the waiter")
+    };
+    assert_eq!(r.at_ns, 200 * MS);
+    let g = q.settle(&[2], &[5], GrantRef::new(at_ns, None));
+    assert!(g.owed.is_some());
+    // SAFETY: the child only takes locks the fork handlers released and reads the
+    // bucket, then leaves with _exit.
+    let pid = unsafe { libc::fork() };
+    assert!(pid >= 0);
+    if pid == 0 {
+        // The child inherits the debt with the bucket: the three owed units are debited
+        // there (no promise is left to wait for), so the permit holds five units and
+        // settling it to one gives four back: one unit left held at 0, one free.
+        q.settle(&[5], &[1], g);
+        // The child's answer: when two units conform (ms), 255 when anything else is off.
+        let code = match (q.waiting(), lim.delay_at(0, &[1]), lim.delay_at(0, &[2])) {
+            (0, Ok(0), Ok(d)) => (d / MS).min(254) as i32,
+            _ => 255,
+        };
+        // SAFETY: leaves the child without running the parent's destructors or tests.
+        unsafe { libc::_exit(code) };
+    }
+    let mut status = 0;
+    // SAFETY: waits for the child forked above.
+    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
+    assert!(libc::WIFEXITED(status), "{status}");
+    assert_eq!(
+        libc::WEXITSTATUS(status),
+        100,
+        "in the child, two units conform after this many ms (255: the queue or one unit is off)"
+    );
+    // The parent is untouched: its waiter at 0.1 s, the reservation at 0.2 s, the owed
+    // three units after it.
+    q.run_until(&clock, 1000 * MS).unwrap();
+    assert_eq!(granted_at(r.outcome()), Some(200 * MS));
+    assert_eq!(q.waiting(), 0);
+}
