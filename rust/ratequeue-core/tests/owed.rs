@@ -274,3 +274,31 @@ fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket
     assert_eq!(granted_at(r.outcome()), Some(200 * MS));
     assert_eq!(q.waiting(), 0);
 }
+
+#[test]
+fn a_keyed_overage_owed_behind_a_promise_is_debited_in_turn() {
+    // One unit per 0.1 s per key, burst 1. A permit on the key at 0; a waiter (due 0.1 s)
+    // and a reservation (promised 0.2 s) queue there; the permit settles up by two: owed
+    // behind the reservation, debited at 0.2 s after it.
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let any = AnyClock::Manual(clock.clone());
+    let keyed = Arc::new(KeyedLimiter::new(Rate::new(10.0, 1e9, 1).unwrap(), 1 << 10, any.clone()).unwrap());
+    let k2 = keyed.clone();
+    let make: MakeResource = Box::new(move |key| Arc::new(KeyBucket { keyed: k2.clone(), key }));
+    let qs = KeyQueues::new(any, QueueConfig::new(Vec::new(), 100, None).unwrap(), 16, make).unwrap();
+    let k = 7u64;
+    let (at, token) = qs.try_now(k, &[1]).unwrap();
+    let h = qs.get(k).unwrap();
+    let w = waiter(h.queue(), 1);
+    let Reserved::Queued(r) = h.queue().reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
+        panic!("queued behind the waiter")
+    };
+    assert_eq!(r.at_ns, 200 * MS);
+    let g = qs.settle(k, &[1], &[3], GrantRef::new(at, token));
+    assert!(g.owed.is_some(), "owed behind the promise");
+    h.queue().run_until(&clock, 250 * MS).unwrap();
+    assert_eq!(granted_at(w.take()), Some(100 * MS));
+    assert_eq!(granted_at(r.outcome()), Some(200 * MS));
+    // Units at 0, 0.1 s and 0.2 s, then the two owed: the key is busy until 0.5 s.
+    assert_eq!(keyed.delay_for(k, 250 * MS, 1).unwrap(), 250 * MS, "the owed overage was never debited");
+}
