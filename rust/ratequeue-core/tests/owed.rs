@@ -247,14 +247,15 @@ fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket
     let pid = unsafe { libc::fork() };
     assert!(pid >= 0);
     if pid == 0 {
-        // The child inherits the debt with the bucket: the three owed units are debited
-        // there (no promise is left to wait for), so the permit holds five units and
-        // settling it to one gives four back: one unit left held at 0, one free.
+        // The three owed units went with the parent's queue (the parent debits them): the
+        // child's bucket holds two units of the permit, so settling it to one gives one
+        // back, as the parent would (cancelling what it owes first): one unit held, one
+        // free at 0, not two.
         q.settle(&[5], &[1], g);
         // The child's answer: when two units conform (ms), 255 when anything else is off.
         let code = match (q.waiting(), lim.delay_at(0, &[1]), lim.delay_at(0, &[2])) {
             (0, Ok(0), Ok(d)) => (d / MS).min(254) as i32,
-            _ => 255,
+            (n, d1, _) => 200 + n.min(9) as i32 * 10 + d1.map_or(9, |d| (d / MS / 100).min(9) as i32),
         };
         // SAFETY: leaves the child without running the parent's destructors or tests.
         unsafe { libc::_exit(code) };

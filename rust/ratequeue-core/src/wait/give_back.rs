@@ -54,9 +54,9 @@ impl WaitQueue {
     ) -> (R, Option<u64>) {
         // Without the lock only a refund (it never moves a promised time later): an
         // overage is decided under it, or a reservation joining meanwhile could be
-        // promised a time the charge then takes.
-        if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
-            // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
+        // promised a time the charge then takes. Nothing queued and nothing owed: a
+        // charge leaves the queue only once debited.
+        if self.waiting() == 0 && owed.is_none() && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             let r = debit(estimated, actual);
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
@@ -111,6 +111,16 @@ impl WaitQueue {
         owed: Option<u64>,
         debit: impl FnOnce(&mut Inner, &[u64], &[u64]) -> R,
     ) -> (R, Option<u64>) {
+        // In a forked child, what the debit owed at the fork was dropped with the queue:
+        // it holds its estimate less that, and settles from there.
+        let in_child: Vec<u64>;
+        let estimated = match owed.and_then(|t| g.forgiven.remove(&t)) {
+            Some(f) => {
+                in_child = estimated.iter().zip(f.iter()).map(|(e, f)| e.saturating_sub(*f)).collect();
+                &in_child[..]
+            }
+            None => estimated,
+        };
         let owed_ticket = owed.filter(|t| g.where_is.contains_key(t));
         let owed: Vec<u64> = match owed_ticket {
             Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
@@ -174,6 +184,7 @@ impl WaitQueue {
     pub fn cancel_owed(self: &Arc<Self>, owed: u64) {
         let mut g = lock(&self.inner);
         let Some(ci) = g.where_is.get(&owed).copied() else {
+            g.forgiven.remove(&owed);
             return;
         };
         if matches!(g.classes[ci].waiters[&owed].wake, Wake::Nobody) {
@@ -200,11 +211,11 @@ impl WaitQueue {
     }
 
     /// [`WaitQueue::settle`] without waiting for a lock: None (nothing changed) when the
-    /// queue's lock or one the resource needs is busy, or when anyone is queued (the
-    /// grant may owe a charge there, or an overage may have to join it: settle through
-    /// the waiting call then).
+    /// queue's lock or one the resource needs is busy, when the grant owed a charge, or
+    /// when anyone is queued (the grant may owe a charge there, or an overage may have
+    /// to join it: settle through the waiting call then).
     pub fn try_settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> Option<GrantRef> {
-        if self.waiting() != 0 {
+        if self.waiting() != 0 || grant.owed.is_some() {
             return None;
         }
         // Decided under the queue's lock, as a settle is: ordered with any waiter or
