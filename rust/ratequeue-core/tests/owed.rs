@@ -11,7 +11,7 @@ use ratequeue_core::bucket::Deny;
 use ratequeue_core::keyed::KeyBucket;
 use ratequeue_core::keyed_queue::MakeResource;
 use ratequeue_core::policy::{LevelQueues, QueueRef};
-use ratequeue_core::wait::{GrantRef, Outcome, Queued, Reserved, Sim, Slot, Submitted, Wake, WaitQueue};
+use ratequeue_core::wait::{GrantRef, Outcome, Queued, Reserved, Sim, Slot, Submitted, WaitQueue, Wake};
 use ratequeue_core::{
     AnyClock, Error, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Policy, QueueConfig,
     Rate, Resource,
@@ -132,7 +132,11 @@ fn a_keyed_overage_on_a_full_key_map_is_decided_under_a_lock() {
     let w_at = granted_at(wb.take()).expect("b's waiter is granted");
     let r_at = granted_at(r.outcome());
     assert_eq!(r_at, Some(r.at_ns), "promised {} ms", r.at_ns / MS);
-    assert!(w_at >= 200 * MS && r.at_ns >= w_at + 100 * MS, "waiter {w_at}, reservation {}", r.at_ns);
+    assert!(
+        w_at >= 200 * MS && r.at_ns >= w_at + 100 * MS,
+        "waiter {w_at}, reservation {}",
+        r.at_ns
+    );
 }
 
 // ---------------------------------------------------------------------------------
@@ -142,7 +146,13 @@ fn a_keyed_overage_on_a_full_key_map_is_decided_under_a_lock() {
 /// joins that queue.
 fn queued_policy(clock: &Arc<ManualClock>, burst: u64) -> (Arc<Limiter>, Arc<WaitQueue>, Policy) {
     let any = AnyClock::Manual(clock.clone());
-    let lim = Arc::new(Limiter::new(vec![("requests".into(), Rate::new(10.0, 1e9, burst).unwrap())], any.clone()).unwrap());
+    let lim = Arc::new(
+        Limiter::new(
+            vec![("requests".into(), Rate::new(10.0, 1e9, burst).unwrap())],
+            any.clone(),
+        )
+        .unwrap(),
+    );
     let q = WaitQueue::new(lim.clone(), 1, any, QueueConfig::new(vec![], 100, None).unwrap());
     let p = Policy::new(vec![Level {
         name: "l".into(),
@@ -196,7 +206,11 @@ fn a_settle_down_before_a_queued_holds_grant_cancels_what_it_owes() {
     q.run_until(&clock, 250 * MS).unwrap();
     assert_eq!(granted_at(w.take()), Some(100 * MS));
     // The hold's unit ends at 0.3 s: free at 0.3 s, not at 0.4 s.
-    assert_eq!(lim.delay_at(250 * MS, &[1]).unwrap(), 50 * MS, "the owed unit was charged");
+    assert_eq!(
+        lim.delay_at(250 * MS, &[1]).unwrap(),
+        50 * MS,
+        "the owed unit was charged"
+    );
 }
 
 #[test]
@@ -214,7 +228,11 @@ fn a_settle_below_the_estimate_before_a_queued_holds_grant_is_debited_as_settled
     assert_eq!(granted_at(w.take()), Some(100 * MS));
     // Two units at 0, the waiter's at 0.1 s, the hold's one at 0.3 s: the bucket is full
     // again at 0.4 s, and two units conform from 0.4 s (not 0.5 s).
-    assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 50 * MS, "the hold was debited its estimate");
+    assert_eq!(
+        lim.delay_at(350 * MS, &[2]).unwrap(),
+        50 * MS,
+        "the hold was debited its estimate"
+    );
     // Settled back to zero after the grant: the one unit it holds comes back.
     p.settle(&mut held, &cost(1), &cost(0), 350 * MS);
     assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 0);
@@ -301,5 +319,9 @@ fn a_keyed_overage_owed_behind_a_promise_is_debited_in_turn() {
     assert_eq!(granted_at(w.take()), Some(100 * MS));
     assert_eq!(granted_at(r.outcome()), Some(200 * MS));
     // Units at 0, 0.1 s and 0.2 s, then the two owed: the key is busy until 0.5 s.
-    assert_eq!(keyed.delay_for(k, 250 * MS, 1).unwrap(), 250 * MS, "the owed overage was never debited");
+    assert_eq!(
+        keyed.delay_for(k, 250 * MS, 1).unwrap(),
+        250 * MS,
+        "the owed overage was never debited"
+    );
 }

@@ -487,8 +487,9 @@ impl Policy {
             let woke = match self.levels[i].queues.as_ref().filter(|_| over || owed.is_some()) {
                 None => limit.settle(h, est, act, now_ns),
                 Some(qs) => {
-                    let (woke, owes) =
-                        qs.settle_by(key, est, act, owed, &mut |held, keep| limit.settle(h, held, keep, now_ns));
+                    let (woke, owes) = qs.settle_by(key, est, act, owed, &mut |held, keep| {
+                        limit.settle(h, held, keep, now_ns)
+                    });
                     h.set_owed(owes);
                     woke
                 }

@@ -335,7 +335,11 @@ fn a_settle_before_the_grant_is_what_the_grant_debits_and_is_not_refunded_twice(
         "the grant debits what the hold settled to"
     );
     p.settle(&mut held, &est, &less, 400 * MS);
-    assert_eq!(lim.delay_at(400 * MS, &[3]).unwrap(), 100 * MS, "nothing refunded twice");
+    assert_eq!(
+        lim.delay_at(400 * MS, &[3]).unwrap(),
+        100 * MS,
+        "nothing refunded twice"
+    );
 }
 
 // ---------------------------------------------------------------------------------

@@ -116,7 +116,11 @@ impl WaitQueue {
         let in_child: Vec<u64>;
         let estimated = match owed.and_then(|t| g.forgiven.remove(&t)) {
             Some(f) => {
-                in_child = estimated.iter().zip(f.iter()).map(|(e, f)| e.saturating_sub(*f)).collect();
+                in_child = estimated
+                    .iter()
+                    .zip(f.iter())
+                    .map(|(e, f)| e.saturating_sub(*f))
+                    .collect();
                 &in_child[..]
             }
             None => estimated,
