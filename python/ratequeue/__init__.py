@@ -9,6 +9,7 @@ from . import aio as aio
 from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
 from ._ratequeue import (
     Acquiring,
+    Channel,
     Concurrency,
     Histogram,
     KeyedConcurrency,
@@ -18,6 +19,7 @@ from ._ratequeue import (
     MonotonicClock,
     Permit,
     Policy,
+    PolicyAcquiring,
     PolicyPermit,
     Rate,
     Reservation,
@@ -38,6 +40,7 @@ __all__ = [
     "BudgetExceeded",
     "CallBudget",
     "Canary",
+    "Channel",
     "Concurrency",
     "CostTooLarge",
     "Gradient2",
@@ -50,6 +53,7 @@ __all__ = [
     "Overloaded",
     "Permit",
     "Policy",
+    "PolicyAcquiring",
     "PolicyPermit",
     "Pool",
     "PoolAcquiring",

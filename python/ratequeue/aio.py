@@ -30,7 +30,18 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ._ratequeue import Channel, _LoopWaiters, _use_policy_wait
+from ._ratequeue import (
+    Channel,
+    _LoopWaiters,
+    _use_aio,
+    _wait_abandon,
+    _wait_cancel,
+    _wait_give_back,
+    _wait_granted,
+    _wait_left,
+    _wait_submit,
+    _wait_timeout_error,
+)
 
 if TYPE_CHECKING:
     from typing import TypeAlias
@@ -66,7 +77,7 @@ class _Core:
     @property
     def pending(self) -> int:
         """How many native waits on this channel still expect an outcome."""
-        return self.channel._pending()
+        return self.channel.pending
 
     def close(self) -> None:
         """The loop is gone: cancel every pending ticket, give back what it holds."""
@@ -84,10 +95,10 @@ class _Core:
         for ticket, granted, _waited_ns, token in undelivered:
             acq = acqs.pop(ticket, None)
             if acq is not None and granted:
-                acq._give_back(token)
+                _wait_give_back(acq, token)
         for ticket, acq in acqs.items():
             # Not queued any more: decided after the close, and given back in the core.
-            acq._cancel(ticket)
+            _wait_cancel(acq, ticket)
 
 
 class _LoopChannel:
@@ -115,12 +126,12 @@ class _LoopChannel:
             if fut is None or fut.done():
                 # The waiter left while the grant was on its way: give it back, once.
                 if granted:
-                    acq._give_back(token)
+                    _wait_give_back(acq, token)
                 continue
             if granted:
-                fut.set_result(acq._granted(waited_ns, token))
+                fut.set_result(_wait_granted(acq, waited_ns, token))
             else:
-                fut.set_exception(acq._timeout_error(waited_ns))
+                fut.set_exception(_wait_timeout_error(acq, waited_ns))
 
 
 _channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Core] = weakref.WeakKeyDictionary()
@@ -232,13 +243,13 @@ def _leave(
     that raced the exit, exactly once."""
     if ticket in acqs:
         futs.pop(ticket, None)
-        if acq._cancel(ticket):
+        if _wait_cancel(acq, ticket):
             acqs.pop(ticket, None)
         # Else decided, the outcome in the channel: the reader (or close) gives a grant
         # back, as the ticket has no future any more.
     elif fut.done() and not fut.cancelled() and fut.exception() is None:
         # Granted, but the task left before it resumed: give it back once.
-        acq._abandon(fut.result())
+        _wait_abandon(acq, fut.result())
 
 
 async def _wait(acq: _Waitable) -> Any:
@@ -246,7 +257,7 @@ async def _wait(acq: _Waitable) -> Any:
     loop = asyncio.get_running_loop()
     lc = _channel_for(loop)
     fut: asyncio.Future[Any] = loop.create_future()
-    ticket = acq._submit(lc.core.channel)
+    ticket = _wait_submit(acq, lc.core.channel)
     if not isinstance(ticket, int):
         return ticket  # granted at once
     acqs, futs = lc.core.acqs, lc.futs
@@ -267,7 +278,7 @@ async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
         permit = await _wait(acq)
         if permit is not None:
             break
-    left = acq._left()
+    left = _wait_left(acq)
     if left > 0:
         try:
             await asyncio.sleep(left)
@@ -277,4 +288,4 @@ async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
     return permit  # type: ignore[no-any-return]
 
 
-_use_policy_wait(_policy_wait)
+_use_aio(_policy_wait, _running_waiters)

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from ratequeue._ratequeue import _wait_submit
 
 FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
 
@@ -359,7 +360,7 @@ def test_a_forked_child_never_writes_to_an_inherited_descriptor(tmp_path):
             # The child starts with every permit free (the parent's are not its own).
             own = c.try_acquire()
             assert own is not None
-            ticket = c.acquire_async()._submit(inherited)
+            ticket = _wait_submit(c.acquire_async(), inherited)
             assert isinstance(ticket, int)
             own.release()  # granted to a waiter on the inherited channel
             assert os.fstat(mine).st_size == 0

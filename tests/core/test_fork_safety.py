@@ -423,7 +423,7 @@ def test_fork_while_a_policy_acquire_holds_its_lock_waits_for_it():
 
     def child():
         signal.alarm(5)
-        acq._cancel(0)
+        _ratequeue._wait_cancel(acq, 0)
         held.release()
         with policy.acquire(timeout=2):
             pass

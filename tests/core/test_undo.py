@@ -17,7 +17,7 @@ import time
 
 import pytest
 import ratequeue as rq
-from ratequeue._ratequeue import Channel
+from ratequeue._ratequeue import Channel, _wait_give_back, _wait_granted, _wait_submit
 
 
 def one_per_second(clock: rq.ManualClock) -> rq.Limiter:
@@ -97,14 +97,14 @@ def test_multi_rate_give_back_covers_every_rate(clock):
     assert lim.try_acquire(tokens=1)
     acq = lim.acquire_async(tokens=1)  # must queue: due at 1.0
     ch = Channel()
-    ticket = acq._submit(ch)
+    ticket = _wait_submit(acq, ch)
     assert isinstance(ticket, int)
     lim.run_until(1.0)
     [(t, granted, _, token)] = ch.drain_tokens()
     assert (t, granted) == (ticket, True)
     later = lim.reserve(0, tokens=1)  # the requests word is unchanged; tokens at 2.0
     assert later.delay == 1.0
-    acq._give_back(token)
+    _wait_give_back(acq, token)
     assert lim.reserve(0, tokens=1).delay == 2.0  # not 1.0: two grants in one slot
 
 
@@ -339,11 +339,11 @@ def test_queued_permit_settle_refund_under_a_later_grant_is_dropped(clock):
     assert lim.try_acquire(tokens=10)
     acq = lim.acquire_async(tokens=5)
     ch = Channel()
-    ticket = acq._submit(ch)
+    ticket = _wait_submit(acq, ch)
     lim.run_until(0.5)
     [(t, granted, _, token)] = ch.drain_tokens()
     assert (t, granted) == (ticket, True)
-    permit = acq._granted(0, token)
+    permit = _wait_granted(acq, 0, token)
     later = lim.reserve(tokens=10)  # scheduled at 1.5 s, on top of the grant
     assert later.delay == 1.0
     permit.settle(tokens=0)

@@ -23,6 +23,7 @@ RATEQUEUE = {
     "BudgetExceeded",
     "CallBudget",
     "Canary",
+    "Channel",
     "Gradient2",
     "QueueDepth",
     "Vegas",
@@ -37,6 +38,7 @@ RATEQUEUE = {
     "Overloaded",
     "Permit",
     "Policy",
+    "PolicyAcquiring",
     "PolicyPermit",
     "Pool",
     "PoolAcquiring",
@@ -175,3 +177,28 @@ def test_redis_classes_show_only_their_api(obj: object, expected: set[str]) -> N
     """Plumbing (engine calls, the breaker's protocol, a fallback's local permit) is private."""
     names = {n for n in dir(obj) if not n.startswith("_")}
     assert names == expected
+
+
+NATIVE = sorted(
+    n
+    for n in rq.__all__
+    if isinstance(getattr(rq, n), type)
+    and getattr(rq, n).__module__ in {"ratequeue", "ratequeue._ratequeue"}
+)
+
+
+@pytest.mark.parametrize("name", NATIVE)
+def test_native_classes_carry_no_plumbing(name: str) -> None:
+    """The asyncio bridge's calls are private functions of the native module, not
+    ``_methods`` of the public classes."""
+    cls = getattr(rq, name)
+    private = [
+        a for a in dir(cls) if a.startswith("_") and not (a.startswith("__") and a.endswith("__"))
+    ]
+    assert private == []
+
+
+def test_native_classes_are_listed() -> None:
+    assert {"Acquiring", "Limiter", "Permit", "Policy", "PolicyPermit", "Concurrency"} <= set(
+        NATIVE
+    )

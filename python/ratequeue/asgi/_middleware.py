@@ -259,6 +259,7 @@ class RateLimitMiddleware:
         try:
             # Lock-free when admitted at once (it never passes waiters); else the queue.
             permit: PolicyPermit | None = plan.policy.try_acquire(**keys, **costs)
+            at_once = permit is not None
             if permit is None:
                 timeout = self._max_wait(plan, scope)
                 if timeout > 0:
@@ -286,9 +287,13 @@ class RateLimitMiddleware:
             await self._refuse(plan, scope, send, keys, costs, e, time.perf_counter() - start)
             return
         assert permit is not None
-        waited = max(time.perf_counter() - start, permit.delay)
+        # Queued means it waited in the policy's queue (its delay, in the clock's time),
+        # never that the host was slow to run this coroutine; a queued wait counts its
+        # wall time too.
+        queued = not at_once and permit.delay > 0
+        waited = max(time.perf_counter() - start, permit.delay) if queued else 0.0
         self.wait_histogram.record(waited)
-        plan.counts["queued" if waited > 0.0005 else "admitted"] += 1
+        plan.counts["queued" if queued else "admitted"] += 1
         timing = (b"server-timing", f"queue;dur={waited * 1000:.3f}".encode())
         scanner = UsageScanner() if rule.tokens is not None else None
         status = 0

@@ -378,9 +378,18 @@ class LedgerBase(abc.ABC):
         """Runs a call, blocking this thread."""
 
     @abc.abstractmethod
-    async def _call_async(self, call: Any, undo: Any = None) -> Any:
-        """Runs a call on the running event loop without a worker thread; cancelled once
-        the call counted, ``undo`` (a call) runs without the loop."""
+    async def _call_async(
+        self,
+        call: Any,
+        undo: Any = None,
+        again: Callable[[], Any] | None = None,
+        finish: bool = False,
+    ) -> Any:
+        """Runs a call on the running event loop without a worker thread. Its caller
+        cancelled, the call either counted or provably did not (``finish``: it always
+        runs to completion; cancelling only stops the waiting); ``again`` makes a fresh
+        copy of the (idempotent) call for a backend that runs it again without the loop
+        to learn which; once it counted, ``undo`` (a call) runs without the loop."""
 
     @abc.abstractmethod
     def expire_holds(self) -> int:
@@ -391,27 +400,44 @@ class LedgerBase(abc.ABC):
     # -- async twins: the same calls, awaited on the event loop ---------------------------
 
     async def charge_async(self, request_id: str, account: str, **kw: Any) -> Charge:
-        """``charge`` awaited on the event loop (no worker thread); cancelled, it may still
-        have counted: retry with the same id (a replay then)."""
+        """``charge`` awaited on the event loop (no worker thread); cancelled, it either
+        still counts (finished without the loop) or, withdrawn before it ran, counted
+        nothing: a retry with the same id tells which (a replay, or the first charge)."""
         args = self._request_args(request_id, account, **kw)
         fp = request_fingerprint("charge", *args[1:])
-        return await self._call_async(self._charge_call(*args, fp))  # type: ignore[no-any-return]
+        return await self._call_async(  # type: ignore[no-any-return]
+            self._charge_call(*args, fp), again=lambda: self._charge_call(*args, fp)
+        )
 
     async def hold_async(self, request_id: str, account: str, **kw: Any) -> Hold:
-        """``hold`` awaited on the event loop; cancelled once made, the hold is given back
-        (without the event loop: a loop closing meanwhile is fine)."""
+        """``hold`` awaited on the event loop; cancelled, the hold is never left standing:
+        not made, or given back (without the event loop: a loop closing meanwhile is
+        fine)."""
         args = self._request_args(request_id, account, **kw)
-        call = self._hold_call(*args, request_fingerprint("hold", *args[1:]))
-        return await self._call_async(call, self._release_call(request_id, account))  # type: ignore[no-any-return]
+        fp = request_fingerprint("hold", *args[1:])
+        return await self._call_async(  # type: ignore[no-any-return]
+            self._hold_call(*args, fp),
+            self._release_call(request_id, account),
+            again=lambda: self._hold_call(*args, fp),
+        )
 
     async def settle_async(self, request_id: str, **kw: Any) -> Charge:
-        """``settle`` awaited on the event loop."""
-        return await self._call_async(self._settle_call(*self._parse_settle(request_id, **kw)))  # type: ignore[no-any-return]
+        """``settle`` awaited on the event loop; cancelled, it still settles (run to
+        completion without the loop): a correction is never lost."""
+        args = self._parse_settle(request_id, **kw)
+        return await self._call_async(  # type: ignore[no-any-return]
+            self._settle_call(*args), again=lambda: self._settle_call(*args), finish=True
+        )
 
     async def release_async(self, request_id: str) -> None:
-        """``release`` awaited on the event loop."""
+        """``release`` awaited on the event loop; cancelled, it still gives the hold back
+        (run to completion without the loop)."""
         check_id("request_id", request_id)
-        await self._call_async(self._release_call(request_id, None))
+        await self._call_async(
+            self._release_call(request_id, None),
+            again=lambda: self._release_call(request_id, None),
+            finish=True,
+        )
 
     async def balance_async(self, account: str) -> Balance:
         """``balance`` awaited on the event loop."""

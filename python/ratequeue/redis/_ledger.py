@@ -26,7 +26,6 @@ from ..ledger._model import (
     new_charge,
 )
 from ._ledger_codec import (
-    HEAD_LEN,
     SEP,
     _flat,
     _Info,
@@ -147,6 +146,8 @@ class RedisLedger(_RedisLedgerCore):
     # -- deduction ---------------------------------------------------------------------
 
     def _check_big(self, am: dict[str, int]) -> None:
+        if am["tokens"] <= MAX_REDIS_AMOUNT and am["calls"] <= MAX_REDIS_AMOUNT:
+            return  # tokens = input + output: each part is below it too
         for u, v in am.items():
             if v > MAX_REDIS_AMOUNT:
                 raise ValueError(f"{u}={v} must be < 2**53 in a Redis ledger")
@@ -180,15 +181,15 @@ class RedisLedger(_RedisLedgerCore):
             m, pa = model or "", parent or ""
             if fast:
                 c = self._ctx(account, info, span)
-                head = SEP.join(("charge", "charged", fp, ""))
-                raw = SEP.join((head, t, span.key, str(i), str(o), str(n), m, pa, meta, "", ""))
+                raw = SEP.join(("charge", "charged", fp, "", t, span.key))
+                raw += SEP.join(("", str(i), str(o), str(n), m, pa, meta, "", ""))
                 ttl = str(max(1, math.ceil(span.end - now + int(self.retention) + 1)))
                 vals = (i + o, i, o, n)
                 rk = c.rkey + rid
                 needs = [str(vals[k]) for k in c.uidx]
-                items = [c.fhead, rk, "c", t, rid, raw, ttl, len(head), c.nu, *needs, c.ftail]
+                items = [c.fhead, rk, "c", t, rid, raw, ttl, c.nu, *needs, c.ftail]
                 packed = None
-                if self._raw and len(head) == HEAD_LEN and rk.isascii() and raw.isascii():
+                if self._raw and rk.isascii() and raw.isascii():
                     # one str, encoded once (ASCII: its length is its byte count)
                     ns = "".join([f"${len(x)}\r\n{x}\r\n" for x in needs])
                     packed = (
@@ -201,6 +202,17 @@ class RedisLedger(_RedisLedgerCore):
                         + c.ftail.raw
                     )
                 r = yield ("eval", items, packed)
+                if type(r) is int:  # charged: the thresholds it fired
+                    if r:
+                        yield from self._fired(account, r)
+                    mt = _meta(meta) if meta else None
+                    return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+                if _s(r[0]) == "REPLAY":  # the client tells a replay from a conflict
+                    old = _s(r[1])
+                    f = old.split(SEP, 3)
+                    if f[0] != "charge" or f[2] != fp:
+                        raise conflict(rid)
+                    return _record_charge(rid, account, old, True)
                 if _s(r[0]) == "SLOW":  # the general op decides (nothing was written)
                     fast = False
                     r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)

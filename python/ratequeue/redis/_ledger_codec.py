@@ -11,8 +11,6 @@ from typing import Any
 from ..ledger._model import Charge, Notice, Plan, threshold_amounts
 
 SEP = "\x1f"
-#: The length of a charge record's head: kind, status, fingerprint (24), separators.
-HEAD_LEN = len(SEP.join(("charge", "charged", "0" * 24, "")))
 
 
 def _s(v: Any) -> str:
@@ -96,23 +94,18 @@ class _Ctx:
             ("tokens", "input_tokens", "output_tokens", "calls").index(u) for u, _ in units
         )
         self.fhead = _Seg(("EVALSHA", sha, 5, a, p, pfx + "rows", pfx + "o"))
-        afields = ["ver", "nx", *("b_" + u for u, _ in units)]
-        pfields = ["end", *("u_" + u for u, _ in units)]
         per_unit: list[Any] = []
         for u, q in units:
             lv = list(zip(info.thr, threshold_amounts(q, info.thr), strict=True)) if q > 0 else []
-            per_unit += [q, u, len(lv)]
+            per_unit += ["u_" + u, q, len(lv)]
             for bp, level in lv:
-                pfields.append(f"f:{u}:{bp}")
-                per_unit += [level, bp, len(pfields)]
-        self.ftail = _Seg(
-            (info.ver, span.key, max_rows, len(pfields), *afields, *pfields, *per_unit)
-        )
+                per_unit += [level, bp]
+        self.ftail = _Seg((info.ver, max_rows, span.key, *per_unit))
         # the packed command up to its request key: its argument count, then the head
-        count = self.fhead.n + 8 + self.nu + self.ftail.n
+        count = self.fhead.n + 7 + self.nu + self.ftail.n
         self.fpre = b"*%d\r\n%b" % (count, self.fhead.raw)
-        # ARGV 6 and 7: the record's head length (a fingerprint is 24 characters) and n
-        self.fmid = _Seg((HEAD_LEN, self.nu)).raw.decode()
+        # ARGV 6: the unit count
+        self.fmid = _Seg((self.nu,)).raw.decode()
 
 
 class _Info:

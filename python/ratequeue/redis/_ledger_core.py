@@ -18,13 +18,15 @@ thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import importlib.resources
 import os
 import threading
+import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import Any, TypeVar
 
 import redis
@@ -60,6 +62,9 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
 _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
+#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s in all
+#: while Redis is unreachable).
+_FINISH_ATTEMPTS = 20
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
 
@@ -219,9 +224,18 @@ class _RedisLedgerCore(LedgerBase):
         """Runs a call on the blocking client."""
         try:
             step = next(flow)
+            while True:
+                try:
+                    if step[0] == "eval" and len(step) > 2 and step[2] is not None and self._raw:
+                        reply = self._send_packed(step[2])  # a plain charge: packed already
+                    else:
+                        reply = self._exec(step)
+                except Exception as e:
+                    step = flow.throw(e)
+                else:
+                    step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        return self._resume(flow, step)
 
     def _resume(self, flow: _Flow[T], step: _Step) -> T:
         try:
@@ -316,13 +330,41 @@ class _RedisLedgerCore(LedgerBase):
     def _call(self, call: _Flow[T]) -> T:
         return self._drive(call)
 
-    async def _call_async(self, call: _Flow[T], undo: _Flow[Any] | None = None) -> T:
+    async def _call_async(
+        self,
+        call: _Flow[T],
+        undo: _Flow[Any] | None = None,
+        again: Callable[[], _Flow[Any]] | None = None,
+        finish: bool = False,
+    ) -> T:
+        """Cancelled, whether the script ran is unknown (sent or not, a late reply): the
+        same idempotent call runs ``again`` on the blocking client to finish it (or
+        replay it), then ``undo``; both without the event loop."""
         try:
             return await self._adrive(call)
         except asyncio.CancelledError:
-            if undo is not None:  # on the blocking client: no event loop needed
-                _executor().submit(self._drive, undo)
+            if again is not None or undo is not None:
+                with contextlib.suppress(RuntimeError):  # the interpreter is shutting down
+                    _executor().submit(self._finish_cancelled, again, undo)
             raise
+
+    def _finish_cancelled(
+        self, again: Callable[[], _Flow[Any]] | None, undo: _Flow[Any] | None
+    ) -> None:
+        """A cancelled asyncio call's ending (on a worker thread): ``again()`` run until
+        Redis answers (its own refusal counts as an answer), then ``undo``."""
+        if again is not None:
+            for attempt in range(_FINISH_ATTEMPTS):
+                try:
+                    self._drive(again())
+                    break
+                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                    time.sleep(min(2.0, 0.05 * 2**attempt))
+                except Exception:
+                    break
+        if undo is not None:
+            with contextlib.suppress(Exception):
+                self._drive(undo)
 
     def _exec(self, step: _Step) -> Any:
         if step[0] != "eval":
@@ -340,14 +382,25 @@ class _RedisLedgerCore(LedgerBase):
         # fixed parts per account and period, packed before), without redis-py's work
         # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
+        return self._send_packed(packed)
+
+    def _send_packed(self, packed: bytes) -> Any:
+        """One packed script call on this thread's connection (loaded first if Redis lost
+        the script)."""
         conn = self._thread_conn()
-        try:
-            conn.send_packed_command([packed])
-            return conn.read_response()
-        except BaseException as e:
-            if not isinstance(e, Exception) or not _is_reply_error(e):
-                conn.disconnect()
-            raise
+        for attempt in (0, 1):
+            try:
+                conn.send_packed_command([packed])
+                return conn.read_response()
+            except redis.exceptions.NoScriptError:
+                if attempt:
+                    raise
+                self.client.script_load(LUA)
+            except BaseException as e:
+                if not isinstance(e, Exception) or not _is_reply_error(e):
+                    conn.disconnect()
+                raise
+        raise AssertionError("unreachable")  # pragma: no cover
 
     def _thread_conn(self) -> Any:
         """This thread's connection for scripts (made like the client's pool makes its

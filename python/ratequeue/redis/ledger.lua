@@ -14,68 +14,67 @@
 -- Op 'c', the plain charge in the common case, with its own compact ARGV (all that can
 -- be is computed and encoded by the client, once per account and period):
 --   KEYS 1 account hash, 2 period hash, 3 rows stream, 4 outbox, 5 request record.
---   ARGV 1 'c', 2 now, 3 request id, 4 the record, 5 its ttl, 6 the length of its head
---   (kind, status, fingerprint), 7 unit count n, 8.. the amount per unit; then from
---   b = 8 + n: b version, b+1 period key, b+2 max rows, b+3 period field count m,
---   b+4.. the account fields ('ver', 'nx', then 'b_<unit>' per unit), pa = b+6+n.. the
---   period fields ('end', 'u_<unit>' per unit, then the fired flags), then per unit its
---   quota, name, threshold count, and per threshold its level, basis points and the
---   index of its flag among the period fields.
--- Anything else (plan changed, hold expiry due, new period, out of quota) answers SLOW
--- having written nothing: the client then runs the general 'charge'.
+--   ARGV 1 'c', 2 now, 3 request id, 4 the record, 5 its ttl, 6 unit count n, 7.. the
+--   amount per unit; then from t = 7 + n: t version, t+1 max rows, t+2 period key, and
+--   from t+3 per unit its usage field ('u_<unit>'), quota, threshold count and per
+--   threshold (ascending) its level and basis points.
+-- Reads: the account's version and next hold expiry, the period's usage (the bonus only
+-- when the quota falls short; a threshold's flag only once usage reaches its level).
+-- Replies: the number of thresholds fired (an integer) once charged; {'REPLAY', record}
+-- for a known id (the client tells a replay from a conflict); {'STALE'} for an old plan
+-- version; {'SLOW'} having written nothing when the general 'charge' must decide (hold
+-- expiry due, new period, out of quota).
 if ARGV[1] == 'c' then
-  local nu = tonumber(ARGV[7])
-  local b = 8 + nu
-  local acct = redis.call('HMGET', KEYS[1], unpack(ARGV, b + 4, b + 5 + nu))
-  if acct[1] ~= ARGV[b] then return {'STALE'} end
+  local acct = redis.call('HMGET', KEYS[1], 'ver', 'nx')
+  local nu = tonumber(ARGV[6])
+  local t = 7 + nu
+  if acct[1] ~= ARGV[t] then return {'STALE'} end
   local nx = tonumber(acct[2])
   if nx and nx <= tonumber(ARGV[2]) then return {'SLOW'} end
-  local pa = b + 6 + nu
-  local pv = redis.call('HMGET', KEYS[2], unpack(ARGV, pa, pa + tonumber(ARGV[b + 3]) - 1))
-  if not pv[1] then return {'SLOW'} end
-  local ua = pa + tonumber(ARGV[b + 3])
-  local used, fb, at = {}, {}, ua
+  local fields, spec, at = {'end'}, {}, t + 3
   for k = 1, nu do
-    local n, cur = tonumber(ARGV[7 + k]), tonumber(pv[1 + k]) or 0
-    local free = math.max(0, tonumber(ARGV[at]) - cur)
-    local f = math.min(n, free)
-    local g = math.min(n - f, tonumber(acct[2 + k]) or 0)
-    if f + g < n then return {'SLOW'} end
-    used[k], fb[k] = cur + f, g
-    at = at + 3 + 3 * tonumber(ARGV[at + 2])
+    fields[k + 1], spec[k] = ARGV[at], at
+    at = at + 3 + 2 * tonumber(ARGV[at + 2])
+  end
+  local pv = redis.call('HMGET', KEYS[2], unpack(fields))
+  if not pv[1] then return {'SLOW'} end
+  local new, fb = {}, {}
+  for k = 1, nu do
+    local n, cur = tonumber(ARGV[6 + k]), tonumber(pv[1 + k]) or 0
+    local f = math.min(n, math.max(0, tonumber(ARGV[spec[k] + 1]) - cur))
+    local g = n - f
+    if g > 0 then
+      local b = tonumber(redis.call('HGET', KEYS[1], 'b_' .. string.sub(ARGV[spec[k]], 3))) or 0
+      if g > b then return {'SLOW'} end
+    end
+    new[k], fb[k] = cur + f, g
   end
   if not redis.call('SET', KEYS[5], ARGV[4], 'NX', 'EX', ARGV[5]) then
-    local old, h = redis.call('GET', KEYS[5]), tonumber(ARGV[6])
-    if string.sub(old, 1, h) ~= string.sub(ARGV[4], 1, h) then return {'CONFLICT'} end
-    return {'REPLAY', old}
+    return {'REPLAY', redis.call('GET', KEYS[5])}
   end
-  local hs, fired = {}, 0
-  at = ua
+  local fired = 0
   for k = 1, nu do
-    local u = string.format('%d', used[k])
-    hs[#hs + 1] = ARGV[pa + k]
-    hs[#hs + 1] = u
-    if fb[k] > 0 then
-      redis.call('HINCRBY', KEYS[1], ARGV[b + 5 + k], string.format('%d', -fb[k]))
+    local a, g = spec[k], fb[k]
+    if g == 0 then  -- the amount as sent: no number formatted
+      redis.call('HINCRBY', KEYS[2], ARGV[a], ARGV[6 + k])
+    else
+      redis.call('HSET', KEYS[2], ARGV[a], string.format('%d', new[k]))
+      redis.call('HINCRBY', KEYS[1], 'b_' .. string.sub(ARGV[a], 3), string.format('%d', -g))
     end
-    local nl = tonumber(ARGV[at + 2])
-    for j = 1, nl do
-      local l = at + 3 * j
-      local fi = tonumber(ARGV[l + 2])
-      if used[k] >= tonumber(ARGV[l]) and not pv[fi] then
-        hs[#hs + 1] = ARGV[pa + fi - 1]
-        hs[#hs + 1] = '1'
-        redis.call('LPUSH', KEYS[4],
-          table.concat({ARGV[at + 1], ARGV[l + 1], u, ARGV[at], ARGV[2], ARGV[b + 1]}, '|'))
+    for j = 1, tonumber(ARGV[a + 2]) do  -- levels ascending: most charges stop at the first
+      local l = a + 1 + 2 * j
+      if new[k] < tonumber(ARGV[l]) then break end
+      local unit = string.sub(ARGV[a], 3)
+      if redis.call('HSETNX', KEYS[2], 'f:' .. unit .. ':' .. ARGV[l + 1], '1') == 1 then
+        redis.call('LPUSH', KEYS[4], table.concat({unit, ARGV[l + 1],
+          string.format('%d', new[k]), ARGV[a + 1], ARGV[2], ARGV[t + 2]}, '|'))
         fired = fired + 1
       end
     end
-    at = at + 3 + 3 * nl
   end
-  redis.call('HSET', KEYS[2], unpack(hs))
   if fired > 0 then redis.call('LTRIM', KEYS[4], 0, 999) end
-  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[b + 2], '*', 'id', ARGV[3], 'r', ARGV[4])
-  return {'OK', fired}
+  redis.call('XADD', KEYS[3], 'MAXLEN', '~', ARGV[t + 1], '*', 'id', ARGV[3], 'r', ARGV[4])
+  return fired
 end
 
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]

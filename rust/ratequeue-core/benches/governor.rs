@@ -3,6 +3,10 @@
 //! thread descheduled between its clock reading and its decision is still admitted), on
 //! one thread and as the total throughput of two threads hammering one limiter.
 //!
+//! The group `queue_recheck` puts the queue-guarded fast path (Python's `try_acquire`:
+//! "nobody waits", then the take) beside itself with the re-check after the take that
+//! closes the race with a joining waiter (one more atomic load), in the same run.
+//!
 //! `cargo bench -p ratequeue-core --bench governor`. Each two-thread figure is the wall
 //! time of both threads divided by the decisions they made together (1 / throughput).
 
@@ -13,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use governor::{Quota, RateLimiter};
-use ratequeue_core::{AnyClock, Limiter, Rate};
+use ratequeue_core::{AnyClock, Limiter, QueueConfig, Rate, WaitQueue};
 
 const BURST: u32 = 1 << 30;
 
@@ -87,6 +91,27 @@ fn bench(c: &mut Criterion) {
         b.iter_custom(|iters| together(2, iters, decide.clone()))
     });
     two.finish();
+
+    let mut recheck = c.benchmark_group("queue_recheck");
+    recheck.throughput(Throughput::Elements(1));
+    let r = Arc::new(ratequeue());
+    let q = WaitQueue::new(
+        r.clone(),
+        1,
+        AnyClock::Monotonic,
+        QueueConfig::new(vec![], 100, None).unwrap(),
+    );
+    recheck.bench_function("check_then_take", |b| {
+        b.iter(|| q.waiting() == 0 && black_box(r.try_acquire_nowait(black_box(&[1]))).is_some_and(|x| x.is_ok()))
+    });
+    recheck.bench_function("check_take_recheck", |b| {
+        b.iter(|| {
+            q.waiting() == 0
+                && black_box(r.try_acquire_idle_nowait(black_box(&[1]), || q.joined())).is_some_and(|x| x.is_ok())
+        })
+    });
+    assert!(r.try_acquire_idle_nowait(&[1], || q.joined()) == Some(Ok(())));
+    recheck.finish();
 }
 
 criterion_group!(benches, bench);

@@ -6,6 +6,8 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyFloat, PyInt, PyString};
 use pyo3::Borrowed;
 
+use ratequeue_core::Limiter;
+
 use crate::errors::{type_err, value_err};
 
 /// The value as the caller wrote it (str of the object), for messages.
@@ -236,4 +238,55 @@ impl<'py> FromPyObject<'_, 'py> for Permits {
     fn extract(obj: Borrowed<'_, 'py, PyAny>) -> PyResult<Self> {
         permits("n", &obj).map(Permits)
     }
+}
+
+/// The rate `which` names (an index, or a unit with one rate), for a limiter's per-rate
+/// calls; None means the only rate of its unit (the first unit).
+pub fn rate_index(core: &Limiter, which: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
+    let n = core.rate_count();
+    let Some(w) = which.filter(|w| !w.is_none()) else {
+        let first = core.rate(0).map(|(u, _)| u.to_owned()).unwrap_or_default();
+        let same = (0..n)
+            .filter(|i| core.rate(*i).is_some_and(|(u, _)| u == first))
+            .count();
+        if same > 1 {
+            return Err(value_err(
+                "which",
+                "",
+                &format!("is required: this limiter has {same} rates in {first:?} (pass an index)"),
+            ));
+        }
+        return Ok(0);
+    };
+    if let Ok(s) = w.cast::<PyString>() {
+        let s = s.to_str()?;
+        let hits: Vec<usize> = (0..n).filter(|i| core.rate(*i).is_some_and(|(u, _)| u == s)).collect();
+        return match hits.as_slice() {
+            [i] => Ok(*i),
+            [] => Err(value_err("which", &format!("{s:?}"), "names no rate of this limiter")),
+            _ => Err(value_err(
+                "which",
+                &format!("{s:?}"),
+                "names several rates: pass an index",
+            )),
+        };
+    }
+    if !w.is_instance_of::<pyo3::types::PyInt>() || w.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(type_err("which", "an index or a unit name", w));
+    }
+    let i: i64 = w
+        .extract()
+        .map_err(|_| value_err("which", &w.to_string(), "is out of range"))?;
+    let out_of_range = || {
+        value_err(
+            "which",
+            &i.to_string(),
+            &format!("is out of range: this limiter has {n} rates"),
+        )
+    };
+    let i = usize::try_from(i).map_err(|_| out_of_range())?;
+    if i >= n {
+        return Err(out_of_range());
+    }
+    Ok(i)
 }

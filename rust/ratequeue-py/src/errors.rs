@@ -2,7 +2,8 @@
 //! ratequeue._errors so they can inherit from both RateQueueError and ValueError, which
 //! hands them over at import: no error path imports Python).
 
-use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyStopIteration, PyTypeError, PyValueError};
+use pyo3::panic::PanicException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyType;
@@ -13,16 +14,12 @@ static WAIT_TIMEOUT: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 static COST_TOO_LARGE: PyOnceLock<Py<PyType>> = PyOnceLock::new();
 
 fn raise(py: Python<'_>, cell: &'static PyOnceLock<Py<PyType>>, name: &str, msg: String, retry_after: f64) -> PyErr {
-    // Handed over by ratequeue._errors, which the package imports first; imported here
-    // only if the native module was somehow loaded without it.
-    let cls = match cell.get(py) {
-        Some(cls) => cls.bind(py),
-        None => match cell.import(py, "ratequeue._errors", name) {
-            Ok(cls) => cls,
-            Err(e) => return e,
-        },
-    };
-    PyErr::from_type(cls.clone(), (msg, retry_after))
+    // Handed over by ratequeue._errors, which the package imports before anything can
+    // raise: the native module never imports the package.
+    match cell.get(py) {
+        Some(cls) => PyErr::from_type(cls.bind(py).clone(), (msg, retry_after)),
+        None => PyRuntimeError::new_err(format!("{name}: {msg} (ratequeue._errors is not imported)")),
+    }
 }
 
 /// Takes the exception classes core errors map onto (ratequeue._errors calls it once,
@@ -146,4 +143,28 @@ pub fn misuse(msg: &'static str) -> PyErr {
 /// A ValueError for a channel made without a wake-up descriptor, asked for one.
 pub fn no_descriptor() -> PyErr {
     PyValueError::new_err("this channel has no wake-up descriptor")
+}
+
+/// The PanicException raised in place of a Rust panic caught at the boundary (`what`
+/// panicked), so no panic crosses into Python.
+pub fn panicked(what: &'static str) -> PyErr {
+    PanicException::new_err(what)
+}
+
+/// `StopIteration(value)`: the end of an awaitable with its result. The value is passed
+/// as is (not in a tuple), so the interpreter takes it without making an exception
+/// object (it is never a tuple or an exception here).
+pub fn stop_iteration(value: Py<PyAny>) -> PyErr {
+    PyStopIteration::new_err(value)
+}
+
+/// The RuntimeError of an asyncio wait before `ratequeue.aio` handed over its bridge
+/// (never, once the `ratequeue` package is imported: it imports `ratequeue.aio` first).
+pub fn aio_not_ready() -> PyErr {
+    PyRuntimeError::new_err("ratequeue.aio is not imported: import ratequeue first")
+}
+
+/// The RuntimeError of a native fast path that could not be set up (`what` says why).
+pub fn not_installed(what: &'static str) -> PyErr {
+    PyRuntimeError::new_err(what)
 }

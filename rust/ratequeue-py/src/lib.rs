@@ -18,6 +18,7 @@ mod keyed_concurrency;
 mod keyed_limiter;
 mod keywords;
 mod limiter;
+mod limiter_entry;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -32,9 +33,9 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // core's locks); see ratequeue_core::fork.
     ratequeue_core::fork::install();
     m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
-    m.add_function(wrap_pyfunction!(policy_permit::_use_policy_wait, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
+    aio::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;
@@ -54,7 +55,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<waiting::AcquiringPy>()?;
     m.add_class::<waiting::ChannelPy>()?;
     m.add_class::<aio::LoopWaitersPy>()?;
-    limiter::install(m.py())?;
+    limiter_entry::install(m.py())?;
     aio::install(m.py())?;
     Ok(())
 }

@@ -1,21 +1,16 @@
 //! Python Rate, Limiter and Reservation over the core's multi-rate limiter.
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 
-use pyo3::exceptions::PyRuntimeError;
-use pyo3::ffi;
-use pyo3::panic::PanicException;
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyDict, PyInt, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{AnyClock, Deny, Limiter, Rate, Reserved};
 
-use crate::args::{opt_text, period_seconds, seconds_ns};
+use crate::args::{opt_text, period_seconds, rate_index, seconds_ns};
 use crate::blocking::{try_or_unblocked, unblocked};
 use crate::clock::any_clock;
-use crate::errors::{needs_manual_clock, not_one_of, to_py, type_err, value_err};
+use crate::errors::{needs_manual_clock, not_one_of, to_py, type_err};
 use crate::histogram::HistogramPy;
 use crate::rate::{burst_arg, new_rate, RatePy};
 use crate::reservation::{ReservationHeld, ReservationPy};
@@ -84,14 +79,18 @@ impl LimiterPy {
     /// try_acquire's decision on `c` (costs per unit), counted: false while anyone
     /// waits (nobody overtakes a waiter).
     #[inline]
-    fn decide_now(&self, c: &[u64]) -> Result<bool, Deny> {
+    pub(crate) fn decide_now(&self, c: &[u64]) -> Result<bool, Deny> {
         let queue = &self.gate.queue;
         if queue.waiting() != 0 {
             queue.note_try(false);
             return Ok(false);
         }
         let core = &self.core;
-        let decided = try_or_unblocked(|| core.try_acquire_nowait(c), || core.try_acquire(c));
+        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined).
+        let decided = try_or_unblocked(
+            || core.try_acquire_idle_nowait(c, || queue.joined()),
+            || core.try_acquire_idle(c, || queue.joined()),
+        );
         match decided {
             Ok(()) => queue.note_try(true),
             Err(Deny::Wait(_)) => queue.note_try(false),
@@ -104,7 +103,7 @@ impl LimiterPy {
     /// or a plain int below 2**64 - 1; else None (the one validation path decides,
     /// including the saturating 2**64 - 1).
     #[inline]
-    fn one_cost(&self, n: Option<&Bound<'_, PyAny>>) -> Option<u64> {
+    pub(crate) fn one_cost(&self, n: Option<&Bound<'_, PyAny>>) -> Option<u64> {
         match n {
             _ if self.core.units().len() != 1 => None,
             None => self.defaults[0],
@@ -115,7 +114,7 @@ impl LimiterPy {
 
     /// try_acquire's answer to a decision.
     #[inline]
-    fn answer(&self, py: Python<'_>, decided: Result<bool, Deny>) -> PyResult<bool> {
+    pub(crate) fn answer(&self, py: Python<'_>, decided: Result<bool, Deny>) -> PyResult<bool> {
         match decided {
             Ok(true) => Ok(true),
             Ok(false) | Err(Deny::Wait(_)) => Ok(false),
@@ -246,11 +245,15 @@ impl LimiterPy {
         let core = me.core.clone();
         let now_path = move |_| core.reserve(&c, mw);
         // A multi-rate reservation takes the limiter's lock: without the GIL.
+        // A reservation that raced a waiter joining is cancelled, then queued behind it.
+        let undo = |r: ratequeue_core::Reservation| {
+            me.core.cancel(&r);
+        };
         let idle = if me.core.rate_count() == 1 {
-            me.gate.queue.reserve_if_idle(now_path.clone())
+            me.gate.queue.reserve_if_idle(now_path.clone(), undo)
         } else {
             let (q, now_path) = (&me.gate.queue, now_path.clone());
-            py.detach(|| q.reserve_if_idle(now_path))
+            py.detach(|| q.reserve_if_idle(now_path, undo))
         };
         let inner = match idle {
             Some(r) => ReservationHeld::Now(r.map_err(|e| to_py(py, e))?),
@@ -291,7 +294,7 @@ impl LimiterPy {
         burst: Option<&Bound<'_, PyAny>>,
         which: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<()> {
-        let i = self.which(which)?;
+        let i = rate_index(&self.core, which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
         let amount = crate::args::positive("amount", amount)?;
         let period_ns = per.map(period_seconds).transpose()?.map_or(cur.period_ns, |s| s * 1e9);
@@ -326,7 +329,7 @@ impl LimiterPy {
     /// Changes the burst of a rate at run time, keeping its amount and period.
     #[pyo3(signature = (burst, *, which = None))]
     fn set_burst(&self, py: Python<'_>, burst: &Bound<'_, PyAny>, which: Option<&Bound<'_, PyAny>>) -> PyResult<()> {
-        let i = self.which(which)?;
+        let i = rate_index(&self.core, which)?;
         let (_, cur) = self.core.rate(i).expect("index checked");
         let rate = new_rate(cur.amount, cur.period_ns, burst_arg(burst)?)?;
         self.set_rate_now(py, i, rate)
@@ -509,149 +512,4 @@ impl LimiterPy {
         let rates: Vec<String> = self.rates().iter().map(|r| r.__repr__()).collect();
         format!("Limiter({})", rates.join(", "))
     }
-}
-
-impl LimiterPy {
-    fn which(&self, which: Option<&Bound<'_, PyAny>>) -> PyResult<usize> {
-        let n = self.core.rate_count();
-        let Some(w) = which.filter(|w| !w.is_none()) else {
-            let first = self.core.rate(0).map(|(u, _)| u.to_owned()).unwrap_or_default();
-            let same = (0..n)
-                .filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == first))
-                .count();
-            if same > 1 {
-                return Err(value_err(
-                    "which",
-                    "",
-                    &format!("is required: this limiter has {same} rates in {first:?} (pass an index)"),
-                ));
-            }
-            return Ok(0);
-        };
-        if let Ok(s) = w.cast::<PyString>() {
-            let s = s.to_str()?;
-            let hits: Vec<usize> = (0..n)
-                .filter(|i| self.core.rate(*i).is_some_and(|(u, _)| u == s))
-                .collect();
-            return match hits.as_slice() {
-                [i] => Ok(*i),
-                [] => Err(value_err("which", &format!("{s:?}"), "names no rate of this limiter")),
-                _ => Err(value_err(
-                    "which",
-                    &format!("{s:?}"),
-                    "names several rates: pass an index",
-                )),
-            };
-        }
-        if !w.is_instance_of::<pyo3::types::PyInt>() || w.is_instance_of::<pyo3::types::PyBool>() {
-            return Err(type_err("which", "an index or a unit name", w));
-        }
-        let i: i64 = w
-            .extract()
-            .map_err(|_| value_err("which", &w.to_string(), "is out of range"))?;
-        let out_of_range = || {
-            value_err(
-                "which",
-                &i.to_string(),
-                &format!("is out of range: this limiter has {n} rates"),
-            )
-        };
-        let i = usize::try_from(i).map_err(|_| out_of_range())?;
-        if i >= n {
-            return Err(out_of_range());
-        }
-        Ok(i)
-    }
-}
-
-/// The keyword-taking `Limiter.try_acquire` (its descriptor), which the fast entry below
-/// hands every call it does not decide itself.
-static TRY_ACQUIRE_FULL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-
-/// `Limiter.try_acquire` with the vectorcall convention (a method with `**costs` gets the
-/// tuple-and-dict one from PyO3): a call without keywords and with no argument or one
-/// plain int is decided here, any other goes to the full method unchanged (same
-/// signature, results and messages). No panic leaves it.
-unsafe extern "C" fn try_acquire_fast(
-    slf: *mut ffi::PyObject,
-    args: *const *mut ffi::PyObject,
-    nargs: ffi::Py_ssize_t,
-    kwnames: *mut ffi::PyObject,
-) -> *mut ffi::PyObject {
-    // SAFETY: the interpreter calls a method attached, with `nargs` arguments at `args`
-    // followed by one per name in `kwnames`.
-    let py = unsafe { Python::assume_attached() };
-    let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
-        let no_keywords = kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0;
-        if no_keywords && nargs <= 1 {
-            let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
-            if let Ok(lim) = obj.cast::<LimiterPy>() {
-                let lim = lim.get();
-                let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
-                if let Some(c) = lim.one_cost(n.as_ref()) {
-                    let ok = lim.answer(py, lim.decide_now(&[c]))?;
-                    return Ok(PyBool::new(py, ok).to_owned().into_any().unbind());
-                }
-            }
-        }
-        let full = TRY_ACQUIRE_FULL
-            .get(py)
-            .ok_or_else(|| PyRuntimeError::new_err("Limiter.try_acquire is not installed"))?;
-        let nkw = if kwnames.is_null() {
-            0
-        } else {
-            unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
-        };
-        let mut all = Vec::with_capacity(1 + (nargs + nkw) as usize);
-        all.push(slf);
-        // SAFETY: the interpreter's argument vector holds nargs + nkw objects.
-        all.extend_from_slice(unsafe { std::slice::from_raw_parts(args, (nargs + nkw) as usize) });
-        let r = unsafe { ffi::PyObject_Vectorcall(full.as_ptr(), all.as_ptr(), (nargs + 1) as usize, kwnames) };
-        unsafe { Bound::from_owned_ptr_or_err(py, r) }.map(Bound::unbind)
-    }));
-    match out {
-        Ok(Ok(v)) => v.into_ptr(),
-        Ok(Err(e)) => {
-            e.restore(py);
-            std::ptr::null_mut()
-        }
-        Err(_) => {
-            PanicException::new_err("Limiter.try_acquire panicked").restore(py);
-            std::ptr::null_mut()
-        }
-    }
-}
-
-/// Puts the fast entry of `Limiter.try_acquire` in the type, over PyO3's (kept for the
-/// calls it does not decide); its doc and text signature are PyO3's.
-pub fn install(py: Python<'_>) -> PyResult<()> {
-    let ty = py.get_type::<LimiterPy>();
-    let full = ty.getattr("try_acquire")?;
-    let tp = ty.as_type_ptr();
-    // SAFETY: `full` is PyO3's method descriptor of this type (its PyMethodDef is static);
-    // the new one is leaked once, as a type's methods live as long as the process.
-    unsafe {
-        if ffi::Py_TYPE(full.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type) {
-            return Err(PyRuntimeError::new_err(
-                "Limiter.try_acquire is not a method descriptor",
-            ));
-        }
-        let old = (*full.as_ptr().cast::<ffi::PyMethodDescrObject>()).d_method;
-        let def = Box::leak(Box::new(ffi::PyMethodDef {
-            ml_name: (*old).ml_name,
-            ml_meth: ffi::PyMethodDefPointer {
-                PyCFunctionFastWithKeywords: try_acquire_fast,
-            },
-            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
-            ml_doc: (*old).ml_doc,
-        }));
-        let descr = Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(tp, def))?;
-        let _ = TRY_ACQUIRE_FULL.set(py, full.unbind());
-        let dict = (*tp).tp_dict;
-        if dict.is_null() || ffi::PyDict_SetItemString(dict, c"try_acquire".as_ptr(), descr.as_ptr()) != 0 {
-            return Err(PyErr::fetch(py));
-        }
-        ffi::PyType_Modified(tp);
-    }
-    Ok(())
 }

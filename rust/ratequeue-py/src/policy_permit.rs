@@ -11,7 +11,7 @@ use ratequeue_core::policy::{Held, PolicyAcquire, Step};
 use ratequeue_core::{AnyClock, Error, LevelArgs, Outcome, Policy, Wake};
 
 use crate::args::cost;
-use crate::errors::{channel_closed, to_py, unexpected_keyword};
+use crate::errors::{aio_not_ready, channel_closed, to_py, unexpected_keyword};
 use crate::policy::PolicyPy;
 use crate::waiting::{ChannelPy, Ready};
 
@@ -214,15 +214,8 @@ impl Drop for PolicyAcquiringPy {
 }
 
 /// `ratequeue.aio._policy_wait`, the coroutine function that bridges a policy acquire to
-/// the running loop.
-static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
-
-/// Takes the coroutine function a queued policy acquire awaits (ratequeue.aio hands it
-/// over once, at import; later calls change nothing).
-#[pyfunction]
-pub fn _use_policy_wait(py: Python<'_>, wait: Bound<'_, PyAny>) {
-    let _ = POLICY_WAIT.set(py, wait.unbind());
-}
+/// the running loop (handed over by `_use_aio`).
+pub(crate) static POLICY_WAIT: pyo3::sync::PyOnceLock<Py<PyAny>> = pyo3::sync::PyOnceLock::new();
 
 #[pymethods]
 impl PolicyAcquiringPy {
@@ -233,12 +226,7 @@ impl PolicyAcquiringPy {
             // Granted at once (every level free, nobody waiting), or awaited again.
             return Ok(Py::new(py, Ready::new(p.clone_ref(py).into_any()))?.into_any());
         }
-        // Handed over by ratequeue.aio, which the package imports; imported here only
-        // if the native module was somehow loaded without it.
-        let wait = match POLICY_WAIT.get(py) {
-            Some(w) => w.bind(py),
-            None => POLICY_WAIT.import(py, "ratequeue.aio", "_policy_wait")?,
-        };
+        let wait = POLICY_WAIT.get(py).ok_or_else(aio_not_ready)?.bind(py);
         Ok(wait.call1((slf,))?.call_method0("__await__")?.unbind())
     }
 
@@ -253,11 +241,14 @@ impl PolicyAcquiringPy {
         }
         Py::new(py, Ready::new(false.into_pyobject(py)?.to_owned().into_any().unbind()))
     }
+}
 
+/// The asyncio bridge's calls (`ratequeue.aio`, through `aio::bridge`): not Python methods.
+impl PolicyAcquiringPy {
     /// Goes on as far as it can on `channel`: the PolicyPermit when every level is
     /// held, else the ticket whose outcome arrives in the channel. Raises the refusal
     /// (everything given back). RuntimeError on a closed channel.
-    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+    pub(crate) fn submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
         if chan.is_closed() {
             return Err(channel_closed());
@@ -289,9 +280,8 @@ impl PolicyAcquiringPy {
     }
 
     /// The wait under way was granted (`token`: its grant): None, the next step is
-    /// `_submit` again.
-    #[pyo3(signature = (waited_ns, token = None))]
-    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
+    /// `submit` again.
+    pub(crate) fn granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
         let o = Outcome::Granted {
             at_ns: 0,
             waited_ns,
@@ -303,7 +293,7 @@ impl PolicyAcquiringPy {
     }
 
     /// The WaitTimeout for the wait under way, which expired (everything given back).
-    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+    pub(crate) fn timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
         let core = &self.core;
         match py.detach(|| core.outcome(Outcome::TimedOut { waited_ns })) {
             Err(e) => to_py(py, e),
@@ -319,15 +309,14 @@ impl PolicyAcquiringPy {
 
     /// Gives back everything held; True if the wait under way left its queue, False if
     /// its queue decided already (its grant then comes to `_give_back`).
-    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+    pub(crate) fn cancel(&self, py: Python<'_>, ticket: u64) -> bool {
         let _ = ticket; // one wait at a time: the core knows which
         py.detach(|| self.core.abandon())
     }
 
     /// Gives back everything held and the grant (`token`) of the wait under way, which
     /// arrived after its waiter left.
-    #[pyo3(signature = (token = None))]
-    fn _give_back(&self, py: Python<'_>, token: Option<u64>) {
+    pub(crate) fn give_back(&self, py: Python<'_>, token: Option<u64>) {
         let core = &self.core;
         py.detach(|| match token {
             Some(t) => core.give_back_late(t),
@@ -339,13 +328,13 @@ impl PolicyAcquiringPy {
 
     /// The task left after a step was granted but before it resumed: everything held
     /// is given back, once.
-    fn _abandon(&self, py: Python<'_>, result: &Bound<'_, PyAny>) {
+    pub(crate) fn abandon(&self, py: Python<'_>, result: &Bound<'_, PyAny>) {
         let _ = result; // None: the grant is already in the core's state
         py.detach(|| self.core.abandon());
     }
 
     /// Seconds to sleep after the final step until the common time (0 on a ManualClock).
-    fn _left(&self) -> f64 {
+    pub(crate) fn left(&self) -> f64 {
         self.left_ns.load(Ordering::Acquire) as f64 / 1e9
     }
 }

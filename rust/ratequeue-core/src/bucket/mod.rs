@@ -319,6 +319,13 @@ impl Bucket {
     /// other.
     #[inline]
     pub fn try_take(&self, at_ns: u64, cost: u64) -> Result<(), Deny> {
+        self.try_take_words(at_ns, cost).map(|_| ())
+    }
+
+    /// [`Bucket::try_take`], returning the words before and after the debit, so that
+    /// [`Bucket::untake_words`] can undo it exactly while nothing came after it.
+    #[inline]
+    pub fn try_take_words(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
         // Only scalars live across the loop (a `Params` kept there is copied through the
         // stack, and reading it back stalls on store forwarding).
         let (mut w, p) = self.load_at(at_ns);
@@ -338,23 +345,25 @@ impl Bucket {
             let new = (w & TAT_MASK).max(now) + add;
             if new > limit {
                 // Refused: the general path says how long until it conforms.
-                return self.take(at_ns, cost, 0).map(|_| ());
+                return self.take(at_ns, cost, 0).map(|t| (t.before, t.after));
             }
             let next = gen | new;
             if next == w {
-                return Ok(());
+                return Ok((w, w));
             }
+            // SeqCst: a fast path reads the queue's waiting count after its take (see
+            // `WaitQueue::try_now_token`); with the joiner's fence, one sees the other.
             match self
                 .word
-                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(w, next, Ordering::SeqCst, Ordering::Acquire)
             {
-                Ok(_) => return Ok(()),
+                Ok(_) => return Ok((w, next)),
                 Err(seen) if seen & !TAT_MASK == gen => {
                     w = seen;
                     backoff(&mut spins);
                 }
                 // A rate change or a rebase moved the generation: the general path.
-                Err(_) => return self.take(at_ns, cost, 0).map(|_| ()),
+                Err(_) => return self.take(at_ns, cost, 0).map(|t| (t.before, t.after)),
             }
         }
     }
@@ -381,7 +390,7 @@ impl Bucket {
             }
             match self
                 .word
-                .compare_exchange_weak(w, next, Ordering::AcqRel, Ordering::Acquire)
+                .compare_exchange_weak(w, next, Ordering::SeqCst, Ordering::Acquire)
             {
                 Ok(_) => {
                     return Ok(Taken {

@@ -14,6 +14,16 @@ impl Bucket {
                 .is_ok()
     }
 
+    /// Undoes a debit known by the words `before` and `after` it (see
+    /// [`Bucket::try_take_words`]) if no other change came after it; true when undone.
+    pub fn untake_words(&self, before: u64, after: u64) -> bool {
+        before == after
+            || self
+                .word
+                .compare_exchange(after, before, Ordering::AcqRel, Ordering::Acquire)
+                .is_ok()
+    }
+
     /// The one undo rule: gives back `ret` (at most what `t` still stands for) at
     /// `at_ns`. Exact while `t` is still the bucket's latest change: a CAS from the word
     /// it left back to the word before it (or to `ret` less). Otherwise a refund, only

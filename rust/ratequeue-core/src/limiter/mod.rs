@@ -220,6 +220,65 @@ impl Limiter {
         Some(self.take_all_serial(now, costs, 0, false).map(|_| ()))
     }
 
+    /// [`Limiter::try_acquire_nowait`] for a caller that must not overtake a queue: after
+    /// the take, `joined()` (the queue's [`crate::WaitQueue::joined`]) is asked once more
+    /// and, when someone joined since the caller's own check, the take is undone (exactly
+    /// while it is the latest change, else by the refund rule) and refused with
+    /// `Deny::Wait(0)`, so no time promised to a joiner moves.
+    #[inline]
+    pub fn try_acquire_idle_nowait(&self, costs: &[u64], joined: impl Fn() -> bool) -> Option<Result<(), Deny>> {
+        let now = self.clock.now_ns();
+        if self.buckets.len() == 1 {
+            return Some(self.try_take_one_idle(now, costs, &joined).map(|_| ()));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(self.take_all_idle(now, costs, &joined).map(|_| ()))
+    }
+
+    /// [`Limiter::try_acquire_idle_nowait`], waiting for the multi-rate lock if busy.
+    pub fn try_acquire_idle(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<(), Deny> {
+        let now = self.clock.now_ns();
+        if self.buckets.len() == 1 {
+            return self.try_take_one_idle(now, costs, &joined).map(|_| ());
+        }
+        let _serial = self.lock_multi();
+        self.take_all_idle(now, costs, &joined).map(|_| ())
+    }
+
+    /// One rate: the fast take, undone when `joined()` after it; Ok(the word it left).
+    #[inline]
+    fn try_take_one_idle(&self, now: u64, costs: &[u64], joined: &dyn Fn() -> bool) -> Result<u64, Deny> {
+        let (b, c) = (&self.buckets[0], costs[self.bucket_unit[0]]);
+        let (before, after) = b.try_take_words(now, c).map_err(|d| self.with_unit(0, d))?;
+        if joined() {
+            self.untake_raced(b, before, after, now, c);
+            return Err(Deny::Wait(0));
+        }
+        Ok(after)
+    }
+
+    /// Gives back a fast take that raced a joiner: exactly while it is the latest change,
+    /// else what such a debit can still hold, by the refund rule.
+    #[cold]
+    #[inline(never)]
+    fn untake_raced(&self, b: &Bucket, before: u64, after: u64, now: u64, cost: u64) {
+        if !b.untake_words(before, after) {
+            self.note(b.refund_since(now, cost, now, cost));
+        }
+    }
+
+    /// Several rates, the multi-rate lock held: [`Limiter::take_all_serial`] with no
+    /// delay, undone (exactly: every change is serialised) when `joined()` after it.
+    fn take_all_idle(&self, now: u64, costs: &[u64], joined: &dyn Fn() -> bool) -> Result<Reservation, Deny> {
+        let r = self.take_all_serial(now, costs, 0, false)?;
+        if joined() {
+            self.undo(&r.taken);
+            self.seq.fetch_add(1, Ordering::AcqRel);
+            return Err(Deny::Wait(0));
+        }
+        Ok(r)
+    }
+
     /// The body of [`Limiter::take_all`], with the multi-rate lock held.
     fn take_all_serial(
         &self,

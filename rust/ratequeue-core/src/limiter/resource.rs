@@ -27,6 +27,23 @@ impl Resource for Limiter {
         )
     }
 
+    #[inline]
+    fn try_take_token_idle_nowait(
+        &self,
+        now_ns: u64,
+        costs: &[u64],
+        joined: &dyn Fn() -> bool,
+    ) -> Option<Result<Option<u64>, Deny>> {
+        if self.buckets.len() == 1 {
+            return Some(self.try_take_one_idle(now_ns, costs, joined).map(Some));
+        }
+        let _serial = self.try_lock_multi()?;
+        Some(
+            self.take_all_idle(now_ns, costs, joined)
+                .map(|r| Some(self.token_of(&r))),
+        )
+    }
+
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         // Never before capacity given back since: it was not free at an earlier time.
         let at = self.buckets.iter().map(|b| b.given_at()).fold(at_ns, u64::max);

@@ -43,6 +43,14 @@ impl WaitQueue {
                 && crate::wait::driver::driver().is_running())
     }
 
+    /// Asks the driver for a poll now (a fast take was undone, see
+    /// [`WaitQueue::try_now_token`]); on a manual clock the next run finds it anyway.
+    #[cold]
+    #[inline(never)]
+    pub(super) fn rewake(self: &Arc<Self>, now: u64) {
+        let _ = self.schedule(now);
+    }
+
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
     /// no driver thread can run (the wake-up stays pending for the next one that starts).
     pub(super) fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {

@@ -6,15 +6,28 @@ impl WaitQueue {
     /// Without taking the queue's lock: `Some(now_path(now))` when nobody waits (the
     /// resource reserves by itself, e.g. a GCRA debit at the Lindley time), `None` when
     /// someone does (then call [`WaitQueue::reserve`], which may block on the lock).
+    /// A reservation that raced someone joining (see [`WaitQueue::joined`]) is handed to
+    /// `undo` and `None` returned.
     #[inline]
-    pub fn reserve_if_idle<R>(&self, now_path: impl FnOnce(u64) -> Result<R, Error>) -> Option<Result<R, Error>> {
+    pub fn reserve_if_idle<R>(
+        &self,
+        now_path: impl FnOnce(u64) -> Result<R, Error>,
+        undo: impl FnOnce(R),
+    ) -> Option<Result<R, Error>> {
         if self.waiting() != 0 {
             return None;
         }
-        Some(now_path(self.clock.now_ns()))
+        match now_path(self.clock.now_ns()) {
+            Ok(r) if self.joined() => {
+                undo(r);
+                None
+            }
+            other => Some(other),
+        }
     }
 
-    /// Reserves `costs` in arrival order without barging: when nobody waits, returns
+    /// Reserves `costs` in arrival order without barging, under the queue's lock (see
+    /// [`WaitQueue::reserve_if_idle`] for the lock-free try): when nobody waits, returns
     /// what `now_path(now)` reserves; otherwise joins `class` behind the waiters, within
     /// the queue's bounds (`max_queue`, and `timeout_ns` or max_wait: `Overloaded` at once
     /// when the predicted wait exceeds it), and is granted — the resource debited — at
@@ -30,10 +43,8 @@ impl WaitQueue {
         if class >= self.config.classes.len() {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
-        if self.waiting() == 0 {
-            return now_path(self.clock.now_ns()).map(Reserved::Now);
-        }
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
+        self.drop_inherited();
         self.join_locked(
             |g, now| {
                 if g.len == 0 {
@@ -49,7 +60,8 @@ impl WaitQueue {
 
     /// A join decided under the queue's lock: grants what is due now, then
     /// `decide(g, now)` (the resource's own path when nobody is left queued, else a
-    /// place in the queue); when `queued(result)`, the driver is asked for the next
+    /// place in the queue), announced to the fast paths while it decides
+    /// ([`WaitQueue::announce`]); when `queued(result)`, the driver is asked for the next
     /// wake-up once the lock is released. Outcomes are delivered under the lock, grants
     /// of gone waiters given back after it.
     fn join_locked<T>(
@@ -61,7 +73,9 @@ impl WaitQueue {
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
+        self.announce(&g);
         let result = decide(&mut g, now);
+        self.announced(&g);
         let next = queued(&result).then(|| self.next_wake_locked(&g)).flatten();
         let gone = deliver(out);
         drop(g);

@@ -18,6 +18,20 @@ pub trait Resource: Send + Sync {
     fn try_take_token_nowait(&self, now_ns: u64, costs: &[u64]) -> Option<Result<Option<u64>, Deny>> {
         Some(self.try_take_token(now_ns, costs))
     }
+    /// [`Resource::try_take_token_nowait`] for a fast path that checked that nobody
+    /// waits: after the take, `joined()` is asked once more and, when someone joined
+    /// meanwhile, the take is undone (exactly while it is the latest change, else by the
+    /// one undo rule) and refused with `Deny::Wait(0)`, so no time promised to a joiner
+    /// moves. By default (resources that promise no time) the take is not re-checked.
+    #[inline]
+    fn try_take_token_idle_nowait(
+        &self,
+        now_ns: u64,
+        costs: &[u64],
+        _joined: &dyn Fn() -> bool,
+    ) -> Option<Result<Option<u64>, Deny>> {
+        self.try_take_token_nowait(now_ns, costs)
+    }
     /// The earliest time ≥ `at_ns` at which `costs` could be taken, or `None` when it
     /// depends on a release rather than on time.
     fn ready_at(&self, at_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny>;

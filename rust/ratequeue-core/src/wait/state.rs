@@ -83,6 +83,27 @@ impl WaitQueue {
         n
     }
 
+    /// True when someone waits or a decision that may queue someone is under way (see
+    /// [`WaitQueue::announce`]). A fast path asks it after its take: with the joiner's
+    /// fence, either it sees the joiner or the joiner's reads of the resource see the take.
+    #[inline]
+    pub fn joined(&self) -> bool {
+        self.waiting.load(Ordering::SeqCst) != 0
+    }
+
+    /// Under the queue's lock, before a decision that may queue someone reads the
+    /// resource: until [`WaitQueue::announced`], fast paths count one more waiter, and a
+    /// fast take they made without seeing it is visible to every read after the fence.
+    pub(super) fn announce(&self, g: &Inner) {
+        self.waiting.store(g.len + 1, Ordering::SeqCst);
+        std::sync::atomic::fence(Ordering::SeqCst);
+    }
+
+    /// Ends [`WaitQueue::announce`]: the count is the queue's own again.
+    pub(super) fn announced(&self, g: &Inner) {
+        self.waiting.store(g.len, Ordering::Release);
+    }
+
     /// Test hook: holds the queue's lock for `d` (as a long decision would).
     #[doc(hidden)]
     pub fn hold_lock_for(&self, d: Duration) {

@@ -65,18 +65,24 @@ impl WaitQueue {
     /// and no wait for a lock. `Err(None)`: must queue (or a lock was busy: `submit`
     /// decides); `Err(Some(e))`: can never be granted.
     #[inline]
-    pub fn try_now(&self, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
+    pub fn try_now(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<u64, Option<Deny>> {
         self.try_now_token(costs, class).map(|(now, _)| now)
     }
 
     /// [`WaitQueue::try_now`], with the grant's token (see [`Resource::try_take_token`]).
     #[inline]
-    pub fn try_now_token(&self, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
+    pub fn try_now_token(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
         if self.waiting() != 0 && !self.drop_inherited() {
             return Err(None);
         }
         let now = self.clock.now_ns();
-        let Some(taken) = self.resource.try_take_token_nowait(now, costs) else {
+        let raced = std::cell::Cell::new(false);
+        let joined = || {
+            let j = self.joined();
+            raced.set(j);
+            j
+        };
+        let Some(taken) = self.resource.try_take_token_idle_nowait(now, costs, &joined) else {
             return Err(None);
         };
         match taken {
@@ -87,7 +93,13 @@ impl WaitQueue {
                 }
                 Ok((now, token))
             }
-            Err(Deny::Wait(_)) => Err(None),
+            Err(Deny::Wait(_)) => {
+                if raced.get() {
+                    // The undone take may let the joiner through earlier than it was told.
+                    self.rewake(now);
+                }
+                Err(None)
+            }
             Err(d) => Err(Some(d)),
         }
     }
@@ -163,7 +175,9 @@ impl WaitQueue {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let bound = if timeout_ns.is_some() { "timeout" } else { "max_wait" };
+        self.announce(&g);
         let result = self.enqueue_locked(&mut g, now, costs, class, (max_wait, bound), wake);
+        self.announced(&g);
         let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
             self.next_wake_locked(&g)
         } else {

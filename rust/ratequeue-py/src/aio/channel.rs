@@ -3,8 +3,10 @@
 
 use super::*;
 
-/// Outcomes for one event loop, signalled through a wake-up descriptor the channel
-/// owns (the loop reads it, never closes it).
+/// Where a queue delivers the outcomes of waits submitted with `submit(channel, ...)`:
+/// for an event loop other than asyncio (its reader watches `fileno()` and drains), or
+/// for virtual time (drained after each step). asyncio's own channel is made by
+/// `ratequeue.aio`.
 #[pyclass(frozen, name = "Channel", module = "ratequeue")]
 pub struct ChannelPy {
     pub(crate) inner: Arc<Channel>,
@@ -88,8 +90,9 @@ impl ChannelPy {
         self.inner.is_closed()
     }
 
-    /// How many awaitables wait natively on this channel for an outcome.
-    fn _pending(&self) -> usize {
+    /// How many awaitables of `acquire_async` wait on this channel for an outcome.
+    #[getter]
+    fn pending(&self) -> usize {
         lock(&self.native).len()
     }
 }
@@ -226,5 +229,5 @@ pub fn submit(
     if let Some(p) = a.permit() {
         return Ok(p.clone_ref(py).into_any());
     }
-    a._submit(py, channel)
+    a.submit(py, channel)
 }

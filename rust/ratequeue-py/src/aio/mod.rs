@@ -13,9 +13,7 @@ use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock};
 
-use pyo3::exceptions::PyStopIteration;
 use pyo3::ffi;
-use pyo3::panic::PanicException;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
@@ -27,10 +25,12 @@ use crate::blocking::unblocked;
 use crate::errors::{channel_closed, misuse, no_descriptor, to_py};
 use crate::waiting::{Gate, GatePy, PermitOwner, PermitPy};
 
+mod bridge;
 mod channel;
 mod running;
 mod send;
 
+pub use bridge::register;
 use channel::*;
 pub use channel::{submit, ChannelPy, LoopWaitersPy};
 use running::*;
@@ -526,10 +526,13 @@ impl AcquiringPy {
         }
         done_false(py)
     }
+}
 
+/// The asyncio bridge's calls (`ratequeue.aio`, through [`bridge`]): not Python methods.
+impl AcquiringPy {
     /// Queues on `channel` (the caller drains it): returns a Permit if granted at once,
     /// else the ticket. Raises RuntimeError on a closed channel.
-    fn _submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+    pub(crate) fn submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
         let chan = channel.get().inner.clone();
         if chan.is_closed() {
             return Err(channel_closed());
@@ -552,31 +555,29 @@ impl AcquiringPy {
 
     /// The permit of a grant after waiting `waited_ns` (`token` identifies the grant,
     /// for an exact give-back if its waiter is cancelled before using it).
-    #[pyo3(signature = (waited_ns, token = None))]
-    fn _granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PermitPy>> {
+    pub(crate) fn granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PermitPy>> {
         self.shared.granted(py, waited_ns, token)
     }
 
     /// The WaitTimeout for a wait that expired after `waited_ns`.
-    fn _timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
+    pub(crate) fn timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
         self.shared.timeout_error(py, waited_ns)
     }
 
     /// Removes the ticket from the queue; False if it was already decided.
-    fn _cancel(&self, py: Python<'_>, ticket: u64) -> bool {
+    pub(crate) fn cancel(&self, py: Python<'_>, ticket: u64) -> bool {
         py.detach(|| self.shared.gate.queue.cancel(ticket)) == Cancelled::Removed
     }
 
     /// Gives back, exactly once, a grant whose permit was delivered to a waiter that was
     /// cancelled before it could use it (the permit is marked released).
-    fn _abandon(&self, permit: &Bound<'_, PermitPy>) {
+    pub(crate) fn abandon(&self, permit: &Bound<'_, PermitPy>) {
         self.shared.abandon(permit.get());
     }
 
     /// Gives back a grant that arrived after its waiter was cancelled (see
     /// Resource::give_back for when a rate keeps it instead).
-    #[pyo3(signature = (token = None))]
-    fn _give_back(&self, token: Option<u64>) {
+    pub(crate) fn give_back(&self, token: Option<u64>) {
         self.shared.give_back(token);
     }
 }

@@ -2,6 +2,7 @@
 //! thread (asyncio's own record read without a system call where it is safe).
 
 use super::*;
+use crate::errors::aio_not_ready;
 
 pub(super) static RUNNING_WAITERS: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 pub(super) static GET_RUNNING_LOOP: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -98,9 +99,7 @@ pub(super) fn running_waiters(py: Python<'_>) -> PyResult<Running<'_>> {
             }
         }
     }
-    let pair = RUNNING_WAITERS
-        .import(py, "ratequeue.aio", "_running_waiters")?
-        .call0()?;
+    let pair = RUNNING_WAITERS.get(py).ok_or_else(aio_not_ready)?.bind(py).call0()?;
     let (event_loop, waiters): (Bound<'_, PyAny>, Bound<'_, LoopWaitersPy>) = pair.extract()?;
     let plain = plain_futures(py, &event_loop)?;
     let last = LastLoop {

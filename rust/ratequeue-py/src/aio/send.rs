@@ -2,6 +2,7 @@
 //! without an exception object) and `__next__`'s StopIteration.
 
 use super::*;
+use crate::errors::{panicked, stop_iteration};
 
 /// One step of an awaitable: it waits for this future, or it ends with this value.
 pub(super) enum Step {
@@ -41,7 +42,7 @@ pub(super) unsafe extern "C" fn am_send<T: Stepping>(
             (std::ptr::null_mut(), ffi::PySendResult::PYGEN_ERROR)
         }
         Err(_) => {
-            PanicException::new_err("a ratequeue awaitable panicked").restore(py);
+            panicked("a ratequeue awaitable panicked").restore(py);
             (std::ptr::null_mut(), ffi::PySendResult::PYGEN_ERROR)
         }
     };
@@ -88,9 +89,7 @@ pub fn install(py: Python<'_>) -> PyResult<()> {
 }
 
 /// `StopIteration(value)`: the end of an awaitable with its result.
-/// The value is passed as is (not in a tuple), so the interpreter takes it without
-/// making an exception object (it is never a tuple or an exception here).
 pub(super) fn stop(py: Python<'_>, value: Py<PyAny>) -> PyErr {
     let _ = py;
-    PyStopIteration::new_err(value)
+    stop_iteration(value)
 }

@@ -1,0 +1,102 @@
+//! The fast entry of `Limiter.try_acquire`: a vectorcall method over PyO3's, deciding
+//! the common calls (no cost, or one positional cost) without parsing keywords.
+
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+use pyo3::ffi;
+use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::PyBool;
+
+use crate::errors::{not_installed, panicked};
+use crate::limiter::LimiterPy;
+
+/// The keyword-taking `Limiter.try_acquire` (its descriptor), which the fast entry below
+/// hands every call it does not decide itself.
+static TRY_ACQUIRE_FULL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
+
+/// `Limiter.try_acquire` with the vectorcall convention (a method with `**costs` gets the
+/// tuple-and-dict one from PyO3): a call without keywords and with no argument or one
+/// plain int is decided here, any other goes to the full method unchanged (same
+/// signature, results and messages). No panic leaves it.
+unsafe extern "C" fn try_acquire_fast(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: the interpreter calls a method attached, with `nargs` arguments at `args`
+    // followed by one per name in `kwnames`.
+    let py = unsafe { Python::assume_attached() };
+    let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
+        let no_keywords = kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0;
+        if no_keywords && nargs <= 1 {
+            let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
+            if let Ok(lim) = obj.cast::<LimiterPy>() {
+                let lim = lim.get();
+                let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
+                if let Some(c) = lim.one_cost(n.as_ref()) {
+                    let ok = lim.answer(py, lim.decide_now(&[c]))?;
+                    return Ok(PyBool::new(py, ok).to_owned().into_any().unbind());
+                }
+            }
+        }
+        let full = TRY_ACQUIRE_FULL
+            .get(py)
+            .ok_or_else(|| not_installed("Limiter.try_acquire is not installed"))?;
+        let nkw = if kwnames.is_null() {
+            0
+        } else {
+            unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
+        };
+        let mut all = Vec::with_capacity(1 + (nargs + nkw) as usize);
+        all.push(slf);
+        // SAFETY: the interpreter's argument vector holds nargs + nkw objects.
+        all.extend_from_slice(unsafe { std::slice::from_raw_parts(args, (nargs + nkw) as usize) });
+        let r = unsafe { ffi::PyObject_Vectorcall(full.as_ptr(), all.as_ptr(), (nargs + 1) as usize, kwnames) };
+        unsafe { Bound::from_owned_ptr_or_err(py, r) }.map(Bound::unbind)
+    }));
+    match out {
+        Ok(Ok(v)) => v.into_ptr(),
+        Ok(Err(e)) => {
+            e.restore(py);
+            std::ptr::null_mut()
+        }
+        Err(_) => {
+            panicked("Limiter.try_acquire panicked").restore(py);
+            std::ptr::null_mut()
+        }
+    }
+}
+
+/// Puts the fast entry of `Limiter.try_acquire` in the type, over PyO3's (kept for the
+/// calls it does not decide); its doc and text signature are PyO3's.
+pub fn install(py: Python<'_>) -> PyResult<()> {
+    let ty = py.get_type::<LimiterPy>();
+    let full = ty.getattr("try_acquire")?;
+    let tp = ty.as_type_ptr();
+    // SAFETY: `full` is PyO3's method descriptor of this type (its PyMethodDef is static);
+    // the new one is leaked once, as a type's methods live as long as the process.
+    unsafe {
+        if ffi::Py_TYPE(full.as_ptr()) != std::ptr::addr_of_mut!(ffi::PyMethodDescr_Type) {
+            return Err(not_installed("Limiter.try_acquire is not a method descriptor"));
+        }
+        let old = (*full.as_ptr().cast::<ffi::PyMethodDescrObject>()).d_method;
+        let def = Box::leak(Box::new(ffi::PyMethodDef {
+            ml_name: (*old).ml_name,
+            ml_meth: ffi::PyMethodDefPointer {
+                PyCFunctionFastWithKeywords: try_acquire_fast,
+            },
+            ml_flags: ffi::METH_FASTCALL | ffi::METH_KEYWORDS,
+            ml_doc: (*old).ml_doc,
+        }));
+        let descr = Bound::from_owned_ptr_or_err(py, ffi::PyDescr_NewMethod(tp, def))?;
+        let _ = TRY_ACQUIRE_FULL.set(py, full.unbind());
+        let dict = (*tp).tp_dict;
+        if dict.is_null() || ffi::PyDict_SetItemString(dict, c"try_acquire".as_ptr(), descr.as_ptr()) != 0 {
+            return Err(PyErr::fetch(py));
+        }
+        ffi::PyType_Modified(tp);
+    }
+    Ok(())
+}
