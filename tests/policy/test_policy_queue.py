@@ -166,7 +166,7 @@ def test_a_full_level_queue_refuses_the_policy() -> None:
     assert lim.stats()["waiting"] == 1
 
 
-def test_settle_after_the_queue_granted_refunds_and_before_only_charges() -> None:
+def test_a_settle_before_the_queue_grants_lowers_its_debit_and_is_not_refunded_twice() -> None:
     clock = rq.ManualClock()
     lim = rq.Limiter(rq.Rate(10, burst=1), rq.Rate(100, burst=100, unit="tokens"), clock=clock)
     policy = rq.Policy({"api": lim})
@@ -175,10 +175,10 @@ def test_settle_after_the_queue_granted_refunds_and_before_only_charges() -> Non
     lim.submit(ch, tokens=50)  # due at 0.1 s
     p = policy.acquire(tokens=100)
     assert p.delay == pytest.approx(1.0)  # 200 tokens at 100/s past a burst of 100
-    p.settle(tokens=10)  # not yet granted: no refund
+    p.settle(tokens=10)  # not yet granted: the queue's grant will debit 10, not 100
     lim.run_until(1.0)
-    assert lim.available("tokens") == pytest.approx(0.0, abs=1e-6)
-    p.settle(tokens=10)  # granted: the queue's grant settles by the one undo rule
+    assert lim.available("tokens") == pytest.approx(90.0, abs=1e-6)
+    p.settle(tokens=10)  # granted, and settled to 10 already: nothing more comes back
     assert lim.available("tokens") == pytest.approx(90.0, abs=1e-6)
 
 

@@ -45,30 +45,7 @@ impl PermitOwner for KeyOwner {
     }
 
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
-        // Through the key's queue when it has one, as a Limiter permit settles: an
-        // overage then waits behind the reservations promised a time on the key. An
-        // overage makes the queue if needed: decided under its lock, it is ordered with
-        // any reservation joining meanwhile.
-        let over = actual.iter().zip(estimated).any(|(a, e)| a > e);
-        unblocked(|| {
-            match if over {
-                self.queues.get(self.key).ok()
-            } else {
-                self.queues.existing(self.key)
-            } {
-                Some(handle) => {
-                    let grant = handle.queue().settle(estimated, actual, grant);
-                    drop(handle);
-                    self.queues.done(self.key, 0);
-                    grant
-                }
-                None => {
-                    let grant = self.resource.settle(estimated, actual, grant);
-                    self.queues.poll(self.key);
-                    grant
-                }
-            }
-        })
+        unblocked(|| self.queues.settle(self.key, estimated, actual, grant))
     }
 }
 

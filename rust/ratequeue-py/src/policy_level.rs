@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use pyo3::prelude::*;
 use ratequeue_core::policy::{LevelQueues, QueueRef, Waker};
-use ratequeue_core::{AnyClock, KeyQueue, KeyQueues, LevelArgs, LevelKind};
+use ratequeue_core::{AnyClock, LevelArgs, LevelKind};
 
 use crate::blocking::unblocked;
 use crate::concurrency::ConcurrencyPy;
@@ -21,32 +21,6 @@ struct OneQueue(Arc<Gate>);
 impl LevelQueues for OneQueue {
     fn existing(&self, _key: u64) -> Option<QueueRef> {
         Some(QueueRef::new(self.0.queue.clone()))
-    }
-}
-
-/// A key's queue, its handle kept with it (the queue stays in its map while in use).
-fn kept(handle: Arc<KeyQueue>) -> QueueRef {
-    QueueRef {
-        queue: handle.queue().clone(),
-        keep: Some(handle),
-    }
-}
-
-/// A keyed level's queue of a key (kept in its map while the policy holds it); a key
-/// the map has no room for has none, so the level refuses.
-struct KeyLevel(Arc<KeyQueues>);
-
-impl LevelQueues for KeyLevel {
-    fn existing(&self, key: u64) -> Option<QueueRef> {
-        self.0.existing(key).map(kept)
-    }
-
-    fn queue(&self, key: u64) -> Option<QueueRef> {
-        self.0.get(key).ok().map(kept)
-    }
-
-    fn done(&self, key: u64) {
-        self.0.done(key, 0);
     }
 }
 
@@ -150,7 +124,7 @@ pub fn level_of(name: &str, v: &Bound<'_, PyAny>) -> PyResult<LevelParts> {
         let core = l.get().core().clone();
         let c = core.clock().clone();
         let gates = l.get().key_queues().clone();
-        queues = Some(Arc::new(KeyLevel(gates.clone())));
+        queues = Some(gates.clone());
         (
             LevelKind::KeyedRate(core),
             Shape::KeyedUnit(l.get().unit().to_owned()),
@@ -176,7 +150,7 @@ pub fn level_of(name: &str, v: &Bound<'_, PyAny>) -> PyResult<LevelParts> {
         )
     } else if let Ok(l) = v.cast::<KeyedConcurrencyPy>() {
         let gates = l.get().key_queues().clone();
-        queues = Some(Arc::new(KeyLevel(gates.clone())));
+        queues = Some(gates.clone());
         (
             LevelKind::KeyedConcurrency(l.get().core().clone()),
             Shape::Permits { keyed: true },

@@ -698,6 +698,12 @@ impl KeyedLimiter {
         self.charge_tat(key, self.clock.now_ns(), cost, None);
     }
 
+    /// Charges `cost` to `key` at `at_ns` regardless of conformance (an overage owed in
+    /// the key's queue, debited in turn; it may go into debt).
+    pub fn charge_at(&self, key: u64, at_ns: u64, cost: u64) {
+        self.charge_tat(key, at_ns, cost, None);
+    }
+
     /// Charges `extra` more on the debit `t` at `at_ns` (may go into debt); `t` stays
     /// exactly undoable while it is still its key's latest change.
     pub fn charge_more(&self, t: &mut KeyTaken, extra: u64, at_ns: u64) {

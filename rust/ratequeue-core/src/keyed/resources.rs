@@ -27,6 +27,10 @@ impl crate::wait::Resource for KeyBucket {
             .map(|t| t.token())
     }
 
+    fn charge_at(&self, at_ns: u64, costs: &[u64]) {
+        self.keyed.charge_at(self.key, at_ns, costs[0]);
+    }
+
     fn give_back(&self, costs: &[u64], token: Option<u64>) {
         match token {
             Some(token) => {

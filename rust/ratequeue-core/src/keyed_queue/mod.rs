@@ -19,7 +19,8 @@ use crate::bucket::Deny;
 use crate::clock::{AnyClock, ManualClock};
 use crate::error::Error;
 use crate::histogram::Histogram;
-use crate::wait::{QueueConfig, Resource, Stalled, WaitQueue};
+use crate::policy::{LevelQueues, QueueRef};
+use crate::wait::{GrantRef, QueueConfig, Resource, Stalled, WaitQueue};
 
 /// Makes the queue resource of one key.
 pub type MakeResource = Box<dyn Fn(u64) -> Arc<dyn Resource> + Send + Sync>;
@@ -221,6 +222,68 @@ impl KeyQueues {
         self.live.store(m.len(), Ordering::Release);
     }
 
+    /// Settles a grant on `key` from its `estimated` costs to the `actual` ones (see
+    /// [`WaitQueue::settle`]), decided as [`KeyQueues::settle_by`] decides it.
+    pub fn settle(&self, key: u64, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        self.decide(key, estimated, actual, |q| match q {
+            Some(q) => q.settle(estimated, actual, grant),
+            None => (self.make)(key).settle(estimated, actual, GrantRef { owed: None, ..grant }),
+        })
+    }
+
+    /// [`WaitQueue::settle_by`] on `key` (a policy's debit there): `owed` is the ticket of
+    /// what the debit still owes in the key's queue, `debit(held, keep)` settles the debit
+    /// itself. An overage is decided under a lock that orders it with every wait joining
+    /// the key's queue: that queue's lock when the key has one (the overage then waits
+    /// behind the reservations promised a time there), else the map's, so that no queue
+    /// and no promise can be made on the key before the charge lands. It makes no queue:
+    /// a full map changes nothing. Returns what `debit` returned and what the debit owes
+    /// now.
+    pub fn settle_by<R>(
+        &self,
+        key: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: impl FnOnce(&[u64], &[u64]) -> R,
+    ) -> (R, Option<u64>) {
+        self.decide(key, estimated, actual, |q| match q {
+            Some(q) => q.settle_by(estimated, actual, owed, debit),
+            // Without a queue nothing is owed: a charge leaves its queue only once
+            // debited, and a queue with a charge in it is never dropped.
+            None => (debit(estimated, actual), None),
+        })
+    }
+
+    /// Runs `settle` with `key`'s queue if it has one: for an overage without a queue,
+    /// under the map's lock (no queue can be made on the key meanwhile); for a refund
+    /// without one, after it (a refund never moves a promised time later), then grants
+    /// whoever it lets through.
+    fn decide<T>(
+        &self,
+        key: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        settle: impl FnOnce(Option<&Arc<WaitQueue>>) -> T,
+    ) -> T {
+        let over = actual.iter().zip(estimated).any(|(a, e)| a > e);
+        let m = self.lock();
+        let Some(handle) = m.get(&key).cloned() else {
+            if over {
+                return settle(None);
+            }
+            drop(m);
+            let out = settle(None);
+            self.poll(key);
+            return out;
+        };
+        drop(m);
+        let out = settle(Some(handle.queue()));
+        drop(handle);
+        self.done(key, 0);
+        out
+    }
+
     /// Grants whatever can now be granted on `key` (after capacity came back to it).
     pub fn poll(&self, key: u64) {
         if let Some(q) = self.existing(key) {
@@ -343,6 +406,42 @@ impl KeyQueues {
             self.tried_admitted.load(Ordering::Relaxed),
             self.tried_refused.load(Ordering::Relaxed),
         )
+    }
+}
+
+/// A keyed level's queues, as a policy joins them: a key's queue is kept in the map
+/// while the policy holds it; a key the map has no room for has none, so the level
+/// refuses a wait there.
+impl LevelQueues for KeyQueues {
+    fn existing(&self, key: u64) -> Option<QueueRef> {
+        KeyQueues::existing(self, key).map(kept)
+    }
+
+    fn queue(&self, key: u64) -> Option<QueueRef> {
+        self.get(key).ok().map(kept)
+    }
+
+    fn done(&self, key: u64) {
+        KeyQueues::done(self, key, 0);
+    }
+
+    fn settle_by(
+        &self,
+        key: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: &mut dyn FnMut(&[u64], &[u64]) -> bool,
+    ) -> (bool, Option<u64>) {
+        KeyQueues::settle_by(self, key, estimated, actual, owed, debit)
+    }
+}
+
+/// A key's queue with its handle (the queue stays in its map while the handle lives).
+fn kept(handle: Arc<KeyQueue>) -> QueueRef {
+    QueueRef {
+        queue: handle.queue().clone(),
+        keep: Some(handle),
     }
 }
 

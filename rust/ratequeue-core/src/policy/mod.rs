@@ -64,6 +64,27 @@ pub trait LevelQueues: Send + Sync {
     /// A wait in `key`'s queue ended and its [`QueueRef`] was dropped: the level may
     /// drop a queue nobody uses any more.
     fn done(&self, _key: u64) {}
+    /// Settles a debit on `key` through its queue ([`WaitQueue::settle_by`]): an overage
+    /// is decided under a lock that orders it with every wait joining that queue. By
+    /// default through [`LevelQueues::queue`]; a level whose queues are made on demand
+    /// decides it under its own lock when the key has none. Returns what `debit`
+    /// returned and what the debit owes now.
+    fn settle_by(
+        &self,
+        key: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: &mut dyn FnMut(&[u64], &[u64]) -> bool,
+    ) -> (bool, Option<u64>) {
+        let Some(q) = self.queue(key) else {
+            return (debit(estimated, actual), None);
+        };
+        let out = q.queue.settle_by(estimated, actual, owed, debit);
+        drop(q);
+        self.done(key);
+        out
+    }
 }
 
 /// A named level of a policy.
@@ -189,29 +210,25 @@ impl QueuedHold {
         left
     }
 
-    /// Settles to `actual`: once granted by the one undo rule on the grant; before, the
-    /// queue debits the estimate when it grants, so only an overage is charged now.
-    fn settle(&mut self, actual: &[u64], now_ns: u64) {
-        match self.grant() {
-            Some(g) => {
-                self.grant = Some(self.queue.queue.settle(&self.costs, actual, g));
+    /// Settles to `actual`: once granted by the one undo rule on the grant; before, in
+    /// the queue (what it owes cancelled first, then what its grant will debit lowered;
+    /// an overage owed behind the waiters queued now).
+    fn settle(&mut self, actual: &[u64]) {
+        if self.grant().is_none() {
+            let q = &self.queue.queue;
+            if let Some(owed) = q.settle_queued(self.r.ticket, &self.costs, actual, self.owed) {
+                // What it owes now belongs to the grant: a later settle cancels it first,
+                // and settles from these costs (never charging the overage again).
+                self.owed = owed;
+                self.over |= actual.iter().zip(&self.costs).any(|(a, e)| a > e);
                 self.costs = actual.to_vec();
+                return;
             }
-            None => {
-                let up: Vec<u64> = self.costs.iter().zip(actual).map(|(e, a)| *e.max(a)).collect();
-                if up != self.costs {
-                    let charge = GrantRef {
-                        at_ns: now_ns,
-                        token: None,
-                        owed: self.owed,
-                    };
-                    // What it owes now belongs to the grant: a later settle cancels it first,
-                    // and settles from these costs (never charging the overage again).
-                    self.owed = self.queue.queue.settle(&self.costs, &up, charge).owed;
-                    self.costs = up;
-                    self.over = true;
-                }
-            }
+            // Granted meanwhile: its outcome is in its slot now.
+        }
+        if let Some(g) = self.grant() {
+            self.grant = Some(self.queue.queue.settle(&self.costs, actual, g));
+            self.costs = actual.to_vec();
         }
     }
 }
@@ -451,7 +468,7 @@ impl Policy {
         for (i, h) in held.iter_mut().enumerate() {
             match h {
                 Held::Queued(q) => {
-                    q.settle(&actual[i].costs, now_ns);
+                    q.settle(&actual[i].costs);
                     continue;
                 }
                 Held::Nothing => continue,
@@ -462,27 +479,21 @@ impl Policy {
             let limit = self.levels[i].kind.limit();
             let over = act.iter().zip(est).any(|(a, e)| a > e);
             let owed = h.owed();
-            // An overage is decided under the level's queue lock (made for the key if
-            // needed), as a permit's (WaitQueue::settle_by): charged on the debit itself
-            // unless reservations are promised a time, else owed in the queue behind them
-            // (so that it never moves a waiter onto a promised time, even one joining
-            // meanwhile), and what it owes is cancelled first by a later settle down.
-            let queues = self.levels[i].queues.as_ref().filter(|_| over || owed.is_some());
-            let q = queues.and_then(|qs| qs.queue(key));
-            let woke = match &q {
+            // An overage is decided under a lock of the level's queues, as a permit's
+            // (LevelQueues::settle_by): charged on the debit itself unless reservations
+            // are promised a time, else owed in the queue behind them (so that it never
+            // moves a waiter onto a promised time, even one joining meanwhile), and what
+            // it owes is cancelled first by a later settle down.
+            let woke = match self.levels[i].queues.as_ref().filter(|_| over || owed.is_some()) {
                 None => limit.settle(h, est, act, now_ns),
-                Some(q) => {
-                    let (woke, owes) = q
-                        .queue
-                        .settle_by(est, act, owed, |held, keep| limit.settle(h, held, keep, now_ns));
+                Some(qs) => {
+                    let (woke, owes) = qs.settle_by(key, est, act, owed, &mut |held, keep| {
+                        limit.settle(h, held, keep, now_ns)
+                    });
                     h.set_owed(owes);
                     woke
                 }
             };
-            drop(q);
-            if let Some(qs) = queues {
-                qs.done(key);
-            }
             if woke {
                 self.wake(i, key);
             }

@@ -316,7 +316,7 @@ fn undo_before_the_time_leaves_the_queue_and_after_it_keeps_the_slot() {
 }
 
 #[test]
-fn settle_charges_before_the_grant_and_refunds_after_it() {
+fn a_settle_before_the_grant_is_what_the_grant_debits_and_is_not_refunded_twice() {
     let clock = Arc::new(ManualClock::new(0).unwrap());
     let (lim, q) = queued_limiter(&clock, 10.0, 5);
     lim.try_acquire(&[5]).unwrap();
@@ -328,13 +328,18 @@ fn settle_charges_before_the_grant_and_refunds_after_it() {
     let less = vec![LevelArgs { key: 0, costs: vec![1] }];
     p.settle(&mut held, &est, &less, 0);
     q_run(&q, &clock, 400 * MS);
+    // Five units at 0, the waiter's at 0.1 s, the hold's one (not three) at 0.4 s.
     assert_eq!(
-        lim.delay_at(400 * MS, &[1]).unwrap(),
+        lim.delay_at(400 * MS, &[3]).unwrap(),
         100 * MS,
-        "no refund before the grant"
+        "the grant debits what the hold settled to"
     );
     p.settle(&mut held, &est, &less, 400 * MS);
-    assert_eq!(lim.delay_at(400 * MS, &[2]).unwrap(), 0, "refunded once granted");
+    assert_eq!(
+        lim.delay_at(400 * MS, &[3]).unwrap(),
+        100 * MS,
+        "nothing refunded twice"
+    );
 }
 
 // ---------------------------------------------------------------------------------

@@ -40,12 +40,21 @@ impl WaitQueue {
     }
 
     /// Drops the waiters queued before the last fork (their threads and loops are not
-    /// in this process), once.
+    /// in this process), once. The overage charges queued then go too: the parent
+    /// debits them, this child's buckets never held them. Each is kept as forgiven
+    /// (bounded by the queue at the fork), so that the grant that owed it, settled in the
+    /// child, settles from what the child's bucket holds of it: its estimate less what
+    /// it owed ([`WaitQueue::settle_by`]), never giving back what was never debited here.
     pub(super) fn forget_inherited(&self, g: &mut Inner) {
         let now_gen = crate::fork::generation();
         if self.generation.swap(now_gen, Ordering::AcqRel) != now_gen {
-            for c in g.classes.iter_mut() {
-                c.waiters.clear();
+            let Inner { classes, forgiven, .. } = g;
+            for c in classes.iter_mut() {
+                for (t, w) in std::mem::take(&mut c.waiters) {
+                    if matches!(w.wake, Wake::Nobody) {
+                        forgiven.insert(t, w.costs);
+                    }
+                }
                 c.queued.iter_mut().for_each(|q| *q = 0);
                 c.last_finish = 0.0;
             }

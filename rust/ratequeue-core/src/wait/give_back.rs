@@ -54,9 +54,9 @@ impl WaitQueue {
     ) -> (R, Option<u64>) {
         // Without the lock only a refund (it never moves a promised time later): an
         // overage is decided under it, or a reservation joining meanwhile could be
-        // promised a time the charge then takes.
-        if self.waiting() == 0 && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
-            // Nothing queued, so nothing owed: a charge leaves the queue only once debited.
+        // promised a time the charge then takes. Nothing queued and nothing owed: a
+        // charge leaves the queue only once debited.
+        if self.waiting() == 0 && owed.is_none() && actual.iter().zip(estimated).all(|(a, e)| a <= e) {
             let r = debit(estimated, actual);
             if actual.iter().zip(estimated).any(|(a, e)| a < e) {
                 self.poll_now();
@@ -65,6 +65,66 @@ impl WaitQueue {
         }
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
+        let out = self.settle_locked(&mut g, now, estimated, actual, owed, |_, held, keep| debit(held, keep));
+        self.poll_and_unlock(g, now);
+        out
+    }
+
+    /// Settles the queued reservation `ticket` before its grant, from `estimated` (what
+    /// it holds: its queued costs and what it owes, `owed`) to `actual`, as
+    /// [`WaitQueue::settle_by`] settles a debit: a settle down cancels what it owes
+    /// first, then lowers what its grant will debit; an overage is owed behind the
+    /// waiters queued now. Returns the ticket of what it owes now, or None (nothing
+    /// changed) when it is no longer queued: granted (its outcome is in its slot: settle
+    /// the grant) or gone.
+    pub fn settle_queued(
+        self: &Arc<Self>,
+        ticket: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+    ) -> Option<Option<u64>> {
+        self.drop_inherited();
+        let mut g = lock(&self.inner);
+        if !g.where_is.contains_key(&ticket) {
+            return None;
+        }
+        let now = self.clock.now_ns();
+        let ((), owes) = self.settle_locked(&mut g, now, estimated, actual, owed, |g, _, keep| {
+            Self::set_costs(g, ticket, keep)
+        });
+        self.poll_and_unlock(g, now);
+        Some(owes)
+    }
+
+    /// The locked part of a settle: cancels what `owed` still owes of a refund, then
+    /// `debit(g, held, keep)` settles what the debit holds (its estimate less what it
+    /// owes) to what it should hold (with the overage, unless that is owed behind the
+    /// promised reservations). Returns what `debit` returned and the ticket of what the
+    /// debit owes now.
+    fn settle_locked<R>(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        estimated: &[u64],
+        actual: &[u64],
+        owed: Option<u64>,
+        debit: impl FnOnce(&mut Inner, &[u64], &[u64]) -> R,
+    ) -> (R, Option<u64>) {
+        // In a forked child, what the debit owed at the fork was dropped with the queue:
+        // it holds its estimate less that, and settles from there.
+        let in_child: Vec<u64>;
+        let estimated = match owed.and_then(|t| g.forgiven.remove(&t)) {
+            Some(f) => {
+                in_child = estimated
+                    .iter()
+                    .zip(f.iter())
+                    .map(|(e, f)| e.saturating_sub(*f))
+                    .collect();
+                &in_child[..]
+            }
+            None => estimated,
+        };
         let owed_ticket = owed.filter(|t| g.where_is.contains_key(t));
         let owed: Vec<u64> = match owed_ticket {
             Some(t) => g.classes[g.where_is[&t]].waiters[&t].costs.to_vec(),
@@ -83,7 +143,7 @@ impl WaitQueue {
             .collect();
         let mut owed_ticket = owed_ticket;
         if let Some(t) = owed_ticket.filter(|_| cancel.iter().any(|c| *c > 0)) {
-            if self.reduce_charge(&mut g, t, &cancel) {
+            if self.reduce_charge(g, t, &cancel) {
                 owed_ticket = None;
             }
         }
@@ -91,10 +151,10 @@ impl WaitQueue {
         let deferred = last_due.filter(|_| self.resource.schedules_in_time() && over.iter().any(|x| *x > 0));
         if deferred.is_none() {
             for (k, o) in keep.iter_mut().zip(&over) {
-                *k += *o;
+                *k = k.saturating_add(*o);
             }
         }
-        let out = debit(&held, &keep);
+        let out = debit(g, &held, &keep);
         if let Some(due) = deferred {
             // What the grant still owes moves behind every waiter queued now, with the new
             // overage: grown in place, it would land ahead of reservations promised a time
@@ -102,15 +162,25 @@ impl WaitQueue {
             let mut owes = over;
             if let Some(t) = owed_ticket {
                 let ci = g.where_is[&t];
-                let w = self.remove(&mut g, ci, t);
+                let w = self.remove(g, ci, t);
                 for (o, x) in owes.iter_mut().zip(w.costs.iter()) {
                     *o = o.saturating_add(*x);
                 }
             }
-            owed_ticket = Some(self.insert_locked(&mut g, now, &owes, 0, None, Some(due), Wake::Nobody));
+            owed_ticket = Some(self.insert_locked(g, now, &owes, 0, None, Some(due), Wake::Nobody));
         }
-        self.poll_and_unlock(g, now);
         (out, owed_ticket)
+    }
+
+    /// Sets what the queued waiter `t` will be debited at its grant to `costs`.
+    fn set_costs(g: &mut Inner, t: u64, costs: &[u64]) {
+        let ci = g.where_is[&t];
+        let c = &mut g.classes[ci];
+        let w = c.waiters.get_mut(&t).expect("a waiter is queued in its class");
+        for (u, x) in costs.iter().enumerate() {
+            c.queued[u] = c.queued[u] - w.costs[u] as u128 + *x as u128;
+            w.costs[u] = *x;
+        }
     }
 
     /// Cancels what a grant still owes here (its queued charge `owed`, if still queued):
@@ -118,6 +188,7 @@ impl WaitQueue {
     pub fn cancel_owed(self: &Arc<Self>, owed: u64) {
         let mut g = lock(&self.inner);
         let Some(ci) = g.where_is.get(&owed).copied() else {
+            g.forgiven.remove(&owed);
             return;
         };
         if matches!(g.classes[ci].waiters[&owed].wake, Wake::Nobody) {
@@ -144,11 +215,11 @@ impl WaitQueue {
     }
 
     /// [`WaitQueue::settle`] without waiting for a lock: None (nothing changed) when the
-    /// queue's lock or one the resource needs is busy, or when anyone is queued (the
-    /// grant may owe a charge there, or an overage may have to join it: settle through
-    /// the waiting call then).
+    /// queue's lock or one the resource needs is busy, when the grant owed a charge, or
+    /// when anyone is queued (the grant may owe a charge there, or an overage may have
+    /// to join it: settle through the waiting call then).
     pub fn try_settle(self: &Arc<Self>, estimated: &[u64], actual: &[u64], grant: GrantRef) -> Option<GrantRef> {
-        if self.waiting() != 0 {
+        if self.waiting() != 0 || grant.owed.is_some() {
             return None;
         }
         // Decided under the queue's lock, as a settle is: ordered with any waiter or

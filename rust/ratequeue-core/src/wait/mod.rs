@@ -108,6 +108,9 @@ struct Inner {
     /// Queued reservations by promised grant time.
     reserved: BTreeSet<(u64, u64)>,
     len: usize,
+    /// In a forked child: the overage charges queued in the parent, dropped here, by
+    /// ticket (what the grant that owed each one holds less than its estimate).
+    forgiven: HashMap<u64, Box<[u64]>>,
 }
 
 /// A wait queue in front of a resource, with its driver.

@@ -45,21 +45,36 @@ impl WaitQueue {
         }
         let max_wait = timeout_ns.or(self.config.max_wait_ns);
         self.drop_inherited();
+        self.join_locked(
+            |g, now| {
+                if g.len == 0 {
+                    now_path(now).map(Reserved::Now)
+                } else {
+                    self.enqueue_reservation(g, now, costs, class, max_wait)
+                        .map(Reserved::Queued)
+                }
+            },
+            |r| matches!(r, Ok(Reserved::Queued(_))),
+        )
+    }
+
+    /// A join decided under the queue's lock: grants what is due now, then
+    /// `decide(g, now)` (the resource's own path when nobody is left queued, else a
+    /// place in the queue), announced to the fast paths while it decides, even if it
+    /// panics ([`WaitQueue::decide_announced`]); when `queued(result)`, the driver is asked for the next
+    /// wake-up once the lock is released. Outcomes are delivered under the lock, grants
+    /// of gone waiters given back after it.
+    fn join_locked<T>(
+        self: &Arc<Self>,
+        decide: impl FnOnce(&mut Inner, u64) -> T,
+        queued: impl FnOnce(&T) -> bool,
+    ) -> T {
         let mut g = lock(&self.inner);
         let now = self.clock.now_ns();
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        let result = self.decide_announced(&mut g, |g| {
-            if g.len == 0 {
-                now_path(now).map(Reserved::Now)
-            } else {
-                self.enqueue_reservation(g, now, costs, class, max_wait)
-                    .map(Reserved::Queued)
-            }
-        });
-        let next = matches!(result, Ok(Reserved::Queued(_)))
-            .then(|| self.next_wake_locked(&g))
-            .flatten();
+        let result = self.decide_announced(&mut g, |g| decide(g, now));
+        let next = queued(&result).then(|| self.next_wake_locked(&g)).flatten();
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {
@@ -78,29 +93,9 @@ impl WaitQueue {
         class: usize,
         max_wait: Option<u64>,
     ) -> Result<QueuedReservation, Error> {
-        let at = match self.resource.ready_at(now, costs) {
-            Err(d) => return Err(self.deny_error(d)),
-            Ok(None) => None,
-            Ok(Some(_)) => self.predict_all(g, now, costs),
-        };
-        let Some(at) = at else {
-            return Err(Error::invalid(
-                "reserve",
-                "a permit resource",
-                "needs a resource whose grants are scheduled in time",
-            ));
-        };
+        let at = self.backlog_time(g, now, costs)?;
         let wait = at.saturating_sub(now);
-        if g.len >= self.config.max_queue {
-            bump(&self.counters.refused_full);
-            return Err(Error::Overloaded {
-                reason: format!(
-                    "the queue is full ({} waiting, max_queue={})",
-                    g.len, self.config.max_queue
-                ),
-                retry_after_ns: wait,
-            });
-        }
+        self.has_room(g, wait)?;
         if let Some(mw) = max_wait.filter(|mw| wait > *mw) {
             bump(&self.counters.refused_deadline);
             return Err(Error::Overloaded {
@@ -112,14 +107,59 @@ impl WaitQueue {
                 retry_after_ns: wait - mw,
             });
         }
-        let slot = Slot::new();
-        let ticket = self.insert_locked(g, now, costs, class, None, Some(at), Wake::Thread(slot.clone()));
-        Ok(QueuedReservation {
-            ticket,
-            at_ns: at,
-            delay_ns: wait,
-            slot,
+        Ok(self.insert_reservation(g, now, costs, class, at))
+    }
+
+    /// When `costs` would be granted behind everyone queued now; an error for a cost
+    /// the resource can never grant, or for a resource whose grants are not scheduled
+    /// in time (permits: nothing to promise).
+    fn backlog_time(&self, g: &Inner, now: u64, costs: &[u64]) -> Result<u64, Error> {
+        let at = match self.resource.ready_at(now, costs) {
+            Err(d) => return Err(self.deny_error(d)),
+            Ok(None) => None,
+            Ok(Some(_)) => self.predict_all(g, now, costs),
+        };
+        at.ok_or_else(|| {
+            Error::invalid(
+                "reserve",
+                "a permit resource",
+                "needs a resource whose grants are scheduled in time",
+            )
         })
+    }
+
+    /// `Overloaded` (counted) when the queue holds `max_queue` waiters already.
+    fn has_room(&self, g: &Inner, retry_after_ns: u64) -> Result<(), Error> {
+        if g.len < self.config.max_queue {
+            return Ok(());
+        }
+        bump(&self.counters.refused_full);
+        Err(Error::Overloaded {
+            reason: format!(
+                "the queue is full ({} waiting, max_queue={})",
+                g.len, self.config.max_queue
+            ),
+            retry_after_ns,
+        })
+    }
+
+    /// Queues a reservation promised `at_ns`, debited by the queue at that time.
+    fn insert_reservation(
+        &self,
+        g: &mut Inner,
+        now: u64,
+        costs: &[u64],
+        class: usize,
+        at_ns: u64,
+    ) -> QueuedReservation {
+        let slot = Slot::new();
+        let ticket = self.insert_locked(g, now, costs, class, None, Some(at_ns), Wake::Thread(slot.clone()));
+        QueuedReservation {
+            ticket,
+            at_ns,
+            delay_ns: at_ns.saturating_sub(now),
+            slot,
+        }
     }
 
     /// Cancels a queued reservation (once): before its grant it leaves the queue and
@@ -169,32 +209,19 @@ impl WaitQueue {
             return Err(Error::invalid("priority", class, "is not a class of this limiter"));
         }
         self.drop_inherited();
-        let mut g = lock(&self.inner);
-        let now = self.clock.now_ns();
-        let mut out = Vec::new();
-        self.poll_locked(&mut g, now, &mut out);
-        let result = self.decide_announced(&mut g, |g| {
-            if g.len == 0 {
+        self.join_locked(
+            |g, now| {
+                if g.len != 0 {
+                    return self.join_at_locked(g, now, costs, class, at_ns);
+                }
                 match now_path(at_ns) {
                     Ok(r) => Ok(Joined::Held(Reserved::Now(r))),
                     Err(Deny::Wait(d)) => Ok(Joined::Later(at_ns.saturating_add(d.max(1)))),
                     Err(d) => Err(self.deny_error(d)),
                 }
-            } else {
-                self.join_at_locked(g, now, costs, class, at_ns)
-            }
-        });
-        let next = matches!(result, Ok(Joined::Held(Reserved::Queued(_))))
-            .then(|| self.next_wake_locked(&g))
-            .flatten();
-        let gone = deliver(out);
-        drop(g);
-        if let Some(t) = next {
-            // Without a driver the wake-up stays pending for the next one that starts.
-            let _ = self.schedule(t);
-        }
-        self.give_back_gone(gone);
-        result
+            },
+            |r| matches!(r, Ok(Joined::Held(Reserved::Queued(_)))),
+        )
     }
 
     pub(super) fn join_at_locked<R>(
@@ -205,38 +232,13 @@ impl WaitQueue {
         class: usize,
         at_ns: u64,
     ) -> Result<Joined<R>, Error> {
-        let ready = match self.resource.ready_at(now, costs) {
-            Err(d) => return Err(self.deny_error(d)),
-            Ok(None) => None,
-            Ok(Some(_)) => self.predict_all(g, now, costs),
-        };
-        let Some(ready) = ready else {
-            return Err(Error::invalid(
-                "reserve",
-                "a permit resource",
-                "needs a resource whose grants are scheduled in time",
-            ));
-        };
+        let ready = self.backlog_time(g, now, costs)?;
         if ready > at_ns {
             return Ok(Joined::Later(ready));
         }
-        if g.len >= self.config.max_queue {
-            bump(&self.counters.refused_full);
-            return Err(Error::Overloaded {
-                reason: format!(
-                    "the queue is full ({} waiting, max_queue={})",
-                    g.len, self.config.max_queue
-                ),
-                retry_after_ns: ready.saturating_sub(now),
-            });
-        }
-        let slot = Slot::new();
-        let ticket = self.insert_locked(g, now, costs, class, None, Some(at_ns), Wake::Thread(slot.clone()));
-        Ok(Joined::Held(Reserved::Queued(QueuedReservation {
-            ticket,
-            at_ns,
-            delay_ns: at_ns.saturating_sub(now),
-            slot,
-        })))
+        self.has_room(g, ready.saturating_sub(now))?;
+        Ok(Joined::Held(Reserved::Queued(
+            self.insert_reservation(g, now, costs, class, at_ns),
+        )))
     }
 }
