@@ -251,18 +251,28 @@ def cluster() -> Iterator[RedisCluster]:
             capture_output=True,
             timeout=30,
         )
+        client = None
         for _ in range(200):  # bounded: the nodes agree within a few hundred ms
-            out = subprocess.run(
-                [cli, "-p", str(nodes[0].port), "cluster", "info"],
-                capture_output=True,
-                timeout=5,
-            ).stdout
-            if b"cluster_state:ok" in out:
-                break
+            # Every node must see the whole cluster (a loaded machine gossips late), and so
+            # must the client's slot map, taken from whichever node it asks first.
+            if all(
+                b"cluster_state:ok"
+                in subprocess.run(
+                    [cli, "-p", str(n.port), "cluster", "info"], capture_output=True, timeout=5
+                ).stdout
+                for n in nodes
+            ):
+                if client is not None:
+                    client.close()
+                client = RedisCluster(
+                    startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes]
+                )
+                if len(client.get_primaries()) == len(nodes):
+                    break
             time.sleep(0.05)
         else:
-            pytest.fail("the cluster did not reach cluster_state:ok")
-        client = RedisCluster(startup_nodes=[ClusterNode("127.0.0.1", n.port) for n in nodes])
+            pytest.fail("the cluster did not reach cluster_state:ok on every node and client")
+        assert client is not None
         yield client
         client.close()
     finally:
