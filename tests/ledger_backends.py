@@ -45,17 +45,19 @@ Factory = Callable[..., LedgerBase]
 @pytest.fixture(params=["sqlite", "redis"])
 def make(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[Factory]:
     """``make(clock=..., **kw)`` -> a fresh ledger of the parametrized backend; ledgers
-    made by one test share storage (like several processes)."""
+    made by one test share storage (like several processes). ``redis_timeout`` is the
+    Redis client's socket timeout (s)."""
     made: list[LedgerBase] = []
     name = f"t{next(_names)}-{os.getpid()}"
     backend = request.param
 
-    def factory(clock: Any = None, **kw: Any) -> LedgerBase:
+    def factory(clock: Any = None, *, redis_timeout: float = 5.0, **kw: Any) -> LedgerBase:
         led: LedgerBase
         if backend == "sqlite":
             led = SqliteLedger(tmp_path / "ledger.db", clock=clock, **kw)
         else:
-            led = RedisLedger(shared_redis().client(timeout=5.0), name=name, clock=clock, **kw)
+            client = shared_redis().client(timeout=redis_timeout)
+            led = RedisLedger(client, name=name, clock=clock, **kw)
         made.append(led)
         return led
 

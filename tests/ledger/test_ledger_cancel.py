@@ -19,6 +19,11 @@ from ledger_backends import Factory
 from ratequeue.ledger import LedgerBase, Plan
 
 PRO = Plan("pro", tokens=1000, calls=100)
+#: Redis: the pause outlasts every wait of these tests (UNPAUSE ends it), and the
+#: clients' socket timeout outlasts the pause, so a slow (loaded) machine never turns
+#: the wait behind the pause into a read timeout before the test cancels the call.
+PAUSE_MS = 60_000
+CLIENT_TIMEOUT = 2 * PAUSE_MS / 1000
 
 
 @contextlib.contextmanager
@@ -42,7 +47,7 @@ def writes_blocked(led: Any, backend: str) -> Iterator[Callable[[], bool]]:
             blocker.join(30)
     else:
         admin = led.client
-        admin.execute_command("CLIENT", "PAUSE", 30_000, "WRITE")
+        admin.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
 
         def waiting() -> bool:
             clients = admin.execute_command("CLIENT", "LIST")
@@ -87,7 +92,7 @@ def eventually(check: Callable[[], bool], seconds: float = 20.0) -> bool:
 
 
 def setup(make: Factory, clock: rq.ManualClock) -> LedgerBase:
-    led = make(clock)
+    led = make(clock, redis_timeout=CLIENT_TIMEOUT)
     led.set_plan("acme", PRO)
     return led
 
