@@ -30,34 +30,26 @@ unsafe extern "C" fn try_acquire_fast(
     // followed by one per name in `kwnames`.
     let py = unsafe { Python::assume_attached() };
     let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
+        if nargs <= 1 {
+            let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
+            if let Ok(lim) = obj.cast::<LimiterPy>() {
+                let lim = lim.get();
+                let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
+                let no_keywords = kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0;
+                if let Some(c) = no_keywords.then(|| lim.one_cost(n.as_ref())).flatten() {
+                    let ok = lim.answer(py, lim.decide_now(&[c]))?;
+                    return Ok(PyBool::new(py, ok).to_owned().into_any().unbind());
+                }
+                // SAFETY: the keywords' values follow the `nargs` positional ones.
+                let values = args.wrapping_offset(nargs);
+                return unsafe { with_keywords(py, lim, n.as_ref(), values, kwnames) };
+            }
+        }
         let nkw = if kwnames.is_null() {
             0
         } else {
             unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
         };
-        let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
-        if nargs <= 1 {
-            if let Ok(lim) = obj.cast::<LimiterPy>() {
-                let lim = lim.get();
-                let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
-                let decided = match (nkw == 0).then(|| lim.one_cost(n.as_ref())).flatten() {
-                    Some(c) => lim.decide_now(&[c]),
-                    None => {
-                        // SAFETY: `kwnames` holds `nkw` names, their values follow the
-                        // `nargs` positional ones in `args`.
-                        let named = (0..nkw).map(|i| unsafe {
-                            (
-                                Bound::from_borrowed_ptr(py, ffi::PyTuple_GET_ITEM(kwnames, i)),
-                                Bound::from_borrowed_ptr(py, *args.offset(nargs + i)),
-                            )
-                        });
-                        lim.decide_now(&lim.costs_named(n.as_ref(), named)?)
-                    }
-                };
-                let ok = lim.answer(py, decided)?;
-                return Ok(PyBool::new(py, ok).to_owned().into_any().unbind());
-            }
-        }
         // More than one positional argument: PyO3's method says so, in its words.
         let full = TRY_ACQUIRE_FULL
             .get(py)
@@ -80,6 +72,35 @@ unsafe extern "C" fn try_acquire_fast(
             std::ptr::null_mut()
         }
     }
+}
+
+/// A call with keywords, or with costs for several units: `values` holds one value per
+/// name in `kwnames` (NULL: none), read as the full method reads its `**costs`.
+///
+/// # Safety
+/// Called attached, with `kwnames` NULL or a tuple of names and `values` pointing at as
+/// many objects.
+#[inline(never)]
+unsafe fn with_keywords(
+    py: Python<'_>,
+    lim: &LimiterPy,
+    n: Option<&Bound<'_, PyAny>>,
+    values: *const *mut ffi::PyObject,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<Py<PyAny>> {
+    let nkw = if kwnames.is_null() {
+        0
+    } else {
+        unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
+    };
+    let named = (0..nkw).map(|i| unsafe {
+        (
+            Bound::from_borrowed_ptr(py, ffi::PyTuple_GET_ITEM(kwnames, i)),
+            Bound::from_borrowed_ptr(py, *values.offset(i)),
+        )
+    });
+    let ok = lim.answer(py, lim.decide_now(&lim.costs_named(n, named)?))?;
+    Ok(PyBool::new(py, ok).to_owned().into_any().unbind())
 }
 
 /// Puts the fast entry of `Limiter.try_acquire` in the type, over PyO3's (kept for the
