@@ -218,8 +218,10 @@ mod tests {
         for (n, k) in keys.iter().enumerate() {
             grown.insert_new(*k, n as u64);
         }
-        let mut rebuilt = Table::default();
-        rebuilt.slots = vec![Slot::default(); 256];
+        let mut rebuilt = Table {
+            slots: vec![Slot::default(); 256],
+            ..Table::default()
+        };
         for s in grown.slots.iter().filter(|s| s.used()) {
             rebuilt.insert_new(s.key, s.tat);
         }
