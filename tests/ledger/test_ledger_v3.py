@@ -296,4 +296,4 @@ def test_redis_connections_per_thread_survive_fork_and_close(make: Factory, cloc
     t.join(30)
     assert seen[0] is not mine
     led.close()
-    assert mine._sock is None
+    assert mine.sock is None

@@ -44,9 +44,9 @@ from ._ledger_codec import (
     _Ctx,
     _flat,
     _Info,
-    _is_reply_error,
     _pack_items,
 )
+from ._ledger_wire import _Wire
 
 
 def _script_text() -> str:
@@ -281,26 +281,13 @@ class _RedisLedgerCore(LedgerBase):
         return out
 
     def _pipeline(self, steps: Sequence[_Step]) -> list[Any]:
-        """Each script step's reply or error: sent together on one pooled connection of a
-        plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
+        """Each script step's reply or error: sent together on this thread's connection of
+        a plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
         sent again alone once the script is loaded."""
         if not self._raw or len(steps) < 2:
             return [self._try(step) for step in steps]
         packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
-        conn = self._thread_conn()
-        out: list[Any] = []
-        try:
-            conn.send_packed_command([packed])
-            for _ in steps:
-                try:
-                    out.append(conn.read_response())
-                except redis.exceptions.ResponseError as e:  # that script's own error
-                    out.append(e)
-        except BaseException as e:
-            conn.disconnect()
-            if not isinstance(e, Exception):
-                raise
-            out += [e] * (len(steps) - len(out))  # unknown: retry with the same ids
+        out = self._thread_conn().call_many(packed, len(steps))
         for k, r in enumerate(out):
             if isinstance(r, redis.exceptions.NoScriptError):
                 out[k] = self._try(steps[k])
@@ -387,37 +374,27 @@ class _RedisLedgerCore(LedgerBase):
     def _send_packed(self, packed: bytes) -> Any:
         """One packed script call on this thread's connection (loaded first if Redis lost
         the script)."""
-        conn = self._thread_conn()
-        for attempt in (0, 1):
-            try:
-                conn.send_packed_command([packed])
-                return conn.read_response()
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self.client.script_load(LUA)
-            except BaseException as e:
-                if not isinstance(e, Exception) or not _is_reply_error(e):
-                    conn.disconnect()
-                raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            return self._thread_conn().call(packed)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(LUA)
+            return self._thread_conn().call(packed)
 
-    def _thread_conn(self) -> Any:
+    def _thread_conn(self) -> _Wire:
         """This thread's connection for scripts (made like the client's pool makes its
         own; a forked child makes new ones)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            pool = self.client.connection_pool
-            conn = self._local.conn = pool.connection_class(**pool.connection_kwargs)
+        wire = getattr(self._local, "wire", None)
+        if wire is None:
+            wire = self._local.wire = _Wire(self.client.connection_pool)
             with self._lock:
-                self._conns.add(conn)
-        return conn
+                self._conns.add(wire)
+        return wire
 
     def _close_conns(self) -> None:
         with self._lock:
             conns, self._conns = list(self._conns), weakref.WeakSet()
         for c in conns:
-            c.disconnect()
+            c.close()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
