@@ -159,6 +159,30 @@ class RedisLedger(_RedisLedgerCore):
             yield ("cmd", "SADD", self._prefix + "notify", account)
             self._notice_event.set()
 
+    def _charge_now(self, args: tuple[Any, ...], fp: str) -> Charge:
+        """A plain client's charge of a known account without the flow's machinery: its
+        script sent straight on this thread's connection; any reply but "charged" goes
+        on in the flow (``_charge_call``) from that reply."""
+        rid, account, am, model, parent, meta = args
+        info = self._info.get(account)
+        if info is not None and self._raw:
+            self._check_big(am)
+            now = self._now()
+            span = self._span(info.plan_json, info.plan, info.anchor, now)
+            c = self._ctx(account, info, span)
+            packed = self._charge_step(c, now, rid, am, model or "", parent or "", meta, fp)[2]
+            if packed is not None:
+                r = self._send_packed(packed)
+                if type(r) is not int:
+                    flow = self._charge_call(rid, account, am, model, parent, meta, fp, r)
+                    return self._drive(flow)
+                if r:
+                    self._drive(self._fired(account, r))
+                i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
+                mt = _meta(meta) if meta else None
+                return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+        return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp))
+
     def _charge_call(
         self,
         rid: str,
@@ -168,7 +192,9 @@ class RedisLedger(_RedisLedgerCore):
         parent: str | None,
         meta: str,
         fp: str,
+        first: Any = None,
     ) -> _Flow[Charge]:
+        """A charge as a flow; ``first``: the reply its plain-charge script already got."""
         self._check_big(am)
         i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, fp, i, o, n, model or "", parent or "", meta, "")
@@ -180,8 +206,12 @@ class RedisLedger(_RedisLedgerCore):
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now)
             if fast:
-                c = self._ctx(account, info, span)
-                r = yield self._charge_step(c, now, rid, am, model or "", parent or "", meta, fp)
+                if attempt == 0 and first is not None:
+                    r = first
+                else:
+                    c = self._ctx(account, info, span)
+                    m, pa = model or "", parent or ""
+                    r = yield self._charge_step(c, now, rid, am, m, pa, meta, fp)
                 if type(r) is int:  # charged: the thresholds it fired
                     if r:
                         yield from self._fired(account, r)
