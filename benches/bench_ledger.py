@@ -17,9 +17,12 @@ Redis: interleaved rounds (A B A B ...); the median time per call and its ratio 
 ``client.incrby(key, 1)`` on the same client, the floor of any one-round-trip operation
 through redis-py; beside it two floors for a script: ``EVALSHA`` of
 ``return redis.call('INCRBY', ...)``, and a script doing the least a charge needs (one
-``SET NX EX``, two ``HMGET``, one ``HSET``, one ``XADD``), both sent packed on the pooled
-connection as the ledger sends its own. The server's own time per call comes from
-``INFO commandstats``.
+``SET NX EX``, two ``HMGET``, one ``HSET``, one ``XADD``), both sent packed on a held
+connection; and the wire's floors: ``INCRBY`` packed on redis-py's connection and on the
+ledger's own (``_Wire``: its socket written and read by the ledger). Each row also gives
+the CPU time per call of this process (the client) and of redis-server (``INFO cpu``)
+with their sum's ratio to INCRBY's, steadier than wall time on a loaded machine; the
+server's time inside each command comes from ``INFO commandstats``.
 
 Usage::
 
@@ -624,9 +627,15 @@ def redis_section(
             charge,
             1,
             py,
-            "new request id: op `c`, 1 EVALSHA, pre-encoded, a connection per thread",
+            "new request id: op `c`, 1 EVALSHA packed in one piece, on the thread's own wire",
         ),
-        ("ledger.charge, hiredis parser", charge_h, 1, hi, "the same through hiredis"),
+        (
+            "ledger.charge, hiredis parser",
+            charge_h,
+            1,
+            hi,
+            "the same with a hiredis client (the ledger reads its scripts' replies itself)",
+        ),
         (
             "ledger.charge, its client side alone",
             charge_client,
