@@ -246,3 +246,54 @@ def test_the_reply_parser_reads_every_resp_type() -> None:
     for partial in (b":4", b"$3\r\nab", b"*2\r\n:1\r\n"):
         with pytest.raises(_More):
             _parse(partial, 0, enc)
+
+
+def test_a_reply_the_wire_cannot_read_falls_back_to_redis_py(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ratequeue.redis._ledger_wire as wire_mod
+
+    led = ledger(server)
+    led.charge("a", "acme", input_tokens=5)  # an integer reply: read without the parser
+
+    def unreadable(buf: bytes, pos: int, decode: Any) -> Any:
+        raise redis.exceptions.InvalidResponse("a reply type the ledger does not know")
+
+    monkeypatch.setattr(wire_mod, "_parse", unreadable)
+    again = led.charge("a", "acme", input_tokens=5)  # the replay's array reply
+    assert again.replay and again.tokens == 5
+    assert not led._wire_ok  # redis-py carries the scripts from now on
+    led.hold("h", "acme", input_tokens=10)
+    led.settle("h", input_tokens=2, output_tokens=0)
+    out = led.charge_many(
+        [{"request_id": f"m{i}", "account": "acme", "input_tokens": 1} for i in range(3)]
+    )
+    assert all(not isinstance(c, Exception) for c in out)
+    assert led.balance("acme").used == {"tokens": 5 + 2 + 3, "calls": 5}
+    led.close()
+
+
+def test_charge_many_falls_back_when_a_pipelined_reply_is_unreadable(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ratequeue.redis._ledger_wire as wire_mod
+
+    led = ledger(server)
+    led.charge("seen", "acme", input_tokens=1)
+    real = wire_mod._parse
+
+    def picky(buf: bytes, pos: int, decode: Any) -> Any:
+        if buf[pos] == 42:  # '*': an array (the replay's reply)
+            raise redis.exceptions.InvalidResponse("unreadable")
+        return real(buf, pos, decode)
+
+    monkeypatch.setattr(wire_mod, "_parse", picky)
+    reqs = [{"request_id": f"n{i}", "account": "acme", "input_tokens": 2} for i in range(4)]
+    reqs.insert(2, {"request_id": "seen", "account": "acme", "input_tokens": 1})
+    out = led.charge_many(reqs)
+    assert [type(c).__name__ for c in out] == ["Charge"] * 5
+    # the replies after the unreadable one were lost with the connection: sent again
+    # through redis-py, those charges answer as replays (they ran once, in the pipeline)
+    assert out[2].replay and not out[0].replay and not out[1].replay
+    assert led.balance("acme").used["tokens"] == 1 + 4 * 2
+    led.close()

@@ -170,17 +170,14 @@ class RedisLedger(_RedisLedgerCore):
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now)
             c = self._ctx(account, info, span)
-            packed = self._charge_step(c, now, rid, am, model or "", parent or "", meta, fp)[2]
-            if packed is not None:
-                r = self._send_packed(packed)
-                if type(r) is not int:
-                    flow = self._charge_call(rid, account, am, model, parent, meta, fp, r)
-                    return self._drive(flow)
-                if r:
-                    self._drive(self._fired(account, r))
-                i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
-                mt = _meta(meta) if meta else None
-                return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+            r = self._exec(self._charge_step(c, now, rid, am, model or "", parent or "", meta, fp))
+            if type(r) is not int:
+                return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp, r))
+            if r:
+                self._drive(self._fired(account, r))
+            i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
+            mt = _meta(meta) if meta else None
+            return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
         return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp))
 
     def _charge_call(

@@ -176,6 +176,7 @@ class _RedisLedgerCore(LedgerBase):
         )
         # a plain client's scripts go on a connection per thread made like the pool's (no
         # pool get/release per call); ``close`` closes them
+        self._wire_ok = self._raw
         self._local = threading.local()
         self._conns: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -226,10 +227,7 @@ class _RedisLedgerCore(LedgerBase):
             step = next(flow)
             while True:
                 try:
-                    if step[0] == "eval" and len(step) > 2 and step[2] is not None and self._raw:
-                        reply = self._send_packed(step[2])  # a plain charge: packed already
-                    else:
-                        reply = self._exec(step)
+                    reply = self._exec(step)
                 except Exception as e:
                     step = flow.throw(e)
                 else:
@@ -284,12 +282,14 @@ class _RedisLedgerCore(LedgerBase):
         """Each script step's reply or error: sent together on this thread's connection of
         a plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
         sent again alone once the script is loaded."""
-        if not self._raw or len(steps) < 2:
+        if not self._wire_ok or len(steps) < 2:
             return [self._try(step) for step in steps]
         packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
         out = self._thread_conn().call_many(packed, len(steps))
         for k, r in enumerate(out):
-            if isinstance(r, redis.exceptions.NoScriptError):
+            if isinstance(r, redis.exceptions.InvalidResponse):
+                self._wire_ok = False  # a reply it cannot read: redis-py from now on
+            if isinstance(r, (redis.exceptions.NoScriptError, redis.exceptions.InvalidResponse)):
                 out[k] = self._try(steps[k])
         return out
 
@@ -363,13 +363,19 @@ class _RedisLedgerCore(LedgerBase):
             return self._send_eval(step)
 
     def _send_eval(self, step: _Step) -> Any:
-        if not self._raw:
+        if not self._wire_ok:
             return self.client.execute_command(*_flat(step[1]))
         # a plain client's connection of this thread gets the command packed once (its
         # fixed parts per account and period, packed before), without redis-py's work
         # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
-        return self._send_packed(packed)
+        try:
+            return self._send_packed(packed)
+        except redis.exceptions.InvalidResponse:
+            # a reply the ledger cannot read (e.g. RESP3 attributes of client tracking):
+            # redis-py from now on; the script is idempotent, so sending it again is safe
+            self._wire_ok = False
+            return self.client.execute_command(*_flat(step[1]))
 
     def _send_packed(self, packed: bytes) -> Any:
         """One packed script call on this thread's connection (loaded first if Redis lost
