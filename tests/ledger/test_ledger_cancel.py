@@ -11,15 +11,12 @@ import time
 from collections.abc import Coroutine
 from typing import Any
 
-import pytest
 import ratequeue as rq
 from ledger_backends import Factory
 from ledger_blocking import (
     CLIENT_TIMEOUT,
     cancel_while_blocked,
     eventually,
-    until_waiting,
-    writes_blocked,
 )
 from ratequeue.ledger import LedgerBase, Plan
 
@@ -112,36 +109,3 @@ def test_a_settle_cancelled_on_a_loop_that_then_closes_never_hangs(
     cancel_while_blocked(led, make.backend, settle_all)
     assert eventually(lambda: led.balance("acme").held["tokens"] == 0)
     assert led.balance("acme").used == {"tokens": 10, "calls": 5}
-
-
-def test_a_quota_permit_whose_settle_is_cancelled_still_settles(
-    make: Factory, clock: rq.ManualClock
-) -> None:
-    """``permit.settle_async`` cancelled inside ``async with``: the block's exit gives the
-    hold back, and the settle still counts the work done (in whichever order they run)."""
-    from ratequeue.ledger import QuotaLevel, QuotaPolicy
-
-    led = setup(make, clock)
-    tokens = rq.Limiter(rq.Rate(90_000, per="minute", unit="tokens"), clock=clock)
-    qp = QuotaPolicy(rq.Policy({"cluster": tokens}), QuotaLevel(led, key="tenant"))
-
-    async def main() -> None:
-        permit = await qp.acquire_async(tenant="acme", tokens=500, request_id="q")
-        assert led.balance("acme").held["tokens"] == 500
-
-        async def use() -> None:
-            async with permit:
-                await permit.settle_async(tokens=120)
-
-        with writes_blocked(led, make.backend) as waiting:
-            task = asyncio.ensure_future(use())
-            await until_waiting(waiting)
-            task.cancel()
-            await asyncio.sleep(0.05)  # the block's exit now waits for the writer
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
-    assert eventually(lambda: led.balance("acme").used["tokens"] == 120)
-    assert eventually(lambda: led.balance("acme").held["tokens"] == 0)
-    assert led.settle("q", input_tokens=120, output_tokens=0).replay

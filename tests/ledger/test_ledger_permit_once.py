@@ -159,6 +159,7 @@ def test_a_settle_async_cancelled_inside_the_block_is_not_given_back(
     assert released == []
     assert eventually(lambda: led.balance("acme").held["tokens"] == 0)
     assert led.balance("acme").used == {"tokens": 120, "calls": 1}
+    assert led.settle("q", input_tokens=120, output_tokens=0).replay
 
 
 def test_concurrent_settles_from_threads_apply_once(make: Factory, clock: rq.ManualClock) -> None:
