@@ -14,6 +14,7 @@ import pytest
 import ratequeue as rq
 import redis
 from ledger_backends import T0
+from ledger_blocking import eventually
 from ratequeue.ledger import Every, Plan, RedisLedger
 from ratequeue.redis._ledger_core import LUA_SHA
 from ratequeue.redis._ledger_wire import _More, _parse
@@ -296,4 +297,30 @@ def test_charge_many_falls_back_when_a_pipelined_reply_is_unreadable(
     # through redis-py, those charges answer as replays (they ran once, in the pipeline)
     assert out[2].replay and not out[0].replay and not out[1].replay
     assert led.balance("acme").used["tokens"] == 1 + 4 * 2
+    led.close()
+
+
+def test_cancelled_calls_finishing_through_an_outage_hold_no_worker_between_tries(
+    server: RedisServer,
+) -> None:
+    """Calls whose asyncio caller was cancelled are finished on the ledger's worker
+    threads; while Redis is down, the pauses between their tries hold none of them."""
+    from ratequeue.ledger._base import _executor
+    from ratequeue.ledger._model import request_fingerprint
+
+    led = ledger(server, retries=1)  # this thread's connection dies with the server
+    led.charge("warm", "acme", input_tokens=1)
+    server.stop()
+
+    def charge_flow(rid: str) -> Any:
+        a = led._request_args(rid, "acme", 2, 0, 1, None, None, None)
+        return led._charge_call(*a, request_fingerprint("charge", *a[1:]))
+
+    for i in range(40):  # more than the pool's 16 workers
+        _executor().submit(led._finish_cancelled, lambda i=i: charge_flow(f"x{i}"), None)
+    time.sleep(0.3)  # their first tries fail (connection refused) and wait for the next
+    assert _executor().submit(lambda: "free").result(timeout=10) == "free"
+    server.start()  # empty (no persistence): the default plan makes the account again
+    assert eventually(lambda: led.balance("acme").used["tokens"] == 40 * 2, 60)
+    assert all(led.charge(f"x{i}", "acme", input_tokens=2).replay for i in range(40))
     led.close()

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import importlib.resources
+import itertools
 import os
 import threading
 import time
@@ -62,8 +64,8 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
 _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
-#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s in all
-#: while Redis is unreachable).
+#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s of
+#: pauses in all while Redis is unreachable).
 _FINISH_ATTEMPTS = 20
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
@@ -336,19 +338,27 @@ class _RedisLedgerCore(LedgerBase):
             raise
 
     def _finish_cancelled(
-        self, again: Callable[[], _Flow[Any]] | None, undo: _Flow[Any] | None
+        self,
+        again: Callable[[], _Flow[Any]] | None,
+        undo: _Flow[Any] | None,
+        attempt: int = 0,
     ) -> None:
         """A cancelled asyncio call's ending (on a worker thread): ``again()`` run until
-        Redis answers (its own refusal counts as an answer), then ``undo``."""
+        Redis answers (its own refusal counts as an answer), then ``undo``. While Redis is
+        unreachable each try is one call; the next is scheduled (``_LATER``), so no
+        worker thread sleeps between tries."""
         if again is not None:
-            for attempt in range(_FINISH_ATTEMPTS):
-                try:
-                    self._drive(again())
-                    break
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    time.sleep(min(2.0, 0.05 * 2**attempt))
-                except Exception:
-                    break
+            try:
+                self._drive(again())
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if attempt + 1 < _FINISH_ATTEMPTS:
+                    _LATER.call(
+                        min(2.0, 0.05 * 2**attempt),
+                        lambda: self._finish_cancelled(again, undo, attempt + 1),
+                    )
+                    return
+            except Exception:
+                pass
         if undo is not None:
             with contextlib.suppress(Exception):
                 self._drive(undo)
@@ -422,6 +432,50 @@ class _RedisLedgerCore(LedgerBase):
         return c
 
 
+class _Later:
+    """Runs functions on the ledger's worker threads after a delay: one timer thread
+    sleeps until the next is due (made again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def call(self, delay: float, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on a worker thread ``delay`` seconds from now."""
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="ratequeue-ledger-later", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if not self._heap:
+                        self._cv.wait()
+                        continue
+                    rest = self._heap[0][0] - time.monotonic()
+                    if rest <= 0:
+                        fn = heapq.heappop(self._heap)[2]
+                        break
+                    self._cv.wait(rest)
+            try:
+                _executor().submit(fn)
+            except RuntimeError:  # the interpreter is shutting down
+                return
+
+
+_LATER = _Later()
 _LEDGERS: weakref.WeakSet[_RedisLedgerCore] = weakref.WeakSet()
 
 
