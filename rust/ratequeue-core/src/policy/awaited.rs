@@ -51,6 +51,11 @@ impl Acquire for PolicyAcquire {
         unlocked(d, || self.abandon())
     }
 
+    fn undo(&self, d: &dyn Unlock, _grant: Option<Finished>) {
+        // Only a wait's grant is finished for the task (a level held in the core state).
+        unlocked(d, || self.abandon());
+    }
+
     fn give_back(&self, d: &dyn Unlock, _ticket: u64, o: Outcome) {
         unlocked(d, || match o {
             Outcome::Granted { token, .. } => self.give_back_late(token),

@@ -63,9 +63,12 @@ pub trait Acquire: Send + Sync + 'static {
     /// Goes as far as it can without waiting: finished, or queued under a ticket whose
     /// outcome `wake` delivers. An error refuses it with nothing held.
     fn begin(&self, d: &dyn Unlock, wake: &(dyn Fn() -> Wake + Sync)) -> Result<Begun<Self::Grant>, Error>;
-    /// The outcome of its wait `ticket`, taken by its task: the grant; None when another
-    /// wait follows (begin again); an error (timed out) with nothing held.
+    /// The outcome of its wait `ticket`, delivered for its task: the grant; None when
+    /// another wait follows (begin again); an error (timed out) with nothing held.
     fn finish(&self, d: &dyn Unlock, ticket: u64, o: Outcome) -> Result<Option<Self::Grant>, Error>;
+    /// A finished wait whose task left before taking it: its grant (None: the levels
+    /// held so far) goes back, once.
+    fn undo(&self, d: &dyn Unlock, grant: Option<Self::Grant>);
     /// Leaves the queue with everything given back: true when removed, false when the
     /// queue decided already (its outcome then goes to [`Acquire::give_back`]).
     fn leave(&self, d: &dyn Unlock, ticket: u64) -> bool;
@@ -91,6 +94,10 @@ impl<A: Acquire> Acquire for Arc<A> {
 
     fn give_back(&self, d: &dyn Unlock, ticket: u64, o: Outcome) {
         (**self).give_back(d, ticket, o);
+    }
+
+    fn undo(&self, d: &dyn Unlock, grant: Option<A::Grant>) {
+        (**self).undo(d, grant);
     }
 }
 
@@ -174,6 +181,20 @@ impl LevelAcquire {
         })
     }
 
+    /// Gives back the grant of `p`, a permit its task never used, once (marked released;
+    /// nothing in a process forked after the grant).
+    pub fn undo_permit(&self, d: &dyn Unlock, p: &Permit) {
+        if p.mark_released() && p.granted_here() {
+            let token = p.held(&Inline).1.token;
+            unlocked(d, || self.gate.queue.give_back(&self.costs, token));
+        }
+    }
+
+    /// Gives back a grant whose token is unknown (see [`Resource::give_back`]).
+    pub fn give_back_untracked(&self, d: &dyn Unlock) {
+        unlocked(d, || self.gate.queue.give_back(&self.costs, None));
+    }
+
     /// Submits without waiting for the queue's outcome, on whatever `wake` says (e.g. a
     /// channel its owner drains): the permit when granted at once, else the ticket.
     pub fn submit(&self, d: &dyn Unlock, wake: impl FnOnce() -> Wake + Send) -> Result<Begun<Permit>, Error> {
@@ -228,6 +249,12 @@ impl Acquire for LevelAcquire {
             unlocked(d, || self.gate.queue.give_back(&self.costs, Some(token)));
         }
     }
+
+    fn undo(&self, d: &dyn Unlock, grant: Option<Permit>) {
+        if let Some(p) = grant {
+            self.undo_permit(d, &p);
+        }
+    }
 }
 
 /// Hashes tickets (one sequence for the process): consecutive tickets keep consecutive
@@ -255,35 +282,68 @@ impl Hasher for TicketHash {
 pub type ByTicket<V> = HashMap<u64, V, BuildHasherDefault<TicketHash>>;
 
 /// A queued wait as its channel's table holds it: settled by whoever takes it out.
-pub trait Pending: Send + Sync {
-    /// Keeps the outcome of `ticket` for its task (taken when it resumes or leaves).
-    fn deliver(&self, o: Outcome);
+pub trait Pending<G>: Send + Sync {
+    /// Finishes the outcome of `ticket` for its task, keeping a copy of the grant (made
+    /// by `keep`) for the task; the error of a wait that failed. None when the task left
+    /// meanwhile (what it was granted went back).
+    #[allow(clippy::type_complexity)]
+    fn finish(
+        &self,
+        d: &dyn Unlock,
+        ticket: u64,
+        o: Outcome,
+        keep: &mut dyn FnMut(&G) -> G,
+    ) -> Option<Result<Option<G>, Error>>;
     /// The outcome of `ticket` reached no task: a grant goes back.
     fn give_back(&self, d: &dyn Unlock, ticket: u64, o: Outcome);
     /// Its channel closed before an outcome: it leaves its queue with everything given
     /// back (an outcome decided meanwhile went back to its queue, the channel closed).
     fn close(&self, d: &dyn Unlock, ticket: u64);
+    /// Marks the ticket's future taken by the resolve: its outcome is being finished.
+    fn delivering(&self);
+}
+
+/// Where a queued wait's outcome is, between the resolve and its task.
+enum Slot<G> {
+    /// Not delivered.
+    Empty,
+    /// The resolve is finishing it (the task may not leave unseen meanwhile).
+    Delivering,
+    /// Finished for the task (None: another wait follows), in this fork generation.
+    Kept(Option<G>, u64),
+    /// The task left while it was being finished: the resolve undoes it.
+    Left,
 }
 
 /// What an [`Awaiting`] shares with its channel's table.
-struct Shared<A> {
+struct Shared<A: Acquire> {
     acquire: A,
-    /// The outcome delivered for the task, and the fork generation it came in.
-    outcome: Mutex<Option<(Outcome, u64)>>,
+    slot: Mutex<Slot<A::Grant>>,
 }
 
-impl<A> Shared<A> {
-    fn take(&self) -> Option<Outcome> {
-        let (o, generation) = lock(&self.outcome).take()?;
-        // One delivered in the parent of a forked child is the parent's: the child's
-        // queues start free.
-        (generation == crate::fork::generation()).then_some(o)
-    }
-}
-
-impl<A: Acquire> Pending for Shared<A> {
-    fn deliver(&self, o: Outcome) {
-        *lock(&self.outcome) = Some((o, crate::fork::generation()));
+impl<A: Acquire> Pending<A::Grant> for Shared<A> {
+    fn finish(
+        &self,
+        d: &dyn Unlock,
+        ticket: u64,
+        o: Outcome,
+        keep: &mut dyn FnMut(&A::Grant) -> A::Grant,
+    ) -> Option<Result<Option<A::Grant>, Error>> {
+        let r = self.acquire.finish(d, ticket, o);
+        let mut slot = lock(&self.slot);
+        if matches!(*slot, Slot::Left) {
+            *slot = Slot::Empty;
+            drop(slot);
+            if let Ok(g) = r {
+                self.acquire.undo(d, g);
+            }
+            return None;
+        }
+        *slot = match &r {
+            Ok(g) => Slot::Kept(g.as_ref().map(&mut *keep), crate::fork::generation()),
+            Err(_) => Slot::Empty,
+        };
+        Some(r)
     }
 
     fn give_back(&self, d: &dyn Unlock, ticket: u64, o: Outcome) {
@@ -293,14 +353,23 @@ impl<A: Acquire> Pending for Shared<A> {
     fn close(&self, d: &dyn Unlock, ticket: u64) {
         self.acquire.leave(d, ticket);
     }
+
+    fn delivering(&self) {
+        *lock(&self.slot) = Slot::Delivering;
+    }
 }
 
 /// The queued waits of one channel, by ticket: what its owner settles when the channel
-/// closes (no object of the loop in it).
-#[derive(Default)]
-pub struct Native(Mutex<ByTicket<Arc<dyn Pending>>>);
+/// closes (no object of the loop in it). `G`: the grant a task gets.
+pub struct Native<G>(Mutex<ByTicket<Arc<dyn Pending<G>>>>);
 
-impl Native {
+impl<G> Default for Native<G> {
+    fn default() -> Self {
+        Native(Mutex::new(ByTicket::default()))
+    }
+}
+
+impl<G> Native<G> {
     /// How many waits expect an outcome.
     pub fn len(&self) -> usize {
         lock(&self.0).len()
@@ -311,11 +380,11 @@ impl Native {
         self.len() == 0
     }
 
-    fn insert(&self, ticket: u64, p: Arc<dyn Pending>) {
+    fn insert(&self, ticket: u64, p: Arc<dyn Pending<G>>) {
         lock(&self.0).insert(ticket, p);
     }
 
-    fn remove(&self, ticket: u64) -> Option<Arc<dyn Pending>> {
+    fn remove(&self, ticket: u64) -> Option<Arc<dyn Pending<G>>> {
         lock(&self.0).remove(&ticket)
     }
 
@@ -343,24 +412,28 @@ impl Native {
 }
 
 /// An event loop's tables of queued waits on its channel: the channel's entries, shared
-/// with the channel's owner, and the loop's futures `F`.
-pub struct Waits<F> {
+/// with the channel's owner, and the loop's futures `F`; `G`: the grant a task gets.
+pub struct Waits<F, G> {
     /// The loop's channel.
     pub chan: Arc<Channel>,
     /// The channel's entries.
-    pub native: Arc<Native>,
+    pub native: Arc<Native<G>>,
     futs: Mutex<ByTicket<F>>,
 }
 
-/// What a host does to an event loop's future.
-pub trait Wakeup<F> {
-    /// Wakes the task waiting on `fut` (its outcome is kept for it).
-    fn wake(&mut self, fut: F);
+/// How a host wakes a task: resolves its loop's future with its grant (None: another
+/// wait follows) or its error.
+pub trait Wakeup<F, G> {
+    /// Another handle to a grant (the task takes one, the future is resolved with the
+    /// other).
+    fn keep(&mut self, grant: &G) -> G;
+    /// Wakes the task waiting on `fut` with `r`.
+    fn wake(&mut self, fut: F, r: Result<Option<G>, Error>);
 }
 
-impl<F> Waits<F> {
+impl<F, G> Waits<F, G> {
     /// The tables of the loop whose channel is `chan`, its entries in `native`.
-    pub fn new(chan: Arc<Channel>, native: Arc<Native>) -> Waits<F> {
+    pub fn new(chan: Arc<Channel>, native: Arc<Native<G>>) -> Waits<F, G> {
         Waits {
             chan,
             native,
@@ -386,7 +459,7 @@ impl<F> Waits<F> {
         drop(futs);
     }
 
-    /// Hands each outcome to its wait, in delivery (grant) order, and wakes its task
+    /// Finishes each outcome for its wait, in delivery (grant) order, and wakes its task
     /// through `host`; a grant whose waiter left goes back. A panic of `host` leaves the
     /// rest of the batch delivered and is returned. Returns the outcomes of tickets not
     /// in this table.
@@ -395,7 +468,7 @@ impl<F> Waits<F> {
         &self,
         d: &dyn Unlock,
         outcomes: Vec<(u64, Outcome)>,
-        host: &mut impl Wakeup<F>,
+        host: &mut impl Wakeup<F, G>,
     ) -> (Vec<(u64, Outcome)>, Option<Box<dyn std::any::Any + Send>>) {
         let mut rest = Vec::new();
         let mut panicked = None;
@@ -405,22 +478,26 @@ impl<F> Waits<F> {
                 continue;
             };
             let fut = {
-                // The future is taken and the outcome kept under one lock: a waiter
-                // leaving sees either its future or its outcome.
+                // The future is taken and the outcome marked under one lock: a waiter
+                // leaving sees either its future or an outcome on the way.
                 let mut futs = lock(&self.futs);
                 let fut = futs.remove(&t);
                 if fut.is_some() {
-                    p.deliver(o);
+                    p.delivering();
                 }
                 fut
             };
-            match fut {
-                Some(f) => {
-                    if let Err(e) = catch_unwind(AssertUnwindSafe(|| host.wake(f))) {
-                        panicked.get_or_insert(e);
-                    }
+            let Some(f) = fut else {
+                p.give_back(d, t, o);
+                continue;
+            };
+            let woken = catch_unwind(AssertUnwindSafe(|| {
+                if let Some(r) = p.finish(d, t, o, &mut |g| host.keep(g)) {
+                    host.wake(f, r);
                 }
-                None => p.give_back(d, t, o),
+            }));
+            if let Err(e) = woken {
+                panicked.get_or_insert(e);
             }
         }
         (rest, panicked)
@@ -431,10 +508,12 @@ impl<F> Waits<F> {
 pub trait Loop {
     /// The loop's future a task waits on.
     type Future: Send;
+    /// The grant a task gets.
+    type Grant;
     /// The host's own failure.
     type Error;
     /// The running loop's tables, and a new future of that loop.
-    fn running(&mut self) -> Result<(Arc<Waits<Self::Future>>, Self::Future), Self::Error>;
+    fn running(&mut self) -> Result<(Arc<Waits<Self::Future, Self::Grant>>, Self::Future), Self::Error>;
     /// Another handle to `fut` (the table keeps one, the task waits on the other).
     fn share(&mut self, fut: &Self::Future) -> Self::Future;
 }
@@ -466,13 +545,13 @@ pub enum Failed<E> {
 }
 
 /// Where an awaiting acquire is.
-enum State<F> {
+enum State<F, G> {
     /// Not awaited yet.
     Idle,
-    /// Its first step is under way.
+    /// A step is under way.
     Starting,
     /// In the queue under `ticket`; its future is in `waits`.
-    Queued { ticket: u64, waits: Arc<Waits<F>> },
+    Queued { ticket: u64, waits: Arc<Waits<F, G>> },
     /// Over: granted, timed out, refused or left.
     Done,
 }
@@ -482,13 +561,13 @@ enum State<F> {
 /// exactly once).
 pub struct Awaiting<A: Acquire, F> {
     shared: Arc<Shared<A>>,
-    state: Mutex<State<F>>,
+    state: Mutex<State<F, A::Grant>>,
 }
 
 /// Resets a step that unwinds (a panic) to Done: nothing was queued, or it left.
-struct Unwinding<'a, F>(&'a Mutex<State<F>>, bool);
+struct Unwinding<'a, F, G>(&'a Mutex<State<F, G>>, bool);
 
-impl<F> Drop for Unwinding<'_, F> {
+impl<F, G> Drop for Unwinding<'_, F, G> {
     fn drop(&mut self) {
         if self.1 {
             let mut st = lock(self.0);
@@ -499,23 +578,26 @@ impl<F> Drop for Unwinding<'_, F> {
     }
 }
 
+/// What a step resumes with.
+enum Resumed<G> {
+    /// The first step.
+    First,
+    /// A wait finished without a grant: the next wait.
+    Next,
+    /// The grant.
+    Granted(G),
+}
+
 impl<A: Acquire, F: Send + 'static> Awaiting<A, F> {
     /// `acquire`, not awaited yet.
     pub fn new(acquire: A) -> Awaiting<A, F> {
         Awaiting {
             shared: Arc::new(Shared {
                 acquire,
-                outcome: Mutex::new(None),
+                slot: Mutex::new(Slot::Empty),
             }),
             state: Mutex::new(State::Idle),
         }
-    }
-
-    /// Already over (decided by the caller's fast path).
-    pub fn done(acquire: A) -> Awaiting<A, F> {
-        let a = Self::new(acquire);
-        *lock(&a.state) = State::Done;
-        a
     }
 
     /// What it acquires.
@@ -525,56 +607,66 @@ impl<A: Acquire, F: Send + 'static> Awaiting<A, F> {
 
     /// The task's next step: it waits for a future of `host`'s running loop, or ends
     /// with its grant or an error. Every wait of `acquire` runs through `d`.
-    pub fn step<L: Loop<Future = F>>(&self, host: &mut L, d: &dyn Unlock) -> Result<Next<A::Grant, F>, Failed<L::Error>> {
+    #[allow(clippy::type_complexity)]
+    pub fn step<L: Loop<Future = F, Grant = A::Grant>>(
+        &self,
+        host: &mut L,
+        d: &dyn Unlock,
+    ) -> Result<Next<A::Grant, F>, Failed<L::Error>> {
         let mut st = lock(&self.state);
-        loop {
-            match &*st {
-                State::Idle => {
-                    *st = State::Starting;
-                    drop(st);
-                    let mut guard = Unwinding(&self.state, true);
-                    let r = self.begin(host, d);
-                    guard.1 = false;
-                    if !matches!(r, Ok(Next::Wait(_))) {
-                        *lock(&self.state) = State::Done;
+        let resumed = match &*st {
+            State::Idle => Resumed::First,
+            State::Starting => return Err(Failed::Busy),
+            State::Done => return Ok(Next::Over),
+            State::Queued { ticket, waits } => {
+                let ticket = *ticket;
+                let mut slot = lock(&self.shared.slot);
+                match std::mem::replace(&mut *slot, Slot::Empty) {
+                    Slot::Kept(g, generation) if generation == crate::fork::generation() => match g {
+                        Some(g) => Resumed::Granted(g),
+                        None => Resumed::Next,
+                    },
+                    Slot::Delivering => {
+                        *slot = Slot::Delivering;
+                        return Err(Failed::Busy);
                     }
-                    return r;
-                }
-                State::Starting => return Err(Failed::Busy),
-                State::Done => return Ok(Next::Over),
-                State::Queued { ticket, waits } => {
-                    let ticket = *ticket;
-                    let Some(o) = self.shared.take() else {
+                    _ => {
+                        drop(slot);
                         if waits.native.contains(ticket) {
                             // Resumed before its outcome (driven by hand): the same future.
-                            let fut = lock(&waits.futs).get(&ticket).map(|f| host.share(f));
-                            if let Some(f) = fut {
+                            if let Some(f) = lock(&waits.futs).get(&ticket).map(|f| host.share(f)) {
                                 return Ok(Next::Wait(f));
                             }
                         }
                         *st = State::Done;
                         return Err(Failed::Lost);
-                    };
-                    match self.shared.acquire.finish(d, ticket, o) {
-                        Ok(Some(g)) => {
-                            *st = State::Done;
-                            return Ok(Next::Granted(g));
-                        }
-                        // Another wait follows (a policy's next level).
-                        Ok(None) => *st = State::Idle,
-                        Err(e) => {
-                            *st = State::Done;
-                            return Err(Failed::Refused(e));
-                        }
                     }
                 }
             }
+        };
+        if let Resumed::Granted(g) = resumed {
+            *st = State::Done;
+            return Ok(Next::Granted(g));
         }
+        *st = State::Starting;
+        drop(st);
+        let mut guard = Unwinding(&self.state, true);
+        let r = self.begin(host, d);
+        guard.1 = false;
+        if !matches!(r, Ok(Next::Wait(_))) {
+            *lock(&self.state) = State::Done;
+        }
+        r
     }
 
     /// Starts a wait on the running loop: the grant when decided at once, else the
     /// loop's future registered under the ticket.
-    fn begin<L: Loop<Future = F>>(&self, host: &mut L, d: &dyn Unlock) -> Result<Next<A::Grant, F>, Failed<L::Error>> {
+    #[allow(clippy::type_complexity)]
+    fn begin<L: Loop<Future = F, Grant = A::Grant>>(
+        &self,
+        host: &mut L,
+        d: &dyn Unlock,
+    ) -> Result<Next<A::Grant, F>, Failed<L::Error>> {
         let (waits, fut) = host.running().map_err(Failed::Host)?;
         if waits.chan.is_closed() {
             return Err(Failed::Closed);
@@ -594,7 +686,6 @@ impl<A: Acquire, F: Send + 'static> Awaiting<A, F> {
         *lock(&self.state) = State::Queued { ticket, waits };
         Ok(Next::Wait(theirs))
     }
-
 }
 
 impl<A: Acquire, F> Awaiting<A, F> {
@@ -609,7 +700,7 @@ impl<A: Acquire, F> Awaiting<A, F> {
 
     /// A queued wait ended without its task taking the outcome: whoever takes the ticket
     /// out of the channel's table settles it (this, the resolve, or the channel's close).
-    fn leave(&self, d: &dyn Unlock, ticket: u64, waits: &Waits<F>) {
+    fn leave(&self, d: &dyn Unlock, ticket: u64, waits: &Waits<F, A::Grant>) {
         let fut = lock(&waits.futs).remove(&ticket);
         let sh = &self.shared;
         if waits.native.contains(ticket) {
@@ -618,9 +709,23 @@ impl<A: Acquire, F> Awaiting<A, F> {
             }
             // Else decided, its outcome on the way: the resolve (or the close) gives it
             // back, as the ticket has no future any more.
-        } else if let Some(o) = sh.take() {
-            // Delivered, but the task left before it resumed.
-            sh.acquire.give_back(d, ticket, o);
+        } else {
+            let kept = {
+                let mut slot = lock(&sh.slot);
+                match std::mem::replace(&mut *slot, Slot::Empty) {
+                    Slot::Kept(g, generation) => (generation == crate::fork::generation()).then_some(g),
+                    // Being finished by the resolve, which undoes it.
+                    Slot::Delivering => {
+                        *slot = Slot::Left;
+                        None
+                    }
+                    Slot::Empty | Slot::Left => None,
+                }
+            };
+            if let Some(g) = kept {
+                // Finished, but the task left before it resumed.
+                sh.acquire.undo(d, g);
+            }
         }
         drop(fut);
     }

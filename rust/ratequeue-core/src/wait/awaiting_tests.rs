@@ -7,23 +7,26 @@ use crate::{Limiter, ManualClock, Rate, Semaphore};
 
 const MS: u64 = 1_000_000;
 
-/// An event loop in a test: one channel, futures numbered in order, the ones woken.
-struct TestLoop {
-    waits: Arc<Waits<u64>>,
+/// An event loop in a test: one channel, futures numbered in order, the ones woken and
+/// the errors they were woken with.
+struct TestLoop<G> {
+    waits: Arc<Waits<u64, G>>,
     next: u64,
     woken: Vec<u64>,
+    errors: Vec<(u64, Error)>,
     /// A future whose wake panics.
     panic_on: Option<u64>,
     /// `running` panics.
     panic_running: bool,
 }
 
-impl TestLoop {
-    fn new() -> TestLoop {
+impl<G: Clone> TestLoop<G> {
+    fn new() -> TestLoop<G> {
         TestLoop {
             waits: Arc::new(Waits::new(Channel::new(), Arc::new(Native::default()))),
             next: 0,
             woken: Vec::new(),
+            errors: Vec::new(),
             panic_on: None,
             panic_running: false,
         }
@@ -40,11 +43,12 @@ impl TestLoop {
     }
 }
 
-impl Loop for TestLoop {
+impl<G: Clone> Loop for TestLoop<G> {
     type Future = u64;
+    type Grant = G;
     type Error = &'static str;
 
-    fn running(&mut self) -> Result<(Arc<Waits<u64>>, u64), &'static str> {
+    fn running(&mut self) -> Result<(Arc<Waits<u64, G>>, u64), &'static str> {
         assert!(!self.panic_running, "the host's loop lookup panicked");
         self.next += 1;
         Ok((self.waits.clone(), self.next))
@@ -55,14 +59,55 @@ impl Loop for TestLoop {
     }
 }
 
-impl Wakeup<u64> for TestLoop {
-    fn wake(&mut self, fut: u64) {
+impl<G: Clone> Wakeup<u64, G> for TestLoop<G> {
+    fn keep(&mut self, grant: &G) -> G {
+        grant.clone()
+    }
+
+    fn wake(&mut self, fut: u64, r: Result<Option<G>, Error>) {
         assert_ne!(Some(fut), self.panic_on, "the host's wake panicked");
         self.woken.push(fut);
+        if let Err(e) = r {
+            self.errors.push((fut, e));
+        }
     }
 }
 
-type LevelAwait = Awaiting<LevelAcquire, u64>;
+/// `A` with its grants shared, so that the loop keeps a copy as a host does.
+struct Kept<A>(A);
+
+impl<A: Acquire> Acquire for Kept<A>
+where
+    A::Grant: Sync,
+{
+    type Grant = Arc<A::Grant>;
+
+    fn begin(&self, d: &dyn Unlock, wake: &(dyn Fn() -> Wake + Sync)) -> Result<Begun<Self::Grant>, Error> {
+        Ok(match self.0.begin(d, wake)? {
+            Begun::Done(g) => Begun::Done(Arc::new(g)),
+            Begun::Queued(t) => Begun::Queued(t),
+        })
+    }
+
+    fn finish(&self, d: &dyn Unlock, ticket: u64, o: Outcome) -> Result<Option<Self::Grant>, Error> {
+        Ok(self.0.finish(d, ticket, o)?.map(Arc::new))
+    }
+
+    fn leave(&self, d: &dyn Unlock, ticket: u64) -> bool {
+        self.0.leave(d, ticket)
+    }
+
+    fn give_back(&self, d: &dyn Unlock, ticket: u64, o: Outcome) {
+        self.0.give_back(d, ticket, o);
+    }
+
+    fn undo(&self, d: &dyn Unlock, grant: Option<Self::Grant>) {
+        self.0.undo(d, grant.map(|g| Arc::into_inner(g).expect("the task's copy is gone")));
+    }
+}
+
+type LevelAwait = Awaiting<Kept<LevelAcquire>, u64>;
+type LevelLoop = TestLoop<Arc<Permit>>;
 
 /// A limiter of 10/s, burst 1, on a ManualClock at 0, its queue and gate.
 fn rate() -> (Arc<ManualClock>, Arc<Limiter>, Arc<Gate>) {
@@ -97,17 +142,17 @@ fn semaphore(n: u64) -> (Arc<ManualClock>, Arc<Semaphore>, Arc<Gate>) {
 }
 
 fn awaiting(gate: &Arc<Gate>, timeout_ns: Option<u64>) -> LevelAwait {
-    Awaiting::new(LevelAcquire::new(gate, &[1], 0, timeout_ns))
+    Awaiting::new(Kept(LevelAcquire::new(gate, &[1], 0, timeout_ns)))
 }
 
-fn waits_for(a: &LevelAwait, l: &mut TestLoop) -> u64 {
+fn waits_for(a: &LevelAwait, l: &mut LevelLoop) -> u64 {
     match a.step(l, &Inline) {
         Ok(Next::Wait(f)) => f,
         other => panic!("expected a wait, got {other:?}"),
     }
 }
 
-fn permit_of(a: &LevelAwait, l: &mut TestLoop) -> Permit {
+fn permit_of(a: &LevelAwait, l: &mut LevelLoop) -> Arc<Permit> {
     match a.step(l, &Inline) {
         Ok(Next::Granted(p)) => p,
         other => panic!("expected a grant, got {other:?}"),
@@ -122,7 +167,7 @@ fn admits_now(gate: &Arc<Gate>) -> bool {
 #[test]
 fn granted_at_once_and_over_after() {
     let (_c, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     let a = awaiting(&gate, None);
     let p = permit_of(&a, &mut l);
     assert_eq!(p.waited_ns(), 0);
@@ -134,7 +179,7 @@ fn granted_at_once_and_over_after() {
 #[test]
 fn queued_then_granted_with_one_wake() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, None);
     let f = waits_for(&a, &mut l);
@@ -154,7 +199,7 @@ fn queued_then_granted_with_one_wake() {
 #[test]
 fn fifo_across_awaits_each_woken_once() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let awaits: Vec<_> = (0..5).map(|_| awaiting(&gate, None)).collect();
     let futs: Vec<_> = awaits.iter().map(|a| waits_for(a, &mut l)).collect();
@@ -169,7 +214,7 @@ fn fifo_across_awaits_each_woken_once() {
 #[test]
 fn cancelled_while_queued_leaves_and_the_next_moves_up() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let (a, b) = (awaiting(&gate, None), awaiting(&gate, None));
     waits_for(&a, &mut l);
@@ -187,7 +232,7 @@ fn cancelled_while_queued_leaves_and_the_next_moves_up() {
 #[test]
 fn cancelled_after_its_grant_before_resuming_gives_the_grant_back_once() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, None);
     waits_for(&a, &mut l);
@@ -203,7 +248,7 @@ fn cancelled_after_its_grant_before_resuming_gives_the_grant_back_once() {
 #[test]
 fn cancelled_while_its_grant_is_in_the_channel_gives_it_back_at_the_resolve() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, None);
     waits_for(&a, &mut l);
@@ -220,18 +265,19 @@ fn cancelled_while_its_grant_is_in_the_channel_gives_it_back_at_the_resolve() {
 #[test]
 fn timed_out_raises_with_nothing_held() {
     let (clock, sem, gate) = semaphore(1);
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, Some(50 * MS));
     let f = waits_for(&a, &mut l);
     gate.queue.run_until(&clock, 50 * MS).unwrap();
     l.drain();
     assert_eq!(l.woken, vec![f]);
-    let e = a.step(&mut l, &Inline).unwrap_err();
-    assert!(
-        matches!(e, Failed::Refused(Error::WaitTimeout { waited_ns, .. }) if waited_ns == 50 * MS),
-        "{e:?}"
-    );
+    let [(g, Error::WaitTimeout { waited_ns, .. })] = &l.errors[..] else {
+        panic!("woken with its timeout: {:?}", l.errors)
+    };
+    assert_eq!((*g, *waited_ns), (f, 50 * MS));
+    // The task is thrown the error; resumed instead, it has nothing to resume with.
+    assert!(matches!(a.step(&mut l, &Inline), Err(Failed::Lost)));
     assert_eq!((sem.in_use(), gate.queue.waiting()), (1, 0));
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Over)));
 }
@@ -239,7 +285,7 @@ fn timed_out_raises_with_nothing_held() {
 #[test]
 fn refused_at_once_holds_nothing() {
     let (_c, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     // 100 ms to wait, 10 ms allowed: refused at arrival.
     let a = awaiting(&gate, Some(10 * MS));
@@ -251,7 +297,7 @@ fn refused_at_once_holds_nothing() {
 #[test]
 fn the_loop_closed_settles_pending_and_undelivered_waits() {
     let (clock, sem, gate) = semaphore(1);
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let (a, b) = (awaiting(&gate, None), awaiting(&gate, None));
     waits_for(&a, &mut l);
@@ -276,7 +322,7 @@ fn the_loop_closed_settles_pending_and_undelivered_waits() {
 #[test]
 fn a_grant_decided_after_the_close_goes_back_in_the_queue() {
     let (_clock, sem, gate) = semaphore(1);
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, None);
     waits_for(&a, &mut l);
@@ -289,7 +335,7 @@ fn a_grant_decided_after_the_close_goes_back_in_the_queue() {
 #[test]
 fn dropped_in_each_state_holds_nothing() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     // Idle: nothing to do.
     drop(awaiting(&gate, None));
     gate.queue.try_now(&[1], 0).unwrap();
@@ -326,7 +372,7 @@ fn dropped_in_each_state_holds_nothing() {
 #[test]
 fn stepped_while_starting_is_busy_and_a_lost_wait_says_so() {
     let (clock, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     let a = awaiting(&gate, None);
     *lock(&a.state) = State::Starting;
     assert!(matches!(a.step(&mut l, &Inline), Err(Failed::Busy)));
@@ -344,7 +390,7 @@ fn stepped_while_starting_is_busy_and_a_lost_wait_says_so() {
 #[test]
 fn a_panicking_wake_leaves_the_batch_delivered_and_nothing_held() {
     let (_clock, sem, gate) = semaphore(2);
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     gate.queue.try_now(&[1], 0).unwrap();
     let (a, b) = (awaiting(&gate, None), awaiting(&gate, None));
@@ -366,7 +412,7 @@ fn a_panicking_wake_leaves_the_batch_delivered_and_nothing_held() {
 #[test]
 fn a_panicking_host_at_the_start_queues_nothing_and_ends_the_await() {
     let (_c, _lim, gate) = rate();
-    let mut l = TestLoop::new();
+    let mut l = LevelLoop::new();
     gate.queue.try_now(&[1], 0).unwrap();
     let a = awaiting(&gate, None);
     l.panic_running = true;
@@ -410,7 +456,8 @@ fn sem_level(clock: &Arc<ManualClock>, name: &str) -> (Level, Arc<Semaphore>, Ar
     (level, sem, q)
 }
 
-type PolicyAwait = Awaiting<Arc<PolicyAcquire>, u64>;
+type PolicyAwait = Awaiting<Kept<Arc<PolicyAcquire>>, u64>;
+type PolicyLoop = TestLoop<Arc<Finished>>;
 
 /// Two one-permit semaphore levels `a` and `b`, an await of both.
 #[allow(clippy::type_complexity)]
@@ -428,10 +475,10 @@ fn two_levels(
     let p = Arc::new(Policy::new(vec![a, b]).unwrap());
     let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
     let acq = Arc::new(PolicyAcquire::new(p, args, AnyClock::Manual(clock.clone()), timeout_ns));
-    (Awaiting::new(acq), (sem_a, qa), (sem_b, qb), clock)
+    (Awaiting::new(Kept(acq)), (sem_a, qa), (sem_b, qb), clock)
 }
 
-fn finished(a: &PolicyAwait, l: &mut TestLoop) -> Finished {
+fn finished(a: &PolicyAwait, l: &mut PolicyLoop) -> Arc<Finished> {
     match a.step(l, &Inline) {
         Ok(Next::Granted(f)) => f,
         other => panic!("expected every level, got {other:?}"),
@@ -441,7 +488,7 @@ fn finished(a: &PolicyAwait, l: &mut TestLoop) -> Finished {
 #[test]
 fn policy_every_level_at_once() {
     let (a, (sem_a, _), (sem_b, _), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     let f = finished(&a, &mut l);
     assert!(matches!(f.held[..], [Held::Permits(1), Held::Permits(1)]));
     assert_eq!((sem_a.in_use(), sem_b.in_use()), (1, 1));
@@ -450,7 +497,7 @@ fn policy_every_level_at_once() {
 #[test]
 fn policy_waits_level_by_level_one_wake_each() {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qa.try_now(&[1], 0).unwrap();
     qb.try_now(&[1], 0).unwrap();
     let f1 = match a.step(&mut l, &Inline) {
@@ -478,7 +525,7 @@ fn policy_waits_level_by_level_one_wake_each() {
 #[test]
 fn policy_cancelled_while_queued_gives_back_the_levels_it_held() {
     let (a, (sem_a, _qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qb.try_now(&[1], 0).unwrap();
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
     assert_eq!(sem_a.in_use(), 1, "a held while waiting for b");
@@ -489,7 +536,7 @@ fn policy_cancelled_while_queued_gives_back_the_levels_it_held() {
 #[test]
 fn policy_cancelled_after_a_levels_grant_before_resuming_gives_everything_back() {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qa.try_now(&[1], 0).unwrap();
     qb.try_now(&[1], 0).unwrap();
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
@@ -504,20 +551,19 @@ fn policy_cancelled_after_a_levels_grant_before_resuming_gives_everything_back()
 #[test]
 fn policy_timed_out_on_a_later_level_gives_the_earlier_back() {
     let (a, (sem_a, _qa), (sem_b, qb), clock) = two_levels(Some(200 * MS));
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qb.try_now(&[1], 0).unwrap();
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
     qb.run_until(&clock, 200 * MS).unwrap();
     l.drain();
-    let e = a.step(&mut l, &Inline).unwrap_err();
-    assert!(matches!(e, Failed::Refused(Error::WaitTimeout { .. })), "{e:?}");
+    assert!(matches!(l.errors[..], [(_, Error::WaitTimeout { .. })]), "{:?}", l.errors);
     assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 1));
 }
 
 #[test]
 fn policy_loop_closed_and_dropped_give_everything_back() {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qb.try_now(&[1], 0).unwrap();
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
     l.waits.native.close(&Inline, l.waits.chan.close());
@@ -527,7 +573,7 @@ fn policy_loop_closed_and_dropped_give_everything_back() {
 
     // Granted on its level while the loop closes: the grant goes back too.
     let (a, (sem_a, _qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = TestLoop::new();
+    let mut l = PolicyLoop::new();
     qb.try_now(&[1], 0).unwrap();
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
     qb.give_back(&[1], None);
