@@ -29,7 +29,7 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._ratequeue import Channel, _LoopWaiters, _use_aio, _wait_left, _wait_policy
 

@@ -17,11 +17,6 @@ use pyo3::types::{PyDict, PyString, PyTuple, PyWeakrefReference};
 use pyo3::{intern, PyTraverseError, PyVisit};
 use ratequeue_core::policy::PolicyAcquire;
 use ratequeue_core::wait::awaiting::{Acquire, Awaiting, Failed, LevelAcquire, Loop, Native, Next, Waits};
-
-/// The tables of a loop's waits: its futures, and the grants its tasks get.
-pub(crate) type PyWaits = Waits<Py<PyAny>, Py<PyAny>>;
-/// A channel's table of waits.
-pub(crate) type PyNative = Native<Py<PyAny>>;
 use ratequeue_core::wait::Channel;
 use ratequeue_core::{GrantRef, Outcome};
 
@@ -42,6 +37,11 @@ use grants::{PyLevel, PyPolicy};
 use running::*;
 pub use send::install;
 use send::*;
+
+/// The tables of a loop's waits: its futures, and the grants its tasks get.
+pub(crate) type PyWaits = Waits<Py<PyAny>, Py<PyAny>>;
+/// A channel's table of waits.
+pub(crate) type PyNative = Native<Py<PyAny>>;
 
 /// An awaitable that is already done; with a permit, also an async context manager
 /// that releases it on exit.
