@@ -220,9 +220,7 @@ impl Acquire for LevelAcquire {
 
     fn finish(&self, d: &dyn Unlock, _ticket: u64, o: Outcome) -> Result<Option<Permit>, Error> {
         match o {
-            Outcome::Granted {
-                waited_ns, token, ..
-            } => {
+            Outcome::Granted { waited_ns, token, .. } => {
                 let at_ns = self.submitted_ns.load(Ordering::Acquire).saturating_add(waited_ns);
                 Ok(Some(self.permit(
                     waited_ns,

@@ -102,7 +102,8 @@ where
     }
 
     fn undo(&self, d: &dyn Unlock, grant: Option<Self::Grant>) {
-        self.0.undo(d, grant.map(|g| Arc::into_inner(g).expect("the task's copy is gone")));
+        self.0
+            .undo(d, grant.map(|g| Arc::into_inner(g).expect("the task's copy is gone")));
     }
 }
 
@@ -420,7 +421,10 @@ fn a_panicking_host_at_the_start_queues_nothing_and_ends_the_await() {
     assert!(r.is_err());
     assert_eq!((gate.queue.waiting(), l.waits.native.len()), (0, 0));
     l.panic_running = false;
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Over)), "ended, not stuck starting");
+    assert!(
+        matches!(a.step(&mut l, &Inline), Ok(Next::Over)),
+        "ended, not stuck starting"
+    );
 }
 
 // ---------------------------------------------------------------------------------
@@ -473,7 +477,10 @@ fn two_levels(
     let (a, sem_a, qa) = sem_level(&clock, "a");
     let (b, sem_b, qb) = sem_level(&clock, "b");
     let p = Arc::new(Policy::new(vec![a, b]).unwrap());
-    let args = vec![LevelArgs { key: 0, costs: vec![1] }, LevelArgs { key: 0, costs: vec![1] }];
+    let args = vec![
+        LevelArgs { key: 0, costs: vec![1] },
+        LevelArgs { key: 0, costs: vec![1] },
+    ];
     let acq = Arc::new(PolicyAcquire::new(p, args, AnyClock::Manual(clock.clone()), timeout_ns));
     (Awaiting::new(Kept(acq)), (sem_a, qa), (sem_b, qb), clock)
 }
@@ -545,7 +552,11 @@ fn policy_cancelled_after_a_levels_grant_before_resuming_gives_everything_back()
     assert_eq!(sem_a.in_use(), 1, "granted to the await");
     a.end(&Inline);
     a.end(&Inline);
-    assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 1), "a given back once, b untouched");
+    assert_eq!(
+        (sem_a.in_use(), sem_b.in_use()),
+        (0, 1),
+        "a given back once, b untouched"
+    );
 }
 
 #[test]
@@ -556,7 +567,11 @@ fn policy_timed_out_on_a_later_level_gives_the_earlier_back() {
     assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
     qb.run_until(&clock, 200 * MS).unwrap();
     l.drain();
-    assert!(matches!(l.errors[..], [(_, Error::WaitTimeout { .. })]), "{:?}", l.errors);
+    assert!(
+        matches!(l.errors[..], [(_, Error::WaitTimeout { .. })]),
+        "{:?}",
+        l.errors
+    );
     assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 1));
 }
 
@@ -582,4 +597,74 @@ fn policy_loop_closed_and_dropped_give_everything_back() {
     drop(a);
     assert_eq!((sem_a.in_use(), sem_b.in_use()), (0, 0));
     let _ = qa;
+}
+
+/// A level whose finish runs `hook` after deciding (a task leaving meanwhile).
+struct Racing {
+    inner: Kept<LevelAcquire>,
+    hook: Mutex<Option<Box<dyn FnOnce() + Send>>>,
+}
+
+impl Acquire for Racing {
+    type Grant = Arc<Permit>;
+
+    fn begin(&self, d: &dyn Unlock, wake: &(dyn Fn() -> Wake + Sync)) -> Result<Begun<Self::Grant>, Error> {
+        self.inner.begin(d, wake)
+    }
+
+    fn finish(&self, d: &dyn Unlock, ticket: u64, o: Outcome) -> Result<Option<Self::Grant>, Error> {
+        let r = self.inner.finish(d, ticket, o);
+        if let Some(h) = lock(&self.hook).take() {
+            h();
+        }
+        r
+    }
+
+    fn leave(&self, d: &dyn Unlock, ticket: u64) -> bool {
+        self.inner.leave(d, ticket)
+    }
+
+    fn give_back(&self, d: &dyn Unlock, ticket: u64, o: Outcome) {
+        self.inner.give_back(d, ticket, o);
+    }
+
+    fn undo(&self, d: &dyn Unlock, grant: Option<Self::Grant>) {
+        self.inner.undo(d, grant);
+    }
+}
+
+#[test]
+fn a_task_leaving_while_its_outcome_is_finished_gets_it_undone_once() {
+    let (_clock, sem, gate) = semaphore(1);
+    let mut l = LevelLoop::new();
+    gate.queue.try_now(&[1], 0).unwrap();
+    let a: Arc<Awaiting<Racing, u64>> = Arc::new(Awaiting::new(Racing {
+        inner: Kept(LevelAcquire::new(&gate, &[1], 0, None)),
+        hook: Mutex::new(None),
+    }));
+    let waits = l.waits.clone();
+    let outcomes = {
+        let mut host = TestLoop {
+            waits: l.waits.clone(),
+            next: 0,
+            woken: Vec::new(),
+            errors: Vec::new(),
+            panic_on: None,
+            panic_running: false,
+        };
+        match a.step(&mut host, &Inline) {
+            Ok(Next::Wait(_)) => {}
+            other => panic!("{other:?}"),
+        }
+        gate.queue.give_back(&[1], None);
+        waits.chan.drain()
+    };
+    let weak = Arc::downgrade(&a);
+    *lock(&a.acquire().hook) = Some(Box::new(move || weak.upgrade().unwrap().end(&Inline)));
+    let (rest, panicked) = waits.resolve(&Inline, outcomes, &mut l);
+    assert!(rest.is_empty() && panicked.is_none());
+    assert!(l.woken.is_empty(), "the task left: nobody to wake");
+    assert_eq!(sem.in_use(), 0, "its grant went back");
+    gate.queue.try_now(&[1], 0).unwrap();
+    assert_eq!(sem.in_use(), 1, "once");
 }

@@ -40,7 +40,12 @@ fn _wait_submit(py: Python<'_>, acq: &Bound<'_, AcquiringPy>, channel: &Bound<'_
 /// grant).
 #[pyfunction]
 #[pyo3(signature = (acq, waited_ns, token = None))]
-fn _wait_granted(py: Python<'_>, acq: &Bound<'_, AcquiringPy>, waited_ns: u64, token: Option<u64>) -> PyResult<PermitPy> {
+fn _wait_granted(
+    py: Python<'_>,
+    acq: &Bound<'_, AcquiringPy>,
+    waited_ns: u64,
+    token: Option<u64>,
+) -> PyResult<PermitPy> {
     let o = Outcome::Granted {
         at_ns: 0,
         waited_ns,

@@ -170,7 +170,14 @@ impl Wakeup<Py<PyAny>, Py<PyAny>> for PyWake<'_> {
             Ok(_) => Ok(()),
             // Cancelled meanwhile: the task settles the grant when the cancellation
             // reaches it.
-            Err(_) if fut.call_method0(intern!(py, "done")).and_then(|d| d.is_truthy()).unwrap_or(false) => Ok(()),
+            Err(_)
+                if fut
+                    .call_method0(intern!(py, "done"))
+                    .and_then(|d| d.is_truthy())
+                    .unwrap_or(false) =>
+            {
+                Ok(())
+            }
             Err(e) => Err(e),
         };
         if let Err(e) = set {
