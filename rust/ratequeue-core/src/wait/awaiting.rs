@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::permit::{Detach, Permit, PermitOwner};
+use super::permit::{Costs, Detach, Permit, PermitOwner};
 use super::*;
 
 /// A [`Detach`] behind `dyn`: runs `f`, which may wait for a lock, outside the host's.
@@ -98,34 +98,6 @@ impl<A: Acquire> Acquire for Arc<A> {
 
     fn undo(&self, d: &dyn Unlock, grant: Option<A::Grant>) {
         (**self).undo(d, grant);
-    }
-}
-
-/// The costs of an acquire: up to two units inline (no allocation), more on the heap.
-enum Costs {
-    Inline([u64; 2], usize),
-    Heap(Box<[u64]>),
-}
-
-impl Costs {
-    fn new(c: &[u64]) -> Costs {
-        match *c {
-            [] => Costs::Inline([0; 2], 0),
-            [a] => Costs::Inline([a, 0], 1),
-            [a, b] => Costs::Inline([a, b], 2),
-            _ => Costs::Heap(c.into()),
-        }
-    }
-}
-
-impl std::ops::Deref for Costs {
-    type Target = [u64];
-
-    fn deref(&self) -> &[u64] {
-        match self {
-            Costs::Inline(a, n) => &a[..*n],
-            Costs::Heap(v) => v,
-        }
     }
 }
 
