@@ -485,6 +485,7 @@ pub trait Loop {
     /// The host's own failure.
     type Error;
     /// The running loop's tables, and a new future of that loop.
+    #[allow(clippy::type_complexity)]
     fn running(&mut self) -> Result<(Arc<Waits<Self::Future, Self::Grant>>, Self::Future), Self::Error>;
     /// Another handle to `fut` (the table keeps one, the task waits on the other).
     fn share(&mut self, fut: &Self::Future) -> Self::Future;
