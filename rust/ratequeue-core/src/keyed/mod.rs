@@ -55,6 +55,18 @@ fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
     }
 }
 
+/// Who waits on which key of a keyed map ([`crate::KeyQueues`]): what its fast paths
+/// must not overtake.
+pub trait KeyWaiters {
+    /// True when no key has a queue (nobody waits, and no decision that may queue
+    /// someone is under way, on any key).
+    fn none(&self) -> bool;
+    /// True when someone waits on `key`.
+    fn has_waiters(&self, key: u64) -> bool;
+    /// The re-check after a fast take on `key` (see [`crate::KeyQueues::joined`]).
+    fn joined(&self, key: u64) -> bool;
+}
+
 /// Eviction counters of a keyed map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyedCounts {
@@ -561,6 +573,31 @@ impl KeyedLimiter {
                         Err(_) => false,
                     };
                 }
+            }
+        }
+        Ok(())
+    }
+
+    /// [`KeyedLimiter::try_acquire_many`] for keys that may have waiters in `queues`
+    /// (nobody overtakes them).
+    pub fn try_acquire_many_idle(
+        &self,
+        keys: &[u64],
+        costs: Option<&[u64]>,
+        out: &mut [bool],
+        queues: &dyn KeyWaiters,
+    ) -> Result<(), Deny> {
+        if queues.none() {
+            return self.try_acquire_many(keys, costs, out);
+        }
+        for (i, k) in keys.iter().enumerate() {
+            if queues.has_waiters(*k) {
+                continue;
+            }
+            match self.try_acquire_idle(*k, costs.map_or(1, |c| c[i]), &|| queues.joined(*k)) {
+                Ok(()) => out[i] = true,
+                Err(Deny::Wait(_)) => {}
+                Err(d) => return Err(d),
             }
         }
         Ok(())
