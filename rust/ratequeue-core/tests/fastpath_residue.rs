@@ -183,7 +183,6 @@ fn policy_acquire_fast_path_racing_a_joiner_keeps_the_promise() {
     check_windows(grants, 1.0, 2);
     assert_eq!(r_at, reservation.at_ns, "the acquire's take moved the reservation's promise");
     assert!(fast.is_none(), "the acquire overtook the waiter that joined in its window");
-    assert_eq!(lim.available(0), 0.0, "the undone take gave back exactly what it took");
 }
 
 /// A semaphore's fast path promises no time, and is ordered at its check ("nobody

@@ -75,7 +75,11 @@ impl WaitQueue {
             j
         };
         let out = take(&joined);
-        (out, None)
+        let owed = raced.get().then(|| Rewake {
+            queue: self.clone(),
+            now: self.clock.now_ns(),
+        });
+        (out, owed)
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
