@@ -267,21 +267,18 @@ fn an_undone_fast_take_wakes_the_driver_for_the_joiner() {
     let (clock, lim, q) = limiter_setup();
     assert_eq!(q.waiting(), 0, "the caller's own check passes");
     let slot = Slot::new();
-    let (decided, rewake) = q.fast_take(|joined| {
-        lim.try_acquire_idle_nowait(&[1], || {
-            let s = q.submit(&[2], 0, None, || Wake::Thread(slot.clone())).unwrap();
-            assert!(matches!(s, Submitted::Queued(_)), "the waiter must queue");
-            joined()
-        })
+    let decided = lim.try_acquire_idle_nowait(&[1], || {
+        let s = q.submit(&[2], 0, None, || Wake::Thread(slot.clone())).unwrap();
+        assert!(matches!(s, Submitted::Queued(_)), "the waiter must queue");
+        q.joined()
     });
     assert_eq!(
         decided,
         Some(Err(Deny::Wait(0))),
         "refused: a waiter joined before the re-check"
     );
-    if let Some(r) = rewake {
-        r.send();
-    }
+    // What the bindings' try_acquire does after a take undone that way.
+    q.rewake_after_undo();
     let (woken, at) = drive_until_granted(&q, &clock, &slot, 10 * S);
     assert_eq!(at, S, "granted at its time");
     assert_eq!(

@@ -87,15 +87,13 @@ impl LimiterPy {
         }
         let core = &self.core;
         // Re-checked after the take: a waiter joining meanwhile undoes it (see joined),
-        // and is owed a wake-up (it may have been scheduled behind the take).
-        let (decided, rewake) = queue.fast_take(|joined| {
-            try_or_unblocked(
-                || core.try_acquire_idle_nowait(c, joined),
-                || core.try_acquire_idle(c, joined),
-            )
-        });
-        if let Some(r) = rewake {
-            unblocked(|| r.send());
+        // refused with Wait(0), and is owed a wake-up (it may be scheduled behind it).
+        let decided = try_or_unblocked(
+            || core.try_acquire_idle_nowait(c, || queue.joined()),
+            || core.try_acquire_idle(c, || queue.joined()),
+        );
+        if decided == Err(Deny::Wait(0)) {
+            unblocked(|| queue.rewake_after_undo());
         }
         match decided {
             Ok(()) => queue.note_try(true),

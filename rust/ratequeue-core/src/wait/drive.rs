@@ -61,27 +61,15 @@ impl WaitQueue {
         Some(self.scheduled.swap(u64::MAX, Ordering::AcqRel)).filter(|t| *t != u64::MAX)
     }
 
-    /// A fast path's take guarded by this queue: `take(joined)` is a take that checked
-    /// nobody waits and asks `joined` once after it (see [`WaitQueue::joined`]), undoing
-    /// itself when true. Returns what `take` returned, and after a take undone that way
-    /// the wake-up owed to the joiner ([`Rewake::send`]): it read the take and was
-    /// scheduled behind it, and without a wake-up now would be granted at that time.
-    #[inline]
-    pub fn fast_take<T>(self: &Arc<Self>, take: impl FnOnce(&(dyn Fn() -> bool + Sync)) -> T) -> (T, Option<Rewake>) {
-        let raced = AtomicBool::new(false);
-        let joined = || {
-            let j = self.joined();
-            if j {
-                raced.store(true, Ordering::Relaxed);
-            }
-            j
-        };
-        let out = take(&joined);
-        let owed = raced.load(Ordering::Relaxed).then(|| Rewake {
-            queue: self.clone(),
-            now: self.clock.now_ns(),
-        });
-        (out, owed)
+    /// Asks the driver to look at the queue now, after a fast take that checked nobody
+    /// waits was undone for a joiner (refused with `Deny::Wait(0)`, see
+    /// [`WaitQueue::joined`]): the joiner may have read the take and been scheduled
+    /// behind it, and without a wake-up now would be granted at that later time. May
+    /// wait for the driver's lock: run it detached from Python.
+    #[cold]
+    #[inline(never)]
+    pub fn rewake_after_undo(self: &Arc<Self>) {
+        self.rewake(self.clock.now_ns());
     }
 
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
@@ -153,20 +141,5 @@ impl Stalled {
                 now_ns as f64 / 1e9
             ),
         ))
-    }
-}
-
-/// The wake-up a fast take owes the queue it raced (see [`WaitQueue::fast_take`]).
-#[must_use = "send() asks the driver to look at the queue again"]
-pub struct Rewake {
-    queue: Arc<WaitQueue>,
-    now: u64,
-}
-
-impl Rewake {
-    /// Asks the driver to look at the queue now (may wait for the driver's lock: run it
-    /// detached from Python).
-    pub fn send(self) {
-        self.queue.rewake(self.now);
     }
 }

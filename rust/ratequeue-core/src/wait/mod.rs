@@ -39,7 +39,7 @@ use crate::histogram::Histogram;
 pub use channel::Channel;
 
 pub use config::{QueueConfig, QueueCounts};
-pub use drive::{Rewake, Stalled};
+pub use drive::Stalled;
 pub use gate::{Gate, Host, Stopped};
 pub use outcome::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Submitted, Wake};
 pub use permit::{Detach, Inline, Permit, PermitOwner};
