@@ -98,11 +98,15 @@ impl LimiterPy {
             return Ok(false);
         }
         let core = &self.core;
-        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined).
+        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined),
+        // refused with Wait(0), and is owed a wake-up (it may be scheduled behind it).
         let decided = try_or_unblocked(
             || core.try_acquire_idle_nowait(c, || queue.joined()),
             || core.try_acquire_idle(c, || queue.joined()),
         );
+        if decided == Err(Deny::Wait(0)) {
+            unblocked(|| queue.rewake_after_undo());
+        }
         match decided {
             Ok(()) => queue.note_try(true),
             Err(Deny::Wait(_)) => queue.note_try(false),

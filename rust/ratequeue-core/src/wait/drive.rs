@@ -17,6 +17,8 @@ impl WaitQueue {
             }
             let before = (clock.now_ns(), self.progress());
             let now = clock.set(t.max(before.0))?;
+            // The wake-up the driver would have served (see `take_wake_asked`).
+            self.scheduled.store(u64::MAX, Ordering::Release);
             self.poll(now);
             n += 1;
             stalled.check(before != (now, self.progress()), until_ns, now)?;
@@ -51,10 +53,31 @@ impl WaitQueue {
         let _ = self.schedule(now);
     }
 
+    /// Test hook, on a manual clock: the earliest wake-up asked of the driver since the
+    /// last call (or `run_until` poll), taken as the driver takes it; a test that polls
+    /// only at these times sees the queue as the real-time driver would serve it.
+    #[doc(hidden)]
+    pub fn take_wake_asked(&self) -> Option<u64> {
+        Some(self.scheduled.swap(u64::MAX, Ordering::AcqRel)).filter(|t| *t != u64::MAX)
+    }
+
+    /// Asks the driver to look at the queue now, after a fast take that checked nobody
+    /// waits was undone for a joiner (refused with `Deny::Wait(0)`, see
+    /// [`WaitQueue::joined`]): the joiner may have read the take and been scheduled
+    /// behind it, and without a wake-up now would be granted at that later time. May
+    /// wait for the driver's lock: run it detached from Python.
+    #[cold]
+    #[inline(never)]
+    pub fn rewake_after_undo(self: &Arc<Self>) {
+        self.rewake(self.clock.now_ns());
+    }
+
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
     /// no driver thread can run (the wake-up stays pending for the next one that starts).
     pub(super) fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {
         if self.clock.is_manual() {
+            // No driver: kept only for a test to play the driver (`take_wake_asked`).
+            self.scheduled.fetch_min(t, Ordering::AcqRel);
             return Ok(());
         }
         let pid = crate::fork::pid();
