@@ -19,6 +19,7 @@ mod keyed_limiter;
 mod keywords;
 mod limiter;
 mod limiter_entry;
+mod limiter_ops;
 mod policy;
 mod policy_level;
 mod policy_permit;

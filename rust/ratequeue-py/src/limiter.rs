@@ -3,145 +3,32 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyTuple};
+use pyo3::types::{PyDict, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{AnyClock, Deny, Limiter, Rate, Reserved};
+use ratequeue_core::{AnyClock, Limiter};
 
 use crate::args::{opt_text, period_seconds, rate_index, seconds_ns};
-use crate::blocking::{try_or_unblocked, unblocked};
-use crate::clock::any_clock;
-use crate::errors::{needs_manual_clock, not_one_of, to_py, type_err};
+use crate::blocking::unblocked;
+use crate::errors::{needs_manual_clock, not_one_of, to_py};
 use crate::histogram::HistogramPy;
 use crate::rate::{burst_arg, new_rate, RatePy};
-use crate::reservation::{ReservationHeld, ReservationPy};
-use crate::waiting::{new_gate, queue_stats, submit, wait_histogram, ChannelPy, Gate, GatePy, PermitPy};
+use crate::reservation::ReservationPy;
+use crate::waiting::{queue_stats, submit, wait_histogram, ChannelPy, Gate, GatePy, PermitPy};
 
 /// Costs per unit, as parsed from a call.
-type Costs = [u64; MAX_RATES];
+pub(crate) type Costs = [u64; MAX_RATES];
 
 /// A rate limiter over one or more rates; lock-free decisions, all-or-nothing.
 #[pyclass(frozen, name = "Limiter", module = "ratequeue")]
 pub struct LimiterPy {
-    core: Arc<Limiter>,
-    gate: Arc<Gate>,
+    pub(crate) core: Arc<Limiter>,
+    pub(crate) gate: Arc<Gate>,
     /// Cost of a unit not named in a call (None: it must be named).
-    defaults: [Option<u64>; MAX_RATES],
-    max_wait_ns: Option<u64>,
-    clock: Py<PyAny>,
+    pub(crate) defaults: [Option<u64>; MAX_RATES],
+    pub(crate) max_wait_ns: Option<u64>,
+    pub(crate) clock: Py<PyAny>,
     #[pyo3(get)]
-    name: Option<String>,
-}
-
-impl LimiterPy {
-    /// True when someone waits in this limiter's queue (nobody overtakes them).
-    pub fn has_waiters(&self) -> bool {
-        self.gate.queue.waiting() != 0
-    }
-
-    /// Nanoseconds until `costs` (per unit) would be granted behind everyone queued now
-    /// (GIL released while the queue is read); None when nobody waits.
-    pub fn backlog_delay_ns(&self, py: Python<'_>, costs: &[u64]) -> Option<u64> {
-        if self.gate.queue.waiting() == 0 {
-            return None;
-        }
-        let q = self.gate.queue.clone();
-        py.detach(move || q.predict_delay(costs)).ok().flatten().map(|(_, d)| d)
-    }
-
-    /// The core limiter (for policies).
-    pub fn core(&self) -> &Arc<Limiter> {
-        &self.core
-    }
-
-    /// Its queue (policies wake it when they give capacity back).
-    pub fn gate(&self) -> &Arc<Gate> {
-        &self.gate
-    }
-
-    /// Changes rate `i`, then lets the queue re-read its schedule (waiters may be due
-    /// earlier or later now).
-    fn set_rate_now(&self, py: Python<'_>, i: usize, rate: Rate) -> PyResult<()> {
-        let (core, q) = (&self.core, &self.gate.queue);
-        py.detach(|| {
-            core.set_rate(i, rate)?;
-            q.poll_now();
-            Ok(())
-        })
-        .map_err(|e| to_py(py, e))
-    }
-
-    fn costs(&self, n: Option<&Bound<'_, PyAny>>, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Costs> {
-        let mut out = [0u64; MAX_RATES];
-        crate::keywords::unit_costs(self.core.units(), &self.defaults, n, kw, &mut out)?;
-        Ok(out)
-    }
-
-    /// The costs of a call whose keywords come as (name, value) pairs (the fast entry's
-    /// `kwnames`): as [`Self::costs`] reads them.
-    pub(crate) fn costs_named<'py>(
-        &self,
-        n: Option<&Bound<'py, PyAny>>,
-        named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
-    ) -> PyResult<Costs> {
-        let mut out = [0u64; MAX_RATES];
-        crate::keywords::unit_costs_named(self.core.units(), &self.defaults, n, named, &mut out)?;
-        Ok(out)
-    }
-
-    /// try_acquire's decision on `c` (costs per unit), counted: false while anyone
-    /// waits (nobody overtakes a waiter).
-    #[inline]
-    pub(crate) fn decide_now(&self, c: &[u64]) -> Result<bool, Deny> {
-        let queue = &self.gate.queue;
-        if queue.waiting() != 0 {
-            queue.note_try(false);
-            return Ok(false);
-        }
-        let core = &self.core;
-        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined),
-        // refused with Wait(0), and is owed a wake-up (it may be scheduled behind it).
-        let decided = try_or_unblocked(
-            || core.try_acquire_idle_nowait(c, || queue.joined()),
-            || core.try_acquire_idle(c, || queue.joined()),
-        );
-        if decided == Err(Deny::Wait(0)) {
-            unblocked(|| queue.rewake_after_undo());
-        }
-        match decided {
-            Ok(()) => queue.note_try(true),
-            Err(Deny::Wait(_)) => queue.note_try(false),
-            Err(_) => {}
-        }
-        decided.map(|()| true)
-    }
-
-    /// With one unit, the cost of a call without keywords whose only argument is absent
-    /// or a plain int below 2**64 - 1; else None (the one validation path decides,
-    /// including the saturating 2**64 - 1).
-    #[inline]
-    pub(crate) fn one_cost(&self, n: Option<&Bound<'_, PyAny>>) -> Option<u64> {
-        match n {
-            _ if self.core.units().len() != 1 => None,
-            None => self.defaults[0],
-            Some(n) if n.is_exact_instance_of::<PyInt>() => n.extract::<u64>().ok().filter(|v| *v != u64::MAX),
-            _ => None,
-        }
-    }
-
-    /// try_acquire's answer to a decision.
-    #[inline]
-    pub(crate) fn answer(&self, py: Python<'_>, decided: Result<bool, Deny>) -> PyResult<bool> {
-        match decided {
-            Ok(true) => Ok(true),
-            Ok(false) | Err(Deny::Wait(_)) => Ok(false),
-            Err(d) => Err(self.deny(py, d)),
-        }
-    }
-
-    #[inline]
-    fn deny(&self, py: Python<'_>, d: Deny) -> PyErr {
-        to_py(py, self.core.error_for(d, "not admitted"))
-    }
+    pub(crate) name: Option<String>,
 }
 
 #[pymethods]
@@ -158,45 +45,7 @@ impl LimiterPy {
         classes: Option<&Bound<'_, PyAny>>,
         name: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let name = opt_text("name", name)?;
-        let mut list = Vec::with_capacity(rates.len());
-        for r in rates.iter() {
-            let r = r.cast::<RatePy>().map_err(|_| type_err("rates", "Rate objects", &r))?;
-            list.push((r.get().unit.clone(), r.get().rate));
-        }
-        let any = any_clock(clock)?;
-        let core = Arc::new(Limiter::new(list, any.clone()).map_err(|e| to_py(py, e))?);
-        unblocked(|| ratequeue_core::fork::register_arc(&core));
-        let max_wait_ns = max_wait.map(|m| seconds_ns("max_wait", m)).transpose()?;
-        let gate = new_gate(
-            py,
-            core.clone(),
-            core.units().len(),
-            any,
-            classes,
-            max_queue,
-            max_wait_ns,
-            core.units().to_vec(),
-        )?;
-        let mut defaults = [None; MAX_RATES];
-        let single = core.units().len() == 1;
-        for (i, u) in core.units().iter().enumerate() {
-            if single || u == "requests" {
-                defaults[i] = Some(1);
-            }
-        }
-        let clock_obj = match clock {
-            Some(c) => c.clone().unbind(),
-            None => Bound::new(py, crate::clock::MonotonicClockPy)?.into_any().unbind(),
-        };
-        Ok(LimiterPy {
-            core,
-            gate,
-            defaults,
-            max_wait_ns,
-            clock: clock_obj,
-            name,
-        })
+        LimiterPy::build(py, rates, clock, max_wait, max_queue, classes, name)
     }
 
     /// Admits now or returns False; never waits, never queues, takes no lock.
@@ -251,38 +100,7 @@ impl LimiterPy {
         max_wait: Option<&Bound<'_, PyAny>>,
         costs: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<ReservationPy> {
-        let py = slf.py();
-        let me = slf.get();
-        let c = me.costs(n, costs)?;
-        let mw = match max_wait {
-            Some(m) => Some(seconds_ns("max_wait", m)?),
-            None => me.max_wait_ns,
-        };
-        let core = me.core.clone();
-        let now_path = move |_| core.reserve(&c, mw);
-        // A multi-rate reservation takes the limiter's lock: without the GIL.
-        // A reservation that raced a waiter joining is cancelled, then queued behind it.
-        let undo = |r: ratequeue_core::Reservation| {
-            me.core.cancel(&r);
-        };
-        let idle = if me.core.rate_count() == 1 {
-            me.gate.queue.reserve_if_idle(now_path.clone(), undo)
-        } else {
-            let (q, now_path) = (&me.gate.queue, now_path.clone());
-            py.detach(|| q.reserve_if_idle(now_path, undo))
-        };
-        let inner = match idle {
-            Some(r) => ReservationHeld::Now(r.map_err(|e| to_py(py, e))?),
-            None => {
-                let (q, units) = (me.gate.queue.clone(), me.core.units().len());
-                match py.detach(move || q.reserve(&c[..units], 0, mw, now_path)) {
-                    Ok(Reserved::Now(r)) => ReservationHeld::Now(r),
-                    Ok(Reserved::Queued(r)) => ReservationHeld::Queued(r, c[..units].to_vec()),
-                    Err(e) => return Err(to_py(py, e)),
-                }
-            }
-        };
-        Ok(ReservationPy::new(slf.clone().unbind(), inner))
+        LimiterPy::reserve_in_order(slf, n, max_wait, costs)
     }
 
     /// Units of `unit` that could be admitted now (negative while in debt).
