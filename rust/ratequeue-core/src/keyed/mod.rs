@@ -55,6 +55,18 @@ fn try_lock<T>(m: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
     }
 }
 
+/// Who waits on which key of a keyed map ([`crate::KeyQueues`]): what its fast paths
+/// must not overtake.
+pub trait KeyWaiters {
+    /// True when no key has a queue (nobody waits, and no decision that may queue
+    /// someone is under way, on any key).
+    fn none(&self) -> bool;
+    /// True when someone waits on `key`.
+    fn has_waiters(&self, key: u64) -> bool;
+    /// The re-check after a fast take on `key` (see [`crate::KeyQueues::joined`]).
+    fn joined(&self, key: u64) -> bool;
+}
+
 /// Eviction counters of a keyed map.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct KeyedCounts {
@@ -487,6 +499,21 @@ impl KeyedLimiter {
     /// Decides `keys[i]` with `costs[i]` (or 1) in order, as the loop of single calls
     /// would, reading the clock once; writes the decisions to `out`.
     pub fn try_acquire_many(&self, keys: &[u64], costs: Option<&[u64]>, out: &mut [bool]) -> Result<(), Deny> {
+        self.many_in(keys, costs, out, None)
+    }
+
+    /// The batch of [`KeyedLimiter::try_acquire_many`]; with `waiters`, each shard's
+    /// group is decided only while no key has a queue, asked under the shard's lock
+    /// before its takes (a joiner reads its key under that lock after announcing itself,
+    /// so either it sees the group's takes or the group sees its queue); from the first
+    /// group that sees a queue on, key by key as [`KeyedLimiter::try_acquire_many_idle`].
+    fn many_in(
+        &self,
+        keys: &[u64],
+        costs: Option<&[u64]>,
+        out: &mut [bool],
+        waiters: Option<&dyn KeyWaiters>,
+    ) -> Result<(), Deny> {
         let now = self.clock.now_ns();
         let cost_of = |i: usize| costs.map_or(1, |c| c[i]);
         if let Some(i) = (0..keys.len()).find(|i| cost_of(*i) > self.params.burst) {
@@ -512,6 +539,7 @@ impl KeyedLimiter {
         };
         let mut start = vec![0usize; n + 1];
         let mut order = vec![0u32; CHUNK.min(keys.len())];
+        let mut one_by_one = false;
         for base in (0..keys.len()).step_by(CHUNK) {
             let chunk = &keys[base..(base + CHUNK).min(keys.len())];
             start.iter_mut().for_each(|x| *x = 0);
@@ -533,6 +561,15 @@ impl KeyedLimiter {
                     continue;
                 }
                 let mut t = lock(&self.shards[sh].0);
+                if let Some(w) = waiters.filter(|w| one_by_one || !w.none()) {
+                    drop(t);
+                    one_by_one = true;
+                    for &i in group {
+                        let i = base + i as usize;
+                        out[i] = self.decide_idle(keys[i], cost_of(i), w)?;
+                    }
+                    continue;
+                }
                 let p = self.params_at(&mut t, now);
                 let now_ticks = p.ticks(now);
                 // The group's first slots all at once (their misses overlap), then each
@@ -564,6 +601,38 @@ impl KeyedLimiter {
             }
         }
         Ok(())
+    }
+
+    /// [`KeyedLimiter::try_acquire_many`] for keys that may have waiters in `waiters`:
+    /// a key where someone waits, or joins before its take, is refused (nobody
+    /// overtakes a waiter, and no time scheduled for one moves). While no key has a
+    /// queue, the batch; else key by key, each re-checked after its take.
+    pub fn try_acquire_many_idle(
+        &self,
+        keys: &[u64],
+        costs: Option<&[u64]>,
+        out: &mut [bool],
+        waiters: &dyn KeyWaiters,
+    ) -> Result<(), Deny> {
+        if !waiters.none() {
+            for (i, k) in keys.iter().enumerate() {
+                out[i] = self.decide_idle(*k, costs.map_or(1, |c| c[i]), waiters)?;
+            }
+            return Ok(());
+        }
+        self.many_in(keys, costs, out, Some(waiters))
+    }
+
+    /// One key of [`KeyedLimiter::try_acquire_many_idle`] decided on its own.
+    fn decide_idle(&self, key: u64, cost: u64, waiters: &dyn KeyWaiters) -> Result<bool, Deny> {
+        if waiters.has_waiters(key) {
+            return Ok(false);
+        }
+        match self.try_acquire_idle(key, cost, &|| waiters.joined(key)) {
+            Ok(()) => Ok(true),
+            Err(Deny::Wait(_)) => Ok(false),
+            Err(d) => Err(d),
+        }
     }
 
     /// Nanoseconds from `at_ns` until `cost` would conform on `key`; changes nothing.

@@ -409,6 +409,19 @@ impl KeyQueues {
     }
 }
 
+impl crate::keyed::KeyWaiters for KeyQueues {
+    #[inline]
+    fn none(&self) -> bool {
+        self.is_empty()
+    }
+    fn has_waiters(&self, key: u64) -> bool {
+        KeyQueues::has_waiters(self, key)
+    }
+    fn joined(&self, key: u64) -> bool {
+        KeyQueues::joined(self, key)
+    }
+}
+
 /// A keyed level's queues, as a policy joins them: a key's queue is kept in the map
 /// while the policy holds it; a key the map has no room for has none, so the level
 /// refuses a wait there.

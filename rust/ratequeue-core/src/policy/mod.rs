@@ -14,10 +14,12 @@ use crate::limiter::{Limiter, Reservation};
 use crate::wait::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Resource, WaitQueue};
 
 mod acquire;
+mod awaited;
 #[cfg(test)]
 mod tests;
 
 pub use acquire::{PolicyAcquire, Step};
+pub use awaited::Finished;
 
 /// What one level limits.
 #[derive(Clone)]
@@ -555,32 +557,41 @@ impl Policy {
     /// takes (the one undo rule) and refuses with `Deny::Wait(0)`, moving no promise.
     pub fn try_acquire(&self, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
         self.check_costs(args, now_ns)?;
-        let mut r = self.take_all(args, now_ns, now_ns, true, false);
-        if let Ok(held) = &mut r {
-            let joined =
-                (0..self.levels.len()).find(|i| self.queue_of(*i, args[*i].key).is_some_and(|q| q.queue.joined()));
-            if let Some(level) = joined {
-                self.undo_all(held, args, now_ns);
-                return Err(Refusal {
-                    level,
-                    deny: Deny::Wait(0),
-                });
-            }
-        }
-        if r.is_ok() {
-            self.admitted.fetch_add(1, Ordering::Relaxed);
-        }
-        r
+        let held = self.take_all(args, now_ns, now_ns, true, false)?;
+        let held = self.kept_unless_joined(held, args, now_ns)?;
+        self.admitted.fetch_add(1, Ordering::Relaxed);
+        Ok(held)
     }
 
     /// Admits now on every level or on none, like [`Policy::try_acquire`] but without
     /// counting a refusal (an acquire's fast path: it waits instead). The caller checks
-    /// first that nobody waits on any level.
+    /// first that nobody waits on any level; a waiter or reservation that joined a
+    /// level's queue since undoes the takes, and the acquire queues behind it.
     pub fn try_now(&self, args: &[LevelArgs], now_ns: u64) -> Option<Vec<Held>> {
         self.check_costs(args, now_ns).ok()?;
         let held = self.take_all(args, now_ns, now_ns, false, false).ok()?;
+        let held = self.kept_unless_joined(held, args, now_ns).ok()?;
         self.admitted.fetch_add(1, Ordering::Relaxed);
         Some(held)
+    }
+
+    /// A fast path's re-check after its takes: when someone joined a level's queue
+    /// since the caller's check (see [`crate::WaitQueue::joined`]: either the joiner's
+    /// reads saw the takes, or this sees the joiner), every take is undone by the one
+    /// undo rule, which wakes the level's queue when capacity came back, and refused
+    /// with `Deny::Wait(0)`.
+    fn kept_unless_joined(&self, mut held: Vec<Held>, args: &[LevelArgs], now_ns: u64) -> Result<Vec<Held>, Refusal> {
+        let joined = (0..self.levels.len()).find(|i| self.queue_of(*i, args[*i].key).is_some_and(|q| q.queue.joined()));
+        match joined {
+            Some(level) => {
+                self.undo_all(&mut held, args, now_ns);
+                Err(Refusal {
+                    level,
+                    deny: Deny::Wait(0),
+                })
+            }
+            None => Ok(held),
+        }
     }
 
     /// A cost above any level's burst (or limit) can never be admitted: refused as

@@ -17,6 +17,8 @@ impl WaitQueue {
             }
             let before = (clock.now_ns(), self.progress());
             let now = clock.set(t.max(before.0))?;
+            // The wake-up the driver would have served (see `take_wake_asked`).
+            self.scheduled.store(u64::MAX, Ordering::Release);
             self.poll(now);
             n += 1;
             stalled.check(before != (now, self.progress()), until_ns, now)?;
@@ -51,10 +53,41 @@ impl WaitQueue {
         let _ = self.schedule(now);
     }
 
+    /// Test hook, on a manual clock: the earliest wake-up asked of the driver since the
+    /// last call (or `run_until` poll), taken as the driver takes it; a test that polls
+    /// only at these times sees the queue as the real-time driver would serve it.
+    #[doc(hidden)]
+    pub fn take_wake_asked(&self) -> Option<u64> {
+        Some(self.scheduled.swap(u64::MAX, Ordering::AcqRel)).filter(|t| *t != u64::MAX)
+    }
+
+    /// A fast path's take guarded by this queue: `take(joined)` is a take that checked
+    /// nobody waits and asks `joined` once after it (see [`WaitQueue::joined`]), undoing
+    /// itself when true. Returns what `take` returned, and after a take undone that way
+    /// the wake-up owed to the joiner ([`Rewake::send`]): it read the take and was
+    /// scheduled behind it, and without a wake-up now would be granted at that time.
+    #[inline]
+    pub fn fast_take<T>(self: &Arc<Self>, take: impl FnOnce(&dyn Fn() -> bool) -> T) -> (T, Option<Rewake>) {
+        let raced = std::cell::Cell::new(false);
+        let joined = || {
+            let j = self.joined();
+            raced.set(j);
+            j
+        };
+        let out = take(&joined);
+        let owed = raced.get().then(|| Rewake {
+            queue: self.clone(),
+            now: self.clock.now_ns(),
+        });
+        (out, owed)
+    }
+
     /// Asks the driver for a wake-up at `t` unless one is already due by then; Err when
     /// no driver thread can run (the wake-up stays pending for the next one that starts).
     pub(super) fn schedule(self: &Arc<Self>, t: u64) -> Result<(), Error> {
         if self.clock.is_manual() {
+            // No driver: kept only for a test to play the driver (`take_wake_asked`).
+            self.scheduled.fetch_min(t, Ordering::AcqRel);
             return Ok(());
         }
         let pid = crate::fork::pid();
@@ -118,5 +151,20 @@ impl Stalled {
                 now_ns as f64 / 1e9
             ),
         ))
+    }
+}
+
+/// The wake-up a fast take owes the queue it raced (see [`WaitQueue::fast_take`]).
+#[must_use = "send() asks the driver to look at the queue again"]
+pub struct Rewake {
+    queue: Arc<WaitQueue>,
+    now: u64,
+}
+
+impl Rewake {
+    /// Asks the driver to look at the queue now (may wait for the driver's lock: run it
+    /// detached from Python).
+    pub fn send(self) {
+        self.queue.rewake(self.now);
     }
 }

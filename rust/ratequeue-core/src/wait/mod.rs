@@ -8,6 +8,7 @@
 //! wake-up never costs throughput) and expires deadlines; `cancel` removes a waiter or,
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
+pub mod awaiting;
 pub mod channel;
 mod config;
 mod drive;
@@ -39,7 +40,7 @@ use crate::histogram::Histogram;
 pub use channel::Channel;
 
 pub use config::{QueueConfig, QueueCounts};
-pub use drive::Stalled;
+pub use drive::{Rewake, Stalled};
 pub use gate::{Gate, Host, Stopped};
 pub use outcome::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Submitted, Wake};
 pub use permit::{Detach, Inline, Permit, PermitOwner};
