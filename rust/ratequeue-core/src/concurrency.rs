@@ -6,7 +6,10 @@ use crate::error::Error;
 use crate::sync::{AtomicU64, Ordering};
 use crate::wait::Resource;
 
-/// At most `limit` permits held at once; lock-free take and release.
+/// At most `limit` permits held at once; lock-free take and release. A fast path over
+/// its queue is ordered at its "nobody waits" check and not re-checked after its take
+/// (no time is promised here to move): it never passes a waiter queued before the check,
+/// and may pass one that joined after it, once (tests/fastpath_residue.rs).
 #[derive(Debug)]
 pub struct Semaphore {
     limit: AtomicU64,

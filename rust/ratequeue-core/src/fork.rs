@@ -139,6 +139,13 @@ pub fn register_arc<T: ForkLocks + 'static>(obj: &Arc<T>) {
     register(w);
 }
 
+/// Test hook: the object at `ptr` leaves the fork protocol (its locks are no longer
+/// taken for a fork, its child handler no longer runs).
+#[doc(hidden)]
+pub fn unregister(ptr: *const ()) {
+    lock(&REGISTRY).live.retain(|w| w.as_ptr() as *const () != ptr);
+}
+
 /// Objects registered now (tests).
 #[doc(hidden)]
 pub fn registered() -> usize {

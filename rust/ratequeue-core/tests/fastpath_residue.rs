@@ -15,11 +15,14 @@ use ratequeue_core::keyed_queue::MakeResource;
 use ratequeue_core::policy::{LevelQueues, QueueRef};
 use ratequeue_core::wait::Slot;
 use ratequeue_core::{
-    AnyClock, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Outcome, Policy,
-    QueueConfig, QueuedReservation, Rate, Reserved, Resource, Semaphore, Submitted, WaitQueue, Wake,
+    AnyClock, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Outcome, Policy, QueueConfig,
+    QueuedReservation, Rate, Reserved, Resource, Semaphore, Submitted, WaitQueue, Wake,
 };
 
 type Hook = Box<dyn FnOnce() + Send>;
+
+/// A waiter on a key: the queue's handle (keeping it in the map) and its slot.
+type KeyJoiner = (Arc<ratequeue_core::KeyQueue>, Arc<Slot>);
 
 fn granted_at(o: Option<Outcome>) -> u64 {
     match o {
@@ -80,7 +83,7 @@ impl KeyWaiters for HookedWaiters {
 #[test]
 fn keyed_batch_racing_a_joiner_keeps_its_schedule() {
     let (clock, keyed, kq) = keyed_setup();
-    let joined: Arc<Mutex<Option<(Arc<ratequeue_core::KeyQueue>, Arc<Slot>)>>> = Arc::default();
+    let joined: Arc<Mutex<Option<KeyJoiner>>> = Arc::default();
     let (kq2, j2) = (kq.clone(), joined.clone());
     let waiters = HookedWaiters {
         inner: kq.clone(),
@@ -104,7 +107,11 @@ fn keyed_batch_racing_a_joiner_keeps_its_schedule() {
     let mut grants = vec![(0, 1.0), (w_at, 2.0)];
     grants.extend(out.iter().zip(keys).filter(|(ok, k)| **ok && *k == 7).map(|_| (0, 1.0)));
     check_windows(grants, 1.0, 2);
-    assert_eq!(out, [false, true, false, true], "key 7 refused behind its waiter, key 8 decided");
+    assert_eq!(
+        out,
+        [false, true, false, true],
+        "key 7 refused behind its waiter, key 8 decided"
+    );
     assert_eq!(w_at, S, "the batch's take moved the waiter that joined before it");
 }
 
@@ -121,7 +128,9 @@ fn keyed_batch_with_waiters_refuses_only_their_keys() {
         .unwrap();
     assert!(matches!(s, Submitted::Queued(_)));
     let mut out = [false; 4];
-    keyed.try_acquire_many_idle(&[7, 9, 9, 9], None, &mut out, &*kq).unwrap();
+    keyed
+        .try_acquire_many_idle(&[7, 9, 9, 9], None, &mut out, &*kq)
+        .unwrap();
     assert_eq!(out, [false, true, true, false]);
 }
 
@@ -181,8 +190,14 @@ fn policy_acquire_fast_path_racing_a_joiner_keeps_the_promise() {
         grants.push((0, 1.0));
     }
     check_windows(grants, 1.0, 2);
-    assert_eq!(r_at, reservation.at_ns, "the acquire's take moved the reservation's promise");
-    assert!(fast.is_none(), "the acquire overtook the waiter that joined in its window");
+    assert_eq!(
+        r_at, reservation.at_ns,
+        "the acquire's take moved the reservation's promise"
+    );
+    assert!(
+        fast.is_none(),
+        "the acquire overtook the waiter that joined in its window"
+    );
 }
 
 /// A semaphore's fast path promises no time, and is ordered at its check ("nobody
@@ -214,7 +229,10 @@ fn semaphore_fast_path_is_ordered_at_its_check() {
     let s = q.submit(&[1], 0, None, || Wake::Thread(second.clone())).unwrap();
     assert!(matches!(s, Submitted::Queued(_)));
     sem.give_back(&[1], None);
-    assert!(check_passed && Resource::try_take(&*sem, 0, &[1]).is_ok(), "the overlapping call is served");
+    assert!(
+        check_passed && Resource::try_take(&*sem, 0, &[1]).is_ok(),
+        "the overlapping call is served"
+    );
     assert_eq!(sem.in_use(), 1, "never above the limit");
     q.poll_now();
     assert!(second.take().is_none(), "no permit free: the waiter keeps its place");
@@ -228,7 +246,9 @@ fn semaphore_fast_path_is_ordered_at_its_check() {
 /// asked for; returns the clock time at which `slot` was granted, and its grant time.
 fn drive_until_granted(q: &Arc<WaitQueue>, clock: &ManualClock, slot: &Slot, until: u64) -> (u64, u64) {
     loop {
-        let t = q.take_wake_asked().expect("a waiter is queued, yet the driver was not asked");
+        let t = q
+            .take_wake_asked()
+            .expect("a waiter is queued, yet the driver was not asked");
         assert!(t <= until, "the driver was asked for {t} only");
         let now = clock.set(t.max(clock.now_ns())).unwrap();
         q.poll(now);
@@ -254,11 +274,18 @@ fn an_undone_fast_take_wakes_the_driver_for_the_joiner() {
             joined()
         })
     });
-    assert_eq!(decided, Some(Err(Deny::Wait(0))), "refused: a waiter joined before the re-check");
+    assert_eq!(
+        decided,
+        Some(Err(Deny::Wait(0))),
+        "refused: a waiter joined before the re-check"
+    );
     if let Some(r) = rewake {
         r.send();
     }
     let (woken, at) = drive_until_granted(&q, &clock, &slot, 10 * S);
     assert_eq!(at, S, "granted at its time");
-    assert_eq!(woken, S, "the driver slept past the joiner's time after the undone take");
+    assert_eq!(
+        woken, S,
+        "the driver slept past the joiner's time after the undone take"
+    );
 }

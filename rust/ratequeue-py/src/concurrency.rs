@@ -68,7 +68,8 @@ impl ConcurrencyPy {
         Ok(ConcurrencyPy { sem, gate, name })
     }
 
-    /// Takes `n` permits now or returns None; never waits.
+    /// Takes `n` permits now or returns None; never waits, never passes a waiter queued
+    /// before the call (one joining during it may be passed: the call came first).
     #[pyo3(signature = (n = None))]
     fn try_acquire(&self, py: Python<'_>, n: Option<&Bound<'_, PyAny>>) -> PyResult<Option<PermitPy>> {
         use ratequeue_core::Resource;

@@ -31,6 +31,15 @@ pub fn _hold_locks_for_test(py: Python<'_>, obj: &Bound<'_, PyAny>, seconds: &Bo
     Ok(())
 }
 
+/// Test hook: a Limiter's queue leaves the fork handlers (as a queue made behind their
+/// back would be), so a forked child inherits its waiters and its lock as they were.
+#[pyfunction]
+pub fn _skip_fork_handlers_for_test(obj: &Bound<'_, PyAny>) -> PyResult<()> {
+    let l = obj.cast::<LimiterPy>().map_err(|_| wrong_type("a Limiter"))?;
+    l.get().gate().queue.skip_fork_handlers();
+    Ok(())
+}
+
 /// Test hook: the driver's next `n` spawns fail ("fail_spawn"), wakes panic
 /// ("panic_wake") or thread runs end ("exit").
 #[pyfunction]

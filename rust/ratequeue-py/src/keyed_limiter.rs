@@ -186,24 +186,8 @@ impl KeyedLimiterPy {
         let mut out = vec![false; hashed.len()];
         let queues = &self.keyed.queues;
         let core = self.core.clone();
-        let r = if queues.is_empty() {
-            py.detach(|| core.try_acquire_many(&hashed, costs.as_deref(), &mut out))
-        } else {
-            // Some keys have waiters: those are refused (no barging), one by one.
-            py.detach(|| {
-                for (i, k) in hashed.iter().enumerate() {
-                    if queues.has_waiters(*k) {
-                        continue;
-                    }
-                    match core.try_acquire_idle(*k, costs.as_ref().map_or(1, |c| c[i]), &|| queues.joined(*k)) {
-                        Ok(()) => out[i] = true,
-                        Err(Deny::Wait(_)) => {}
-                        Err(d) => return Err(d),
-                    }
-                }
-                Ok(())
-            })
-        };
+        // A key with waiters is refused (no barging), one joining meanwhile too.
+        let r = py.detach(|| core.try_acquire_many_idle(&hashed, costs.as_deref(), &mut out, &**queues));
         if let Err(Deny::TooLarge { cost, burst, .. }) = r {
             return Err(to_py(
                 py,

@@ -34,6 +34,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     ratequeue_core::fork::install();
     m.add_function(wrap_pyfunction!(errors::_use_errors, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_hold_locks_for_test, m)?)?;
+    m.add_function(wrap_pyfunction!(fork::_skip_fork_handlers_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     aio::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;

@@ -86,11 +86,17 @@ impl LimiterPy {
             return Ok(false);
         }
         let core = &self.core;
-        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined).
-        let decided = try_or_unblocked(
-            || core.try_acquire_idle_nowait(c, || queue.joined()),
-            || core.try_acquire_idle(c, || queue.joined()),
-        );
+        // Re-checked after the take: a waiter joining meanwhile undoes it (see joined),
+        // and is owed a wake-up (it may have been scheduled behind the take).
+        let (decided, rewake) = queue.fast_take(|joined| {
+            try_or_unblocked(
+                || core.try_acquire_idle_nowait(c, joined),
+                || core.try_acquire_idle(c, joined),
+            )
+        });
+        if let Some(r) = rewake {
+            unblocked(|| r.send());
+        }
         match decided {
             Ok(()) => queue.note_try(true),
             Err(Deny::Wait(_)) => queue.note_try(false),

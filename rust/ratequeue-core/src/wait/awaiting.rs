@@ -4,22 +4,24 @@
 //!
 //! An [`Awaiting`] steps through Idle → Starting → Queued → Done. Queued, its ticket is
 //! in two tables of the loop ([`Waits`]): the channel's [`Pending`] entries (what must be
-//! settled once the loop is gone; no object of the loop) and the loop's futures. An
-//! outcome is stored by [`Waits::resolve`] and taken by the task when it resumes;
-//! whoever takes the ticket out of the channel's table settles it: the resolve (a grant
-//! whose waiter left goes back), the waiter leaving ([`Awaiting::end`]), or the
-//! channel's close ([`Pending::close`]). Exactly once in every case.
+//! settled once the loop is gone; no object of the loop) and the loop's futures.
+//! [`Waits::resolve`] finishes each outcome (the grant made, kept for the task) and
+//! wakes its task, which takes the grant when it resumes. Whoever takes the ticket out
+//! of the channel's table settles it: the resolve (a grant whose waiter left goes back),
+//! the waiter leaving ([`Awaiting::end`]: a grant finished but not taken is undone), or
+//! the channel's close ([`Native::close`]). Exactly once in every case.
 //!
-//! What the host supplies: its event loop ([`Loop`]: the running loop's table, its
-//! futures and how to wake one) and how a wait runs outside its own lock ([`Unlock`]).
-//! What is acquired is an [`Acquire`]: one level ([`LevelAcquire`]) or a policy's
-//! levels all-or-nothing (`policy::PolicyAcquire`).
+//! What the host supplies: its event loop ([`Loop`]: the running loop's tables and its
+//! futures; [`Wakeup`]: how a task is woken) and how a wait runs outside its own lock
+//! ([`Unlock`]). What is acquired is an [`Acquire`], whose grant is what the host's task
+//! gets: one level ([`LevelAcquire`]) or a policy's levels all-or-nothing
+//! (`policy::PolicyAcquire`); a host wraps either to make its grants its own objects.
 
 use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
-use super::permit::{Detach, Permit, PermitOwner};
+use super::permit::{Costs, Detach, Permit, PermitOwner};
 use super::*;
 
 /// A [`Detach`] behind `dyn`: runs `f`, which may wait for a lock, outside the host's.
@@ -98,34 +100,6 @@ impl<A: Acquire> Acquire for Arc<A> {
 
     fn undo(&self, d: &dyn Unlock, grant: Option<A::Grant>) {
         (**self).undo(d, grant);
-    }
-}
-
-/// The costs of an acquire: up to two units inline (no allocation), more on the heap.
-enum Costs {
-    Inline([u64; 2], usize),
-    Heap(Box<[u64]>),
-}
-
-impl Costs {
-    fn new(c: &[u64]) -> Costs {
-        match *c {
-            [] => Costs::Inline([0; 2], 0),
-            [a] => Costs::Inline([a, 0], 1),
-            [a, b] => Costs::Inline([a, b], 2),
-            _ => Costs::Heap(c.into()),
-        }
-    }
-}
-
-impl std::ops::Deref for Costs {
-    type Target = [u64];
-
-    fn deref(&self) -> &[u64] {
-        match self {
-            Costs::Inline(a, n) => &a[..*n],
-            Costs::Heap(v) => v,
-        }
     }
 }
 

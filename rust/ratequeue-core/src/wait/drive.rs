@@ -67,15 +67,17 @@ impl WaitQueue {
     /// the wake-up owed to the joiner ([`Rewake::send`]): it read the take and was
     /// scheduled behind it, and without a wake-up now would be granted at that time.
     #[inline]
-    pub fn fast_take<T>(self: &Arc<Self>, take: impl FnOnce(&dyn Fn() -> bool) -> T) -> (T, Option<Rewake>) {
-        let raced = std::cell::Cell::new(false);
+    pub fn fast_take<T>(self: &Arc<Self>, take: impl FnOnce(&(dyn Fn() -> bool + Sync)) -> T) -> (T, Option<Rewake>) {
+        let raced = AtomicBool::new(false);
         let joined = || {
             let j = self.joined();
-            raced.set(j);
+            if j {
+                raced.store(true, Ordering::Relaxed);
+            }
             j
         };
         let out = take(&joined);
-        let owed = raced.get().then(|| Rewake {
+        let owed = raced.load(Ordering::Relaxed).then(|| Rewake {
             queue: self.clone(),
             now: self.clock.now_ns(),
         });

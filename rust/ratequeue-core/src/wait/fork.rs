@@ -39,6 +39,29 @@ impl WaitQueue {
         g.len == 0
     }
 
+    /// [`WaitQueue::drop_inherited`] without waiting for the queue's lock (its callers
+    /// may hold the GIL): None, nothing dropped, when the lock is busy.
+    #[cold]
+    pub(super) fn try_drop_inherited(&self) -> Option<bool> {
+        if self.generation.load(Ordering::Acquire) == crate::fork::generation() {
+            return Some(false);
+        }
+        let mut g = match self.inner.try_lock() {
+            Ok(g) => g,
+            Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner(),
+            Err(std::sync::TryLockError::WouldBlock) => return None,
+        };
+        self.forget_inherited(&mut g);
+        Some(g.len == 0)
+    }
+
+    /// Test hook: this queue leaves the fork handlers (as if it had been made behind
+    /// their back), so a child inherits its waiters and its lock as they were.
+    #[doc(hidden)]
+    pub fn skip_fork_handlers(self: &Arc<Self>) {
+        crate::fork::unregister(Arc::as_ptr(self) as *const ());
+    }
+
     /// Drops the waiters queued before the last fork (their threads and loops are not
     /// in this process), once. The overage charges queued then go too: the parent
     /// debits them, this child's buckets never held them. Each is kept as forgiven

@@ -73,11 +73,13 @@ impl WaitQueue {
         self.config.classes.iter().position(|(n, _)| n == name)
     }
 
-    /// Waiters now queued (all classes).
+    /// Waiters now queued (all classes). Never waits for a lock: in a forked child
+    /// whose inherited waiters could not be dropped yet (the queue's lock busy) it
+    /// counts them, so a fast path stays behind them until a decision under the lock.
     #[inline]
     pub fn waiting(&self) -> usize {
         let n = self.waiting.load(Ordering::Acquire);
-        if n != 0 && self.drop_inherited() {
+        if n != 0 && self.try_drop_inherited() == Some(true) {
             return 0;
         }
         n

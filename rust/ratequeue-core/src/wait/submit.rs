@@ -72,7 +72,7 @@ impl WaitQueue {
     /// [`WaitQueue::try_now`], with the grant's token (see [`Resource::try_take_token`]).
     #[inline]
     pub fn try_now_token(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
-        if self.waiting() != 0 && !self.drop_inherited() {
+        if self.waiting() != 0 {
             return Err(None);
         }
         let now = self.clock.now_ns();

@@ -58,6 +58,18 @@ fn _wait_granted(
     }
 }
 
+/// Leaves the queue by hand: a limiter's `acq` takes `ticket` out (False: decided
+/// already); a policy's gives back everything it holds, its wait under way included.
+#[pyfunction]
+fn _wait_cancel(py: Python<'_>, acq: &Bound<'_, PyAny>, ticket: u64) -> PyResult<bool> {
+    if let Ok(p) = acq.cast::<PolicyAcquiringPy>() {
+        let core = p.get().core().clone();
+        return Ok(py.detach(move || core.abandon()));
+    }
+    let a = acq.cast::<AcquiringPy>()?;
+    Ok(level(a)?.leave(&Unblocked, ticket))
+}
+
 /// Gives back, once, a grant of `acq` (by hand) that reached its channel after its
 /// waiter left.
 #[pyfunction]
@@ -111,5 +123,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_wait_submit, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_granted, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_give_back, m)?)?;
+    m.add_function(wrap_pyfunction!(_wait_cancel, m)?)?;
     Ok(())
 }

@@ -28,12 +28,15 @@ use crate::waiting::{Gate, GatePy, PermitOwner, PermitPy, Unblocked};
 mod bridge;
 mod channel;
 mod grants;
+mod ready;
 mod running;
 mod send;
 
 pub use bridge::register;
 pub use channel::{submit, ChannelPy, LoopWaitersPy};
 use grants::{PyLevel, PyPolicy};
+pub use ready::Ready;
+use ready::{done_false, thrown};
 use running::*;
 pub use send::install;
 use send::*;
@@ -42,95 +45,6 @@ use send::*;
 pub(crate) type PyWaits = Waits<Py<PyAny>, Py<PyAny>>;
 /// A channel's table of waits.
 pub(crate) type PyNative = Native<Py<PyAny>>;
-
-/// An awaitable that is already done; with a permit, also an async context manager
-/// that releases it on exit.
-#[pyclass(frozen, module = "ratequeue")]
-pub struct Ready {
-    value: Py<PyAny>,
-}
-
-impl Ready {
-    /// Already done with `value`.
-    pub fn new(value: Py<PyAny>) -> Ready {
-        Ready { value }
-    }
-}
-
-#[pymethods]
-impl Ready {
-    fn __await__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __iter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    fn __next__(&self, py: Python<'_>) -> PyResult<()> {
-        Err(stop(py, self.value.clone_ref(py)))
-    }
-
-    /// Coroutine protocol (so `asyncio.create_task` accepts it): done at once.
-    fn send(&self, py: Python<'_>, _value: &Bound<'_, PyAny>) -> PyResult<()> {
-        self.__next__(py)
-    }
-
-    /// Coroutine protocol: raises what is thrown in (nothing runs inside).
-    #[pyo3(signature = (typ, val = None, _tb = None))]
-    fn throw(
-        &self,
-        typ: &Bound<'_, PyAny>,
-        val: Option<&Bound<'_, PyAny>>,
-        _tb: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<Py<PyAny>> {
-        Err(thrown(typ, val))
-    }
-
-    /// Coroutine protocol: nothing to close.
-    fn close(&self) {}
-
-    fn __aenter__(slf: Py<Self>) -> Py<Self> {
-        slf
-    }
-
-    #[pyo3(signature = (*_exc))]
-    fn __aexit__(&self, py: Python<'_>, _exc: &Bound<'_, PyTuple>) -> PyResult<Py<Ready>> {
-        if let Ok(p) = self.value.bind(py).cast::<PermitPy>() {
-            p.get().release();
-        }
-        done_false(py)
-    }
-}
-
-/// The exception `throw(typ, val)` raises: `val` if given, else `typ` (an instance, or a
-/// class to instantiate).
-fn thrown(typ: &Bound<'_, PyAny>, val: Option<&Bound<'_, PyAny>>) -> PyErr {
-    let e = match val.filter(|v| !v.is_none()) {
-        Some(v) => v.clone(),
-        None if typ.is_instance_of::<pyo3::types::PyType>() => match typ.call0() {
-            Ok(e) => e,
-            Err(e) => return e,
-        },
-        None => typ.clone(),
-    };
-    PyErr::from_value(e)
-}
-
-/// The awaitable every `__aexit__` returns: done, False (exceptions propagate). Shared:
-/// awaiting it changes nothing.
-fn done_false(py: Python<'_>) -> PyResult<Py<Ready>> {
-    static DONE: PyOnceLock<Py<Ready>> = PyOnceLock::new();
-    DONE.get_or_try_init(py, || {
-        Py::new(
-            py,
-            Ready {
-                value: false.into_pyobject(py)?.to_owned().into_any().unbind(),
-            },
-        )
-    })
-    .map(|r| r.clone_ref(py))
-}
 
 /// The running event loop as the core's await lifecycle sees it: its tables of waits,
 /// and its futures.
