@@ -617,10 +617,14 @@ impl<A: Acquire, F: Send + 'static> Awaiting<A, F> {
                 }
             }
         };
-        if let Resumed::Granted(g) = resumed {
-            *st = State::Done;
-            return Ok(Next::Granted(g));
-        }
+        let later = match resumed {
+            Resumed::Granted(g) => {
+                *st = State::Done;
+                return Ok(Next::Granted(g));
+            }
+            Resumed::First => false,
+            Resumed::Next => true,
+        };
         *st = State::Starting;
         drop(st);
         let mut guard = Unwinding(&self.state, true);
@@ -628,6 +632,10 @@ impl<A: Acquire, F: Send + 'static> Awaiting<A, F> {
         guard.1 = false;
         if !matches!(r, Ok(Next::Wait(_))) {
             *lock(&self.state) = State::Done;
+            if later && r.is_err() {
+                // Ended by a later step: what the earlier waits were granted goes back.
+                self.shared.acquire.undo(d, None);
+            }
         }
         r
     }
