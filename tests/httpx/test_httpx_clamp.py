@@ -3,6 +3,7 @@ also when its body reports no usage; the record says which units were clamped.""
 
 from __future__ import annotations
 
+import asyncio
 import importlib
 from typing import Any
 
@@ -65,12 +66,14 @@ def test_reported_usage_above_the_burst_is_charged_as_reported(mod: Any) -> None
     assert llm.available("tokens") == -500.0
 
 
-async def test_async_estimate_above_the_burst_without_usage(mod: Any) -> None:
+def test_async_estimate_above_the_burst_without_usage(mod: Any) -> None:
     llm = limiter()
-    t = RateLimitedTransport(
-        mod.MockTransport(lambda r: mod.Response(200, content=b"{}")), llm
-    )
-    async with mod.AsyncClient(transport=t) as c:
-        r = await c.post(CHAT, json=BIG)
+    t = RateLimitedTransport(mod.MockTransport(lambda r: mod.Response(200, content=b"{}")), llm)
+
+    async def main() -> Any:
+        async with mod.AsyncClient(transport=t) as c:
+            return await c.post(CHAT, json=BIG)
+
+    r = asyncio.run(main())
     assert llm.available("tokens") == 0.0
     assert r.extensions["ratequeue"].clamped == ("tokens",)

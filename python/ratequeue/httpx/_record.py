@@ -31,6 +31,8 @@ _FIELDS = (
     "usage",
     "settled",
     "rate_limits",
+    "charged",
+    "clamped",
 )
 
 
@@ -84,17 +86,23 @@ class CallRecord:
 
     ``waited`` is the queue wait and ``http_seconds`` the time from sending to the
     response headers, measured apart; ``usage`` is set when the call settles (the end of
-    the body or stream), from the provider's own count. ``estimate`` and ``model`` are
-    read from the request body when first asked for if the call did not need them.
+    the body or stream), from the provider's own count. ``charged`` is what the limiter
+    was charged per unit: the estimate at acquire, the usage once settled; an estimate
+    above what the limiter can ever grant (its burst) is charged that instead, and its
+    units are in ``clamped`` (a reported usage is charged as reported). ``estimate`` and
+    ``model`` are read from the request body when first asked for if the call did not
+    need them.
     """
 
     __slots__ = (
+        "_charged",
         "_estimate",
         "_model",
         "_pending",
         "_usage",
         "_usage_body",
         "capped",
+        "clamped",
         "http_seconds",
         "path",
         "priority",
@@ -123,6 +131,8 @@ class CallRecord:
         usage: Usage | None = None,
         settled: bool = False,
         rate_limits: RateLimitHeaders | None = None,
+        charged: dict[str, int] | None = None,
+        clamped: tuple[str, ...] = (),
         *,
         body: tuple[bytes | None, _Estimator] | None = None,
     ) -> None:
@@ -141,6 +151,8 @@ class CallRecord:
         self._usage_body: bytes | None = None
         self.settled = settled
         self.rate_limits = rate_limits
+        self._charged = dict(charged) if charged else {}
+        self.clamped = clamped
         self._pending = body if estimate is None else None
 
     def _resolve(self) -> None:
@@ -192,6 +204,11 @@ class CallRecord:
         self._usage_body = None
         self._usage = value
 
+    @property
+    def charged(self) -> dict[str, int]:
+        """Per unit, what the limiter was charged for this call (a copy)."""
+        return dict(self._charged)
+
     def _astuple(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f) for f in _FIELDS)
 
@@ -220,7 +237,6 @@ class _Call(CallRecord):
         "_account",
         "_async",
         "_chain",
-        "_costs",
         "_done",
         "_held",
         "_kw",
@@ -245,6 +261,7 @@ class _Call(CallRecord):
         task: str | None,
         pending: tuple[bytes | None, _Estimator] | None,
         costs: dict[str, int],
+        clamped: tuple[str, ...],
         kw: dict[str, Any],
         account: str,
         is_async: bool,
@@ -266,6 +283,8 @@ class _Call(CallRecord):
         self._usage_body = None
         self.settled = False
         self.rate_limits = None
+        self._charged = costs
+        self.clamped = clamped
         self._request = request
         self._permit: Any = None
         self._provider: Any = None
@@ -273,7 +292,6 @@ class _Call(CallRecord):
         self._chain: list[CallBudget] = _NO_CHAIN
         self._held = False
         self._done = False
-        self._costs = costs
         self._kw = kw
         self._account = account
         self._async = is_async

@@ -284,14 +284,10 @@ class RateLimitedTransport:
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
-            i, o = est
-            vals = (1, i + o, i, o)
-            costs = {}
-            for u, j, b in self._plan:
-                c = 1 if j < 0 else vals[j]
-                costs[u] = c if b is None or c <= b else b
+            costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
+            clamped = ()
         # What acquire takes: the costs, and the priority, keys and bound on the wait.
         if self._is_policy:
             kw: dict[str, Any] = dict(costs)
@@ -320,6 +316,7 @@ class RateLimitedTransport:
             task,
             None if est is not None else (data, self.estimator),
             costs,
+            clamped,
             kw,
             account or acc,
             is_async,
@@ -373,14 +370,20 @@ class RateLimitedTransport:
             raise
         call._held = True
 
-    def _costs(self, est: Estimate) -> dict[str, int]:
+    def _costs(self, est: Estimate) -> tuple[dict[str, int], tuple[str, ...]]:
+        """Per unit, what a call of this estimate takes; clamped to the burst (never more
+        than the limiter can grant), and the units clamped."""
         i, o = est
         vals = (1, i + o, i, o)
         out = {}
+        clamped: tuple[str, ...] = ()
         for u, j, b in self._plan:
             c = 1 if j < 0 else vals[j]
-            out[u] = c if b is None or c <= b else b
-        return out
+            if b is not None and c > b:
+                c = b
+                clamped += (u,)
+            out[u] = c
+        return out, clamped
 
     def _granted(self, call: _Call, grant: Any) -> None:
         """A Pool's grant: the provider chosen, and the request sent to its URL."""
@@ -494,24 +497,29 @@ class RateLimitedTransport:
         call._done = True
         call._usage = usage
         call.settled = True
-        if usage is None and reported and (self._token_plan or call._sub or call._held):
+        # A body without a usage keeps what acquire took: the estimate, clamped to what
+        # the limiter can ever grant (budget and ledger keep the estimate itself).
+        keep = usage is None and reported
+        if keep and (call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
         try:
-            if permit is not None and self._token_plan:
+            if permit is not None and self._token_plan and not keep:
                 if usage is None:
                     i = o = 0
                 else:
                     i, o = usage
                 actual = (1, i + o, i, o)
-                costs = call._costs
+                costs = call._charged
                 # Only what differs from the estimate: the rest is already right.
                 kw = {}
                 for unit, j in self._token_plan:
                     if actual[j] != costs[unit]:
                         kw[unit] = actual[j]
                 if kw:
+                    call._charged = {**costs, **kw}
+                    call.clamped = ()
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)
                     permit.settle(**kw)
@@ -584,10 +592,11 @@ class RateLimitedTransport:
             call._retried = True
             self._set_bursts()
             est = call.estimate if self._tokens else None
-            costs = self._costs(est) if est is not None else self._unit_costs
-            if costs != call._costs:
+            costs, clamped = self._costs(est) if est is not None else (self._unit_costs, ())
+            if costs != call._charged:
                 call._kw = {**call._kw, **costs}
-                call._costs = costs
+                call._charged = costs
+                call.clamped = clamped
                 return True
         with self._lock:
             self._counts["refused"] += 1
