@@ -11,7 +11,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
@@ -23,19 +23,21 @@ from ._caps import Cap, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
-from ._ledger import Ledger, call_async, hold_async
+from ._ledger import call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
 from ._stream import wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
+if TYPE_CHECKING:
+    from ..ledger._protocol import LedgerLike as Ledger
+
 __all__ = [
     "ACCOUNT_HEADER",
     "PRIORITY_HEADER",
     "TASK_HEADER",
     "CallRecord",
-    "Ledger",
     "RateLimitedTransport",
 ]
 
