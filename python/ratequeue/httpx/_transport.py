@@ -8,6 +8,7 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 from __future__ import annotations
 
 import math
+import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
@@ -19,7 +20,7 @@ from ..pool import Pool
 from . import _budget
 from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, CapTable
+from ._caps import Cap, Capped, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
@@ -58,24 +59,34 @@ _READ = {
 _READ_MAX = 512
 
 
-def _read_request(
-    hl: list[tuple[bytes, bytes, bytes]],
-) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
-    """The headers the transport reads, by name (``_READ``; names seen are added to it
-    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
-    content length."""
-    out: list[Any] = [None, None, None, None, None]
-    for _, lk, v in hl:
-        i = _READ.get(lk)
-        if i is None:
-            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
+def _request_plan(names: tuple[bytes, ...]) -> tuple[int, int, tuple[tuple[int, int], ...]]:
+    """Where the headers the transport reads are (``_READ``; names seen are added to it as
+    read by nobody, up to ``_READ_MAX``): the index of the content length and of the
+    request id (-1: none), and (0-2, index) of its own; kept in ``_REQUEST_PLANS`` while
+    that table has room (names come from callers: both stay bounded)."""
+    length = rid = -1
+    own = []
+    for i, lk in enumerate(names):
+        j = _READ.get(lk)
+        if j is None:
+            if len(_READ) < _READ_MAX:
                 _READ[lk] = 5
             continue
-        if i == 4:
-            out[4] = v
-        elif i != 5:
-            out[i] = v.decode("latin-1")
-    return out[0], out[1], out[2], out[3], out[4]
+        if j == 4:
+            length = i
+        elif j == 3:
+            rid = i
+        elif j != 5:
+            own.append((j, i))
+    plan = (length, rid, tuple(own))
+    if len(_REQUEST_PLANS) < _REQUEST_PLANS_MAX:
+        _REQUEST_PLANS[names] = plan
+    return plan
+
+
+_NAME = operator.itemgetter(1)
+_REQUEST_PLANS: dict[tuple[bytes, ...], tuple[int, int, tuple[tuple[int, int], ...]]] = {}
+_REQUEST_PLANS_MAX = 256
 
 
 # Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
@@ -219,27 +230,20 @@ class RateLimitedTransport:
         """The call's record: its own headers read (and removed), the body capped and
         estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
-        priority = task = account = request_id = length = None
         hl = header_list(headers)
-        read = _READ
-        try:
-            for _, lk, v in hl:
-                i = read[lk]  # a name not seen yet raises: read below
-                if i == 5:
-                    continue
-                if i == 4:
-                    length = v
-                elif i == 3:
-                    request_id = v.decode("latin-1")
-                elif i == 0:
-                    priority = v.decode("latin-1")
-                elif i == 1:
-                    task = v.decode("latin-1")
-                else:
-                    account = v.decode("latin-1")
-        except KeyError:
-            priority, task, account, request_id, length = _read_request(hl)
-        if priority is not None or task is not None or account is not None:
+        names = tuple(map(_NAME, hl))
+        plan = _REQUEST_PLANS.get(names)
+        if plan is None:
+            plan = _request_plan(names)
+        li, ri, own = plan
+        request_id = hl[ri][2].decode("latin-1") if ri >= 0 else None
+        length = hl[li][2] if li >= 0 else None
+        priority = task = account = None
+        if own:  # read before they are removed (the indices then move)
+            got: list[str | None] = [None, None, None]
+            for j, i in own:
+                got[j] = hl[i][2].decode("latin-1")
+            priority, task, account = got
             for h in _OWN_HEADERS:
                 if h in headers:
                     del headers[h]
@@ -248,7 +252,8 @@ class RateLimitedTransport:
             priority = priority or opts.priority
             task = task or opts.task
             account = account or opts.account
-        priority = priority or self.priority
+        if priority is None:
+            priority = self.priority
         data = None
         if (
             length is not None
@@ -263,6 +268,7 @@ class RateLimitedTransport:
         path = request.url.path
         budget = _CURRENT_BUDGET.get()
         capped = model = est = None
+        clamped: tuple[str, ...] = ()
         if (
             self._needs_body
             or budget is not None
@@ -270,26 +276,14 @@ class RateLimitedTransport:
         ):
             body = json_object(data) if data else None
             if body is not None:
-                fields: dict[str, Any] = {}
-                if self.caps:
-                    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
-                    capped = self._cap_table.apply(body, path, task)
-                    if capped is not None:
-                        for f, was in zip(OUTPUT_FIELDS, before, strict=True):
-                            v = body.get(f, _MISSING)
-                            if v is not was:
-                                fields[f] = v
-                if body.get("stream") is True and self._stream_opts(body, path):
-                    fields["stream_options"] = body["stream_options"]
-                if fields:
-                    set_body(request, data, body, fields)  # type: ignore[arg-type]
+                if self.caps or "stream" in body:
+                    capped = self._rewrite(request, data, body, path, task)  # type: ignore[arg-type]
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
-            clamped = ()
         # What acquire takes: the costs, and the priority, keys and bound on the wait.
         if self._is_policy:
             kw: dict[str, Any] = dict(costs)
@@ -331,6 +325,27 @@ class RateLimitedTransport:
             )
             call._chain = chain
         return call
+
+    def _rewrite(
+        self, request: Any, data: bytes, body: dict[str, Any], path: str, task: str | None
+    ) -> Capped | None:
+        """Apply the output caps and ask a stream for its usage: the body and the request
+        rewritten in place when a field changed; the cap applied, if any."""
+        fields: dict[str, Any] = {}
+        capped = None
+        if self.caps:
+            before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+            capped = self._cap_table.apply(body, path, task)
+            if capped is not None:
+                for f, was in zip(OUTPUT_FIELDS, before, strict=True):
+                    v = body.get(f, _MISSING)
+                    if v is not was:
+                        fields[f] = v
+        if body.get("stream") is True and self._stream_opts(body, path):
+            fields["stream_options"] = body["stream_options"]
+        if fields:
+            set_body(request, data, body, fields)
+        return capped
 
     def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
         """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
