@@ -73,11 +73,9 @@ def test_chars_stops_at_the_same_depth(depth: int, shape: str) -> None:
 
 def test_response_scan_when_its_table_of_names_is_full(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(_wire, "_KNOWN", dict(_wire._KNOWN))
-    monkeypatch.setattr(_wire, "_PLANS", {})
     for i in range(_wire._KNOWN_MAX):
         _wire.scan_response([(b"x", f"x-junk-{i}".encode(), b"1")])
     assert len(_wire._KNOWN) == _wire._KNOWN_MAX
-    assert len(_wire._PLANS) == _wire._PLANS_MAX
     pairs = [
         (b"X-New", b"x-new", b"1"),
         (b"Content-Type", b"content-type", b"text/event-stream"),
@@ -92,7 +90,6 @@ def test_request_headers_when_their_table_is_full(
     mod: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(transport_mod, "_READ", dict(transport_mod._READ))
-    monkeypatch.setattr(transport_mod, "_REQUEST_PLANS", {})
     sent: list[Any] = []
 
     def answer(req: Any) -> Any:
@@ -104,7 +101,6 @@ def test_request_headers_when_their_table_is_full(
     for i in range(transport_mod._READ_MAX):
         c.post("http://p" + CHAT, json=BODY, headers={f"x-junk-{i}": "1"})
     assert len(transport_mod._READ) == transport_mod._READ_MAX
-    assert len(transport_mod._REQUEST_PLANS) == transport_mod._REQUEST_PLANS_MAX
     r = c.post(
         "http://p" + CHAT,
         json=BODY,

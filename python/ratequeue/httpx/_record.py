@@ -40,6 +40,7 @@ _FIELDS = (
 #: Python frames and two regex matches around it).
 SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _JSON_SPACE = " \t\n\r"
+_new = tuple.__new__
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:
@@ -68,9 +69,30 @@ def json_usage(body: bytes) -> Usage | None:
     """The usage of a JSON body, exactly as a full parse finds it (None when there is
     none or the body is not JSON, however nested); a UTF-8 object that cannot name
     ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
-    if body[:1] == b"{" and b'"usage"' not in body and b"\\u" not in body:
+    if body[:1] != b"{":
+        return usage_from_json(json_object(body))
+    if b'"usage"' not in body and b"\\u" not in body:
         return None
-    return usage_from_json(json_object(body))
+    # json_object and usage_from_json inline for what providers send: a UTF-8 object
+    # with OpenAI chat's usage names; anything else takes the general path.
+    try:
+        s = body.decode()
+        parsed, end = SCAN(s, 0)
+    except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
+        return usage_from_json(json_object(body))
+    if end != len(s) and s[end:].strip(_JSON_SPACE):
+        return None
+    if type(parsed) is not dict:
+        return None
+    u = parsed.get("usage")
+    if type(u) is dict:
+        g = u.get
+        if g("input_tokens") is None and g("output_tokens") is None:
+            i = g("prompt_tokens")
+            o = g("completion_tokens")
+            if type(i) is int and type(o) is int and i >= 0 and o >= 0:
+                return _new(Usage, (i, o))
+    return usage_from_json(parsed)
 
 
 def model_of(body: dict[str, Any] | None) -> str | None:
@@ -96,6 +118,7 @@ class CallRecord:
 
     __slots__ = (
         "_charged",
+        "_correction",
         "_estimate",
         "_model",
         "_pending",
@@ -152,6 +175,7 @@ class CallRecord:
         self.settled = settled
         self.rate_limits = rate_limits
         self._charged = dict(charged) if charged else {}
+        self._correction: dict[str, int] | None = None
         self.clamped = clamped
         self._pending = body if estimate is None else None
 
@@ -207,6 +231,8 @@ class CallRecord:
     @property
     def charged(self) -> dict[str, int]:
         """Per unit, what the limiter was charged for this call (a copy)."""
+        if self._correction:
+            return {**self._charged, **self._correction}
         return dict(self._charged)
 
     def _astuple(self) -> tuple[Any, ...]:
@@ -284,6 +310,7 @@ class _Call(CallRecord):
         self.settled = False
         self.rate_limits = None
         self._charged = costs
+        self._correction = None
         self.clamped = clamped
         self._request = request
         self._permit: Any = None

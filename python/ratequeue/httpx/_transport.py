@@ -8,7 +8,6 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 from __future__ import annotations
 
 import math
-import operator
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
@@ -59,34 +58,24 @@ _READ = {
 _READ_MAX = 512
 
 
-def _request_plan(names: tuple[bytes, ...]) -> tuple[int, int, tuple[tuple[int, int], ...]]:
-    """Where the headers the transport reads are (``_READ``; names seen are added to it as
-    read by nobody, up to ``_READ_MAX``): the index of the content length and of the
-    request id (-1: none), and (0-2, index) of its own; kept in ``_REQUEST_PLANS`` while
-    that table has room (names come from callers: both stay bounded)."""
-    length = rid = -1
-    own = []
-    for i, lk in enumerate(names):
-        j = _READ.get(lk)
-        if j is None:
-            if len(_READ) < _READ_MAX:
+def _read_request(
+    hl: list[tuple[bytes, bytes, bytes]],
+) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
+    """The headers the transport reads, by name (``_READ``; names seen are added to it
+    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
+    content length."""
+    out: list[Any] = [None, None, None, None, None]
+    for _, lk, v in hl:
+        i = _READ.get(lk)
+        if i is None:
+            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
                 _READ[lk] = 5
             continue
-        if j == 4:
-            length = i
-        elif j == 3:
-            rid = i
-        elif j != 5:
-            own.append((j, i))
-    plan = (length, rid, tuple(own))
-    if len(_REQUEST_PLANS) < _REQUEST_PLANS_MAX:
-        _REQUEST_PLANS[names] = plan
-    return plan
-
-
-_NAME = operator.itemgetter(1)
-_REQUEST_PLANS: dict[tuple[bytes, ...], tuple[int, int, tuple[tuple[int, int], ...]]] = {}
-_REQUEST_PLANS_MAX = 256
+        if i == 4:
+            out[4] = v
+        elif i != 5:
+            out[i] = v.decode("latin-1")
+    return out[0], out[1], out[2], out[3], out[4]
 
 
 # Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
@@ -230,20 +219,27 @@ class RateLimitedTransport:
         """The call's record: its own headers read (and removed), the body capped and
         estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
+        priority = task = account = request_id = length = None
         hl = header_list(headers)
-        names = tuple(map(_NAME, hl))
-        plan = _REQUEST_PLANS.get(names)
-        if plan is None:
-            plan = _request_plan(names)
-        li, ri, own = plan
-        request_id = hl[ri][2].decode("latin-1") if ri >= 0 else None
-        length = hl[li][2] if li >= 0 else None
-        priority = task = account = None
-        if own:  # read before they are removed (the indices then move)
-            got: list[str | None] = [None, None, None]
-            for j, i in own:
-                got[j] = hl[i][2].decode("latin-1")
-            priority, task, account = got
+        read = _READ
+        try:
+            for _, lk, v in hl:
+                i = read[lk]  # a name not seen yet raises: read below
+                if i == 5:
+                    continue
+                if i == 4:
+                    length = v
+                elif i == 3:
+                    request_id = v.decode("latin-1")
+                elif i == 0:
+                    priority = v.decode("latin-1")
+                elif i == 1:
+                    task = v.decode("latin-1")
+                else:
+                    account = v.decode("latin-1")
+        except KeyError:
+            priority, task, account, request_id, length = _read_request(hl)
+        if priority is not None or task is not None or account is not None:
             for h in _OWN_HEADERS:
                 if h in headers:
                     del headers[h]
@@ -252,8 +248,7 @@ class RateLimitedTransport:
             priority = priority or opts.priority
             task = task or opts.task
             account = account or opts.account
-        if priority is None:
-            priority = self.priority
+        priority = priority or self.priority
         data = None
         if (
             length is not None
@@ -535,8 +530,9 @@ class RateLimitedTransport:
                     if actual[j] != costs[unit]:
                         kw[unit] = actual[j]
                 if kw:
-                    call._charged = {**costs, **kw}
-                    call.clamped = ()
+                    call._correction = kw  # what acquire took, corrected to the usage
+                    if call.clamped:
+                        call.clamped = ()
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)
                     permit.settle(**kw)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import operator
 import os
 import sys
 import uuid
@@ -75,46 +74,36 @@ def header_list(headers: Any) -> list[tuple[bytes, bytes, bytes]]:
     return [(k, k.lower(), v) for k, v in headers.raw]
 
 
-_NAME = operator.itemgetter(1)
-# Per sequence of response header names (a provider sends the same ones each time): the
-# index of the content type (-1: none) and the (index, kind) of each header that may say
-# a quota is exhausted. Bounded: names come from the network.
-_PLANS: dict[tuple[bytes, ...], tuple[int, tuple[tuple[int, int], ...]]] = {}
-_PLANS_MAX = 256
-
-
-def _plan(names: tuple[bytes, ...]) -> tuple[int, tuple[tuple[int, int], ...]]:
-    ctype = -1
-    checks = []
-    for i, lk in enumerate(names):
-        kind = _kind(lk)
-        if kind == 0:
-            ctype = i  # the last one, as a dict of the headers would keep
-        elif kind > 1:
-            checks.append((i, kind))
-    return ctype, tuple(checks)
-
-
-def scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bool]:
+def scan_response(
+    headers: list[tuple[bytes, bytes, bytes]], known: dict[bytes, int] | None = None
+) -> tuple[bytes, bool]:
     """The content type, and whether a rate-limit header may say a quota is exhausted
-    (a cheap look at the values of the headers that can say so; the full parse decides)."""
-    names = tuple(map(_NAME, headers))
-    plan = _PLANS.get(names)
-    if plan is None:
-        plan = _plan(names)
-        if len(_PLANS) < _PLANS_MAX:
-            _PLANS[names] = plan
-    ci, checks = plan
-    ctype = headers[ci][2] if ci >= 0 else b""
-    for i, kind in checks:
-        v = headers[i][2]
-        if kind == 2:
-            v = v.strip()
-            if v == b"0" or v.startswith((b"0.", b"-")):
-                return ctype, True
-        elif kind == 4 or b"=0" in v:
-            return ctype, True
-    return ctype, False
+    (a cheap scan of the pairs, by the kinds of their names in ``known``; the full
+    parse decides)."""
+    ctype = b""
+    exhausted = False
+    if known is None:
+        known = _KNOWN
+    try:
+        for _, lk, v in headers:
+            kind = known[lk]  # a name not seen yet raises: classified below, then again
+            if kind == 1:
+                continue
+            if kind == 0:
+                ctype = v
+            elif not exhausted:
+                if kind == 3:
+                    exhausted = b"=0" in v
+                elif kind == 4:
+                    exhausted = True
+                elif v[:1] not in b"123456789":  # a count from 1 up (or empty): not 0
+                    s = v.strip()
+                    exhausted = s == b"0" or s.startswith((b"0.", b"-"))
+    except KeyError:
+        # Names not classified yet: into the table while it has room; once it is full,
+        # the kinds of these headers' names, every time.
+        return scan_response(headers, {lk: _kind(lk) for _, lk, _ in headers})
+    return ctype, exhausted
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]
