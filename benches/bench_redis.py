@@ -29,57 +29,19 @@ import gc
 import importlib.metadata
 import os
 import platform
-import shutil
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import ratequeue as rq
 import redis
+from _pairs import redis_server
 from ratequeue.redis import RedisKeyedLimiter, RedisLimiter, RedisPolicy, connect
 
 RESULTS = Path(__file__).resolve().parent / "results" / "redis.md"
 HUGE = 10**6  # per second: above what one client can reach, so every call is admitted
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    binary = os.environ.get("RATEQUEUE_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="rq-bench-redis-")
-    proc = subprocess.Popen(
-        [
-            *(binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""),
-            *("--appendonly", "no", "--dir", workdir, "--loglevel", "warning"),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        c = redis.Redis.from_url(url)
-        for _ in range(200):
-            try:
-                c.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        c.close()
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 @dataclass

@@ -25,21 +25,18 @@ import datetime as dt
 import importlib.util
 import os
 import platform
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 import types
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 
 import ratequeue as rq
 import ratequeue.redis as after
 import redis
+from _pairs import redis_server
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benches" / "results" / "redis_pkg.md"
@@ -63,39 +60,6 @@ def load_before(rev: str) -> types.ModuleType:
     sys.modules[name] = mod
     exec(compile(src, f"{rev}:python/ratequeue/redis.py", "exec"), mod.__dict__)
     return mod
-
-
-@contextmanager
-def redis_server() -> Iterator[str]:
-    binary = os.environ.get("RATEQUEUE_REDIS_SERVER") or shutil.which("redis-server")
-    if binary is None:
-        sys.exit("redis-server not found (apt-get install redis-server)")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workdir = tempfile.mkdtemp(prefix="rq-bench-redis-pkg-")
-    proc = subprocess.Popen(
-        [
-            *(binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""),
-            *("--appendonly", "no", "--dir", workdir, "--loglevel", "warning"),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    try:
-        c = redis.Redis.from_url(url)
-        for _ in range(200):
-            try:
-                c.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        c.close()
-        yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def calls(mod: types.ModuleType, client: redis.Redis, tag: str) -> dict[str, Callable[[], object]]:

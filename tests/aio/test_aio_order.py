@@ -11,22 +11,34 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import ratequeue as rq
 
 MS = 1_000_000
 
 
-def test_a_task_arriving_after_the_queue_was_granted_is_admitted_after_it_in_schedule_time(
-    clock: rq.ManualClock,
-) -> None:
-    lim = rq.Limiter(rq.Rate(200, burst=1), clock=clock)
+def recording(
+    lim: rq.Limiter,
+) -> tuple[list[int], Callable[[int], Coroutine[Any, Any, rq.Permit]]]:
+    """``(resumed, one)``: ``one(i)`` acquires, then appends ``i`` to ``resumed`` as the
+    task resumes."""
     resumed: list[int] = []
 
     async def one(i: int) -> rq.Permit:
         permit = await lim.acquire_async()
         resumed.append(i)
         return permit
+
+    return resumed, one
+
+
+def test_a_task_arriving_after_the_queue_was_granted_is_admitted_after_it_in_schedule_time(
+    clock: rq.ManualClock,
+) -> None:
+    lim = rq.Limiter(rq.Rate(200, burst=1), clock=clock)
+    resumed, one = recording(lim)
 
     async def main() -> list[rq.Permit]:
         first = [asyncio.ensure_future(one(i)) for i in range(50)]
@@ -58,12 +70,7 @@ def test_tasks_gathered_at_once_resume_in_arrival_order(clock: rq.ManualClock) -
     # The same hundred tasks when the loop keeps up: every one but the first queues, and
     # they resume exactly in arrival order at the rate's spacing.
     lim = rq.Limiter(rq.Rate(200, burst=1), clock=clock)
-    resumed: list[int] = []
-
-    async def one(i: int) -> rq.Permit:
-        permit = await lim.acquire_async()
-        resumed.append(i)
-        return permit
+    resumed, one = recording(lim)
 
     async def main() -> list[rq.Permit]:
         tasks = [asyncio.ensure_future(one(i)) for i in range(100)]

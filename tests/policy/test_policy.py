@@ -75,6 +75,7 @@ def test_all_or_nothing_under_thread_contention():
     lock = threading.Lock()
     admitted = []
     by_batch = Counter()
+    refused_batch = Counter()
     n_policy, n_batch, attempts = 6, 2, 500
     barrier = threading.Barrier(n_policy + n_batch)
 
@@ -104,15 +105,18 @@ def test_all_or_nothing_under_thread_contention():
 
     def batch_worker(seed):
         rng = np.random.default_rng(seed)
-        got = Counter()
+        got, refused = Counter(), Counter()
         barrier.wait()
         for _ in range(150):
             keys = rng.choice(np.array([1, 1, 1, 2], dtype=np.uint64), size=16)
             ok = user.try_acquire_many(keys)
             for k in keys[ok]:
                 got[int(k)] += 1
+            for k in keys[~ok]:
+                refused[int(k)] += 1
         with lock:
             by_batch.update(got)
+            refused_batch.update(refused)
 
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)
@@ -133,7 +137,9 @@ def test_all_or_nothing_under_thread_contention():
         per_tenant[t] += tokens
     for u in users:
         assert 300 - user.available(u) == per_user[u] + by_batch[u], u
-    assert 300 - user.available(1) == 300  # the hot user ran out
+    # the hot user ran out during the run (at the end a policy's undo, after the batches
+    # finished, may have given its last unit back)
+    assert refused_batch[1] > 0
     assert per_tenant["initech"] == per_tenant["hooli"] == 0
     for p in blockers:
         p.release()

@@ -11,6 +11,7 @@ import redis.exceptions
 
 from .._errors import Overloaded
 from .._ratequeue import ManualClock
+from ._args import _max_wait_us
 from ._breaker import CircuitBreaker
 from ._connection import _CONFIG_ERRORS, _DOWN_ERRORS, _is_down_reply, _pack
 from ._script import GCRA_LUA, GCRA_SHA, _Clock
@@ -105,23 +106,8 @@ class _Engine:
             except redis.exceptions.NoScriptError:
                 self.client.script_load(GCRA_LUA)
                 r = self._send(cmd)
-        except _CONFIG_ERRORS:
-            br._abandon()
-            raise  # a wrong password or ACL is a mistake to see, not an outage
-        except _DOWN_ERRORS as e:
-            self.failures += 1
-            br._failure(e)
-            raise _Down() from e
-        except redis.exceptions.ResponseError as e:
-            if not _is_down_reply(e):
-                br._success()
-                raise
-            self.failures += 1
-            br._failure(e)
-            raise _Down() from e
-        except BaseException:
-            br._abandon()
-            raise
+        except BaseException as e:
+            raise self._failed(e)  # noqa: B904 (_failed chains a _Down to its cause)
         br._success()
         return r
 
@@ -137,25 +123,32 @@ class _Engine:
             except redis.exceptions.NoScriptError:
                 await self.client.script_load(GCRA_LUA)
                 r = await self.client.execute_command(*cmd)
-        except _CONFIG_ERRORS:
-            br._abandon()
-            raise  # a wrong password or ACL is a mistake to see, not an outage
-        except _DOWN_ERRORS as e:
-            self.failures += 1
-            br._failure(e)
-            raise _Down() from e
-        except redis.exceptions.ResponseError as e:
-            if not _is_down_reply(e):
-                br._success()
-                raise
-            self.failures += 1
-            br._failure(e)
-            raise _Down() from e
-        except BaseException:
-            br._abandon()
-            raise
+        except BaseException as e:
+            raise self._failed(e)  # noqa: B904 (_failed chains a _Down to its cause)
         br._success()
         return r
+
+    def _failed(self, e: BaseException) -> BaseException:
+        """Tells the breaker how a call failed; returns what to raise: ``_Down`` (from
+        ``e``) when Redis could not answer, else ``e`` itself (a configuration error, a
+        script's own error, a cancellation)."""
+        br = self.breaker
+        if isinstance(e, _CONFIG_ERRORS):
+            br._abandon()  # a wrong password or ACL is a mistake to see, not an outage
+            return e
+        if isinstance(e, _DOWN_ERRORS) or (
+            isinstance(e, redis.exceptions.ResponseError) and _is_down_reply(e)
+        ):
+            self.failures += 1
+            br._failure(e)
+            down = _Down()
+            down.__cause__ = e
+            return down
+        if isinstance(e, redis.exceptions.ResponseError):
+            br._success()
+        else:
+            br._abandon()
+        return e
 
     def start_ns(self) -> int:
         m = self.clock.manual
@@ -181,3 +174,39 @@ class _Engine:
             "on_failure": self.on_failure,
             "breaker": self.breaker.stats(),
         }
+
+
+class _Named:
+    """What every Redis limiter holds besides its levels: the engine, the names its Redis
+    keys are made of, and its bound on a wait."""
+
+    _engine: _Engine
+    name: str
+    prefix: str
+    max_wait: float | None
+
+    def _init_named(
+        self,
+        client: Any,
+        *,
+        name: str,
+        prefix: str,
+        max_wait: float | None,
+        on_failure: OnFailure,
+        local_fraction: float,
+        breaker: CircuitBreaker | None,
+        clock: ManualClock | None,
+    ) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError("name must be a non-empty string (it names the Redis keys)")
+        self._engine = _Engine(
+            client,
+            on_failure=on_failure,
+            local_fraction=local_fraction,
+            breaker=breaker,
+            clock=clock,
+        )
+        self.name = name
+        self.prefix = prefix
+        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
+        self.max_wait = max_wait

@@ -10,12 +10,12 @@ from .._ratequeue import KeyedLimiter, ManualClock, Rate
 from ._args import Key, _cost, _key_bytes, _max_wait_us, _overloaded, _scaled
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
-from ._engine import OnFailure, _Down, _Engine
+from ._engine import OnFailure, _Down, _Named
 from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
 from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
 
 
-class _KeyedBase:
+class _KeyedBase(_Named):
     _aio = False
 
     def __init__(
@@ -35,20 +35,17 @@ class _KeyedBase:
     ) -> None:
         if not isinstance(rate, Rate):
             raise TypeError(f"rate must be a ratequeue.Rate, got {type(rate).__name__}")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty string (it names the Redis keys)")
-        self._engine = _Engine(
+        self._init_named(
             client,
+            name=name,
+            prefix=prefix,
+            max_wait=max_wait,
             on_failure=on_failure,
             local_fraction=local_fraction,
             breaker=breaker,
             clock=clock,
         )
-        self.name = name
         self.tag = tag
-        self.prefix = prefix
-        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
-        self.max_wait = max_wait
         self._bucket = _Bucket(rate)
         self._buckets = [self._bucket]
         self._head = self._engine.head(1)

@@ -17,7 +17,7 @@ from .._ratequeue import Limiter, ManualClock, Rate, _LimiterKeywords
 from ._args import _max_wait_us, _overloaded, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _pack, _text
-from ._engine import OnFailure, _Down, _Engine
+from ._engine import OnFailure, _Down, _Named
 from ._permits import (
     _MAX_LOCAL_PERIOD,
     RedisPermit,
@@ -31,7 +31,7 @@ from ._permits import (
 from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
 
 
-class _LimiterBase:
+class _LimiterBase(_Named):
     """Everything of a Redis limiter but the I/O."""
 
     _aio = False
@@ -56,20 +56,17 @@ class _LimiterBase:
         for r in rates:
             if not isinstance(r, Rate):
                 raise TypeError(f"rates must be ratequeue.Rate, got {type(r).__name__}")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty string (it names the Redis keys)")
-        self._engine = _Engine(
+        self._init_named(
             client,
+            name=name,
+            prefix=prefix,
+            max_wait=max_wait,
             on_failure=on_failure,
             local_fraction=local_fraction,
             breaker=breaker,
             clock=clock,
         )
-        self.name = name
         self.tag = tag if tag is not None else name
-        self.prefix = prefix
-        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
-        self.max_wait = max_wait
         self._buckets = [_Bucket(r) for r in rates]
         self._units = _units_of(rates)
         self._bucket_unit = [self._units.index(b.unit) for b in self._buckets]

@@ -17,7 +17,7 @@ from .._ratequeue import (
 from ._args import _key_bytes, _max_wait_us, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
-from ._engine import OnFailure, _Down, _Engine
+from ._engine import OnFailure, _Down, _Named
 from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
 from ._script import _Bucket, _gen_key, _Take, _take_args
 
@@ -59,7 +59,7 @@ class _Level:
         self.units = _units_of(rates)
 
 
-class _PolicyBase:
+class _PolicyBase(_Named):
     _aio = False
 
     def __init__(
@@ -84,20 +84,17 @@ class _PolicyBase:
         for s in shadow:
             if s not in levels:
                 raise ValueError(f"shadow level {s!r} is not one of {list(levels)}")
-        if not isinstance(name, str) or not name:
-            raise ValueError("name must be a non-empty string (it names the Redis keys)")
-        self._engine = _Engine(
+        self._init_named(
             client,
+            name=name,
+            prefix=prefix,
+            max_wait=max_wait,
             on_failure=on_failure,
             local_fraction=local_fraction,
             breaker=breaker,
             clock=clock,
         )
-        self.name = name
         self.tag = tag if tag is not None else name
-        self.prefix = prefix
-        _max_wait_us(max_wait)  # checked now: a bad bound fails at construction
-        self.max_wait = max_wait
         self._levels = [_Level(n, spec, n in shadow) for n, spec in levels.items()]
         # How a call's keywords address each level, for the bindings' parser.
         self._keywords = _PolicyKeywords([(lv.name, lv.keyed, lv.units) for lv in self._levels])
