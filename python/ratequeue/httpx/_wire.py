@@ -96,7 +96,7 @@ def scan_response(
                     exhausted = b"=0" in v
                 elif kind == 4:
                     exhausted = True
-                elif v[:1] not in b"123456789":  # a count from 1 up (or empty): not 0
+                else:
                     s = v.strip()
                     exhausted = s == b"0" or s.startswith((b"0.", b"-"))
     except KeyError:
