@@ -25,6 +25,7 @@ import asyncio
 import functools
 import gc
 import json
+import os
 import sys
 import threading
 import time
@@ -109,8 +110,33 @@ def _floor_call() -> Callable[[], object]:
     return rq.Limiter(rq.Rate(BIG, per="second", burst=BIG))._noop
 
 
-def worker(redis_url: str) -> dict[str, float]:
-    """One round of every row in this interpreter."""
+def _driver_stats() -> tuple[float, int]:
+    """The ratequeue driver thread's CPU seconds and voluntary context switches so far
+    (0 before it starts), from ``/proc/self/task``."""
+    hz = os.sysconf("SC_CLK_TCK")
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            if (task / "comm").read_text().strip() != "ratequeue-drive":
+                continue
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            status = (task / "status").read_text()
+        except OSError:
+            continue
+        switches = next(
+            int(line.split()[1])
+            for line in status.splitlines()
+            if line.startswith("voluntary_ctxt_switches")
+        )
+        return (int(fields[11]) + int(fields[12])) / hz, switches
+    return 0.0, 0
+
+
+#: The worker's sections (``--only``): each a group of rows measured together.
+SECTIONS = ("calls", "threads", "rest")
+
+
+def worker(redis_url: str, only: set[str]) -> dict[str, float]:
+    """One round of the rows of the sections in ``only`` in this interpreter."""
     import ratequeue as rq
 
     out: dict[str, float] = {}
@@ -124,6 +150,14 @@ def worker(redis_url: str) -> dict[str, float]:
         rq.Rate(BIG, per="second", burst=BIG, unit="tokens"),
     )
     out["try_acquire_tokens"] = _cpu(functools.partial(two.try_acquire, tokens=100))
+    if "calls" in only:
+        out["try_acquire_both"] = _cpu(functools.partial(two.try_acquire, 1, tokens=100))
+        out["try_acquire_requests"] = _cpu(functools.partial(lim.try_acquire, requests=1))
+        out["retry_after_tokens"] = _cpu(functools.partial(two.retry_after, tokens=100))
+    if "threads" in only:
+        out.update(_thread_rows(rq))
+    if "rest" not in only:
+        return out
     out["acquire"] = _cpu(lim.acquire)
 
     def with_acquire() -> None:
@@ -162,13 +196,8 @@ def worker(redis_url: str) -> dict[str, float]:
         lambda _loop: rq.Limiter(rq.Rate(50_000, per="second", burst=10)).acquire_async
     )
 
-    rated = rq.Limiter(rq.Rate(10_000, per="second", burst=10))
-
-    def rated_work(n: int) -> None:
-        for _ in range(n):
-            rated.acquire()
-
-    out["rate_threads_s"], out["rate_threads_cpu"] = threads(rated_work, THREADS, THREAD_GRANTS)
+    if "threads" not in only:
+        out.update(_thread_rows(rq))
 
     policy = rq.Policy(
         {"rate": rq.Limiter(rq.Rate(BIG, per="second", burst=BIG)), "conc": rq.Concurrency(BIG)}
@@ -204,15 +233,6 @@ def worker(redis_url: str) -> dict[str, float]:
 
     elapsed, out["conc_threads_cpu"] = threads(conc_work, THREADS, THREAD_GRANTS)
     out["conc_threads_us"] = elapsed / THREAD_GRANTS * 1e6
-    sem = threading.Semaphore(2)
-
-    def sem_work(n: int) -> None:
-        for _ in range(n):
-            with sem:
-                pass
-
-    elapsed, out["sem_threads_cpu"] = threads(sem_work, THREADS, THREAD_GRANTS)
-    out["sem_threads_us"] = elapsed / THREAD_GRANTS * 1e6
 
     out.update(_redis_rows(rq, redis_url))
 
@@ -222,6 +242,44 @@ def worker(redis_url: str) -> dict[str, float]:
         return pool.acquire_async(tokens=100)
 
     out["pool_async"] = _cpu_async(pool_acquire, CALLS // 4)
+    return out
+
+
+def _thread_rows(rq: Any) -> dict[str, float]:
+    """8 threads of blocking acquires at 10,000/s (with the driver thread's share and
+    wake-ups), beside ``threading.Semaphore`` across the same threads."""
+    out: dict[str, float] = {}
+    sem = threading.Semaphore(2)
+
+    def sem_work(n: int) -> None:
+        for _ in range(n):
+            with sem:
+                pass
+
+    elapsed, out["sem_threads_cpu"] = threads(sem_work, THREADS, THREAD_GRANTS)
+    out["sem_threads_us"] = elapsed / THREAD_GRANTS * 1e6
+    rated = rq.Limiter(rq.Rate(10_000, per="second", burst=10))
+    now = rq.MonotonicClock().now
+    late: list[float] = []
+
+    def rated_work(n: int) -> None:
+        mine: list[float] = []
+        for _ in range(n):
+            arrival = now()
+            waited = rated.acquire().waited
+            if waited > 0:
+                mine.append(now() - arrival - waited)
+        late.extend(mine)
+
+    cpu0, woke0 = _driver_stats()
+    out["rate_threads_s"], out["rate_threads_cpu"] = threads(rated_work, THREADS, THREAD_GRANTS)
+    cpu1, woke1 = _driver_stats()
+    out["rate_driver_cpu"] = (cpu1 - cpu0) / THREAD_GRANTS * 1e6
+    out["rate_driver_wakes"] = (woke1 - woke0) / THREAD_GRANTS
+    late.sort()
+    if late:
+        out["rate_late_p50"] = late[len(late) // 2] * 1e6
+        out["rate_late_p99"] = late[min(len(late) - 1, len(late) * 99 // 100)] * 1e6
     return out
 
 
@@ -270,6 +328,13 @@ ROWS: list[tuple[str, str, str | None]] = [
     ("floor_now", "floor: `ManualClock.now_ns()` (a native getter both builds have)", None),
     ("try_acquire", "`lim.try_acquire()`", "floor"),
     ("try_acquire_tokens", "`lim.try_acquire(tokens=100)`, two rates (requests, tokens)", "floor"),
+    ("try_acquire_both", "`lim.try_acquire(1, tokens=100)`, two rates", "floor"),
+    ("try_acquire_requests", "`lim.try_acquire(requests=1)`, one rate", "floor"),
+    (
+        "retry_after_tokens",
+        "`lim.retry_after(tokens=100)`, two rates (no vectorcall entry)",
+        "floor",
+    ),
     ("acquire", "`lim.acquire()`, admitted at once", "floor"),
     ("with_acquire", "`with lim.acquire(): pass`, admitted at once", "floor"),
     ("settle", "`permit.settle(tokens=...)` (refund, then charge)", "floor"),
@@ -291,6 +356,10 @@ ROWS: list[tuple[str, str, str | None]] = [
         "sem_threads_cpu",
     ),
     ("rate_threads_s", "(same) elapsed (ideal 2.0)", None),
+    ("rate_driver_cpu", "(same) the driver thread's CPU per grant", "sem_threads_cpu"),
+    ("rate_driver_wakes", "(same) the driver thread's wake-ups per grant", None),
+    ("rate_late_p50", "(same) wake lateness of queued grants, p50", None),
+    ("rate_late_p99", "(same) wake lateness of queued grants, p99", None),
     ("conc_threads_cpu", "8 threads x 2,500 `with Concurrency(2).acquire()`", "sem_threads_cpu"),
     ("conc_threads_us", "(same) elapsed per grant", "sem_threads_us"),
     ("policy", "`with policy.acquire(): pass`, Policy(rate, Concurrency)", "floor"),
@@ -305,6 +374,8 @@ ROWS: list[tuple[str, str, str | None]] = [
     ("redis_wall", "(same) elapsed per call", "redis_floor_wall"),
 ]
 ELAPSED = {
+    "rate_late_p50",
+    "rate_late_p99",
     "gather_floor_s",
     "gather_s",
     "rate_threads_s",
@@ -331,7 +402,11 @@ def table(labels: list[str], figures: dict[str, dict[str, float]]) -> list[str]:
 
     for key, what, floor in ROWS:
         vals = [figures[label].get(key) for label in labels]
+        if all(v is None for v in vals):
+            continue
         unit = "s" if key.endswith("_s") else "µs wall" if key in ELAPSED else "µs CPU"
+        if key.endswith("_wakes"):
+            unit = "per grant"
         cells = " | ".join("cannot run" if v is None else f"{v:.3f}" for v in vals)
         r = ratio(key)
         rf = ratio(floor) if floor is not None else None
@@ -350,22 +425,32 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--note", default="", help="a paragraph appended under the table")
+    ap.add_argument(
+        "--only",
+        default=",".join(SECTIONS),
+        help=f"comma-separated sections to measure, of {', '.join(SECTIONS)} (default: all)",
+    )
     a = ap.parse_args()
+    only = set(a.only.split(","))
+    if not only <= set(SECTIONS):
+        raise SystemExit(f"--only takes sections of {SECTIONS}, got {a.only!r}")
     if a.worker:
-        print(json.dumps(worker(a.worker)))
+        print(json.dumps(worker(a.worker, only)))
         return
     builds = builds_from(a.build, this=None) or [("this build", sys.executable)]
     labels = [label for label, _ in builds]
     machine = Machine()
     t0 = time.perf_counter()
     with redis_server() as url:
-        runs = run_rounds(__file__, builds, a.rounds, {"": ["--worker", url]})[""]
+        args = ["--worker", url, "--only", a.only]
+        runs = run_rounds(__file__, builds, a.rounds, {"": args})[""]
     figures = {label: best(r) for label, r in runs.items()}
     when = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     lines = [
         "# Issue 12 before/after (`benches/bench_issue12.py`)",
         "",
-        f"Generated on {when}: {machine.summary()}; {a.rounds} interleaved rounds, best "
+        f"Generated on {when}: {machine.summary()}; sections {a.only}; {a.rounds} "
+        "interleaved rounds, best "
         f"round per row; total {time.perf_counter() - t0:.0f} s. Builds: "
         + ", ".join(f"{label} = `{p}`" for label, p in builds)
         + ".",

@@ -17,9 +17,12 @@ Redis: interleaved rounds (A B A B ...); the median time per call and its ratio 
 ``client.incrby(key, 1)`` on the same client, the floor of any one-round-trip operation
 through redis-py; beside it two floors for a script: ``EVALSHA`` of
 ``return redis.call('INCRBY', ...)``, and a script doing the least a charge needs (one
-``SET NX EX``, two ``HMGET``, one ``HSET``, one ``XADD``), both sent packed on the pooled
-connection as the ledger sends its own. The server's own time per call comes from
-``INFO commandstats``.
+``SET NX EX``, two ``HMGET``, one ``HSET``, one ``XADD``), both sent packed on a held
+connection; and the wire's floors: ``INCRBY`` packed on redis-py's connection and on the
+ledger's own (``_Wire``: its socket written and read by the ledger). Each row also gives
+the CPU time per call of this process (the client) and of redis-server (``INFO cpu``)
+with their sum's ratio to INCRBY's, steadier than wall time on a loaded machine; the
+server's time inside each command comes from ``INFO commandstats``.
 
 Usage::
 
@@ -401,8 +404,19 @@ def _raw_call(client: redis.Redis, args: tuple[Any, ...]) -> Any:
     return conn.read_response()
 
 
-def _old_redis(baseline: str, url: str, what: str, n: int, start: int) -> float:
-    return _child(baseline, "redis", what, url, str(n), str(start))[0]
+def _old_redis(
+    baseline: str, url: str, what: str, n: int, start: int
+) -> tuple[float, float, float]:
+    """The baseline's wall, client CPU and server CPU seconds per call, measured around
+    its loop in a child process."""
+    wall, cpu, server = _child(baseline, "redis", what, url, str(n), str(start))
+    return wall, cpu, server
+
+
+def _server_cpu(client: redis.Redis) -> float:
+    """The redis-server process's CPU seconds so far (user + system, all its threads)."""
+    info = client.info("cpu")
+    return float(info["used_cpu_user"]) + float(info["used_cpu_sys"])
 
 
 def redis_section(
@@ -432,6 +446,16 @@ def redis_section(
 
     def incrby_raw() -> None:
         _raw_call(client, ("INCRBY", "bench:incr", 1))
+
+    # (imported here: a ``--baseline`` child runs this file with a package without them)
+    from ratequeue.redis._ledger_codec import _pack_items
+    from ratequeue.redis._ledger_wire import _Wire
+
+    wire = _Wire(client.connection_pool)
+    incr_packed = _pack_items(["INCRBY", "bench:incr", 1])
+
+    def incrby_wire() -> None:
+        wire.call(incr_packed)
 
     def evalsha_one() -> None:
         _raw_call(client, ("EVALSHA", one_sha, 0))
@@ -482,12 +506,7 @@ def redis_section(
     scripts = iter(scripted)
 
     def charge_script() -> None:
-        conn = _HELD.get(id(client))
-        if conn is None:
-            _raw_call(client, ("PING",))
-            conn = _HELD[id(client)]
-        conn.send_packed_command([next(scripts)])
-        conn.read_response()
+        wire.call(next(scripts))
 
     def least_then_client() -> None:
         min_charge()
@@ -549,7 +568,14 @@ def redis_section(
             incrby_raw,
             1,
             py,
-            "the wire's floor: no redis-py work per call (how the ledger sends scripts)",
+            "the wire's floor through redis-py's connection: no command machinery per call",
+        ),
+        (
+            WIRE,
+            incrby_wire,
+            1,
+            py,
+            "the same on the ledger's own connection and reply reader (how it sends scripts)",
         ),
         (
             "bare EVALSHA returning 1 (script floor)",
@@ -601,9 +627,15 @@ def redis_section(
             charge,
             1,
             py,
-            "new request id: op `c`, 1 EVALSHA, pre-encoded, a connection per thread",
+            "new request id: op `c`, 1 EVALSHA packed in one piece, on the thread's own wire",
         ),
-        ("ledger.charge, hiredis parser", charge_h, 1, hi, "the same through hiredis"),
+        (
+            "ledger.charge, hiredis parser",
+            charge_h,
+            1,
+            hi,
+            "the same with a hiredis client (the ledger reads its scripts' replies itself)",
+        ),
         (
             "ledger.charge, its client side alone",
             charge_client,
@@ -626,26 +658,43 @@ def redis_section(
     if not baseline:
         cands = [c for c in cands if c[1] is not None]
     times: dict[str, list[float]] = {c[0]: [] for c in cands}
+    # CPU seconds per call: this process's (the client's), and redis-server's
+    ccpu: dict[str, list[float]] = {c[0]: [] for c in cands}
+    scpu: dict[str, list[float]] = {c[0]: [] for c in cands}
     for r in range(rounds):
         for name, fn, per_call, _floor, _note in cands:
+            s0 = _server_cpu(client)
             if fn is None:
                 assert baseline is not None
-                times[name].append(_old_redis(baseline, url, "charge", batch, 10**7 * (r + 1)))
+                wall, cpu, server = _old_redis(baseline, url, "charge", batch, 10**7 * (r + 1))
+                times[name].append(wall)
+                ccpu[name].append(cpu)
+                scpu[name].append(server)
                 continue
             calls = max(1, batch // per_call)
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             for _ in range(calls):
                 fn()
-            times[name].append((time.perf_counter() - t0) / (calls * per_call))
+            n = calls * per_call
+            times[name].append((time.perf_counter() - t0) / n)
+            ccpu[name].append((time.process_time() - c0) / n)
+            scpu[name].append((_server_cpu(client) - s0) / n)
     rows = []
     figures: dict[str, float] = {}
     for name, _fn, _per, floor_name, note in cands:
         med = statistics.median(times[name])
         ratio = med / statistics.median(times[floor_name])
+        cc, sc = statistics.median(ccpu[name]), statistics.median(scpu[name])
+        cpu_ratio = (cc + sc) / (
+            statistics.median(ccpu[floor_name]) + statistics.median(scpu[floor_name])
+        )
         figures[name] = ratio
+        figures["cpu " + name] = cpu_ratio
+        figures["client cpu us " + name] = cc * 1e6
+        figures["server cpu us " + name] = sc * 1e6
         rows.append(
             f"| {name} | {med * 1e6:.1f} | {min(times[name]) * 1e6:.1f} | {1 / med:,.0f} | "
-            f"{ratio:.2f} | {note} |"
+            f"{ratio:.2f} | {cc * 1e6:.1f} | {sc * 1e6:.1f} | {cpu_ratio:.2f} | {note} |"
         )
     # the server's own time per call: each script alone, INFO commandstats
     server: list[tuple[str, float]] = []
@@ -674,7 +723,7 @@ def redis_section(
     rows.append(
         "| (server side, INFO commandstats, us per call) | "
         + ", ".join(f"{k} {v:.1f}" for k, v in server)
-        + " | | | | what each costs inside Redis, beyond the round trip |"
+        + " | | | | | | | what each costs inside Redis, beyond the round trip |"
     )
     loop.run_until_complete(aclient.aclose())
     loop.close()
@@ -700,10 +749,12 @@ def measure(args: list[str]) -> None:
     client = redis.Redis.from_url(url, parser_class=_RESP2Parser)
     led = RedisLedger(client, name="bench", retention=RETENTION)
     led.charge(f"o{start}", "acme", input_tokens=1)  # connected, plan cached
-    t0 = time.perf_counter()
+    s0 = _server_cpu(client)
+    t0, c0 = time.perf_counter(), time.process_time()
     for i in range(start + 1, start + 1 + n):
         led.charge(f"o{i}", "acme", input_tokens=100, output_tokens=20, model="m")
-    print((time.perf_counter() - t0) / n)
+    wall, cpu = (time.perf_counter() - t0) / n, (time.process_time() - c0) / n
+    print(wall, cpu, (_server_cpu(client) - s0) / n)
 
 
 # -- exactness ----------------------------------------------------------------------------
@@ -784,32 +835,41 @@ def _version(pkg: str) -> str:
         return "?"
 
 
+WIRE = "INCRBY packed, on the ledger's wire"
+
+
 def _redis_target(rfig: dict[str, float]) -> list[str]:
-    """The Redis target's lines: the ratio, and where the time goes."""
+    """The Redis target's lines: the ratio (wall time and CPU time), and where it goes."""
     ratio = rfig["ledger.charge"]
     before = rfig.get("before: ledger.charge")
+    incr, charge = "INCRBY round trip (floor)", "ledger.charge"
     script = rfig["ledger.charge's own script call, sent as made"]
-    wire = rfig["INCRBY packed, on a held connection"]
-    client_side = rfig["ledger.charge, its client side alone"]
+
+    def cpu(kind: str, name: str) -> float:
+        return rfig[f"{kind} cpu us {name}"]
+
+    extra_server = cpu("server", charge) - cpu("server", incr)
+    saved_client = cpu("client", incr) - cpu("client", charge)
     return [
-        f"- Redis: one charge {ratio:.2f} x INCRBY (hiredis:"
-        f" {rfig['ledger.charge, hiredis parser']:.2f} x INCRBY through hiredis; target"
-        f" <= 1.3): {'met' if ratio <= 1.3 else 'not met'}"
-        + (f" (before: {before:.2f} x)" if before is not None else "")
-        + f". Where it goes, in x INCRBY: the wire's floor {wire:.2f} (INCRBY packed on a held"
-        f" connection), a bare EVALSHA {rfig['bare EVALSHA returning 1 (script floor)']:.2f},"
-        f" the least a charge does as a script"
-        f" {rfig['EVALSHA of the least a charge does (script floor)']:.2f}, the charge's own"
-        f" script call {script:.2f}, the client side alone {client_side:.2f}; script call +"
-        f" client side = {script + client_side:.2f} x; back to back, as a charge pays them,"
-        f" the least script then the client side"
-        f" {rfig['the least script, then the client side alone']:.2f} x and the charge's own"
-        f" script then the client side"
-        f" {rfig['the same script call, then the client side alone']:.2f} x."
-        f" Inside Redis (INFO commandstats):"
-        f" INCRBY {rfig['server INCRBY']:.1f} us, the least charge"
-        f" {rfig['server EVALSHA least charge']:.1f} us, the charge"
-        f" {rfig['server EVALSHA ledger.charge']:.1f} us",
+        f"- Redis: one charge {ratio:.2f} x INCRBY in wall time (hiredis:"
+        f" {rfig['ledger.charge, hiredis parser']:.2f} x INCRBY through hiredis), and"
+        f" {rfig['cpu ' + charge]:.2f} x in CPU time (client + server); target <= 1.3:"
+        f" {'met' if ratio <= 1.3 else 'not met'} in wall time"
+        + (
+            f" (before: {before:.2f} x wall, {rfig['cpu before: ledger.charge']:.2f} x CPU)"
+            if before is not None
+            else ""
+        )
+        + f". Where it goes: the charge's client CPU is {cpu('client', charge):.1f} us against"
+        f" redis-py's {cpu('client', incr):.1f} us for INCRBY ({saved_client:.1f} us less),"
+        f" while its script costs redis-server {cpu('server', charge):.1f} us of CPU against"
+        f" {cpu('server', incr):.1f} us for INCRBY ({extra_server:.1f} us more; INFO"
+        f" commandstats: the least charge {rfig['server EVALSHA least charge']:.1f} us, the"
+        f" charge {rfig['server EVALSHA ledger.charge']:.1f} us, INCRBY"
+        f" {rfig['server INCRBY']:.1f} us). The charge's own script call sent alone on the"
+        f" ledger's wire is {script:.2f} x INCRBY, the least a charge does as a script"
+        f" {rfig['EVALSHA of the least a charge does (script floor)']:.2f} x, the wire's floor"
+        f" {rfig[WIRE]:.2f} x.",
     ]
 
 
@@ -833,8 +893,9 @@ def redis_only(args: argparse.Namespace, baseline: str | None) -> int:
         " INCRBY through the same reply parser."
         + (' "before": main\'s ledger, in a child process per round.' if baseline else ""),
         "",
-        "| candidate | median us/call | min | calls/s | x INCRBY | what it does |",
-        "|---|---:|---:|---:|---:|---|",
+        "| candidate | median us/call | min | calls/s | x INCRBY | client CPU us | server CPU us"
+        " | CPU x INCRBY | what it does |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         *rows,
         "",
         "## Target",
@@ -913,8 +974,9 @@ def main() -> int:
         "",
         "## Redis: one charge vs a bare INCRBY round trip",
         "",
-        "| candidate | median us/call | min | calls/s | x INCRBY | what it does |",
-        "|---|---:|---:|---:|---:|---|",
+        "| candidate | median us/call | min | calls/s | x INCRBY | client CPU us | server CPU us"
+        " | CPU x INCRBY | what it does |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
         *rd_rows,
         "",
         "## Exactness: 4 processes, 30 % of the requests retried by another process",

@@ -5,10 +5,11 @@ eventfd on Linux, a pipe elsewhere). The native driver thread puts outcomes in t
 channel and signals the descriptor; the loop's reader drains the channel and resolves
 the waiting futures. No polling, one wake per waiter, no GIL needed by the driver.
 
-A limiter's ``Acquiring`` waits natively: awaiting it submits and yields one future of
-the running loop, kept in the loop's ``_LoopWaiters``, and the reader resolves a whole
-batch of those futures in one native call. A policy's acquire waits through
-:func:`_wait` below (one coroutine per wait, the same channel).
+Every wait is native: awaiting an ``Acquiring`` (a policy's too, through
+:func:`_policy_wait`) submits and yields one future of the running loop, kept in the
+loop's ``_LoopWaiters``, and the reader resolves a whole batch of those futures in one
+native call. The lifecycle of each wait (its states, and the leave rule below) is the
+core's (``wait/awaiting.rs``), tested there on a ManualClock.
 
 Every end of a queued wait other than its outcome (cancellation, GeneratorExit from a
 closed or collected coroutine, KeyboardInterrupt or SystemExit thrown into the task)
@@ -28,28 +29,12 @@ import os
 import threading
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from ._ratequeue import (
-    Channel,
-    _LoopWaiters,
-    _use_aio,
-    _wait_abandon,
-    _wait_cancel,
-    _wait_give_back,
-    _wait_granted,
-    _wait_left,
-    _wait_submit,
-    _wait_timeout_error,
-)
+from ._ratequeue import Channel, _LoopWaiters, _use_aio, _wait_left, _wait_policy
 
 if TYPE_CHECKING:
-    from typing import TypeAlias
-
-    from ._ratequeue import Acquiring, PolicyAcquiring, PolicyPermit
-
-    #: What waits in a queue on a loop's channel: a level's or a policy's acquire.
-    _Waitable: TypeAlias = Acquiring | PolicyAcquiring
+    from ._ratequeue import PolicyAcquiring, PolicyPermit
 
 __all__: list[str] = []
 
@@ -62,15 +47,14 @@ class _Core:
     """The native channel of one event loop and what its pending waits hold.
 
     Refers to nothing of the loop (no loop, no future), so the registry and the loop's
-    finalizer can keep it without keeping the loop alive. ``acqs`` maps each pending
-    ticket to its awaitable; whoever removes the entry settles the ticket (the reader,
-    the waiter leaving, or :meth:`close`).
+    finalizer can keep it without keeping the loop alive. The channel's table of native
+    waits is settled by whoever takes a ticket out (the reader, the waiter leaving, or
+    :meth:`close`).
     """
 
     def __init__(self) -> None:
         self.pid = os.getpid()
         self.channel = Channel(wakeup=True)
-        self.acqs: dict[int, _Waitable] = {}
         self.closed = False
         self.loop_part: weakref.ref[_LoopChannel] | None = None
 
@@ -85,53 +69,24 @@ class _Core:
             return
         self.closed = True
         channel, self.channel = self.channel, _CLOSED
-        acqs = dict(self.acqs)
-        self.acqs.clear()
         if self.pid != os.getpid():
             # Inherited across fork: those waiters belong to the parent, and the native
             # channel signals nothing in this process.
             return
-        undelivered = channel.close()
-        for ticket, granted, _waited_ns, token in undelivered:
-            acq = acqs.pop(ticket, None)
-            if acq is not None and granted:
-                _wait_give_back(acq, token)
-        for ticket, acq in acqs.items():
-            # Not queued any more: decided after the close, and given back in the core.
-            _wait_cancel(acq, ticket)
+        # Settles every native wait on it (a delivered grant goes back, a pending wait
+        # leaves its queue); no other ticket waits on an asyncio loop's channel.
+        channel.close()
 
 
 class _LoopChannel:
-    """The loop's side: the reader and the futures, reachable only from the loop (its
-    reader callback) and its tasks. A ticket in ``core.acqs`` without a future here is a
-    waiter that left while its outcome was on the way: a grant is given back."""
+    """The loop's side: the reader and the futures (in ``waiters``), reachable only from
+    the loop (its reader callback) and its tasks."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.core = _Core()
         self.core.loop_part = weakref.ref(self)
-        self.futs: dict[int, asyncio.Future[Any]] = {}
         self.waiters = _LoopWaiters(self.core.channel)
-        loop.add_reader(self.core.channel.fileno(), self._drain)
-
-    def _drain(self) -> None:
-        rest = self.waiters._resolve()
-        if not rest:
-            return
-        core, futs = self.core, self.futs
-        for ticket, granted, waited_ns, token in rest:
-            acq = core.acqs.pop(ticket, None)
-            if acq is None:
-                continue
-            fut = futs.pop(ticket, None)
-            if fut is None or fut.done():
-                # The waiter left while the grant was on its way: give it back, once.
-                if granted:
-                    _wait_give_back(acq, token)
-                continue
-            if granted:
-                fut.set_result(_wait_granted(acq, waited_ns, token))
-            else:
-                fut.set_exception(_wait_timeout_error(acq, waited_ns))
+        loop.add_reader(self.core.channel.fileno(), self.waiters._resolve)
 
 
 _channels: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Core] = weakref.WeakKeyDictionary()
@@ -232,52 +187,11 @@ def _observe_close(loop: asyncio.AbstractEventLoop) -> None:
         setattr(cls, "close", close)  # noqa: B010
 
 
-def _leave(
-    acqs: dict[int, _Waitable],
-    futs: dict[int, asyncio.Future[Any]],
-    ticket: int,
-    fut: asyncio.Future[Any],
-    acq: _Waitable,
-) -> None:
-    """A queued wait ended without its outcome: leave the queue, or give back the grant
-    that raced the exit, exactly once."""
-    if ticket in acqs:
-        futs.pop(ticket, None)
-        if _wait_cancel(acq, ticket):
-            acqs.pop(ticket, None)
-        # Else decided, the outcome in the channel: the reader (or close) gives a grant
-        # back, as the ticket has no future any more.
-    elif fut.done() and not fut.cancelled() and fut.exception() is None:
-        # Granted, but the task left before it resumed: give it back once.
-        _wait_abandon(acq, fut.result())
-
-
-async def _wait(acq: _Waitable) -> Any:
-    """Queue ``acq`` on the running loop's channel and wait for its one wake-up."""
-    loop = asyncio.get_running_loop()
-    lc = _channel_for(loop)
-    fut: asyncio.Future[Any] = loop.create_future()
-    ticket = _wait_submit(acq, lc.core.channel)
-    if not isinstance(ticket, int):
-        return ticket  # granted at once
-    acqs, futs = lc.core.acqs, lc.futs
-    acqs[ticket] = acq
-    futs[ticket] = fut
-    try:
-        return await fut
-    except BaseException:
-        _leave(acqs, futs, ticket, fut, acq)
-        raise
-
-
 async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
     """Bridges a policy acquire to the running loop: the core decides each step (wait
-    in a level's queue, or hold every level); each wait is one ``_wait``. Then sleeps
-    until the rate levels' common time (never on a ManualClock)."""
-    while True:
-        permit = await _wait(acq)
-        if permit is not None:
-            break
+    in a level's queue, or hold every level) and awaits it natively. Then sleeps until
+    the rate levels' common time (never on a ManualClock)."""
+    permit: PolicyPermit = await _wait_policy(acq)
     left = _wait_left(acq)
     if left > 0:
         try:
@@ -285,7 +199,7 @@ async def _policy_wait(acq: PolicyAcquiring) -> PolicyPermit:
         except BaseException:
             permit.cancel()
             raise
-    return permit  # type: ignore[no-any-return]
+    return permit
 
 
 _use_aio(_policy_wait, _running_waiters)

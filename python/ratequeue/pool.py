@@ -446,28 +446,6 @@ class Pool:
         it for ``(provider, permit)``, or ``async with`` it to release the permit at exit."""
         return PoolAcquiring(self, priority, timeout, costs)
 
-    async def _acquire_async(
-        self, priority: str | None, timeout: float | None, costs: dict[str, int]
-    ) -> tuple[Provider, Permit]:
-        budget = self._budget(timeout)
-        deadline = None if budget is None else self._clock.now() + budget
-        excluded: set[str] = set()
-        for _ in range(self._max_rounds()):
-            remaining = self._remaining(deadline)
-            p, _ = self.choose(max_wait=remaining, exclude=excluded, priority=priority, **costs)
-            with self._lock:
-                p._routed += 1
-            try:
-                permit = await p.limiter.acquire_async(
-                    priority=priority, timeout=remaining, **p.costs_for(costs)
-                )
-            except (Overloaded, WaitTimeout):
-                excluded.add(p.name)
-                continue
-            if self.on_grant(p):
-                return p, permit
-        raise self._give_up(deadline, costs, priority)
-
     def _submit(
         self,
         channel: Channel,
@@ -606,7 +584,7 @@ class PoolAcquiring(Coroutine[Any, Any, "tuple[Provider, Permit]"]):
     Nothing is routed or queued until it is first awaited (or sent to).
     """
 
-    __slots__ = ("_coro", "_costs", "_got", "_pool", "_priority", "_timeout")
+    __slots__ = ("_costs", "_got", "_pool", "_priority", "_run", "_timeout")
 
     def __init__(
         self, pool: Pool, priority: str | None, timeout: float | None, costs: dict[str, int]
@@ -615,36 +593,60 @@ class PoolAcquiring(Coroutine[Any, Any, "tuple[Provider, Permit]"]):
         self._priority = priority
         self._timeout = timeout
         self._costs = costs
-        self._coro: Coroutine[Any, Any, tuple[Provider, Permit]] | None = None
         self._got: tuple[Provider, Permit] | None = None
-
-    def _run(self) -> Coroutine[Any, Any, tuple[Provider, Permit]]:
-        if self._coro is None:
-            self._coro = self._pool._acquire_async(self._priority, self._timeout, self._costs)
-        return self._coro
+        self._run: Generator[Any, None, tuple[Provider, Permit]] | None = None
 
     def __await__(self) -> Generator[Any, None, tuple[Provider, Permit]]:
-        coro = self._coro
-        if coro is None:
-            coro = self._coro = self._pool._acquire_async(
-                self._priority, self._timeout, self._costs
-            )
-        return coro.__await__()
+        run = self._run
+        if run is None:
+            run = self._run = self._wait()
+        elif getattr(run, "gi_frame", None) is None:
+            raise RuntimeError("cannot reuse an already awaited PoolAcquiring")
+        return run
+
+    def _wait(self) -> Generator[Any, None, tuple[Provider, Permit]]:
+        """The wait itself (a generator, no coroutine object in between): route, then
+        await the chosen provider's limiter; the next provider when one refuses."""
+        pool, priority, costs = self._pool, self._priority, self._costs
+        budget = pool._budget(self._timeout)
+        deadline = None if budget is None else pool._clock.now() + budget
+        excluded: set[str] = set()
+        for _ in range(pool._max_rounds()):
+            remaining = pool._remaining(deadline)
+            p, _ = pool.choose(max_wait=remaining, exclude=excluded, priority=priority, **costs)
+            with pool._lock:
+                p._routed += 1
+            try:
+                permit: Permit = yield from p.limiter.acquire_async(
+                    priority=priority, timeout=remaining, **p.costs_for(costs)
+                )
+            except (Overloaded, WaitTimeout):
+                excluded.add(p.name)
+                continue
+            if pool.on_grant(p):
+                return p, permit
+        raise pool._give_up(deadline, costs, priority)
+
+    def _steps(self) -> Generator[Any, None, tuple[Provider, Permit]]:
+        run = self._run
+        if run is None:
+            run = self._run = self._wait()
+        return run
 
     def send(self, value: Any, /) -> Any:
         """Coroutine protocol, so ``asyncio.create_task`` accepts it."""
-        return self._run().send(value)
+        return self._steps().send(value)
 
     def throw(self, typ: Any, val: Any = None, tb: Any = None, /) -> Any:
         """Coroutine protocol: raise ``typ`` (or ``val``) at the wait."""
         if val is None and tb is None:
-            return self._run().throw(typ)
-        return self._run().throw(typ, val, tb)
+            return self._steps().throw(typ)
+        return self._steps().throw(typ, val, tb)
 
     def close(self) -> None:
         """Coroutine protocol: end a wait that was started (nothing to do otherwise)."""
-        if self._coro is not None:
-            self._coro.close()
+        if self._run is not None:
+            self._run.close()
 
     async def __aenter__(self) -> tuple[Provider, Permit]:
         self._got = await self

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 import pytest
 import ratequeue as rq
 from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
+from ledger_blocking import sqlite_writer_blocked
 from ratequeue.ledger import (
     Daily,
     Every,
@@ -878,12 +879,6 @@ def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) ->
     led = SqliteLedger(tmp_path / "q.db", clock=clock)
     led.set_plan("acme", Plan("p", tokens=100))
     led.charge("old", "acme", input_tokens=10)
-    gate, started = threading.Event(), threading.Event()
-
-    def slow(conn) -> None:
-        started.set()
-        gate.wait(30)
-
     grouped: list[int] = []
     real = led._charge_batch
 
@@ -892,9 +887,6 @@ def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) ->
         return real(conn, ops)
 
     led._charge_batch = counting  # type: ignore[method-assign]
-    leader = threading.Thread(target=led._run, args=(slow,))
-    leader.start()
-    assert started.wait(30)
     calls = [
         ("a", 30),
         ("old", 10),  # a replay
@@ -912,17 +904,17 @@ def test_sqlite_group_commit_decides_queued_charges_together(tmp_path, clock) ->
             results[k] = e
 
     threads = []
-    for k, (rid, n) in enumerate(calls):  # queued in this order behind the leader
-        t = threading.Thread(target=call, args=(k, rid, n))
-        t.start()
-        threads.append(t)
-        for _ in range(1000):
-            if len(led._queue) == k + 1:
-                break
-            time.sleep(0.001)
-    assert len(led._queue) == len(calls)
-    gate.set()
-    for t in [leader, *threads]:
+    with sqlite_writer_blocked(led):
+        for k, (rid, n) in enumerate(calls):  # queued in this order behind the writer
+            t = threading.Thread(target=call, args=(k, rid, n))
+            t.start()
+            threads.append(t)
+            for _ in range(1000):
+                if len(led._queue) == k + 1:
+                    break
+                time.sleep(0.001)
+        assert len(led._queue) == len(calls)
+    for t in threads:
         t.join(30)
     kinds = [type(results[k]).__name__ for k in range(len(calls))]
     assert kinds == ["Charge", "Charge", "IdempotencyConflict", "Charge", "QuotaExceeded", "Charge"]

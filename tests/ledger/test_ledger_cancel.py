@@ -7,88 +7,20 @@ is never left standing."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import threading
 import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Coroutine
 from typing import Any
 
-import pytest
 import ratequeue as rq
 from ledger_backends import Factory
+from ledger_blocking import (
+    CLIENT_TIMEOUT,
+    cancel_while_blocked,
+    eventually,
+)
 from ratequeue.ledger import LedgerBase, Plan
 
 PRO = Plan("pro", tokens=1000, calls=100)
-#: Redis: the pause outlasts every wait of these tests (UNPAUSE ends it), and the
-#: clients' socket timeout outlasts the pause, so a slow (loaded) machine never turns
-#: the wait behind the pause into a read timeout before the test cancels the call.
-PAUSE_MS = 60_000
-CLIENT_TIMEOUT = 2 * PAUSE_MS / 1000
-
-
-@contextlib.contextmanager
-def writes_blocked(led: Any, backend: str) -> Iterator[Callable[[], bool]]:
-    """Blocks the ledger's writes until the block exits; yields "is a call of ours
-    waiting behind the block now?"."""
-    if backend == "sqlite":
-        gate, started = threading.Event(), threading.Event()
-
-        def slow(conn: Any) -> None:
-            started.set()
-            gate.wait(30)
-
-        blocker = threading.Thread(target=led._run, args=(slow,))
-        blocker.start()
-        assert started.wait(30)
-        try:
-            yield lambda: bool(led._queue)
-        finally:
-            gate.set()
-            blocker.join(30)
-    else:
-        admin = led.client
-        admin.execute_command("CLIENT", "PAUSE", PAUSE_MS, "WRITE")
-
-        def waiting() -> bool:
-            clients = admin.execute_command("CLIENT", "LIST")
-            text = clients.decode() if isinstance(clients, bytes) else str(clients)
-            # a client held by the pause is flagged b, with the command it waits to run
-            return any(" flags=b " in c and " cmd=evalsha " in c for c in text.splitlines())
-
-        try:
-            yield waiting
-        finally:
-            admin.execute_command("CLIENT", "UNPAUSE")
-
-
-def cancel_while_blocked(
-    led: Any, backend: str, make_call: Callable[[], Coroutine[Any, Any, Any]]
-) -> None:
-    """Starts the call on a loop, waits until it is queued behind the blocked writer,
-    cancels it, then lets the writer go (the loop is already closed by then)."""
-    with writes_blocked(led, backend) as waiting:
-
-        async def main() -> None:
-            task = asyncio.ensure_future(make_call())
-            end = time.monotonic() + 10
-            while not waiting() and time.monotonic() < end:
-                await asyncio.sleep(0.005)
-            assert waiting(), "the call never reached the blocked writer"
-            task.cancel()
-            with pytest.raises(asyncio.CancelledError):
-                await task
-
-        asyncio.run(main())
-
-
-def eventually(check: Callable[[], bool], seconds: float = 20.0) -> bool:
-    """True once ``check()`` is (the call finishes on a worker, in real time)."""
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        if check():
-            return True
-        time.sleep(0.01)
-    return check()
 
 
 def setup(make: Factory, clock: rq.ManualClock) -> LedgerBase:
@@ -177,39 +109,3 @@ def test_a_settle_cancelled_on_a_loop_that_then_closes_never_hangs(
     cancel_while_blocked(led, make.backend, settle_all)
     assert eventually(lambda: led.balance("acme").held["tokens"] == 0)
     assert led.balance("acme").used == {"tokens": 10, "calls": 5}
-
-
-def test_a_quota_permit_whose_settle_is_cancelled_still_settles(
-    make: Factory, clock: rq.ManualClock
-) -> None:
-    """``permit.settle_async`` cancelled inside ``async with``: the block's exit gives the
-    hold back, and the settle still counts the work done (in whichever order they run)."""
-    from ratequeue.ledger import QuotaLevel, QuotaPolicy
-
-    led = setup(make, clock)
-    tokens = rq.Limiter(rq.Rate(90_000, per="minute", unit="tokens"), clock=clock)
-    qp = QuotaPolicy(rq.Policy({"cluster": tokens}), QuotaLevel(led, key="tenant"))
-
-    async def main() -> None:
-        permit = await qp.acquire_async(tenant="acme", tokens=500, request_id="q")
-        assert led.balance("acme").held["tokens"] == 500
-
-        async def use() -> None:
-            async with permit:
-                await permit.settle_async(tokens=120)
-
-        with writes_blocked(led, make.backend) as waiting:
-            task = asyncio.ensure_future(use())
-            end = time.monotonic() + 10
-            while not waiting() and time.monotonic() < end:
-                await asyncio.sleep(0.005)
-            assert waiting(), "the settle never reached the blocked writer"
-            task.cancel()
-            await asyncio.sleep(0.05)  # the block's exit now waits for the writer
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
-    assert eventually(lambda: led.balance("acme").used["tokens"] == 120)
-    assert eventually(lambda: led.balance("acme").held["tokens"] == 0)
-    assert led.settle("q", input_tokens=120, output_tokens=0).replay

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import ratequeue as rq
 from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
+from ledger_blocking import sqlite_writer_blocked
 from ratequeue.__main__ import main
 from ratequeue.ledger import (
     Daily,
@@ -217,15 +218,6 @@ def test_sqlite_async_charges_share_transactions(tmp_path: Path, clock) -> None:
 def test_sqlite_a_cancelled_queued_charge_counts_nothing(tmp_path: Path, clock) -> None:
     led = SqliteLedger(tmp_path / "q.db", clock=clock)
     led.set_plan("acme", PRO)
-    gate, started = threading.Event(), threading.Event()
-
-    def slow(conn: Any) -> None:
-        started.set()
-        gate.wait(30)
-
-    blocker = threading.Thread(target=led._run, args=(slow,))
-    blocker.start()
-    assert started.wait(30)
 
     async def main_() -> None:
         task = asyncio.ensure_future(led.charge_async("q", "acme", input_tokens=5))
@@ -239,9 +231,8 @@ def test_sqlite_a_cancelled_queued_charge_counts_nothing(tmp_path: Path, clock) 
             await task
         assert not led._queue  # withdrawn before any transaction took it
 
-    asyncio.run(main_())
-    gate.set()
-    blocker.join(30)
+    with sqlite_writer_blocked(led):
+        asyncio.run(main_())
     assert led.balance("acme").used == {"tokens": 0, "calls": 0}
     assert not led.charge("q", "acme", input_tokens=5).replay
     led.close()

@@ -19,6 +19,7 @@ import ratequeue as rq
 from hypothesis import given
 from hypothesis import strategies as st
 from ledger_backends import Factory
+from ledger_blocking import sqlite_writer_blocked
 from ratequeue.ledger import Every, LedgerBase, Plan, QuotaExceeded, SqliteLedger
 from ratequeue.ledger._model import MAX_AMOUNT, amounts, fingerprint, request_fingerprint
 
@@ -122,18 +123,7 @@ def test_a_mixed_batch_decides_each_call_as_alone(tmp_path: Path) -> None:
     led = SqliteLedger(tmp_path / "q.db", clock=clock)
     led.set_plan("acme", PRO)
     led.charge("seen", "acme", input_tokens=10)
-    gate = threading.Event()
-    # hold the writer in a transaction so the calls below queue up behind it
-    started = threading.Event()
-
-    def blocker(conn: Any) -> None:
-        started.set()
-        gate.wait(10)
-
     led._shared = 8  # contended: the calls below queue for the writer, none runs inline
-    t = threading.Thread(target=led._run, args=(blocker,))
-    t.start()
-    assert started.wait(10)
     results: dict[str, Any] = {}
 
     def call(name: str, fn: Any) -> None:
@@ -151,14 +141,14 @@ def test_a_mixed_batch_decides_each_call_as_alone(tmp_path: Path) -> None:
         "b": lambda: led.charge("b", "acme", input_tokens=200),
     }
     threads = []
-    for name, fn in calls.items():
-        th = threading.Thread(target=call, args=(name, fn))
-        th.start()
-        threads.append(th)
-    while len(led._queue) < len(calls):
-        threading.Event().wait(0.001)
-    gate.set()
-    for th in [t, *threads]:
+    with sqlite_writer_blocked(led):  # the calls queue up behind a held transaction
+        for name, fn in calls.items():
+            th = threading.Thread(target=call, args=(name, fn))
+            th.start()
+            threads.append(th)
+        while len(led._queue) < len(calls):
+            threading.Event().wait(0.001)
+    for th in threads:
         th.join(30)
     assert results["a"].tokens == 100 and not results["a"].replay
     assert results["replay"].replay
@@ -306,4 +296,4 @@ def test_redis_connections_per_thread_survive_fork_and_close(make: Factory, cloc
     t.join(30)
     assert seen[0] is not mine
     led.close()
-    assert mine._sock is None
+    assert mine.sock is None

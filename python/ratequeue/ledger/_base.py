@@ -227,7 +227,10 @@ class LedgerBase(abc.ABC):
         args = self._request_args(
             request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
         )
-        fp = request_fingerprint("charge", *args[1:])
+        return self._charge_now(args, request_fingerprint("charge", *args[1:]))
+
+    def _charge_now(self, args: tuple[Any, ...], fp: str) -> Charge:
+        """Runs a checked charge (``_request_args`` and its fingerprint), blocking."""
         return self._call(self._charge_call(*args, fp))  # type: ignore[no-any-return]
 
     def charge_many(self, requests: Sequence[Mapping[str, Any]]) -> list[Charge | Exception]:

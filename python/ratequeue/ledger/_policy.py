@@ -3,6 +3,7 @@ and the ledger's hold are taken together and given back together."""
 
 from __future__ import annotations
 
+import threading
 import uuid
 from collections.abc import Callable, Generator, Mapping
 from types import TracebackType
@@ -68,9 +69,10 @@ class QuotaLevel:
 
 
 class QuotaPermit:
-    """A policy permit plus a ledger hold; ``settle`` corrects both, ``release`` and
-    ``cancel`` give the hold back, leaving the block settles the estimate (or on an
-    exception gives the hold back)."""
+    """A policy permit plus a ledger hold; ``settle`` corrects both exactly once (a retry
+    after an error or a cancellation only finishes the ledger's part, with the first
+    call's amounts), ``release`` and ``cancel`` give an unsettled hold back, leaving the
+    block settles the estimate (or on an exception gives the hold back)."""
 
     def __init__(self, quota: QuotaLevel, permit: Any, hold: Hold) -> None:
         self.quota = quota
@@ -78,6 +80,9 @@ class QuotaPermit:
         self.hold = hold
         self.charge: Charge | None = None
         self._done = False
+        # the ledger amounts of the settle begun (the policy permit settled already)
+        self._settling: tuple[int, int] | None = None
+        self._lock = threading.Lock()
 
     @property
     def request_id(self) -> str:
@@ -97,42 +102,67 @@ class QuotaPermit:
             costs.pop(unit, None)
         return i, o
 
+    def _begin_settle(
+        self, input_tokens: int | None, output_tokens: int | None, costs: dict[str, Any]
+    ) -> tuple[int, int]:
+        """Settles the policy permit on the first call; the ledger amounts to send (the
+        first call's, whatever a retry passes)."""
+        with self._lock:
+            if self._settling is None:
+                i, o = self._ledger_costs(input_tokens, output_tokens, costs)
+                self.permit.settle(**costs)
+                self._settling = (i, o)
+            return self._settling
+
+    def _settled(self, charge: Charge) -> Charge:
+        with self._lock:
+            if self.charge is None:
+                self.charge = charge
+            self._done = True
+            return self.charge
+
     def settle(
         self, *, input_tokens: int | None = None, output_tokens: int | None = None, **costs: Any
     ) -> Charge:
         """Settles the policy permit with ``costs`` and the ledger hold with the tokens
-        (``input_tokens``/``output_tokens``, or the ``unit`` cost as input tokens)."""
-        i, o = self._ledger_costs(input_tokens, output_tokens, costs)
+        (``input_tokens``/``output_tokens``, or the ``unit`` cost as input tokens), once:
+        a later call returns the first one's charge."""
         if self.charge is not None:
             return self.charge
-        self.permit.settle(**costs)
-        self.charge = self.quota.ledger.settle(
+        i, o = self._begin_settle(input_tokens, output_tokens, costs)
+        charge = self.quota.ledger.settle(
             self.request_id, input_tokens=i, output_tokens=o, calls=self.hold.calls
         )
-        self._done = True
-        return self.charge
+        return self._settled(charge)
 
     async def settle_async(
         self, *, input_tokens: int | None = None, output_tokens: int | None = None, **costs: Any
     ) -> Charge:
-        """``settle`` without blocking the event loop on the ledger."""
-        i, o = self._ledger_costs(input_tokens, output_tokens, costs)
+        """``settle`` without blocking the event loop on the ledger; cancelled, the ledger's
+        settle still completes, and a retry returns its charge."""
         if self.charge is not None:
             return self.charge
-        self.permit.settle(**costs)
-        self.charge = await self.quota.ledger.settle_async(
+        i, o = self._begin_settle(input_tokens, output_tokens, costs)
+        charge = await self.quota.ledger.settle_async(
             self.request_id, input_tokens=i, output_tokens=o, calls=self.hold.calls
         )
-        self._done = True
-        return self.charge
+        return self._settled(charge)
+
+    def _take_hold(self) -> bool:
+        """Whether the hold is still ours to give back (no settle begun): once only."""
+        with self._lock:
+            if self._done or self._settling is not None:
+                return False
+            self._done = True
+            return True
 
     def _give_back_hold(self) -> None:
-        if not self._done:
-            self._done = True
+        if self._take_hold():
             self.quota.ledger.release(self.request_id)
 
     def release(self) -> None:
-        """Returns concurrency permits and gives an unsettled hold back."""
+        """Returns concurrency permits and gives an unsettled hold back (a hold whose
+        settle began is left to that settle, or to its expiry if it never lands)."""
         try:
             self.permit.release()
         finally:
@@ -146,8 +176,7 @@ class QuotaPermit:
             self._give_back_hold()
 
     async def _give_back_hold_async(self) -> None:
-        if not self._done:
-            self._done = True
+        if self._take_hold():
             await self.quota.ledger.release_async(self.request_id)
 
     async def release_async(self) -> None:

@@ -485,29 +485,15 @@ class SqliteStore(LedgerBase):
         return self._run(call)
 
     async def _call_async(
-        self,
-        call: Any,
-        undo: Any = None,
-        again: Callable[[], Any] | None = None,
-        finish: bool = False,
+        self, call: Any, undo: Any = None, again: Any = None, finish: bool = False
     ) -> Any:
-        """``_call`` awaited: see ``_run_async`` (``again`` is not needed: a queued call's
-        outcome is always known)."""
-        fn, charge = call if type(call) is tuple else (call, None)
-        return await self._run_async(fn, charge, undo, finish)
-
-    async def _run_async(
-        self,
-        fn: Callable[[sqlite3.Connection], Any],
-        charge: Any = None,
-        undo: Callable[[sqlite3.Connection], Any] | None = None,
-        finish: bool = False,
-    ) -> Any:
-        """``_run`` for asyncio: the caller awaits a future the writer resolves on its loop
+        """``_call`` for asyncio: the caller awaits a future the writer resolves on its loop
         (one wake-up per loop and transaction). Cancelled while queued, nothing is done
         (with ``finish``, the call stays queued and runs all the same); once in a
         transaction it counts, and then ``undo``, if given, runs in a later transaction
-        of the writer (no event loop needed)."""
+        of the writer (no event loop needed). No ``again``: a queued call's outcome is
+        always known."""
+        fn, charge = call if type(call) is tuple else (call, None)
         op = _Op(fn, charge)
         op.loop = loop = asyncio.get_running_loop()
         op.fut = fut = loop.create_future()

@@ -27,6 +27,8 @@ from ..ledger._model import (
 )
 from ._ledger_codec import (
     SEP,
+    _Ctx,
+    _field,
     _flat,
     _Info,
     _ints,
@@ -157,6 +159,27 @@ class RedisLedger(_RedisLedgerCore):
             yield ("cmd", "SADD", self._prefix + "notify", account)
             self._notice_event.set()
 
+    def _charge_now(self, args: tuple[Any, ...], fp: str) -> Charge:
+        """A plain client's charge of a known account without the flow's machinery: its
+        script sent straight on this thread's connection; any reply but "charged" goes
+        on in the flow (``_charge_call``) from that reply."""
+        rid, account, am, model, parent, meta = args
+        info = self._info.get(account)
+        if info is not None and self._raw:
+            self._check_big(am)
+            now = self._now()
+            span = self._span(info.plan_json, info.plan, info.anchor, now)
+            c = self._ctx(account, info, span)
+            r = self._exec(self._charge_step(c, now, rid, am, model or "", parent or "", meta, fp))
+            if type(r) is not int:
+                return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp, r))
+            if r:
+                self._drive(self._fired(account, r))
+            i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
+            mt = _meta(meta) if meta else None
+            return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+        return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp))
+
     def _charge_call(
         self,
         rid: str,
@@ -166,7 +189,9 @@ class RedisLedger(_RedisLedgerCore):
         parent: str | None,
         meta: str,
         fp: str,
+        first: Any = None,
     ) -> _Flow[Charge]:
+        """A charge as a flow; ``first``: the reply its plain-charge script already got."""
         self._check_big(am)
         i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, fp, i, o, n, model or "", parent or "", meta, "")
@@ -177,31 +202,13 @@ class RedisLedger(_RedisLedgerCore):
                 info = yield from self._info_flow(account, attempt > 0)
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now)
-            t = repr(now)
-            m, pa = model or "", parent or ""
             if fast:
-                c = self._ctx(account, info, span)
-                raw = SEP.join(("charge", "charged", fp, "", t, span.key))
-                raw += SEP.join(("", str(i), str(o), str(n), m, pa, meta, "", ""))
-                ttl = str(max(1, math.ceil(span.end - now + int(self.retention) + 1)))
-                vals = (i + o, i, o, n)
-                rk = c.rkey + rid
-                needs = [str(vals[k]) for k in c.uidx]
-                items = [c.fhead, rk, "c", t, rid, raw, ttl, c.nu, *needs, c.ftail]
-                packed = None
-                if self._raw and rk.isascii() and raw.isascii():
-                    # one str, encoded once (ASCII: its length is its byte count)
-                    ns = "".join([f"${len(x)}\r\n{x}\r\n" for x in needs])
-                    packed = (
-                        c.fpre
-                        + (
-                            f"${len(rk)}\r\n{rk}\r\n$1\r\nc\r\n${len(t)}\r\n{t}\r\n"
-                            f"${len(rid)}\r\n{rid}\r\n${len(raw)}\r\n{raw}\r\n"
-                            f"${len(ttl)}\r\n{ttl}\r\n{c.fmid}{ns}"
-                        ).encode()
-                        + c.ftail.raw
-                    )
-                r = yield ("eval", items, packed)
+                if attempt == 0 and first is not None:
+                    r = first
+                else:
+                    c = self._ctx(account, info, span)
+                    m, pa = model or "", parent or ""
+                    r = yield self._charge_step(c, now, rid, am, m, pa, meta, fp)
                 if type(r) is int:  # charged: the thresholds it fired
                     if r:
                         yield from self._fired(account, r)
@@ -235,6 +242,45 @@ class RedisLedger(_RedisLedgerCore):
                 raise quota_exceeded(account, _s(r[1]), int(r[2]), int(r[3]), span, now)
             raise LedgerError(f"unexpected reply from the ledger script: {r!r}")
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+
+    def _charge_step(
+        self,
+        c: _Ctx,
+        now: float,
+        rid: str,
+        am: dict[str, int],
+        m: str,
+        pa: str,
+        meta: str,
+        fp: str,
+    ) -> _Step:
+        """The plain charge's script step (op ``c``), packed in one piece on a plain client."""
+        i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
+        t = repr(now)
+        raw = (
+            f"charge\x1fcharged\x1f{fp}\x1f\x1f{t}\x1f{c.span.key}\x1f{i}\x1f{o}\x1f{n}"
+            f"\x1f{m}\x1f{pa}\x1f{meta}\x1f\x1f"
+        )
+        ttl = str(max(1, math.ceil(c.expires - now)))
+        vals = (i + o, i, o, n)
+        needs = [str(vals[k]) for k in c.uidx]
+        rk = c.rkey + rid
+        if self._raw and c.rkey_ascii and rid.isascii() and raw.isascii():
+            # one str, encoded once (ASCII: its length is its byte count)
+            ns = "".join([f"${len(x)}\r\n{x}\r\n" for x in needs])
+            packed: bytes | None = (
+                c.fpre
+                + (
+                    f"${len(rk)}\r\n{rk}\r\n$1\r\nc\r\n${len(t)}\r\n{t}\r\n"
+                    f"${len(rid)}\r\n{rid}\r\n${len(raw)}\r\n{raw}\r\n"
+                    f"${len(ttl)}\r\n{ttl}\r\n{c.fmid}{ns}"
+                ).encode()
+                + c.ftail.raw
+            )
+        else:
+            packed = None
+        # the command as arguments too, for the asyncio client
+        return ("eval", [c.fhead, rk, "c", t, rid, raw, ttl, c.nu, *needs, c.ftail], packed)
 
     def _charge_many(self, ops: list[Any]) -> list[Charge | Exception]:
         out: list[Any] = list(ops)
@@ -560,8 +606,8 @@ class RedisLedger(_RedisLedgerCore):
             for n, (k, acc, info, span) in enumerate(todo):
                 quota = info.plan.quota
                 p, a = got[2 * n], got[2 * n + 1]
-                before_used = {u: int(p.get(f"u_{u}".encode(), 0)) for u in quota}
-                before_bonus = {u: int(a.get(f"b_{u}".encode(), 0)) for u in quota}
+                before_used = {u: int(_field(p, f"u_{u}", 0)) for u in quota}
+                before_bonus = {u: int(_field(a, f"b_{u}", 0)) for u in quota}
                 used, add = compensation(
                     quota,
                     before_used,

@@ -65,6 +65,7 @@ class _Ctx:
     the same for the plain charge (op ``c``)."""
 
     __slots__ = (
+        "expires",
         "fhead",
         "fmid",
         "fpre",
@@ -73,6 +74,7 @@ class _Ctx:
         "keys",
         "nu",
         "rkey",
+        "rkey_ascii",
         "span",
         "tail",
         "uidx",
@@ -89,6 +91,9 @@ class _Ctx:
         units = list(info.plan.quota.items())
         self.nu = len(units)
         self.rkey = pfx + "r:"
+        self.rkey_ascii = self.rkey.isascii()
+        # a request record lives until this (Unix s): ``retention`` after the period ends
+        self.expires = span.end + retention
         # where each unit's amount is in (tokens, input_tokens, output_tokens, calls)
         self.uidx = tuple(
             ("tokens", "input_tokens", "output_tokens", "calls").index(u) for u, _ in units
@@ -174,23 +179,14 @@ def _record_charge(rid: str, account: str, raw: str, replay: bool) -> Charge:
     )
 
 
-def _row_charge(account: str, fields: dict[bytes, bytes]) -> Charge:
-    return _record_charge(_s(fields[b"id"]), account, _s(fields[b"r"]), False)
+def _field(fields: dict[Any, Any], name: str, default: Any = None) -> Any:
+    """A hash or stream field by name, whether the client decodes replies or not."""
+    v = fields.get(name.encode())
+    return fields.get(name, default) if v is None else v
 
 
-def _pack(args: Sequence[Any]) -> bytes:
-    """A command in RESP, as redis-py would send it."""
-    parts = [b"*%d\r\n" % len(args)]
-    for a in args:
-        b = a if isinstance(a, bytes) else str(a).encode()
-        parts.append(b"$%d\r\n%s\r\n" % (len(b), b))
-    return b"".join(parts)
-
-
-def _is_reply_error(e: Exception) -> bool:
-    import redis
-
-    return isinstance(e, redis.exceptions.ResponseError)
+def _row_charge(account: str, fields: dict[Any, Any]) -> Charge:
+    return _record_charge(_s(_field(fields, "id")), account, _s(_field(fields, "r")), False)
 
 
 def _notice(account: str, raw: str) -> Notice:

@@ -20,7 +20,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import heapq
 import importlib.resources
+import itertools
 import os
 import threading
 import time
@@ -44,9 +46,9 @@ from ._ledger_codec import (
     _Ctx,
     _flat,
     _Info,
-    _is_reply_error,
     _pack_items,
 )
+from ._ledger_wire import _Wire
 
 
 def _script_text() -> str:
@@ -62,8 +64,8 @@ LUA_SHA = hashlib.sha1(LUA.encode()).hexdigest()
 #: Lua numbers are doubles: amounts and totals stay below this in Redis.
 MAX_REDIS_AMOUNT = 2**53 - 1
 _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
-#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s in all
-#: while Redis is unreachable).
+#: Tries of a cancelled asyncio call finished on the blocking client (about 30 s of
+#: pauses in all while Redis is unreachable).
 _FINISH_ATTEMPTS = 20
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
@@ -176,6 +178,7 @@ class _RedisLedgerCore(LedgerBase):
         )
         # a plain client's scripts go on a connection per thread made like the pool's (no
         # pool get/release per call); ``close`` closes them
+        self._wire_ok = self._raw
         self._local = threading.local()
         self._conns: weakref.WeakSet[Any] = weakref.WeakSet()
 
@@ -226,10 +229,7 @@ class _RedisLedgerCore(LedgerBase):
             step = next(flow)
             while True:
                 try:
-                    if step[0] == "eval" and len(step) > 2 and step[2] is not None and self._raw:
-                        reply = self._send_packed(step[2])  # a plain charge: packed already
-                    else:
-                        reply = self._exec(step)
+                    reply = self._exec(step)
                 except Exception as e:
                     step = flow.throw(e)
                 else:
@@ -281,28 +281,17 @@ class _RedisLedgerCore(LedgerBase):
         return out
 
     def _pipeline(self, steps: Sequence[_Step]) -> list[Any]:
-        """Each script step's reply or error: sent together on one pooled connection of a
-        plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
+        """Each script step's reply or error: sent together on this thread's connection of
+        a plain client (one at a time otherwise); a step refused with NOSCRIPT (not run) is
         sent again alone once the script is loaded."""
-        if not self._raw or len(steps) < 2:
+        if not self._wire_ok or len(steps) < 2:
             return [self._try(step) for step in steps]
         packed = b"".join(s[2] if s[2] is not None else _pack_items(s[1]) for s in steps)
-        conn = self._thread_conn()
-        out: list[Any] = []
-        try:
-            conn.send_packed_command([packed])
-            for _ in steps:
-                try:
-                    out.append(conn.read_response())
-                except redis.exceptions.ResponseError as e:  # that script's own error
-                    out.append(e)
-        except BaseException as e:
-            conn.disconnect()
-            if not isinstance(e, Exception):
-                raise
-            out += [e] * (len(steps) - len(out))  # unknown: retry with the same ids
+        out = self._thread_conn().call_many(packed, len(steps))
         for k, r in enumerate(out):
-            if isinstance(r, redis.exceptions.NoScriptError):
+            if isinstance(r, redis.exceptions.InvalidResponse):
+                self._wire_ok = False  # a reply it cannot read: redis-py from now on
+            if isinstance(r, (redis.exceptions.NoScriptError, redis.exceptions.InvalidResponse)):
                 out[k] = self._try(steps[k])
         return out
 
@@ -349,19 +338,27 @@ class _RedisLedgerCore(LedgerBase):
             raise
 
     def _finish_cancelled(
-        self, again: Callable[[], _Flow[Any]] | None, undo: _Flow[Any] | None
+        self,
+        again: Callable[[], _Flow[Any]] | None,
+        undo: _Flow[Any] | None,
+        attempt: int = 0,
     ) -> None:
         """A cancelled asyncio call's ending (on a worker thread): ``again()`` run until
-        Redis answers (its own refusal counts as an answer), then ``undo``."""
+        Redis answers (its own refusal counts as an answer), then ``undo``. While Redis is
+        unreachable each try is one call; the next is scheduled (``_LATER``), so no
+        worker thread sleeps between tries."""
         if again is not None:
-            for attempt in range(_FINISH_ATTEMPTS):
-                try:
-                    self._drive(again())
-                    break
-                except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
-                    time.sleep(min(2.0, 0.05 * 2**attempt))
-                except Exception:
-                    break
+            try:
+                self._drive(again())
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+                if attempt + 1 < _FINISH_ATTEMPTS:
+                    _LATER.call(
+                        min(2.0, 0.05 * 2**attempt),
+                        lambda: self._finish_cancelled(again, undo, attempt + 1),
+                    )
+                    return
+            except Exception:
+                pass
         if undo is not None:
             with contextlib.suppress(Exception):
                 self._drive(undo)
@@ -376,48 +373,44 @@ class _RedisLedgerCore(LedgerBase):
             return self._send_eval(step)
 
     def _send_eval(self, step: _Step) -> Any:
-        if not self._raw:
+        if not self._wire_ok:
             return self.client.execute_command(*_flat(step[1]))
         # a plain client's connection of this thread gets the command packed once (its
         # fixed parts per account and period, packed before), without redis-py's work
         # per argument
         packed = step[2] if len(step) > 2 and step[2] is not None else _pack_items(step[1])
-        return self._send_packed(packed)
+        try:
+            return self._send_packed(packed)
+        except redis.exceptions.InvalidResponse:
+            # a reply the ledger cannot read (e.g. RESP3 attributes of client tracking):
+            # redis-py from now on; the script is idempotent, so sending it again is safe
+            self._wire_ok = False
+            return self.client.execute_command(*_flat(step[1]))
 
     def _send_packed(self, packed: bytes) -> Any:
         """One packed script call on this thread's connection (loaded first if Redis lost
         the script)."""
-        conn = self._thread_conn()
-        for attempt in (0, 1):
-            try:
-                conn.send_packed_command([packed])
-                return conn.read_response()
-            except redis.exceptions.NoScriptError:
-                if attempt:
-                    raise
-                self.client.script_load(LUA)
-            except BaseException as e:
-                if not isinstance(e, Exception) or not _is_reply_error(e):
-                    conn.disconnect()
-                raise
-        raise AssertionError("unreachable")  # pragma: no cover
+        try:
+            return self._thread_conn().call(packed)
+        except redis.exceptions.NoScriptError:
+            self.client.script_load(LUA)
+            return self._thread_conn().call(packed)
 
-    def _thread_conn(self) -> Any:
+    def _thread_conn(self) -> _Wire:
         """This thread's connection for scripts (made like the client's pool makes its
         own; a forked child makes new ones)."""
-        conn = getattr(self._local, "conn", None)
-        if conn is None:
-            pool = self.client.connection_pool
-            conn = self._local.conn = pool.connection_class(**pool.connection_kwargs)
+        wire = getattr(self._local, "wire", None)
+        if wire is None:
+            wire = self._local.wire = _Wire(self.client.connection_pool)
             with self._lock:
-                self._conns.add(conn)
-        return conn
+                self._conns.add(wire)
+        return wire
 
     def _close_conns(self) -> None:
         with self._lock:
             conns, self._conns = list(self._conns), weakref.WeakSet()
         for c in conns:
-            c.disconnect()
+            c.close()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
@@ -439,6 +432,50 @@ class _RedisLedgerCore(LedgerBase):
         return c
 
 
+class _Later:
+    """Runs functions on the ledger's worker threads after a delay: one timer thread
+    sleeps until the next is due (made again in a forked child)."""
+
+    def __init__(self) -> None:
+        self._reset()
+        os.register_at_fork(after_in_child=self._reset)
+
+    def _reset(self) -> None:
+        self._cv = threading.Condition()
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._thread: threading.Thread | None = None
+
+    def call(self, delay: float, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` on a worker thread ``delay`` seconds from now."""
+        with self._cv:
+            heapq.heappush(self._heap, (time.monotonic() + delay, next(self._seq), fn))
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._loop, name="ratequeue-ledger-later", daemon=True
+                )
+                self._thread.start()
+            self._cv.notify()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while True:
+                    if not self._heap:
+                        self._cv.wait()
+                        continue
+                    rest = self._heap[0][0] - time.monotonic()
+                    if rest <= 0:
+                        fn = heapq.heappop(self._heap)[2]
+                        break
+                    self._cv.wait(rest)
+            try:
+                _executor().submit(fn)
+            except RuntimeError:  # the interpreter is shutting down
+                return
+
+
+_LATER = _Later()
 _LEDGERS: weakref.WeakSet[_RedisLedgerCore] = weakref.WeakSet()
 
 

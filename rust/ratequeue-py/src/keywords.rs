@@ -3,7 +3,7 @@
 //! private parsers `ratequeue.redis` uses, so both refuse alike.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyString, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 
 use crate::args::{cost, texts};
 use crate::errors::{given_twice, missing_keyword, setup_err, type_err, unexpected_keyword, value_err};
@@ -182,28 +182,38 @@ pub fn unit_costs(
     kw: Option<&Bound<'_, PyDict>>,
     out: &mut [u64],
 ) -> PyResult<()> {
+    unit_costs_named(units, defaults, n, kw.into_iter().flat_map(|d| d.iter()), out)
+}
+
+/// [`unit_costs`] over keywords as (name, value) pairs (a dict's items, or a vectorcall's
+/// `kwnames` beside its values): the same costs and the same TypeErrors.
+pub fn unit_costs_named<'py>(
+    units: &[String],
+    defaults: &[Option<u64>],
+    n: Option<&Bound<'py, PyAny>>,
+    named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    out: &mut [u64],
+) -> PyResult<()> {
     debug_assert!(units.len() <= MAX_UNITS && out.len() >= units.len());
     let mut given: u64 = 0;
     if let Some(n) = n {
-        out[0] = cost(&units[0], n)?;
+        out[0] = plain_cost(&units[0], n)?;
         given = 1;
     }
-    if let Some(kw) = kw {
-        for (k, v) in kw.iter() {
-            let k = k.cast::<PyString>()?;
-            let name = k.to_str()?;
-            let Some(i) = units.iter().position(|u| u == name) else {
-                return Err(unexpected_keyword(
-                    name,
-                    &format!("this limiter counts units {units:?}"),
-                ));
-            };
-            if given & (1 << i) != 0 {
-                return Err(given_twice(name));
-            }
-            out[i] = cost(name, &v)?;
-            given |= 1 << i;
+    for (k, v) in named {
+        let k = k.cast_into::<PyString>()?;
+        let name = k.to_str()?;
+        let Some(i) = units.iter().position(|u| u == name) else {
+            return Err(unexpected_keyword(
+                name,
+                &format!("this limiter counts units {units:?}"),
+            ));
+        };
+        if given & (1 << i) != 0 {
+            return Err(given_twice(name));
         }
+        out[i] = plain_cost(name, &v)?;
+        given |= 1 << i;
     }
     for (i, u) in units.iter().enumerate() {
         if given & (1 << i) == 0 {
@@ -211,6 +221,20 @@ pub fn unit_costs(
         }
     }
     Ok(())
+}
+
+/// [`cost`], with a plain int below 2**64 - 1 read at once (the one validation path
+/// decides every other value, including the saturating 2**64 - 1).
+#[inline]
+fn plain_cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+    if v.is_exact_instance_of::<PyInt>() {
+        if let Ok(c) = v.extract::<u64>() {
+            if c != u64::MAX {
+                return Ok(c);
+            }
+        }
+    }
+    cost(name, v)
 }
 
 /// Private (for `ratequeue.redis`): a limiter's units, read as `rq.Limiter` reads a

@@ -76,6 +76,18 @@ impl LimiterPy {
         Ok(out)
     }
 
+    /// The costs of a call whose keywords come as (name, value) pairs (the fast entry's
+    /// `kwnames`): as [`Self::costs`] reads them.
+    pub(crate) fn costs_named<'py>(
+        &self,
+        n: Option<&Bound<'py, PyAny>>,
+        named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<Costs> {
+        let mut out = [0u64; MAX_RATES];
+        crate::keywords::unit_costs_named(self.core.units(), &self.defaults, n, named, &mut out)?;
+        Ok(out)
+    }
+
     /// try_acquire's decision on `c` (costs per unit), counted: false while anyone
     /// waits (nobody overtakes a waiter).
     #[inline]

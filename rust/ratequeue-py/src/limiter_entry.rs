@@ -1,5 +1,5 @@
-//! The fast entry of `Limiter.try_acquire`: a vectorcall method over PyO3's, deciding
-//! the common calls (no cost, or one positional cost) without parsing keywords.
+//! The fast entry of `Limiter.try_acquire`: a vectorcall method over PyO3's, reading the
+//! positional cost and the keywords (`kwnames`) itself, with no dict and no second call.
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
@@ -16,9 +16,10 @@ use crate::limiter::LimiterPy;
 static TRY_ACQUIRE_FULL: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 
 /// `Limiter.try_acquire` with the vectorcall convention (a method with `**costs` gets the
-/// tuple-and-dict one from PyO3): a call without keywords and with no argument or one
-/// plain int is decided here, any other goes to the full method unchanged (same
-/// signature, results and messages). No panic leaves it.
+/// tuple-and-dict one from PyO3): a call with at most one positional argument is decided
+/// here, its keywords read from `kwnames` as the full method reads its `**costs` (same
+/// results and messages); more positional arguments go to the full method for its
+/// TypeError. No panic leaves it.
 unsafe extern "C" fn try_acquire_fast(
     slf: *mut ffi::PyObject,
     args: *const *mut ffi::PyObject,
@@ -29,26 +30,30 @@ unsafe extern "C" fn try_acquire_fast(
     // followed by one per name in `kwnames`.
     let py = unsafe { Python::assume_attached() };
     let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
-        let no_keywords = kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0;
-        if no_keywords && nargs <= 1 {
+        if nargs <= 1 {
             let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };
             if let Ok(lim) = obj.cast::<LimiterPy>() {
                 let lim = lim.get();
                 let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
-                if let Some(c) = lim.one_cost(n.as_ref()) {
+                let no_keywords = kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0;
+                if let Some(c) = no_keywords.then(|| lim.one_cost(n.as_ref())).flatten() {
                     let ok = lim.answer(py, lim.decide_now(&[c]))?;
                     return Ok(PyBool::new(py, ok).to_owned().into_any().unbind());
                 }
+                // SAFETY: the keywords' values follow the `nargs` positional ones.
+                let values = args.wrapping_offset(nargs);
+                return unsafe { with_keywords(py, lim, n.as_ref(), values, kwnames) };
             }
         }
-        let full = TRY_ACQUIRE_FULL
-            .get(py)
-            .ok_or_else(|| not_installed("Limiter.try_acquire is not installed"))?;
         let nkw = if kwnames.is_null() {
             0
         } else {
             unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
         };
+        // More than one positional argument: PyO3's method says so, in its words.
+        let full = TRY_ACQUIRE_FULL
+            .get(py)
+            .ok_or_else(|| not_installed("Limiter.try_acquire is not installed"))?;
         let mut all = Vec::with_capacity(1 + (nargs + nkw) as usize);
         all.push(slf);
         // SAFETY: the interpreter's argument vector holds nargs + nkw objects.
@@ -67,6 +72,35 @@ unsafe extern "C" fn try_acquire_fast(
             std::ptr::null_mut()
         }
     }
+}
+
+/// A call with keywords, or with costs for several units: `values` holds one value per
+/// name in `kwnames` (NULL: none), read as the full method reads its `**costs`.
+///
+/// # Safety
+/// Called attached, with `kwnames` NULL or a tuple of names and `values` pointing at as
+/// many objects.
+#[inline(never)]
+unsafe fn with_keywords(
+    py: Python<'_>,
+    lim: &LimiterPy,
+    n: Option<&Bound<'_, PyAny>>,
+    values: *const *mut ffi::PyObject,
+    kwnames: *mut ffi::PyObject,
+) -> PyResult<Py<PyAny>> {
+    let nkw = if kwnames.is_null() {
+        0
+    } else {
+        unsafe { ffi::PyTuple_GET_SIZE(kwnames) }
+    };
+    let named = (0..nkw).map(|i| unsafe {
+        (
+            Bound::from_borrowed_ptr(py, ffi::PyTuple_GET_ITEM(kwnames, i)),
+            Bound::from_borrowed_ptr(py, *values.offset(i)),
+        )
+    });
+    let ok = lim.answer(py, lim.decide_now(&lim.costs_named(n, named)?))?;
+    Ok(PyBool::new(py, ok).to_owned().into_any().unbind())
 }
 
 /// Puts the fast entry of `Limiter.try_acquire` in the type, over PyO3's (kept for the

@@ -7,13 +7,13 @@ use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyTuple};
-use ratequeue_core::policy::{Held, PolicyAcquire, Step};
-use ratequeue_core::{AnyClock, Error, LevelArgs, Outcome, Policy, Wake};
+use ratequeue_core::policy::{Finished, Held, PolicyAcquire};
+use ratequeue_core::{AnyClock, LevelArgs, Policy};
 
 use crate::args::cost;
-use crate::errors::{aio_not_ready, channel_closed, to_py, unexpected_keyword};
+use crate::errors::{aio_not_ready, unexpected_keyword};
 use crate::policy::PolicyPy;
-use crate::waiting::{ChannelPy, Ready};
+use crate::waiting::Ready;
 
 /// What a policy granted: a context manager that returns concurrency permits on exit;
 /// `settle` corrects estimated costs on every rate level.
@@ -245,92 +245,22 @@ impl PolicyAcquiringPy {
 
 /// The asyncio bridge's calls (`ratequeue.aio`, through `aio::bridge`): not Python methods.
 impl PolicyAcquiringPy {
-    /// Goes on as far as it can on `channel`: the PolicyPermit when every level is
-    /// held, else the ticket whose outcome arrives in the channel. Raises the refusal
-    /// (everything given back). RuntimeError on a closed channel.
-    pub(crate) fn submit(&self, py: Python<'_>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
-        let chan = channel.get().inner.clone();
-        if chan.is_closed() {
-            return Err(channel_closed());
+    /// The PolicyPermit of a finished acquire (every level held), kept for the caller.
+    pub(crate) fn finished(&self, py: Python<'_>, f: Finished) -> PyResult<Py<PyAny>> {
+        let core = &self.core;
+        let policy = self.policy.get();
+        let permit = policy.permit(
+            core.args().to_vec(),
+            f.held,
+            core.start_ns(),
+            f.waited_ns.saturating_add(f.delay_ns),
+        );
+        if !policy.clock().is_manual() {
+            self.left_ns.store(f.delay_ns, Ordering::Release);
         }
-        let core = &self.core;
-        match py.detach(|| core.advance(&|| Wake::Channel(chan.clone()))) {
-            Ok(Step::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
-            Ok(Step::Done {
-                delay_ns,
-                waited_ns,
-                held,
-            }) => {
-                let policy = self.policy.get();
-                let permit = policy.permit(
-                    core.args().to_vec(),
-                    held,
-                    core.start_ns(),
-                    waited_ns.saturating_add(delay_ns),
-                );
-                if !policy.clock().is_manual() {
-                    self.left_ns.store(delay_ns, Ordering::Release);
-                }
-                let p = Py::new(py, permit)?;
-                let _ = self.permit.set(p.clone_ref(py));
-                Ok(p.into_any())
-            }
-            Err(e) => Err(to_py(py, e)),
-        }
-    }
-
-    /// The wait under way was granted (`token`: its grant): None, the next step is
-    /// `submit` again.
-    pub(crate) fn granted(&self, py: Python<'_>, waited_ns: u64, token: Option<u64>) -> PyResult<Option<Py<PyAny>>> {
-        let o = Outcome::Granted {
-            at_ns: 0,
-            waited_ns,
-            token: token.unwrap_or(0),
-        };
-        let core = &self.core;
-        py.detach(|| core.outcome(o)).map_err(|e| to_py(py, e))?;
-        Ok(None)
-    }
-
-    /// The WaitTimeout for the wait under way, which expired (everything given back).
-    pub(crate) fn timeout_error(&self, py: Python<'_>, waited_ns: u64) -> PyErr {
-        let core = &self.core;
-        match py.detach(|| core.outcome(Outcome::TimedOut { waited_ns })) {
-            Err(e) => to_py(py, e),
-            Ok(()) => to_py(
-                py,
-                Error::WaitTimeout {
-                    waited_ns,
-                    retry_after_ns: 0,
-                },
-            ),
-        }
-    }
-
-    /// Gives back everything held; True if the wait under way left its queue, False if
-    /// its queue decided already (its grant then comes to `_give_back`).
-    pub(crate) fn cancel(&self, py: Python<'_>, ticket: u64) -> bool {
-        let _ = ticket; // one wait at a time: the core knows which
-        py.detach(|| self.core.abandon())
-    }
-
-    /// Gives back everything held and the grant (`token`) of the wait under way, which
-    /// arrived after its waiter left.
-    pub(crate) fn give_back(&self, py: Python<'_>, token: Option<u64>) {
-        let core = &self.core;
-        py.detach(|| match token {
-            Some(t) => core.give_back_late(t),
-            None => {
-                core.abandon();
-            }
-        });
-    }
-
-    /// The task left after a step was granted but before it resumed: everything held
-    /// is given back, once.
-    pub(crate) fn abandon(&self, py: Python<'_>, result: &Bound<'_, PyAny>) {
-        let _ = result; // None: the grant is already in the core's state
-        py.detach(|| self.core.abandon());
+        let p = Py::new(py, permit)?;
+        let _ = self.permit.set(p.clone_ref(py));
+        Ok(p.into_any())
     }
 
     /// Seconds to sleep after the final step until the common time (0 on a ManualClock).

@@ -128,12 +128,23 @@ pub struct PermitPy {
     inner: Permit,
 }
 
+impl From<Permit> for PermitPy {
+    fn from(inner: Permit) -> PermitPy {
+        PermitPy { inner }
+    }
+}
+
 impl PermitPy {
     /// A permit of `owner` holding `costs`, granted after `waited_ns` in the queue.
     pub fn new(owner: Arc<dyn PermitOwner>, costs: &[u64], waited_ns: u64) -> PermitPy {
         PermitPy {
             inner: Permit::new(owner, costs, waited_ns, GrantRef::default()),
         }
+    }
+
+    /// The core permit.
+    pub(crate) fn permit(&self) -> &Permit {
+        &self.inner
     }
 
     /// True when granted in this process (not inherited across a fork).
@@ -146,11 +157,6 @@ impl PermitPy {
         PermitPy {
             inner: self.inner.with_grant(grant),
         }
-    }
-
-    /// Marks the permit released; true if this call did (the first one).
-    pub(crate) fn mark_released(&self) -> bool {
-        self.inner.mark_released()
     }
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).

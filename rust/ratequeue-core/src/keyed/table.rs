@@ -13,6 +13,12 @@ pub(super) struct Slot {
     pub(super) tat: u64,
 }
 
+/// An empty slot whose bytes are all 0xFF (its key is never read while it is empty).
+const CLEARED: Slot = Slot {
+    key: u64::MAX,
+    tat: VACANT,
+};
+
 impl Default for Slot {
     fn default() -> Self {
         Slot { key: 0, tat: VACANT }
@@ -157,11 +163,75 @@ impl Table {
         t.era = era;
     }
 
+    /// Moves every key into `cap` (a power of two, more than the keys) slots: the same
+    /// keys, TATs and `len`, as [`Table::insert_new`] of each would leave them.
     pub(super) fn grow(&mut self, cap: usize) {
-        let old = std::mem::replace(&mut self.slots, vec![Slot::default(); cap]);
-        self.len = 0;
-        for s in old.into_iter().filter(|s| s.used()) {
-            self.insert_new(s.key, s.tat);
+        debug_assert!(cap.is_power_of_two() && cap > self.len);
+        // Every byte 0xFF: filled as one memset, not slot by slot.
+        let old = std::mem::replace(&mut self.slots, vec![CLEARED; cap]);
+        let mask = cap - 1;
+        let mut next_full = self.next_full;
+        for s in old.iter().filter(|s| s.used()) {
+            let mut i = (s.key as usize) & mask;
+            while self.slots[i].used() {
+                i = (i + 1) & mask;
+            }
+            self.slots[i] = *s;
+            next_full = next_full.min(s.tat);
         }
+        self.next_full = next_full;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grow_keeps_every_key_its_tat_and_the_counts() {
+        let mut t = Table::default();
+        t.grow(8);
+        // Colliding homes, a cluster that wraps past the end, and hash 0.
+        let keys = [7u64, 15, 23, 0, 8, 3, 11];
+        for (n, k) in keys.iter().enumerate() {
+            t.insert_new(*k, 100 + n as u64);
+        }
+        t.remove_at(t.find(15).unwrap());
+        t.next_full = 500;
+        for cap in [16, 64, 1024] {
+            t.grow(cap);
+            assert_eq!((t.slots.len(), t.len), (cap, keys.len() - 1));
+            assert_eq!(t.next_full, 100);
+            for (n, k) in keys.iter().enumerate().filter(|(_, k)| **k != 15) {
+                assert_eq!(t.slots[t.find(*k).unwrap()].tat, 100 + n as u64);
+            }
+            assert_eq!(t.find(15), None);
+            assert_eq!(t.slots.iter().filter(|s| s.used()).count(), t.len);
+        }
+    }
+
+    #[test]
+    fn grow_matches_inserting_each_key_again() {
+        let mut grown = Table::default();
+        grown.grow(64);
+        let keys: Vec<u64> = (0..40u64).map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 3).collect();
+        for (n, k) in keys.iter().enumerate() {
+            grown.insert_new(*k, n as u64);
+        }
+        let mut rebuilt = Table {
+            slots: vec![Slot::default(); 256],
+            ..Table::default()
+        };
+        for s in grown.slots.iter().filter(|s| s.used()) {
+            rebuilt.insert_new(s.key, s.tat);
+        }
+        grown.grow(256);
+        let used = |t: &Table| {
+            t.slots
+                .iter()
+                .map(|s| s.used().then_some((s.key, s.tat)))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(used(&grown), used(&rebuilt));
     }
 }

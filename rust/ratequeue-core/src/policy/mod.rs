@@ -14,10 +14,12 @@ use crate::limiter::{Limiter, Reservation};
 use crate::wait::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Resource, WaitQueue};
 
 mod acquire;
+mod awaited;
 #[cfg(test)]
 mod tests;
 
 pub use acquire::{PolicyAcquire, Step};
+pub use awaited::Finished;
 
 /// What one level limits.
 #[derive(Clone)]

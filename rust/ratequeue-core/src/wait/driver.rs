@@ -117,9 +117,13 @@ impl Ord for Entry {
 }
 
 /// When to wake for the heap's earliest entry `first` (> `now`): not before the
-/// resolution has passed, unless a precise entry is due earlier.
-fn wake_at(heap: &BinaryHeap<Entry>, first: u64, now: u64) -> u64 {
+/// resolution has passed, unless a precise entry is due earlier (`precise`: how many
+/// entries are; none, and the heap is not looked through).
+fn wake_at(heap: &BinaryHeap<Entry>, precise: usize, first: u64, now: u64) -> u64 {
     let floor = now.saturating_add(RESOLUTION_NS);
+    if precise == 0 {
+        return first.max(floor);
+    }
     heap.iter()
         .filter(|e| e.precise && e.t < floor)
         .map(|e| e.t)
@@ -130,7 +134,27 @@ fn wake_at(heap: &BinaryHeap<Entry>, first: u64, now: u64) -> u64 {
 #[derive(Default)]
 struct State {
     heap: BinaryHeap<Entry>,
+    /// How many entries of the heap are precise.
+    precise: usize,
     next_id: u64,
+}
+
+impl State {
+    fn pop(&mut self) -> Option<Entry> {
+        let e = self.heap.pop()?;
+        self.precise -= usize::from(e.precise);
+        Some(e)
+    }
+
+    fn push(&mut self, e: Entry) {
+        self.precise += usize::from(e.precise);
+        self.heap.push(e);
+    }
+}
+
+thread_local! {
+    /// True on the driver thread.
+    static ON_DRIVER: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
 /// The process's driver.
@@ -204,11 +228,13 @@ impl Driver {
         let earliest = s.heap.peek().map(|e| e.t);
         let id = s.next_id;
         s.next_id += 1;
-        s.heap.push(Entry { t, id, queue, precise });
+        s.push(Entry { t, id, queue, precise });
         if !self.running.load(Ordering::Acquire) {
             self.start(&mut s)
         } else {
-            if earliest.is_none_or(|e| t < e) {
+            // The driver thread itself (asking from a wake) looks at the heap again before
+            // it sleeps: no futex call to wake a thread that is awake.
+            if earliest.is_none_or(|e| t < e) && !ON_DRIVER.get() {
                 self.cv.notify_one();
             }
             Ok(())
@@ -243,6 +269,7 @@ impl Driver {
     fn run(&'static self) {
         let _exit = Exit(self);
         precise_timers();
+        ON_DRIVER.set(true);
         let mut s = lock(&self.state);
         loop {
             let now = monotonic_ns();
@@ -253,14 +280,14 @@ impl Driver {
                     // high rates grants due within it are handed out together (each still
                     // at its own schedule time), one wake-up of each loop per batch. A
                     // precise wake-up due earlier cuts the sleep short.
-                    let at = wake_at(&s.heap, t, now);
+                    let at = wake_at(&s.heap, s.precise, t, now);
                     let d = Duration::from_nanos(at.saturating_sub(now).max(1));
                     s = self.cv.wait_timeout(s, d).unwrap_or_else(|e| e.into_inner()).0;
                 }
                 Some(_) => {
-                    let e = s.heap.pop().expect("peeked");
+                    let e = s.pop().expect("peeked");
                     if take_fault(&EXITS) {
-                        s.heap.push(e);
+                        s.push(e);
                         return;
                     }
                     drop(s);
@@ -277,7 +304,7 @@ impl Driver {
                             let mut s = lock(&self.state);
                             let id = s.next_id;
                             s.next_id += 1;
-                            s.heap.push(Entry {
+                            s.push(Entry {
                                 t: monotonic_ns().saturating_add(RETRY_AFTER_PANIC_NS),
                                 id,
                                 queue: e.queue,
@@ -310,17 +337,45 @@ mod tests {
             precise,
         };
         let now = 1_000_000;
-        let mut heap = BinaryHeap::new();
-        heap.push(entry(now + 10_000, false));
-        assert_eq!(wake_at(&heap, now + 10_000, now), now + RESOLUTION_NS);
-        heap.push(entry(now + 30_000, true));
-        assert_eq!(wake_at(&heap, now + 10_000, now), now + 30_000);
-        heap.push(entry(now + 20_000, true));
-        assert_eq!(wake_at(&heap, now + 10_000, now), now + 20_000);
-        let mut far = BinaryHeap::new();
+        let at = |s: &State| wake_at(&s.heap, s.precise, s.heap.peek().unwrap().t, now);
+        let mut s = State::default();
+        s.push(entry(now + 10_000, false));
+        assert_eq!(at(&s), now + RESOLUTION_NS);
+        s.push(entry(now + 30_000, true));
+        assert_eq!(at(&s), now + 30_000);
+        s.push(entry(now + 20_000, true));
+        assert_eq!(at(&s), now + 20_000);
+        assert_eq!(s.precise, 2);
+        let mut far = State::default();
         far.push(entry(now + 5 * RESOLUTION_NS, false));
         far.push(entry(now + 6 * RESOLUTION_NS, true));
-        assert_eq!(wake_at(&far, now + 5 * RESOLUTION_NS, now), now + 5 * RESOLUTION_NS);
+        assert_eq!(at(&far), now + 5 * RESOLUTION_NS);
+    }
+
+    #[test]
+    fn the_count_of_precise_entries_follows_pushes_and_pops() {
+        let entry = |t: u64, precise: bool| Entry {
+            t,
+            id: t,
+            queue: Weak::<WaitQueue>::new() as Weak<dyn Due>,
+            precise,
+        };
+        let now = 1_000_000;
+        let mut s = State::default();
+        s.push(entry(now + 10, true));
+        s.push(entry(now + 20, false));
+        s.push(entry(now + 30, true));
+        assert_eq!(s.precise, 2);
+        assert!(s.pop().unwrap().precise);
+        assert_eq!(s.precise, 1);
+        assert!(!s.pop().unwrap().precise);
+        assert_eq!(s.precise, 1);
+        assert_eq!(wake_at(&s.heap, s.precise, now + 30, now), now + 30);
+        assert!(s.pop().unwrap().precise);
+        assert_eq!(s.precise, 0);
+        assert!(s.pop().is_none());
+        s.push(entry(now + 10, false));
+        assert_eq!(wake_at(&s.heap, s.precise, now + 10, now), now + RESOLUTION_NS);
     }
 
     fn real_time_queue() -> Arc<WaitQueue> {

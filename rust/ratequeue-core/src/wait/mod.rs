@@ -8,6 +8,7 @@
 //! wake-up never costs throughput) and expires deadlines; `cancel` removes a waiter or,
 //! when it lost the race to a grant, gives the grant back. Each waiter is woken once.
 
+pub mod awaiting;
 pub mod channel;
 mod config;
 mod drive;

@@ -45,16 +45,55 @@ pub trait PermitOwner: Send + Sync {
     }
 }
 
+/// Costs per unit: up to two units inline (no allocation), more on the heap.
+#[derive(Clone, Debug)]
+pub(crate) enum Costs {
+    Inline([u64; 2], usize),
+    Heap(Box<[u64]>),
+}
+
+impl Costs {
+    /// A copy of `c`.
+    pub(crate) fn new(c: &[u64]) -> Costs {
+        match *c {
+            [] => Costs::Inline([0; 2], 0),
+            [a] => Costs::Inline([a, 0], 1),
+            [a, b] => Costs::Inline([a, b], 2),
+            _ => Costs::Heap(c.into()),
+        }
+    }
+}
+
+impl std::ops::Deref for Costs {
+    type Target = [u64];
+
+    fn deref(&self) -> &[u64] {
+        match self {
+            Costs::Inline(a, n) => &a[..*n],
+            Costs::Heap(v) => v,
+        }
+    }
+}
+
+impl std::ops::DerefMut for Costs {
+    fn deref_mut(&mut self) -> &mut [u64] {
+        match self {
+            Costs::Inline(a, n) => &mut a[..*n],
+            Costs::Heap(v) => v,
+        }
+    }
+}
+
 /// What a permit holds: its costs and its grant, changed together by a settle.
 #[derive(Clone, Debug)]
 struct Held {
-    costs: Vec<u64>,
+    costs: Costs,
     grant: GrantRef,
 }
 
 impl Held {
     /// The costs with `named` (unit index, cost) replaced.
-    fn actual(&self, named: &[(usize, u64)]) -> Vec<u64> {
+    fn actual(&self, named: &[(usize, u64)]) -> Costs {
         let mut actual = self.costs.clone();
         for &(i, c) in named {
             actual[i] = c;
@@ -88,7 +127,7 @@ impl Permit {
         Permit {
             owner,
             held: Mutex::new(Held {
-                costs: costs.to_vec(),
+                costs: Costs::new(costs),
                 grant,
             }),
             waited_ns,
@@ -135,18 +174,22 @@ impl Permit {
 
     /// Its costs and grant now, waiting for its lock through `d` only when it is busy.
     pub fn held(&self, d: &impl Detach) -> (Vec<u64>, GrantRef) {
-        let h = match self.held.try_lock() {
+        let h = self.now(d);
+        (h.costs.to_vec(), h.grant)
+    }
+
+    fn now(&self, d: &impl Detach) -> Held {
+        match self.held.try_lock() {
             Ok(g) => g.clone(),
             Err(std::sync::TryLockError::Poisoned(e)) => e.into_inner().clone(),
             Err(std::sync::TryLockError::WouldBlock) => d.detached(|| lock(&self.held).clone()),
-        };
-        (h.costs, h.grant)
+        }
     }
 
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>, d: &impl Detach) -> Permit {
-        let (costs, grant) = self.held(d);
-        Permit::new(owner, &costs, self.waited_ns, grant)
+        let h = self.now(d);
+        Permit::new(owner, &h.costs, self.waited_ns, h.grant)
     }
 
     /// Releases the permit: a semaphore's permits go back (only when granted in this
@@ -156,7 +199,7 @@ impl Permit {
             return false;
         }
         if self.owner.returns_on_exit() && self.granted_here() {
-            let (costs, _) = self.held(d);
+            let costs = self.now(d).costs;
             if !self.owner.try_give_back(&costs) {
                 d.detached(|| self.owner.give_back(&costs));
             }

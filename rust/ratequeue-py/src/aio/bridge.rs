@@ -1,93 +1,101 @@
-//! The calls `ratequeue.aio` makes on a queued wait (a limiter's `Acquiring` or a
-//! policy's `PolicyAcquiring`): private functions of the native module, so the public
-//! classes show only their API.
+//! The calls `ratequeue.aio` makes for a policy's queued acquire, and the hooks that
+//! drive a limiter's acquire on a channel by hand (tests): private functions of the
+//! native module, so the public classes show only their API.
 
 use pyo3::prelude::*;
 use pyo3::wrap_pyfunction;
 
 use super::running::RUNNING_WAITERS;
-use super::{AcquiringPy, ChannelPy};
-use crate::errors::type_err;
+use super::{AcquiringPy, Awaited, ChannelPy};
+use crate::errors::{channel_closed, to_py, type_err};
 use crate::policy_permit::{PolicyAcquiringPy, POLICY_WAIT};
-use crate::waiting::PermitPy;
+use crate::waiting::{PermitPy, Unblocked};
+use ratequeue_core::wait::awaiting::{Acquire, Begun, LevelAcquire};
+use ratequeue_core::{Outcome, Wake};
 
-/// A queued wait of either kind.
-enum Waitable<'a, 'py> {
-    Level(&'a Bound<'py, AcquiringPy>),
-    Policy(&'a Bound<'py, PolicyAcquiringPy>),
+/// The level an `Acquiring` of a limiter acquires.
+fn level<'a>(acq: &'a Bound<'_, AcquiringPy>) -> PyResult<&'a LevelAcquire> {
+    match &acq.get().awaited {
+        Awaited::Level(a) => Ok(&a.acquire().0),
+        Awaited::Policy(..) => Err(type_err("acq", "an Acquiring of a limiter", acq)),
+    }
 }
 
-fn waitable<'a, 'py>(acq: &'a Bound<'py, PyAny>) -> PyResult<Waitable<'a, 'py>> {
-    if let Ok(a) = acq.cast::<AcquiringPy>() {
-        return Ok(Waitable::Level(a));
-    }
-    if let Ok(p) = acq.cast::<PolicyAcquiringPy>() {
-        return Ok(Waitable::Policy(p));
-    }
-    Err(type_err("acq", "an Acquiring or PolicyAcquiring", acq))
-}
-
-/// Queues `acq` on `channel`: its permit if it is granted at once (None: a policy's next
-/// step is `_wait_submit` again), else the ticket whose outcome the channel brings.
+/// Queues a limiter's `acq` on `channel` by hand (the caller drains it): its Permit if
+/// it is granted at once, else the ticket.
 #[pyfunction]
-fn _wait_submit(py: Python<'_>, acq: &Bound<'_, PyAny>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
-    match waitable(acq)? {
-        Waitable::Level(a) => a.get().submit(py, channel),
-        Waitable::Policy(p) => p.get().submit(py, channel),
+fn _wait_submit(py: Python<'_>, acq: &Bound<'_, AcquiringPy>, channel: &Bound<'_, ChannelPy>) -> PyResult<Py<PyAny>> {
+    let chan = channel.get().inner.clone();
+    if chan.is_closed() {
+        return Err(channel_closed());
+    }
+    match level(acq)?.submit(&Unblocked, || Wake::Channel(chan)) {
+        Ok(Begun::Done(p)) => Ok(Py::new(py, PermitPy::from(p))?.into_any()),
+        Ok(Begun::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+        Err(e) => Err(to_py(py, e)),
     }
 }
 
-/// The permit of a grant after waiting `waited_ns` (`token`: the grant); None for a
-/// policy step.
+/// The Permit of a grant of `acq` (by hand) after waiting `waited_ns` (`token`: the
+/// grant).
 #[pyfunction]
 #[pyo3(signature = (acq, waited_ns, token = None))]
-fn _wait_granted(py: Python<'_>, acq: &Bound<'_, PyAny>, waited_ns: u64, token: Option<u64>) -> PyResult<Py<PyAny>> {
-    match waitable(acq)? {
-        Waitable::Level(a) => Ok(a.get().granted(py, waited_ns, token)?.into_any()),
-        Waitable::Policy(p) => Ok(p.get().granted(py, waited_ns, token)?.unwrap_or_else(|| py.None())),
+fn _wait_granted(
+    py: Python<'_>,
+    acq: &Bound<'_, AcquiringPy>,
+    waited_ns: u64,
+    token: Option<u64>,
+) -> PyResult<PermitPy> {
+    let o = Outcome::Granted {
+        at_ns: 0,
+        waited_ns,
+        token: token.unwrap_or(0),
+    };
+    match level(acq)?.finish(&Unblocked, 0, o) {
+        Ok(Some(p)) => Ok(PermitPy::from(p)),
+        Ok(None) => Err(type_err("acq", "an Acquiring of a limiter", acq)),
+        Err(e) => Err(to_py(py, e)),
     }
 }
 
-/// The WaitTimeout for a wait that expired after `waited_ns` (a policy gives back
-/// everything it held first).
-#[pyfunction]
-fn _wait_timeout_error(py: Python<'_>, acq: &Bound<'_, PyAny>, waited_ns: u64) -> PyResult<PyErr> {
-    Ok(match waitable(acq)? {
-        Waitable::Level(a) => a.get().timeout_error(py, waited_ns),
-        Waitable::Policy(p) => p.get().timeout_error(py, waited_ns),
-    })
-}
-
-/// Takes the ticket out of its queue; False if the queue decided it already (its
-/// outcome is on the way and settles through `_wait_give_back`).
+/// Leaves the queue by hand: a limiter's `acq` takes `ticket` out (False: decided
+/// already); a policy's gives back everything it holds, its wait under way included.
 #[pyfunction]
 fn _wait_cancel(py: Python<'_>, acq: &Bound<'_, PyAny>, ticket: u64) -> PyResult<bool> {
-    Ok(match waitable(acq)? {
-        Waitable::Level(a) => a.get().cancel(py, ticket),
-        Waitable::Policy(p) => p.get().cancel(py, ticket),
-    })
+    if let Ok(p) = acq.cast::<PolicyAcquiringPy>() {
+        let core = p.get().core().clone();
+        return Ok(py.detach(move || core.abandon()));
+    }
+    let a = acq.cast::<AcquiringPy>()?;
+    Ok(level(a)?.leave(&Unblocked, ticket))
 }
 
-/// Gives back, once, a grant that reached its channel after its waiter left.
+/// Gives back, once, a grant of `acq` (by hand) that reached its channel after its
+/// waiter left.
 #[pyfunction]
 #[pyo3(signature = (acq, token = None))]
-fn _wait_give_back(py: Python<'_>, acq: &Bound<'_, PyAny>, token: Option<u64>) -> PyResult<()> {
-    match waitable(acq)? {
-        Waitable::Level(a) => a.get().give_back(token),
-        Waitable::Policy(p) => p.get().give_back(py, token),
+fn _wait_give_back(acq: &Bound<'_, AcquiringPy>, token: Option<u64>) -> PyResult<()> {
+    let a = level(acq)?;
+    match token {
+        Some(token) => a.give_back(
+            &Unblocked,
+            0,
+            Outcome::Granted {
+                at_ns: 0,
+                waited_ns: 0,
+                token,
+            },
+        ),
+        None => a.give_back_untracked(&Unblocked),
     }
     Ok(())
 }
 
-/// Gives back, once, what a wait was granted when its task left before resuming
-/// (`result`: the Permit a limiter's future was resolved with; None for a policy).
+/// The awaitable of a policy acquire's waits: awaited, it waits level by level on the
+/// running loop (the core's await lifecycle) and ends with the PolicyPermit.
 #[pyfunction]
-fn _wait_abandon(py: Python<'_>, acq: &Bound<'_, PyAny>, result: &Bound<'_, PyAny>) -> PyResult<()> {
-    match waitable(acq)? {
-        Waitable::Level(a) => a.get().abandon(result.cast::<PermitPy>()?),
-        Waitable::Policy(p) => p.get().abandon(py, result),
-    }
-    Ok(())
+fn _wait_policy(acq: &Bound<'_, PolicyAcquiringPy>) -> AcquiringPy {
+    AcquiringPy::policy(acq)
 }
 
 /// Seconds a policy's acquire sleeps after its last step, until its levels' common time
@@ -110,12 +118,11 @@ fn _use_aio(py: Python<'_>, policy_wait: Bound<'_, PyAny>, running_waiters: Boun
 /// Adds the bridge's functions to the native module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_use_aio, m)?)?;
+    m.add_function(wrap_pyfunction!(_wait_policy, m)?)?;
+    m.add_function(wrap_pyfunction!(_wait_left, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_submit, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_granted, m)?)?;
-    m.add_function(wrap_pyfunction!(_wait_timeout_error, m)?)?;
-    m.add_function(wrap_pyfunction!(_wait_cancel, m)?)?;
     m.add_function(wrap_pyfunction!(_wait_give_back, m)?)?;
-    m.add_function(wrap_pyfunction!(_wait_abandon, m)?)?;
-    m.add_function(wrap_pyfunction!(_wait_left, m)?)?;
+    m.add_function(wrap_pyfunction!(_wait_cancel, m)?)?;
     Ok(())
 }

@@ -2,6 +2,9 @@
 //! the loop's table of waiting futures, resolved natively.
 
 use super::*;
+use crate::errors::panicked;
+use ratequeue_core::wait::awaiting::{Begun, Wakeup};
+use ratequeue_core::Wake;
 
 /// Where a queue delivers the outcomes of waits submitted with `submit(channel, ...)`:
 /// for an event loop other than asyncio (its reader watches `fileno()` and drains), or
@@ -11,7 +14,7 @@ use super::*;
 pub struct ChannelPy {
     pub(crate) inner: Arc<Channel>,
     /// The awaitables queued natively on this channel (see [`LoopWaitersPy`]).
-    pub(super) native: Native,
+    pub(super) native: Arc<PyNative>,
 }
 
 #[pymethods]
@@ -33,7 +36,7 @@ impl ChannelPy {
         .map_err(PyErr::from)?;
         Ok(ChannelPy {
             inner,
-            native: Native::default(),
+            native: Arc::default(),
         })
     }
 
@@ -65,23 +68,7 @@ impl ChannelPy {
     fn close(&self, py: Python<'_>) -> Vec<(u64, bool, u64, u64)> {
         let c = &self.inner;
         let undelivered = c.try_close().unwrap_or_else(|| py.detach(|| c.close()));
-        let mut native = std::mem::take(&mut *lock(&self.native));
-        let mut rest = Vec::new();
-        for (t, o) in undelivered {
-            match native.remove(&t) {
-                Some(sh) => {
-                    if let Outcome::Granted { token, .. } = o {
-                        sh.give_back(Some(token));
-                    }
-                }
-                None => rest.push((t, o)),
-            }
-        }
-        for (t, sh) in native {
-            // Not queued any more: decided after the close, and given back in the core.
-            unblocked(|| sh.gate.queue.cancel(t));
-        }
-        outcome_tuples(rest)
+        outcome_tuples(self.native.close(&Unblocked, undelivered))
     }
 
     /// True once closed.
@@ -93,7 +80,7 @@ impl ChannelPy {
     /// How many awaitables of `acquire_async` wait on this channel for an outcome.
     #[getter]
     fn pending(&self) -> usize {
-        lock(&self.native).len()
+        self.native.len()
     }
 }
 
@@ -106,18 +93,11 @@ pub(super) fn outcome_tuples(v: Vec<(u64, Outcome)>) -> Vec<(u64, bool, u64, u64
         .collect()
 }
 
-/// The loop's side of a channel: the future of each natively queued awaitable.
-pub(crate) struct LoopSide {
-    pub(super) chan: Arc<Channel>,
-    pub(super) native: Native,
-    pub(super) futs: Mutex<ByTicket<Py<PyAny>>>,
-}
-
 /// The futures an event loop's tasks wait on, by ticket, and the native resolve of a
 /// batch of outcomes (owned by the loop's reader; the garbage collector sees the futures).
 #[pyclass(frozen, weakref, name = "_LoopWaiters", module = "ratequeue")]
 pub struct LoopWaitersPy {
-    pub(super) inner: Arc<LoopSide>,
+    pub(super) inner: Arc<PyWaits>,
 }
 
 #[pymethods]
@@ -127,11 +107,7 @@ impl LoopWaitersPy {
     fn new(channel: &Bound<'_, ChannelPy>) -> Self {
         let c = channel.get();
         LoopWaitersPy {
-            inner: Arc::new(LoopSide {
-                chan: c.inner.clone(),
-                native: c.native.clone(),
-                futs: Mutex::new(ByTicket::default()),
-            }),
+            inner: Arc::new(Waits::new(c.inner.clone(), c.native.clone())),
         }
     }
 
@@ -139,22 +115,15 @@ impl LoopWaitersPy {
     /// delivery (grant) order: a permit, or WaitTimeout; a grant whose waiter left goes
     /// back. Returns the outcomes of other tickets, as Channel.drain_tokens.
     fn _resolve(&self, py: Python<'_>) -> PyResult<Vec<(u64, bool, u64, u64)>> {
-        let side = &self.inner;
-        let c = &side.chan;
+        let w = &self.inner;
+        let c = &w.chan;
         let outcomes = c.try_drain().unwrap_or_else(|| py.detach(|| c.drain()));
-        let mut rest = Vec::new();
-        let mut first_err = None;
-        for (t, o) in outcomes {
-            let Some(sh) = lock(&side.native).remove(&t) else {
-                rest.push((t, o));
-                continue;
-            };
-            let fut = lock(&side.futs).remove(&t);
-            if let Err(e) = resolve(py, &sh, fut, o) {
-                first_err.get_or_insert(e);
-            }
+        let mut host = PyWake { py, err: None };
+        let (rest, panic) = w.resolve(&Unblocked, outcomes, &mut host);
+        if panic.is_some() {
+            return Err(panicked("waking an asyncio task panicked"));
         }
-        match first_err {
+        match host.err {
             Some(e) => Err(e),
             None => Ok(outcome_tuples(rest)),
         }
@@ -163,55 +132,57 @@ impl LoopWaitersPy {
     fn __traverse__(&self, visit: PyVisit<'_>) -> Result<(), PyTraverseError> {
         // Never wait for the lock here: a busy table is skipped (its futures then look
         // referenced from outside, which only delays their collection).
-        if let Ok(futs) = self.inner.futs.try_lock() {
-            for f in futs.values() {
-                visit.call(f)?;
-            }
-        }
-        Ok(())
+        self.inner.visit(|f| visit.call(f)).map(|_| ())
     }
 
     fn __clear__(&self) {
-        let futs = std::mem::take(&mut *lock(&self.inner.futs));
-        drop(futs);
+        self.inner.clear();
     }
 }
 
 impl Drop for LoopWaitersPy {
     fn drop(&mut self) {
         // The futures are reported by this object alone: none outlives it in the table.
-        let futs = std::mem::take(&mut *lock(&self.inner.futs));
-        drop(futs);
+        self.inner.clear();
     }
 }
 
-/// Resolves one native waiter's future with its outcome. A grant whose waiter left (its
-/// future gone) goes back to its queue; one whose future was cancelled but whose task has
-/// not resumed yet is kept as the permit, which the task gives back when the cancellation
-/// reaches it (see [`leave`]).
-pub(super) fn resolve(py: Python<'_>, sh: &AcqShared, fut: Option<Py<PyAny>>, o: Outcome) -> PyResult<()> {
-    let Some(fut) = fut else {
-        if let Outcome::Granted { token, .. } = o {
-            sh.give_back(Some(token));
+/// Wakes a task by resolving its future with its grant (kept for it in the core too)
+/// or its error; the first failure is kept.
+struct PyWake<'py> {
+    py: Python<'py>,
+    err: Option<PyErr>,
+}
+
+impl Wakeup<Py<PyAny>, Py<PyAny>> for PyWake<'_> {
+    fn keep(&mut self, grant: &Py<PyAny>) -> Py<PyAny> {
+        grant.clone_ref(self.py)
+    }
+
+    fn wake(&mut self, fut: Py<PyAny>, r: Result<Option<Py<PyAny>>, ratequeue_core::Error>) {
+        let py = self.py;
+        let fut = fut.bind(py);
+        let set = match r {
+            Ok(g) => fut.call_method1(intern!(py, "set_result"), (g,)),
+            Err(e) => fut.call_method1(intern!(py, "set_exception"), (to_py(py, e).into_value(py),)),
+        };
+        let set = match set {
+            Ok(_) => Ok(()),
+            // Cancelled meanwhile: the task settles the grant when the cancellation
+            // reaches it.
+            Err(_)
+                if fut
+                    .call_method0(intern!(py, "done"))
+                    .and_then(|d| d.is_truthy())
+                    .unwrap_or(false) =>
+            {
+                Ok(())
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = set {
+            self.err.get_or_insert(e);
         }
-        return Ok(());
-    };
-    let fut = fut.bind(py);
-    let set = match o {
-        Outcome::Granted { waited_ns, token, .. } => {
-            let p = sh.granted(py, waited_ns, Some(token))?;
-            fut.call_method1(intern!(py, "set_result"), (p,))
-        }
-        Outcome::TimedOut { waited_ns } => {
-            let e = sh.timeout_error(py, waited_ns);
-            fut.call_method1(intern!(py, "set_exception"), (e.into_value(py),))
-        }
-    };
-    match set {
-        Ok(_) => Ok(()),
-        // Cancelled meanwhile: the task settles it when it resumes.
-        Err(_) if fut.call_method0(intern!(py, "done"))?.is_truthy()? => Ok(()),
-        Err(e) => Err(e),
     }
 }
 
@@ -225,9 +196,22 @@ pub fn submit(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    let a = AcquiringPy::start(py, gate, costs, class, timeout_ns)?;
-    if let Some(p) = a.permit() {
-        return Ok(p.clone_ref(py).into_any());
+    match gate.queue.try_now_token(costs, class) {
+        Ok((at_ns, token)) => {
+            let p = gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token));
+            return Ok(Py::new(py, p)?.into_any());
+        }
+        Err(Some(d)) => return Err(to_py(py, gate.queue.error_for(d))),
+        Err(None) => {}
     }
-    a.submit(py, channel)
+    let chan = channel.get().inner.clone();
+    if chan.is_closed() {
+        return Err(channel_closed());
+    }
+    let a = LevelAcquire::new(gate, costs, class, timeout_ns);
+    match a.submit(&Unblocked, || Wake::Channel(chan)) {
+        Ok(Begun::Done(p)) => Ok(Py::new(py, PermitPy::from(p))?.into_any()),
+        Ok(Begun::Queued(t)) => Ok(t.into_pyobject(py)?.into_any().unbind()),
+        Err(e) => Err(to_py(py, e)),
+    }
 }
