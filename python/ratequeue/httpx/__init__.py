@@ -10,6 +10,8 @@ route, model or task. Neither httpx nor httpx2 is imported by ``import ratequeue
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from ._budget import BudgetExceeded, CallBudget, SubCall, current_budget
 from ._caps import Cap, Capped, apply_caps
 from ._context import CallOptions, current_options, using
@@ -27,7 +29,6 @@ from ._transport import (
     PRIORITY_HEADER,
     TASK_HEADER,
     CallRecord,
-    Ledger,
     RateLimitedTransport,
 )
 from ._usage import SSEUsage, Usage, usage_from_json
@@ -63,3 +64,16 @@ __all__ = [
     "usage_from_json",
     "using",
 ]
+
+if TYPE_CHECKING:
+    from ..ledger._protocol import LedgerLike as Ledger
+
+
+def __getattr__(name: str) -> Any:
+    # ``Ledger`` is ``ratequeue.ledger.LedgerLike``, imported when first named (the
+    # transport itself needs no ledger package).
+    if name == "Ledger":
+        from ..ledger._protocol import LedgerLike
+
+        return LedgerLike
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

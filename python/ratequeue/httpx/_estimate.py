@@ -205,22 +205,30 @@ class TokenEstimator:
         """The estimate of a call with this JSON body (None: one unknown request)."""
         if body is None:
             return Estimate(0, self.default_output_tokens)
-        enc = self._encoding if self._started else self.encoding
+        enc = self._encoding
+        if enc is None and not self._started:
+            enc = self.encoding
         if enc is None:
-            prompt = -(-max(0, _chars(body) - 1) // self.chars_per_token)
+            prompt = _chars(body) - 1
+            prompt = -(-prompt // self.chars_per_token) if prompt > 0 else 0
         else:
             prompt = self.count("\n".join(_strings(body)))
-        m = body.get("messages")
+        g = body.get
+        m = g("messages")
         if type(m) is list:
             prompt += 4 * len(m)
         else:
-            i = body.get("input")
-            prompt += 4 * len(i) if type(i) is list else 4
-        for f in OUTPUT_FIELDS:
-            v = body.get(f)
-            if type(v) is int and v >= 0:
-                return _new(Estimate, (prompt, v))
-        return _new(Estimate, (prompt, self.default_output_tokens))
+            m = g("input")
+            prompt += 4 * len(m) if type(m) is list else 4
+        # The first of OUTPUT_FIELDS that is an int >= 0.
+        v = g("max_completion_tokens")
+        if type(v) is not int or v < 0:
+            v = g("max_output_tokens")
+            if type(v) is not int or v < 0:
+                v = g("max_tokens")
+                if type(v) is not int or v < 0:
+                    v = self.default_output_tokens
+        return _new(Estimate, (prompt, v))
 
 
 def _load(name: str | None) -> _Encoding | None:

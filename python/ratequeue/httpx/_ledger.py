@@ -1,52 +1,30 @@
 """The transport's side of a quota ledger: what it calls, and how an asyncio caller calls
 it without blocking the event loop (the ledger's ``*_async`` twins when it has them, a
-worker thread otherwise)."""
+worker thread otherwise). ``Ledger`` is ``ratequeue.ledger.LedgerLike``."""
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from .._threads import ProcessThreads
+
+if TYPE_CHECKING:
+    from ..ledger._protocol import LedgerLike as Ledger
 
 __all__ = ["Ledger"]
 
 
-class Ledger(Protocol):
-    """A quota ledger (e.g. ``ratequeue.ledger``): holds, settles or releases a call.
+def __getattr__(name: str) -> Any:
+    # ``ratequeue.ledger``'s protocol, imported when first named: the transport itself
+    # needs no ledger package.
+    if name == "Ledger":
+        from ..ledger._protocol import LedgerLike
 
-    Async clients use its ``hold_async`` / ``settle_async`` / ``release_async`` twins
-    when it has them (``ratequeue.ledger`` does; a ``hold_async`` cancelled while it runs
-    gives its hold back, as theirs do), else run these methods on a worker thread: the
-    event loop never waits on the ledger's storage.
-    """
-
-    def hold(
-        self,
-        request_id: str,
-        account: str,
-        *,
-        input_tokens: int = 0,
-        output_tokens: int = 0,
-        calls: int = 1,
-        model: str | None = None,
-        parent_id: str | None = None,
-        meta: dict[str, Any] | None = None,
-    ) -> Any: ...
-
-    def settle(
-        self,
-        request_id: str,
-        *,
-        input_tokens: int,
-        output_tokens: int,
-        calls: int = 1,
-        model: str | None = None,
-    ) -> Any: ...
-
-    def release(self, request_id: str) -> Any: ...
+        return LedgerLike
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _threads = ProcessThreads("ratequeue-httpx-ledger", 8)

@@ -31,6 +31,8 @@ _FIELDS = (
     "usage",
     "settled",
     "rate_limits",
+    "charged",
+    "clamped",
 )
 
 
@@ -38,6 +40,7 @@ _FIELDS = (
 #: Python frames and two regex matches around it).
 SCAN: Callable[[str, int], tuple[Any, int]] = json.scanner.make_scanner(json.JSONDecoder())  # type: ignore[arg-type]
 _JSON_SPACE = " \t\n\r"
+_new = tuple.__new__
 
 
 def json_object(data: bytes) -> dict[str, Any] | None:
@@ -66,9 +69,30 @@ def json_usage(body: bytes) -> Usage | None:
     """The usage of a JSON body, exactly as a full parse finds it (None when there is
     none or the body is not JSON, however nested); a UTF-8 object that cannot name
     ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
-    if body[:1] == b"{" and b'"usage"' not in body and b"\\u" not in body:
+    if body[:1] != b"{":
+        return usage_from_json(json_object(body))
+    if b'"usage"' not in body and b"\\u" not in body:
         return None
-    return usage_from_json(json_object(body))
+    # json_object and usage_from_json inline for what providers send: a UTF-8 object
+    # with OpenAI chat's usage names; anything else takes the general path.
+    try:
+        s = body.decode()
+        parsed, end = SCAN(s, 0)
+    except (UnicodeDecodeError, StopIteration, ValueError, RecursionError):
+        return usage_from_json(json_object(body))
+    if end != len(s) and s[end:].strip(_JSON_SPACE):
+        return None
+    if type(parsed) is not dict:
+        return None
+    u = parsed.get("usage")
+    if type(u) is dict:
+        g = u.get
+        if g("input_tokens") is None and g("output_tokens") is None:
+            i = g("prompt_tokens")
+            o = g("completion_tokens")
+            if type(i) is int and type(o) is int and i >= 0 and o >= 0:
+                return _new(Usage, (i, o))
+    return usage_from_json(parsed)
 
 
 def model_of(body: dict[str, Any] | None) -> str | None:
@@ -84,17 +108,24 @@ class CallRecord:
 
     ``waited`` is the queue wait and ``http_seconds`` the time from sending to the
     response headers, measured apart; ``usage`` is set when the call settles (the end of
-    the body or stream), from the provider's own count. ``estimate`` and ``model`` are
-    read from the request body when first asked for if the call did not need them.
+    the body or stream), from the provider's own count. ``charged`` is what the limiter
+    was charged per unit: the estimate at acquire, the usage once settled; an estimate
+    above what the limiter can ever grant (its burst) is charged that instead, and its
+    units are in ``clamped`` (a reported usage is charged as reported). ``estimate`` and
+    ``model`` are read from the request body when first asked for if the call did not
+    need them.
     """
 
     __slots__ = (
+        "_charged",
+        "_correction",
         "_estimate",
         "_model",
         "_pending",
         "_usage",
         "_usage_body",
         "capped",
+        "clamped",
         "http_seconds",
         "path",
         "priority",
@@ -123,6 +154,8 @@ class CallRecord:
         usage: Usage | None = None,
         settled: bool = False,
         rate_limits: RateLimitHeaders | None = None,
+        charged: dict[str, int] | None = None,
+        clamped: tuple[str, ...] = (),
         *,
         body: tuple[bytes | None, _Estimator] | None = None,
     ) -> None:
@@ -141,6 +174,9 @@ class CallRecord:
         self._usage_body: bytes | None = None
         self.settled = settled
         self.rate_limits = rate_limits
+        self._charged = dict(charged) if charged else {}
+        self._correction: dict[str, int] | None = None
+        self.clamped = clamped
         self._pending = body if estimate is None else None
 
     def _resolve(self) -> None:
@@ -192,6 +228,13 @@ class CallRecord:
         self._usage_body = None
         self._usage = value
 
+    @property
+    def charged(self) -> dict[str, int]:
+        """Per unit, what the limiter was charged for this call (a copy)."""
+        if self._correction:
+            return {**self._charged, **self._correction}
+        return dict(self._charged)
+
     def _astuple(self) -> tuple[Any, ...]:
         return tuple(getattr(self, f) for f in _FIELDS)
 
@@ -220,7 +263,6 @@ class _Call(CallRecord):
         "_account",
         "_async",
         "_chain",
-        "_costs",
         "_done",
         "_held",
         "_kw",
@@ -245,6 +287,7 @@ class _Call(CallRecord):
         task: str | None,
         pending: tuple[bytes | None, _Estimator] | None,
         costs: dict[str, int],
+        clamped: tuple[str, ...],
         kw: dict[str, Any],
         account: str,
         is_async: bool,
@@ -266,6 +309,9 @@ class _Call(CallRecord):
         self._usage_body = None
         self.settled = False
         self.rate_limits = None
+        self._charged = costs
+        self._correction = None
+        self.clamped = clamped
         self._request = request
         self._permit: Any = None
         self._provider: Any = None
@@ -273,7 +319,6 @@ class _Call(CallRecord):
         self._chain: list[CallBudget] = _NO_CHAIN
         self._held = False
         self._done = False
-        self._costs = costs
         self._kw = kw
         self._account = account
         self._async = is_async

@@ -11,7 +11,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
@@ -19,23 +19,25 @@ from ..pool import Pool
 from . import _budget
 from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, CapTable
+from ._caps import Cap, Capped, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
-from ._ledger import Ledger, call_async, hold_async
+from ._ledger import call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
 from ._stream import wrap
 from ._usage import Usage
 from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
 
+if TYPE_CHECKING:
+    from ..ledger._protocol import LedgerLike as Ledger
+
 __all__ = [
     "ACCOUNT_HEADER",
     "PRIORITY_HEADER",
     "TASK_HEADER",
     "CallRecord",
-    "Ledger",
     "RateLimitedTransport",
 ]
 
@@ -261,6 +263,7 @@ class RateLimitedTransport:
         path = request.url.path
         budget = _CURRENT_BUDGET.get()
         capped = model = est = None
+        clamped: tuple[str, ...] = ()
         if (
             self._needs_body
             or budget is not None
@@ -268,28 +271,12 @@ class RateLimitedTransport:
         ):
             body = json_object(data) if data else None
             if body is not None:
-                fields: dict[str, Any] = {}
-                if self.caps:
-                    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
-                    capped = self._cap_table.apply(body, path, task)
-                    if capped is not None:
-                        for f, was in zip(OUTPUT_FIELDS, before, strict=True):
-                            v = body.get(f, _MISSING)
-                            if v is not was:
-                                fields[f] = v
-                if body.get("stream") is True and self._stream_opts(body, path):
-                    fields["stream_options"] = body["stream_options"]
-                if fields:
-                    set_body(request, data, body, fields)  # type: ignore[arg-type]
+                if self.caps or "stream" in body:
+                    capped = self._rewrite(request, data, body, path, task)  # type: ignore[arg-type]
                 m = body.get("model")
                 model = m if type(m) is str else None
             est = self.estimator(body, path)
-            i, o = est
-            vals = (1, i + o, i, o)
-            costs = {}
-            for u, j, b in self._plan:
-                c = 1 if j < 0 else vals[j]
-                costs[u] = c if b is None or c <= b else b
+            costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
         # What acquire takes: the costs, and the priority, keys and bound on the wait.
@@ -320,6 +307,7 @@ class RateLimitedTransport:
             task,
             None if est is not None else (data, self.estimator),
             costs,
+            clamped,
             kw,
             account or acc,
             is_async,
@@ -332,6 +320,27 @@ class RateLimitedTransport:
             )
             call._chain = chain
         return call
+
+    def _rewrite(
+        self, request: Any, data: bytes, body: dict[str, Any], path: str, task: str | None
+    ) -> Capped | None:
+        """Apply the output caps and ask a stream for its usage: the body and the request
+        rewritten in place when a field changed; the cap applied, if any."""
+        fields: dict[str, Any] = {}
+        capped = None
+        if self.caps:
+            before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+            capped = self._cap_table.apply(body, path, task)
+            if capped is not None:
+                for f, was in zip(OUTPUT_FIELDS, before, strict=True):
+                    v = body.get(f, _MISSING)
+                    if v is not was:
+                        fields[f] = v
+        if body.get("stream") is True and self._stream_opts(body, path):
+            fields["stream_options"] = body["stream_options"]
+        if fields:
+            set_body(request, data, body, fields)
+        return capped
 
     def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
         """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
@@ -373,14 +382,20 @@ class RateLimitedTransport:
             raise
         call._held = True
 
-    def _costs(self, est: Estimate) -> dict[str, int]:
+    def _costs(self, est: Estimate) -> tuple[dict[str, int], tuple[str, ...]]:
+        """Per unit, what a call of this estimate takes; clamped to the burst (never more
+        than the limiter can grant), and the units clamped."""
         i, o = est
         vals = (1, i + o, i, o)
         out = {}
+        clamped: tuple[str, ...] = ()
         for u, j, b in self._plan:
             c = 1 if j < 0 else vals[j]
-            out[u] = c if b is None or c <= b else b
-        return out
+            if b is not None and c > b:
+                c = b
+                clamped += (u,)
+            out[u] = c
+        return out, clamped
 
     def _granted(self, call: _Call, grant: Any) -> None:
         """A Pool's grant: the provider chosen, and the request sent to its URL."""
@@ -494,24 +509,30 @@ class RateLimitedTransport:
         call._done = True
         call._usage = usage
         call.settled = True
-        if usage is None and reported and (self._token_plan or call._sub or call._held):
+        # A body without a usage keeps what acquire took: the estimate, clamped to what
+        # the limiter can ever grant (budget and ledger keep the estimate itself).
+        keep = usage is None and reported
+        if keep and (call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))
         permit = call._permit
         try:
-            if permit is not None and self._token_plan:
+            if permit is not None and self._token_plan and not keep:
                 if usage is None:
                     i = o = 0
                 else:
                     i, o = usage
                 actual = (1, i + o, i, o)
-                costs = call._costs
+                costs = call._charged
                 # Only what differs from the estimate: the rest is already right.
                 kw = {}
                 for unit, j in self._token_plan:
                     if actual[j] != costs[unit]:
                         kw[unit] = actual[j]
                 if kw:
+                    call._correction = kw  # what acquire took, corrected to the usage
+                    if call.clamped:
+                        call.clamped = ()
                     if call._provider is not None:
                         kw = call._provider.costs_for(kw)
                     permit.settle(**kw)
@@ -584,10 +605,11 @@ class RateLimitedTransport:
             call._retried = True
             self._set_bursts()
             est = call.estimate if self._tokens else None
-            costs = self._costs(est) if est is not None else self._unit_costs
-            if costs != call._costs:
+            costs, clamped = self._costs(est) if est is not None else (self._unit_costs, ())
+            if costs != call._charged:
                 call._kw = {**call._kw, **costs}
-                call._costs = costs
+                call._charged = costs
+                call.clamped = clamped
                 return True
         with self._lock:
             self._counts["refused"] += 1

@@ -38,6 +38,7 @@ from ._model import (
 )
 from ._notifier import Notifier
 from ._policy import QuotaLevel, QuotaPermit, QuotaPolicy
+from ._protocol import LedgerLike
 from ._sqlite import SqliteLedger
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "IdempotencyConflict",
     "LedgerBase",
     "LedgerError",
+    "LedgerLike",
     "Monthly",
     "Notice",
     "Notifier",

@@ -1,0 +1,150 @@
+"""Where the transport's instructions go: one call's steps, each counted apart.
+
+Runs itself under ``valgrind --tool=callgrind`` (needs valgrind, its headers and a C
+compiler: a 3-line helper is compiled into a temporary directory); each step runs
+``--calls`` times between two callgrind client requests (zero, then dump), so start-up
+and imports are not counted and the machine's load changes nothing. Printed: the
+instructions per call of each step, minus the loop's own cost (the first row)::
+
+    .venv/bin/python benches/profile_transport.py [--calls 1000] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+HELPER = """#include <valgrind/callgrind.h>
+void cg_zero(void){ CALLGRIND_ZERO_STATS; }
+void cg_dump(const char* s){ CALLGRIND_DUMP_STATS_AT(s); }
+"""
+
+
+def steps() -> list[tuple[str, Callable[[], Any]]]:
+    sys.path.insert(0, str(HERE))
+    import bench_transport as bt
+    import httpx2
+    from ratequeue.httpx import RateLimitedTransport
+    from ratequeue.httpx._record import json_object, json_usage
+    from ratequeue.httpx._wire import header_list, new_id, scan_response
+
+    inner = httpx2.MockTransport(bt.answer)
+    t = RateLimitedTransport(inner, bt.roomy())
+    t.estimator.load(60)  # type: ignore[attr-defined]
+    data = json.dumps(bt.BODY).encode()
+    client = httpx2.Client(transport=t)
+    req = client.build_request(
+        "POST",
+        "http://x/v1/chat/completions",
+        content=data,
+        headers={"content-type": "application/json"},
+    )
+    resp = inner.handle_request(req)
+    body = json_object(data)
+    kw = t._prepare(req, False)._kw
+
+    def through() -> None:
+        call = t._prepare(req, False)
+        call._permit = t.limit.acquire(**call._kw)
+        t._received(call, resp, 0.0, False)
+
+    def nothing() -> None:
+        pass
+
+    return [
+        ("(the loop itself)", nothing),
+        ("the loop itself", nothing),
+        ("floor: MockTransport.handle_request", lambda: inner.handle_request(req)),
+        ("RateLimitedTransport.handle_request", lambda: t.handle_request(req)),
+        ("  prepare, acquire, received (no inner call)", through),
+        ("  _prepare", lambda: t._prepare(req, False)),
+        ("    request JSON parse (json_object)", lambda: json_object(data)),
+        ("    estimate (chars/4)", lambda: t.estimator(body, "/v1/chat/completions")),
+        ("    request.url.path", lambda: req.url.path),
+        ("    new_id", new_id),
+        ("  Limiter.acquire", lambda: t.limit.acquire(**kw)),
+        ("  Limiter.acquire + Permit.settle", lambda: t.limit.acquire(**kw).settle(tokens=100)),
+        ("  response usage read (json_usage)", lambda: json_usage(resp.content)),
+        ("  response header scan", lambda: scan_response(header_list(resp.headers))),
+        ("  Histogram.record", lambda: t.wait_histogram.record(0.001)),
+        ("  perf_counter", time.perf_counter),
+    ]
+
+
+def child(lib_path: str, n: int) -> None:
+    lib = ctypes.CDLL(lib_path)
+    for name, f in steps():
+        for _ in range(100):
+            f()
+        gc.collect()
+        lib.cg_zero()
+        for _ in range(n):
+            f()
+        lib.cg_dump(name.encode())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=1000)
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.calls)
+        return
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "cg.c").write_text(HELPER)
+        lib = str(Path(d) / "libcg.so")
+        subprocess.run(
+            ["cc", "-O1", "-shared", "-fPIC", "-o", lib, str(Path(d) / "cg.c")], check=True
+        )
+        out = str(Path(d) / "callgrind.out")
+        subprocess.run(
+            [
+                "valgrind",
+                "--tool=callgrind",
+                f"--callgrind-out-file={out}",
+                sys.executable,
+                __file__,
+                "--child",
+                lib,
+                "--calls",
+                str(args.calls),
+            ],
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+            capture_output=True,
+            check=True,
+        )
+        rows = []
+        for f in sorted(Path(d).glob("callgrind.out.*"), key=lambda p: int(p.suffix[1:])):
+            text = f.read_text(errors="replace")
+            name = next(x for x in text.splitlines() if x.startswith("desc: Trigger"))
+            total = next(x for x in text.splitlines() if x.startswith("totals:"))
+            rows.append((name.split("Client Request: ", 1)[1], int(total.split()[1]) / args.calls))
+    loop = rows[1][1]
+    lines = [
+        f"`benches/profile_transport.py --calls {args.calls}` (callgrind, PYTHONHASHSEED=0)",
+        "",
+        "| step (one call) | instructions |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name} | {v - loop:,.0f} |" for name, v in rows[2:]]
+    lines.append(f"| (the loop itself, subtracted) | {loop:,.0f} |")
+    print("\n".join(lines))
+    if args.out:
+        args.out.write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
