@@ -279,3 +279,26 @@ fn reservation_when_idle_racing_a_joiner_is_undone() {
     check_joiners(&clock, &q, j, &[]);
     assert_eq!(granted_at(mine.outcome()), 3 * S);
 }
+
+/// A host with a lock of its own (Python's GIL) takes the driver's wake-up after an
+/// undone take through `try_now_token_then`: called exactly once when the take raced a
+/// joiner (so the host can release its lock around it), never on an admitted take.
+#[test]
+fn an_undone_take_hands_its_wake_up_to_the_caller() {
+    let calls = std::cell::Cell::new(0);
+    let (_clock, _lim, _hooked, q) = setup(1);
+    assert!(
+        q.try_now_token_then(&[1], 0, |_| calls.set(calls.get() + 1)).is_ok(),
+        "nobody waits: admitted"
+    );
+    assert_eq!(calls.get(), 0, "an admitted take owes no wake-up");
+
+    let (_clock, lim, hooked, q) = setup(1);
+    let _joined = arm(&hooked, &q, &lim, 1);
+    let undone = q.try_now_token_then(&[1], 0, |w| {
+        calls.set(calls.get() + 1);
+        w.rewake_after_undo();
+    });
+    assert_eq!(undone, Err(None), "refused: it queues behind the joiner");
+    assert_eq!(calls.get(), 1, "the undone take's wake-up goes to the caller, once");
+}

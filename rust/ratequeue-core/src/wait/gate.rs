@@ -80,7 +80,14 @@ impl Gate {
     /// Admits `costs` in `class` at once, without waiting for any lock: Ok(None) when it
     /// must queue (or a lock is busy), Err when it can never be admitted.
     pub fn try_now(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<Option<Permit>, Error> {
-        match self.queue.try_now_token(costs, class) {
+        self.try_now_in(&Inline, costs, class)
+    }
+
+    /// [`Gate::try_now`] for a host with a lock of its own: the driver's lock (asked for
+    /// after a take undone for a joiner) is waited for detached by `host`.
+    fn try_now_in<D: Detach>(self: &Arc<Self>, host: &D, costs: &[u64], class: usize) -> Result<Option<Permit>, Error> {
+        let undone = |q: &Arc<WaitQueue>| host.detached(|| q.rewake_after_undo());
+        match self.queue.try_now_token_then(costs, class, undone) {
             Ok((at_ns, token)) => Ok(Some(self.issue(costs, 0, GrantRef::new(at_ns, token)))),
             Err(Some(d)) => Err(self.queue.error_for(d)),
             Err(None) => Ok(None),
@@ -98,7 +105,7 @@ impl Gate {
         class: usize,
         timeout_ns: Option<u64>,
     ) -> Result<Permit, Stopped<H::Interrupt>> {
-        if let Some(p) = self.try_now(costs, class).map_err(Stopped::Failed)? {
+        if let Some(p) = self.try_now_in(host, costs, class).map_err(Stopped::Failed)? {
             return Ok(p);
         }
         let slot = Slot::new();

@@ -70,8 +70,24 @@ impl WaitQueue {
     }
 
     /// [`WaitQueue::try_now`], with the grant's token (see [`Resource::try_take_token`]).
+    /// A take undone for a joiner asks the driver to look again here, which may wait for
+    /// the driver's lock: a caller holding a host lock (Python's GIL) uses
+    /// [`WaitQueue::try_now_token_then`].
     #[inline]
     pub fn try_now_token(self: &Arc<Self>, costs: &[u64], class: usize) -> Result<(u64, Option<u64>), Option<Deny>> {
+        self.try_now_token_then(costs, class, |q| q.rewake_after_undo())
+    }
+
+    /// [`WaitQueue::try_now_token`], calling `undone(self)` (for
+    /// [`WaitQueue::rewake_after_undo`], run where it may wait for a lock) when the take
+    /// was undone for a joiner in its window.
+    #[inline]
+    pub fn try_now_token_then(
+        self: &Arc<Self>,
+        costs: &[u64],
+        class: usize,
+        undone: impl FnOnce(&Arc<Self>),
+    ) -> Result<(u64, Option<u64>), Option<Deny>> {
         if self.waiting() != 0 {
             return Err(None);
         }
@@ -96,7 +112,7 @@ impl WaitQueue {
             Err(Deny::Wait(_)) => {
                 if raced.get() {
                     // The undone take may let the joiner through earlier than it was told.
-                    self.rewake(now);
+                    undone(self);
                 }
                 Err(None)
             }

@@ -196,7 +196,11 @@ pub fn submit(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    match gate.queue.try_now_token(costs, class) {
+    // The driver's lock (after an undone take) is waited for with the GIL released.
+    match gate
+        .queue
+        .try_now_token_then(costs, class, |q| py.detach(|| q.rewake_after_undo()))
+    {
         Ok((at_ns, token)) => {
             let p = gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token));
             return Ok(Py::new(py, p)?.into_any());

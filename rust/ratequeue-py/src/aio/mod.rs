@@ -197,7 +197,11 @@ pub fn acquire_async(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    match gate.queue.try_now_token(costs, class) {
+    // The driver's lock (after an undone take) is waited for with the GIL released.
+    match gate
+        .queue
+        .try_now_token_then(costs, class, |q| py.detach(|| q.rewake_after_undo()))
+    {
         Ok((at_ns, token)) => {
             let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token)))?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
