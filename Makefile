@@ -44,7 +44,7 @@ test-rust: test-loom
 test-loom:
 	RUSTFLAGS="--cfg loom" LOOM_MAX_PREEMPTIONS="$${LOOM_MAX_PREEMPTIONS:-3}" \
 		CARGO_TARGET_DIR="$${CARGO_TARGET_DIR:-target}/loom" \
-		cargo test -p ratequeue-core --release --test loom --test loom_fastpath --test loom_batch --test loom_review15
+		cargo test -p ratequeue-core --release --test loom --test loom_fastpath --test loom_batch
 
 test-python: build
 	cd tests && ../$(PY) -m pytest -q
