@@ -18,6 +18,8 @@ struct TestLoop<G> {
     panic_on: Option<u64>,
     /// `running` panics.
     panic_running: bool,
+    /// `running` fails (no running loop, Ctrl-C in the host's lookup).
+    fail_running: bool,
 }
 
 impl<G: Clone> TestLoop<G> {
@@ -29,6 +31,7 @@ impl<G: Clone> TestLoop<G> {
             errors: Vec::new(),
             panic_on: None,
             panic_running: false,
+            fail_running: false,
         }
     }
 
@@ -50,6 +53,9 @@ impl<G: Clone> Loop for TestLoop<G> {
 
     fn running(&mut self) -> Result<(Arc<Waits<u64, G>>, u64), &'static str> {
         assert!(!self.panic_running, "the host's loop lookup panicked");
+        if self.fail_running {
+            return Err("no running event loop");
+        }
         self.next += 1;
         Ok((self.waits.clone(), self.next))
     }
@@ -651,6 +657,7 @@ fn a_task_leaving_while_its_outcome_is_finished_gets_it_undone_once() {
             errors: Vec::new(),
             panic_on: None,
             panic_running: false,
+            fail_running: false,
         };
         match a.step(&mut host, &Inline) {
             Ok(Next::Wait(_)) => {}
@@ -667,4 +674,52 @@ fn a_task_leaving_while_its_outcome_is_finished_gets_it_undone_once() {
     assert_eq!(sem.in_use(), 0, "its grant went back");
     gate.queue.try_now(&[1], 0).unwrap();
     assert_eq!(sem.in_use(), 1, "once");
+}
+
+/// Two levels held by others; the await granted `a` (its task not resumed yet), then
+/// `b`'s holder releases.
+fn granted_first_level() -> (PolicyAwait, PolicyLoop, Arc<Semaphore>, Arc<Semaphore>) {
+    let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
+    let mut l = PolicyLoop::new();
+    qa.try_now(&[1], 0).unwrap();
+    qb.try_now(&[1], 0).unwrap();
+    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    qa.give_back(&[1], None);
+    l.drain();
+    assert_eq!(sem_a.in_use(), 1, "a granted to the await, held in its core state");
+    qb.give_back(&[1], None);
+    (a, l, sem_a, sem_b)
+}
+
+/// (review15) The task resumes after its first level's grant and the next step's loop
+/// lookup fails: the acquire ends with the host's error, and the level it held goes back.
+#[test]
+fn policy_next_step_failing_in_the_host_gives_back_the_held_level() {
+    let (a, mut l, sem_a, sem_b) = granted_first_level();
+    l.fail_running = true;
+    assert!(matches!(a.step(&mut l, &Inline), Err(Failed::Host(_))));
+    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Over)), "the await is over");
+    a.end(&Inline);
+    drop(a);
+    assert_eq!(
+        (sem_a.in_use(), sem_b.in_use()),
+        (0, 0),
+        "the level granted before the failed step was never given back"
+    );
+}
+
+/// (review15) The same when the loop's channel closed before the task resumed.
+#[test]
+fn policy_next_step_on_a_closed_channel_gives_back_the_held_level() {
+    let (a, l, sem_a, sem_b) = granted_first_level();
+    let mut l = l;
+    let undelivered = l.waits.chan.close();
+    assert!(l.waits.native.close(&Inline, undelivered).is_empty());
+    assert!(matches!(a.step(&mut l, &Inline), Err(Failed::Closed)));
+    drop(a);
+    assert_eq!(
+        (sem_a.in_use(), sem_b.in_use()),
+        (0, 0),
+        "the level granted before the closed channel was never given back"
+    );
 }
