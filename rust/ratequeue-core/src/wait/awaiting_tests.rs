@@ -491,6 +491,17 @@ fn two_levels(
     (Awaiting::new(Kept(acq)), (sem_a, qa), (sem_b, qb), clock)
 }
 
+/// A loop on which `a`'s first step queued, each queue of `held` having had its one
+/// permit taken first.
+fn first_step_queued(a: &PolicyAwait, held: &[&Arc<WaitQueue>]) -> PolicyLoop {
+    let mut l = PolicyLoop::new();
+    for q in held {
+        q.try_now(&[1], 0).unwrap();
+    }
+    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    l
+}
+
 fn finished(a: &PolicyAwait, l: &mut PolicyLoop) -> Arc<Finished> {
     match a.step(l, &Inline) {
         Ok(Next::Granted(f)) => f,
@@ -538,9 +549,7 @@ fn policy_waits_level_by_level_one_wake_each() {
 #[test]
 fn policy_cancelled_while_queued_gives_back_the_levels_it_held() {
     let (a, (sem_a, _qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = PolicyLoop::new();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let _l = first_step_queued(&a, &[&qb]);
     assert_eq!(sem_a.in_use(), 1, "a held while waiting for b");
     a.end(&Inline);
     assert_eq!((sem_a.in_use(), sem_b.in_use(), qb.waiting()), (0, 1, 0));
@@ -549,10 +558,7 @@ fn policy_cancelled_while_queued_gives_back_the_levels_it_held() {
 #[test]
 fn policy_cancelled_after_a_levels_grant_before_resuming_gives_everything_back() {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = PolicyLoop::new();
-    qa.try_now(&[1], 0).unwrap();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let mut l = first_step_queued(&a, &[&qa, &qb]);
     qa.give_back(&[1], None);
     l.drain();
     assert_eq!(sem_a.in_use(), 1, "granted to the await");
@@ -568,9 +574,7 @@ fn policy_cancelled_after_a_levels_grant_before_resuming_gives_everything_back()
 #[test]
 fn policy_timed_out_on_a_later_level_gives_the_earlier_back() {
     let (a, (sem_a, _qa), (sem_b, qb), clock) = two_levels(Some(200 * MS));
-    let mut l = PolicyLoop::new();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let mut l = first_step_queued(&a, &[&qb]);
     qb.run_until(&clock, 200 * MS).unwrap();
     l.drain();
     assert!(
@@ -584,9 +588,7 @@ fn policy_timed_out_on_a_later_level_gives_the_earlier_back() {
 #[test]
 fn policy_loop_closed_and_dropped_give_everything_back() {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = PolicyLoop::new();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let l = first_step_queued(&a, &[&qb]);
     l.waits.native.close(&Inline, l.waits.chan.close());
     assert_eq!((sem_a.in_use(), qb.waiting()), (0, 0));
     drop(a);
@@ -594,9 +596,7 @@ fn policy_loop_closed_and_dropped_give_everything_back() {
 
     // Granted on its level while the loop closes: the grant goes back too.
     let (a, (sem_a, _qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = PolicyLoop::new();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let l = first_step_queued(&a, &[&qb]);
     qb.give_back(&[1], None);
     assert_eq!(sem_b.in_use(), 1, "b granted to the await, undelivered");
     l.waits.native.close(&Inline, l.waits.chan.close());
@@ -680,10 +680,7 @@ fn a_task_leaving_while_its_outcome_is_finished_gets_it_undone_once() {
 /// `b`'s holder releases.
 fn granted_first_level() -> (PolicyAwait, PolicyLoop, Arc<Semaphore>, Arc<Semaphore>) {
     let (a, (sem_a, qa), (sem_b, qb), _c) = two_levels(None);
-    let mut l = PolicyLoop::new();
-    qa.try_now(&[1], 0).unwrap();
-    qb.try_now(&[1], 0).unwrap();
-    assert!(matches!(a.step(&mut l, &Inline), Ok(Next::Wait(_))));
+    let mut l = first_step_queued(&a, &[&qa, &qb]);
     qa.give_back(&[1], None);
     l.drain();
     assert_eq!(sem_a.in_use(), 1, "a granted to the await, held in its core state");
