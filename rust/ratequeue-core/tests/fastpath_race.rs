@@ -7,11 +7,11 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{check_windows, S};
+use common::{check_joiners, granted_at, S};
 use ratequeue_core::bucket::Deny;
 use ratequeue_core::wait::{GrantRef, Queued, Sim, Slot, Submitted, Wake};
 use ratequeue_core::{
-    AnyClock, Error, Limiter, ManualClock, Outcome, QueueConfig, QueuedReservation, Rate, Reserved, Resource, WaitQueue,
+    AnyClock, Error, Limiter, ManualClock, QueueConfig, QueuedReservation, Rate, Reserved, Resource, WaitQueue,
 };
 
 type Hook = Box<dyn FnOnce() + Send>;
@@ -143,13 +143,6 @@ fn arm(hooked: &Hooked, q: &Arc<WaitQueue>, lim: &Arc<Limiter>, units: usize) ->
     joined
 }
 
-fn granted_at(o: Option<Outcome>) -> u64 {
-    match o {
-        Some(Outcome::Granted { at_ns, .. }) => at_ns,
-        other => panic!("not granted: {other:?}"),
-    }
-}
-
 fn race_keeps_the_promise(units: usize) {
     let (clock, lim, hooked, q) = setup(units);
     let joined = arm(&hooked, &q, &lim, units);
@@ -160,15 +153,8 @@ fn race_keeps_the_promise(units: usize) {
         (j.waiter.take().unwrap(), j.reservation.take().unwrap())
     };
     assert_eq!(reservation.at_ns, 2 * S, "promised behind the waiter (1 s) at 2 s");
-    q.run_until(&clock, 10 * S).unwrap();
-    let w_at = granted_at(waiter.take());
-    let r_at = granted_at(reservation.outcome());
-    assert_eq!(r_at, reservation.at_ns, "the reservation's promised time moved");
-    let mut grants = vec![(0, 1.0), (w_at, 2.0), (r_at, 1.0)];
-    if let Ok((at, _)) = fast {
-        grants.push((at, 1.0));
-    }
-    check_windows(grants, 1.0, 2);
+    let kept: Vec<_> = fast.iter().map(|(at, _)| (*at, 1.0)).collect();
+    check_joiners(&q, &clock, (&waiter, &reservation), &kept, "the fast path");
     assert!(
         fast.is_err(),
         "the fast path overtook the waiter that joined in its window"
@@ -197,19 +183,6 @@ fn join_now(q: &Arc<WaitQueue>, lim: &Arc<Limiter>, units: usize) -> (Arc<Slot>,
     (j.waiter.take().unwrap(), j.reservation.take().unwrap())
 }
 
-/// Both joiners granted: the reservation exactly at its promised time, and the rate kept
-/// with `extra` grants (time, cost) made by the racing caller.
-fn check_joiners(clock: &ManualClock, q: &Arc<WaitQueue>, j: (Arc<Slot>, QueuedReservation), extra: &[(u64, f64)]) {
-    let (waiter, reservation) = j;
-    assert_eq!(reservation.at_ns, 2 * S);
-    q.run_until(clock, 10 * S).unwrap();
-    let r_at = granted_at(reservation.outcome());
-    assert_eq!(r_at, reservation.at_ns, "the reservation's promised time moved");
-    let mut grants = vec![(0, 1.0), (granted_at(waiter.take()), 2.0), (r_at, 1.0)];
-    grants.extend_from_slice(extra);
-    check_windows(grants, 1.0, 2);
-}
-
 /// Python's try_acquire: checks the queue, then the limiter's take re-checks it.
 fn try_acquire_keeps_the_promise(units: usize) {
     let (clock, lim, _, q) = setup(units);
@@ -218,7 +191,7 @@ fn try_acquire_keeps_the_promise(units: usize) {
     let costs = vec![1u64; units];
     let fast = lim.try_acquire_idle_nowait(&costs, || q.joined()).unwrap();
     assert_eq!(fast, Err(Deny::Wait(0)), "refused: a waiter joined before the take");
-    check_joiners(&clock, &q, j, &[]);
+    check_joiners(&q, &clock, (&j.0, &j.1), &[], "the fast path");
 }
 
 #[test]
@@ -276,7 +249,7 @@ fn reservation_when_idle_racing_a_joiner_is_undone() {
     };
     assert_eq!(mine.at_ns, 3 * S);
     let j = j.into_inner().unwrap();
-    check_joiners(&clock, &q, j, &[]);
+    check_joiners(&q, &clock, (&j.0, &j.1), &[], "the fast path");
     assert_eq!(granted_at(mine.outcome()), 3 * S);
 }
 

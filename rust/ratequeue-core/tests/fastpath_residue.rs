@@ -8,14 +8,14 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::{check_windows, S};
+use common::{check_joiners, check_windows, granted_at, S};
 use ratequeue_core::bucket::Deny;
 use ratequeue_core::keyed::{KeyBucket, KeyWaiters};
 use ratequeue_core::keyed_queue::MakeResource;
 use ratequeue_core::policy::{LevelQueues, QueueRef};
 use ratequeue_core::wait::Slot;
 use ratequeue_core::{
-    AnyClock, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Outcome, Policy, QueueConfig,
+    AnyClock, KeyQueues, KeyedLimiter, Level, LevelArgs, LevelKind, Limiter, ManualClock, Policy, QueueConfig,
     QueuedReservation, Rate, Reserved, Resource, Semaphore, Submitted, WaitQueue, Wake,
 };
 
@@ -23,13 +23,6 @@ type Hook = Box<dyn FnOnce() + Send>;
 
 /// A waiter on a key: the queue's handle (keeping it in the map) and its slot.
 type KeyJoiner = (Arc<ratequeue_core::KeyQueue>, Arc<Slot>);
-
-fn granted_at(o: Option<Outcome>) -> u64 {
-    match o {
-        Some(Outcome::Granted { at_ns, .. }) => at_ns,
-        other => panic!("not granted: {other:?}"),
-    }
-}
 
 fn config() -> QueueConfig {
     QueueConfig::new(Vec::new(), 100, None).unwrap()
@@ -182,18 +175,8 @@ fn policy_acquire_fast_path_racing_a_joiner_keeps_the_promise() {
     let (waiter, reservation) = join(&q, &lim);
     assert_eq!(reservation.at_ns, 2 * S, "promised behind the waiter (1 s) at 2 s");
     let fast = policy.try_now(&[LevelArgs { key: 0, costs: vec![1] }], 0);
-    q.run_until(&clock, 10 * S).unwrap();
-    let w_at = granted_at(waiter.take());
-    let r_at = granted_at(reservation.outcome());
-    let mut grants = vec![(0, 1.0), (w_at, 2.0), (r_at, 1.0)];
-    if fast.is_some() {
-        grants.push((0, 1.0));
-    }
-    check_windows(grants, 1.0, 2);
-    assert_eq!(
-        r_at, reservation.at_ns,
-        "the acquire's take moved the reservation's promise"
-    );
+    let kept: Vec<_> = fast.iter().map(|_| (0, 1.0)).collect();
+    check_joiners(&q, &clock, (&waiter, &reservation), &kept, "the acquire");
     assert!(
         fast.is_none(),
         "the acquire overtook the waiter that joined in its window"

@@ -1,5 +1,11 @@
-//! Shared by the randomized undo checks: a seeded generator and the window bound.
+//! Shared by the randomized undo checks and the fast-path race tests: a seeded
+//! generator, the window bound, and the check of what joined a fast path's window.
 #![allow(dead_code)]
+
+use std::sync::Arc;
+
+use ratequeue_core::wait::Slot;
+use ratequeue_core::{ManualClock, Outcome, QueuedReservation, WaitQueue};
 
 /// Nanoseconds in one second.
 pub const S: u64 = 1_000_000_000;
@@ -35,4 +41,32 @@ pub fn check_windows(grants: impl IntoIterator<Item = (u64, f64)>, per_sec: f64,
             assert!(total <= bound, "window [{}, {}]: {total} > {bound}", g[i].0, g[j].0);
         }
     }
+}
+
+/// The grant time of a granted outcome (panics on anything else).
+pub fn granted_at(o: Option<Outcome>) -> u64 {
+    match o {
+        Some(Outcome::Granted { at_ns, .. }) => at_ns,
+        other => panic!("not granted: {other:?}"),
+    }
+}
+
+/// Serves `q` to 10 s and checks what joined a fast path's window (rate 1/s, burst 2,
+/// one unit used at 0): a waiter of cost 2 and a reservation of cost 1 behind it. The
+/// reservation is granted exactly at its promise, and no window admits more than the
+/// rate, counting `extra` grants (time, cost) made by the racing caller.
+pub fn check_joiners(
+    q: &Arc<WaitQueue>,
+    clock: &ManualClock,
+    (waiter, reservation): (&Slot, &QueuedReservation),
+    extra: &[(u64, f64)],
+    who: &str,
+) {
+    q.run_until(clock, 10 * S).unwrap();
+    let w_at = granted_at(waiter.take());
+    let r_at = granted_at(reservation.outcome());
+    assert_eq!(r_at, reservation.at_ns, "{who}'s take moved the reservation's promise");
+    let mut grants = vec![(0, 1.0), (w_at, 2.0), (r_at, 1.0)];
+    grants.extend_from_slice(extra);
+    check_windows(grants, 1.0, 2);
 }
