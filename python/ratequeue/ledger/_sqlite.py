@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
-from ._base import compensation, parse_json_obj
+from ._base import parse_json_obj
+from ._campaign import compensation
 from ._model import (
     Balance,
     Charge,
@@ -21,18 +22,19 @@ from ._model import (
     Plan,
     UnknownRequest,
     conflict,
+    custom_units,
     new_charge,
 )
-from ._sqlite_store import (
+from ._sqlite_rows import (
     _ROW_COLS,
-    CLAIM_SECONDS,
-    SqliteStore,
     _am,
     _charge_of,
     _hold_of,
     _notice,
     _same_amounts,
+    units_json,
 )
+from ._sqlite_store import CLAIM_SECONDS, SqliteStore
 
 
 class SqliteLedger(SqliteStore):
@@ -87,7 +89,7 @@ class SqliteLedger(SqliteStore):
             old = existing.get(key)
             if old is not None:
                 ok = old[0] == "charge" and old[2] == fp
-                out[k] = _charge_of(old[4:14], True) if ok else conflict(rid)
+                out[k] = _charge_of(old[4:15], True) if ok else conflict(rid)
                 continue
             prior = fresh.get(key)
             if prior is not None:
@@ -111,15 +113,17 @@ class SqliteLedger(SqliteStore):
             self._apply(conn, account, a, p, parts, now)
             i_, o_, c_ = am["input_tokens"], am["output_tokens"], am["calls"]
             pk = p.span.key
-            rows.append((account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp))
+            un = units_json(am)
+            rows.append((account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp, un))
             mt = parse_json_obj(meta) if meta else None
-            c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt)
+            cu = custom_units(am)
+            c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt, False, cu)
             fresh[key] = (fp, c)
             out[k] = c
         conn.executemany(
             "INSERT INTO requests(account, request_id, kind, status, at, period,"
-            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
-            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             rows,
         )
         return [x for x in out if x is not None]
@@ -140,15 +144,15 @@ class SqliteLedger(SqliteStore):
             if old is not None:
                 if old[0] != "hold" or old[2] != fp:
                     raise conflict(rid)
-                return _hold_of(old[4:14], old[14], True)
+                return _hold_of(old[4:15], old[15], True)
             a, p = self._current(conn, account, now)
             parts = self._take(conn, account, a, p, am, now, force=False)
-            self._hold_delta(p, am, +1)
+            self._hold_delta(p, am, +1, a.plan.quota)
             exp = now + self.hold_ttl
             conn.execute(
                 "INSERT INTO requests(account, request_id, kind, status, at, period,"
-                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, parts, expires)"
-                " VALUES (?, ?, 'hold', 'held', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, parts, expires,"
+                " units) VALUES (?, ?, 'hold', 'held', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     account,
                     rid,
@@ -163,6 +167,7 @@ class SqliteLedger(SqliteStore):
                     fp,
                     json.dumps(parts),
                     exp,
+                    units_json(am),
                 ),
             )
             conn.execute(
@@ -183,6 +188,8 @@ class SqliteLedger(SqliteStore):
                 model,
                 parent,
                 parse_json_obj(meta),
+                False,
+                custom_units(am),
             )
 
         return fn
@@ -213,15 +220,15 @@ class SqliteLedger(SqliteStore):
                     old[0] == "charge" and _same_amounts(old, am, model)
                 ):
                     raise conflict(rid)
-                return _charge_of(old[4:14], True)
+                return _charge_of(old[4:15], True)
             a, cur = self._current(conn, acc, now)
             if old is None:
                 p = cur
                 self._take(conn, acc, a, p, am, now, force=True)
                 conn.execute(
                     "INSERT INTO requests(account, request_id, kind, status, at, period,"
-                    " input_tokens, output_tokens, calls, model, fp, sfp)"
-                    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " input_tokens, output_tokens, calls, model, fp, sfp, units)"
+                    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         acc,
                         rid,
@@ -233,6 +240,7 @@ class SqliteLedger(SqliteStore):
                         model,
                         sfp,
                         sfp,
+                        units_json(am),
                     ),
                 )
                 return Charge(
@@ -244,6 +252,7 @@ class SqliteLedger(SqliteStore):
                     am["output_tokens"],
                     am["calls"],
                     model,
+                    units=custom_units(am),
                 )
             key = old[6]
             pp = self._per_key(conn, acc, key)
@@ -260,13 +269,13 @@ class SqliteLedger(SqliteStore):
                         ).fetchone()[0]
                     ),
                 )
-                self._hold_delta(pp, _am(old[8], old[9], old[10]), -1)
+                self._hold_delta(pp, _am(old[8], old[9], old[10], old[14]), -1, a.plan.quota)
             target = pp if pp is not None else cur
             self._take(conn, acc, a, target, am, now, force=True)
             m = model if model is not None else old[11]
             conn.execute(
                 "UPDATE requests SET status='charged', at=?, period=?, input_tokens=?,"
-                " output_tokens=?, calls=?, model=?, sfp=?, parts=NULL"
+                " output_tokens=?, calls=?, model=?, sfp=?, parts=NULL, units=?"
                 " WHERE account=? AND request_id=?",
                 (
                     now,
@@ -276,6 +285,7 @@ class SqliteLedger(SqliteStore):
                     am["calls"],
                     m,
                     sfp,
+                    units_json(am),
                     acc,
                     rid,
                 ),
@@ -291,6 +301,8 @@ class SqliteLedger(SqliteStore):
                 m,
                 old[12],
                 parse_json_obj(old[13]),
+                False,
+                custom_units(am),
             )
 
         return fn
@@ -300,16 +312,17 @@ class SqliteLedger(SqliteStore):
     ) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
-                "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
-                " FROM holds h JOIN requests r ON r.account=h.account AND r.request_id=h.request_id"
+                "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls,"
+                " r.units FROM holds h"
+                " JOIN requests r ON r.account=h.account AND r.request_id=h.request_id"
                 " WHERE h.request_id=? AND r.status='held'",
                 (rid,),
             ).fetchall()
-            for acc, key, parts, i, o, c in rows:
+            for acc, key, parts, i, o, c, un in rows:
                 a = self._acct(conn, acc, create=False)
                 p = self._per_key(conn, acc, key)
                 self._give_back(conn, acc, a, p, json.loads(parts))
-                self._hold_delta(p, _am(i, o, c), -1)
+                self._hold_delta(p, _am(i, o, c, un), -1, a.plan.quota)
                 conn.execute(
                     "UPDATE requests SET status='released', parts=NULL"
                     " WHERE account=? AND request_id=?",
@@ -605,8 +618,8 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
     if parts is not None:
         cur = conn.execute(
             "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
-            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
-            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             (
                 account,
                 rid,
@@ -619,6 +632,7 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 parent,
                 meta or None,
                 fp,
+                units_json(am),
             ),
         )
         if cur.rowcount == 1:
@@ -634,8 +648,10 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 model,
                 parent,
                 parse_json_obj(meta),
+                False,
+                custom_units(am),
             )
         old = led._existing(conn, account, rid)
     if old[0] != "charge" or old[2] != fp:
         raise conflict(rid)
-    return _charge_of(old[4:14], True)
+    return _charge_of(old[4:15], True)
