@@ -401,3 +401,21 @@ def test_cli_sets_shows_and_exports_units(tmp_path) -> None:
     assert r.returncode != 0 and "lower-case" in r.stderr
     r = run("set-plan", "acme", "--unit", "tokens=5")
     assert r.returncode != 0 and "built-in" in r.stderr
+
+
+def test_a_unit_added_to_the_plan_and_counters_read_fresh(make: Factory, clock) -> None:
+    # another ledger object on the same storage reads the counters without this one's
+    # cache: a period row that never counted the unit, a campaign, a settle of a hold
+    one, two = make(clock), make(clock)
+    one.set_plan("acme", Plan("p", tokens=100))
+    one.charge("a", "acme", input_tokens=1, units={"images": 3})  # not in the plan
+    one.set_plan("acme", IMG)  # the unit now counts, from 0 in this period
+    assert two.balance("acme").used == {"tokens": 1, "images": 0, "usd_micros": 0}
+    one.hold("h", "acme", input_tokens=1)
+    rep = two.compensate("c", bonus=0.5)
+    assert rep.bonus_added == {"tokens": 500, "images": 5, "usd_micros": 2500}
+    three = make(clock)
+    three.settle("h", input_tokens=1, output_tokens=0, units={"images": 2})
+    b = make(clock).balance("acme")
+    assert b.used == {"tokens": 1, "images": 2, "usd_micros": 0}
+    assert b.bonus == {"tokens": 500, "images": 5, "usd_micros": 2500}

@@ -231,7 +231,7 @@ def request_fingerprint(
     same digest built without ``repr`` of the amounts dict (``amounts``' key order; units
     of your own, sorted, come after the built-in ones, so a request without them has the
     digest it had before they existed)."""
-    extra = "".join(f", {u!r}: {v}" for u, v in custom_units(am).items())
+    extra = "" if len(am) == 4 else "".join(f", {u!r}: {v}" for u, v in custom_units(am).items())
     text = (
         f"({kind!r}, {account!r}, {{'tokens': {am['tokens']}, 'input_tokens': "
         f"{am['input_tokens']}, 'output_tokens': {am['output_tokens']}, 'calls': "

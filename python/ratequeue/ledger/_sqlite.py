@@ -78,6 +78,7 @@ class SqliteLedger(SqliteStore):
                 ):
                     existing[(r[5], r[4])] = r
         rows: list[tuple[Any, ...]] = []
+        unit_rows: list[tuple[Any, ...]] = []  # with units of your own
         fresh: dict[tuple[str, str], tuple[str, Charge]] = {}
         # per account: (account, period) while ``now`` stays in the period and before
         # the next hold expiry (then ``_current`` would do nothing else)
@@ -113,19 +114,30 @@ class SqliteLedger(SqliteStore):
             self._apply(conn, account, a, p, parts, now)
             i_, o_, c_ = am["input_tokens"], am["output_tokens"], am["calls"]
             pk = p.span.key
-            un = units_json(am)
-            rows.append((account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp, un))
+            row = (account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp)
             mt = parse_json_obj(meta) if meta else None
-            cu = custom_units(am)
-            c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt, False, cu)
+            if len(am) == 4:
+                rows.append(row)
+                c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt)
+            else:
+                unit_rows.append((*row, units_json(am)))
+                cu = custom_units(am)
+                c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt, False, cu)
             fresh[key] = (fp, c)
             out[k] = c
         conn.executemany(
             "INSERT INTO requests(account, request_id, kind, status, at, period,"
-            " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
-            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
+            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             rows,
         )
+        if unit_rows:
+            conn.executemany(
+                "INSERT INTO requests(account, request_id, kind, status, at, period,"
+                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+                " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                unit_rows,
+            )
         return [x for x in out if x is not None]
 
     def _hold_call(
@@ -255,7 +267,7 @@ class SqliteLedger(SqliteStore):
                     units=custom_units(am),
                 )
             key = old[6]
-            pp = self._per_key(conn, acc, key)
+            pp = self._per_key(conn, acc, key, a.own)
             if old[1] == "held":
                 self._give_back(
                     conn,
@@ -320,7 +332,7 @@ class SqliteLedger(SqliteStore):
             ).fetchall()
             for acc, key, parts, i, o, c, un in rows:
                 a = self._acct(conn, acc, create=False)
-                p = self._per_key(conn, acc, key)
+                p = self._per_key(conn, acc, key, a.own)
                 self._give_back(conn, acc, a, p, json.loads(parts))
                 self._hold_delta(p, _am(i, o, c, un), -1, a.plan.quota)
                 conn.execute(
@@ -549,7 +561,7 @@ class SqliteLedger(SqliteStore):
                     out.append({"account": acc, "status": "skipped", "reason": "no plan"})
                     continue
                 span = a.plan.period.at(at, a.anchor)
-                p = self._per(conn, acc, span)
+                p = self._per(conn, acc, span, a.own)
                 quota = a.plan.quota
                 used, add = compensation(
                     quota,
@@ -602,6 +614,19 @@ class SqliteLedger(SqliteStore):
         return None if row is None else json.loads(row[0])
 
 
+_INSERT = (
+    "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
+    " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
+    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+#: ``_INSERT`` of a charge with units of your own.
+_INSERT_OWN = (
+    "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
+    " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
 def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], fp: str) -> Charge:
     """One charge: the quota checked first, then the request row inserted unless its id
     exists (a replay or a conflict), then the deduction: nothing is written on a refusal."""
@@ -616,10 +641,9 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
             raise
         parts = None
     if parts is not None:
+        own = len(am) > 4
         cur = conn.execute(
-            "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
-            " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
-            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            _INSERT_OWN if own else _INSERT,
             (
                 account,
                 rid,
@@ -632,12 +656,12 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 parent,
                 meta or None,
                 fp,
-                units_json(am),
+                *((units_json(am),) if own else ()),
             ),
         )
         if cur.rowcount == 1:
             led._apply(conn, account, a, p, parts, now)
-            return Charge(
+            return new_charge(
                 rid,
                 account,
                 p.span.key,
@@ -647,9 +671,9 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 am["calls"],
                 model,
                 parent,
-                parse_json_obj(meta),
+                parse_json_obj(meta) if meta else None,
                 False,
-                custom_units(am),
+                custom_units(am) if own else None,
             )
         old = led._existing(conn, account, rid)
     if old[0] != "charge" or old[2] != fp:

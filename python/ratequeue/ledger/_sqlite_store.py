@@ -13,7 +13,6 @@ import os
 import sqlite3
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -86,16 +85,21 @@ def _resolve(ops: Sequence[_Op]) -> None:
 
 
 class _Acct:
-    __slots__ = ("anchor", "bonus", "levels", "next_exp", "plan", "plan_json", "thr")
+    __slots__ = ("anchor", "bonus", "levels", "next_exp", "own", "plan", "plan_json", "thr")
 
     def __init__(self, row: sqlite3.Row | tuple[Any, ...], ledger: LedgerBase) -> None:
         self.plan_json: str = row[0]
         self.plan: Plan = ledger._plan(row[0])
         self.anchor: float | None = row[1]
         self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
-        self.bonus: dict[str, int] = defaultdict(int, zip(UNITS, row[3:7], strict=True))
+        self.bonus = dict(zip(UNITS, row[3:7], strict=True))
         if row[8]:
             self.bonus.update(json.loads(row[8]))
+        # the plan's units of your own: kept in every counter dict of the account (0 until
+        # counted), so that the accounting reads them as it reads the built-in ones
+        self.own = tuple(u for u in self.plan.quota if u not in UNITS)
+        for u in self.own:
+            self.bonus.setdefault(u, 0)
         self.next_exp: float | None = row[7]
         # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)], the
         # lowest of those usages: below it, nothing can fire)
@@ -114,16 +118,15 @@ class _Per:
 
     def __init__(self, span: Span, row: tuple[Any, ...] | None) -> None:
         self.span = span
-        # units of your own beside the built-in ones: 0 until counted
-        self.used: dict[str, int]
-        self.held: dict[str, int]
+        # units of your own beside the built-in ones (those of the account's plan added by
+        # ``_per``)
         if row is None:
-            self.used = defaultdict(int, dict.fromkeys(UNITS, 0))
-            self.held = defaultdict(int, dict.fromkeys(UNITS, 0))
+            self.used = dict.fromkeys(UNITS, 0)
+            self.held = dict.fromkeys(UNITS, 0)
             self.fired: set[str] = set()
         else:
-            self.used = defaultdict(int, zip(UNITS, row[0:4], strict=True))
-            self.held = defaultdict(int, zip(UNITS, row[4:8], strict=True))
+            self.used = dict(zip(UNITS, row[0:4], strict=True))
+            self.held = dict(zip(UNITS, row[4:8], strict=True))
             self.fired = set(row[8].split(",")) if row[8] else set()
             if row[9]:
                 self.used.update(json.loads(row[9]))
@@ -201,7 +204,7 @@ class SqliteStore(LedgerBase):
         if a.next_exp is not None and now >= a.next_exp:
             self._expire_account(conn, account, a, now)
         span = self._span(a.plan_json, a.plan, a.anchor, now)
-        return a, self._per(conn, account, span)
+        return a, self._per(conn, account, span, a.own)
 
     def _fit(
         self, account: str, a: _Acct, p: _Per, am: dict[str, int], now: float, *, force: bool
@@ -211,7 +214,7 @@ class SqliteStore(LedgerBase):
         parts: dict[str, list[int]] = {}
         used, bonus = p.used, a.bonus
         for u, q in a.plan.quota.items():
-            need = am.get(u, 0)
+            need = am[u] if u in am else 0  # noqa: SIM401 - no method call
             cur = used[u]
             free = q - cur if q > cur else 0
             from_plan = need if need < free else free
@@ -268,9 +271,9 @@ class SqliteStore(LedgerBase):
         bonus_changed = False
         for u, (fp, fb) in parts.items():
             if p is not None:
-                p.used[u] = max(0, p.used[u] - fp)
+                p.used[u] = max(0, p.used.get(u, 0) - fp)
             if fb:
-                a.bonus[u] += fb
+                a.bonus[u] = a.bonus.get(u, 0) + fb
                 bonus_changed = True
         if p is not None:
             self._dirty.add((account, p.span.key))
@@ -312,7 +315,7 @@ class SqliteStore(LedgerBase):
         held = p.held
         for u, v in am.items():
             if u in quota or u in held:
-                held[u] = max(0, held[u] + sign * v)
+                held[u] = max(0, held.get(u, 0) + sign * v)
 
     def _expire_account(self, conn: sqlite3.Connection, account: str, a: _Acct, now: float) -> int:
         rows = conn.execute(
@@ -321,7 +324,7 @@ class SqliteStore(LedgerBase):
             (account, now),
         ).fetchall()
         for rid, key, parts, i, o, c, un in rows:
-            p = self._per_key(conn, account, key)
+            p = self._per_key(conn, account, key, a.own)
             self._give_back(conn, account, a, p, json.loads(parts))
             self._hold_delta(p, _am(i, o, c, un), -1, a.plan.quota)
             conn.execute(
@@ -677,7 +680,11 @@ class SqliteStore(LedgerBase):
             self._accts[account] = a
         return a
 
-    def _per(self, conn: sqlite3.Connection, account: str, span: Span) -> _Per:
+    def _per(
+        self, conn: sqlite3.Connection, account: str, span: Span, own: tuple[str, ...] = ()
+    ) -> _Per:
+        """The period's counters (cached), with ``own`` (the plan's units of your own)
+        among them."""
         k = (account, span.key)
         p = self._pers.get(k)
         if p is None:
@@ -694,23 +701,48 @@ class SqliteStore(LedgerBase):
                 )
             p = _Per(span, row)
             self._pers[k] = p
+        if own:
+            used, held = p.used, p.held
+            for u in own:
+                if u not in used:
+                    used[u] = 0
+                if u not in held:
+                    held[u] = 0
         return p
 
-    def _per_key(self, conn: sqlite3.Connection, account: str, key: str) -> _Per | None:
+    def _per_key(
+        self, conn: sqlite3.Connection, account: str, key: str, own: tuple[str, ...] = ()
+    ) -> _Per | None:
         """A past period's counters by key (None once purged)."""
         p = self._pers.get((account, key))
         if p is not None:
-            return p
+            return self._per(conn, account, p.span, own) if own else p
         row = conn.execute(
             "SELECT start, end FROM periods WHERE account=? AND period=?", (account, key)
         ).fetchone()
         if row is None:
             return None
-        return self._per(conn, account, Span(key, row[0], row[1]))
+        return self._per(conn, account, Span(key, row[0], row[1]), own)
 
     def _flush(self, conn: sqlite3.Connection) -> None:
         for account, key in self._dirty:
             p = self._pers[(account, key)]
+            if len(p.used) == 4 and len(p.held) == 4:  # no unit of your own (no None bound:
+                # sqlite3 adapts None through an error it raises and clears, ~1,000
+                # instructions a parameter)
+                conn.execute(
+                    "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?,"
+                    " u_calls=?, h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?,"
+                    " fired=? WHERE account=? AND period=?",
+                    (
+                        *(p.used[u] for u in UNITS),
+                        *(p.held[u] for u in UNITS),
+                        ",".join(sorted(p.fired)),
+                        account,
+                        key,
+                    ),
+                )
+                continue
             conn.execute(
                 "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?, u_calls=?,"
                 " h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?, fired=?,"
@@ -728,6 +760,13 @@ class SqliteStore(LedgerBase):
         self._dirty.clear()
 
     def _save_bonus(self, conn: sqlite3.Connection, account: str, a: _Acct) -> None:
+        if len(a.bonus) == 4:
+            conn.execute(
+                "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?"
+                " WHERE account=?",
+                (*(a.bonus[u] for u in UNITS), account),
+            )
+            return
         conn.execute(
             "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?,"
             " b_units=? WHERE account=?",

@@ -184,7 +184,7 @@ class RedisLedger(_RedisLedgerCore):
                 self._drive(self._fired(account, r))
             i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
             mt = _meta(meta) if meta else None
-            cu = custom_units(am)
+            cu = custom_units(am) if len(am) > 4 else None
             return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt, False, cu)
         return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp))
 
@@ -203,7 +203,7 @@ class RedisLedger(_RedisLedgerCore):
         self._check_big(am)
         i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, fp, i, o, n, model or "", parent or "", meta, "")
-        un, cu = units_text(am), custom_units(am)
+        un, cu = (units_text(am), custom_units(am)) if len(am) > 4 else ("", None)
         fast = True
         for attempt in range(3):
             info = self._info.get(account) if attempt == 0 else None
