@@ -7,6 +7,7 @@ its types and adds thin Python adapters.
 # Imported first: ratequeue.aio hands the policy's asyncio wait to the native module.
 from . import aio as aio
 from ._errors import CostTooLarge, Overloaded, QuotaExceeded, RateQueueError, WaitTimeout
+from ._policy import Policy
 from ._ratequeue import (
     Acquiring,
     Channel,
@@ -18,7 +19,6 @@ from ._ratequeue import (
     ManualClock,
     MonotonicClock,
     Permit,
-    Policy,
     PolicyAcquiring,
     PolicyPermit,
     Rate,

@@ -6,6 +6,7 @@ from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import disjoint_base
 
 __version__: str
 
@@ -502,12 +503,14 @@ class PolicyAcquiring:
         tb: TracebackType | None,
     ) -> bool: ...
 
-@final
+@disjoint_base
 class Policy:
     """Several limits at once (user -> tenant -> cluster), all or nothing.
 
     Keyed levels take their key from the keyword named like the level; costs are
     keywords per unit; ``shadow`` levels are evaluated and counted, never enforced.
+    ``ratequeue.Policy`` is this class's Python subclass, whose levels may also hold one
+    ``ratequeue.ledger.QuotaLevel`` (a ``ratequeue.ledger.LedgerPolicy``).
     """
 
     def __new__(

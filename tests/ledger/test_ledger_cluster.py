@@ -63,3 +63,26 @@ def test_the_asyncio_twins_on_a_cluster(cluster: RedisCluster) -> None:
 
     asyncio.run(main())
     assert sorted(led.balance(a).used["tokens"] for a in accounts) == [60] * 6
+
+
+def test_units_of_your_own_on_a_cluster(cluster: RedisCluster) -> None:
+    """Charges, holds and a campaign in units of your own, through the cluster client
+    (each account's script on its node)."""
+    clock = rq.ManualClock(T0)
+    led = RedisLedger(cluster, name=f"u{time.monotonic_ns()}", clock=clock)
+    accounts = [f"studio-{i}" for i in range(6)]
+    for a in accounts:
+        led.set_plan(a, Plan("art", tokens=100, units={"images": 10}, period=Daily()))
+        assert led.charge("r", a, units={"images": 8}).units == {"images": 8}
+        assert led.charge("r", a, units={"images": 8}).replay
+        led.hold("h-" + a, a, units={"images": 2})
+        assert led.settle("h-" + a, input_tokens=1, output_tokens=0, units={"images": 1}).units == {
+            "images": 1
+        }
+    assert {led.balance(a).used["images"] for a in accounts} == {9}
+    got: list[Notice] = []
+    led.deliver(got.append)
+    assert {(n.unit, n.threshold) for n in got} == {("images", 0.8), ("images", 0.95)}
+    rep = led.compensate("camp", batch=4)
+    assert rep.bonus_added == {"tokens": 150, "images": 12}
+    assert led.balance("studio-0").remaining == {"tokens": 125, "images": 12}

@@ -5,8 +5,9 @@ it lives in ``ratequeue.redis`` and is re-exported here, imported on first use s
 this package needs no redis-py) offer the same calls: ``charge``,
 ``hold``/``settle``/``release``, queries, warnings
 through an outbox (``Notifier`` delivers them in the background), and compensation
-campaigns; ``QuotaPolicy`` makes an account a level of a ``Policy``. Periods are in UTC
-unless a plan's period names a time zone.
+campaigns; a ``QuotaLevel`` makes an account a level of ``rq.Policy`` (which is then a
+``LedgerPolicy``), or of any policy-like object through ``QuotaPolicy``. Periods are in
+UTC unless a plan's period names a time zone.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from ._model import (
     UnknownRequest,
 )
 from ._notifier import Notifier
-from ._policy import QuotaLevel, QuotaPermit, QuotaPolicy
+from ._policy import LedgerPolicy, QuotaAcquiring, QuotaLevel, QuotaPermit, QuotaPolicy
 from ._protocol import LedgerLike
 from ._sqlite import SqliteLedger
 
@@ -53,12 +54,14 @@ __all__ = [
     "LedgerBase",
     "LedgerError",
     "LedgerLike",
+    "LedgerPolicy",
     "Monthly",
     "Notice",
     "Notifier",
     "Page",
     "Period",
     "Plan",
+    "QuotaAcquiring",
     "QuotaExceeded",
     "QuotaLevel",
     "QuotaPermit",

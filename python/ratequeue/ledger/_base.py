@@ -9,17 +9,16 @@ import concurrent.futures
 import csv
 import inspect
 import json
-import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
 from .._threads import ProcessThreads
+from ._campaign import Campaigns
 from ._model import (
     DAY,
     Balance,
-    CampaignReport,
     Charge,
     ClockLike,
     Hold,
@@ -37,8 +36,8 @@ from ._model import (
     check_seconds,
     check_thresholds,
     clock_fn,
-    fingerprint,
     request_fingerprint,
+    settle_fingerprint,
     utc,
 )
 
@@ -57,11 +56,9 @@ _CHARGE_KEYS = frozenset(
         "model",
         "parent_id",
         "meta",
+        "units",
     )
 )
-
-#: Kept at most per compensation report (totals always count every account).
-MAX_REPORT_ACTIONS = 1000
 
 
 def quota_exceeded(account: str, unit: str, need: int, avail: int, span: Span, now: float) -> Any:
@@ -76,30 +73,7 @@ def quota_exceeded(account: str, unit: str, need: int, avail: int, span: Span, n
     )
 
 
-def compensation(
-    quota: dict[str, int],
-    used: dict[str, int],
-    *,
-    reset_usage: bool,
-    bonus: float,
-    credit: float | None,
-) -> tuple[dict[str, int], dict[str, int]]:
-    """(new used, bonus to add) per unit: never negative."""
-    new_used: dict[str, int] = {}
-    add: dict[str, int] = {}
-    for u, q in quota.items():
-        cur = max(0, used.get(u, 0))
-        if credit is not None:
-            new_used[u] = max(0, cur - int(q * credit))
-        elif reset_usage:
-            new_used[u] = 0
-        else:
-            new_used[u] = cur
-        add[u] = max(0, int(q * bonus))
-    return new_used, add
-
-
-class LedgerBase(abc.ABC):
+class LedgerBase(Campaigns, abc.ABC):
     """The public surface of a quota ledger; backends fill in the storage (the abstract
     methods: every one is needed, so a backend missing one cannot be made)."""
 
@@ -220,12 +194,14 @@ class LedgerBase(abc.ABC):
         model: str | None = None,
         parent_id: str | None = None,
         meta: dict[str, Any] | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> Charge:
         """Counts a request once per ``request_id``: a retry returns the first record with
         ``replay=True``; the same id with another payload raises ``IdempotencyConflict``;
-        out of quota raises ``QuotaExceeded`` and charges nothing."""
+        out of quota raises ``QuotaExceeded`` and charges nothing. ``units``: amounts in
+        units of your own (``{"images": 3}``)."""
         args = self._request_args(
-            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
+            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta, units
         )
         return self._charge_now(args, request_fingerprint("charge", *args[1:]))
 
@@ -253,6 +229,7 @@ class LedgerBase(abc.ABC):
                     r.get("model"),
                     r.get("parent_id"),
                     r.get("meta"),
+                    r.get("units"),
                 )
             except (TypeError, ValueError, KeyError) as e:
                 ops.append(e)
@@ -276,11 +253,12 @@ class LedgerBase(abc.ABC):
         model: str | None = None,
         parent_id: str | None = None,
         meta: dict[str, Any] | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> Hold:
         """Reserves an estimate before a call so concurrent requests cannot overspend;
         idempotent per ``request_id``; expires after ``hold_ttl`` giving its amount back."""
         args = self._request_args(
-            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta
+            request_id, account, input_tokens, output_tokens, calls, model, parent_id, meta, units
         )
         fp = request_fingerprint("hold", *args[1:])
         return self._call(self._hold_call(*args, fp))  # type: ignore[no-any-return]
@@ -294,10 +272,12 @@ class LedgerBase(abc.ABC):
         calls: int = 1,
         model: str | None = None,
         account: str | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> Charge:
         """Records a hold's actual usage (the difference given back or taken, past the
         quota if need be: the work was done); without a hold, charges ``account``
-        directly. Idempotent: a retry returns the charge with ``replay=True``."""
+        directly. Idempotent: a retry returns the charge with ``replay=True``. The actual
+        amounts replace the estimate in every unit (``units`` not given: none of yours)."""
         args = self._parse_settle(
             request_id,
             input_tokens=input_tokens,
@@ -305,6 +285,7 @@ class LedgerBase(abc.ABC):
             calls=calls,
             model=model,
             account=account,
+            units=units,
         )
         return self._call(self._settle_call(*args))  # type: ignore[no-any-return]
 
@@ -317,15 +298,15 @@ class LedgerBase(abc.ABC):
         calls: int = 1,
         model: str | None = None,
         account: str | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> tuple[Any, ...]:
         check_id("request_id", request_id)
-        am = amounts(input_tokens, output_tokens, calls)
+        am = amounts(input_tokens, output_tokens, calls, units)
         if model is not None:
             check_id("model", model)
         if account is not None:
             check_id("account", account)
-        sfp = fingerprint("settle", am["input_tokens"], am["output_tokens"], am["calls"], model)
-        return (request_id, am, model, account, sfp)
+        return (request_id, am, model, account, settle_fingerprint(am, model))
 
     def release(self, request_id: str) -> None:
         """Gives a hold back in full; a no-op when it was settled, released or expired."""
@@ -342,12 +323,13 @@ class LedgerBase(abc.ABC):
         model: str | None = None,
         parent_id: str | None = None,
         meta: dict[str, Any] | None = None,
+        units: Mapping[str, int] | None = None,
     ) -> tuple[Any, ...]:
         """A charge's or hold's arguments checked: (request id, account, amounts, model,
         parent id, meta JSON); the asyncio twins pass their keywords here."""
         check_id("request_id", request_id)
         check_id("account", account)
-        am = amounts(input_tokens, output_tokens, calls)
+        am = amounts(input_tokens, output_tokens, calls, units)
         if model is not None:
             check_id("model", model)
         if parent_id is not None:
@@ -548,6 +530,7 @@ class LedgerBase(abc.ABC):
                 "calls",
                 "model",
                 "meta",
+                "units",
             ]
         )
         n = 0
@@ -565,6 +548,7 @@ class LedgerBase(abc.ABC):
                     c.calls,
                     c.model or "",
                     "" if c.meta is None else json.dumps(c.meta, sort_keys=True),
+                    json.dumps(c.units, sort_keys=True) if c.units else "",
                 ]
             )
             n += 1
@@ -621,116 +605,12 @@ class LedgerBase(abc.ABC):
     @abc.abstractmethod
     def _unclaim(self, notices: Sequence[Notice]) -> None: ...
 
-    # -- compensation ----------------------------------------------------------------------
-
-    def compensate(
-        self,
-        campaign_id: str,
-        accounts: Iterable[str] | None = None,
-        *,
-        reset_usage: bool = True,
-        bonus: float | None = None,
-        credit: float | None = None,
-        dry_run: bool = False,
-        progress: bool | Callable[[int, int], None] | None = False,
-        batch: int = 500,
-    ) -> CampaignReport:
-        """Compensates accounts (all by default) in their current period, never below 0:
-        usage reset to 0 plus a bonus of ``bonus`` (0.25 by default) of the quota, or
-        with ``credit`` usage lowered by that share of the quota. Idempotent per
-        campaign: a rerun skips accounts done (an audit row each) and resumes."""
-        check_id("campaign_id", campaign_id)
-        if credit is not None:
-            credit = check_fraction("credit", credit)
-            reset_usage = False
-        b = (
-            (0.0 if credit is not None else 0.25)
-            if bonus is None
-            else check_fraction("bonus", bonus)
-        )
-        if (credit is not None and credit > 1) or b > 100:
-            raise ValueError("credit must be <= 1 and bonus <= 100 (shares of the quota)")
-        if isinstance(batch, bool) or not isinstance(batch, int) or not 1 <= batch <= 100_000:
-            raise ValueError(f"batch={batch!r} must be an int from 1 to 100000")
-        params = {"reset_usage": bool(reset_usage), "bonus": b, "credit": credit}
-        at = self._campaign_start(campaign_id, params, dry_run)
-        report = CampaignReport(campaign_id, bool(dry_run))
-        if accounts is None:
-            total = self.count_accounts()
-            source: Iterable[str] = self.accounts()
-        else:
-            acc = list(accounts)
-            for a in acc:
-                check_id("account", a)
-            total, source = len(acc), acc
-        bar = _bar(progress, total, campaign_id)
-        chunk: list[str] = []
-        try:
-            for a in source:
-                chunk.append(a)
-                if len(chunk) >= batch:
-                    self._run_chunk(campaign_id, chunk, params, at, dry_run, report, bar)
-                    chunk = []
-            if chunk:
-                self._run_chunk(campaign_id, chunk, params, at, dry_run, report, bar)
-        finally:
-            if bar is not None:
-                bar(report.accounts, total, True)
-        if not dry_run:
-            self._campaign_finish(campaign_id)
-        return report
-
-    def _run_chunk(
-        self,
-        campaign_id: str,
-        chunk: list[str],
-        params: dict[str, Any],
-        at: float,
-        dry_run: bool,
-        report: CampaignReport,
-        bar: Callable[[int, int, bool], None] | None,
-    ) -> None:
-        for act in self._compensate_accounts(campaign_id, chunk, params, at, dry_run):
-            report.accounts += 1
-            status = act["status"]
-            if status == "done":
-                report.already_done += 1
-            elif status == "skipped":
-                report.skipped += 1
-            else:
-                report.changed += 1
-                for u, v in act["before"]["used"].items():
-                    d = v - act["after"]["used"].get(u, v)
-                    report.credited[u] = report.credited.get(u, 0) + d
-                for u, v in act["bonus_added"].items():
-                    report.bonus_added[u] = report.bonus_added.get(u, 0) + v
-            if len(report.actions) < MAX_REPORT_ACTIONS:
-                report.actions.append(act)
-        if bar is not None:
-            bar(report.accounts, -1, False)
-
-    @abc.abstractmethod
-    def _campaign_start(self, campaign_id: str, params: dict[str, Any], dry_run: bool) -> float: ...
-
-    @abc.abstractmethod
-    def _campaign_finish(self, campaign_id: str) -> None: ...
-
-    @abc.abstractmethod
-    def _compensate_accounts(
-        self, campaign_id: str, accounts: list[str], params: dict[str, Any], at: float, dry: bool
-    ) -> list[dict[str, Any]]: ...
-
-    @abc.abstractmethod
-    def audit(self, campaign_id: str, account: str) -> dict[str, Any] | None:
-        """The audit row a campaign wrote for an account (None if not done)."""
-        ...
-
     # -- misc --------------------------------------------------------------------------------
 
     def _unknown(self, account: str) -> UnknownAccount:
         return UnknownAccount(f"account {account!r} has no plan (set_plan first)")
 
-    def close(self) -> None:  # noqa: B027 - a backend with nothing to release keeps it
+    def close(self) -> None:
         """Releases the storage handle."""
 
     def __enter__(self) -> LedgerBase:
@@ -757,37 +637,6 @@ def _run_awaitable(r: Awaitable[Any]) -> Any:
         return await r
 
     return asyncio.run(wait())
-
-
-def _bar(
-    progress: bool | Callable[[int, int], None] | None, total: int, label: str
-) -> Callable[[int, int, bool], None] | None:
-    if progress is None or progress is False:
-        return None
-    if progress is not True:
-        cb = progress
-        last = [-1]
-
-        def call(done: int, _t: int, _end: bool) -> None:
-            if done != last[0]:
-                last[0] = done
-                cb(done, total)
-
-        return call
-    width = 30
-
-    def draw(done: int, _t: int, end: bool) -> None:
-        frac = done / total if total else 1.0
-        filled = round(min(1.0, frac) * width)
-        sys.stderr.write(
-            f"\r[{'#' * filled}{'.' * (width - filled)}] {frac * 100:5.1f}%  "
-            f"{done}/{total} accounts  {label[:30]}"
-        )
-        if end:
-            sys.stderr.write("\n")
-        sys.stderr.flush()
-
-    return draw
 
 
 def parse_json_obj(text: str | None) -> dict[str, Any] | None:

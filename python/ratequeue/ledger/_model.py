@@ -7,6 +7,7 @@ import calendar
 import hashlib
 import json
 import math
+import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,11 @@ from zoneinfo import ZoneInfo
 #: The units a plan can count: ``tokens`` is input + output tokens.
 UNITS: tuple[str, ...] = ("tokens", "input_tokens", "output_tokens", "calls")
 MAX_AMOUNT = 2**63 - 1
+#: At most this many units of your own per plan and per request.
+MAX_UNITS = 16
+#: A unit of your own: a lower-case letter, then up to 31 lower-case letters, digits or
+#: underscores (stored as a column name part, a Redis field and a record field as is).
+_UNIT_NAME = re.compile(r"[a-z][a-z0-9_]{0,31}")
 MAX_ID_LEN = 256
 MAX_META_BYTES = 4096
 DEFAULT_THRESHOLDS: tuple[float, ...] = (0.8, 0.95)
@@ -144,8 +150,50 @@ def check_thresholds(v: object) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def amounts(input_tokens: int, output_tokens: int, calls: int) -> dict[str, int]:
-    """The amount of each unit of one request (validated)."""
+def check_units(v: object, *, name: str = "units") -> dict[str, int]:
+    """Amounts in units of your own (``{"images": 3}``) checked: at most 16 names, each a
+    lower-case identifier of at most 32 characters that is not a built-in unit, each
+    amount an int from 0 to 2**63-1; sorted by name, zero amounts left out (an absent
+    unit and a unit of 0 are the same payload)."""
+    if v is None:
+        return {}
+    if not isinstance(v, Mapping):
+        raise TypeError(f"{name} must be a dict of unit name to int, got {type(v).__name__}")
+    if len(v) > MAX_UNITS:
+        raise ValueError(f"{name} must name at most {MAX_UNITS} units, got {len(v)}")
+    out: dict[str, int] = {}
+    for u in sorted(v, key=lambda k: k if isinstance(k, str) else ""):
+        if type(u) is not str:
+            raise TypeError(f"{name} names must be str, got {type(u).__name__}")
+        if not _UNIT_NAME.fullmatch(u):
+            raise ValueError(
+                f"{name} name {u[:40]!r} must be a lower-case letter then up to 31 lower-case "
+                "letters, digits or underscores"
+            )
+        if u in UNITS:
+            raise ValueError(f"{u!r} is a built-in unit: pass it as {u}=, not in {name}")
+        amount = check_amount(f"{name}[{u!r}]", v[u])
+        if amount:
+            out[u] = amount
+    return out
+
+
+def custom_units(am: Mapping[str, int]) -> dict[str, int]:
+    """The units of your own in an ``amounts`` dict (after the four built-in ones)."""
+    if len(am) <= 4:
+        return {}
+    return {u: v for u, v in am.items() if u not in UNITS}
+
+
+def amounts(
+    input_tokens: int, output_tokens: int, calls: int, units: object = None
+) -> dict[str, int]:
+    """The amount of each unit of one request (validated): the four built-in units, then
+    the nonzero ``units`` of your own sorted by name."""
+    if units is not None:
+        am = amounts(input_tokens, output_tokens, calls)
+        am.update(check_units(units))
+        return am
     if (
         type(input_tokens) is int
         and type(output_tokens) is int
@@ -180,13 +228,25 @@ def request_fingerprint(
     kind: str, account: str, am: dict[str, int], model: str | None, parent: str | None, meta: str
 ) -> str:
     """``fingerprint(kind, account, am, model, parent, meta)`` of a charge or hold, the
-    same digest built without ``repr`` of the amounts dict (``amounts``' key order)."""
+    same digest built without ``repr`` of the amounts dict (``amounts``' key order; units
+    of your own, sorted, come after the built-in ones, so a request without them has the
+    digest it had before they existed)."""
+    extra = "" if len(am) == 4 else "".join(f", {u!r}: {v}" for u, v in custom_units(am).items())
     text = (
         f"({kind!r}, {account!r}, {{'tokens': {am['tokens']}, 'input_tokens': "
         f"{am['input_tokens']}, 'output_tokens': {am['output_tokens']}, 'calls': "
-        f"{am['calls']}}}, {model!r}, {parent!r}, {meta!r})"
+        f"{am['calls']}{extra}}}, {model!r}, {parent!r}, {meta!r})"
     )
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+def settle_fingerprint(am: Mapping[str, int], model: str | None) -> str:
+    """The digest of a settle's payload (units of your own only when it has some)."""
+    cu = custom_units(am)
+    i, o, c = am["input_tokens"], am["output_tokens"], am["calls"]
+    if cu:
+        return fingerprint("settle", i, o, c, model, cu)
+    return fingerprint("settle", i, o, c, model)
 
 
 # -- periods -------------------------------------------------------------------------------
@@ -337,7 +397,11 @@ class Every(Period):
 
 
 class Plan:
-    """A quota per period in one or more units; a charge must fit every unit's quota."""
+    """A quota per period in one or more units; a charge must fit every unit's quota.
+
+    ``units`` are quotas in units of your own (``{"images": 100}``), counted like the
+    built-in ones; a request's units that its account's plan does not name are recorded
+    with the request and count against nothing."""
 
     def __init__(
         self,
@@ -347,6 +411,7 @@ class Plan:
         input_tokens: int | None = None,
         output_tokens: int | None = None,
         calls: int | None = None,
+        units: Mapping[str, int] | None = None,
         period: Period | None = None,
         thresholds: Sequence[float] = DEFAULT_THRESHOLDS,
     ) -> None:
@@ -360,6 +425,11 @@ class Plan:
         self.quota: dict[str, int] = {
             u: check_amount(u, v) for u, v in given.items() if v is not None
         }
+        if units is not None:  # a quota of 0 is a quota here (nothing of that unit)
+            if not isinstance(units, Mapping):
+                check_units(units)  # the TypeError
+            for u in check_units(dict.fromkeys(units, 1)):
+                self.quota[u] = check_amount(f"units[{u!r}]", units[u])
         if not self.quota:
             raise ValueError("a plan needs a quota in at least one unit (tokens=, calls=, ...)")
         if period is None:
@@ -386,9 +456,11 @@ class Plan:
     @staticmethod
     def from_dict(d: Mapping[str, Any]) -> Plan:
         """The plan a ``to_dict()`` described."""
+        q = d["quota"]
         return Plan(
             d["name"],
-            **{u: int(v) for u, v in d["quota"].items()},
+            **{u: int(v) for u, v in q.items() if u in UNITS},
+            units={u: int(v) for u, v in q.items() if u not in UNITS} or None,
             period=Period.from_dict(d["period"]),
             thresholds=d.get("thresholds", DEFAULT_THRESHOLDS),
         )
@@ -428,6 +500,8 @@ class Charge:
     parent_id: str | None = None
     meta: dict[str, Any] | None = None
     replay: bool = False
+    #: Amounts in units of your own (nonzero ones, by name).
+    units: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -450,6 +524,7 @@ def new_charge(
     parent_id: str | None,
     meta: dict[str, Any] | None,
     replay: bool = False,
+    units: dict[str, int] | None = None,
 ) -> Charge:
     """``Charge(...)`` for hot paths: the same object, without the frozen dataclass's
     per-field ``object.__setattr__``."""
@@ -466,6 +541,7 @@ def new_charge(
         parent_id=parent_id,
         meta=meta,
         replay=replay,
+        units={} if units is None else units,
     )
     return c
 
@@ -486,6 +562,8 @@ class Hold:
     parent_id: str | None = None
     meta: dict[str, Any] | None = None
     replay: bool = False
+    #: Amounts in units of your own (nonzero ones, by name).
+    units: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -541,6 +619,8 @@ class Totals:
     output_tokens: int = 0
     calls: int = 0
     requests: int = 0
+    #: Summed amounts in units of your own.
+    units: dict[str, int] = field(default_factory=dict)
 
     @property
     def tokens(self) -> int:
@@ -549,11 +629,17 @@ class Totals:
 
     def add(self, c: Charge) -> Totals:
         """These totals plus one row."""
+        units = self.units
+        if c.units:
+            units = dict(units)
+            for u, v in c.units.items():
+                units[u] = units.get(u, 0) + v
         return Totals(
             self.input_tokens + c.input_tokens,
             self.output_tokens + c.output_tokens,
             self.calls + c.calls,
             self.requests + 1,
+            units,
         )
 
 

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from .._errors import QuotaExceeded
-from ._base import compensation, parse_json_obj
+from ._base import parse_json_obj
+from ._campaign import compensation
 from ._model import (
     Balance,
     Charge,
@@ -21,18 +22,19 @@ from ._model import (
     Plan,
     UnknownRequest,
     conflict,
+    custom_units,
     new_charge,
 )
-from ._sqlite_store import (
+from ._sqlite_rows import (
     _ROW_COLS,
-    CLAIM_SECONDS,
-    SqliteStore,
     _am,
     _charge_of,
     _hold_of,
     _notice,
     _same_amounts,
+    units_json,
 )
+from ._sqlite_store import CLAIM_SECONDS, SqliteStore
 
 
 class SqliteLedger(SqliteStore):
@@ -76,6 +78,7 @@ class SqliteLedger(SqliteStore):
                 ):
                     existing[(r[5], r[4])] = r
         rows: list[tuple[Any, ...]] = []
+        unit_rows: list[tuple[Any, ...]] = []  # with units of your own
         fresh: dict[tuple[str, str], tuple[str, Charge]] = {}
         # per account: (account, period) while ``now`` stays in the period and before
         # the next hold expiry (then ``_current`` would do nothing else)
@@ -87,7 +90,7 @@ class SqliteLedger(SqliteStore):
             old = existing.get(key)
             if old is not None:
                 ok = old[0] == "charge" and old[2] == fp
-                out[k] = _charge_of(old[4:14], True) if ok else conflict(rid)
+                out[k] = _charge_of(old[4:15], True) if ok else conflict(rid)
                 continue
             prior = fresh.get(key)
             if prior is not None:
@@ -111,9 +114,15 @@ class SqliteLedger(SqliteStore):
             self._apply(conn, account, a, p, parts, now)
             i_, o_, c_ = am["input_tokens"], am["output_tokens"], am["calls"]
             pk = p.span.key
-            rows.append((account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp))
+            row = (account, rid, now, pk, i_, o_, c_, model, parent, meta or None, fp)
             mt = parse_json_obj(meta) if meta else None
-            c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt)
+            if len(am) == 4:
+                rows.append(row)
+                c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt)
+            else:
+                unit_rows.append((*row, units_json(am)))
+                cu = custom_units(am)
+                c = new_charge(rid, account, pk, now, i_, o_, c_, model, parent, mt, False, cu)
             fresh[key] = (fp, c)
             out[k] = c
         conn.executemany(
@@ -122,6 +131,13 @@ class SqliteLedger(SqliteStore):
             " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
             rows,
         )
+        if unit_rows:
+            conn.executemany(
+                "INSERT INTO requests(account, request_id, kind, status, at, period,"
+                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+                " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                unit_rows,
+            )
         return [x for x in out if x is not None]
 
     def _hold_call(
@@ -140,15 +156,15 @@ class SqliteLedger(SqliteStore):
             if old is not None:
                 if old[0] != "hold" or old[2] != fp:
                     raise conflict(rid)
-                return _hold_of(old[4:14], old[14], True)
+                return _hold_of(old[4:15], old[15], True)
             a, p = self._current(conn, account, now)
             parts = self._take(conn, account, a, p, am, now, force=False)
-            self._hold_delta(p, am, +1)
+            self._hold_delta(p, am, +1, a.plan.quota)
             exp = now + self.hold_ttl
             conn.execute(
                 "INSERT INTO requests(account, request_id, kind, status, at, period,"
-                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, parts, expires)"
-                " VALUES (?, ?, 'hold', 'held', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                " input_tokens, output_tokens, calls, model, parent_id, meta, fp, parts, expires,"
+                " units) VALUES (?, ?, 'hold', 'held', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (
                     account,
                     rid,
@@ -163,6 +179,7 @@ class SqliteLedger(SqliteStore):
                     fp,
                     json.dumps(parts),
                     exp,
+                    units_json(am),
                 ),
             )
             conn.execute(
@@ -183,6 +200,8 @@ class SqliteLedger(SqliteStore):
                 model,
                 parent,
                 parse_json_obj(meta),
+                False,
+                custom_units(am),
             )
 
         return fn
@@ -213,15 +232,15 @@ class SqliteLedger(SqliteStore):
                     old[0] == "charge" and _same_amounts(old, am, model)
                 ):
                     raise conflict(rid)
-                return _charge_of(old[4:14], True)
+                return _charge_of(old[4:15], True)
             a, cur = self._current(conn, acc, now)
             if old is None:
                 p = cur
                 self._take(conn, acc, a, p, am, now, force=True)
                 conn.execute(
                     "INSERT INTO requests(account, request_id, kind, status, at, period,"
-                    " input_tokens, output_tokens, calls, model, fp, sfp)"
-                    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?)",
+                    " input_tokens, output_tokens, calls, model, fp, sfp, units)"
+                    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (
                         acc,
                         rid,
@@ -233,6 +252,7 @@ class SqliteLedger(SqliteStore):
                         model,
                         sfp,
                         sfp,
+                        units_json(am),
                     ),
                 )
                 return Charge(
@@ -244,9 +264,10 @@ class SqliteLedger(SqliteStore):
                     am["output_tokens"],
                     am["calls"],
                     model,
+                    units=custom_units(am),
                 )
             key = old[6]
-            pp = self._per_key(conn, acc, key)
+            pp = self._per_key(conn, acc, key, a.own)
             if old[1] == "held":
                 self._give_back(
                     conn,
@@ -260,13 +281,13 @@ class SqliteLedger(SqliteStore):
                         ).fetchone()[0]
                     ),
                 )
-                self._hold_delta(pp, _am(old[8], old[9], old[10]), -1)
+                self._hold_delta(pp, _am(old[8], old[9], old[10], old[14]), -1, a.plan.quota)
             target = pp if pp is not None else cur
             self._take(conn, acc, a, target, am, now, force=True)
             m = model if model is not None else old[11]
             conn.execute(
                 "UPDATE requests SET status='charged', at=?, period=?, input_tokens=?,"
-                " output_tokens=?, calls=?, model=?, sfp=?, parts=NULL"
+                " output_tokens=?, calls=?, model=?, sfp=?, parts=NULL, units=?"
                 " WHERE account=? AND request_id=?",
                 (
                     now,
@@ -276,6 +297,7 @@ class SqliteLedger(SqliteStore):
                     am["calls"],
                     m,
                     sfp,
+                    units_json(am),
                     acc,
                     rid,
                 ),
@@ -291,6 +313,8 @@ class SqliteLedger(SqliteStore):
                 m,
                 old[12],
                 parse_json_obj(old[13]),
+                False,
+                custom_units(am),
             )
 
         return fn
@@ -300,16 +324,17 @@ class SqliteLedger(SqliteStore):
     ) -> Callable[[sqlite3.Connection], None]:
         def fn(conn: sqlite3.Connection) -> None:
             rows = conn.execute(
-                "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls"
-                " FROM holds h JOIN requests r ON r.account=h.account AND r.request_id=h.request_id"
+                "SELECT r.account, r.period, r.parts, r.input_tokens, r.output_tokens, r.calls,"
+                " r.units FROM holds h"
+                " JOIN requests r ON r.account=h.account AND r.request_id=h.request_id"
                 " WHERE h.request_id=? AND r.status='held'",
                 (rid,),
             ).fetchall()
-            for acc, key, parts, i, o, c in rows:
+            for acc, key, parts, i, o, c, un in rows:
                 a = self._acct(conn, acc, create=False)
-                p = self._per_key(conn, acc, key)
+                p = self._per_key(conn, acc, key, a.own)
                 self._give_back(conn, acc, a, p, json.loads(parts))
-                self._hold_delta(p, _am(i, o, c), -1)
+                self._hold_delta(p, _am(i, o, c, un), -1, a.plan.quota)
                 conn.execute(
                     "UPDATE requests SET status='released', parts=NULL"
                     " WHERE account=? AND request_id=?",
@@ -536,7 +561,7 @@ class SqliteLedger(SqliteStore):
                     out.append({"account": acc, "status": "skipped", "reason": "no plan"})
                     continue
                 span = a.plan.period.at(at, a.anchor)
-                p = self._per(conn, acc, span)
+                p = self._per(conn, acc, span, a.own)
                 quota = a.plan.quota
                 used, add = compensation(
                     quota,
@@ -589,6 +614,19 @@ class SqliteLedger(SqliteStore):
         return None if row is None else json.loads(row[0])
 
 
+_INSERT = (
+    "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
+    " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
+    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+#: ``_INSERT`` of a charge with units of your own.
+_INSERT_OWN = (
+    "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
+    " input_tokens, output_tokens, calls, model, parent_id, meta, fp, units)"
+    " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+)
+
+
 def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], fp: str) -> Charge:
     """One charge: the quota checked first, then the request row inserted unless its id
     exists (a replay or a conflict), then the deduction: nothing is written on a refusal."""
@@ -603,10 +641,9 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
             raise
         parts = None
     if parts is not None:
+        own = len(am) > 4
         cur = conn.execute(
-            "INSERT OR IGNORE INTO requests(account, request_id, kind, status, at, period,"
-            " input_tokens, output_tokens, calls, model, parent_id, meta, fp)"
-            " VALUES (?, ?, 'charge', 'charged', ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            _INSERT_OWN if own else _INSERT,
             (
                 account,
                 rid,
@@ -619,11 +656,12 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 parent,
                 meta or None,
                 fp,
+                *((units_json(am),) if own else ()),
             ),
         )
         if cur.rowcount == 1:
             led._apply(conn, account, a, p, parts, now)
-            return Charge(
+            return new_charge(
                 rid,
                 account,
                 p.span.key,
@@ -633,9 +671,11 @@ def _inline(led: SqliteLedger, conn: sqlite3.Connection, args: tuple[Any, ...], 
                 am["calls"],
                 model,
                 parent,
-                parse_json_obj(meta),
+                parse_json_obj(meta) if meta else None,
+                False,
+                custom_units(am) if own else None,
             )
         old = led._existing(conn, account, rid)
     if old[0] != "charge" or old[2] != fp:
         raise conflict(rid)
-    return _charge_of(old[4:14], True)
+    return _charge_of(old[4:15], True)

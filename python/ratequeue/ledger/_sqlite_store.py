@@ -16,58 +16,17 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ._base import LedgerBase, parse_json_obj, quota_exceeded
+from ._base import LedgerBase, quota_exceeded
 from ._model import (
     UNITS,
-    Charge,
     ClockLike,
-    Hold,
     LedgerError,
-    Notice,
     Plan,
     Span,
     threshold_amounts,
 )
+from ._sqlite_rows import _ROW_COLS, _SCHEMA, SCHEMA_VERSION, _am, _migrate, _own
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS accounts(
-  account TEXT PRIMARY KEY, plan TEXT NOT NULL, anchor REAL, thresholds TEXT,
-  b_tokens INTEGER NOT NULL DEFAULT 0, b_input_tokens INTEGER NOT NULL DEFAULT 0,
-  b_output_tokens INTEGER NOT NULL DEFAULT 0, b_calls INTEGER NOT NULL DEFAULT 0,
-  next_exp REAL);
-CREATE TABLE IF NOT EXISTS periods(
-  account TEXT NOT NULL, period TEXT NOT NULL, start REAL NOT NULL, end REAL NOT NULL,
-  u_tokens INTEGER NOT NULL DEFAULT 0, u_input_tokens INTEGER NOT NULL DEFAULT 0,
-  u_output_tokens INTEGER NOT NULL DEFAULT 0, u_calls INTEGER NOT NULL DEFAULT 0,
-  h_tokens INTEGER NOT NULL DEFAULT 0, h_input_tokens INTEGER NOT NULL DEFAULT 0,
-  h_output_tokens INTEGER NOT NULL DEFAULT 0, h_calls INTEGER NOT NULL DEFAULT 0,
-  fired TEXT NOT NULL DEFAULT '', PRIMARY KEY(account, period)) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS periods_end ON periods(end);
-CREATE TABLE IF NOT EXISTS requests(
-  account TEXT NOT NULL, request_id TEXT NOT NULL, kind TEXT NOT NULL, status TEXT NOT NULL,
-  at REAL NOT NULL, period TEXT NOT NULL, input_tokens INTEGER NOT NULL,
-  output_tokens INTEGER NOT NULL, calls INTEGER NOT NULL, model TEXT, parent_id TEXT,
-  meta TEXT, fp TEXT NOT NULL, sfp TEXT, parts TEXT, expires REAL,
-  PRIMARY KEY(account, request_id)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS holds(
-  request_id TEXT PRIMARY KEY, account TEXT NOT NULL) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS requests_at ON requests(account, at, request_id);
-CREATE INDEX IF NOT EXISTS requests_parent ON requests(account, parent_id)
-  WHERE parent_id IS NOT NULL;
-CREATE TABLE IF NOT EXISTS outbox(
-  id TEXT PRIMARY KEY, account TEXT NOT NULL, period TEXT NOT NULL, unit TEXT NOT NULL,
-  bp INTEGER NOT NULL, used INTEGER NOT NULL, quota INTEGER NOT NULL, at REAL NOT NULL,
-  claimed REAL NOT NULL DEFAULT 0);
-CREATE TABLE IF NOT EXISTS audit(
-  campaign TEXT NOT NULL, account TEXT NOT NULL, at REAL NOT NULL, period TEXT,
-  status TEXT NOT NULL, record TEXT NOT NULL, PRIMARY KEY(campaign, account)) WITHOUT ROWID;
-CREATE TABLE IF NOT EXISTS campaigns(
-  campaign TEXT PRIMARY KEY, params TEXT NOT NULL, started REAL NOT NULL, finished REAL);
-"""
-
-_ROW_COLS = (
-    "request_id, account, period, at, input_tokens, output_tokens, calls, model, parent_id, meta"
-)
 #: Claimed notices are handed to no other deliverer for this long (seconds).
 CLAIM_SECONDS = 60.0
 _MAX_USED = 2**63 - 1
@@ -126,7 +85,7 @@ def _resolve(ops: Sequence[_Op]) -> None:
 
 
 class _Acct:
-    __slots__ = ("anchor", "bonus", "levels", "next_exp", "plan", "plan_json", "thr")
+    __slots__ = ("anchor", "bonus", "levels", "next_exp", "own", "plan", "plan_json", "thr")
 
     def __init__(self, row: sqlite3.Row | tuple[Any, ...], ledger: LedgerBase) -> None:
         self.plan_json: str = row[0]
@@ -134,6 +93,13 @@ class _Acct:
         self.anchor: float | None = row[1]
         self.thr: tuple[int, ...] = tuple(json.loads(row[2])) if row[2] else self.plan.thresholds_bp
         self.bonus = dict(zip(UNITS, row[3:7], strict=True))
+        if row[8]:
+            self.bonus.update(json.loads(row[8]))
+        # the plan's units of your own: kept in every counter dict of the account (0 until
+        # counted), so that the accounting reads them as it reads the built-in ones
+        self.own = tuple(u for u in self.plan.quota if u not in UNITS)
+        for u in self.own:
+            self.bonus.setdefault(u, 0)
         self.next_exp: float | None = row[7]
         # per unit with a quota: (unit, quota, [(bp, usage at which it fires, flag)], the
         # lowest of those usages: below it, nothing can fire)
@@ -152,6 +118,8 @@ class _Per:
 
     def __init__(self, span: Span, row: tuple[Any, ...] | None) -> None:
         self.span = span
+        # units of your own beside the built-in ones (those of the account's plan added by
+        # ``_per``)
         if row is None:
             self.used = dict.fromkeys(UNITS, 0)
             self.held = dict.fromkeys(UNITS, 0)
@@ -160,6 +128,10 @@ class _Per:
             self.used = dict(zip(UNITS, row[0:4], strict=True))
             self.held = dict(zip(UNITS, row[4:8], strict=True))
             self.fired = set(row[8].split(",")) if row[8] else set()
+            if row[9]:
+                self.used.update(json.loads(row[9]))
+            if row[10]:
+                self.held.update(json.loads(row[10]))
 
 
 class SqliteStore(LedgerBase):
@@ -216,6 +188,8 @@ class SqliteStore(LedgerBase):
             for stmt in _SCHEMA.split(";"):
                 if stmt.strip():
                     conn.execute(stmt)
+            if conn.execute("PRAGMA user_version").fetchone()[0] < SCHEMA_VERSION:
+                _migrate(conn)
             conn.execute("COMMIT")
         except BaseException:
             conn.execute("ROLLBACK")
@@ -230,7 +204,7 @@ class SqliteStore(LedgerBase):
         if a.next_exp is not None and now >= a.next_exp:
             self._expire_account(conn, account, a, now)
         span = self._span(a.plan_json, a.plan, a.anchor, now)
-        return a, self._per(conn, account, span)
+        return a, self._per(conn, account, span, a.own)
 
     def _fit(
         self, account: str, a: _Acct, p: _Per, am: dict[str, int], now: float, *, force: bool
@@ -240,7 +214,7 @@ class SqliteStore(LedgerBase):
         parts: dict[str, list[int]] = {}
         used, bonus = p.used, a.bonus
         for u, q in a.plan.quota.items():
-            need = am[u]
+            need = am[u] if u in am else 0  # noqa: SIM401 - no method call
             cur = used[u]
             free = q - cur if q > cur else 0
             from_plan = need if need < free else free
@@ -297,9 +271,9 @@ class SqliteStore(LedgerBase):
         bonus_changed = False
         for u, (fp, fb) in parts.items():
             if p is not None:
-                p.used[u] = max(0, p.used[u] - fp)
+                p.used[u] = max(0, p.used.get(u, 0) - fp)
             if fb:
-                a.bonus[u] += fb
+                a.bonus[u] = a.bonus.get(u, 0) + fb
                 bonus_changed = True
         if p is not None:
             self._dirty.add((account, p.span.key))
@@ -330,22 +304,29 @@ class SqliteStore(LedgerBase):
                     )
                     self._notice_event.set()
 
-    def _hold_delta(self, p: _Per | None, am: dict[str, int], sign: int) -> None:
+    def _hold_delta(
+        self, p: _Per | None, am: dict[str, int], sign: int, quota: dict[str, int]
+    ) -> None:
+        """Counts a hold's amounts in (+1) or out of (-1) the period's ``held``: the
+        built-in units, and units of your own the plan counts (in) or that were counted
+        (out)."""
         if p is None:
             return
-        for u in UNITS:
-            p.held[u] = max(0, p.held[u] + sign * am[u])
+        held = p.held
+        for u, v in am.items():
+            if u in quota or u in held:
+                held[u] = max(0, held.get(u, 0) + sign * v)
 
     def _expire_account(self, conn: sqlite3.Connection, account: str, a: _Acct, now: float) -> int:
         rows = conn.execute(
-            "SELECT request_id, period, parts, input_tokens, output_tokens, calls FROM requests"
-            " WHERE account=? AND status='held' AND expires<=?",
+            "SELECT request_id, period, parts, input_tokens, output_tokens, calls, units"
+            " FROM requests WHERE account=? AND status='held' AND expires<=?",
             (account, now),
         ).fetchall()
-        for rid, key, parts, i, o, c in rows:
-            p = self._per_key(conn, account, key)
+        for rid, key, parts, i, o, c, un in rows:
+            p = self._per_key(conn, account, key, a.own)
             self._give_back(conn, account, a, p, json.loads(parts))
-            self._hold_delta(p, _am(i, o, c), -1)
+            self._hold_delta(p, _am(i, o, c, un), -1, a.plan.quota)
             conn.execute(
                 "UPDATE requests SET status='expired' WHERE account=? AND request_id=?",
                 (account, rid),
@@ -686,7 +667,7 @@ class SqliteStore(LedgerBase):
         if a is None:
             row = conn.execute(
                 "SELECT plan, anchor, thresholds, b_tokens, b_input_tokens, b_output_tokens,"
-                " b_calls, next_exp FROM accounts WHERE account=?",
+                " b_calls, next_exp, b_units FROM accounts WHERE account=?",
                 (account,),
             ).fetchone()
             if row is None:
@@ -694,18 +675,22 @@ class SqliteStore(LedgerBase):
                     raise self._unknown(account)
                 pj = self.default_plan.to_json()
                 conn.execute("INSERT INTO accounts(account, plan) VALUES (?, ?)", (account, pj))
-                row = (pj, None, None, 0, 0, 0, 0, None)
+                row = (pj, None, None, 0, 0, 0, 0, None, None)
             a = _Acct(row, self)
             self._accts[account] = a
         return a
 
-    def _per(self, conn: sqlite3.Connection, account: str, span: Span) -> _Per:
+    def _per(
+        self, conn: sqlite3.Connection, account: str, span: Span, own: tuple[str, ...] = ()
+    ) -> _Per:
+        """The period's counters (cached), with ``own`` (the plan's units of your own)
+        among them."""
         k = (account, span.key)
         p = self._pers.get(k)
         if p is None:
             row = conn.execute(
                 "SELECT u_tokens, u_input_tokens, u_output_tokens, u_calls, h_tokens,"
-                " h_input_tokens, h_output_tokens, h_calls, fired FROM periods"
+                " h_input_tokens, h_output_tokens, h_calls, fired, u_units, h_units FROM periods"
                 " WHERE account=? AND period=?",
                 k,
             ).fetchone()
@@ -716,31 +701,58 @@ class SqliteStore(LedgerBase):
                 )
             p = _Per(span, row)
             self._pers[k] = p
+        if own:
+            used, held = p.used, p.held
+            for u in own:
+                if u not in used:
+                    used[u] = 0
+                if u not in held:
+                    held[u] = 0
         return p
 
-    def _per_key(self, conn: sqlite3.Connection, account: str, key: str) -> _Per | None:
+    def _per_key(
+        self, conn: sqlite3.Connection, account: str, key: str, own: tuple[str, ...] = ()
+    ) -> _Per | None:
         """A past period's counters by key (None once purged)."""
         p = self._pers.get((account, key))
         if p is not None:
-            return p
+            return self._per(conn, account, p.span, own) if own else p
         row = conn.execute(
             "SELECT start, end FROM periods WHERE account=? AND period=?", (account, key)
         ).fetchone()
         if row is None:
             return None
-        return self._per(conn, account, Span(key, row[0], row[1]))
+        return self._per(conn, account, Span(key, row[0], row[1]), own)
 
     def _flush(self, conn: sqlite3.Connection) -> None:
         for account, key in self._dirty:
             p = self._pers[(account, key)]
+            if len(p.used) == 4 and len(p.held) == 4:  # no unit of your own (no None bound:
+                # sqlite3 adapts None through an error it raises and clears, ~1,000
+                # instructions a parameter)
+                conn.execute(
+                    "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?,"
+                    " u_calls=?, h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?,"
+                    " fired=? WHERE account=? AND period=?",
+                    (
+                        *(p.used[u] for u in UNITS),
+                        *(p.held[u] for u in UNITS),
+                        ",".join(sorted(p.fired)),
+                        account,
+                        key,
+                    ),
+                )
+                continue
             conn.execute(
                 "UPDATE periods SET u_tokens=?, u_input_tokens=?, u_output_tokens=?, u_calls=?,"
-                " h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?, fired=?"
-                " WHERE account=? AND period=?",
+                " h_tokens=?, h_input_tokens=?, h_output_tokens=?, h_calls=?, fired=?,"
+                " u_units=?, h_units=? WHERE account=? AND period=?",
                 (
                     *(p.used[u] for u in UNITS),
                     *(p.held[u] for u in UNITS),
                     ",".join(sorted(p.fired)),
+                    _own(p.used),
+                    _own(p.held),
                     account,
                     key,
                 ),
@@ -748,10 +760,17 @@ class SqliteStore(LedgerBase):
         self._dirty.clear()
 
     def _save_bonus(self, conn: sqlite3.Connection, account: str, a: _Acct) -> None:
+        if len(a.bonus) == 4:
+            conn.execute(
+                "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?"
+                " WHERE account=?",
+                (*(a.bonus[u] for u in UNITS), account),
+            )
+            return
         conn.execute(
-            "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?"
-            " WHERE account=?",
-            (*(a.bonus[u] for u in UNITS), account),
+            "UPDATE accounts SET b_tokens=?, b_input_tokens=?, b_output_tokens=?, b_calls=?,"
+            " b_units=? WHERE account=?",
+            (*(a.bonus[u] for u in UNITS), _own(a.bonus), account),
         )
 
 
@@ -767,32 +786,3 @@ def _groups(batch: Sequence[_Op]) -> list[Sequence[_Op]]:
         out.append(batch[k:j])
         k = j
     return out
-
-
-def _am(i: int, o: int, c: int) -> dict[str, int]:
-    return {"tokens": i + o, "input_tokens": i, "output_tokens": o, "calls": c}
-
-
-def _same_amounts(old: Any, am: dict[str, int], model: str | None) -> bool:
-    return (
-        old[8] == am["input_tokens"]
-        and old[9] == am["output_tokens"]
-        and old[10] == am["calls"]
-        and (model is None or model == old[11])
-    )
-
-
-def _charge_of(r: Any, replay: bool) -> Charge:
-    return Charge(
-        r[0], r[1], r[2], r[3], r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
-    )
-
-
-def _hold_of(r: Any, expires: float, replay: bool) -> Hold:
-    return Hold(
-        r[0], r[1], r[2], r[3], expires, r[4], r[5], r[6], r[7], r[8], parse_json_obj(r[9]), replay
-    )
-
-
-def _notice(r: Any) -> Notice:
-    return Notice(r[0], r[1], r[2], r[3], r[4] / 10_000, r[5], r[6], r[7])

@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ._base import LedgerBase
-from ._model import UNITS, Daily, Every, LedgerError, Monthly, Period, Plan, utc
+from ._model import UNITS, Daily, Every, LedgerError, Monthly, Period, Plan, check_units, utc
 
 
 def _when(text: str) -> float:
@@ -64,6 +64,18 @@ def _amount(text: str) -> int:
     if not 0 <= v <= 2**63 - 1:
         raise argparse.ArgumentTypeError(f"a quota must be from 0 to 2**63-1, got {v}")
     return v
+
+
+def _unit_quota(text: str) -> tuple[str, int]:
+    name, eq, amount = text.partition("=")
+    if not eq:
+        raise argparse.ArgumentTypeError(f"expected NAME=QUOTA, e.g. images=100, got {text!r}")
+    v = _amount(amount)
+    try:
+        check_units({name: 1})
+    except (TypeError, ValueError) as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name, v
 
 
 def _fractions(text: str) -> list[float]:
@@ -152,10 +164,15 @@ def _usage(led: LedgerBase, args: argparse.Namespace) -> int:
             c.input_tokens,
             c.output_tokens,
             c.calls,
+            " ".join(f"{u}={v}" for u, v in c.units.items()),
         ]
         for c in page.rows
     ]
-    print(_table(rows, ["time (UTC)", "request", "parent", "model", "input", "output", "calls"]))
+    head = ["time (UTC)", "request", "parent", "model", "input", "output", "calls", "units"]
+    if not any(c.units for c in page.rows):
+        head.pop()
+        rows = [r[:-1] for r in rows]
+    print(_table(rows, head))
     if page.cursor is not None:
         print(f"more: --cursor {page.cursor}")
     return 0
@@ -209,6 +226,8 @@ def _set_plan(led: LedgerBase, args: argparse.Namespace) -> int:
         v = getattr(args, u)
         if v is not None:
             quota[u] = v
+    for u, v in args.unit or ():
+        quota[u] = v
     period = args.period or (old.period if old is not None and not args.replace else Monthly())
     if args.tz is not None:
         d = period.to_dict()
@@ -223,7 +242,9 @@ def _set_plan(led: LedgerBase, args: argparse.Namespace) -> int:
     if thresholds is None:
         thresholds = old.thresholds if old is not None and not args.replace else (0.8, 0.95)
     name = args.plan or (old.name if old is not None else "default")
-    plan = Plan(name, period=period, thresholds=thresholds, **quota)
+    builtin = {u: v for u, v in quota.items() if u in UNITS}
+    mine = {u: v for u, v in quota.items() if u not in UNITS}
+    plan = Plan(name, period=period, thresholds=thresholds, units=mine or None, **builtin)
     if args.anchor is not None:
         anchor = args.anchor
     elif args.replace:
@@ -272,6 +293,14 @@ def add_quota_parser(sub: Any) -> None:
         sp.add_argument(
             "--" + u.replace("_", "-"), dest=u, type=_amount, default=None, help=f"{u} per period"
         )
+    sp.add_argument(
+        "--unit",
+        action="append",
+        type=_unit_quota,
+        default=None,
+        metavar="NAME=QUOTA",
+        help="a quota in a unit of your own per period (repeat), e.g. images=100",
+    )
     sp.add_argument(
         "--period", type=_period, default=None, help="monthly, anchored, daily or every:SECONDS"
     )

@@ -10,7 +10,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from ..ledger._base import compensation, quota_exceeded
+from ..ledger._base import quota_exceeded
+from ..ledger._campaign import compensation
 from ..ledger._model import (
     Balance,
     Charge,
@@ -23,6 +24,7 @@ from ..ledger._model import (
     Span,
     UnknownRequest,
     conflict,
+    custom_units,
     new_charge,
 )
 from ._ledger_codec import (
@@ -37,6 +39,7 @@ from ._ledger_codec import (
     _record_charge,
     _row_charge,
     _s,
+    units_text,
 )
 from ._ledger_core import (
     _INFO_FIELDS,
@@ -148,7 +151,11 @@ class RedisLedger(_RedisLedgerCore):
     # -- deduction ---------------------------------------------------------------------
 
     def _check_big(self, am: dict[str, int]) -> None:
-        if am["tokens"] <= MAX_REDIS_AMOUNT and am["calls"] <= MAX_REDIS_AMOUNT:
+        if (
+            am["tokens"] <= MAX_REDIS_AMOUNT
+            and am["calls"] <= MAX_REDIS_AMOUNT
+            and (len(am) == 4 or max(am.values()) <= MAX_REDIS_AMOUNT)
+        ):
             return  # tokens = input + output: each part is below it too
         for u, v in am.items():
             if v > MAX_REDIS_AMOUNT:
@@ -177,7 +184,8 @@ class RedisLedger(_RedisLedgerCore):
                 self._drive(self._fired(account, r))
             i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
             mt = _meta(meta) if meta else None
-            return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+            cu = custom_units(am) if len(am) > 4 else None
+            return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt, False, cu)
         return self._drive(self._charge_call(rid, account, am, model, parent, meta, fp))
 
     def _charge_call(
@@ -195,6 +203,7 @@ class RedisLedger(_RedisLedgerCore):
         self._check_big(am)
         i, o, n = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, fp, i, o, n, model or "", parent or "", meta, "")
+        un, cu = (units_text(am), custom_units(am)) if len(am) > 4 else ("", None)
         fast = True
         for attempt in range(3):
             info = self._info.get(account) if attempt == 0 else None
@@ -213,7 +222,9 @@ class RedisLedger(_RedisLedgerCore):
                     if r:
                         yield from self._fired(account, r)
                     mt = _meta(meta) if meta else None
-                    return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+                    return new_charge(
+                        rid, account, span.key, now, i, o, n, model, parent, mt, False, cu
+                    )
                 if _s(r[0]) == "REPLAY":  # the client tells a replay from a conflict
                     old = _s(r[1])
                     f = old.split(SEP, 3)
@@ -222,15 +233,19 @@ class RedisLedger(_RedisLedgerCore):
                     return _record_charge(rid, account, old, True)
                 if _s(r[0]) == "SLOW":  # the general op decides (nothing was written)
                     fast = False
-                    r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)
+                    r = yield self._op(
+                        "charge", account, info, span, now, "r:" + rid, extra, units=un
+                    )
             else:
-                r = yield self._op("charge", account, info, span, now, "r:" + rid, extra)
+                r = yield self._op("charge", account, info, span, now, "r:" + rid, extra, units=un)
             tag = r[0]
             if tag == b"OK" or tag == "OK":
                 if r[1]:
                     yield from self._fired(account, r[1])
                 mt = _meta(meta) if meta else None
-                return new_charge(rid, account, span.key, now, i, o, n, model, parent, mt)
+                return new_charge(
+                    rid, account, span.key, now, i, o, n, model, parent, mt, False, cu
+                )
             tag = _s(tag)
             if tag == "STALE":
                 continue
@@ -261,9 +276,14 @@ class RedisLedger(_RedisLedgerCore):
             f"charge\x1fcharged\x1f{fp}\x1f\x1f{t}\x1f{c.span.key}\x1f{i}\x1f{o}\x1f{n}"
             f"\x1f{m}\x1f{pa}\x1f{meta}\x1f\x1f"
         )
+        if len(am) > 4:  # the record's 15th field: the units of your own
+            raw += "\x1f" + units_text(am)
         ttl = str(max(1, math.ceil(c.expires - now)))
-        vals = (i + o, i, o, n)
-        needs = [str(vals[k]) for k in c.uidx]
+        if c.uidx is not None:
+            vals = (i + o, i, o, n)
+            needs = [str(vals[k]) for k in c.uidx]
+        else:
+            needs = [str(am.get(u, 0)) for u in c.units]
         rk = c.rkey + rid
         if self._raw and c.rkey_ascii and rid.isascii() and raw.isascii():
             # one str, encoded once (ASCII: its length is its byte count)
@@ -303,6 +323,7 @@ class RedisLedger(_RedisLedgerCore):
     ) -> _Flow[Hold]:
         self._check_big(am)
         i, o, c = am["input_tokens"], am["output_tokens"], am["calls"]
+        un = units_text(am)
         for attempt in range(3):
             info = yield from self._info_flow(account, attempt > 0)
             now = self._now()
@@ -311,7 +332,9 @@ class RedisLedger(_RedisLedgerCore):
             extra = (rid, fp, i, o, c, model or "", parent or "", meta, repr(exp))
             # one server, no slots: the script records the hold's id -> account too
             index = self._prefix + "hold:" + rid if self._raw else None
-            r = yield self._op("hold", account, info, span, now, "r:" + rid, extra, account, index)
+            r = yield self._op(
+                "hold", account, info, span, now, "r:" + rid, extra, account, index, un
+            )
             tag = _s(r[0])
             if tag == "STALE":
                 continue
@@ -335,10 +358,25 @@ class RedisLedger(_RedisLedgerCore):
                     ch.parent_id,
                     ch.meta,
                     True,
+                    ch.units,
                 )
             else:
                 yield from self._fired(account, r[1])
-                h = Hold(rid, account, span.key, now, exp, i, o, c, model, parent, _meta(meta))
+                h = Hold(
+                    rid,
+                    account,
+                    span.key,
+                    now,
+                    exp,
+                    i,
+                    o,
+                    c,
+                    model,
+                    parent,
+                    _meta(meta),
+                    False,
+                    custom_units(am),
+                )
             if not self._raw:  # a cluster: the id's key lives in another slot
                 ttl = max(1, int(self.hold_ttl + self.retention))
                 yield ("cmd", "SET", self._prefix + "hold:" + rid, account, "EX", ttl)
@@ -367,14 +405,14 @@ class RedisLedger(_RedisLedgerCore):
         return None if v is None else _s(v)
 
     def _period_op(
-        self, op: str, account: str, second: str, extra: Sequence[Any] = ()
+        self, op: str, account: str, second: str, extra: Sequence[Any] = (), units: str = ""
     ) -> _Flow[tuple[Any, _Info, Span]]:
         """Runs one op in the current period; reads the plan again when it changed."""
         for attempt in range(3):
             info = yield from self._info_flow(account, attempt > 0)
             now = self._now()
             span = self._span(info.plan_json, info.plan, info.anchor, now)
-            r = yield self._op(op, account, info, span, now, second, extra)
+            r = yield self._op(op, account, info, span, now, second, extra, units=units)
             if _s(r[0]) != "STALE":
                 return r, info, span
         raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
@@ -388,7 +426,8 @@ class RedisLedger(_RedisLedgerCore):
             raise UnknownRequest(f"no hold has request id {rid!r}; pass account= to charge it")
         i, o, c = am["input_tokens"], am["output_tokens"], am["calls"]
         extra = (rid, sfp, i, o, c, model or "")
-        r, _info, _span = yield from self._period_op("settle", acc, "r:" + rid, extra)
+        un = units_text(am)
+        r, _info, _span = yield from self._period_op("settle", acc, "r:" + rid, extra, un)
         tag = _s(r[0])
         if tag == "CONFLICT":
             raise conflict(rid)

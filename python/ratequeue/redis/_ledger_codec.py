@@ -8,7 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..ledger._model import Charge, Notice, Plan, threshold_amounts
+from ..ledger._model import UNITS, Charge, Notice, Plan, custom_units, threshold_amounts
 
 SEP = "\x1f"
 
@@ -78,6 +78,7 @@ class _Ctx:
         "span",
         "tail",
         "uidx",
+        "units",
     )
 
     def __init__(
@@ -94,9 +95,13 @@ class _Ctx:
         self.rkey_ascii = self.rkey.isascii()
         # a request record lives until this (Unix s): ``retention`` after the period ends
         self.expires = span.end + retention
-        # where each unit's amount is in (tokens, input_tokens, output_tokens, calls)
-        self.uidx = tuple(
-            ("tokens", "input_tokens", "output_tokens", "calls").index(u) for u, _ in units
+        self.units = tuple(u for u, _ in units)
+        # where each unit's amount is in (tokens, input_tokens, output_tokens, calls);
+        # None when the plan has units of your own
+        self.uidx = (
+            tuple(UNITS.index(u) for u in self.units)
+            if all(u in UNITS for u in self.units)
+            else None
         )
         self.fhead = _Seg(("EVALSHA", sha, 5, a, p, pfx + "rows", pfx + "o"))
         per_unit: list[Any] = []
@@ -160,9 +165,22 @@ def _meta(text: str) -> dict[str, Any] | None:
     return v if isinstance(v, dict) else None
 
 
+def units_text(am: dict[str, int]) -> str:
+    """A request's units of your own as the script and its records take them:
+    ``name=amount`` joined by ``;`` in name order (``""``: none)."""
+    return ";".join(f"{u}={v}" for u, v in custom_units(am).items())
+
+
+def _units(text: str) -> dict[str, int]:
+    if not text:
+        return {}
+    return {u: int(v) for u, v in (item.split("=", 1) for item in text.split(";"))}
+
+
 def _record_charge(rid: str, account: str, raw: str, replay: bool) -> Charge:
     """A charge from a request record: kind, status, fp, sfp, at, period, in, out, calls,
-    model, parent, meta, exp, parts joined by \\x1f."""
+    model, parent, meta, exp, parts (and, with units of your own, those) joined by
+    \\x1f."""
     f = raw.split(SEP)
     return Charge(
         rid,
@@ -176,6 +194,7 @@ def _record_charge(rid: str, account: str, raw: str, replay: bool) -> Charge:
         f[10] or None,
         _meta(f[11]),
         replay,
+        _units(f[14]) if len(f) > 14 else {},
     )
 
 

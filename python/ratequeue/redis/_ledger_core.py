@@ -211,8 +211,9 @@ class _RedisLedgerCore(LedgerBase):
         extra: Sequence[Any] = (),
         twelfth: str = "",
         index_key: str | None = None,
+        units: str = "",
     ) -> _Step:
-        """The script step of ``op`` (ARGV 3-11 from ``extra``)."""
+        """The script step of ``op`` (ARGV 3-11 from ``extra``, 13 ``units``)."""
         c = self._ctx(account, info, span)
         pad = ("",) * (9 - len(extra))
         if index_key is None:
@@ -221,7 +222,7 @@ class _RedisLedgerCore(LedgerBase):
             p = self._pfx(account)
             items = ["EVALSHA", LUA_SHA, 7, p + "a", p + second, c.keys, index_key, op, repr(now)]
             items += [*extra, *pad]
-        return ("eval", [*items, twelfth, c.tail])
+        return ("eval", [*items, twelfth, units, c.tail])
 
     def _drive(self, flow: _Flow[T]) -> T:
         """Runs a call on the blocking client."""

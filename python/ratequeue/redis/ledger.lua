@@ -5,11 +5,13 @@
 --       4 usage rows stream, 5 outbox list, 6 current period hash, (7 a hold's id index)
 -- ARGV: 1 op, 2 now, 3-11 per op (3 request id, 4 fingerprint, 5 input, 6 output,
 --       7 calls, 8 model, 9 parent, 10 meta, 11 hold expiry), 12 the account (a hold's
---       id index), then what the client sends pre-encoded
---       per account and period: 13 plan version, 14 key prefix, 15 retention s,
---       16 period key, 17 period end, 18 max rows, 19... the plan: unit count, then per
+--       id index), 13 the request's units of your own ('name=amount;...' sorted, '' for
+--       none), then what the client sends pre-encoded
+--       per account and period: 14 plan version, 15 key prefix, 16 retention s,
+--       17 period key, 18 period end, 19 max rows, 20... the plan: unit count, then per
 --       unit its name, quota, threshold count and (basis points, level) pairs.
--- A request record is one string: its fields joined by \31 (ids hold no control chars).
+-- A request record is one string: its fields joined by \31 (ids hold no control chars);
+-- a 15th field, the units of your own, only when the request has some.
 
 -- Op 'c', the plain charge in the common case, with its own compact ARGV (all that can
 -- be is computed and encoded by the client, once per account and period):
@@ -78,8 +80,9 @@ if ARGV[1] == 'c' then
 end
 
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
-local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[13], ARGV[14]
-local retention, pkey, pend = tonumber(ARGV[15]), ARGV[16], ARGV[17]
+local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[14], ARGV[15]
+local retention, pkey, pend = tonumber(ARGV[16]), ARGV[17], ARGV[18]
+local UN, MAXROWS = ARGV[13], ARGV[19]
 local SEP = '\31'
 
 local function split(s, sep)
@@ -102,8 +105,8 @@ local function num(v) return tonumber(v) or 0 end
 
 -- Per unit: its quota, its thresholds {bp, level, flag field} and its field names.
 local units, quota, levels, uf, hf, bf = {}, {}, {}, {}, {}, {}
-local at = 20
-for _ = 1, tonumber(ARGV[19]) do
+local at = 21
+for _ = 1, tonumber(ARGV[20]) do
   local u = ARGV[at]
   units[#units + 1] = u
   quota[u] = tonumber(ARGV[at + 1])
@@ -120,6 +123,16 @@ end
 -- record fields
 local KIND, STATUS, FP, SFP, AT, PERIOD, IN, OUT, CALLS, MODEL, PARENT, META, EXP, PARTS =
   1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14
+local UNITS = 15
+
+-- Units of your own ('name=amount;...') added to an amounts table.
+local function add_units(am, s)
+  for _, item in ipairs(split(s, ';')) do
+    local u, n = string.match(item, '^([^=]+)=(%d+)$')
+    am[u] = tonumber(n)
+  end
+  return am
+end
 
 local function encode_parts(parts)
   local out = {}
@@ -141,7 +154,7 @@ end
 
 local function unit_amounts(rec)
   local i, o, c = num(rec[IN]), num(rec[OUT]), num(rec[CALLS])
-  return {tokens = i + o, input_tokens = i, output_tokens = o, calls = c}
+  return add_units({tokens = i + o, input_tokens = i, output_tokens = o, calls = c}, rec[UNITS])
 end
 
 -- The account row: version, next hold expiry, bonus per unit.
@@ -219,7 +232,7 @@ end
 local function take(per, am, force)
   local parts = {}
   for _, u in ipairs(units) do
-    local need = am[u]
+    local need = am[u] or 0
     local free = math.max(0, quota[u] - per.used[u])
     local fp = math.min(need, free)
     local fb = math.min(need - fp, bonus[u])
@@ -294,8 +307,10 @@ end
 
 local function amounts_of(i, o, c)
   local a_in, a_out, a_calls = tonumber(i), tonumber(o), tonumber(c)
-  return {tokens = a_in + a_out, input_tokens = a_in, output_tokens = a_out, calls = a_calls}
+  return add_units({tokens = a_in + a_out, input_tokens = a_in, output_tokens = a_out,
+    calls = a_calls}, UN)
 end
+local own = UN ~= '' and UN or nil  -- the record's 15th field
 
 expire_holds()
 
@@ -312,10 +327,10 @@ if op == 'charge' or op == 'hold' then
   local parts, unit, need, avail = take(per, am, false)
   if parts == nil then return {'QUOTA', unit, int(need), int(avail)} end
   local rec = {op, 'charged', fp, '', ARGV[2], pkey, ARGV[5], ARGV[6], ARGV[7], ARGV[8],
-    ARGV[9], ARGV[10], '', ''}
+    ARGV[9], ARGV[10], '', '', own}
   if op == 'hold' then
     rec[STATUS], rec[EXP], rec[PARTS] = 'held', ARGV[11], encode_parts(parts)
-    for _, u in ipairs(units) do per.held[u] = per.held[u] + am[u] end
+    for _, u in ipairs(units) do per.held[u] = per.held[u] + (am[u] or 0) end
     redis.call('ZADD', H, ARGV[11], rid)
     if KEYS[7] then  -- the id -> account index (single server only: another slot)
       redis.call('SET', KEYS[7], ARGV[12], 'EX', int(math.ceil(tonumber(ARGV[11]) - now + retention)))
@@ -326,7 +341,7 @@ if op == 'charge' or op == 'hold' then
   else
     local raw = table.concat(rec, SEP)
     record(raw, tonumber(pend) - now + retention)
-    row(raw, ARGV[18])
+    row(raw, MAXROWS)
   end
   local fired = fire(per, pkey)
   save_period(per, pend)
@@ -336,20 +351,20 @@ end
 
 if op == 'settle' then
   -- ARGV 4 is the settle fingerprint, 8 the model ('' = keep)
-  local rid, sfp, model, max_rows = ARGV[3], ARGV[4], ARGV[8], ARGV[18]
+  local rid, sfp, model, max_rows = ARGV[3], ARGV[4], ARGV[8], MAXROWS
   local am = amounts_of(ARGV[5], ARGV[6], ARGV[7])
   local raw = redis.call('GET', R)
   local rec = raw and split(raw, SEP)
   if rec and rec[STATUS] == 'charged' then
     local same = rec[IN] == ARGV[5] and rec[OUT] == ARGV[6] and rec[CALLS] == ARGV[7]
-      and (model == '' or model == rec[MODEL])
+      and (model == '' or model == rec[MODEL]) and (rec[UNITS] or '') == UN
     if rec[SFP] ~= sfp and not (rec[KIND] == 'charge' and same) then return {'CONFLICT'} end
     return {'REPLAY', raw}
   end
   local per, period
   if not rec then
     per, period = load_period(P), pkey
-    rec = {'charge', 'charged', sfp, sfp, ARGV[2], pkey, '', '', '', model, '', '', '', ''}
+    rec = {'charge', 'charged', sfp, sfp, ARGV[2], pkey, '', '', '', model, '', '', '', '', own}
   else
     period = rec[PERIOD]
     per = load_period(pfx .. 'p:' .. period)
@@ -362,8 +377,8 @@ if op == 'settle' then
   end
   take(per, am, true)
   rec[STATUS], rec[SFP], rec[AT], rec[PERIOD] = 'charged', sfp, ARGV[2], period
-  rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[PARTS] =
-    ARGV[5], ARGV[6], ARGV[7], model, ''
+  rec[IN], rec[OUT], rec[CALLS], rec[MODEL], rec[PARTS], rec[UNITS] =
+    ARGV[5], ARGV[6], ARGV[7], model, '', own
   local out = table.concat(rec, SEP)
   record(out, (period == pkey and tonumber(pend) or now) - now + retention)
   row(out, max_rows)

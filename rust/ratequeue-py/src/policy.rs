@@ -23,7 +23,7 @@ use crate::waiting::is_main_thread;
 const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 
 /// Several limits decided together: all or nothing, waiting for the latest.
-#[pyclass(frozen, name = "Policy", module = "ratequeue")]
+#[pyclass(frozen, subclass, name = "Policy", module = "ratequeue")]
 pub struct PolicyPy {
     core: Arc<Policy>,
     levels: Vec<LevelPy>,
