@@ -108,6 +108,9 @@ def _fail_fast_on_a_hang(request: pytest.FixtureRequest) -> object:
     limit = HANG_SECONDS
     if marker is not None and marker.args:
         limit = max(limit, float(marker.args[0]) + 60.0)
+    given = request.config.getoption("timeout", default=None)  # pytest --timeout N
+    if given:
+        limit = max(limit, float(given) + 60.0)
     faulthandler.dump_traceback_later(limit, exit=True, file=_real_stderr)
     yield
     faulthandler.cancel_dump_traceback_later()

@@ -295,7 +295,7 @@ impl WaitQueue {
 
 /// Grants of gone waiters still to give back on this thread, and whether a loop below
 /// on the stack is already giving them back.
-type GivingBack = (bool, Vec<(Arc<WaitQueue>, Box<[u64]>, u64)>);
+type GivingBack = (bool, Vec<(Arc<WaitQueue>, Costs, u64)>);
 
 thread_local! {
     pub(super) static GIVING_BACK: std::cell::RefCell<GivingBack> = const { std::cell::RefCell::new((false, Vec::new())) };

@@ -43,6 +43,7 @@ pub use config::{QueueConfig, QueueCounts};
 pub use drive::Stalled;
 pub use gate::{Gate, Host, Stopped};
 pub use outcome::{Cancelled, GrantRef, Joined, Outcome, QueuedReservation, Reserved, Submitted, Wake};
+use permit::Costs;
 pub use permit::{Detach, Inline, Permit, PermitOwner};
 use predict::{charges_to_retime, promised};
 use resource::saturated;
@@ -56,7 +57,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 struct Waiter {
-    costs: Box<[u64]>,
+    /// Inline for up to two units: no allocation made by one thread and freed by another.
+    costs: Costs,
     arrival_ns: u64,
     deadline_ns: Option<u64>,
     /// A reservation's promised grant time.
@@ -104,14 +106,15 @@ struct Inner {
     classes: Vec<Class>,
     vtime: f64,
     last_grant_ns: u64,
-    where_is: HashMap<u64, usize>,
+    /// The class of each ticket (tickets are consecutive: their hash keeps them close).
+    where_is: awaiting::ByTicket<usize>,
     deadlines: BTreeSet<(u64, u64)>,
     /// Queued reservations by promised grant time.
     reserved: BTreeSet<(u64, u64)>,
     len: usize,
     /// In a forked child: the overage charges queued in the parent, dropped here, by
     /// ticket (what the grant that owed each one holds less than its estimate).
-    forgiven: HashMap<u64, Box<[u64]>>,
+    forgiven: HashMap<u64, Costs>,
 }
 
 /// A wait queue in front of a resource, with its driver.
@@ -134,7 +137,7 @@ pub struct WaitQueue {
 static NEXT_TICKET: AtomicU64 = AtomicU64::new(1);
 
 /// Outcomes to deliver: wake, ticket, outcome and the waiter's costs.
-type Deliveries = Vec<(Wake, u64, Outcome, Box<[u64]>)>;
+type Deliveries = Vec<(Wake, u64, Outcome, Costs)>;
 
 /// Grants whose waiter is gone (its channel closed), to give back: costs and token.
-type Gone = Vec<(Box<[u64]>, u64)>;
+type Gone = Vec<(Costs, u64)>;

@@ -40,7 +40,7 @@ impl WaitQueue {
                 classes,
                 vtime: 0.0,
                 last_grant_ns: 0,
-                where_is: HashMap::new(),
+                where_is: awaiting::ByTicket::default(),
                 deadlines: BTreeSet::new(),
                 reserved: BTreeSet::new(),
                 len: 0,

@@ -300,7 +300,7 @@ impl WaitQueue {
         c.waiters.insert(
             ticket,
             Waiter {
-                costs: costs.into(),
+                costs: Costs::new(costs),
                 arrival_ns: now,
                 deadline_ns: deadline,
                 due_ns: due,

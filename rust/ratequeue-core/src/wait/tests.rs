@@ -783,3 +783,52 @@ fn a_timed_out_head_grants_the_next_waiter_a_free_permit() {
     assert_eq!(granted(&b), Some(1_000_000_000));
     assert_eq!(q.waiting(), 0);
 }
+
+/// Grant times (ms) of three waiters of three units, costs [1, 2, 3], [3, 3, 3] and
+/// [1, 1, 1], at 10/s per unit with burst 3 behind an emptied bucket; the second one's
+/// channel closed when `second_gone`.
+fn three_unit_grants(second_gone: bool) -> Vec<(u64, u64)> {
+    let clock = Arc::new(ManualClock::new(0).unwrap());
+    let rates = ["a", "b", "c"]
+        .iter()
+        .map(|u| (u.to_string(), Rate::new(10.0, 1e9, 3).unwrap()))
+        .collect();
+    let lim = Limiter::new(rates, AnyClock::Manual(clock.clone())).unwrap();
+    let q = WaitQueue::new(
+        Arc::new(lim),
+        3,
+        AnyClock::Manual(clock.clone()),
+        QueueConfig::new(vec![], 100, None).unwrap(),
+    );
+    q.try_now(&[3, 3, 3], 0).unwrap();
+    let (open, other) = (Channel::new(), Channel::new());
+    if second_gone {
+        other.close();
+    }
+    let mut tickets = vec![];
+    for (costs, chan) in [(&[1, 2, 3], &open), (&[3, 3, 3], &other), (&[1, 1, 1], &open)] {
+        let c = chan.clone();
+        match q.submit(costs, 0, None, || Wake::Channel(c)).unwrap() {
+            Submitted::Queued(t) => tickets.push(t),
+            s => panic!("not queued: {s:?}"),
+        }
+    }
+    q.run_until(&clock, 2_000_000_000).unwrap();
+    let mut got: Vec<_> = open.drain().into_iter().chain(other.drain()).collect();
+    got.sort_by_key(|(t, _)| *t);
+    got.iter()
+        .map(|(t, o)| match o {
+            Outcome::Granted { at_ns, .. } => (tickets.iter().position(|x| x == t).unwrap() as u64, at_ns / 1_000_000),
+            o => panic!("{o:?}"),
+        })
+        .collect()
+}
+
+#[test]
+fn waiters_of_one_to_three_units_are_granted_in_order_and_a_gone_ones_costs_go_back_whole() {
+    // Costs of up to two units are kept inline, more on the heap: both through a grant,
+    // a delivery to a closed channel and the give-back of that grant (whose three units
+    // let the next waiter through 100 ms earlier).
+    assert_eq!(three_unit_grants(false), vec![(0, 300), (1, 600), (2, 700)]);
+    assert_eq!(three_unit_grants(true), vec![(0, 300), (2, 600)]);
+}
