@@ -131,8 +131,10 @@ def _driver_stats() -> tuple[float, int]:
     return 0.0, 0
 
 
-#: The worker's sections (``--only``): each a group of rows measured together.
-SECTIONS = ("calls", "threads", "rest")
+#: The worker's sections (``--only``): each a group of rows measured together; ``keyed``
+#: (the keyed and Concurrency rows with their floors) is part of ``rest``, alone for a
+#: quick look at those rows.
+SECTIONS = ("calls", "threads", "rest", "keyed")
 
 
 def worker(redis_url: str, only: set[str]) -> dict[str, float]:
@@ -156,6 +158,9 @@ def worker(redis_url: str, only: set[str]) -> dict[str, float]:
         out["retry_after_tokens"] = _cpu(functools.partial(two.retry_after, tokens=100))
     if "threads" in only:
         out.update(_thread_rows(rq))
+    if "keyed" in only and "rest" not in only:
+        out.update(_sem_rows())
+        out.update(_keyed_rows(rq))
     if "rest" not in only:
         return out
     out["acquire"] = _cpu(lim.acquire)
@@ -210,6 +215,22 @@ def worker(redis_url: str, only: set[str]) -> dict[str, float]:
     out["policy"] = _cpu(policy_acquire, CALLS // 4)
     out["policy_async"] = _cpu_async_with(policy.acquire_async, CALLS // 4)
 
+    out.update(_keyed_rows(rq))
+    out.update(_redis_rows(rq, redis_url))
+
+    pool = rq.Pool([rq.Provider("only", rpm=BIG, tpm=BIG, burst=BIG, token_burst=BIG)])
+
+    def pool_acquire() -> Awaitable[Any]:
+        return pool.acquire_async(tokens=100)
+
+    out["pool_async"] = _cpu_async(pool_acquire, CALLS // 4)
+    return out
+
+
+def _keyed_rows(rq: Any) -> dict[str, float]:
+    """KeyedLimiter.try_acquire over 1,000 keys in turn, and Concurrency(2) on one
+    thread and across 8 (the ``keyed`` section, also part of ``rest``)."""
+    out: dict[str, float] = {}
     keyed = rq.KeyedLimiter(rq.Rate(BIG, per="second", burst=BIG))
     str_keys = [f"user-{k}" for k in range(1_000)] * (CALLS // 1_000)
     int_keys = list(range(1_000)) * (CALLS // 1_000)
@@ -233,21 +254,11 @@ def worker(redis_url: str, only: set[str]) -> dict[str, float]:
 
     elapsed, out["conc_threads_cpu"] = threads(conc_work, THREADS, THREAD_GRANTS)
     out["conc_threads_us"] = elapsed / THREAD_GRANTS * 1e6
-
-    out.update(_redis_rows(rq, redis_url))
-
-    pool = rq.Pool([rq.Provider("only", rpm=BIG, tpm=BIG, burst=BIG, token_burst=BIG)])
-
-    def pool_acquire() -> Awaitable[Any]:
-        return pool.acquire_async(tokens=100)
-
-    out["pool_async"] = _cpu_async(pool_acquire, CALLS // 4)
     return out
 
 
-def _thread_rows(rq: Any) -> dict[str, float]:
-    """8 threads of blocking acquires at 10,000/s (with the driver thread's share and
-    wake-ups), beside ``threading.Semaphore`` across the same threads."""
+def _sem_rows() -> dict[str, float]:
+    """The floor of the thread rows: ``threading.Semaphore(2)`` across 8 threads."""
     out: dict[str, float] = {}
     sem = threading.Semaphore(2)
 
@@ -258,6 +269,13 @@ def _thread_rows(rq: Any) -> dict[str, float]:
 
     elapsed, out["sem_threads_cpu"] = threads(sem_work, THREADS, THREAD_GRANTS)
     out["sem_threads_us"] = elapsed / THREAD_GRANTS * 1e6
+    return out
+
+
+def _thread_rows(rq: Any) -> dict[str, float]:
+    """8 threads of blocking acquires at 10,000/s (with the driver thread's share and
+    wake-ups), beside ``threading.Semaphore`` across the same threads."""
+    out = _sem_rows()
     rated = rq.Limiter(rq.Rate(10_000, per="second", burst=10))
     now = rq.MonotonicClock().now
     late: list[float] = []
@@ -427,7 +445,7 @@ def main() -> None:
     ap.add_argument("--note", default="", help="a paragraph appended under the table")
     ap.add_argument(
         "--only",
-        default=",".join(SECTIONS),
+        default="calls,threads,rest",
         help=f"comma-separated sections to measure, of {', '.join(SECTIONS)} (default: all)",
     )
     a = ap.parse_args()

@@ -167,7 +167,7 @@ fn keyed_fast_path_racing_a_joiner_keeps_its_schedule() {
         Some(Err(Deny::Wait(0))),
         "the keyed acquire's fast take is undone"
     );
-    let fast = keyed.try_acquire_idle(k, 1, &joined);
+    let fast = keyed.try_acquire_idle(k, 1, joined);
     assert_eq!(
         fast,
         Err(Deny::Wait(0)),

@@ -109,7 +109,8 @@ impl Keyed {
     #[inline]
     pub fn has_waiters(&self, key: u64) -> bool {
         let q = &self.queues;
-        try_or_unblocked(|| q.try_has_waiters(key), || q.has_waiters(key))
+        // No key has a queue (one atomic load, inlined in every caller's fast path).
+        !q.is_empty() && try_or_unblocked(|| q.try_has_waiters(key), || q.has_waiters(key))
     }
 
     /// `key`'s queue when someone waits in it.

@@ -109,8 +109,8 @@ impl KeyedLimiterPy {
         // Re-checked after the take: a waiter joining the key meanwhile undoes it.
         let joined = || queues.joined(k);
         match try_or_unblocked(
-            || core.try_acquire_idle_nowait(k, cost.0, &joined),
-            || core.try_acquire_idle(k, cost.0, &joined),
+            || core.try_acquire_idle_nowait(k, cost.0, joined),
+            || core.try_acquire_idle(k, cost.0, joined),
         ) {
             Ok(()) => {
                 self.keyed.queues.note_try(true);

@@ -414,45 +414,66 @@ impl KeyedLimiter {
         key: u64,
         at_ns: u64,
         cost: u64,
-        joined: &dyn Fn() -> bool,
+        joined: impl Fn() -> bool,
     ) -> Option<Result<KeyTaken, Deny>> {
         let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
-        Some(self.take_idle_in(&mut t, key, at_ns, cost, joined))
+        let taken = self.take_in(&mut t, key, at_ns, cost, 0, false);
+        Some(match taken {
+            Ok(taken) if joined() => {
+                Self::undo_in(&mut t, key, taken.before.unwrap_or(0));
+                Err(Deny::Wait(0))
+            }
+            r => r,
+        })
     }
 
     /// [`KeyedLimiter::try_acquire`] re-checked as [`KeyedLimiter::take_idle_nowait`].
-    pub fn try_acquire_idle(&self, key: u64, cost: u64, joined: &dyn Fn() -> bool) -> Result<(), Deny> {
+    pub fn try_acquire_idle(&self, key: u64, cost: u64, joined: impl Fn() -> bool) -> Result<(), Deny> {
         let now = self.clock.now_ns();
-        self.take_idle_in(&mut self.shard(key), key, now, cost, joined)
-            .map(|_| ())
+        self.try_idle_in(&mut self.shard(key), key, now, cost, joined)
     }
 
     /// [`KeyedLimiter::try_acquire_idle`] without waiting for a lock: None when it is busy.
     #[inline]
-    pub fn try_acquire_idle_nowait(&self, key: u64, cost: u64, joined: &dyn Fn() -> bool) -> Option<Result<(), Deny>> {
-        self.take_idle_nowait(key, self.clock.now_ns(), cost, joined)
-            .map(|r| r.map(|_| ()))
+    pub fn try_acquire_idle_nowait(&self, key: u64, cost: u64, joined: impl Fn() -> bool) -> Option<Result<(), Deny>> {
+        let now = self.clock.now_ns();
+        let mut t = try_lock(&self.shards[self.shard_index(key)].0)?;
+        Some(self.try_idle_in(&mut t, key, now, cost, joined))
     }
 
-    fn take_idle_in(
+    /// The take of [`KeyedLimiter::take_idle_nowait`] for a caller that keeps no debit
+    /// (a try): only the TAT it moved, re-checked and undone alike. Inlined into the
+    /// bindings' try_acquire: no KeyTaken built, no call (regress16.md).
+    #[inline(always)]
+    fn try_idle_in(
         &self,
         t: &mut Table,
         key: u64,
         at_ns: u64,
         cost: u64,
-        joined: &dyn Fn() -> bool,
-    ) -> Result<KeyTaken, Deny> {
-        let taken = self.take_in(t, key, at_ns, cost, 0, false)?;
+        joined: impl Fn() -> bool,
+    ) -> Result<(), Deny> {
+        let (_, before, _, _) = self.debit_in(t, key, at_ns, cost, 0, false)?;
         if joined() {
-            if let Some(i) = t.find(key) {
-                t.slots[i].tat = taken.before.unwrap_or(0);
-            }
+            Self::undo_in(t, key, before);
             return Err(Deny::Wait(0));
         }
-        Ok(taken)
+        Ok(())
     }
 
-    fn take_in(
+    /// Puts `key`'s TAT back to `before` (a take undone for a joiner; the lock held since).
+    #[cold]
+    #[inline(never)]
+    fn undo_in(t: &mut Table, key: u64, before: u64) {
+        if let Some(i) = t.find(key) {
+            t.slots[i].tat = before;
+        }
+    }
+
+    /// Debits `cost` on `key` in `t`: the shard's arithmetic, the TAT before and after,
+    /// and the delay (what [`KeyedLimiter::take_in`] records of it).
+    #[inline(always)]
+    fn debit_in(
         &self,
         t: &mut Table,
         key: u64,
@@ -460,7 +481,7 @@ impl KeyedLimiter {
         cost: u64,
         max_delay_ns: u64,
         scheduled: bool,
-    ) -> Result<KeyTaken, Deny> {
+    ) -> Result<(Params, u64, u64, u64), Deny> {
         let p = self.params_at(t, at_ns);
         let found = t.find(key);
         let before = found.map_or(0, |i| t.slots[i].tat);
@@ -472,6 +493,19 @@ impl KeyedLimiter {
                 t.insert_new(key, new);
             }
         }
+        Ok((p, before, new, delay_ns))
+    }
+
+    fn take_in(
+        &self,
+        t: &mut Table,
+        key: u64,
+        at_ns: u64,
+        cost: u64,
+        max_delay_ns: u64,
+        scheduled: bool,
+    ) -> Result<KeyTaken, Deny> {
+        let (p, before, new, delay_ns) = self.debit_in(t, key, at_ns, cost, max_delay_ns, scheduled)?;
         Ok(KeyTaken {
             key,
             before: Some(before),
@@ -628,7 +662,7 @@ impl KeyedLimiter {
         if waiters.has_waiters(key) {
             return Ok(false);
         }
-        match self.try_acquire_idle(key, cost, &|| waiters.joined(key)) {
+        match self.try_acquire_idle(key, cost, || waiters.joined(key)) {
             Ok(()) => Ok(true),
             Err(Deny::Wait(_)) => Ok(false),
             Err(d) => Err(d),

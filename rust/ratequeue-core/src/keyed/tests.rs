@@ -158,6 +158,62 @@ mod keys {
         let key = KeyPermits { sem: s.clone(), key: a };
         assert_eq!(crate::wait::Resource::ready_at(&key, 3, &[(1 << 63) + 1]), Ok(None));
     }
+
+    /// The bindings' try path (`try_acquire_idle_nowait`, no debit kept) and the waiting
+    /// one (`try_acquire_idle`): `joined` is asked only after a take that admitted, a
+    /// take it sees a joiner after is undone exactly (an old key's TAT, a new key's
+    /// full bucket), and otherwise they decide as `try_acquire`.
+    #[test]
+    fn the_try_path_rechecks_after_its_take_and_undoes_it_exactly() {
+        let (k, clock) = keyed(1.0, 3, 1000);
+        let (old, new) = (k.hasher().int(1), k.hasher().int(2));
+        k.try_acquire(old, 1).unwrap();
+        let tat = |key: u64| {
+            let t = lock(&k.shards[k.shard_index(key)].0);
+            t.find(key).map(|i| t.slots[i].tat)
+        };
+        let before = tat(old);
+        let asked = std::cell::Cell::new(0);
+        let joiner = || {
+            asked.set(asked.get() + 1);
+            true
+        };
+        assert_eq!(k.try_acquire_idle_nowait(old, 1, joiner), Some(Err(Deny::Wait(0))));
+        assert_eq!(tat(old), before, "undone exactly");
+        assert_eq!(k.try_acquire_idle(old, 1, joiner), Err(Deny::Wait(0)));
+        assert_eq!(tat(old), before, "undone exactly");
+        assert_eq!(k.try_acquire_idle_nowait(new, 3, joiner), Some(Err(Deny::Wait(0))));
+        assert!((k.available(new) - 3.0).abs() < 1e-9, "a new key's bucket stays full");
+        assert_eq!(asked.get(), 3);
+        // Refused by the bucket: nothing taken, nobody asked.
+        assert!(matches!(
+            k.try_acquire_idle_nowait(old, 3, joiner),
+            Some(Err(Deny::Wait(_)))
+        ));
+        assert!(matches!(k.try_acquire_idle(old, 4, joiner), Err(Deny::TooLarge { .. })));
+        assert_eq!(asked.get(), 3);
+        // Nobody joined: the same decisions as try_acquire, on a twin map.
+        let (twin, twin_clock) = keyed(1.0, 3, 1000);
+        twin.try_acquire(twin.hasher().int(1), 1).unwrap();
+        let mut x = 99u64;
+        for step in 0..2_000u64 {
+            x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+            let key = (x >> 33) % 5;
+            let cost = 1 + (x >> 20) % 2;
+            if step % 3 == 0 {
+                let dt = (x >> 40) % 700_000_000;
+                clock.advance(dt).unwrap();
+                twin_clock.advance(dt).unwrap();
+            }
+            let a = if step % 2 == 0 {
+                k.try_acquire_idle_nowait(k.hasher().int(key), cost, || false).unwrap()
+            } else {
+                k.try_acquire_idle(k.hasher().int(key), cost, || false)
+            };
+            let b = twin.try_acquire(twin.hasher().int(key), cost);
+            assert_eq!(a.is_ok(), b.is_ok(), "step {step}");
+        }
+    }
 }
 
 mod epochs {

@@ -150,11 +150,13 @@ impl KeyQueues {
     /// True when someone waits on `key` or a decision that may queue someone there is
     /// under way (see [`WaitQueue::joined`]), or when the map's lock is busy (then the
     /// caller cannot tell): a fast path asks it after its take. Never waits for a lock.
-    #[inline]
+    #[inline(always)]
     pub fn joined(&self, key: u64) -> bool {
-        if self.is_empty() {
-            return false;
-        }
+        !self.is_empty() && self.joined_in_map(key)
+    }
+
+    /// [`KeyQueues::joined`] once some key has a queue: asked of the key's queue.
+    fn joined_in_map(&self, key: u64) -> bool {
         match self.map.try_lock() {
             Ok(m) => m.get(&key).is_some_and(|q| q.queue.joined()),
             Err(TryLockError::Poisoned(e)) => e.into_inner().get(&key).is_some_and(|q| q.queue.joined()),
