@@ -55,7 +55,9 @@ NAMES = st.sampled_from(
 )
 TEXT = st.one_of(
     st.text(max_size=12),
-    st.sampled_from(["data:image/png;base64,xx", "data:", "dat", "ü😀", "\ud800", "\udc00x", '"usage":{}']),
+    st.sampled_from(
+        ["data:image/png;base64,xx", "data:", "dat", "ü😀", "\ud800", "\udc00x", '"usage":{}']
+    ),
 )
 INTS = st.one_of(
     st.integers(-5, 2**64 + 5),
@@ -114,7 +116,9 @@ def response_bodies(draw: Any) -> bytes:
 def request_bodies(draw: Any) -> bytes:
     top: list[tuple[str, Any]] = draw(_objects(VALUES))
     message = st.lists(
-        st.tuples(st.sampled_from(["role", "content", "name", "type", "text", "image_url"]), VALUES),
+        st.tuples(
+            st.sampled_from(["role", "content", "name", "type", "text", "image_url"]), VALUES
+        ),
         max_size=4,
     )
     if draw(st.booleans()):
@@ -259,8 +263,8 @@ def test_huge_ints_defer_and_agree() -> None:
 def test_deep_bodies_never_overflow_the_stack(levels: int) -> None:
     usage = '"usage": {"prompt_tokens": 1, "completion_tokens": 2}'
     for text in (
-        "{%s, \"x\": %s1%s}" % (usage, "[" * levels, "]" * levels),
-        "{\"x\": %s\"y\"%s, %s}" % ('{"a": ' * levels, "}" * levels, usage),
+        "{" + usage + ', "x": ' + "[" * levels + "1" + "]" * levels + "}",
+        '{"x": ' + '{"a": ' * levels + '"y"' + "}" * levels + ", " + usage + "}",
     ):
         data = text.encode()
         if levels >= 128:
@@ -283,10 +287,10 @@ def test_deep_bodies_never_overflow_the_stack(levels: int) -> None:
         '{"stream": true, "stream_options": {"include_usage": 1}}',
         '{"model": 5, "max_completion_tokens": 1.0, "max_tokens": true}',
         '{"model": "\\ud800"}',
-        '{"a": %s"deep"%s}' % ("[" * 64, "]" * 64),
-        '{"a": %s"deep"%s}' % ("[" * 65, "]" * 65),
-        '{"a": %s"deep"%s}' % ('{"k": ' * 63, "}" * 63),
-        '{"a": %s"deep"%s}' % ('{"k": ' * 64, "}" * 64),
+        '{"a": ' + "[" * 64 + '"deep"' + "]" * 64 + "}",
+        '{"a": ' + "[" * 65 + '"deep"' + "]" * 65 + "}",
+        '{"a": ' + '{"k": ' * 63 + '"deep"' + "}" * 63 + "}",
+        '{"a": ' + '{"k": ' * 64 + '"deep"' + "}" * 64 + "}",
         "[1, 2]",
         '{"a": 1',
         "",

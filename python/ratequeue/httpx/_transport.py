@@ -11,7 +11,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
@@ -22,7 +22,14 @@ from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
 from ._caps import Cap, Capped, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import _CHARS, OUTPUT_FIELDS, Estimate, TokenEstimator, chars_estimate, default_estimator
+from ._estimate import (
+    _CHARS,
+    OUTPUT_FIELDS,
+    Estimate,
+    TokenEstimator,
+    chars_estimate,
+    default_estimator,
+)
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
@@ -270,8 +277,8 @@ class RateLimitedTransport:
             or budget is not None
             or (data and self.stream_usage and b'"stream"' in data)
         ):
-            read = self._read_body(data, path) if data else False
-            if read is False:  # the reference: a full parse, the estimator over it
+            facts = self._read_body(data, path) if data else False
+            if facts is False:  # the reference: a full parse, the estimator over it
                 body = json_object(data) if data else None
                 if body is not None:
                     if self.caps or "stream" in body:
@@ -279,11 +286,11 @@ class RateLimitedTransport:
                     m = body.get("model")
                     model = m if type(m) is str else None
                 est = self.estimator(body, path)
-            elif read is None:  # not a JSON object
+            elif facts is None:  # not a JSON object
                 est = self.estimator(None, path)
             else:
-                model = read[0]
-                est = _new(Estimate, read[2:])
+                model = facts[0]
+                est = _new(Estimate, facts[2:])
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
@@ -329,7 +336,9 @@ class RateLimitedTransport:
             call._chain = chain
         return call
 
-    def _read_body(self, data: Any, path: str) -> Any:
+    def _read_body(
+        self, data: Any, path: str
+    ) -> tuple[str | None, bool, int, int] | Literal[False] | None:
         """The body's model and estimate read natively in one pass (``(model, stream,
         input, output)``, or None when it is not a JSON object), when the estimate is the
         character count and nothing rewrites the body; False: parse it in Python."""

@@ -56,7 +56,16 @@ pub fn _read_request<'py>(
         None => py.None().into_bound(py),
     };
     let stream = PyBool::new(py, facts.stream_wants_usage).to_owned().into_any();
-    Ok(PyTuple::new(py, [model, stream, input.into_pyobject(py)?.into_any(), output.into_pyobject(py)?.into_any()])?.into_any())
+    Ok(PyTuple::new(
+        py,
+        [
+            model,
+            stream,
+            input.into_pyobject(py)?.into_any(),
+            output.into_pyobject(py)?.into_any(),
+        ],
+    )?
+    .into_any())
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

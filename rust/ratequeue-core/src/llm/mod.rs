@@ -25,6 +25,9 @@ pub struct Usage {
 impl Usage {
     /// A usage of these counts.
     pub fn new(input_tokens: u64, output_tokens: u64) -> Self {
-        Usage { input_tokens, output_tokens }
+        Usage {
+            input_tokens,
+            output_tokens,
+        }
     }
 }

@@ -13,7 +13,17 @@ pub const PROMPT_DEPTH: usize = 64;
 pub const MAX_MEMBERS: usize = 1024;
 
 /// Keys whose values are not prompt text (ids, roles, base64 data...).
-const SKIP: [&[u8]; 9] = [b"model", b"role", b"type", b"id", b"data", b"image_url", b"source", b"file_data", b"b64_json"];
+const SKIP: [&[u8]; 9] = [
+    b"model",
+    b"role",
+    b"type",
+    b"id",
+    b"data",
+    b"image_url",
+    b"source",
+    b"file_data",
+    b"b64_json",
+];
 
 /// An output-bounding field as it last appeared.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -79,8 +89,14 @@ fn array_len(shape: Shape<'_>) -> Option<u64> {
 
 fn bound(shape: Shape<'_>) -> Bound {
     match shape {
-        Shape::Num(Num::Int { negative: false, value: Some(v) }) => Bound::Count(v),
-        Shape::Num(Num::Int { negative: false, value: None }) => Bound::Huge,
+        Shape::Num(Num::Int {
+            negative: false,
+            value: Some(v),
+        }) => Bound::Count(v),
+        Shape::Num(Num::Int {
+            negative: false,
+            value: None,
+        }) => Bound::Huge,
         _ => Bound::Unusable,
     }
 }
@@ -240,7 +256,7 @@ pub fn request_facts(body: &[u8]) -> Result<Option<RequestFacts>, Defer> {
     if let Some(m) = model {
         facts.model = Some(decode_string(&m).ok_or(Defer)?);
     }
-    debug_assert!(MAX_DEPTH > PROMPT_DEPTH + 2);
+    const { assert!(MAX_DEPTH > PROMPT_DEPTH + 2) };
     Ok(Some(facts))
 }
 
@@ -269,7 +285,10 @@ mod tests {
 
     #[test]
     fn output_bounds_in_order() {
-        assert_eq!(est(r#"{"max_tokens":5,"max_completion_tokens":-1,"max_output_tokens":7}"#), Ok(Some((4, 7))));
+        assert_eq!(
+            est(r#"{"max_tokens":5,"max_completion_tokens":-1,"max_output_tokens":7}"#),
+            Ok(Some((4, 7)))
+        );
         assert_eq!(est(r#"{"max_tokens":true}"#), Ok(Some((4, 1024))));
         assert_eq!(est(r#"{"max_tokens":99999999999999999999}"#), Err(Defer));
         assert_eq!(est(r#"{"input":[1,2,3],"max_tokens":-0}"#), Ok(Some((12, 0))));
@@ -292,8 +311,12 @@ mod tests {
         assert!(f(r#"{"stream":true}"#));
         assert!(!f(r#"{"stream":false}"#));
         assert!(!f(r#"{"stream":true,"stream_options":{"include_usage":true}}"#));
-        assert!(f(r#"{"stream":true,"stream_options":{"include_usage":true,"include_usage":1}}"#));
-        assert!(f(r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":null}"#));
+        assert!(f(
+            r#"{"stream":true,"stream_options":{"include_usage":true,"include_usage":1}}"#
+        ));
+        assert!(f(
+            r#"{"stream":true,"stream_options":{"include_usage":true},"stream_options":null}"#
+        ));
     }
 
     #[test]

@@ -145,7 +145,11 @@ fn push_code_point(cp: u32, out: &mut Vec<u8>) {
     } else if cp < 0x800 {
         out.extend_from_slice(&[0xC0 | (cp >> 6) as u8, 0x80 | (cp & 0x3F) as u8]);
     } else if cp < 0x10000 {
-        out.extend_from_slice(&[0xE0 | (cp >> 12) as u8, 0x80 | ((cp >> 6) & 0x3F) as u8, 0x80 | (cp & 0x3F) as u8]);
+        out.extend_from_slice(&[
+            0xE0 | (cp >> 12) as u8,
+            0x80 | ((cp >> 6) & 0x3F) as u8,
+            0x80 | (cp & 0x3F) as u8,
+        ]);
     } else {
         out.extend_from_slice(&[
             0xF0 | (cp >> 18) as u8,
@@ -260,7 +264,8 @@ impl<'a> Scanner<'a> {
                         b'u' => {
                             let hi = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
                             i += 6;
-                            if (0xD800..0xDC00).contains(&hi) && b.get(i) == Some(&b'\\') && b.get(i + 1) == Some(&b'u') {
+                            if (0xD800..0xDC00).contains(&hi) && b.get(i) == Some(&b'\\') && b.get(i + 1) == Some(&b'u')
+                            {
                                 // CPython joins an escaped low surrogate that follows (and
                                 // rejects bad hex there either way).
                                 let lo = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
@@ -281,7 +286,11 @@ impl<'a> Scanner<'a> {
             }
         }
         self.pos = i + 1;
-        Ok(Str { raw: &b[start..i], escaped, chars })
+        Ok(Str {
+            raw: &b[start..i],
+            escaped,
+            chars,
+        })
     }
 
     /// A number from its first byte (`-`, a digit, `N` or `I`).
@@ -310,7 +319,9 @@ impl<'a> Scanner<'a> {
             Some(b'0') => i += 1,
             Some(b'1'..=b'9') => {
                 while let Some(&c @ b'0'..=b'9') = b.get(i) {
-                    value = value.and_then(|v| v.checked_mul(10)).and_then(|v| v.checked_add(u64::from(c - b'0')));
+                    value = value
+                        .and_then(|v| v.checked_mul(10))
+                        .and_then(|v| v.checked_add(u64::from(c - b'0')));
                     i += 1;
                 }
             }
@@ -519,32 +530,74 @@ mod tests {
 
     #[test]
     fn strings_count_code_points_as_cpython() {
-        let mut s = Scanner { b: br#""a\u00e9\ud83d\ude00\ud83d\u0041\udc00\n\u00e9""#, pos: 0 };
+        let mut s = Scanner {
+            b: br#""a\u00e9\ud83d\ude00\ud83d\u0041\udc00\n\u00e9""#,
+            pos: 0,
+        };
         // a, é, 😀 (a joined pair), a lone high, A, a lone low, \n, é
         assert_eq!(s.string().unwrap().chars, 8);
-        let mut s = Scanner { b: "\"héllo 😀\"".as_bytes(), pos: 0 };
+        let mut s = Scanner {
+            b: "\"héllo 😀\"".as_bytes(),
+            pos: 0,
+        };
         assert_eq!(s.string().unwrap().chars, 7);
     }
 
     #[test]
     fn escaped_names_and_prefixes() {
-        let mut s = Scanner { b: br#""\u0075sage""#, pos: 0 };
+        let mut s = Scanner {
+            b: br#""\u0075sage""#,
+            pos: 0,
+        };
         let k = s.string().unwrap();
         assert!(k.is(b"usage"));
-        let mut s = Scanner { b: br#""\u0064ata:x""#, pos: 0 };
+        let mut s = Scanner {
+            b: br#""\u0064ata:x""#,
+            pos: 0,
+        };
         assert!(s.string().unwrap().starts_with_data());
-        let mut s = Scanner { b: br#""dat\u0061""#, pos: 0 };
+        let mut s = Scanner {
+            b: br#""dat\u0061""#,
+            pos: 0,
+        };
         assert!(!s.string().unwrap().starts_with_data());
-        let mut s = Scanner { b: br#""\ud83d""#, pos: 0 };
+        let mut s = Scanner {
+            b: br#""\ud83d""#,
+            pos: 0,
+        };
         assert_eq!(decode_string(&s.string().unwrap()), None);
     }
 
     #[test]
     fn numbers() {
-        let n = |t: &str| Scanner { b: t.as_bytes(), pos: 0 }.number();
-        assert_eq!(n("-0"), Ok(Num::Int { negative: false, value: Some(0) }));
-        assert_eq!(n("-3"), Ok(Num::Int { negative: true, value: Some(3) }));
-        assert_eq!(n("18446744073709551616"), Ok(Num::Int { negative: false, value: None }));
+        let n = |t: &str| {
+            Scanner {
+                b: t.as_bytes(),
+                pos: 0,
+            }
+            .number()
+        };
+        assert_eq!(
+            n("-0"),
+            Ok(Num::Int {
+                negative: false,
+                value: Some(0)
+            })
+        );
+        assert_eq!(
+            n("-3"),
+            Ok(Num::Int {
+                negative: true,
+                value: Some(3)
+            })
+        );
+        assert_eq!(
+            n("18446744073709551616"),
+            Ok(Num::Int {
+                negative: false,
+                value: None
+            })
+        );
         assert_eq!(n("1.0"), Ok(Num::Float));
         assert_eq!(n("1e5"), Ok(Num::Float));
         assert_eq!(n(&"9".repeat(MAX_INT_DIGITS + 1)), Err(Stop::Defer));

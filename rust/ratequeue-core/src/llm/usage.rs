@@ -25,8 +25,14 @@ impl Field {
     fn of(shape: Shape<'_>) -> Self {
         match shape {
             Shape::Null => Field::Null,
-            Shape::Num(Num::Int { negative: false, value: Some(v) }) => Field::Count(v),
-            Shape::Num(Num::Int { negative: false, value: None }) => Field::Huge,
+            Shape::Num(Num::Int {
+                negative: false,
+                value: Some(v),
+            }) => Field::Count(v),
+            Shape::Num(Num::Int {
+                negative: false,
+                value: None,
+            }) => Field::Huge,
             _ => Field::Other,
         }
     }
@@ -150,7 +156,10 @@ struct Top {
 pub fn response_usage(body: &[u8]) -> Result<Option<Usage>, Defer> {
     // A UTF-8 object that cannot name `usage` (no `"usage"`, no escape that could
     // spell it) reports none, valid or not.
-    if body.first() == Some(&b'{') && memchr::memmem::find(body, b"\"usage\"").is_none() && memchr::memmem::find(body, b"\\u").is_none() {
+    if body.first() == Some(&b'{')
+        && memchr::memmem::find(body, b"\"usage\"").is_none()
+        && memchr::memmem::find(body, b"\\u").is_none()
+    {
         return Ok(None);
     }
     let scanner = Scanner::new(body).ok_or(Defer)?;
@@ -210,27 +219,59 @@ mod tests {
 
     #[test]
     fn both_dialects() {
-        assert_eq!(u(r#"{"usage":{"prompt_tokens":80,"completion_tokens":20,"total_tokens":100}}"#), Ok(Some((80, 20))));
+        assert_eq!(
+            u(r#"{"usage":{"prompt_tokens":80,"completion_tokens":20,"total_tokens":100}}"#),
+            Ok(Some((80, 20)))
+        );
         assert_eq!(u(r#"{"usage":{"input_tokens":5,"output_tokens":7}}"#), Ok(Some((5, 7))));
         assert_eq!(
-            u(r#"{"usage":{"input_tokens":5,"output_tokens":7,"cache_creation_input_tokens":3,"cache_read_input_tokens":2}}"#),
+            u(
+                r#"{"usage":{"input_tokens":5,"output_tokens":7,"cache_creation_input_tokens":3,"cache_read_input_tokens":2}}"#
+            ),
             Ok(Some((10, 7)))
         );
-        assert_eq!(u(r#"{"response":{"usage":{"input_tokens":1,"output_tokens":2}}}"#), Ok(Some((1, 2))));
+        assert_eq!(
+            u(r#"{"response":{"usage":{"input_tokens":1,"output_tokens":2}}}"#),
+            Ok(Some((1, 2)))
+        );
     }
 
     #[test]
     fn odd_values_as_the_reference() {
-        assert_eq!(u(r#"{"usage":{"prompt_tokens":-1,"completion_tokens":4}}"#), Ok(Some((0, 4))));
-        assert_eq!(u(r#"{"usage":{"prompt_tokens":true,"completion_tokens":1.0}}"#), Ok(None));
-        assert_eq!(u(r#"{"usage":{"input_tokens":null,"prompt_tokens":3}}"#), Ok(Some((3, 0))));
-        assert_eq!(u(r#"{"usage":{"input_tokens":"x","prompt_tokens":3}}"#), Ok(Some((3, 0))));
-        assert_eq!(u(r#"{"usage":{"input_tokens":-0,"output_tokens":-5}}"#), Ok(Some((0, 0))));
+        assert_eq!(
+            u(r#"{"usage":{"prompt_tokens":-1,"completion_tokens":4}}"#),
+            Ok(Some((0, 4)))
+        );
+        assert_eq!(
+            u(r#"{"usage":{"prompt_tokens":true,"completion_tokens":1.0}}"#),
+            Ok(None)
+        );
+        assert_eq!(
+            u(r#"{"usage":{"input_tokens":null,"prompt_tokens":3}}"#),
+            Ok(Some((3, 0)))
+        );
+        assert_eq!(
+            u(r#"{"usage":{"input_tokens":"x","prompt_tokens":3}}"#),
+            Ok(Some((3, 0)))
+        );
+        assert_eq!(
+            u(r#"{"usage":{"input_tokens":-0,"output_tokens":-5}}"#),
+            Ok(Some((0, 0)))
+        );
         assert_eq!(u(r#"{"usage":{"input_tokens":"a","output_tokens":"b"}}"#), Ok(None));
         assert_eq!(u(r#"{"usage":[1,2]}"#), Ok(None));
-        assert_eq!(u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":null}"#), Ok(None));
-        assert_eq!(u(r#"{"usage":null,"response":{"usage":{"input_tokens":4}}}"#), Ok(Some((4, 0))));
-        assert_eq!(u(r#"{"u\u0073age":{"prompt_tokens":1,"completion_tokens":2}}"#), Ok(Some((1, 2))));
+        assert_eq!(
+            u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"usage":null}"#),
+            Ok(None)
+        );
+        assert_eq!(
+            u(r#"{"usage":null,"response":{"usage":{"input_tokens":4}}}"#),
+            Ok(Some((4, 0)))
+        );
+        assert_eq!(
+            u(r#"{"u\u0073age":{"prompt_tokens":1,"completion_tokens":2}}"#),
+            Ok(Some((1, 2)))
+        );
         assert_eq!(u(r#"{"usage":{"input_tokens":18446744073709551616}}"#), Err(Defer));
         assert_eq!(
             u(r#"{"usage":{"input_tokens":18446744073709551615,"cache_read_input_tokens":1}}"#),
@@ -241,11 +282,17 @@ mod tests {
     #[test]
     fn usage_elsewhere_does_not_count() {
         assert_eq!(u(r#"{"x":"\"usage\":{\"prompt_tokens\":1}"}"#), Ok(None));
-        assert_eq!(u(r#"{"x":{"usage":{"prompt_tokens":1,"completion_tokens":2}}}"#), Ok(None));
+        assert_eq!(
+            u(r#"{"x":{"usage":{"prompt_tokens":1,"completion_tokens":2}}}"#),
+            Ok(None)
+        );
         assert_eq!(u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}"#), Ok(None));
         assert_eq!(u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2}} x"#), Ok(None));
         assert_eq!(u(r#"[{"usage":{"prompt_tokens":1,"completion_tokens":2}}]"#), Ok(None));
-        assert_eq!(u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"x":[1,]}"#), Ok(None));
+        assert_eq!(
+            u(r#"{"usage":{"prompt_tokens":1,"completion_tokens":2},"x":[1,]}"#),
+            Ok(None)
+        );
     }
 
     #[test]
