@@ -473,8 +473,7 @@ def ir_child(which: str, row: str, n: int) -> None:
         async_row(lambda: httpx2.AsyncClient(transport=t), "http://x/v1/chat/completions", 50)
         gc.collect()
         gc.freeze()
-        for k in (n,):
-            async_row(lambda: httpx2.AsyncClient(transport=t), "http://x/v1/chat/completions", k)
+        async_row(lambda: httpx2.AsyncClient(transport=t), "http://x/v1/chat/completions", n)
         return
     client = httpx2.Client(transport=t)
     sync_row(client, "http://x/v1/chat/completions", BODY, 50)
