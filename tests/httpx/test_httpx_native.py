@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from ratequeue._ratequeue import _read_request, _read_usage
 from ratequeue.httpx import RateLimitedTransport, TokenEstimator
 from ratequeue.httpx._record import json_object, json_usage, json_usage_py
+from ratequeue.httpx._wire import scan_response
 
 # -- strategies ---------------------------------------------------------------------------
 
@@ -307,6 +308,53 @@ def test_request_with_many_members_defers() -> None:
     check_request(data)
     body = {f"k{i}": "v" * i for i in range(1000)}
     assert check_request(json.dumps(body).encode()) is not False
+
+
+HEADER_NAMES = st.one_of(
+    st.sampled_from(
+        [
+            b"content-type",
+            b"ratelimit-policy",
+            b"ratelimit",
+            b"ratelimit-remaining",
+            b"ratelimit-limit",
+            b"x-ratelimit-remaining-tokens",
+            b"x-ratelimit-remaining-requests",
+            b"x-ratelimit-limit-tokens",
+            b"x-ratelimit-reset-tokens",
+            b"anthropic-ratelimit-tokens-remaining",
+            b"anthropic-ratelimit-input-tokens-remaining",
+            b"anthropic-ratelimit-tokens-limit",
+            b"anthropic-ratelimit-remaining-x",
+            b"x-ratelimit-remainingx",
+            b"retry-after",
+            b"",
+        ]
+    ),
+    st.binary(max_size=8),
+)
+HEADER_VALUES = st.one_of(
+    st.sampled_from(
+        [b"0", b" 0 ", b"\x0b0\x0c", b"0.5", b"-1", b"00", b"10", b"", b'"a";r=0;t=1', b"r=10"]
+    ),
+    st.binary(max_size=6),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=10))
+def test_header_scan_agrees_with_the_reference(pairs: list[tuple[bytes, bytes]]) -> None:
+    headers = [(k, k, v) for k, v in pairs]
+    got = scan_response(headers)
+    assert got == scan_response(headers, {})  # the Python scan, every name classified anew
+    ctype = [v for k, v in pairs if k == b"content-type"]
+    assert got[0] is (ctype[-1] if ctype else got[0])  # the header's own bytes object
+
+
+def test_header_scan_of_other_shapes_is_the_reference() -> None:
+    odd: Any = [(b"x-ratelimit-remaining-tokens", "x-ratelimit-remaining-tokens", b"0")]
+    assert scan_response(odd) == scan_response(odd, {})  # not bytes: the Python scan
+    assert scan_response([]) == (b"", False)
 
 
 # -- through the transport ----------------------------------------------------------------

@@ -4,7 +4,8 @@
 //! Python (other threads run meanwhile); smaller ones cost less than a detach.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyList, PyTuple};
+use ratequeue_core::llm::headers::scan_headers;
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bodies this long or longer are read with the interpreter released.
@@ -68,8 +69,41 @@ pub fn _read_request<'py>(
     .into_any())
 }
 
+/// `(content_type, exhausted)` of httpx's header triples `(name, lower-case name,
+/// value)`, None when an entry is not such a triple of bytes.
+#[pyfunction]
+pub fn _scan_response<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
+    let mut pairs: Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> = Vec::with_capacity(headers.len());
+    for item in headers.iter() {
+        let Ok(t) = item.cast::<PyTuple>() else {
+            return Ok(py.None().into_bound(py));
+        };
+        if t.len() != 3 {
+            return Ok(py.None().into_bound(py));
+        }
+        let (Ok(lk), Ok(v)) = (
+            t.get_item(1)?.cast_into::<PyBytes>(),
+            t.get_item(2)?.cast_into::<PyBytes>(),
+        ) else {
+            return Ok(py.None().into_bound(py));
+        };
+        pairs.push((lk, v));
+    }
+    let scan = scan_headers(pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+    let ctype = match scan.content_type {
+        Some(i) => pairs[i].1.clone(),
+        None => PyBytes::new(py, b""),
+    };
+    Ok(PyTuple::new(
+        py,
+        [ctype.into_any(), PyBool::new(py, scan.exhausted).to_owned().into_any()],
+    )?
+    .into_any())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_usage, m)?)?;
     m.add_function(wrap_pyfunction!(_read_request, m)?)?;
+    m.add_function(wrap_pyfunction!(_scan_response, m)?)?;
     Ok(())
 }
