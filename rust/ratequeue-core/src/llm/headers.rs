@@ -18,8 +18,9 @@ pub enum HeaderKind {
     IetfRemaining,
 }
 
+/// A naive search: names and values are short, and a `Finder` costs more to build.
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    memchr::memmem::find(hay, needle).is_some()
+    hay.windows(needle.len()).any(|w| w == needle)
 }
 
 /// `value` without leading and trailing ASCII whitespace as Python's `bytes.strip()`

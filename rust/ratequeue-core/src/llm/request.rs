@@ -192,8 +192,8 @@ impl Counter {
 pub fn request_facts(body: &[u8]) -> Result<Option<RequestFacts>, Defer> {
     let scanner = Scanner::new(body).ok_or(Defer)?;
     let mut counter = Counter {
-        keys: Vec::new(),
-        members: Vec::new(),
+        keys: Vec::with_capacity(256),
+        members: Vec::with_capacity(32),
     };
     let mut facts = RequestFacts::default();
     let mut model: Option<Str<'_>> = None;

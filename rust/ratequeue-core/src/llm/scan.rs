@@ -160,6 +160,28 @@ fn push_code_point(cp: u32, out: &mut Vec<u8>) {
     }
 }
 
+const ONES: u64 = 0x0101_0101_0101_0101;
+const HIGHS: u64 = 0x8080_8080_8080_8080;
+
+/// Non-zero when a byte of `w` is zero.
+#[inline]
+fn has_zero(w: u64) -> u64 {
+    w.wrapping_sub(ONES) & !w & HIGHS
+}
+
+/// Non-zero when a byte of `w` is below 0x20.
+#[inline]
+fn below_space(w: u64) -> u64 {
+    w.wrapping_sub(ONES * 0x20) & !w & HIGHS
+}
+
+/// How many bytes of `w` continue a UTF-8 sequence (`0b10xx_xxxx`).
+#[inline]
+fn continuations(w: u64) -> usize {
+    let marks = (w & !(w << 1) & HIGHS) >> 7; // one per continuation byte, in its low bit
+    (marks.wrapping_mul(ONES) >> 56) as usize
+}
+
 fn hex4(h: &[u8]) -> Option<u32> {
     if h.len() < 4 {
         return None;
@@ -252,36 +274,54 @@ impl<'a> Scanner<'a> {
         let mut i = start;
         let mut chars = 0usize;
         let mut escaped = false;
-        loop {
-            let c = *b.get(i).ok_or(Stop::Invalid)?;
-            match c {
-                b'"' => break,
-                b'\\' => {
-                    escaped = true;
-                    let e = *b.get(i + 1).ok_or(Stop::Invalid)?;
-                    match e {
-                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
-                        b'u' => {
-                            let hi = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
-                            i += 6;
-                            if (0xD800..0xDC00).contains(&hi) && b.get(i) == Some(&b'\\') && b.get(i + 1) == Some(&b'u')
-                            {
-                                // CPython joins an escaped low surrogate that follows (and
-                                // rejects bad hex there either way).
-                                let lo = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
-                                if (0xDC00..0xE000).contains(&lo) {
-                                    i += 6;
+        'string: loop {
+            // Eight plain bytes at a time: no quote, backslash nor control byte among
+            // them; each counts unless it continues a UTF-8 sequence.
+            while let Some(chunk) = b.get(i..i + 8) {
+                let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
+                if has_zero(w ^ (ONES * u64::from(b'"'))) | has_zero(w ^ (ONES * u64::from(b'\\'))) | below_space(w)
+                    != 0
+                {
+                    break;
+                }
+                chars += 8 - continuations(w);
+                i += 8;
+            }
+            // Then byte by byte through the next eight (or to the end of the string).
+            let until = i + 8;
+            while i < until {
+                let c = *b.get(i).ok_or(Stop::Invalid)?;
+                match c {
+                    b'"' => break 'string,
+                    b'\\' => {
+                        escaped = true;
+                        let e = *b.get(i + 1).ok_or(Stop::Invalid)?;
+                        match e {
+                            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
+                            b'u' => {
+                                let hi = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
+                                i += 6;
+                                if (0xD800..0xDC00).contains(&hi)
+                                    && b.get(i) == Some(&b'\\')
+                                    && b.get(i + 1) == Some(&b'u')
+                                {
+                                    // CPython joins an escaped low surrogate that follows (and
+                                    // rejects bad hex there either way).
+                                    let lo = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
+                                    if (0xDC00..0xE000).contains(&lo) {
+                                        i += 6;
+                                    }
                                 }
                             }
+                            _ => return Err(Stop::Invalid),
                         }
-                        _ => return Err(Stop::Invalid),
+                        chars += 1;
                     }
-                    chars += 1;
-                }
-                0..=0x1F => return Err(Stop::Invalid),
-                _ => {
-                    chars += usize::from(c & 0xC0 != 0x80);
-                    i += 1;
+                    0..=0x1F => return Err(Stop::Invalid),
+                    _ => {
+                        chars += usize::from(c & 0xC0 != 0x80);
+                        i += 1;
+                    }
                 }
             }
         }
@@ -566,6 +606,46 @@ mod tests {
             pos: 0,
         };
         assert_eq!(decode_string(&s.string().unwrap()), None);
+    }
+
+    #[test]
+    fn word_tests_match_bytewise_ones() {
+        let words: [&[u8; 8]; 6] = [
+            b"abcdefgh",
+            b"ab\"defgh",
+            b"abc\\efgh",
+            b"a\tcdefgh",
+            b"\x7f\x80\xff\x20\x1f ab",
+            b"\xc3\xa9\xe2\x82\xac\xf0\x9f\x98",
+        ];
+        for w8 in words {
+            let w = u64::from_le_bytes(*w8);
+            let special = w8.iter().any(|&c| c == b'"' || c == b'\\' || c < 0x20);
+            let found =
+                has_zero(w ^ (ONES * u64::from(b'"'))) | has_zero(w ^ (ONES * u64::from(b'\\'))) | below_space(w);
+            assert_eq!(found != 0, special, "{w8:?}");
+            let conts = w8.iter().filter(|&&c| c & 0xC0 == 0x80).count();
+            assert_eq!(continuations(w), conts, "{w8:?}");
+        }
+    }
+
+    #[test]
+    fn long_strings_count_as_short_ones() {
+        for text in [
+            "x".repeat(300),
+            "é😀a".repeat(37),
+            format!("{}\\n{}", "ab".repeat(9), "€".repeat(11)),
+        ] {
+            let quoted = format!("\"{text}\"");
+            let mut s = Scanner {
+                b: quoted.as_bytes(),
+                pos: 0,
+            };
+            let st = s.string().unwrap();
+            let want: usize = text.replace("\\n", "\n").chars().count();
+            assert_eq!(st.chars, want, "{text}");
+            assert_eq!(s.pos, quoted.len());
+        }
     }
 
     #[test]

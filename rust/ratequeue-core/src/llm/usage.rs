@@ -2,6 +2,10 @@
 //! either dialect, decided exactly as the Python reference (`usage_from_json` over a
 //! full `json` parse) decides it, in one validating pass that keeps nothing else.
 
+use std::sync::LazyLock;
+
+use memchr::memmem::Finder;
+
 use super::scan::{Num, Scan, Scanner, Shape, Stop};
 use super::{Defer, Usage};
 
@@ -156,10 +160,9 @@ struct Top {
 pub fn response_usage(body: &[u8]) -> Result<Option<Usage>, Defer> {
     // A UTF-8 object that cannot name `usage` (no `"usage"`, no escape that could
     // spell it) reports none, valid or not.
-    if body.first() == Some(&b'{')
-        && memchr::memmem::find(body, b"\"usage\"").is_none()
-        && memchr::memmem::find(body, b"\\u").is_none()
-    {
+    static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+    static ESCAPE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\\u"));
+    if body.first() == Some(&b'{') && USAGE.find(body).is_none() && ESCAPE.find(body).is_none() {
         return Ok(None);
     }
     let scanner = Scanner::new(body).ok_or(Defer)?;
