@@ -1,5 +1,8 @@
 """Where the transport's instructions go: one call's steps, each counted apart.
 
+Rows marked "reference" are the Python readers the native ones (``ratequeue_core::llm``)
+replaced; the transport runs them only where a native reader defers.
+
 Runs itself under ``valgrind --tool=callgrind`` (needs valgrind, its headers and a C
 compiler: a 3-line helper is compiled into a temporary directory); each step runs
 ``--calls`` times between two callgrind client requests (zero, then dump), so start-up
@@ -35,9 +38,10 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
     sys.path.insert(0, str(HERE))
     import bench_transport as bt
     import httpx2
+    from ratequeue._ratequeue import _read_request
     from ratequeue.httpx import RateLimitedTransport
-    from ratequeue.httpx._record import json_object, json_usage
-    from ratequeue.httpx._wire import header_list, new_id, scan_response
+    from ratequeue.httpx._record import json_object, json_usage, json_usage_py
+    from ratequeue.httpx._wire import _KNOWN, header_list, new_id, scan_response
 
     inner = httpx2.MockTransport(bt.answer)
     t = RateLimitedTransport(inner, bt.roomy())
@@ -69,14 +73,24 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         ("RateLimitedTransport.handle_request", lambda: t.handle_request(req)),
         ("  prepare, acquire, received (no inner call)", through),
         ("  _prepare", lambda: t._prepare(req, False)),
-        ("    request JSON parse (json_object)", lambda: json_object(data)),
-        ("    estimate (chars/4)", lambda: t.estimator(body, "/v1/chat/completions")),
+        (
+            "    request body read (native: model, stream, chars/4)",
+            lambda: t._read_body(data, "/v1/chat/completions"),
+        ),
+        ("      of which the native call", lambda: _read_request(data, 4, 1024)),
+        ("    reference: request JSON parse (json_object)", lambda: json_object(data)),
+        ("    reference: estimate (chars/4)", lambda: t.estimator(body, "/v1/chat/completions")),
         ("    request.url.path", lambda: req.url.path),
         ("    new_id", new_id),
         ("  Limiter.acquire", lambda: t.limit.acquire(**kw)),
         ("  Limiter.acquire + Permit.settle", lambda: t.limit.acquire(**kw).settle(tokens=100)),
-        ("  response usage read (json_usage)", lambda: json_usage(resp.content)),
-        ("  response header scan", lambda: scan_response(header_list(resp.headers))),
+        ("  response usage read (json_usage, native)", lambda: json_usage(resp.content)),
+        ("  reference: response usage read (json_usage_py)", lambda: json_usage_py(resp.content)),
+        ("  response header scan (native)", lambda: scan_response(header_list(resp.headers))),
+        (
+            "  reference: response header scan (Python)",
+            lambda: scan_response(header_list(resp.headers), _KNOWN),
+        ),
         ("  Histogram.record", lambda: t.wait_histogram.record(0.001)),
         ("  perf_counter", time.perf_counter),
     ]

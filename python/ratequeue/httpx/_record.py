@@ -7,6 +7,7 @@ import json.scanner
 from collections.abc import Callable
 from typing import Any
 
+from .._ratequeue import _read_usage
 from ._budget import CallBudget, SubCall
 from ._caps import Capped
 from ._estimate import Estimate
@@ -67,8 +68,22 @@ def json_object(data: bytes) -> dict[str, Any] | None:
 
 def json_usage(body: bytes) -> Usage | None:
     """The usage of a JSON body, exactly as a full parse finds it (None when there is
-    none or the body is not JSON, however nested); a UTF-8 object that cannot name
-    ``usage`` (no ``"usage"``, no escape that could spell it) is not parsed."""
+    none or the body is not JSON, however nested): read natively in one pass
+    (``ratequeue_core::llm``), and by :func:`json_usage_py` where that reader defers
+    (other encodings, nesting past 128, counts past 64 bits)."""
+    if type(body) is bytes:
+        u = _read_usage(body)
+        if u is None:
+            return None
+        if u is not False:
+            return _new(Usage, u)
+    return json_usage_py(body)
+
+
+def json_usage_py(body: bytes) -> Usage | None:
+    """The reference of :func:`json_usage`: ``usage_from_json`` over a full ``json``
+    parse; a UTF-8 object that cannot name ``usage`` (no ``"usage"``, no escape that
+    could spell it) is not parsed."""
     if body[:1] != b"{":
         return usage_from_json(json_object(body))
     if b'"usage"' not in body and b"\\u" not in body:

@@ -11,17 +11,25 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy
+from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
 from ._body import set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
 from ._caps import Cap, Capped, CapTable
 from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import OUTPUT_FIELDS, Estimate, default_estimator
+from ._estimate import (
+    _CHARS,
+    OUTPUT_FIELDS,
+    Estimate,
+    TokenEstimator,
+    chars_estimate,
+    default_estimator,
+)
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._record import _RELEASE, CallRecord, _Call, json_object
@@ -269,13 +277,20 @@ class RateLimitedTransport:
             or budget is not None
             or (data and self.stream_usage and b'"stream"' in data)
         ):
-            body = json_object(data) if data else None
-            if body is not None:
-                if self.caps or "stream" in body:
-                    capped = self._rewrite(request, data, body, path, task)  # type: ignore[arg-type]
-                m = body.get("model")
-                model = m if type(m) is str else None
-            est = self.estimator(body, path)
+            facts = self._read_body(data, path) if data else False
+            if facts is False:  # the reference: a full parse, the estimator over it
+                body = json_object(data) if data else None
+                if body is not None:
+                    if self.caps or "stream" in body:
+                        capped = self._rewrite(request, data, body, path, task)  # type: ignore[arg-type]
+                    m = body.get("model")
+                    model = m if type(m) is str else None
+                est = self.estimator(body, path)
+            elif facts is None:  # not a JSON object
+                est = self.estimator(None, path)
+            else:
+                model = facts[0]
+                est = _new(Estimate, facts[2:])
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
@@ -320,6 +335,24 @@ class RateLimitedTransport:
             )
             call._chain = chain
         return call
+
+    def _read_body(
+        self, data: Any, path: str
+    ) -> tuple[str | None, bool, int, int] | Literal[False] | None:
+        """The body's model and estimate read natively in one pass (``(model, stream,
+        input, output)``, or None when it is not a JSON object), when the estimate is the
+        character count and nothing rewrites the body; False: parse it in Python."""
+        e = self.estimator
+        if type(e) is not TokenEstimator:
+            if e is not chars_estimate:
+                return False
+            e = _CHARS
+        if e._encoding is not None or not e._started or self.caps or type(data) is not bytes:
+            return False
+        read = _body_facts(data, e.chars_per_token, e.default_output_tokens)
+        if read and read[1] and self.stream_usage and path.endswith("/chat/completions"):
+            return False  # a stream to ask for its usage: the body is rewritten
+        return read
 
     def _rewrite(
         self, request: Any, data: bytes, body: dict[str, Any], path: str, task: str | None

@@ -11,6 +11,7 @@ import uuid
 from typing import Any
 
 from .._errors import RateQueueError
+from .._ratequeue import _scan_response
 from ._headers import RateLimitHeaders
 
 _NO_LIMITS = RateLimitHeaders()
@@ -80,10 +81,14 @@ def scan_response(
     """The content type, and whether a rate-limit header may say a quota is exhausted
     (a cheap scan of the pairs, by the kinds of their names in ``known``; the full
     parse decides)."""
+    if known is None:
+        if type(headers) is list:
+            found = _scan_response(headers)  # the same rules, natively
+            if found is not None:
+                return found
+        known = _KNOWN
     ctype = b""
     exhausted = False
-    if known is None:
-        known = _KNOWN
     try:
         for _, lk, v in headers:
             kind = known[lk]  # a name not seen yet raises: classified below, then again

@@ -10,6 +10,7 @@ pub mod histogram;
 pub mod keyed;
 pub mod keyed_queue;
 pub mod limiter;
+pub mod llm;
 pub mod policy;
 pub mod rate;
 mod sync;

@@ -20,6 +20,7 @@ mod keywords;
 mod limiter;
 mod limiter_entry;
 mod limiter_ops;
+mod llm;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -38,6 +39,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork::_skip_fork_handlers_for_test, m)?)?;
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     aio::register(m)?;
+    llm::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;

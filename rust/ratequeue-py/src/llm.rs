@@ -1,0 +1,109 @@
+//! The transport's body readers (ratequeue_core::llm): bytes in, plain values out.
+//! `False` means "decide with the Python reference" (the core deferred, or an argument
+//! is past what it reads). Bodies of at least `DETACH_AT` bytes are read detached from
+//! Python (other threads run meanwhile); smaller ones cost less than a detach.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyList, PyTuple};
+use ratequeue_core::llm::headers::scan_headers;
+use ratequeue_core::llm::{request_facts, response_usage};
+
+/// Bodies this long or longer are read with the interpreter released.
+const DETACH_AT: usize = 64 << 10;
+
+fn read<T: Send>(py: Python<'_>, body: &[u8], f: impl FnOnce(&[u8]) -> T + Send) -> T {
+    if body.len() >= DETACH_AT {
+        py.detach(|| f(body))
+    } else {
+        f(body)
+    }
+}
+
+/// `(input_tokens, output_tokens)` of a response body, None when it reports none (or is
+/// not a JSON object), False when only the Python reader can tell.
+#[pyfunction]
+pub fn _read_usage<'py>(py: Python<'py>, body: &Bound<'py, PyBytes>) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match read(py, body.as_bytes(), response_usage) {
+        Ok(Some(u)) => PyTuple::new(py, [u.input_tokens, u.output_tokens])?.into_any(),
+        Ok(None) => py.None().into_bound(py),
+        Err(_) => PyBool::new(py, false).to_owned().into_any(),
+    })
+}
+
+/// `(model, stream_wants_usage, input_tokens, output_tokens)` of a request body under
+/// the character estimate, None when it is not a JSON object, False when only the
+/// Python reader can tell.
+#[pyfunction]
+pub fn _read_request<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyBytes>,
+    chars_per_token: &Bound<'py, PyAny>,
+    default_output_tokens: &Bound<'py, PyAny>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let no = || PyBool::new(py, false).to_owned().into_any();
+    let (Ok(cpt), Ok(default)) = (chars_per_token.extract::<u64>(), default_output_tokens.extract::<u64>()) else {
+        return Ok(no());
+    };
+    let facts = match read(py, body.as_bytes(), request_facts) {
+        Ok(Some(f)) => f,
+        Ok(None) => return Ok(py.None().into_bound(py)),
+        Err(_) => return Ok(no()),
+    };
+    let Ok((input, output)) = facts.estimate(cpt, default) else {
+        return Ok(no());
+    };
+    let model = match facts.model {
+        Some(m) => m.into_pyobject(py)?.into_any(),
+        None => py.None().into_bound(py),
+    };
+    let stream = PyBool::new(py, facts.stream_wants_usage).to_owned().into_any();
+    Ok(PyTuple::new(
+        py,
+        [
+            model,
+            stream,
+            input.into_pyobject(py)?.into_any(),
+            output.into_pyobject(py)?.into_any(),
+        ],
+    )?
+    .into_any())
+}
+
+/// `(content_type, exhausted)` of httpx's header triples `(name, lower-case name,
+/// value)`, None when an entry is not such a triple of bytes.
+#[pyfunction]
+pub fn _scan_response<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
+    let mut pairs: Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> = Vec::with_capacity(headers.len());
+    for item in headers.iter() {
+        let Ok(t) = item.cast::<PyTuple>() else {
+            return Ok(py.None().into_bound(py));
+        };
+        if t.len() != 3 {
+            return Ok(py.None().into_bound(py));
+        }
+        let (Ok(lk), Ok(v)) = (
+            t.get_item(1)?.cast_into::<PyBytes>(),
+            t.get_item(2)?.cast_into::<PyBytes>(),
+        ) else {
+            return Ok(py.None().into_bound(py));
+        };
+        pairs.push((lk, v));
+    }
+    let scan = scan_headers(pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+    let ctype = match scan.content_type {
+        Some(i) => pairs[i].1.clone(),
+        None => PyBytes::new(py, b""),
+    };
+    Ok(PyTuple::new(
+        py,
+        [ctype.into_any(), PyBool::new(py, scan.exhausted).to_owned().into_any()],
+    )?
+    .into_any())
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_read_usage, m)?)?;
+    m.add_function(wrap_pyfunction!(_read_request, m)?)?;
+    m.add_function(wrap_pyfunction!(_scan_response, m)?)?;
+    Ok(())
+}
