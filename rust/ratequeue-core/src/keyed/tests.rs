@@ -218,6 +218,7 @@ mod keys {
 
 mod epochs {
     use super::super::*;
+    use crate::bucket::Undo;
     use crate::{Bucket, ManualClock};
     use std::sync::Arc;
 
