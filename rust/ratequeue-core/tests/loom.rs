@@ -18,14 +18,8 @@ use ratequeue_core::{Bucket, Outcome, Rate, Resource, Semaphore};
 
 const SEC: u64 = 1_000_000_000;
 
-/// Runs `f` under loom, with a preemption bound of 3 unless LOOM_MAX_PREEMPTIONS says.
-fn model<F: Fn() + Sync + Send + 'static>(f: F) {
-    let mut b = loom::model::Builder::new();
-    if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(3);
-    }
-    b.check(f);
-}
+mod loom_common;
+use loom_common::model;
 
 /// One unit per second, `burst` at once; the tests never move time, so nothing refills.
 fn bucket(burst: u64) -> Arc<Bucket> {

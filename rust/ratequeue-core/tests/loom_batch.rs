@@ -16,13 +16,8 @@ use loom::sync::atomic::{AtomicUsize, Ordering};
 use loom::sync::{Arc, Mutex};
 use loom::thread;
 
-fn model<F: Fn() + Sync + Send + 'static>(f: F) {
-    let mut b = loom::model::Builder::new();
-    if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(3);
-    }
-    b.check(f);
-}
+mod loom_common;
+use loom_common::model;
 
 /// A shard holding one key's TAT (0: full) and the key map's count of queues.
 struct Shared {

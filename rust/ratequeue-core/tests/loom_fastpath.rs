@@ -24,14 +24,8 @@ use loom::sync::Arc;
 use loom::thread;
 use ratequeue_core::{Bucket, Rate};
 
-/// Runs `f` under loom, with a preemption bound of 3 unless LOOM_MAX_PREEMPTIONS says.
-fn model<F: Fn() + Sync + Send + 'static>(f: F) {
-    let mut b = loom::model::Builder::new();
-    if b.preemption_bound.is_none() {
-        b.preemption_bound = Some(3);
-    }
-    b.check(f);
-}
+mod loom_common;
+use loom_common::model;
 
 /// A bucket of burst 2 (nothing refills: time stands at 0) and the queue's count.
 struct Shared {
