@@ -78,6 +78,21 @@ def ctrl_c() -> Iterator[Callable[[float], threading.Timer]]:
         signal.signal(signal.SIGINT, old)  # runs a pending handler first: disarmed
 
 
+_IN_CI = os.environ.get("CI", "").strip().lower() in {"true", "1", "yes"}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """In CI (CI=true) a skip is a failure: CI installs every package and service the
+    tests need (and runs on Linux, where the fork and /proc skips never apply), so a
+    skip there means something is missing."""
+    outcome = yield
+    report = outcome.get_result()  # type: ignore[attr-defined]
+    if _IN_CI and report.skipped and not hasattr(report, "wasxfail"):
+        report.outcome = "failed"
+        report.longrepr = f"skipped in CI (CI=true), which must not happen: {report.longrepr}"
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Keeps a handle on the process's real stderr (pytest captures fd 2 during tests):
     the stacks of a hang must reach CI's log, not a capture file that dies with it."""
