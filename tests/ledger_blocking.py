@@ -96,3 +96,18 @@ def eventually(check: Callable[[], bool], seconds: float = 20.0) -> bool:
             return True
         time.sleep(0.01)
     return check()
+
+
+def given_back(led: Any, backend: str, account: str, request_id: str) -> bool:
+    """True once a cancelled hold's ending has run: SQLite, after any undo queued behind
+    the blocked writer; Redis, once the record says released (the ending runs on a
+    worker thread, so a balance read before it may see nothing held yet)."""
+    if backend == "sqlite":
+        led._run(lambda conn: None)
+        return True
+
+    def released() -> bool:
+        raw = led.client.get(led._pfx(account) + "r:" + request_id)
+        return raw is not None and raw.split(b"\x1f")[1] == b"released"
+
+    return eventually(released)

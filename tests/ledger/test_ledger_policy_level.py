@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import ratequeue as rq
 from ledger_backends import Factory
-from ledger_blocking import CLIENT_TIMEOUT, eventually, until_waiting, writes_blocked
+from ledger_blocking import CLIENT_TIMEOUT, given_back, until_waiting, writes_blocked
 from ratequeue.ledger import LedgerPolicy, Plan, QuotaLevel, QuotaPermit
 
 
@@ -191,14 +191,17 @@ def test_cancelled_while_the_hold_waits_gives_back_every_level(make: Factory, cl
     with writes_blocked(led, make.backend) as waiting:  # type: ignore[attr-defined]
 
         async def main() -> None:
-            task = asyncio.ensure_future(p.acquire_async(user="u", tenant="acme", tokens=70))
+            task = asyncio.ensure_future(
+                p.acquire_async(user="u", tenant="acme", tokens=70, request_id="h")
+            )
             await until_waiting(waiting)  # granted by the policy, its hold queued
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
                 await task
 
         asyncio.run(main())
-    assert eventually(lambda: led.balance("acme").held == {"tokens": 0})
+    assert given_back(led, make.backend, "acme", "h")
+    assert led.balance("acme").held == {"tokens": 0}
     assert led.balance("acme").used == {"tokens": 0}
     # both tenant slots are free: the permit was cancelled with its hold
     x = p.try_acquire(user="u", tenant="acme", tokens=1)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, Literal
 
+from .._cancel import within
 from .._errors import Overloaded, WaitTimeout
 from .._ratequeue import MonotonicClock
 from ._gates import DEFAULT_GATES, Gate, GateResult
@@ -647,6 +648,4 @@ def _is_async(fn: Callable[..., Any]) -> bool:
 
 
 async def _awaited(aw: Awaitable[Any], timeout: float | None) -> Any:
-    if timeout is None:
-        return await aw
-    return await asyncio.wait_for(aw, timeout)
+    return await within(aw, timeout)

@@ -20,6 +20,7 @@ from typing import Protocol
 
 import httpx
 
+from .._cancel import within
 from .._errors import Overloaded, WaitTimeout
 from ._canary import Canary, CanaryRequest, _default_usage, current_request
 
@@ -324,10 +325,10 @@ class AsyncCanaryTransport(httpx.AsyncBaseTransport, _Routing):
         req = CanaryRequest(self.canary, key, "candidate", shadow=True)
         timeout = self.canary.shadow_timeout
         try:
-            response = await asyncio.wait_for(self.candidate.handle_async_request(request), timeout)
+            response = await within(self.candidate.handle_async_request(request), timeout)
             try:
                 if _small(response.headers, self.max_body):
-                    await asyncio.wait_for(response.aread(), timeout)
+                    await within(response.aread(), timeout)
             finally:
                 await response.aclose()
         except Exception as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from .._cancel import cancel_requests
 from .._errors import CostTooLarge, Overloaded
 from .._ratequeue import KeyedLimiter, ManualClock, Rate
 from ._args import Key, _cost, _key_bytes, _max_wait_us, _overloaded, _scaled
@@ -292,6 +293,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
+        asked = cancel_requests()
         start = e.start_ns()
         try:
             reply = await e.arun(self._take_cmd(key, c, mw, True))
@@ -303,7 +305,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
             r = self._fallback_reserve(key, c)
         else:
             r = self._reservation(key, reply, c, mw)
-        await _await_wait(e.clock, r, start)
+        await _await_wait(e.clock, r, start, asked)
         return r.permit
 
     async def retry_after(self, key: Key, cost: int = 1) -> float:

@@ -35,6 +35,7 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
+from .._cancel import HAS_TIMEOUT, bounded, cancel_requests, swallowed
 from ..ledger._base import LedgerBase, _executor
 from ..ledger._model import (
     ClockLike,
@@ -108,7 +109,10 @@ _ASYNC_KWARGS = (
 
 
 def _async_twin(client: Any) -> Any:
-    """A ``redis.asyncio`` client for the same server(s) as a blocking client."""
+    """A ``redis.asyncio`` client for the same server(s) as a blocking client. On Python
+    3.11+ it has no socket timeout of its own: the ledger bounds each call with
+    ``asyncio.timeout`` instead (``_cancel.bounded``), so redis-py never sends through
+    ``asyncio.wait_for``, which can swallow a cancel."""
     if isinstance(client, redis.cluster.RedisCluster):
         found = client.get_nodes()  # type: ignore[no-untyped-call]
         nodes = [redis.asyncio.cluster.ClusterNode(n.host, n.port) for n in found]
@@ -120,6 +124,8 @@ def _async_twin(client: Any) -> Any:
             f"cannot derive a redis.asyncio client from {type(client).__name__}: pass async_client="
         )
     kw = {k: v for k, v in pool.connection_kwargs.items() if k in _ASYNC_KWARGS}
+    if HAS_TIMEOUT:
+        kw.pop("socket_timeout", None)
     return redis.asyncio.Redis(
         connection_pool=redis.asyncio.ConnectionPool(connection_class=cls, **kw)
     )
@@ -167,6 +173,9 @@ class _RedisLedgerCore(LedgerBase):
         _LEDGERS.add(self)
         self._last_sweep = float("-inf")
         self._async_client = async_client
+        # the twins' socket timeout, kept by the ledger itself (see ``_async_twin``)
+        kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
+        self._twin_timeout: float | None = kw.get("socket_timeout") if HAS_TIMEOUT else None
         self._loop_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -303,8 +312,10 @@ class _RedisLedgerCore(LedgerBase):
             return e
 
     async def _adrive(self, flow: _Flow[T]) -> T:
-        """Runs a call on the asyncio client of the running loop."""
+        """Runs a call on the asyncio client of the running loop; a cancel the client
+        swallowed (``_cancel``) is raised after the step it came in."""
         client = self._aclient()
+        before = cancel_requests()
         try:
             step = next(flow)
             while True:
@@ -313,6 +324,8 @@ class _RedisLedgerCore(LedgerBase):
                 except Exception as e:
                     step = flow.throw(e)
                 else:
+                    if swallowed(before):
+                        raise asyncio.CancelledError()
                     step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
@@ -329,7 +342,8 @@ class _RedisLedgerCore(LedgerBase):
     ) -> T:
         """Cancelled, whether the script ran is unknown (sent or not, a late reply): the
         same idempotent call runs ``again`` on the blocking client to finish it (or
-        replay it), then ``undo``; both without the event loop."""
+        replay it), then ``undo``; both without the event loop. A cancel that the client
+        swallowed (``_cancel``) counts as one: its reply is dropped, the same ending runs."""
         try:
             return await self._adrive(call)
         except asyncio.CancelledError:
@@ -414,6 +428,12 @@ class _RedisLedgerCore(LedgerBase):
             c.close()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
+        if client is self._async_client or self._twin_timeout is None:
+            return await self._aexec_on(client, step)
+        async with bounded(self._twin_timeout, "the Redis ledger"):
+            return await self._aexec_on(client, step)
+
+    async def _aexec_on(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
             return await client.execute_command(*step[1:])
         args = _flat(step[1])

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
+from .._cancel import cancel_requests
 from .._errors import CostTooLarge
 from .._ratequeue import Limiter, ManualClock, Rate, _LimiterKeywords
 from ._args import _max_wait_us, _overloaded, _scaled, _units_of
@@ -550,6 +551,7 @@ class AsyncRedisLimiter(_LimiterBase):
         limit = timeout if timeout is not None else self.max_wait
         mw = _max_wait_us(limit)
         e = self._engine
+        asked = cancel_requests()
         start = e.start_ns()
         try:
             reply = await e.arun(self._take_cmd(c, mw, True))
@@ -557,7 +559,7 @@ class AsyncRedisLimiter(_LimiterBase):
             r = self._fallback_reserve(c, limit)
         else:
             r = self._reservation(reply, c, mw)
-        await _await_wait(e.clock, r, start)
+        await _await_wait(e.clock, r, start, asked)
         return r.permit
 
     async def retry_after(self, n: int | None = None, /, **costs: int) -> float:

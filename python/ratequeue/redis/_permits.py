@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
+from .._cancel import swallowed
 from .._errors import CostTooLarge
 from .._ratequeue import Limiter, ManualClock, Permit, PolicyPermit, Rate, Reservation
 from ._args import _cost
@@ -439,8 +440,13 @@ def _wait(clock: _Clock, r: RedisReservation, start_ns: int) -> None:
         raise
 
 
-async def _await_wait(clock: _Clock, r: RedisReservation, start_ns: int) -> None:
-    """One asyncio.sleep until the grant; a cancellation gives the reservation back."""
+async def _await_wait(clock: _Clock, r: RedisReservation, start_ns: int, asked: int) -> None:
+    """One asyncio.sleep until the grant; a cancellation gives the reservation back, also
+    one the client swallowed while the reservation was made (``asked``: the task's cancel
+    requests before it; see ``ratequeue._cancel``)."""
+    if swallowed(asked):
+        await asyncio.shield(r.cancel_async())
+        raise asyncio.CancelledError()
     if r.delay <= 0:
         return
     if clock.manual is not None:

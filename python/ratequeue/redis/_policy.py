@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeAlias, cast
 
+from .._cancel import cancel_requests
 from .._errors import CostTooLarge, Overloaded
 from .._ratequeue import (
     KeyedLimiter,
@@ -355,7 +356,8 @@ class AsyncRedisPolicy(_PolicyBase):
     async def _acquire(self, timeout: float | None, kw: dict[str, Any]) -> RedisPermit:
         limit = timeout if timeout is not None else self.max_wait
         e = self._engine
+        asked = cancel_requests()
         start = e.start_ns()
         r = await self.reserve(max_wait=limit, **kw)
-        await _await_wait(e.clock, r, start)
+        await _await_wait(e.clock, r, start, asked)
         return r.permit
