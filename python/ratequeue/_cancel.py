@@ -8,30 +8,31 @@ reply and returns to a task that was told to stop. ``Task.cancelling()`` (3.11+)
 counts the request: a call that compares it before and after notices the swallow and
 raises ``CancelledError`` itself, after putting right what the call did.
 
-``bounded`` is ``asyncio.timeout`` for clients we make ourselves: given no
-``socket_timeout``, redis-py never uses ``wait_for``, and the deadline still holds;
-``within`` is ``wait_for`` without the swallow, for our own deadlines.
+``within`` is ``wait_for`` without the swallow, for our own deadlines; the Redis clients
+ratequeue makes send without it (``ratequeue.redis._connection.cancel_safe``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import sys
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import Awaitable
 from typing import TypeVar
 
 T = TypeVar("T")
 
-#: True where ``asyncio.timeout`` and ``Task.cancelling`` exist (Python 3.11+).
-HAS_TIMEOUT = sys.version_info >= (3, 11)
+#: True where ``Task.cancelling`` exists (Python 3.11+).
+HAS_CANCELLING = sys.version_info >= (3, 11)
+#: True where ``asyncio.timeout`` never turns an outstanding cancel into its own expiry
+#: (3.11.3+, the version from which redis-py itself uses it).
+HAS_TIMEOUT = sys.version_info >= (3, 11, 3)
 
 
 def cancel_requests() -> int:
     """The cancel requests the running task has not taken back (0 where Python cannot
     tell: before 3.11, or outside a task)."""
     task = asyncio.current_task()
-    return task.cancelling() if HAS_TIMEOUT and task is not None else 0
+    return task.cancelling() if HAS_CANCELLING and task is not None else 0
 
 
 def swallowed(before: int) -> bool:
@@ -40,25 +41,9 @@ def swallowed(before: int) -> bool:
     return cancel_requests() > before
 
 
-@contextlib.asynccontextmanager
-async def bounded(seconds: float | None, what: str) -> AsyncIterator[None]:
-    """``asyncio.timeout(seconds)`` whose expiry raises redis-py's ``TimeoutError``
-    (``what`` names the call); no bound for ``None``."""
-    if seconds is None:
-        yield
-        return
-    import redis.exceptions
-
-    try:
-        async with asyncio.timeout(seconds):  # type: ignore[attr-defined,unused-ignore]
-            yield
-    except TimeoutError as e:
-        raise redis.exceptions.TimeoutError(f"{what}: no reply within {seconds} s") from e
-
-
 async def within(aw: Awaitable[T], seconds: float | None) -> T:
     """``asyncio.wait_for(aw, seconds)`` that never swallows the caller's cancel: on
-    Python 3.11+ ``aw`` runs in the caller's task under ``asyncio.timeout`` (raising
+    Python 3.11.3+ ``aw`` runs in the caller's task under ``asyncio.timeout`` (raising
     ``TimeoutError`` past the deadline); no bound for ``None``."""
     if seconds is None:
         return await aw

@@ -3,12 +3,14 @@ call of the script (EVALSHA, loaded again on NOSCRIPT) with outages told from mi
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from typing import Any, Literal, TypeAlias
 
 import redis
 import redis.exceptions
 
+from .._cancel import cancel_requests, swallowed
 from .._errors import Overloaded
 from .._ratequeue import ManualClock
 from ._args import _max_wait_us
@@ -111,12 +113,17 @@ class _Engine:
         br._success()
         return r
 
-    async def arun(self, cmd: tuple[Any, ...] | bytes) -> Any:
+    async def arun(self, cmd: tuple[Any, ...] | bytes, *, keep_cancel: bool = False) -> Any:
+        """``run`` on an asyncio client. A cancel the client swallowed (``_cancel``) is
+        raised after the reply or the failure, as if it had come while the call waited;
+        with ``keep_cancel`` a reply is returned and the caller, which can give back what
+        it took, checks ``swallowed`` itself."""
         assert type(cmd) is not bytes, "asyncio clients take argument tuples"
         br = self.breaker
         if not br._allow():
             raise _Down()
         self.calls += 1
+        asked = cancel_requests()
         try:
             try:
                 r = await self.client.execute_command(*cmd)
@@ -124,8 +131,13 @@ class _Engine:
                 await self.client.script_load(GCRA_LUA)
                 r = await self.client.execute_command(*cmd)
         except BaseException as e:
-            raise self._failed(e)  # noqa: B904 (_failed chains a _Down to its cause)
+            out = self._failed(e)
+            if not isinstance(e, asyncio.CancelledError) and swallowed(asked):
+                raise asyncio.CancelledError() from e
+            raise out  # noqa: B904 (_failed chains a _Down to its cause)
         br._success()
+        if not keep_cancel and swallowed(asked):
+            raise asyncio.CancelledError()
         return r
 
     def _failed(self, e: BaseException) -> BaseException:

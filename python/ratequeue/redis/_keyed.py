@@ -12,7 +12,15 @@ from ._args import Key, _cost, _key_bytes, _max_wait_us, _overloaded, _scaled
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Named
-from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
+from ._permits import (
+    RedisPermit,
+    RedisReservation,
+    _AsyncAcquire,
+    _await_wait,
+    _Held,
+    _reserved,
+    _wait,
+)
 from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
 
 
@@ -274,11 +282,12 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         """Reserves in ``key``'s schedule inside Redis; Overloaded beyond ``max_wait``."""
         c = self._cost(cost)
         mw = _max_wait_us(max_wait)
+        asked = cancel_requests()
         try:
-            reply = await self._engine.arun(self._take_cmd(key, c, mw, True))
+            reply = await self._engine.arun(self._take_cmd(key, c, mw, True), keep_cancel=True)
         except _Down:
             return self._fallback_reserve(key, c)
-        return self._reservation(key, reply, c, mw)
+        return await _reserved(asked, lambda: self._reservation(key, reply, c, mw))
 
     def acquire(
         self, key: Key, cost: int = 1, *, timeout: float | None = None
@@ -296,7 +305,7 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
         asked = cancel_requests()
         start = e.start_ns()
         try:
-            reply = await e.arun(self._take_cmd(key, c, mw, True))
+            reply = await e.arun(self._take_cmd(key, c, mw, True), keep_cancel=True)
         except _Down:
             if self._local is not None and e.clock.manual is None:
                 e.fallbacks += 1
@@ -304,8 +313,8 @@ class AsyncRedisKeyedLimiter(_KeyedBase):
                 return RedisPermit(p.waited, {self._bucket.unit: c}, None, local=p)
             r = self._fallback_reserve(key, c)
         else:
-            r = self._reservation(key, reply, c, mw)
-        await _await_wait(e.clock, r, start, asked)
+            r = await _reserved(asked, lambda: self._reservation(key, reply, c, mw))
+        await _await_wait(e.clock, r, start)
         return r.permit
 
     async def retry_after(self, key: Key, cost: int = 1) -> float:

@@ -35,7 +35,7 @@ import redis
 import redis.asyncio
 import redis.exceptions
 
-from .._cancel import HAS_TIMEOUT, bounded, cancel_requests, swallowed
+from .._cancel import cancel_requests, swallowed
 from ..ledger._base import LedgerBase, _executor
 from ..ledger._model import (
     ClockLike,
@@ -43,6 +43,7 @@ from ..ledger._model import (
     Span,
     check_id,
 )
+from ._connection import cancel_safe
 from ._ledger_codec import (
     _Ctx,
     _flat,
@@ -109,10 +110,8 @@ _ASYNC_KWARGS = (
 
 
 def _async_twin(client: Any) -> Any:
-    """A ``redis.asyncio`` client for the same server(s) as a blocking client. On Python
-    3.11+ it has no socket timeout of its own: the ledger bounds each call with
-    ``asyncio.timeout`` instead (``_cancel.bounded``), so redis-py never sends through
-    ``asyncio.wait_for``, which can swallow a cancel."""
+    """A ``redis.asyncio`` client for the same server(s) as a blocking client, with its
+    timeouts; a single server's sends without ``asyncio.wait_for`` (``cancel_safe``)."""
     if isinstance(client, redis.cluster.RedisCluster):
         found = client.get_nodes()  # type: ignore[no-untyped-call]
         nodes = [redis.asyncio.cluster.ClusterNode(n.host, n.port) for n in found]
@@ -124,10 +123,8 @@ def _async_twin(client: Any) -> Any:
             f"cannot derive a redis.asyncio client from {type(client).__name__}: pass async_client="
         )
     kw = {k: v for k, v in pool.connection_kwargs.items() if k in _ASYNC_KWARGS}
-    if HAS_TIMEOUT:
-        kw.pop("socket_timeout", None)
     return redis.asyncio.Redis(
-        connection_pool=redis.asyncio.ConnectionPool(connection_class=cls, **kw)
+        connection_pool=redis.asyncio.ConnectionPool(connection_class=cancel_safe(cls), **kw)
     )
 
 
@@ -173,9 +170,6 @@ class _RedisLedgerCore(LedgerBase):
         _LEDGERS.add(self)
         self._last_sweep = float("-inf")
         self._async_client = async_client
-        # the twins' socket timeout, kept by the ledger itself (see ``_async_twin``)
-        kw = getattr(getattr(client, "connection_pool", None), "connection_kwargs", {})
-        self._twin_timeout: float | None = kw.get("socket_timeout") if HAS_TIMEOUT else None
         self._loop_clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, Any] = (
             weakref.WeakKeyDictionary()
         )
@@ -313,7 +307,8 @@ class _RedisLedgerCore(LedgerBase):
 
     async def _adrive(self, flow: _Flow[T]) -> T:
         """Runs a call on the asyncio client of the running loop; a cancel the client
-        swallowed (``_cancel``) is raised after the step it came in."""
+        swallowed (``_cancel``: a cluster's or the caller's own client) is raised after
+        the step it came in, replied or failed."""
         client = self._aclient()
         before = cancel_requests()
         try:
@@ -322,6 +317,8 @@ class _RedisLedgerCore(LedgerBase):
                 try:
                     reply = await self._aexec(client, step)
                 except Exception as e:
+                    if swallowed(before):  # then the call failed: still a cancelled call
+                        raise asyncio.CancelledError() from e
                     step = flow.throw(e)
                 else:
                     if swallowed(before):
@@ -428,12 +425,6 @@ class _RedisLedgerCore(LedgerBase):
             c.close()
 
     async def _aexec(self, client: Any, step: _Step) -> Any:
-        if client is self._async_client or self._twin_timeout is None:
-            return await self._aexec_on(client, step)
-        async with bounded(self._twin_timeout, "the Redis ledger"):
-            return await self._aexec_on(client, step)
-
-    async def _aexec_on(self, client: Any, step: _Step) -> Any:
         if step[0] != "eval":
             return await client.execute_command(*step[1:])
         args = _flat(step[1])

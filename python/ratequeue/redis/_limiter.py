@@ -27,6 +27,7 @@ from ._permits import (
     _await_wait,
     _Held,
     _Lease,
+    _reserved,
     _wait,
 )
 from ._script import _Bucket, _gen_key, _peek_args, _Take, _take_args
@@ -525,13 +526,16 @@ class AsyncRedisLimiter(_LimiterBase):
         self, n: int | None = None, /, *, max_wait: float | None = None, **costs: int
     ) -> RedisReservation:
         """Reserves in arrival order inside Redis; Overloaded beyond ``max_wait`` (nothing held)."""
-        c = self._costs(n, costs)
+        return await self._reserve(self._costs(n, costs), max_wait)
+
+    async def _reserve(self, c: list[int], max_wait: float | None) -> RedisReservation:
         mw = _max_wait_us(max_wait)
+        asked = cancel_requests()
         try:
-            reply = await self._engine.arun(self._take_cmd(c, mw, True))
+            reply = await self._engine.arun(self._take_cmd(c, mw, True), keep_cancel=True)
         except _Down:
             return self._fallback_reserve(c, max_wait)
-        return self._reservation(reply, c, mw)
+        return await _reserved(asked, lambda: self._reservation(reply, c, mw))
 
     def acquire(
         self, n: int | None = None, /, *, timeout: float | None = None, **costs: int
@@ -549,17 +553,10 @@ class AsyncRedisLimiter(_LimiterBase):
         if self._lease_units and self._lease_fast(c):
             return self._permit(c, None)
         limit = timeout if timeout is not None else self.max_wait
-        mw = _max_wait_us(limit)
         e = self._engine
-        asked = cancel_requests()
         start = e.start_ns()
-        try:
-            reply = await e.arun(self._take_cmd(c, mw, True))
-        except _Down:
-            r = self._fallback_reserve(c, limit)
-        else:
-            r = self._reservation(reply, c, mw)
-        await _await_wait(e.clock, r, start, asked)
+        r = await self._reserve(c, limit)
+        await _await_wait(e.clock, r, start)
         return r.permit
 
     async def retry_after(self, n: int | None = None, /, **costs: int) -> float:

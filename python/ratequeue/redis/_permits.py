@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Final, Generic, TypeVar
 
-from .._cancel import swallowed
+from .._cancel import cancel_requests, swallowed
 from .._errors import CostTooLarge
 from .._ratequeue import Limiter, ManualClock, Permit, PolicyPermit, Rate, Reservation
 from ._args import _cost
@@ -158,11 +158,15 @@ class _Held:
     async def arun(self, deltas: Sequence[int]) -> bool:
         if self.done or not any(deltas):
             return False
+        asked = cancel_requests()
         try:
-            reply = await self.engine.arun(self.cmd(deltas))
+            reply = await self.engine.arun(self.cmd(deltas), keep_cancel=True)
         except _Down:
             return False
-        return self.update(reply, deltas)
+        gave = self.update(reply, deltas)
+        if swallowed(asked):  # given back and counted; then the caller's cancel
+            raise asyncio.CancelledError()
+        return gave
 
 
 class RedisPermit:
@@ -440,13 +444,23 @@ def _wait(clock: _Clock, r: RedisReservation, start_ns: int) -> None:
         raise
 
 
-async def _await_wait(clock: _Clock, r: RedisReservation, start_ns: int, asked: int) -> None:
-    """One asyncio.sleep until the grant; a cancellation gives the reservation back, also
-    one the client swallowed while the reservation was made (``asked``: the task's cancel
-    requests before it; see ``ratequeue._cancel``)."""
-    if swallowed(asked):
+async def _reserved(asked: int, make: Callable[[], RedisReservation]) -> RedisReservation:
+    """``make()``: the reservation from a take's reply (``arun(..., keep_cancel=True)``),
+    unless the client swallowed a cancel meanwhile (``asked``: the task's cancel requests
+    before the take; see ``ratequeue._cancel``): then what was reserved is given back
+    and the cancel raised (a refusal, which reserved nothing, raises it too)."""
+    if not swallowed(asked):
+        return make()
+    try:
+        r = make()
         await asyncio.shield(r.cancel_async())
-        raise asyncio.CancelledError()
+    except Exception as e:
+        raise asyncio.CancelledError() from e
+    raise asyncio.CancelledError()
+
+
+async def _await_wait(clock: _Clock, r: RedisReservation, start_ns: int) -> None:
+    """One asyncio.sleep until the grant; a cancellation gives the reservation back."""
     if r.delay <= 0:
         return
     if clock.manual is not None:

@@ -19,7 +19,15 @@ from ._args import _key_bytes, _max_wait_us, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _arg_bytes, _bulk
 from ._engine import OnFailure, _Down, _Named
-from ._permits import RedisPermit, RedisReservation, _AsyncAcquire, _await_wait, _Held, _wait
+from ._permits import (
+    RedisPermit,
+    RedisReservation,
+    _AsyncAcquire,
+    _await_wait,
+    _Held,
+    _reserved,
+    _wait,
+)
 from ._script import _Bucket, _gen_key, _Take, _take_args
 
 # A cost the bindings read above 2**64 - 1 (no burst holds it): shown as given.
@@ -336,16 +344,21 @@ class AsyncRedisPolicy(_PolicyBase):
         """Reserves every level for one grant at the latest time any of them needs."""
         keys, costs, named = self._args(kw)
         mw = _max_wait_us(max_wait)
+        asked = cancel_requests()
         try:
-            reply = await self._engine.arun(self._take_cmd(keys, costs, mw, True))
+            reply = await self._engine.arun(self._take_cmd(keys, costs, mw, True), keep_cancel=True)
         except _Down:
             return self._fallback_reserve(kw, named, max_wait)
-        take = _Take(reply)
-        self._count(take)
-        if not take.ok:
-            raise self._refusal(take, mw)
-        permit = self._permit(take, named, keys, costs)
-        return RedisReservation(permit.delay, permit)
+
+        def reservation() -> RedisReservation:
+            take = _Take(reply)
+            self._count(take)
+            if not take.ok:
+                raise self._refusal(take, mw)
+            permit = self._permit(take, named, keys, costs)
+            return RedisReservation(permit.delay, permit)
+
+        return await _reserved(asked, reservation)
 
     def acquire(self, *, timeout: float | None = None, **kw: Any) -> _AsyncAcquire[RedisPermit]:
         """Reserves every level in one round trip, then sleeps once for the latest of them."""
@@ -356,8 +369,7 @@ class AsyncRedisPolicy(_PolicyBase):
     async def _acquire(self, timeout: float | None, kw: dict[str, Any]) -> RedisPermit:
         limit = timeout if timeout is not None else self.max_wait
         e = self._engine
-        asked = cancel_requests()
         start = e.start_ns()
         r = await self.reserve(max_wait=limit, **kw)
-        await _await_wait(e.clock, r, start, asked)
+        await _await_wait(e.clock, r, start)
         return r.permit
