@@ -74,12 +74,6 @@ fn main() {
         assert_eq!(kl.sweep() as u64, n);
         let grown = timed(n, "other new", || decide(&kl, &other, &mut out));
         let f = |(w, c): (f64, f64)| format!("{w:5.1} / {c:5.1}");
-        println!(
-            "round {round}: {} | {} | {} | {}",
-            f(new),
-            f(hot),
-            f(held),
-            f(grown)
-        );
+        println!("round {round}: {} | {} | {} | {}", f(new), f(hot), f(held), f(grown));
     }
 }
