@@ -573,7 +573,7 @@ impl KeyedLimiter {
         // group's first keys wait for their slots from memory (the prefetches start
         // with the group): chunks of 16,384 keys make groups of ~64 keys at 256 shards,
         // and 16 slots in flight keep the misses overlapping (the 4,096 / 8 of before
-        // spent ~10 ns more per key held in a map of a million, keys17.md).
+        // spent ~5-10 ns more per key held in a map of a million, keys17.md).
         const CHUNK: usize = 16_384;
         const AHEAD: usize = 16;
         let n = self.shards.len();
