@@ -139,7 +139,13 @@ def build_rq_u64(n: int):
     import numpy as np
     import ratequeue as rq
 
-    kl = rq.KeyedLimiter(rq.Rate(HUGE, per="second", burst=HUGE))
+    # max_keys = 2^21 from 1,000,000 keys on: at the default 2^20, one of the 256 shards
+    # (~3,900 keys each) reaches its cap of 4,096 for about a third of the hash seeds and
+    # drops its full buckets (every bucket here is full again a nanosecond later), which
+    # the check below refuses. Either way each shard's table ends at 8,192 slots: the
+    # same memory.
+    max_keys = 2**21 if n >= 1_000_000 else 2**20
+    kl = rq.KeyedLimiter(rq.Rate(HUGE, per="second", burst=HUGE), max_keys=max_keys)
     keys = np.arange(n, dtype=np.uint64) * np.uint64(GOLDEN)  # distinct, scattered
     warm = np.arange(n, n + HOT, dtype=np.uint64) * np.uint64(GOLDEN)
     hot_keys = np.tile(keys[:HOT], n // HOT)
@@ -209,7 +215,7 @@ WORKERS: dict[str, Worker] = {
     "rq-u64-big": Worker(
         "ratequeue try_acquire_many(uint64)",
         "ratequeue",
-        "same, at the --big key count (default max_keys = 2^20)",
+        "same, at the --big key count (max_keys = 2^21, see build_rq_u64)",
         True,
         build_rq_u64,
     ),
@@ -249,19 +255,24 @@ def worker_main(name: str, n: int) -> None:
     warm()  # first calls: imports, code paths, small allocations
     gc.collect()
     before = rss_bytes()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     admitted_new = new()
-    t_new = time.perf_counter() - t0
+    t_new, c_new = time.perf_counter() - t0, time.thread_time() - c0
     gc.collect()
     after = rss_bytes()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.thread_time()
     admitted_hot = hot()
-    t_hot = time.perf_counter() - t0
+    t_hot, c_hot = time.perf_counter() - t0, time.thread_time() - c0
     n_hot = (n // HOT) * HOT
     out = {
         "n": n,
         "new_per_s": n / t_new,
         "hot_per_s": n_hot / t_hot,
+        # Per second of this thread's CPU time (the decisions run on it, GIL released
+        # or not): unlike the wall time, not slowed by waiting for a core on a loaded
+        # machine.
+        "new_per_cpu_s": n / c_new,
+        "hot_per_cpu_s": n_hot / c_hot,
         "bytes_per_key": (after - before) / n,
         "all_admitted": admitted_new == n and admitted_hot == n_hot,
     }
@@ -271,8 +282,8 @@ def worker_main(name: str, n: int) -> None:
 # --------------------------------------------------------------------------- parent
 
 
-def run_one(name: str, n: int) -> dict[str, Any]:
-    cmd = [sys.executable, __file__, "--worker", name, "--n", str(n)]
+def run_one(name: str, n: int, python: str = sys.executable) -> dict[str, Any]:
+    cmd = [python, __file__, "--worker", name, "--n", str(n)]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False)
     if p.returncode != 0:
         return {"error": f"exit {p.returncode}: {p.stderr.strip().splitlines()[-1:]}"}
@@ -308,6 +319,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--big", type=int, default=1_000_000, help="keys of the big numpy row")
     ap.add_argument("--only", nargs="*", choices=sorted(WORKERS), help="run these only")
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument(
+        "--baseline",
+        help="a Python with another ratequeue build (and numpy): its ratequeue rows run "
+        "beside this build's, in the same interleaved rounds",
+    )
+    ap.add_argument("--baseline-label", default="baseline", help="what the baseline is")
+    ap.add_argument("--label", default="this build", help="what this build is, with --baseline")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--n", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -315,49 +333,76 @@ def main(argv: list[str] | None = None) -> int:
         worker_main(args.worker, args.n)
         return 0
 
-    names = args.only or list(WORKERS)
+    # A run is a candidate under an interpreter: with --baseline, each ratequeue
+    # candidate twice (the baseline's build first), as "name@base".
+    names: list[str] = []
+    for name in args.only or list(WORKERS):
+        if args.baseline and WORKERS[name].dist == "ratequeue":
+            names.append(f"{name}@base")
+        names.append(name)
+
+    def worker(run: str) -> Worker:
+        return WORKERS[run.split("@")[0]]
+
+    def label_of(run: str) -> str:
+        w = worker(run)
+        if not args.baseline or w.dist != "ratequeue":
+            return f"{w.label} ({w.dist} {version(w.dist)})"
+        return f"{w.label} [{args.baseline_label if run.endswith('@base') else args.label}]"
+
     results: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     errors: dict[str, str] = {}
     started = time.monotonic()
+    load_before = os.getloadavg()
     for r in range(args.rounds):
         order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             if name in errors:
                 continue
-            n = args.big if WORKERS[name].big else args.keys
-            res = run_one(name, n)
+            n = args.big if worker(name).big else args.keys
+            python = args.baseline if name.endswith("@base") else sys.executable
+            res = run_one(name.split("@")[0], n, python)
             if "error" in res:
                 errors[name] = res["error"]
                 print(f"  {name}: {res['error']}", file=sys.stderr)
                 continue
             results[name].append(res)
             print(
-                f"  round {r + 1} {name:13} n={n:>9,} new {fmt_rate(res['new_per_s']):>10}"
-                f"  hot {fmt_rate(res['hot_per_s']):>10}  {res['bytes_per_key']:7.1f} B/key",
+                f"  round {r + 1} {name:18} n={n:>9,} new {fmt_rate(res['new_per_s']):>10}"
+                f" ({fmt_rate(res['new_per_cpu_s'])} CPU)"
+                f"  hot {fmt_rate(res['hot_per_s']):>10} ({fmt_rate(res['hot_per_cpu_s'])} CPU)"
+                f"  {res['bytes_per_key']:7.1f} B/key",
                 file=sys.stderr,
             )
+
+    load_after = os.getloadavg()
+    load = (
+        f"load average (1/5/15 min) {' / '.join(f'{x:.1f}' for x in load_before)} before, "
+        f"{' / '.join(f'{x:.1f}' for x in load_after)} after"
+    )
 
     def med(name: str, field: str) -> float:
         return statistics.median(x[field] for x in results[name])
 
     ref = "rq-str" if results.get("rq-str") else None
     lines = [
-        "| candidate | keys | new-key decisions/s | hot-key decisions/s | bytes/key (RSS) "
-        "| new-key vs ratequeue str |",
-        "| --- | ---: | ---: | ---: | ---: | ---: |",
+        "| candidate | keys | new-key decisions/s | hot-key decisions/s "
+        "| per CPU second: new / hot | bytes/key (RSS) | new-key vs ratequeue str |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for name in names:
-        w = WORKERS[name]
-        label = f"{w.label} ({w.dist} {version(w.dist)})"
+        label = label_of(name)
         if name in errors:
-            lines.append(f"| {label} | | {errors[name]} | | | |")
+            lines.append(f"| {label} | | {errors[name]} | | | | |")
             continue
         n = results[name][0]["n"]
         new, hot, b = med(name, "new_per_s"), med(name, "hot_per_s"), med(name, "bytes_per_key")
+        cpu = f"{fmt_rate(med(name, 'new_per_cpu_s'))} / {fmt_rate(med(name, 'hot_per_cpu_s'))}"
         ratio = f"{new / med(ref, 'new_per_s'):.3f}x" if ref else ""
         flag = "" if all(x["all_admitted"] for x in results[name]) else " (NOT all admitted!)"
         lines.append(
-            f"| {label}{flag} | {n:,} | {fmt_rate(new)} | {fmt_rate(hot)} | {b:.1f} | {ratio} |"
+            f"| {label}{flag} | {n:,} | {fmt_rate(new)} | {fmt_rate(hot)} | {cpu} | {b:.1f} "
+            f"| {ratio} |"
         )
     table = "\n".join(lines)
 
@@ -383,12 +428,20 @@ def main(argv: list[str] | None = None) -> int:
         print()
         print("\n".join(checks))
 
-    configs = "\n".join(f"- **{WORKERS[n].label}** ({n}): {WORKERS[n].config}" for n in names)
+    configs = "\n".join(
+        f"- **{worker(n).label}** ({n}): {worker(n).config}" for n in names if "@" not in n
+    )
+    if args.baseline:
+        configs += (
+            f"\n- `[{args.baseline_label}]` rows: the same candidate run by `{args.baseline}` "
+            f"(another ratequeue build), `[{args.label}]` rows by `{sys.executable}`, in the "
+            "same interleaved rounds"
+        )
     doc = f"""# Keyed limits: decisions/s and bytes per key
 
 Generated by `benches/bench_keyed.py` on {dt.date.today().isoformat()}
 ({args.rounds} rounds, median; {time.monotonic() - started:.0f} s in all).
-Machine: {machine()}.
+Machine: {machine()}; {load}.
 
 {table}
 
@@ -399,7 +452,9 @@ Targets (issue 6):
 What is measured (see the script's docstring): each candidate runs alone in a fresh
 subprocess; *new-key* is the first decision on each of the N distinct keys (the map
 grows), *hot-key* is N more decisions over 1,000 keys already held; *bytes/key* is the
-resident-set growth over the new-key phase divided by N (the keys were built before).
+resident-set growth over the new-key phase divided by N (the keys were built before);
+*per CPU second* counts the worker thread's CPU time instead of the wall time (on a loaded
+machine, the wall time also counts waiting for a core).
 Every limit is far above what one thread reaches, so every decision admits. Per-call
 rows: a `for` loop over `f"user:{{i}}"` keys calling a bound method; numpy rows: one
 `try_acquire_many` per 65,536 uint64 keys.

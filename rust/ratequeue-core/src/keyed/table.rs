@@ -60,21 +60,47 @@ pub(super) struct Table {
 
 impl Table {
     pub(super) fn find(&self, key: u64) -> Option<usize> {
+        self.probe(key).ok()
+    }
+
+    /// The slot of `key` (Ok), or the empty slot that ends its probe (Err: where
+    /// [`Table::insert_at`] puts it while the table does not change; `usize::MAX` when
+    /// the table has no slots yet).
+    #[inline]
+    pub(super) fn probe(&self, key: u64) -> Result<usize, usize> {
         if self.slots.is_empty() {
-            return None;
+            return Err(usize::MAX);
         }
         let mask = self.slots.len() - 1;
         let mut i = (key as usize) & mask;
         loop {
             let s = self.slots[i];
             if !s.used() {
-                return None;
+                return Err(i);
             }
             if s.key == key {
-                return Some(i);
+                return Ok(i);
             }
             i = (i + 1) & mask;
         }
+    }
+
+    /// True when one more key fits without growing (what [`Table::insert_at`] needs:
+    /// the load stays at most 3/4, and a slot is free).
+    #[inline]
+    pub(super) fn fits_one_more(&self) -> bool {
+        self.len < self.slots.len() * 3 / 4
+    }
+
+    /// Puts new `key` in `vacant`, the empty slot its [`Table::probe`] ended at, the
+    /// table unchanged since: what [`Table::insert_new`] does, without probing again.
+    #[inline]
+    pub(super) fn insert_at(&mut self, vacant: usize, key: u64, tat: u64) {
+        debug_assert!(tat <= crate::bucket::TAT_LIMIT);
+        debug_assert!(!self.slots[vacant].used() && self.probe(key) == Err(vacant));
+        self.slots[vacant] = Slot { key, tat };
+        self.len += 1;
+        self.next_full = self.next_full.min(tat);
     }
 
     pub(super) fn insert_new(&mut self, key: u64, tat: u64) {
@@ -208,6 +234,43 @@ mod tests {
             assert_eq!(t.find(15), None);
             assert_eq!(t.slots.iter().filter(|s| s.used()).count(), t.len);
         }
+    }
+
+    #[test]
+    fn insert_at_the_probe_end_matches_insert_new() {
+        // Colliding homes, a cluster that wraps past the end, hash 0, a hole left by a
+        // removal: each key put where its probe ended, as insert_new would put it.
+        let keys = [7u64, 15, 23, 0, 8, 3, 11, 31, 6, 5, 14, 22];
+        let mut by_probe = Table::default();
+        by_probe.grow(16);
+        let mut by_insert = Table::default();
+        by_insert.grow(16);
+        for (n, k) in keys.iter().enumerate() {
+            assert!(by_probe.fits_one_more());
+            let vacant = by_probe.probe(*k).unwrap_err();
+            by_probe.insert_at(vacant, *k, 10 + n as u64);
+            by_insert.insert_new(*k, 10 + n as u64);
+            if n == 5 {
+                by_probe.remove_at(by_probe.find(15).unwrap());
+                by_insert.remove_at(by_insert.find(15).unwrap());
+            }
+        }
+        let used = |t: &Table| {
+            t.slots
+                .iter()
+                .map(|s| s.used().then_some((s.key, s.tat)))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(used(&by_probe), used(&by_insert));
+        assert_eq!((by_probe.len, by_probe.next_full), (by_insert.len, by_insert.next_full));
+        // 12 keys in 16 slots are 3/4: one more fits after 11, none after 12.
+        assert_eq!(by_probe.len, 11);
+        assert!(by_probe.fits_one_more());
+        by_probe.insert_at(by_probe.probe(30).unwrap_err(), 30, 1);
+        assert!(!by_probe.fits_one_more());
+        assert_eq!(by_probe.probe(7), Ok(by_probe.find(7).unwrap()));
+        assert_eq!(Table::default().probe(7), Err(usize::MAX));
+        assert!(!Table::default().fits_one_more());
     }
 
     #[test]

@@ -55,6 +55,43 @@ mod keys {
     }
 
     #[test]
+    fn batches_decide_as_single_calls_while_tables_grow_and_fill() {
+        // Tables grow 4x at a time and new keys go where their probe ended: the batch and
+        // the single-call path agree on every decision through growth, up to the cap and
+        // past it (evictions), and no table passes its cap or a load of 3/4.
+        let (batch, bclock) = keyed(1000.0, 2, 5000);
+        let (mut single, sclock) = keyed(1000.0, 2, 5000);
+        // The same seed: the same shards, so the same keys evicted.
+        single.hasher = batch.hasher.clone();
+        let mut x = 99u64;
+        for round in 0..12u64 {
+            let keys: Vec<u64> = (0..1500)
+                .map(|_| {
+                    x = x.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                    (x >> 40) % (1000 + round * 700)
+                })
+                .collect();
+            let costs: Vec<u64> = keys.iter().map(|k| 1 + k % 2).collect();
+            let hashed: Vec<u64> = keys.iter().map(|k| batch.hasher().int(*k)).collect();
+            let mut out = vec![false; keys.len()];
+            batch.try_acquire_many(&hashed, Some(&costs), &mut out).unwrap();
+            for (i, k) in keys.iter().enumerate() {
+                let one = single.try_acquire(single.hasher().int(*k), costs[i]).is_ok();
+                assert_eq!(out[i], one, "round {round} key {i}");
+            }
+            assert_eq!(batch.len(), single.len(), "round {round}");
+            assert!(batch.len() <= batch.max_keys());
+            for s in batch.shards.iter() {
+                let t = lock(&s.0);
+                assert!(t.slots.len() <= batch.cap && t.len <= t.slots.len() * 3 / 4);
+            }
+            bclock.advance(1_000_000).unwrap();
+            sclock.advance(1_000_000).unwrap();
+        }
+        assert!(batch.counts().evicted_full + batch.counts().evicted_live > 0);
+    }
+
+    #[test]
     fn remove_keeps_probe_chains() {
         let mut t = Table::default();
         t.grow(16);
