@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -156,7 +157,7 @@ def test_sse_fast_path_agrees_with_the_event_loop(parts: list[bytes], cuts: list
     data = b"".join(parts)
     bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
     fast, slow = SSEUsage(max_event=64), _SlowSSE(max_event=64)
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         fast.feed(data[a:b])
         slow.feed(data[a:b])
         state = ("_buf", "_skip", "_input", "_output", "final", "events")

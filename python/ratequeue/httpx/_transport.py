@@ -14,10 +14,9 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
-from .._ratequeue import Histogram, Limiter, Policy
+from .._ratequeue import Histogram, Limiter, Policy, _read_response
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
-from .._ratequeue import _read_response
 from ..pool import Pool
 from . import _budget
 from ._body import set_body
@@ -493,7 +492,7 @@ class RateLimitedTransport:
                 wrap(response, call, self, is_async, sse)
             elif wanted:
                 if usage is False:  # the native reader deferred (or did not run)
-                    usage = _json_usage(content)
+                    usage = _json_usage(content)  # type: ignore[arg-type]
                 elif usage is not None:
                     usage = _new(Usage, usage)
                 self._settle(call, usage, status, reported=True)

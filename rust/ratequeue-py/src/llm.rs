@@ -69,9 +69,12 @@ pub fn _read_request<'py>(
     .into_any())
 }
 
+/// A header's lower-case name and value.
+type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
 /// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
 /// value)`, None when an entry is not such a triple of bytes.
-fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)>>> {
+fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
     let mut out = Vec::with_capacity(headers.len());
     for item in headers.iter() {
         let Ok(t) = item.cast::<PyTuple>() else {
@@ -92,7 +95,7 @@ fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<(Bound<'py, P
 }
 
 /// The content type (b"" without one) and whether a quota may be exhausted.
-fn scan<'py>(py: Python<'py>, pairs: &[(Bound<'py, PyBytes>, Bound<'py, PyBytes>)]) -> (Bound<'py, PyAny>, bool) {
+fn scan<'py>(py: Python<'py>, pairs: &[Pair<'py>]) -> (Bound<'py, PyAny>, bool) {
     let scan = scan_headers(pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
     let ctype = match scan.content_type {
         Some(i) => pairs[i].1.clone(),
