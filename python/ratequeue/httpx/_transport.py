@@ -37,7 +37,15 @@ from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
 from ._stream import wrap
 from ._usage import Usage
-from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
+from ._wire import (
+    _TRIPLES,
+    for_sdk,
+    header_list,
+    hint_retry,
+    new_id,
+    scan_response,
+    split_base,
+)
 
 if TYPE_CHECKING:
     from ..ledger._protocol import LedgerLike as Ledger
@@ -228,7 +236,8 @@ class RateLimitedTransport:
         """The call's record: its own headers read (and removed), the body capped and
         estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
-        hl = header_list(headers)
+        # header_list inline: httpx's own list of triples, or one built for other types.
+        hl = headers._list if type(headers) in _TRIPLES else header_list(headers)
         own = _call_headers(hl) if type(hl) is list else None  # one native pass
         if own is None:
             own = _read_request(hl)
@@ -462,7 +471,8 @@ class RateLimitedTransport:
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         self.http_histogram.record(http_seconds)
-        hl = header_list(response.headers)
+        hl = response.headers
+        hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
         consumed = response.is_stream_consumed
         # The body is here already (what MockTransport and ASGI tests return): its usage
         # is read in the same native call as the headers when the settle needs it.
