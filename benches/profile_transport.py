@@ -10,6 +10,15 @@ and imports are not counted and the machine's load changes nothing. Printed: the
 instructions per call of each step, minus the loop's own cost (the first row)::
 
     .venv/bin/python benches/profile_transport.py [--calls 1000] [--out FILE]
+
+``--time``: CPU time instead (``time.thread_time``), in two tables. Steps: the rows
+above, each in a tight loop (what a step costs when its code and data are hot). Stages:
+whole calls through an ``httpx2.Client`` whose transport does a growing part of a call
+(prepare; + acquire; + the grant's bookkeeping and settle; the whole call), interleaved
+rounds, each minus the bare MockTransport: what the parts cost inside a real call, where
+a step costs several times its tight-loop time (caches and branch history are cold).
+For a sampled profile of the whole call, run ``py-spy record --native`` over
+``bench_transport.py`` (Python 3.11 has no ``-X perf`` trampoline; 3.12 added it).
 """
 
 from __future__ import annotations
@@ -38,7 +47,7 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
     sys.path.insert(0, str(HERE))
     import bench_transport as bt
     import httpx2
-    from ratequeue._ratequeue import _read_request
+    from ratequeue._ratequeue import _read_call_headers, _read_request, _read_response
     from ratequeue.httpx import RateLimitedTransport
     from ratequeue.httpx._record import json_object, json_usage, json_usage_py
     from ratequeue.httpx._wire import _KNOWN, header_list, new_id, scan_response
@@ -80,10 +89,18 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         ("      of which the native call", lambda: _read_request(data, 4, 1024)),
         ("    reference: request JSON parse (json_object)", lambda: json_object(data)),
         ("    reference: estimate (chars/4)", lambda: t.estimator(body, "/v1/chat/completions")),
+        (
+            "    request's own headers (native)",
+            lambda: _read_call_headers(header_list(req.headers)),
+        ),
         ("    request.url.path", lambda: req.url.path),
         ("    new_id", new_id),
         ("  Limiter.acquire", lambda: t.limit.acquire(**kw)),
         ("  Limiter.acquire + Permit.settle", lambda: t.limit.acquire(**kw).settle(tokens=100)),
+        (
+            "  response headers + usage (native, one call)",
+            lambda: _read_response(header_list(resp.headers), resp.content),
+        ),
         ("  response usage read (json_usage, native)", lambda: json_usage(resp.content)),
         ("  reference: response usage read (json_usage_py)", lambda: json_usage_py(resp.content)),
         ("  response header scan (native)", lambda: scan_response(header_list(resp.headers))),
@@ -94,6 +111,96 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
         ("  Histogram.record", lambda: t.wait_histogram.record(0.001)),
         ("  perf_counter", time.perf_counter),
     ]
+
+
+def stages() -> dict[str, Callable[[], Any]]:
+    """Transports that do a growing part of a call, each as one call through a client."""
+    sys.path.insert(0, str(HERE))
+    import bench_transport as bt
+    import httpx2
+    from ratequeue.httpx import RateLimitedTransport
+
+    class Prepare(RateLimitedTransport):
+        def handle_request(self, request: Any) -> Any:
+            self._prepare(request, False)
+            return self.inner.handle_request(request)
+
+    class Acquire(RateLimitedTransport):
+        def handle_request(self, request: Any) -> Any:
+            call = self._prepare(request, False)
+            call._permit = self.limit.acquire(**call._kw)
+            return self.inner.handle_request(request)
+
+    class Settle(RateLimitedTransport):  # the whole call but the response read
+        def handle_request(self, request: Any) -> Any:
+            call = self._prepare(request, False)
+            t0 = time.perf_counter()
+            call._permit = self.limit.acquire(**call._kw)
+            call.waited = time.perf_counter() - t0
+            self.wait_histogram.record(call.waited)
+            response = self.inner.handle_request(request)
+            self.http_histogram.record(time.perf_counter() - t0)
+            self._settle(call, None, 200, reported=True)
+            return response
+
+    rows: dict[str, Callable[[], Any]] = {}
+    for name, cls in (
+        ("floor: MockTransport", None),
+        ("_prepare (own headers, body read, estimate, costs, record)", Prepare),
+        ("+ Limiter.acquire", Acquire),
+        ("+ timings, histograms, settle without a usage", Settle),
+        ("the whole call (+ response headers, usage, settle)", RateLimitedTransport),
+    ):
+        inner = httpx2.MockTransport(bt.answer)
+        t = inner if cls is None else cls(inner, bt.roomy())
+        client = httpx2.Client(transport=t)
+        rows[name] = lambda c=client: bt.sync_row(c, "http://x/v1/chat/completions", bt.BODY, 300)
+    return rows
+
+
+def timed(n: int, rounds: int) -> list[str]:
+    """The steps in tight loops, then the stages in interleaved rounds (CPU µs)."""
+    import random
+    import statistics
+
+    st = steps()
+    res: dict[str, list[float]] = {name: [] for name, _ in st}
+    for _ in range(rounds):
+        for name, f in st:
+            for _ in range(100):
+                f()
+            gc.collect()
+            c0 = time.thread_time()
+            for _ in range(n):
+                f()
+            res[name].append((time.thread_time() - c0) / n * 1e6)
+    loop = statistics.median(res[st[1][0]])
+    lines = [
+        f"`benches/profile_transport.py --time --calls {n}`, load {os.getloadavg()[0]:.2f}",
+        "",
+        "| step (one call, tight loop) | CPU µs |",
+        "|---|---:|",
+    ]
+    lines += [f"| {name} | {statistics.median(res[name]) - loop:.2f} |" for name, _ in st[2:]]
+    rows = stages()
+    for f in rows.values():
+        f()
+    samples: dict[str, list[float]] = {k: [] for k in rows}
+    order = list(rows)
+    for _ in range(rounds):
+        random.shuffle(order)
+        for k in order:
+            samples[k].append(rows[k]()[1])
+    floor = statistics.median(samples["floor: MockTransport"])
+    lines += [
+        "",
+        "| stage (whole calls through httpx2.Client, interleaved) | CPU µs/call | added |",
+        "|---|---:|---:|",
+    ]
+    for k in rows:
+        v = statistics.median(samples[k])
+        lines.append(f"| {k} | {v:.1f} | {v - floor:+.1f} |")
+    return lines
 
 
 def child(lib_path: str, n: int) -> None:
@@ -113,7 +220,15 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=1000)
     ap.add_argument("--out", type=Path)
     ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--time", action="store_true", help="CPU time, not instructions")
+    ap.add_argument("--rounds", type=int, default=9, help="with --time")
     args = ap.parse_args()
+    if args.time:
+        lines = timed(args.calls, args.rounds)
+        print("\n".join(lines))
+        if args.out:
+            args.out.write_text("\n".join(lines) + "\n")
+        return
     if args.child:
         child(args.child, args.calls)
         return

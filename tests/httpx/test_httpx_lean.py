@@ -104,6 +104,12 @@ def test_request_headers_when_their_table_is_full(
     c = mod.Client(transport=RateLimitedTransport(mod.MockTransport(answer), lim))
     for i in range(transport_mod._READ_MAX):
         c.post("http://p" + CHAT, json=BODY, headers={f"x-junk-{i}": "1"})
+        # The Python reader (for header lists that are not httpx's triples) fills its
+        # table; the native reader that httpx's lists take keeps none.
+        transport_mod._read_request([(b"X", f"x-junk-{i}".encode(), b"1")])
+    assert len(transport_mod._READ) == transport_mod._READ_MAX
+    hl = [(b"X-New", b"x-new", b"1"), (b"Idempotency-Key", b"idempotency-key", b"k-0")]
+    assert transport_mod._read_request(hl) == (None, None, None, "k-0", None)
     assert len(transport_mod._READ) == transport_mod._READ_MAX
     r = c.post(
         "http://p" + CHAT,

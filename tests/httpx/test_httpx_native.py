@@ -14,7 +14,13 @@ import pytest
 import ratequeue as rq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ratequeue._ratequeue import _read_request, _read_usage
+from ratequeue._ratequeue import (
+    _read_call_headers,
+    _read_request,
+    _read_response,
+    _read_usage,
+    _scan_response,
+)
 from ratequeue.httpx import RateLimitedTransport, TokenEstimator
 from ratequeue.httpx._record import json_object, json_usage, json_usage_py
 from ratequeue.httpx._wire import scan_response
@@ -357,6 +363,64 @@ def test_header_scan_of_other_shapes_is_the_reference() -> None:
     assert scan_response([]) == (b"", False)
 
 
+REQUEST_NAMES = st.one_of(
+    st.sampled_from(
+        [
+            b"x-ratequeue-priority",
+            b"x-ratequeue-task",
+            b"x-ratequeue-account",
+            b"idempotency-key",
+            b"content-length",
+            b"X-RateQueue-Task",
+            b"content-type",
+            b"host",
+            b"",
+        ]
+    ),
+    st.binary(max_size=6),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(REQUEST_NAMES, st.binary(max_size=8)), max_size=10))
+def test_request_headers_agree_with_the_reference(pairs: list[tuple[bytes, bytes]]) -> None:
+    from ratequeue.httpx import _transport
+
+    headers = [(k, k, v) for k, v in pairs]
+    got = _read_call_headers(headers)
+    assert got == _transport._read_request(headers)  # the Python reader
+    length = [v for k, v in pairs if k == b"content-length"]
+    assert got is not None and got[4] is (length[-1] if length else None)  # its own bytes
+
+
+def test_request_headers_of_other_shapes_defer() -> None:
+    odd: Any = [(b"idempotency-key", "idempotency-key", b"k")]
+    assert _read_call_headers(odd) is None
+    assert _read_call_headers([(b"a", b"b")]) is None  # type: ignore[list-item]
+    assert _read_call_headers([]) == (None, None, None, None, None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(HEADER_NAMES, HEADER_VALUES), max_size=6),
+    st.one_of(st.none(), response_bodies(), mutated(response_bodies())),
+)
+def test_response_read_is_the_scan_and_the_usage(
+    pairs: list[tuple[bytes, bytes]], body: bytes | None
+) -> None:
+    headers = [(k, k, v) for k, v in pairs]
+    scan = _scan_response(headers)
+    assert scan is not None
+    usage = None if body is None else _read_usage(body)
+    assert _read_response(headers, body) == (*scan, usage)
+    assert _read_response(headers) == (*scan, None)
+
+
+def test_response_read_of_other_shapes_defers() -> None:
+    odd: Any = [(b"content-type", "content-type", b"x")]
+    assert _read_response(odd, b"{}") is None
+
+
 # -- through the transport ----------------------------------------------------------------
 
 
@@ -372,6 +436,9 @@ def test_transport_estimate_and_settle_are_the_same_either_way(
 
     if not native:
         monkeypatch.setattr(_transport.RateLimitedTransport, "_read_body", lambda *a: False)
+        monkeypatch.setattr(_transport, "_body_facts", lambda *a: False)
+        monkeypatch.setattr(_transport, "_read_response", lambda *a: None)
+        monkeypatch.setattr(_transport, "_call_headers", lambda hl: None)
         monkeypatch.setattr(_record, "_read_usage", lambda b: False)
     lim = rq.Limiter(rq.Rate(1000, per="minute"), rq.Rate(10**6, per="minute", unit="tokens"))
     t = RateLimitedTransport(httpx2.MockTransport(_answer), lim, estimator=TokenEstimator(None))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -104,3 +105,60 @@ def test_any_bytes_are_read_in_bounded_memory(data: bytes, size: int) -> None:
     for i in range(0, len(data), size):
         r.feed(data[i : i + size])
         assert len(r._buf) <= 100 + size
+
+
+class _SlowSSE(SSEUsage):
+    """The event loop before its fast path: every event cut out and searched."""
+
+    __slots__ = ()
+
+    def feed(self, chunk: bytes) -> None:
+        data = self._buf + chunk if self._buf else chunk
+        start = 0
+        while True:
+            end = data.find(b"\n\n", start)
+            sep = 2
+            alt = data.find(b"\r\n\r\n", start)
+            if alt != -1 and (end == -1 or alt < end):
+                end, sep = alt, 4
+            if end == -1:
+                break
+            if self._skip:
+                self._skip = False
+            else:
+                self._event(data[start:end])
+            start = end + sep
+        rest = data[start:]
+        if len(rest) > self.max_event:
+            self._skip = True
+            rest = rest[-3:]
+        self._buf = rest
+
+
+_SSE_PARTS = st.sampled_from(
+    [
+        b'data: {"choices":[{"delta":{"content":"x"}}],"usage":null}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":8,"completion_tokens":2}}\n\n',
+        b'data: {"usage"\n\n:{"prompt_tokens":1}}\n\n',
+        b'event: message_delta\ndata: {"type":"message_delta","usage":{"output_tokens":5}}\n\n',
+        b'data: {"type":"message_start","message":{"usage":{"input_tokens":3}}}\r\n\r\n',
+        b"data: [DONE]\n\n",
+        b"\n",
+        b"\r\n",
+        b'"usage": {',
+        b"x" * 40,
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_SSE_PARTS, max_size=12), st.lists(st.integers(0, 400), max_size=6))
+def test_sse_fast_path_agrees_with_the_event_loop(parts: list[bytes], cuts: list[int]) -> None:
+    data = b"".join(parts)
+    bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
+    fast, slow = SSEUsage(max_event=64), _SlowSSE(max_event=64)
+    for a, b in itertools.pairwise(bounds):
+        fast.feed(data[a:b])
+        slow.feed(data[a:b])
+        state = ("_buf", "_skip", "_input", "_output", "final", "events")
+        assert [getattr(fast, f) for f in state] == [getattr(slow, f) for f in state]

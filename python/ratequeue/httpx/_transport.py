@@ -14,7 +14,8 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
-from .._ratequeue import Histogram, Limiter, Policy
+from .._ratequeue import Histogram, Limiter, Policy, _read_response
+from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
@@ -36,7 +37,15 @@ from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
 from ._stream import wrap
 from ._usage import Usage
-from ._wire import for_sdk, header_list, hint_retry, new_id, scan_response, split_base
+from ._wire import (
+    _TRIPLES,
+    for_sdk,
+    header_list,
+    hint_retry,
+    new_id,
+    scan_response,
+    split_base,
+)
 
 if TYPE_CHECKING:
     from ..ledger._protocol import LedgerLike as Ledger
@@ -227,26 +236,12 @@ class RateLimitedTransport:
         """The call's record: its own headers read (and removed), the body capped and
         estimated when anything needs it, its costs planned, the budget charged."""
         headers = request.headers
-        priority = task = account = request_id = length = None
-        hl = header_list(headers)
-        read = _READ
-        try:
-            for _, lk, v in hl:
-                i = read[lk]  # a name not seen yet raises: read below
-                if i == 5:
-                    continue
-                if i == 4:
-                    length = v
-                elif i == 3:
-                    request_id = v.decode("latin-1")
-                elif i == 0:
-                    priority = v.decode("latin-1")
-                elif i == 1:
-                    task = v.decode("latin-1")
-                else:
-                    account = v.decode("latin-1")
-        except KeyError:
-            priority, task, account, request_id, length = _read_request(hl)
+        # header_list inline: httpx's own list of triples, or one built for other types.
+        hl = headers._list if type(headers) in _TRIPLES else header_list(headers)
+        own = _call_headers(hl) if type(hl) is list else None  # one native pass
+        if own is None:
+            own = _read_request(hl)
+        priority, task, account, request_id, length = own
         if priority is not None or task is not None or account is not None:
             for h in _OWN_HEADERS:
                 if h in headers:
@@ -277,7 +272,28 @@ class RateLimitedTransport:
             or budget is not None
             or (data and self.stream_usage and b'"stream"' in data)
         ):
-            facts = self._read_body(data, path) if data else False
+            facts: Any = False
+            if data:
+                # _read_body inline (this runs on every call): the native reader when the
+                # estimate is the character count and nothing rewrites the body.
+                e = self.estimator
+                if type(e) is not TokenEstimator and e is chars_estimate:
+                    e = _CHARS
+                if (
+                    type(e) is TokenEstimator
+                    and e._encoding is None
+                    and e._started
+                    and not self.caps
+                    and type(data) is bytes
+                ):
+                    facts = _body_facts(data, e.chars_per_token, e.default_output_tokens)
+                    if (
+                        facts
+                        and facts[1]
+                        and self.stream_usage
+                        and path.endswith("/chat/completions")
+                    ):
+                        facts = False  # a stream to ask for its usage: the body is rewritten
             if facts is False:  # the reference: a full parse, the estimator over it
                 body = json_object(data) if data else None
                 if body is not None:
@@ -286,12 +302,22 @@ class RateLimitedTransport:
                     m = body.get("model")
                     model = m if type(m) is str else None
                 est = self.estimator(body, path)
+                i, o = est
             elif facts is None:  # not a JSON object
                 est = self.estimator(None, path)
+                i, o = est
             else:
-                model = facts[0]
-                est = _new(Estimate, facts[2:])
-            costs, clamped = self._costs(est)
+                model, _, i, o = facts
+                est = _new(Estimate, (i, o))
+            # _costs inline: per unit, the estimate's cost clamped to the unit's burst.
+            vals = (1, i + o, i, o)
+            costs = {}
+            for u, j, b in self._plan:
+                c = 1 if j < 0 else vals[j]
+                if b is not None and c > b:
+                    c = b
+                    clamped += (u,)
+                costs[u] = c
         else:
             costs = self._unit_costs
         # What acquire takes: the costs, and the priority, keys and bound on the wait.
@@ -445,7 +471,24 @@ class RateLimitedTransport:
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         self.http_histogram.record(http_seconds)
-        ctype, exhausted = scan_response(header_list(response.headers))
+        hl = response.headers
+        hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
+        consumed = response.is_stream_consumed
+        # The body is here already (what MockTransport and ASGI tests return): its usage
+        # is read in the same native call as the headers when the settle needs it.
+        content = response.content if consumed else None
+        wanted = (
+            status < 300
+            and content
+            and len(content) <= self.max_body
+            and (self._token_plan or call._sub is not None or call._held)
+        )
+        found = _read_response(hl, content if wanted else None) if type(hl) is list else None
+        if found is None:
+            ctype, exhausted = scan_response(hl)
+            usage: Any = False
+        else:
+            ctype, exhausted, usage = found
         if status == 429 or exhausted or self.calibrate:
             self._limits(call, response, status)
         elif self._is_pool and call._provider is not None:
@@ -455,17 +498,19 @@ class RateLimitedTransport:
         response.extensions["ratequeue"] = call
         if not call._done:
             sse = ctype.startswith(b"text/event-stream")
-            if sse or not response.is_stream_consumed:
+            if sse or not consumed:
                 wrap(response, call, self, is_async, sse)
-            else:  # the body is here already (what MockTransport and ASGI tests return)
-                content = response.content
-                if not content or len(content) > self.max_body:
-                    self._settle(call, None, status, reported=True)
-                elif self._token_plan or call._sub or call._held:
-                    self._settle(call, _json_usage(content), status, reported=True)
-                else:  # only the record wants the usage: read when asked for
-                    self._settle(call, None, status, reported=True)
-                    call._usage_body = content
+            elif wanted:
+                if usage is False:  # the native reader deferred (or did not run)
+                    usage = _json_usage(content)  # type: ignore[arg-type]
+                elif usage is not None:
+                    usage = _new(Usage, usage)
+                self._settle(call, usage, status, reported=True)
+            elif not content or len(content) > self.max_body:
+                self._settle(call, None, status, reported=True)
+            else:  # only the record wants the usage: read when asked for
+                self._settle(call, None, status, reported=True)
+                call._usage_body = content
         return response
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:

@@ -115,19 +115,40 @@ class SSEUsage:
         """Read one chunk; at most ``max_event`` bytes of one event are kept."""
         data = self._buf + chunk if self._buf else chunk
         start = 0
-        while True:
-            end = data.find(b"\n\n", start)
-            sep = 2
-            alt = data.find(b"\r\n\r\n", start)
-            if alt != -1 and (end == -1 or alt < end):
-                end, sep = alt, 4
-            if end == -1:
-                break
-            if self._skip:
-                self._skip = False
-            else:
-                self._event(data[start:end])
-            start = end + sep
+        if b"\r" not in data:
+            # Events end at "\n\n" only. The usage pattern is searched ahead once, not
+            # in every event: an event before the next match cannot hold one (a match
+            # inside an event is also one in the whole chunk).
+            find = data.find
+            search = _USAGE_OBJECT.search
+            ahead = search(data)
+            while True:
+                end = find(b"\n\n", start)
+                if end == -1:
+                    break
+                if self._skip:
+                    self._skip = False
+                else:
+                    self.events += 1
+                    if ahead is not None and ahead.start() < end:
+                        if search(data, start, end) is not None:
+                            self._parse(data[start:end])
+                        ahead = search(data, end)
+                start = end + 2
+        else:
+            while True:
+                end = data.find(b"\n\n", start)
+                sep = 2
+                alt = data.find(b"\r\n\r\n", start)
+                if alt != -1 and (end == -1 or alt < end):
+                    end, sep = alt, 4
+                if end == -1:
+                    break
+                if self._skip:
+                    self._skip = False
+                else:
+                    self._event(data[start:end])
+                start = end + sep
         rest = data[start:]
         if len(rest) > self.max_event:
             # An event longer than the bound: drop it up to its end.
@@ -138,8 +159,11 @@ class SSEUsage:
 
     def _event(self, raw: bytes) -> None:
         self.events += 1
-        if _USAGE_OBJECT.search(raw) is None:
-            return
+        if _USAGE_OBJECT.search(raw) is not None:
+            self._parse(raw)
+
+    def _parse(self, raw: bytes) -> None:
+        """An event that mentions a usage object: its JSON read."""
         payload = b"\n".join(
             line[5:].lstrip(b" ") for line in raw.splitlines() if line.startswith(b"data:")
         )

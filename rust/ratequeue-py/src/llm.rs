@@ -4,8 +4,8 @@
 //! Python (other threads run meanwhile); smaller ones cost less than a detach.
 
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyList, PyTuple};
-use ratequeue_core::llm::headers::scan_headers;
+use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bodies this long or longer are read with the interpreter released.
@@ -69,34 +69,111 @@ pub fn _read_request<'py>(
     .into_any())
 }
 
-/// `(content_type, exhausted)` of httpx's header triples `(name, lower-case name,
+/// A header's lower-case name and value.
+type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+
+/// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
 /// value)`, None when an entry is not such a triple of bytes.
-#[pyfunction]
-pub fn _scan_response<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
-    let mut pairs: Vec<(Bound<'py, PyBytes>, Bound<'py, PyBytes>)> = Vec::with_capacity(headers.len());
+fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
+    let mut out = Vec::with_capacity(headers.len());
     for item in headers.iter() {
         let Ok(t) = item.cast::<PyTuple>() else {
-            return Ok(py.None().into_bound(py));
+            return Ok(None);
         };
         if t.len() != 3 {
-            return Ok(py.None().into_bound(py));
+            return Ok(None);
         }
         let (Ok(lk), Ok(v)) = (
             t.get_item(1)?.cast_into::<PyBytes>(),
             t.get_item(2)?.cast_into::<PyBytes>(),
         ) else {
-            return Ok(py.None().into_bound(py));
+            return Ok(None);
         };
-        pairs.push((lk, v));
+        out.push((lk, v));
     }
+    Ok(Some(out))
+}
+
+/// The content type (b"" without one) and whether a quota may be exhausted.
+fn scan<'py>(py: Python<'py>, pairs: &[Pair<'py>]) -> (Bound<'py, PyAny>, bool) {
     let scan = scan_headers(pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
     let ctype = match scan.content_type {
         Some(i) => pairs[i].1.clone(),
         None => PyBytes::new(py, b""),
     };
+    (ctype.into_any(), scan.exhausted)
+}
+
+/// `(content_type, exhausted)` of httpx's header triples `(name, lower-case name,
+/// value)`, None when an entry is not such a triple of bytes.
+#[pyfunction]
+pub fn _scan_response<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
+    let Some(pairs) = pairs(headers)? else {
+        return Ok(py.None().into_bound(py));
+    };
+    let (ctype, exhausted) = scan(py, &pairs);
+    Ok(PyTuple::new(py, [ctype, PyBool::new(py, exhausted).to_owned().into_any()])?.into_any())
+}
+
+/// `_scan_response` and, when `body` is given, `_read_usage` of it in one call:
+/// `(content_type, exhausted, usage)` (usage None without a body); None when an entry
+/// of `headers` is not a triple of bytes.
+#[pyfunction]
+#[pyo3(signature = (headers, body=None))]
+pub fn _read_response<'py>(
+    py: Python<'py>,
+    headers: &Bound<'py, PyList>,
+    body: Option<&Bound<'py, PyBytes>>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let Some(pairs) = pairs(headers)? else {
+        return Ok(py.None().into_bound(py));
+    };
+    let (ctype, exhausted) = scan(py, &pairs);
+    let usage = match body {
+        None => py.None().into_bound(py),
+        Some(b) => _read_usage(py, b)?,
+    };
+    Ok(PyTuple::new(py, [ctype, PyBool::new(py, exhausted).to_owned().into_any(), usage])?.into_any())
+}
+
+/// A header value as Python's `bytes.decode("latin-1")` gives it.
+fn latin1<'py>(py: Python<'py>, v: &[u8]) -> Bound<'py, PyString> {
+    if v.is_ascii() {
+        // ASCII is UTF-8 as it is.
+        PyString::new(py, std::str::from_utf8(v).unwrap_or_default())
+    } else {
+        PyString::new(py, &v.iter().map(|&b| char::from(b)).collect::<String>())
+    }
+}
+
+/// The request headers the transport reads, from httpx's header triples: `(priority,
+/// task, account, request_id, content_length)`, the first four as latin-1 text, the last
+/// as bytes, each None when absent (the last of a repeated name wins); None when an
+/// entry is not a triple of bytes.
+#[pyfunction]
+pub fn _read_call_headers<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyAny>> {
+    let Some(pairs) = pairs(headers)? else {
+        return Ok(py.None().into_bound(py));
+    };
+    let found = scan_request(pairs.iter().map(|(k, _)| k.as_bytes()));
+    let none = || py.None().into_bound(py);
+    let text = |h: RequestHeader| match found[h as usize] {
+        Some(i) => latin1(py, pairs[i].1.as_bytes()).into_any(),
+        None => none(),
+    };
+    let length = match found[RequestHeader::ContentLength as usize] {
+        Some(i) => pairs[i].1.clone().into_any(),
+        None => none(),
+    };
     Ok(PyTuple::new(
         py,
-        [ctype.into_any(), PyBool::new(py, scan.exhausted).to_owned().into_any()],
+        [
+            text(RequestHeader::Priority),
+            text(RequestHeader::Task),
+            text(RequestHeader::Account),
+            text(RequestHeader::IdempotencyKey),
+            length,
+        ],
     )?
     .into_any())
 }
@@ -105,5 +182,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_usage, m)?)?;
     m.add_function(wrap_pyfunction!(_read_request, m)?)?;
     m.add_function(wrap_pyfunction!(_scan_response, m)?)?;
+    m.add_function(wrap_pyfunction!(_read_response, m)?)?;
+    m.add_function(wrap_pyfunction!(_read_call_headers, m)?)?;
     Ok(())
 }

@@ -82,6 +82,45 @@ pub fn scan_headers<'a>(headers: impl IntoIterator<Item = (&'a [u8], &'a [u8])>)
     out
 }
 
+/// A request header the transport reads (its own headers are removed before sending).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RequestHeader {
+    /// `x-ratequeue-priority`.
+    Priority = 0,
+    /// `x-ratequeue-task`.
+    Task = 1,
+    /// `x-ratequeue-account`.
+    Account = 2,
+    /// `idempotency-key`: the SDK's request id.
+    IdempotencyKey = 3,
+    /// `content-length`.
+    ContentLength = 4,
+}
+
+/// The request header of this lower-case name, if the transport reads it.
+pub fn request_header(lower: &[u8]) -> Option<RequestHeader> {
+    Some(match lower {
+        b"x-ratequeue-priority" => RequestHeader::Priority,
+        b"x-ratequeue-task" => RequestHeader::Task,
+        b"x-ratequeue-account" => RequestHeader::Account,
+        b"idempotency-key" => RequestHeader::IdempotencyKey,
+        b"content-length" => RequestHeader::ContentLength,
+        _ => return None,
+    })
+}
+
+/// Per [`RequestHeader`] (by its number), which of the lower-case `names` holds it: the
+/// last one, as a reader that assigns each in order keeps.
+pub fn scan_request<'a>(names: impl IntoIterator<Item = &'a [u8]>) -> [Option<usize>; 5] {
+    let mut out = [None; 5];
+    for (i, name) in names.into_iter().enumerate() {
+        if let Some(h) = request_header(name) {
+            out[h as usize] = Some(i);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -131,5 +170,25 @@ mod tests {
                 exhausted: true
             }
         );
+    }
+
+    #[test]
+    fn request_headers() {
+        let names: [&[u8]; 7] = [
+            b"host",
+            b"content-length",
+            b"x-ratequeue-task",
+            b"idempotency-key",
+            b"x-ratequeue-task",
+            b"X-Ratequeue-Priority", // not lower case: not read
+            b"x-ratequeue-account",
+        ];
+        assert_eq!(
+            scan_request(names.iter().copied()),
+            [None, Some(4), Some(6), Some(3), Some(1)]
+        );
+        assert_eq!(scan_request(std::iter::empty()), [None; 5]);
+        assert_eq!(request_header(b"x-ratequeue-priority"), Some(RequestHeader::Priority));
+        assert_eq!(request_header(b"content-type"), None);
     }
 }
