@@ -72,6 +72,10 @@ def test_all_or_nothing_under_thread_contention():
     # the user level, then are refused on the tenant level
     assert tenant.try_acquire("acme", 4_000)
     assert tenant.try_acquire("hooli", 9_000)
+    # user 0 is spent before the run, so the user level refuses (and the levels behind
+    # it are never touched) whatever the schedule: the hot user 1 may run out only
+    # after every policy worker has finished
+    assert user.try_acquire(0, 300)
     lock = threading.Lock()
     admitted = []
     by_batch = Counter()
@@ -85,7 +89,8 @@ def test_all_or_nothing_under_thread_contention():
         held = None
         barrier.wait()
         for _ in range(attempts):
-            u = 1 if rng.random() < 0.3 else rng.choice(users[1:])
+            r = rng.random()
+            u = 0 if r < 0.05 else 1 if r < 0.35 else rng.choice(users[1:])
             t = rng.choices(tenants, weights=(6, 2, 1, 1))[0]
             tokens = rng.randrange(1, 90)
             p = policy.try_acquire(user=u, tenant=t, slots=t, tokens=tokens)
