@@ -194,8 +194,10 @@ impl WaitQueue {
         let result = self.decide_announced(&mut g, |g| {
             self.enqueue_locked(g, now, costs, class, (max_wait, bound), wake)
         });
-        let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
-            self.next_wake_locked(&g)
+        // A poll that granted or expired someone may have made a new head, which a
+        // driver wake-up pending for the old one no longer covers when it timed itself.
+        let next = if !out.is_empty() || result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
+            self.wakes_locked(&g).1
         } else {
             None
         };
@@ -274,7 +276,18 @@ impl WaitQueue {
             });
         }
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
-        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake());
+        let wake = wake();
+        if let Wake::Thread(s) = &wake {
+            if s.self_timed {
+                // Its turn behind the backlog of its class (exact for one class; with
+                // several an early estimate, corrected once it is the head).
+                let ahead = saturated(&g.classes[class].queued);
+                if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), &ahead, costs) {
+                    s.set_timer(t);
+                }
+            }
+        }
+        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake);
         Ok(Submitted::Queued(ticket))
     }
 
