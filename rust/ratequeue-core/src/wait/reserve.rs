@@ -74,8 +74,8 @@ impl WaitQueue {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = self.decide_announced(&mut g, |g| decide(g, now));
-        // A poll that granted someone may have made a new head (see `submit_locked`).
-        let next = (!out.is_empty() || queued(&result))
+        // A poll that granted a self-timed thread may have made a new head (see `submit_locked`).
+        let next = (submit::self_timed_among(&out) || queued(&result))
             .then(|| self.wakes_locked(&g).1)
             .flatten();
         let gone = deliver(out);

@@ -60,6 +60,12 @@ impl SubmitTail {
     }
 }
 
+/// True when `out` delivers to a self-timed thread (whose grant the driver was not asked for).
+pub(super) fn self_timed_among(out: &Deliveries) -> bool {
+    out.iter()
+        .any(|(w, ..)| matches!(w, Wake::Thread(s) if s.is_self_timed()))
+}
+
 impl WaitQueue {
     /// The fast path: grants now if nobody waits and the resource admits. No allocation,
     /// and no wait for a lock. `Err(None)`: must queue (or a lock was busy: `submit`
@@ -194,9 +200,9 @@ impl WaitQueue {
         let result = self.decide_announced(&mut g, |g| {
             self.enqueue_locked(g, now, costs, class, (max_wait, bound), wake)
         });
-        // A poll that granted or expired someone may have made a new head, which a
-        // driver wake-up pending for the old one no longer covers when it timed itself.
-        let next = if !out.is_empty() || result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
+        // A poll that granted or expired a self-timed thread may have made a new head,
+        // and no driver wake-up was pending for the old one.
+        let next = if self_timed_among(&out) || result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
             self.wakes_locked(&g).1
         } else {
             None
