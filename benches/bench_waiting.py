@@ -725,6 +725,8 @@ class ThreadRow:
     errors: dict[str, int] = field(default_factory=dict)
     lateness: list[float] = field(default_factory=list)
     runs: list[float] = field(default_factory=list)
+    build: str = ""
+    round_p99: list[float] = field(default_factory=list)
 
 
 # make() -> (acquire, after): acquire() blocks until granted (True) or refused (False);
@@ -804,38 +806,102 @@ def run_threads(
     return row
 
 
+RQ_THREADS_CONFIG = "lim.acquire(), Rate(10_000, per='second', burst=10)"
+
+
+def make_rq_threads() -> tuple[Callable[[], bool], Callable[[dict[str, Any]], None]]:
+    """The ratequeue threads case: each grant's lateness recorded, per thread."""
+    clock = rq.MonotonicClock()
+    lim = rq.Limiter(rq.Rate(THREAD_RATE, per="second", burst=BURST))
+    lateness: list[list[float]] = [[] for _ in range(THREADS)]
+    local = threading.local()
+    ids = itertools.count()
+
+    def acquire() -> bool:
+        try:
+            mine = local.mine
+        except AttributeError:
+            mine = local.mine = lateness[next(ids)]
+        arrival = clock.now()
+        permit = lim.acquire()
+        woke = clock.now()
+        if permit.waited > 0:
+            mine.append(woke - (arrival + permit.waited))
+        return True
+
+    def after(run: dict[str, Any]) -> None:
+        run["lateness"] = sorted(x for xs in lateness for x in xs)
+        st = lim.stats()
+        run["note"] = f"{st['immediate']:,} immediate, {st['queued_grants']:,} queued grants"
+
+    return acquire, after
+
+
+def _threads_child(cap: float) -> None:
+    """Child mode of --also for the threads section: one ratequeue run, as a JSON line."""
+    import json
+
+    acquire, after = make_rq_threads()
+    run = _threads_once(acquire, cap, THREAD_GRANTS)
+    after(run)
+    print(json.dumps(run), flush=True)
+
+
+def _threads_other(python: str, cap: float) -> dict[str, Any]:
+    import json
+
+    out = subprocess.run(
+        [python, str(Path(__file__).resolve()), "--threads-child", "--thread-cap", str(cap)],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd="/",
+    ).stdout
+    return next(json.loads(line) for line in out.splitlines() if line.startswith("{"))
+
+
+def threads_builds(cap: float, rounds: int, also: list[tuple[str, str]]) -> list[ThreadRow]:
+    """The ratequeue threads row for this build and each ``--also`` build, each run in a
+    fresh child process, the builds interleaved round by round; lateness pooled over the
+    rounds, elapsed and CPU from the median run."""
+    builds = [(sys.executable, "this branch"), *also]
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for _, label in builds}
+    for k in range(rounds):
+        for python, label in builds:
+            try:
+                runs[label].append(_threads_other(python, cap))
+            except (OSError, subprocess.CalledProcessError, StopIteration) as e:
+                print(f"  {label}: {e}", flush=True)
+        print(f"  threads round {k + 1}/{rounds} done", flush=True)
+    rows = []
+    for _, label in builds:
+        row = ThreadRow("ratequeue", RQ_THREADS_CONFIG, build=label)
+        got = sorted(runs[label], key=lambda r: r["elapsed"])
+        if not got:
+            row.error = "no run completed"
+            rows.append(row)
+            continue
+        for key, v in got[len(got) // 2].items():
+            setattr(row, key, v)
+        row.runs = [r["elapsed"] for r in got]
+        row.lateness = sorted(x for r in got for x in r["lateness"])
+        row.round_p99 = sorted(pct(r["lateness"], 0.99) for r in got if r["lateness"])
+        rows.append(row)
+        print(
+            f"  {label}: elapsed {row.elapsed:.3f} s, lateness p50 "
+            f"{fmt_us(pct(row.lateness, 0.5))} p99 {fmt_us(pct(row.lateness, 0.99))} µs",
+            flush=True,
+        )
+    return rows
+
+
 def threads_contended(cap: float, repeat: int) -> list[ThreadRow]:
     rows: list[ThreadRow] = []
-    clock = rq.MonotonicClock()
-
-    def make_rq() -> tuple[Callable[[], bool], Callable[[dict[str, Any]], None]]:
-        lim = rq.Limiter(rq.Rate(THREAD_RATE, per="second", burst=BURST))
-        lateness: list[list[float]] = [[] for _ in range(THREADS)]
-        local = threading.local()
-        ids = itertools.count()
-
-        def acquire() -> bool:
-            try:
-                mine = local.mine
-            except AttributeError:
-                mine = local.mine = lateness[next(ids)]
-            arrival = clock.now()
-            permit = lim.acquire()
-            woke = clock.now()
-            if permit.waited > 0:
-                mine.append(woke - (arrival + permit.waited))
-            return True
-
-        def after(run: dict[str, Any]) -> None:
-            run["lateness"] = sorted(x for xs in lateness for x in xs)
-            st = lim.stats()
-            run["note"] = f"{st['immediate']:,} immediate, {st['queued_grants']:,} queued grants"
-
-        return acquire, after
+    make_rq = make_rq_threads
 
     rows.append(
         run_threads(
-            ThreadRow("ratequeue", "lim.acquire(), Rate(10_000, per='second', burst=10)"),
+            ThreadRow("ratequeue", RQ_THREADS_CONFIG),
             make_rq,
             cap,
             repeat,
@@ -909,8 +975,9 @@ def table_threads(rows: list[ThreadRow], cap: float) -> list[str]:
         "|---|---|--:|--:|--:|--:|--:|--:|---|",
     ]
     for r in rows:
+        name = f"{r.name} ({r.build})" if r.build else r.name
         if r.error:
-            out.append(f"| {r.name} | {r.config} |" + " - |" * 6 + f" {r.error} |")
+            out.append(f"| {name} | {r.config} |" + " - |" * 6 + f" {r.error} |")
             continue
         note = join_notes(r.note, runs_note(r.runs))
         if r.errors:
@@ -927,7 +994,7 @@ def table_threads(rows: list[ThreadRow], cap: float) -> list[str]:
         achieved = max(0, r.grants - BURST) / r.elapsed / THREAD_RATE * 100 if r.elapsed else 0
         per = r.cpu / r.grants if r.grants else float("nan")
         out.append(
-            f"| {r.name} | `{r.config}` | {r.grants:,} | {r.failed:,} | {r.elapsed:.3f} | {vs} "
+            f"| {name} | `{r.config}` | {r.grants:,} | {r.failed:,} | {r.elapsed:.3f} | {vs} "
             f"| {achieved:.1f} | {fmt_us(per)} | {note} |"
         )
     return out
@@ -1194,16 +1261,27 @@ def main() -> None:
         action="append",
         default=[],
         metavar="PYTHON=LABEL",
-        help="gather section: the floor and ratequeue rows under another interpreter too",
+        help="gather and threads sections: the ratequeue rows (and the gather floors) under "
+        "another interpreter too, in interleaved rounds",
     )
     ap.add_argument(
         "--quick", action="store_true", help="20,000 tasks, one run per row, short rounds"
     )
+    ap.add_argument(
+        "--thread-rounds",
+        type=int,
+        default=5,
+        help="with --also: interleaved rounds of the ratequeue threads row per build",
+    )
     ap.add_argument("--gather-child", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--threads-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     if args.gather_child:
         _gather_child(args.tasks, args.cap)
+        return
+    if args.threads_child:
+        _threads_child(args.thread_cap)
         return
     if args.quick:
         args.tasks, args.repeat, args.calls, args.rounds = 20_000, 1, 50_000, 3
@@ -1301,6 +1379,7 @@ def main() -> None:
         print("2. threads contended", flush=True)
         load = OtherLoad()
         trows = threads_contended(args.thread_cap, args.repeat)
+        brows = threads_builds(args.thread_cap, args.thread_rounds, also) if also else []  # type: ignore[arg-type]
         note = load.note()
         rq_thr = trows[0]
         thr_dev = rq_thr.elapsed / 2.0 - 1
@@ -1324,6 +1403,35 @@ def main() -> None:
             *table_threads(trows, args.thread_cap),
             "",
         ]
+        if brows:
+            builds = "; ".join(
+                f"{label}: `{py}` ({_other_build(py)})"
+                for py, label in [(sys.executable, "this branch"), *also]
+            )
+            body += [
+                "### ratequeue, build beside build",
+                "",
+                f"{args.thread_rounds} interleaved rounds, each run in a fresh child process "
+                "(this branch's too); elapsed and CPU from the median run, lateness "
+                "(`woke - (arrival + permit.waited)`, queued grants) pooled over the rounds. "
+                f"Builds: {builds}.",
+                "",
+                *table_threads(brows, args.thread_cap),
+                "",
+                *table_lateness(
+                    [
+                        LateRow(
+                            f"threads ({r.build}): {args.thread_rounds} rounds pooled",
+                            r.lateness,
+                            "p99 per round: "
+                            + ", ".join(fmt_us(x) for x in r.round_p99)
+                            + f"; elapsed {', '.join(f'{e:.3f}' for e in r.runs)} s",
+                        )
+                        for r in brows
+                    ]
+                ),
+                "",
+            ]
     if "lateness" in sections:
         print("3. wake lateness", flush=True)
         load = OtherLoad()

@@ -352,19 +352,26 @@ def test_child_forked_from_another_thread_starts_with_every_permit_free():
 
 DRIVER_SCRIPT = textwrap.dedent(
     """
-    import threading, time
+    import asyncio, threading, time
     import ratequeue as rq
     from ratequeue import _ratequeue as core
 
     lim = rq.Limiter(rq.Rate(10, per="second", burst=1))
 
-    def waits_in_thread(**kw):
+    def waits_in_thread(in_loop=False, **kw):
         # The thread empties the bucket itself just before it acquires, so its acquire
-        # queues for the driver however late the thread starts (a loaded machine).
+        # queues however late the thread starts (a loaded machine). A blocked thread
+        # times its own grant; a deadline, or an event loop's wait, needs the driver.
         out = []
+        async def in_a_loop():
+            async with lim.acquire_async(**kw) as permit:
+                out.append("granted" if permit.waited > 0 else "not queued")
         def run():
             try:
                 lim.try_acquire()
+                if in_loop:
+                    asyncio.run(in_a_loop())
+                    return
                 with lim.acquire(**kw) as permit:
                     out.append("granted" if permit.waited > 0 else "not queued")
             except Exception as e:
@@ -375,22 +382,26 @@ DRIVER_SCRIPT = textwrap.dedent(
         assert not t.is_alive(), "hung"
         return out[0]
 
-    # A driver that cannot start: the waiter is refused at once with a clear error,
-    # never left to hang; the next wait starts the driver.
+    # A driver that cannot start: a blocked thread needs none; a wait that needs one is
+    # refused at once with a clear error, never left to hang; the next wait starts it.
     core._driver_fault_for_test("fail_spawn", 1)
-    e = waits_in_thread()
-    assert isinstance(e, rq.Overloaded) and "driver" in str(e), repr(e)
-    assert lim.waiting == 0
     assert waits_in_thread() == "granted"
+    for kw in ({"timeout": 5}, {"in_loop": True}):
+        core._driver_fault_for_test("fail_spawn", 1)
+        e = waits_in_thread(**kw)
+        assert isinstance(e, rq.Overloaded) and "driver" in str(e), repr(e)
+        assert lim.waiting == 0
+    assert waits_in_thread(in_loop=True) == "granted"
 
     # A panic in a wake: the driver survives it and serves the waiter anyway.
     core._driver_fault_for_test("panic_wake", 1)
-    assert waits_in_thread() == "granted"
+    assert waits_in_thread(in_loop=True) == "granted"
 
     # The driver thread dies: a new one serves what was scheduled.
     core._driver_fault_for_test("exit", 1)
-    assert waits_in_thread() == "granted"
-    assert waits_in_thread() == "granted"
+    assert waits_in_thread(in_loop=True) == "granted"
+    assert waits_in_thread(in_loop=True) == "granted"
+    assert waits_in_thread(timeout=5) == "granted"
     print("ok")
     """
 )

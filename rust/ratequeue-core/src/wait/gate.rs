@@ -108,7 +108,12 @@ impl Gate {
         if let Some(p) = self.try_now_in(host, costs, class).map_err(Stopped::Failed)? {
             return Ok(p);
         }
-        let slot = Slot::new();
+        // On the real-time clock the thread wakes itself at its grant time (one wake-up).
+        let slot = if self.queue.self_timing() {
+            Slot::self_timed()
+        } else {
+            Slot::new()
+        };
         let submitted = host.detached(|| {
             self.queue
                 .submit(costs, class, timeout_ns, || Wake::Thread(slot.clone()))
@@ -119,7 +124,7 @@ impl Gate {
         };
         let slice = host.slice();
         loop {
-            if let Some(o) = host.detached(|| slot.wait(slice)) {
+            if let Some(o) = host.detached(|| self.queue.wait_slot(ticket, &slot, slice)) {
                 return self.outcome(host, costs, o);
             }
             if let Err(i) = host.check() {

@@ -15,15 +15,27 @@ impl WaitQueue {
 
     /// Grants and expires what is due at `now` with the lock held, delivers the outcomes
     /// in grant order, releases the lock, asks the driver for the next due time and gives
-    /// back the grants of waiters that are gone. Returns that due time and whether any
-    /// grant was given back.
-    pub(super) fn poll_and_unlock(self: &Arc<Self>, mut g: MutexGuard<'_, Inner>, now: u64) -> (Option<u64>, bool) {
+    /// back the grants of waiters that are gone. Returns the next due time and whether
+    /// any grant was given back.
+    pub(super) fn poll_and_unlock(self: &Arc<Self>, g: MutexGuard<'_, Inner>, now: u64) -> (Option<u64>, bool) {
+        self.poll_and_unlock_then(g, now, |_| {})
+    }
+
+    /// [`WaitQueue::poll_and_unlock`], running `then` under the lock after the poll,
+    /// before the head is timed and the driver's next wake-up chosen.
+    pub(super) fn poll_and_unlock_then(
+        self: &Arc<Self>,
+        mut g: MutexGuard<'_, Inner>,
+        now: u64,
+        then: impl FnOnce(&Inner),
+    ) -> (Option<u64>, bool) {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        let next = self.next_wake_locked(&g);
+        then(&g);
+        let (next, driver) = self.wakes_locked(&g);
         let gone = deliver(out);
         drop(g);
-        if let Some(t) = next {
+        if let Some(t) = driver {
             let _ = self.schedule(t);
         }
         let any_gone = !gone.is_empty();
@@ -101,19 +113,43 @@ impl WaitQueue {
     }
 
     pub(super) fn next_wake_locked(&self, g: &Inner) -> Option<u64> {
+        self.wakes_locked(g).0
+    }
+
+    /// When something will next be due (a grant or a deadline), and when the driver must
+    /// look: at that time, unless it is the grant of a self-timed thread at the head,
+    /// whose timer is set here to its grant time (it wakes and polls by itself, see
+    /// [`WaitQueue::wait_slot`]; deadlines stay the driver's).
+    pub(super) fn wakes_locked(&self, g: &Inner) -> (Option<u64>, Option<u64>) {
         let head = self.head_time(g);
         let grant = head.and_then(|(_, _, at)| at);
         let deadline = g.deadlines.first().map(|(d, _)| *d);
-        // A blocked thread granted next is woken precisely (see Driver::schedule).
-        let thread_next = head.is_some_and(|(ci, t, at)| {
-            at.is_some_and(|a| deadline.is_none_or(|d| a <= d))
-                && matches!(g.classes[ci].waiters[&t].wake, Wake::Thread(_))
-        });
+        let mut timed = false;
+        let mut thread_next = false;
+        if let Some((ci, t, Some(at))) = head {
+            if let Wake::Thread(s) = &g.classes[ci].waiters[&t].wake {
+                if s.self_timed {
+                    if s.timer.load(Ordering::Acquire) != at {
+                        s.set_timer(at);
+                    }
+                    timed = s.present.load(Ordering::Acquire);
+                }
+                if !timed {
+                    // A blocked thread granted next is woken precisely (see Driver::schedule).
+                    thread_next = deadline.is_none_or(|d| at <= d);
+                }
+            }
+        }
         self.thread_next.store(thread_next, Ordering::Relaxed);
-        match (grant, deadline) {
+        let next = match (grant, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
-        }
+        };
+        let driver = match (grant.filter(|_| !timed), deadline) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        };
+        (next, driver)
     }
 
     pub(super) fn poll_locked(&self, g: &mut Inner, now: u64, out: &mut Deliveries) {

@@ -26,6 +26,9 @@ mod state;
 mod submit;
 #[cfg(test)]
 mod tests;
+mod timed;
+#[cfg(test)]
+mod timed_tests;
 mod wakers;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};

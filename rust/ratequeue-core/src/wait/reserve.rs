@@ -74,7 +74,10 @@ impl WaitQueue {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
         let result = self.decide_announced(&mut g, |g| decide(g, now));
-        let next = queued(&result).then(|| self.next_wake_locked(&g)).flatten();
+        // A poll that granted a self-timed thread may have made a new head (see `submit_locked`).
+        let next = (submit::self_timed_among(&out) || queued(&result))
+            .then(|| self.wakes_locked(&g).1)
+            .flatten();
         let gone = deliver(out);
         drop(g);
         if let Some(t) = next {

@@ -60,6 +60,12 @@ impl SubmitTail {
     }
 }
 
+/// True when `out` delivers to a self-timed thread (whose grant the driver was not asked for).
+pub(super) fn self_timed_among(out: &Deliveries) -> bool {
+    out.iter()
+        .any(|(w, ..)| matches!(w, Wake::Thread(s) if s.is_self_timed()))
+}
+
 impl WaitQueue {
     /// The fast path: grants now if nobody waits and the resource admits. No allocation,
     /// and no wait for a lock. `Err(None)`: must queue (or a lock was busy: `submit`
@@ -194,8 +200,10 @@ impl WaitQueue {
         let result = self.decide_announced(&mut g, |g| {
             self.enqueue_locked(g, now, costs, class, (max_wait, bound), wake)
         });
-        let next = if result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
-            self.next_wake_locked(&g)
+        // A poll that granted or expired a self-timed thread may have made a new head,
+        // and no driver wake-up was pending for the old one.
+        let next = if self_timed_among(&out) || result.as_ref().is_ok_and(|s| matches!(s, Submitted::Queued(_))) {
+            self.wakes_locked(&g).1
         } else {
             None
         };
@@ -274,7 +282,18 @@ impl WaitQueue {
             });
         }
         let deadline = max_wait.map(|mw| now.saturating_add(mw));
-        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake());
+        let wake = wake();
+        if let Wake::Thread(s) = &wake {
+            if s.self_timed {
+                // Its turn behind the backlog of its class (exact for one class; with
+                // several an early estimate, corrected once it is the head).
+                let ahead = saturated(&g.classes[class].queued);
+                if let Some(t) = self.resource.predict(now.max(g.last_grant_ns), &ahead, costs) {
+                    s.set_timer(t);
+                }
+            }
+        }
+        let ticket = self.insert_locked(g, now, costs, class, deadline, None, wake);
         Ok(Submitted::Queued(ticket))
     }
 

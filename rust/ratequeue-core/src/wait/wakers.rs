@@ -3,16 +3,66 @@
 use super::*;
 
 /// A one-shot mailbox for a blocked thread.
-#[derive(Default)]
 pub struct Slot {
     pub(super) state: Mutex<Option<Outcome>>,
-    cv: Condvar,
+    pub(super) cv: Condvar,
+    /// Its thread wakes itself at its grant time (see [`WaitQueue::wait_slot`]).
+    pub(super) self_timed: bool,
+    /// A self-timed slot's timer: when its thread next wakes to poll the queue (`NONE`:
+    /// not before it is told). Changed only under `state`'s lock.
+    pub(super) timer: AtomicU64,
+    /// A self-timed slot's thread is in [`WaitQueue::wait_slot`] (or about to enter it):
+    /// its timer, not the driver, times its grant.
+    pub(super) present: AtomicBool,
 }
 
+impl Default for Slot {
+    fn default() -> Slot {
+        Slot {
+            state: Mutex::new(None),
+            cv: Condvar::new(),
+            self_timed: false,
+            timer: AtomicU64::new(NONE),
+            present: AtomicBool::new(false),
+        }
+    }
+}
+
+/// No timer set.
+pub(super) const NONE: u64 = u64::MAX;
+
 impl Slot {
-    /// A new empty slot.
+    /// A new empty slot, filled by whichever thread polls the queue (its driver's).
     pub fn new() -> Arc<Slot> {
         Arc::new(Slot::default())
+    }
+
+    /// A new empty slot whose thread waits in [`WaitQueue::wait_slot`]: it sleeps until its
+    /// grant time and polls the queue itself, so the driver is never asked to wake for it.
+    pub fn self_timed() -> Arc<Slot> {
+        Arc::new(Slot {
+            self_timed: true,
+            present: AtomicBool::new(true),
+            ..Slot::default()
+        })
+    }
+
+    /// True for a slot made by [`Slot::self_timed`].
+    pub fn is_self_timed(&self) -> bool {
+        self.self_timed
+    }
+
+    /// When the slot's thread next wakes by itself to poll the queue, if it does.
+    pub fn timer(&self) -> Option<u64> {
+        Some(self.timer.load(Ordering::Acquire)).filter(|t| *t != NONE)
+    }
+
+    /// Sets the timer to `t`, waking the thread to sleep again when it moves earlier.
+    pub(super) fn set_timer(&self, t: u64) {
+        let _g = lock(&self.state);
+        if self.timer.swap(t, Ordering::AcqRel) > t {
+            self.cv.notify_one();
+        }
     }
 
     fn put(&self, o: Outcome) {
