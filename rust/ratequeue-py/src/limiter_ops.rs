@@ -100,6 +100,14 @@ impl LimiterPy {
         decided.map(|()| true)
     }
 
+    /// `try_acquire()` with no argument on one unit (its default cost): the decision, or
+    /// None for a limiter over several units (the general path names what is missing).
+    #[inline]
+    pub(crate) fn decide_default(&self) -> Option<Result<bool, Deny>> {
+        let c = self.one_cost(None)?;
+        Some(self.decide_now(&[c]))
+    }
+
     /// With one unit, the cost of a call without keywords whose only argument is absent
     /// or a plain int below 2**64 - 1; else None (the one validation path decides,
     /// including the saturating 2**64 - 1).
