@@ -46,39 +46,34 @@ fn main() {
     let n: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1_000_000);
     // The clock's calibration happens on its first read, before any timed loop.
     let _ = monotonic_ns();
-    let ok;
-    match kind {
+    let ok = match kind {
         "governor" => {
             let quota = Quota::with_period(Duration::from_nanos(1))
                 .unwrap()
                 .allow_burst(NonZeroU32::new(BURST).unwrap());
             let g = RateLimiter::direct(quota);
-            ok = timed(n, || black_box(g.check()).is_ok() as u64);
+            timed(n, || black_box(g.check()).is_ok() as u64)
         }
         "try_acquire" => {
             let r = limiter(AnyClock::Monotonic);
-            ok = timed(n, || black_box(r.try_acquire(black_box(&[1]))).is_ok() as u64);
+            timed(n, || black_box(r.try_acquire(black_box(&[1]))).is_ok() as u64)
         }
         "try_acquire_manual" => {
             let r = limiter(AnyClock::Manual(Arc::new(ManualClock::new(1 << 40).unwrap())));
-            ok = timed(n, || black_box(r.try_acquire(black_box(&[1]))).is_ok() as u64);
+            timed(n, || black_box(r.try_acquire(black_box(&[1]))).is_ok() as u64)
         }
-        "clock" => {
-            ok = timed(n, || (black_box(monotonic_ns()) != u64::MAX) as u64);
-        }
+        "clock" => timed(n, || (black_box(monotonic_ns()) != u64::MAX) as u64),
         "quanta_raw" => {
             let c = quanta::Clock::new();
-            ok = timed(n, || (black_box(c.raw()) != u64::MAX) as u64);
+            timed(n, || (black_box(c.raw()) != u64::MAX) as u64)
         }
         "quanta_scaled" => {
             let c = quanta::Clock::new();
             let origin = c.raw();
-            ok = timed(n, || (black_box(c.delta_as_nanos(origin, c.raw())) != u64::MAX) as u64);
+            timed(n, || (black_box(c.delta_as_nanos(origin, c.raw())) != u64::MAX) as u64)
         }
-        "nothing" => {
-            ok = timed(n, || black_box(1u64));
-        }
+        "nothing" => timed(n, || black_box(1u64)),
         other => panic!("unknown kind {other}"),
-    }
+    };
     assert_eq!(ok, n, "every decision must be an admission");
 }
