@@ -89,6 +89,17 @@ impl LimiterPy {
             || core.try_acquire_idle_nowait(c, || queue.joined()),
             || core.try_acquire_idle(c, || queue.joined()),
         );
+        if decided.is_ok() {
+            queue.note_try(true);
+            return Ok(true);
+        }
+        self.refused_now(decided)
+    }
+
+    /// The end of [`Self::decide_now`] for a decision that did not admit (out of line).
+    #[inline(never)]
+    fn refused_now(&self, decided: Result<(), Deny>) -> Result<bool, Deny> {
+        let queue = &self.gate.queue;
         if decided == Err(Deny::Wait(0)) {
             unblocked(|| queue.rewake_after_undo());
         }

@@ -351,7 +351,7 @@ impl Bucket {
             let new = (w & TAT_MASK).max(now) + add;
             if new > limit {
                 // Refused: the general path says how long until it conforms.
-                return self.take(at_ns, cost, 0).map(|t| (t.before, t.after));
+                return self.take_words(at_ns, cost);
             }
             let next = gen | new;
             if next == w {
@@ -369,9 +369,16 @@ impl Bucket {
                     backoff(&mut spins);
                 }
                 // A rate change or a rebase moved the generation: the general path.
-                Err(_) => return self.take(at_ns, cost, 0).map(|t| (t.before, t.after)),
+                Err(_) => return self.take_words(at_ns, cost),
             }
         }
+    }
+
+    /// The general decision of [`Bucket::try_take_words`] (a refusal, or a generation
+    /// moved under it), out of line so that the fast path stays small enough to inline.
+    #[inline(never)]
+    fn take_words(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        self.take(at_ns, cost, 0).map(|t| (t.before, t.after))
     }
 
     /// [`Bucket::try_take_words`] for a decision far past the epoch: rebased first (see
