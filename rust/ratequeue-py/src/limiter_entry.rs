@@ -7,6 +7,8 @@ use pyo3::ffi;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBool;
+use pyo3::Borrowed;
+use ratequeue_core::Deny;
 
 use crate::errors::{not_installed, panicked};
 use crate::limiter::LimiterPy;
@@ -29,6 +31,31 @@ unsafe extern "C" fn try_acquire_fast(
     // SAFETY: the interpreter calls a method attached, with `nargs` arguments at `args`
     // followed by one per name in `kwnames`.
     let py = unsafe { Python::assume_attached() };
+    // The common call, `lim.try_acquire()`: decided here with the limiter borrowed (no
+    // reference taken and dropped) and only a small result carried out of the unwind
+    // guard; anything else (an error to raise, several units) takes the general path.
+    if nargs == 0 && (kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0) {
+        // SAFETY: `slf` is the object the method was called on, alive for the call.
+        if let Ok(lim) = unsafe { Borrowed::from_ptr(py, slf) }.cast::<LimiterPy>() {
+            let lim = lim.get();
+            match catch_unwind(AssertUnwindSafe(|| lim.decide_default())) {
+                Ok(Some(Ok(ok))) => return PyBool::new(py, ok).to_owned().into_ptr(),
+                Ok(Some(Err(Deny::Wait(_)))) => return PyBool::new(py, false).to_owned().into_ptr(),
+                // Decided (nothing consumed): the error, raised as the general path does.
+                Ok(Some(Err(d))) => {
+                    let e = catch_unwind(AssertUnwindSafe(|| lim.deny(py, d)))
+                        .unwrap_or_else(|_| panicked("Limiter.try_acquire panicked"));
+                    e.restore(py);
+                    return std::ptr::null_mut();
+                }
+                Ok(None) => {}
+                Err(_) => {
+                    panicked("Limiter.try_acquire panicked").restore(py);
+                    return std::ptr::null_mut();
+                }
+            }
+        }
+    }
     let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
         if nargs <= 1 {
             let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };

@@ -89,6 +89,17 @@ impl LimiterPy {
             || core.try_acquire_idle_nowait(c, || queue.joined()),
             || core.try_acquire_idle(c, || queue.joined()),
         );
+        if decided.is_ok() {
+            queue.note_try(true);
+            return Ok(true);
+        }
+        self.refused_now(decided)
+    }
+
+    /// The end of [`Self::decide_now`] for a decision that did not admit (out of line).
+    #[inline(never)]
+    fn refused_now(&self, decided: Result<(), Deny>) -> Result<bool, Deny> {
+        let queue = &self.gate.queue;
         if decided == Err(Deny::Wait(0)) {
             unblocked(|| queue.rewake_after_undo());
         }
@@ -98,6 +109,14 @@ impl LimiterPy {
             Err(_) => {}
         }
         decided.map(|()| true)
+    }
+
+    /// `try_acquire()` with no argument on one unit (its default cost): the decision, or
+    /// None for a limiter over several units (the general path names what is missing).
+    #[inline]
+    pub(crate) fn decide_default(&self) -> Option<Result<bool, Deny>> {
+        let c = self.one_cost(None)?;
+        Some(self.decide_now(&[c]))
     }
 
     /// With one unit, the cost of a call without keywords whose only argument is absent

@@ -327,25 +327,31 @@ impl Bucket {
     #[inline]
     pub fn try_take_words(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
         // Only scalars live across the loop (a `Params` kept there is copied through the
-        // stack, and reading it back stalls on store forwarding).
-        let (mut w, p) = self.load_at(at_ns);
-        if cost > p.burst {
-            return Err(Deny::TooLarge {
-                cost,
-                burst: p.burst,
-                unit: 0,
-            });
+        // stack, and reading it back stalls on store forwarding). The slot's fields are
+        // read one by one, each where it is first needed, and the time since the epoch
+        // once: it decides the rebase and gives the ticks.
+        let mut w = self.word.load(Ordering::Acquire);
+        let s = &self.slots[(w >> GEN_SHIFT) as usize];
+        let rel = at_ns.saturating_sub(s.epoch.load(Ordering::Relaxed));
+        if rel >= REBASE_NS {
+            return self.try_take_words_rebased(at_ns, cost);
         }
-        // Below 2^60 each (cost <= burst, and tau = burst << m < 2^57).
-        let now = p.ticks(at_ns);
-        let (add, limit) = (cost << p.m, (now + p.tau).min(TAT_MASK));
+        let burst = s.burst.load(Ordering::Relaxed);
+        if cost > burst {
+            return Err(Deny::TooLarge { cost, burst, unit: 0 });
+        }
+        // `Params::ticks` for rel < 2^57 (its clamp at 2^62 cannot bite): below 2^59, and
+        // `now + tau` below 2^60 - 1 (tau = burst << m < 2^57), so no clamp at TAT_MASK.
+        let now = ((rel as u128 * s.q_ticks.load(Ordering::Relaxed) as u128) >> Q_BITS) as u64;
+        let (add, limit) = (cost << s.m.load(Ordering::Relaxed), now + s.tau.load(Ordering::Relaxed));
+        debug_assert!(limit <= TAT_MASK);
         let gen = w & !TAT_MASK;
         let mut spins = 0u32;
         loop {
             let new = (w & TAT_MASK).max(now) + add;
             if new > limit {
                 // Refused: the general path says how long until it conforms.
-                return self.take(at_ns, cost, 0).map(|t| (t.before, t.after));
+                return self.take_words(at_ns, cost);
             }
             let next = gen | new;
             if next == w {
@@ -363,6 +369,51 @@ impl Bucket {
                     backoff(&mut spins);
                 }
                 // A rate change or a rebase moved the generation: the general path.
+                Err(_) => return self.take_words(at_ns, cost),
+            }
+        }
+    }
+
+    /// The general decision of [`Bucket::try_take_words`] (a refusal, or a generation
+    /// moved under it), out of line so that the fast path stays small enough to inline.
+    #[inline(never)]
+    fn take_words(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        self.take(at_ns, cost, 0).map(|t| (t.before, t.after))
+    }
+
+    /// [`Bucket::try_take_words`] for a decision far past the epoch: rebased first (see
+    /// [`Bucket::rebase`]), then the same rule with the clamps a time up to 2^58 ns past
+    /// the epoch needs.
+    #[cold]
+    #[inline(never)]
+    fn try_take_words_rebased(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        let (mut w, p) = self.load_at(at_ns);
+        if cost > p.burst {
+            return Err(Deny::TooLarge {
+                cost,
+                burst: p.burst,
+                unit: 0,
+            });
+        }
+        // Below 2^60 each (cost <= burst, and tau = burst << m < 2^57).
+        let now = p.ticks(at_ns);
+        let (add, limit) = (cost << p.m, (now + p.tau).min(TAT_MASK));
+        let gen = w & !TAT_MASK;
+        loop {
+            let new = (w & TAT_MASK).max(now) + add;
+            if new > limit {
+                return self.take(at_ns, cost, 0).map(|t| (t.before, t.after));
+            }
+            let next = gen | new;
+            if next == w {
+                return Ok((w, w));
+            }
+            match self
+                .word
+                .compare_exchange_weak(w, next, Ordering::SeqCst, Ordering::Acquire)
+            {
+                Ok(_) => return Ok((w, next)),
+                Err(seen) if seen & !TAT_MASK == gen => w = seen,
                 Err(_) => return self.take(at_ns, cost, 0).map(|t| (t.before, t.after)),
             }
         }

@@ -106,6 +106,7 @@ impl Limiter {
     }
 
     /// The distinct unit names, in order of first appearance.
+    #[inline]
     pub fn units(&self) -> &[String] {
         &self.units
     }
@@ -166,10 +167,17 @@ impl Limiter {
     /// Admits `costs` at `now` (see [`Limiter::try_acquire`]).
     #[inline]
     pub fn try_acquire_at(&self, now: u64, costs: &[u64]) -> Result<(), Deny> {
-        if self.buckets.len() == 1 {
-            let c = costs[self.bucket_unit[0]];
-            return self.buckets[0].try_take(now, c).map_err(|d| self.with_unit(0, d));
+        match &*self.buckets {
+            // One rate counts the one unit (index 0), which a denial already names.
+            [b] => b.try_take(now, costs[0]),
+            _ => self.try_acquire_all(now, costs),
         }
+    }
+
+    /// [`Limiter::try_acquire_at`] on several rates (out of line: the one-rate decision
+    /// stays small enough to inline).
+    #[inline(never)]
+    fn try_acquire_all(&self, now: u64, costs: &[u64]) -> Result<(), Deny> {
         self.take_all(now, costs, 0, false).map(|_| ())
     }
 
@@ -229,17 +237,23 @@ impl Limiter {
     pub fn try_acquire_idle_nowait(&self, costs: &[u64], joined: impl Fn() -> bool) -> Option<Result<(), Deny>> {
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
-            return Some(self.try_take_one_idle(now, costs, &joined).map(|_| ()));
+            return Some(self.try_take_one_idle(now, costs, joined).map(|_| ()));
         }
+        self.try_all_idle_nowait(now, costs, &joined)
+    }
+
+    /// [`Limiter::try_acquire_idle_nowait`] on several rates (out of line).
+    #[inline(never)]
+    fn try_all_idle_nowait(&self, now: u64, costs: &[u64], joined: &dyn Fn() -> bool) -> Option<Result<(), Deny>> {
         let _serial = self.try_lock_multi()?;
-        Some(self.take_all_idle(now, costs, &joined).map(|_| ()))
+        Some(self.take_all_idle(now, costs, joined).map(|_| ()))
     }
 
     /// [`Limiter::try_acquire_idle_nowait`], waiting for the multi-rate lock if busy.
     pub fn try_acquire_idle(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<(), Deny> {
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
-            return self.try_take_one_idle(now, costs, &joined).map(|_| ());
+            return self.try_take_one_idle(now, costs, joined).map(|_| ());
         }
         let _serial = self.lock_multi();
         self.take_all_idle(now, costs, &joined).map(|_| ())
@@ -247,9 +261,10 @@ impl Limiter {
 
     /// One rate: the fast take, undone when `joined()` after it; Ok(the word it left).
     #[inline]
-    fn try_take_one_idle(&self, now: u64, costs: &[u64], joined: &dyn Fn() -> bool) -> Result<u64, Deny> {
-        let (b, c) = (&self.buckets[0], costs[self.bucket_unit[0]]);
-        let (before, after) = b.try_take_words(now, c).map_err(|d| self.with_unit(0, d))?;
+    fn try_take_one_idle(&self, now: u64, costs: &[u64], joined: impl Fn() -> bool) -> Result<u64, Deny> {
+        // One rate counts the one unit (index 0), which a denial already names.
+        let (b, c) = (&self.buckets[0], costs[0]);
+        let (before, after) = b.try_take_words(now, c)?;
         if joined() {
             self.untake_raced(b, before, after, now, c);
             return Err(Deny::Wait(0));
