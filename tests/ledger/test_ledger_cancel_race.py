@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -24,19 +23,9 @@ from cancel_race import cancel_when_written
 from ledger_backends import T0
 from ledger_blocking import PAUSE_MS, given_back
 from ratequeue.ledger import Plan, RedisLedger
-from redis_server import RedisServer, require_binary
+from redis_server import RedisServer
 
 TIMEOUT = 2 * PAUSE_MS / 1000  # the socket timeout outlasts the pause
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    s = RedisServer(require_binary())
-    s.start()
-    try:
-        yield s
-    finally:
-        s.cleanup()
 
 
 def ledger(server: RedisServer, *, async_client: Any = None) -> Any:

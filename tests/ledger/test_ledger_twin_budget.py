@@ -9,14 +9,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Iterator
 
-import pytest
 import ratequeue as rq
 import redis
 from ledger_backends import T0
 from ratequeue.ledger import Plan, RedisLedger
-from redis_server import RedisServer, require_binary
+from redis_server import RedisServer
 
 DELAY = 0.2  # one way
 TIMEOUT = 0.7
@@ -74,16 +72,6 @@ class SlowProxy:
             await asyncio.Event().wait()
 
         self.loop.run_until_complete(main())
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    s = RedisServer(require_binary())
-    s.start()
-    try:
-        yield s
-    finally:
-        s.cleanup()
 
 
 def test_the_twin_works_where_every_read_fits_the_socket_timeout(server: RedisServer) -> None:

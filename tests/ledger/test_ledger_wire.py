@@ -7,7 +7,6 @@ from __future__ import annotations
 import multiprocessing
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,22 +19,9 @@ from ratequeue.redis._ledger_core import LUA_SHA
 from ratequeue.redis._ledger_wire import _More, _parse
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from redis_server import RedisServer, require_binary
+from redis_server import RedisServer
 
 PLAN = Plan("big", tokens=10**9, calls=10**9, period=Every(3_600))
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    """A redis-server of this test's own (restarted, frozen or flushed by it)."""
-    s = RedisServer(require_binary())
-    s.start()
-    try:
-        yield s
-    finally:
-        if s.proc is not None and s.proc.poll() is None:
-            s.resume()
-        s.cleanup()
 
 
 def ledger(server: RedisServer, *, retries: int = 0, timeout: float = 5.0, **kw: Any) -> Any:
