@@ -23,6 +23,7 @@ import hashlib
 import heapq
 import importlib.resources
 import itertools
+import logging
 import os
 import threading
 import time
@@ -69,6 +70,7 @@ _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
 #: Tries of a cancelled asyncio call finished on the blocking client (about 30 s of
 #: pauses in all while Redis is unreachable).
 _FINISH_ATTEMPTS = 20
+_log = logging.getLogger("ratequeue.ledger")
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
 
@@ -362,18 +364,25 @@ class _RedisLedgerCore(LedgerBase):
         if again is not None:
             try:
                 self._drive(again())
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError):
+            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
                 if attempt + 1 < _FINISH_ATTEMPTS:
                     _LATER.call(
                         min(2.0, 0.05 * 2**attempt),
                         lambda: self._finish_cancelled(again, undo, attempt + 1),
                     )
                     return
+                _log.error(
+                    "a cancelled ledger call was not finished: Redis unreachable for %d tries (%s)",
+                    _FINISH_ATTEMPTS,
+                    e,
+                )
             except Exception:
-                pass
+                _log.exception("a cancelled ledger call was not finished")
         if undo is not None:
-            with contextlib.suppress(Exception):
+            try:
                 self._drive(undo)
+            except Exception:
+                _log.exception("a cancelled ledger call's undo failed")
 
     def _exec(self, step: _Step) -> Any:
         if step[0] != "eval":
