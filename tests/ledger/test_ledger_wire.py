@@ -307,6 +307,9 @@ def test_cancelled_calls_finishing_through_an_outage_hold_no_worker_between_trie
     time.sleep(0.3)  # their first tries fail (connection refused) and wait for the next
     assert _executor().submit(lambda: "free").result(timeout=10) == "free"
     server.start()  # empty (no persistence): the default plan makes the account again
-    assert eventually(lambda: led.balance("acme").used["tokens"] == 40 * 2, 60)
+    landed = eventually(lambda: led.balance("acme").used["tokens"] == 40 * 2, 60)
+    # (failed once in CI at load ~15 with other test processes starting redis-servers:
+    # the message and the captured ratequeue.ledger log say how many landed and why not)
+    assert landed, f"{led.balance('acme').used['tokens'] // 2} of 40 charges landed"
     assert all(led.charge(f"x{i}", "acme", input_tokens=2).replay for i in range(40))
     led.close()
