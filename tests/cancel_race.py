@@ -22,6 +22,26 @@ def cancel_when_written(
     Returns how long the task took to end after the cancel; fails unless it ended with
     ``CancelledError``. Only a command written while ``armed()`` counts."""
     state: dict[str, Any] = {}
+    cancel_at_evalsha(monkeypatch, state, armed)
+
+    async def main() -> None:
+        task = asyncio.ensure_future(make_call())
+        state["task"] = task
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    asyncio.run(main())
+    assert "at" in state, "the call never wrote its EVALSHA"
+    return time.monotonic() - state["at"]
+
+
+def cancel_at_evalsha(
+    monkeypatch: pytest.MonkeyPatch,
+    state: dict[str, Any],
+    armed: Callable[[], bool] = lambda: True,
+) -> None:
+    """From now on, the first EVALSHA written while ``armed()`` cancels ``state["task"]``
+    (once; ``state["at"]`` says when)."""
     real = asyncio.StreamWriter.writelines
 
     def writelines(self: asyncio.StreamWriter, data: Any) -> None:
@@ -34,13 +54,3 @@ def cancel_when_written(
             task.cancel()
 
     monkeypatch.setattr(asyncio.StreamWriter, "writelines", writelines)
-
-    async def main() -> None:
-        task = asyncio.ensure_future(make_call())
-        state["task"] = task
-        with pytest.raises(asyncio.CancelledError):
-            await task
-
-    asyncio.run(main())
-    assert "at" in state, "the call never wrote its EVALSHA"
-    return time.monotonic() - state["at"]

@@ -13,6 +13,7 @@ import pytest
 import ratequeue as rq
 import redis
 import redis.asyncio
+from cancel_race import cancel_at_evalsha
 from ledger_backends import T0
 from ledger_blocking import given_back
 from ratequeue.ledger import Plan, RedisLedger
@@ -44,18 +45,7 @@ def test_a_cancelled_hold_behind_a_pause_longer_than_the_read_timeout_is_given_b
     led.set_plan("acme", Plan("pro", tokens=1000, calls=100))
     admin = redis.Redis(host="127.0.0.1", port=server.port)
     state: dict[str, Any] = {}
-    real = asyncio.StreamWriter.writelines
-
-    def writelines(self: asyncio.StreamWriter, data: Any) -> None:
-        chunks = list(data)
-        real(self, chunks)
-        task = state.pop("task", None)
-        if task is not None and any(b"EVALSHA" in bytes(c).upper() for c in chunks):
-            task.cancel()
-        elif task is not None:
-            state["task"] = task
-
-    monkeypatch.setattr(asyncio.StreamWriter, "writelines", writelines)
+    cancel_at_evalsha(monkeypatch, state)
     admin.execute_command("CLIENT", "PAUSE", 8_000, "WRITE")
 
     async def main() -> str:
@@ -98,20 +88,10 @@ def test_a_cancelled_hold_on_a_stalled_server_is_never_left_standing(
     led = RedisLedger(blocking, name="s", clock=rq.ManualClock(T0), async_client=given)
     led.set_plan("acme", Plan("pro", tokens=1000, calls=100))
     state: dict[str, Any] = {}
-    real = asyncio.StreamWriter.writelines
-
-    def writelines(self: asyncio.StreamWriter, data: Any) -> None:
-        chunks = list(data)
-        real(self, chunks)
-        task = state.pop("task", None)
-        if task is not None and any(b"EVALSHA" in bytes(c).upper() for c in chunks):
-            task.cancel()
-        elif task is not None:
-            state["task"] = task
 
     async def main() -> str:
         await led.charge_async("warm", "acme", input_tokens=1)  # connected, script loaded
-        monkeypatch.setattr(asyncio.StreamWriter, "writelines", writelines)
+        cancel_at_evalsha(monkeypatch, state)
         server.pause()
         task = asyncio.ensure_future(led.hold_async("h", "acme", input_tokens=500))
         state["task"] = task
