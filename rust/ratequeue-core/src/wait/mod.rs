@@ -27,6 +27,7 @@ mod submit;
 #[cfg(test)]
 mod tests;
 mod timed;
+use timed::TAKEOVER_NS;
 #[cfg(test)]
 mod timed_tests;
 mod wakers;

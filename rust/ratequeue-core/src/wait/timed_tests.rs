@@ -232,3 +232,77 @@ impl Host for Blocked {
         Ok(())
     }
 }
+
+// review18: a self-timed head whose thread does not run (descheduled, starved of CPU)
+// must not hold up, without bound, waiters behind it that count on its poll: an event
+// loop's or a driver-served thread's grant, or a waiter of another class that woke early
+// and waits untimed. The driver takes over past `TAKEOVER_NS` of lateness.
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_by_the_driver_for_a_plain_waiter_behind_it() {
+    let (q, clock) = setup(vec![]);
+    let timed = Slot::self_timed();
+    let plain = Slot::new();
+    join(&q, 0, &timed);
+    join(&q, 0, &plain);
+    let t = q
+        .take_wake_asked()
+        .expect("the driver must look once the head's thread is late, for the waiter behind it");
+    assert!((100 * MS..=100 * MS + TAKEOVER_NS).contains(&t), "{t}");
+    // The head's thread never ran: the driver grants both, in order, at schedule times.
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&timed), Some(100 * MS));
+    assert_eq!(q.take_wake_asked(), Some(200 * MS));
+    clock.set(200 * MS).unwrap();
+    q.poll(200 * MS);
+    assert_eq!(granted(&plain), Some(200 * MS));
+}
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_for_an_untimed_waiter_of_another_class() {
+    let classes = vec![("a".into(), 1.0), ("b".into(), 1.0), ("c".into(), 1.0)];
+    let (q, clock) = setup(classes);
+    let (a1, b1, c1, a2) = (
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+    );
+    let [ta1, _tb1, _tc1, ta2] = [join(&q, 0, &a1), join(&q, 1, &b1), join(&q, 2, &c1), join(&q, 0, &a2)];
+    let _ = q.take_wake_asked();
+    clock.set(100 * MS).unwrap();
+    q.poll_for(ta1, &a1);
+    clock.set(200 * MS).unwrap();
+    // a2 wakes early (predicted from its class alone) and grants b1 (due); c1 is now the
+    // head and a2 waits untimed for c1's thread to grant c1 and time a2.
+    q.poll_for(ta2, &a2);
+    assert_eq!(granted(&b1), Some(200 * MS));
+    assert_eq!(a2.timer(), None);
+    assert_eq!(c1.timer(), Some(300 * MS));
+    // c1's thread never runs.
+    let t = q
+        .take_wake_asked()
+        .expect("the driver must take over a late head that an untimed waiter waits behind");
+    assert!((300 * MS..=300 * MS + TAKEOVER_NS).contains(&t), "{t}");
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&c1), Some(300 * MS));
+    assert_eq!(a2.timer(), Some(400 * MS), "a2, now the head, is timed");
+    clock.set(400 * MS).unwrap();
+    q.poll_for(ta2, &a2);
+    assert_eq!(granted(&a2), Some(400 * MS));
+}
+
+#[test]
+fn a_lone_self_timed_head_or_one_class_of_self_timed_threads_still_needs_no_driver() {
+    let (q, clock) = setup(vec![]);
+    let slots: Vec<_> = (0..3).map(|_| Slot::self_timed()).collect();
+    let tickets: Vec<_> = slots.iter().map(|s| join(&q, 0, s)).collect();
+    // Each thread behind polls at its own (exact) time: none depends on the head's poll.
+    assert_eq!(q.take_wake_asked(), None);
+    clock.set(300 * MS).unwrap();
+    q.poll_for(tickets[2], &slots[2]);
+    assert_eq!(slots.iter().map(|s| granted(s)).collect::<Vec<_>>(), [Some(100 * MS), Some(200 * MS), Some(300 * MS)]);
+    assert_eq!(q.take_wake_asked(), None);
+}
