@@ -145,7 +145,17 @@ impl WaitQueue {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let driver = match (grant.filter(|_| !timed), deadline) {
+        // A timed head's thread may be runnable and not running: when waiters behind it
+        // count on its poll (not self-timed, or of another class: woken early, they wait
+        // untimed), the driver polls in its place past TAKEOVER_NS of lateness. Threads of
+        // one class behind it poll at their own times: no driver for them.
+        let takeover = g.others > 0 || (g.classes.len() > 1 && g.len > 1);
+        let driver_grant = if timed {
+            grant.filter(|_| takeover).map(|a| a.saturating_add(TAKEOVER_NS))
+        } else {
+            grant
+        };
+        let driver = match (driver_grant, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -242,6 +252,7 @@ impl WaitQueue {
             }
         }
         g.len -= 1;
+        g.others -= usize::from(!w.wake.is_self_timed());
         self.waiting.store(g.len, Ordering::Release);
         w
     }

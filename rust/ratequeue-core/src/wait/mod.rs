@@ -116,6 +116,9 @@ struct Inner {
     /// Queued reservations by promised grant time.
     reserved: BTreeSet<(u64, u64)>,
     len: usize,
+    /// Waiters that are not self-timed threads (event loops, driver-served threads,
+    /// charges): a self-timed head's poll, or the driver's, serves them.
+    others: usize,
     /// In a forked child: the overage charges queued in the parent, dropped here, by
     /// ticket (what the grant that owed each one holds less than its estimate).
     forgiven: HashMap<u64, Costs>,

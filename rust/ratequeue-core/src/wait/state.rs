@@ -44,6 +44,7 @@ impl WaitQueue {
                 deadlines: BTreeSet::new(),
                 reserved: BTreeSet::new(),
                 len: 0,
+                others: 0,
                 forgiven: HashMap::new(),
             }),
             counters: Counters::default(),
