@@ -8,21 +8,29 @@ const MS: u64 = 1_000_000;
 
 /// 10/s, burst 1, the burst used up: queued grants fall at 100, 200, 300 ms...
 fn setup(classes: Vec<(String, f64)>) -> (Arc<WaitQueue>, Arc<ManualClock>) {
+    let (q, clock, _) = setup_with_limiter(classes);
+    (q, clock)
+}
+
+/// [`setup`], with the queue's limiter.
+fn setup_with_limiter(classes: Vec<(String, f64)>) -> (Arc<WaitQueue>, Arc<ManualClock>, Arc<Limiter>) {
     let clock = Arc::new(ManualClock::new(0).unwrap());
-    let lim = Limiter::new(
-        vec![("requests".into(), Rate::new(10.0, 1e9, 1).unwrap())],
-        AnyClock::Manual(clock.clone()),
-    )
-    .unwrap();
+    let lim = Arc::new(
+        Limiter::new(
+            vec![("requests".into(), Rate::new(10.0, 1e9, 1).unwrap())],
+            AnyClock::Manual(clock.clone()),
+        )
+        .unwrap(),
+    );
     let q = WaitQueue::new(
-        Arc::new(lim),
+        lim.clone(),
         1,
         AnyClock::Manual(clock.clone()),
         QueueConfig::new(classes, 1000, None).unwrap(),
     );
     assert!(q.try_now(&[1], 0).is_ok());
     assert_eq!(q.take_wake_asked(), None);
-    (q, clock)
+    (q, clock, lim)
 }
 
 fn join(q: &Arc<WaitQueue>, class: usize, slot: &Arc<Slot>) -> u64 {
@@ -319,4 +327,31 @@ fn a_lone_self_timed_head_or_one_class_of_self_timed_threads_still_needs_no_driv
         [Some(100 * MS), Some(200 * MS), Some(300 * MS)]
     );
     assert_eq!(q.take_wake_asked(), None);
+}
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_for_a_waiter_of_its_class_woken_early_by_a_pause() {
+    let (q, clock, lim) = setup_with_limiter(vec![]);
+    let (a, b) = (Slot::self_timed(), Slot::self_timed());
+    let (_ta, tb) = (join(&q, 0, &a), join(&q, 0, &b));
+    assert_eq!((a.timer(), b.timer()), (Some(100 * MS), Some(200 * MS)));
+    // A pause moves every grant later (a at 250 ms, b at 350 ms): b, timed for 200 ms,
+    // wakes early, finds itself behind a and waits untimed for a's poll.
+    assert!(lim.hold_until(250 * MS, None));
+    q.poll(0);
+    let _ = q.take_wake_asked();
+    clock.set(200 * MS).unwrap();
+    q.poll_for(tb, &b);
+    assert_eq!(b.timer(), None);
+    let at = a.timer().unwrap();
+    assert!(at > 200 * MS, "{at}");
+    // a's thread never runs.
+    let t = q
+        .take_wake_asked()
+        .expect("the driver must take over a late head that an untimed waiter waits behind");
+    assert!((at..=at + TAKEOVER_NS).contains(&t), "{t}");
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&a), Some(at));
+    assert!(b.timer().is_some(), "b, now the head, is timed");
 }
