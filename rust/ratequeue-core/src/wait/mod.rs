@@ -119,6 +119,9 @@ struct Inner {
     /// Waiters that are not self-timed threads (event loops, driver-served threads,
     /// charges): a self-timed head's poll, or the driver's, serves them.
     others: usize,
+    /// Self-timed waiters that woke before their turn and wait untimed for the head's
+    /// poll to time them (kept until they leave the queue).
+    untimed: BTreeSet<u64>,
     /// In a forked child: the overage charges queued in the parent, dropped here, by
     /// ticket (what the grant that owed each one holds less than its estimate).
     forgiven: HashMap<u64, Costs>,

@@ -45,6 +45,7 @@ impl WaitQueue {
                 reserved: BTreeSet::new(),
                 len: 0,
                 others: 0,
+                untimed: BTreeSet::new(),
                 forgiven: HashMap::new(),
             }),
             counters: Counters::default(),

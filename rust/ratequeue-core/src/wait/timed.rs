@@ -136,6 +136,8 @@ impl WaitQueue {
         self.poll_and_unlock_then(g, now, |g| {
             if g.where_is.contains_key(&ticket) && slot.timer.load(Ordering::Acquire) <= now {
                 slot.set_timer(NONE);
+                // Timed again only by the poll that makes it the head (see `wakes_locked`).
+                g.untimed.insert(ticket);
             }
         });
     }
