@@ -48,12 +48,15 @@ def test_limiter_acquire_stops_on_a_ctrl_c_during_the_main_thread_check(
 def test_policy_acquire_stops_on_a_ctrl_c_during_the_main_thread_check(
     ctrl_c_in_main_thread_check: list[int],
 ) -> None:
-    api = rq.Limiter(rq.Rate(1, per=3, burst=1))
-    assert api.try_acquire()
-    policy = rq.Policy({"api": api})
+    # A Concurrency(1) whose permit is held: the policy's acquire queues there.
+    slots = rq.Concurrency(1)
+    held = slots.try_acquire()
+    assert held is not None
+    policy = rq.Policy({"slots": slots, "api": rq.Limiter(rq.Rate(1000, per="second"))})
+    threading.Timer(3, held.release).start()  # without the Ctrl-C: granted 3 s on
     t0 = time.monotonic()
     with pytest.raises(KeyboardInterrupt):
         policy.acquire()
     assert ctrl_c_in_main_thread_check, "the check was not reached"
     assert time.monotonic() - t0 < 2.5
-    assert api.waiting == 0
+    assert slots.waiting == 0
