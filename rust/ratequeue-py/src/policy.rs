@@ -268,7 +268,17 @@ impl PolicyPy {
                 }
                 Err(e) => return Err(to_py(py, e)),
             }
-            let slice = *slice.get_or_insert_with(|| is_main_thread(py).then_some(SIGNAL_SLICE));
+            let slice = match slice {
+                Some(s) => s,
+                None => match is_main_thread(py) {
+                    Ok(main) => *slice.insert(main.then_some(SIGNAL_SLICE)),
+                    Err(e) => {
+                        // A signal handler raised inside that check (Ctrl-C): stop here.
+                        py.detach(|| pa.abandon_slot(&slot));
+                        return Err(e);
+                    }
+                },
+            };
             loop {
                 let s = slot.clone();
                 if let Some(o) = py.detach(move || s.wait(slice)) {

@@ -37,6 +37,9 @@ impl Detach for Unblocked {
 /// woken every [`SIGNAL_SLICE`] to run signal handlers (Ctrl-C stops the wait).
 struct PyHost<'py> {
     py: Python<'py>,
+    /// An exception raised while asking which thread this is (a signal handler that ran
+    /// inside that Python code: Ctrl-C): raised by the next `check`, never dropped.
+    pending: std::cell::RefCell<Option<PyErr>>,
 }
 
 impl Detach for PyHost<'_> {
@@ -51,10 +54,20 @@ impl Host for PyHost<'_> {
 
     fn slice(&self) -> Option<Duration> {
         // Asked only once queued: the path admitted at once never looks.
-        is_main_thread(self.py).then_some(SIGNAL_SLICE)
+        match is_main_thread(self.py) {
+            Ok(main) => main.then_some(SIGNAL_SLICE),
+            Err(e) => {
+                // Checked at once (an empty slice): the wait stops with it.
+                *self.pending.borrow_mut() = Some(e);
+                Some(Duration::ZERO)
+            }
+        }
     }
 
     fn check(&mut self) -> PyResult<()> {
+        if let Some(e) = self.pending.get_mut().take() {
+            return Err(e);
+        }
         self.py.check_signals()
     }
 }
@@ -98,7 +111,10 @@ impl GatePy for Arc<Gate> {
     }
 
     fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
-        let mut host = PyHost { py };
+        let mut host = PyHost {
+            py,
+            pending: std::cell::RefCell::new(None),
+        };
         match self.acquire_blocking(&mut host, costs, class, timeout_ns) {
             Ok(p) => Ok(PermitPy { inner: p }),
             Err(Stopped::Failed(e)) => Err(to_py(py, e)),
@@ -108,18 +124,14 @@ impl GatePy for Arc<Gate> {
 }
 
 /// True on the interpreter's main thread, asked each time: a child forked from another
-/// thread has that thread as its main thread (and its signal handlers run there).
-pub(crate) fn is_main_thread(py: Python<'_>) -> bool {
-    let Ok(threading) = py.import("threading") else {
-        return true;
-    };
-    match (
-        threading.call_method0("main_thread"),
-        threading.call_method0("current_thread"),
-    ) {
-        (Ok(main), Ok(current)) => current.is(&main),
-        _ => true,
-    }
+/// thread has that thread as its main thread (and its signal handlers run there). The
+/// calls run Python code, where a pending signal's handler may run and raise (Ctrl-C):
+/// that error is returned, for the caller to stop its wait with, never dropped.
+pub(crate) fn is_main_thread(py: Python<'_>) -> PyResult<bool> {
+    let threading = py.import("threading")?;
+    let main = threading.call_method0("main_thread")?;
+    let current = threading.call_method0("current_thread")?;
+    Ok(current.is(&main))
 }
 
 /// What a grant gave: context manager; a Concurrency permit is returned on exit.

@@ -85,6 +85,8 @@ impl WaitQueue {
             g.deadlines.clear();
             g.reserved.clear();
             g.len = 0;
+            g.others = 0;
+            g.untimed.clear();
             g.vtime = 0.0;
             self.waiting.store(0, Ordering::Release);
             self.scheduled.store(u64::MAX, Ordering::Release);

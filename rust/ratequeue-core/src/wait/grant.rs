@@ -27,11 +27,11 @@ impl WaitQueue {
         self: &Arc<Self>,
         mut g: MutexGuard<'_, Inner>,
         now: u64,
-        then: impl FnOnce(&Inner),
+        then: impl FnOnce(&mut Inner),
     ) -> (Option<u64>, bool) {
         let mut out = Vec::new();
         self.poll_locked(&mut g, now, &mut out);
-        then(&g);
+        then(&mut g);
         let (next, driver) = self.wakes_locked(&g);
         let gone = deliver(out);
         drop(g);
@@ -145,7 +145,18 @@ impl WaitQueue {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
-        let driver = match (grant.filter(|_| !timed), deadline) {
+        // A timed head's thread may be runnable and not running: when waiters behind it
+        // count on its poll (not self-timed, or self-timed but woken before their turn and
+        // waiting untimed: another class served first, a pause, a slower rate), the driver
+        // polls in its place past TAKEOVER_NS of lateness. Self-timed threads behind it
+        // that are still timed poll at their own times: no driver for them.
+        let takeover = g.others > 0 || !g.untimed.is_empty();
+        let driver_grant = if timed {
+            grant.filter(|_| takeover).map(|a| a.saturating_add(TAKEOVER_NS))
+        } else {
+            grant
+        };
+        let driver = match (driver_grant, deadline) {
             (Some(a), Some(b)) => Some(a.min(b)),
             (a, b) => a.or(b),
         };
@@ -242,6 +253,10 @@ impl WaitQueue {
             }
         }
         g.len -= 1;
+        g.others -= usize::from(!w.wake.is_self_timed());
+        if !g.untimed.is_empty() {
+            g.untimed.remove(&t);
+        }
         self.waiting.store(g.len, Ordering::Release);
         w
     }

@@ -27,6 +27,7 @@ mod submit;
 #[cfg(test)]
 mod tests;
 mod timed;
+use timed::TAKEOVER_NS;
 #[cfg(test)]
 mod timed_tests;
 mod wakers;
@@ -115,6 +116,12 @@ struct Inner {
     /// Queued reservations by promised grant time.
     reserved: BTreeSet<(u64, u64)>,
     len: usize,
+    /// Waiters that are not self-timed threads (event loops, driver-served threads,
+    /// charges): a self-timed head's poll, or the driver's, serves them.
+    others: usize,
+    /// Self-timed waiters that woke before their turn and wait untimed for the head's
+    /// poll to time them (kept until they leave the queue).
+    untimed: BTreeSet<u64>,
     /// In a forked child: the overage charges queued in the parent, dropped here, by
     /// ticket (what the grant that owed each one holds less than its estimate).
     forgiven: HashMap<u64, Costs>,

@@ -44,6 +44,8 @@ impl WaitQueue {
                 deadlines: BTreeSet::new(),
                 reserved: BTreeSet::new(),
                 len: 0,
+                others: 0,
+                untimed: BTreeSet::new(),
                 forgiven: HashMap::new(),
             }),
             counters: Counters::default(),

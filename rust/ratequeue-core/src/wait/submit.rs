@@ -335,6 +335,7 @@ impl WaitQueue {
             g.reserved.insert((d, ticket));
         }
         g.len += 1;
+        g.others += usize::from(!g.classes[class].waiters[&ticket].wake.is_self_timed());
         self.waiting.store(g.len, Ordering::Release);
         ticket
     }

@@ -17,6 +17,12 @@ use std::time::Instant;
 use super::wakers::NONE;
 use super::*;
 
+/// How late a self-timed head's thread may be before the driver polls in its place, when
+/// waiters behind it count on that poll (see [`WaitQueue::wakes_locked`]): a thread that
+/// is runnable but not running (a busy or starved CPU) then holds up no one else for
+/// longer. Twice the driver's event-loop resolution: a thread on time is rarely later.
+pub(super) const TAKEOVER_NS: u64 = 2 * super::driver::RESOLUTION_NS;
+
 #[cfg(target_os = "linux")]
 extern "C" {
     fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
@@ -130,6 +136,8 @@ impl WaitQueue {
         self.poll_and_unlock_then(g, now, |g| {
             if g.where_is.contains_key(&ticket) && slot.timer.load(Ordering::Acquire) <= now {
                 slot.set_timer(NONE);
+                // Timed again only by the poll that makes it the head (see `wakes_locked`).
+                g.untimed.insert(ticket);
             }
         });
     }

@@ -8,21 +8,29 @@ const MS: u64 = 1_000_000;
 
 /// 10/s, burst 1, the burst used up: queued grants fall at 100, 200, 300 ms...
 fn setup(classes: Vec<(String, f64)>) -> (Arc<WaitQueue>, Arc<ManualClock>) {
+    let (q, clock, _) = setup_with_limiter(classes);
+    (q, clock)
+}
+
+/// [`setup`], with the queue's limiter.
+fn setup_with_limiter(classes: Vec<(String, f64)>) -> (Arc<WaitQueue>, Arc<ManualClock>, Arc<Limiter>) {
     let clock = Arc::new(ManualClock::new(0).unwrap());
-    let lim = Limiter::new(
-        vec![("requests".into(), Rate::new(10.0, 1e9, 1).unwrap())],
-        AnyClock::Manual(clock.clone()),
-    )
-    .unwrap();
+    let lim = Arc::new(
+        Limiter::new(
+            vec![("requests".into(), Rate::new(10.0, 1e9, 1).unwrap())],
+            AnyClock::Manual(clock.clone()),
+        )
+        .unwrap(),
+    );
     let q = WaitQueue::new(
-        Arc::new(lim),
+        lim.clone(),
         1,
         AnyClock::Manual(clock.clone()),
         QueueConfig::new(classes, 1000, None).unwrap(),
     );
     assert!(q.try_now(&[1], 0).is_ok());
     assert_eq!(q.take_wake_asked(), None);
-    (q, clock)
+    (q, clock, lim)
 }
 
 fn join(q: &Arc<WaitQueue>, class: usize, slot: &Arc<Slot>) -> u64 {
@@ -107,7 +115,8 @@ fn a_submission_that_grants_a_late_self_timed_head_asks_the_driver_for_the_next(
     let plain = Slot::new();
     join(&q, 0, &timed);
     join(&q, 0, &plain);
-    assert_eq!(q.take_wake_asked(), None);
+    // Only a take-over, should the head's thread be late by more than TAKEOVER_NS.
+    assert_eq!(q.take_wake_asked(), Some(100 * MS + TAKEOVER_NS));
     // The head's thread is late; a newcomer's submission grants it, and the new head
     // (woken by the driver) must not wait for a wake-up nobody asked for.
     clock.set(150 * MS).unwrap();
@@ -129,6 +138,9 @@ fn with_several_classes_an_early_waiter_waits_untimed_until_it_is_the_head() {
     let [ta1, tb1, tc1, ta2] = [join(&q, 0, &a1), join(&q, 1, &b1), join(&q, 2, &c1), join(&q, 0, &a2)];
     // Fair order: a1 100, b1 200, c1 300, a2 400 ms; a2 predicted from its class alone.
     assert_eq!(a2.timer(), Some(200 * MS));
+    // No driver while every thread is timed (an early waiter, once untimed, leaves its
+    // head to the driver past TAKEOVER_NS of lateness: see the tests below).
+    assert_eq!(q.take_wake_asked(), None);
     clock.set(100 * MS).unwrap();
     q.poll_for(ta1, &a1);
     assert_eq!(b1.timer(), Some(200 * MS));
@@ -146,7 +158,6 @@ fn with_several_classes_an_early_waiter_waits_untimed_until_it_is_the_head() {
     clock.set(400 * MS).unwrap();
     q.poll_for(ta2, &a2);
     assert_eq!(granted(&a2), Some(400 * MS));
-    assert_eq!(q.take_wake_asked(), None);
 }
 
 #[test]
@@ -231,4 +242,116 @@ impl Host for Blocked {
     fn check(&mut self) -> Result<(), ()> {
         Ok(())
     }
+}
+
+// review18: a self-timed head whose thread does not run (descheduled, starved of CPU)
+// must not hold up, without bound, waiters behind it that count on its poll: an event
+// loop's or a driver-served thread's grant, or a waiter of another class that woke early
+// and waits untimed. The driver takes over past `TAKEOVER_NS` of lateness.
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_by_the_driver_for_a_plain_waiter_behind_it() {
+    let (q, clock) = setup(vec![]);
+    let timed = Slot::self_timed();
+    let plain = Slot::new();
+    join(&q, 0, &timed);
+    join(&q, 0, &plain);
+    let t = q
+        .take_wake_asked()
+        .expect("the driver must look once the head's thread is late, for the waiter behind it");
+    assert!((100 * MS..=100 * MS + TAKEOVER_NS).contains(&t), "{t}");
+    // The head's thread never ran: the driver grants both, in order, at schedule times.
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&timed), Some(100 * MS));
+    assert_eq!(q.take_wake_asked(), Some(200 * MS));
+    clock.set(200 * MS).unwrap();
+    q.poll(200 * MS);
+    assert_eq!(granted(&plain), Some(200 * MS));
+}
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_for_an_untimed_waiter_of_another_class() {
+    let classes = vec![("a".into(), 1.0), ("b".into(), 1.0), ("c".into(), 1.0)];
+    let (q, clock) = setup(classes);
+    let (a1, b1, c1, a2) = (
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+    );
+    let [ta1, _tb1, _tc1, ta2] = [join(&q, 0, &a1), join(&q, 1, &b1), join(&q, 2, &c1), join(&q, 0, &a2)];
+    clock.set(100 * MS).unwrap();
+    q.poll_for(ta1, &a1);
+    clock.set(200 * MS).unwrap();
+    // a2 wakes early (predicted from its class alone) and grants b1 (due); c1 is now the
+    // head and a2 waits untimed for c1's thread to grant c1 and time a2.
+    q.poll_for(ta2, &a2);
+    assert_eq!(granted(&b1), Some(200 * MS));
+    assert_eq!(a2.timer(), None);
+    assert_eq!(c1.timer(), Some(300 * MS));
+    // c1's thread never runs. The driver's take-overs asked before c1 was the head find
+    // nothing due; then one is asked for c1.
+    let t = loop {
+        let t = q
+            .take_wake_asked()
+            .expect("the driver must take over a late head that an untimed waiter waits behind");
+        if t >= 300 * MS {
+            break t;
+        }
+        let now = clock.set(t.max(clock.now_ns())).unwrap();
+        q.poll(now);
+        assert_eq!(granted(&c1), None);
+    };
+    assert!((300 * MS..=300 * MS + TAKEOVER_NS).contains(&t), "{t}");
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&c1), Some(300 * MS));
+    assert_eq!(a2.timer(), Some(400 * MS), "a2, now the head, is timed");
+    clock.set(400 * MS).unwrap();
+    q.poll_for(ta2, &a2);
+    assert_eq!(granted(&a2), Some(400 * MS));
+}
+
+#[test]
+fn a_lone_self_timed_head_or_one_class_of_self_timed_threads_still_needs_no_driver() {
+    let (q, clock) = setup(vec![]);
+    let slots: Vec<_> = (0..3).map(|_| Slot::self_timed()).collect();
+    let tickets: Vec<_> = slots.iter().map(|s| join(&q, 0, s)).collect();
+    // Each thread behind polls at its own (exact) time: none depends on the head's poll.
+    assert_eq!(q.take_wake_asked(), None);
+    clock.set(300 * MS).unwrap();
+    q.poll_for(tickets[2], &slots[2]);
+    assert_eq!(
+        slots.iter().map(|s| granted(s)).collect::<Vec<_>>(),
+        [Some(100 * MS), Some(200 * MS), Some(300 * MS)]
+    );
+    assert_eq!(q.take_wake_asked(), None);
+}
+
+#[test]
+fn a_stalled_self_timed_head_is_taken_over_for_a_waiter_of_its_class_woken_early_by_a_pause() {
+    let (q, clock, lim) = setup_with_limiter(vec![]);
+    let (a, b) = (Slot::self_timed(), Slot::self_timed());
+    let (_ta, tb) = (join(&q, 0, &a), join(&q, 0, &b));
+    assert_eq!((a.timer(), b.timer()), (Some(100 * MS), Some(200 * MS)));
+    // A pause moves every grant later (a at 250 ms, b at 350 ms): b, timed for 200 ms,
+    // wakes early, finds itself behind a and waits untimed for a's poll.
+    assert!(lim.hold_until(250 * MS, None));
+    q.poll(0);
+    let _ = q.take_wake_asked();
+    clock.set(200 * MS).unwrap();
+    q.poll_for(tb, &b);
+    assert_eq!(b.timer(), None);
+    let at = a.timer().unwrap();
+    assert!(at > 200 * MS, "{at}");
+    // a's thread never runs.
+    let t = q
+        .take_wake_asked()
+        .expect("the driver must take over a late head that an untimed waiter waits behind");
+    assert!((at..=at + TAKEOVER_NS).contains(&t), "{t}");
+    clock.set(t).unwrap();
+    q.poll(t);
+    assert_eq!(granted(&a), Some(at));
+    assert!(b.timer().is_some(), "b, now the head, is timed");
 }

@@ -97,6 +97,11 @@ impl Slot {
 }
 
 impl Wake {
+    /// True for a thread that times its own grant ([`Slot::self_timed`]).
+    pub(super) fn is_self_timed(&self) -> bool {
+        matches!(self, Wake::Thread(s) if s.self_timed)
+    }
+
     fn deliver(&self, ticket: u64, o: Outcome) -> Result<(), Outcome> {
         match self {
             Wake::Thread(s) => {
