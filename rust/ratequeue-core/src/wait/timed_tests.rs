@@ -244,7 +244,7 @@ impl Host for Blocked {
     }
 }
 
-// review18: a self-timed head whose thread does not run (descheduled, starved of CPU)
+// A self-timed head whose thread does not run (descheduled, starved of CPU)
 // must not hold up, without bound, waiters behind it that count on its poll: an event
 // loop's or a driver-served thread's grant, or a waiter of another class that woke early
 // and waits untimed. The driver takes over past `TAKEOVER_NS` of lateness.

@@ -1,4 +1,4 @@
-"""review18: `try_acquire()` with no argument (core17's fast entry, decided before the
+"""`try_acquire()` with no argument (core17's fast entry, decided before the
 general entry) decides exactly what the general path decides, on twin limiters over
 ManualClocks driven through the same schedule: the same admit/refuse sequence, the same
 stats (counters, depths, available capacity, histograms) and the same permits of the

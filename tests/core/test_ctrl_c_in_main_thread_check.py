@@ -1,4 +1,4 @@
-"""review18: a Ctrl-C whose handler runs while a blocked acquire asks Python which thread
+"""A Ctrl-C whose handler runs while a blocked acquire asks Python which thread
 is the main one (`threading.main_thread()` is Python code: a pending SIGINT's handler
 runs inside it) must stop the wait, not be swallowed with the failed call (the wait
 then went on to its grant or timeout: a child forked from another thread hung on it in

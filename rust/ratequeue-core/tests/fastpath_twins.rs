@@ -1,4 +1,4 @@
-//! review18: the one-rate fast decision (core17's `try_take_words`, its slot read field by
+//! The one-rate fast decision (core17's `try_take_words`, its slot read field by
 //! field and its limit without a clamp) decides exactly what the general `take` decides,
 //! on twin buckets driven through the same schedule (refusals, too-large costs, rate
 //! changes, leaps far past the epoch that rebase it).
