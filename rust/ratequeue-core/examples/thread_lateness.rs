@@ -24,8 +24,8 @@ impl Detach for NoHost<'_> {
 
 impl Host for NoHost<'_> {
     type Interrupt = ();
-    fn slice(&self) -> Option<Duration> {
-        None
+    fn slice(&mut self) -> Result<Option<Duration>, ()> {
+        Ok(None)
     }
     fn check(&mut self) -> Result<(), ()> {
         Ok(())

@@ -55,8 +55,8 @@ impl Detach for TestHost {
 impl Host for TestHost {
     type Interrupt = &'static str;
 
-    fn slice(&self) -> Option<Duration> {
-        Some(Duration::from_millis(1))
+    fn slice(&mut self) -> Result<Option<Duration>, &'static str> {
+        Ok(Some(Duration::from_millis(1)))
     }
 
     fn check(&mut self) -> Result<(), &'static str> {
@@ -207,6 +207,57 @@ fn interrupted_after_its_grant_gives_the_grant_back() {
     assert!(gate.try_now(&[1], 0).unwrap().is_none());
 }
 
+/// A host where the interrupt comes while the wait asks for its slice (as a Python
+/// signal handler runs, and raises, inside the binding's "which thread is main" check),
+/// after the queue has granted the waiter (the clock moved and the queue polled).
+struct InterruptedInSlice {
+    clock: Arc<ManualClock>,
+    queue: Arc<WaitQueue>,
+    step_ns: u64,
+}
+
+impl Detach for InterruptedInSlice {
+    fn detached<T: Send, F: FnOnce() -> T + Send>(&self, f: F) -> T {
+        f()
+    }
+}
+
+impl Host for InterruptedInSlice {
+    type Interrupt = &'static str;
+
+    fn slice(&mut self) -> Result<Option<Duration>, &'static str> {
+        let now = self.clock.now_ns() + self.step_ns;
+        self.clock.set(now).unwrap();
+        self.queue.poll(now);
+        Err("interrupted")
+    }
+
+    fn check(&mut self) -> Result<(), &'static str> {
+        Ok(())
+    }
+}
+
+#[test]
+fn interrupted_while_asking_for_its_slice_gives_the_grant_back() {
+    let (gate, clock) = rate_gate(10.0, 1);
+    assert!(gate.try_now(&[1], 0).unwrap().is_some());
+    let mut host = InterruptedInSlice {
+        clock: clock.clone(),
+        queue: gate.queue.clone(),
+        step_ns: 100 * MS,
+    };
+    assert_eq!(
+        gate.acquire_blocking(&mut host, &[1], 0, None).unwrap_err(),
+        Stopped::Interrupted("interrupted"),
+        "the interrupt is raised, never dropped for the grant that came first"
+    );
+    assert_eq!(gate.queue.counts().queued_grants, 1, "the grant won the race");
+    assert_eq!(gate.queue.waiting(), 0);
+    assert_eq!(clock.now_ns(), 100 * MS);
+    assert!(gate.try_now(&[1], 0).unwrap().is_some());
+    assert!(gate.try_now(&[1], 0).unwrap().is_none());
+}
+
 #[test]
 fn a_semaphore_permit_is_released_once() {
     let (gate, clock, sem) = sem_gate(1);
@@ -273,8 +324,8 @@ impl Detach for Blocking {
 impl Host for Blocking {
     type Interrupt = ();
 
-    fn slice(&self) -> Option<Duration> {
-        None
+    fn slice(&mut self) -> Result<Option<Duration>, ()> {
+        Ok(None)
     }
 
     fn check(&mut self) -> Result<(), ()> {

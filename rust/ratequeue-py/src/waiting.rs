@@ -37,9 +37,6 @@ impl Detach for Unblocked {
 /// woken every [`SIGNAL_SLICE`] to run signal handlers (Ctrl-C stops the wait).
 struct PyHost<'py> {
     py: Python<'py>,
-    /// An exception raised while asking which thread this is (a signal handler that ran
-    /// inside that Python code: Ctrl-C): raised by the next `check`, never dropped.
-    pending: std::cell::RefCell<Option<PyErr>>,
 }
 
 impl Detach for PyHost<'_> {
@@ -52,22 +49,13 @@ impl Detach for PyHost<'_> {
 impl Host for PyHost<'_> {
     type Interrupt = PyErr;
 
-    fn slice(&self) -> Option<Duration> {
-        // Asked only once queued: the path admitted at once never looks.
-        match is_main_thread(self.py) {
-            Ok(main) => main.then_some(SIGNAL_SLICE),
-            Err(e) => {
-                // Checked at once (an empty slice): the wait stops with it.
-                *self.pending.borrow_mut() = Some(e);
-                Some(Duration::ZERO)
-            }
-        }
+    fn slice(&mut self) -> PyResult<Option<Duration>> {
+        // Asked only once queued: the path admitted at once never looks. An exception
+        // raised inside (a signal handler: Ctrl-C) stops the wait, a grant given back.
+        Ok(is_main_thread(self.py)?.then_some(SIGNAL_SLICE))
     }
 
     fn check(&mut self) -> PyResult<()> {
-        if let Some(e) = self.pending.get_mut().take() {
-            return Err(e);
-        }
         self.py.check_signals()
     }
 }
@@ -111,10 +99,7 @@ impl GatePy for Arc<Gate> {
     }
 
     fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy> {
-        let mut host = PyHost {
-            py,
-            pending: std::cell::RefCell::new(None),
-        };
+        let mut host = PyHost { py };
         match self.acquire_blocking(&mut host, costs, class, timeout_ns) {
             Ok(p) => Ok(PermitPy { inner: p }),
             Err(Stopped::Failed(e)) => Err(to_py(py, e)),

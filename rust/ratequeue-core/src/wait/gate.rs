@@ -11,8 +11,10 @@ use super::*;
 pub trait Host: Detach {
     /// Why a wait stopped early (e.g. a Python exception raised by a signal handler).
     type Interrupt;
-    /// The longest single wait before [`Host::check`] is asked again (None: no checks).
-    fn slice(&self) -> Option<Duration>;
+    /// The longest single wait before [`Host::check`] is asked again (None: no checks),
+    /// asked once the waiter is queued. Err stops the wait as [`Host::check`] does (asking
+    /// may run the host's code, where an interrupt can arrive: a Python signal handler).
+    fn slice(&mut self) -> Result<Option<Duration>, Self::Interrupt>;
     /// Err stops the wait; the waiter leaves the queue with nothing taken.
     fn check(&mut self) -> Result<(), Self::Interrupt>;
 }
@@ -122,7 +124,14 @@ impl Gate {
             Submitted::Granted { at_ns } => return Ok(self.issue(costs, 0, GrantRef::new(at_ns, None))),
             Submitted::Queued(t) => t,
         };
-        let slice = host.slice();
+        let slice = match host.slice() {
+            Ok(slice) => slice,
+            Err(i) => {
+                // Queued (or granted meanwhile): leave exactly as for a failed check.
+                host.detached(|| self.abandon(ticket, &slot, costs));
+                return Err(Stopped::Interrupted(i));
+            }
+        };
         loop {
             if let Some(o) = host.detached(|| self.queue.wait_slot(ticket, &slot, slice)) {
                 return self.outcome(host, costs, o);

@@ -236,8 +236,8 @@ impl Detach for Blocked {
 
 impl Host for Blocked {
     type Interrupt = ();
-    fn slice(&self) -> Option<Duration> {
-        Some(Duration::from_millis(5))
+    fn slice(&mut self) -> Result<Option<Duration>, ()> {
+        Ok(Some(Duration::from_millis(5)))
     }
     fn check(&mut self) -> Result<(), ()> {
         Ok(())
