@@ -832,3 +832,36 @@ fn waiters_of_one_to_three_units_are_granted_in_order_and_a_gone_ones_costs_go_b
     assert_eq!(three_unit_grants(false), vec![(0, 300), (1, 600), (2, 700)]);
     assert_eq!(three_unit_grants(true), vec![(0, 300), (2, 600)]);
 }
+
+#[test]
+fn a_slot_wakes_its_sleeping_thread_and_keeps_an_outcome_put_before_it_sleeps() {
+    let o = Outcome::Granted {
+        at_ns: 7,
+        waited_ns: 3,
+        token: 1,
+    };
+    // Put while nobody sleeps (as a self-timed thread's own poll puts its grant): no
+    // wake-up is needed, and the outcome is there when its thread looks.
+    let s = Slot::new();
+    s.put(o);
+    assert_eq!(s.wait(Some(Duration::ZERO)), Some(o));
+    // Put while its thread sleeps without a limit: the thread is woken.
+    for _ in 0..200 {
+        let s = Slot::new();
+        let s2 = s.clone();
+        let waiter = std::thread::spawn(move || s2.wait(None));
+        while s.sleepers.load(Ordering::Relaxed) == 0 && !waiter.is_finished() {
+            std::thread::yield_now();
+        }
+        s.put(o);
+        assert_eq!(waiter.join().unwrap(), Some(o));
+    }
+    // Put racing the thread's way into its sleep: never lost.
+    for _ in 0..200 {
+        let s = Slot::new();
+        let s2 = s.clone();
+        let waiter = std::thread::spawn(move || s2.wait(None));
+        s.put(o);
+        assert_eq!(waiter.join().unwrap(), Some(o));
+    }
+}

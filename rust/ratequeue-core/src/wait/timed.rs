@@ -106,10 +106,7 @@ impl WaitQueue {
                 if timer != NONE {
                     precise.get_or_insert_with(PreciseTimers::new);
                 }
-                g = match d {
-                    None => slot.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
-                    Some(d) => slot.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner()).0,
-                };
+                g = slot.sleep(g, d).0;
             };
             if sliced {
                 // Away from the wait: the driver must not count on this thread's timer.

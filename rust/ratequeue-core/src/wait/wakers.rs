@@ -1,5 +1,7 @@
 //! How a waiter learns its outcome: a blocked thread's slot or an event-loop channel.
 
+use std::sync::atomic::AtomicU32;
+
 use super::*;
 
 /// A one-shot mailbox for a blocked thread.
@@ -14,6 +16,11 @@ pub struct Slot {
     /// A self-timed slot's thread is in [`WaitQueue::wait_slot`] (or about to enter it):
     /// its timer, not the driver, times its grant.
     pub(super) present: AtomicBool,
+    /// Threads asleep on `cv`: a change made while none sleeps (the outcome a self-timed
+    /// thread's own poll puts, the timer set at submission) needs no wake-up call, since
+    /// the thread reads both under `state`'s lock before it sleeps. Changed only under
+    /// that lock.
+    pub(super) sleepers: AtomicU32,
 }
 
 impl Default for Slot {
@@ -24,6 +31,7 @@ impl Default for Slot {
             self_timed: false,
             timer: AtomicU64::new(NONE),
             present: AtomicBool::new(false),
+            sleepers: AtomicU32::new(0),
         }
     }
 }
@@ -61,13 +69,40 @@ impl Slot {
     pub(super) fn set_timer(&self, t: u64) {
         let _g = lock(&self.state);
         if self.timer.swap(t, Ordering::AcqRel) > t {
+            self.notify_locked();
+        }
+    }
+
+    pub(super) fn put(&self, o: Outcome) {
+        let mut g = lock(&self.state);
+        *g = Some(o);
+        self.notify_locked();
+    }
+
+    /// Wakes the slot's thread if it sleeps on `cv` (call with `state` locked).
+    fn notify_locked(&self) {
+        if self.sleepers.load(Ordering::Relaxed) > 0 {
             self.cv.notify_one();
         }
     }
 
-    fn put(&self, o: Outcome) {
-        *lock(&self.state) = Some(o);
-        self.cv.notify_one();
+    /// Sleeps on `cv` until notified or `d` (None: no limit) has passed; `g` is the guard
+    /// of `state`. True when `d` passed.
+    pub(super) fn sleep<'a>(
+        &self,
+        g: MutexGuard<'a, Option<Outcome>>,
+        d: Option<Duration>,
+    ) -> (MutexGuard<'a, Option<Outcome>>, bool) {
+        self.sleepers.fetch_add(1, Ordering::Relaxed);
+        let (g, timed_out) = match d {
+            None => (self.cv.wait(g).unwrap_or_else(|e| e.into_inner()), false),
+            Some(d) => {
+                let (g, to) = self.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner());
+                (g, to.timed_out())
+            }
+        };
+        self.sleepers.fetch_sub(1, Ordering::Relaxed);
+        (g, timed_out)
     }
 
     /// Waits up to `slice` for the outcome; None if still waiting.
@@ -77,15 +112,10 @@ impl Slot {
             if let Some(o) = *g {
                 return Some(o);
             }
-            match slice {
-                None => g = self.cv.wait(g).unwrap_or_else(|e| e.into_inner()),
-                Some(d) => {
-                    let (g2, to) = self.cv.wait_timeout(g, d).unwrap_or_else(|e| e.into_inner());
-                    g = g2;
-                    if to.timed_out() {
-                        return *g;
-                    }
-                }
+            let (g2, timed_out) = self.sleep(g, slice);
+            g = g2;
+            if timed_out {
+                return *g;
             }
         }
     }
