@@ -427,10 +427,9 @@ impl Bucket {
             if new > limit {
                 return general();
             }
+            // A take that changes nothing (cost 0, the TAT ahead of now) writes the same
+            // word: no test for it on the path of every other take.
             let next = gen | new;
-            if next == w {
-                return Ok((w, w));
-            }
             // SeqCst: a fast path reads the queue's waiting count after its take (see
             // `WaitQueue::try_now_token`); with the joiner's fence, one sees the other.
             match self
