@@ -145,7 +145,9 @@ fn same_decisions_as_the_nanosecond_path_from_every_state() {
             let w = fused.word.load(Ordering::Relaxed);
             plain.word.store(w, Ordering::Relaxed);
             let a = fused.try_take_words_counter(raw, cost);
-            let b = plain.try_take_words(crate::clock::counter_ns(raw), cost);
+            let ns = crate::clock::counter_ns(raw);
+            assert_eq!(fused.counter_ns(raw), ns, "the bucket's copy of the clock's scale");
+            let b = plain.try_take_words(ns, cost);
             match (a, b) {
                 (Ok((wa0, wa)), Ok((wb0, wb))) => {
                     assert_eq!((wa0, wa >> GEN_SHIFT), (wb0, wb >> GEN_SHIFT), "step {step}");

@@ -456,7 +456,17 @@ impl Bucket {
     /// [`Bucket::take_words`] at the counter reading `raw`, in nanoseconds.
     #[inline(never)]
     fn take_words_counter(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
-        self.take(clock::counter_ns(raw), cost, 0).map(|t| (t.before, t.after))
+        self.take(self.counter_ns(raw), cost, 0).map(|t| (t.before, t.after))
+    }
+
+    /// The monotonic clock's nanoseconds at the counter reading `raw` (as
+    /// [`clock::counter_ns`], from the scale the bucket keeps).
+    #[inline]
+    pub(crate) fn counter_ns(&self, raw: u64) -> u64 {
+        match self.counter {
+            Some((origin, mult)) => clock::scale_to_ns(raw.saturating_sub(origin), mult),
+            None => clock::counter_ns(raw),
+        }
     }
 
     /// [`Bucket::try_take_words_counter`] outside the one-multiply span: the
@@ -464,7 +474,7 @@ impl Bucket {
     #[cold]
     #[inline(never)]
     fn take_words_counter_far(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
-        self.try_take_words(clock::counter_ns(raw), cost)
+        self.try_take_words(self.counter_ns(raw), cost)
     }
 
     /// [`Bucket::try_take_words`] for a decision far past the epoch: rebased first (see

@@ -302,7 +302,7 @@ impl Limiter {
         let raw = clock::read_counter();
         let (before, after) = b.try_take_words_counter(raw, c)?;
         if joined() {
-            self.untake_raced(b, before, after, clock::counter_ns(raw), c);
+            self.untake_raced(b, before, after, b.counter_ns(raw), c);
             return Err(Deny::Wait(0));
         }
         Ok(after)
