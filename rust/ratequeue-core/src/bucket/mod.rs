@@ -384,7 +384,7 @@ impl Bucket {
     /// ([`CounterTicks`]), never later than `try_take_words(monotonic ns of raw)` reads
     /// them. Outside the conversion's span (or on a bucket without it) and on a refusal,
     /// the nanosecond path decides.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn try_take_words_counter(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
         let w = self.word.load(Ordering::Acquire);
         let s = &self.slots[(w >> GEN_SHIFT) as usize];
