@@ -5,6 +5,12 @@
 //! interval T, with m chosen so a tick lasts between 0.5 and 1 ns. Debits are whole
 //! multiples of 2^m ticks, so the long-run rate carries no rounding drift at all; only
 //! reading the clock is quantised, to under a nanosecond, and that error never adds up.
+//! A one-rate limiter on the monotonic clock hands its bucket the TSC reading itself,
+//! converted to ticks in one multiply ([`Bucket::try_take_words_counter`]): never later
+//! than the nanosecond reading's ticks and at most 4 ticks earlier, with every refusal
+//! decided on the nanosecond reading: from any state it admits exactly what that reading
+//! admits, and an admission on an idle bucket may leave the TAT up to 4 ticks (at most
+//! 4 ns) earlier, as an arrival read that much earlier would.
 //! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
 //! counted from the slot's *epoch*, a multiple of 2^52 ns at or before the bucket's
 //! first use, so any clock reading works, however far from the clock's origin. 2^60
