@@ -86,10 +86,15 @@ impl Source {
     /// Nanoseconds from the origin to the counter reading `raw` (0 before it).
     #[inline(always)]
     fn ns(&self, raw: u64) -> u64 {
-        let ticks = raw.saturating_sub(self.origin) as u128;
-        // Below 2^64 for any reading within 2^64 ns (584 years) of the origin.
-        ((ticks * self.mult as u128) >> SCALE_BITS) as u64
+        scale_to_ns(raw.saturating_sub(self.origin), self.mult)
     }
+}
+
+/// Nanoseconds in `ticks` counter ticks at `mult` nanoseconds per 2^40 ticks (rounded
+/// down). Below 2^64 for any reading within 2^64 ns (584 years) of the origin.
+#[inline(always)]
+pub(crate) fn scale_to_ns(ticks: u64, mult: u64) -> u64 {
+    ((ticks as u128 * mult as u128) >> SCALE_BITS) as u64
 }
 
 /// Monotonic nanoseconds since the first call in this process (never goes back).
@@ -97,6 +102,97 @@ impl Source {
 pub fn monotonic_ns() -> u64 {
     let s = SOURCE.get_or_init(Source::new);
     s.ns(s.raw())
+}
+
+/// The monotonic clock's counter and its scale, `(origin, nanoseconds per 2^40 counter
+/// ticks)`, when the clock reads the TSC (None otherwise: [`read_counter`] would not be
+/// its source). Calibrates the clock if no reading came before.
+pub(crate) fn tsc_scale() -> Option<(u64, u64)> {
+    let s = SOURCE.get_or_init(Source::new);
+    s.tsc.then_some((s.origin, s.mult))
+}
+
+/// The counter the monotonic clock reads when [`tsc_scale`] is `Some` (the TSC); any
+/// other use is meaningless.
+#[inline(always)]
+pub(crate) fn read_counter() -> u64 {
+    #[cfg(all(target_arch = "x86_64", target_feature = "sse2"))]
+    {
+        // SAFETY: as in `Source::reads_tsc`.
+        unsafe { core::arch::x86_64::_rdtsc() }
+    }
+    #[cfg(not(all(target_arch = "x86_64", target_feature = "sse2")))]
+    {
+        monotonic_ns()
+    }
+}
+
+/// [`monotonic_ns`] for the counter reading `raw` (of [`read_counter`]).
+#[inline]
+pub(crate) fn counter_ns(raw: u64) -> u64 {
+    SOURCE.get_or_init(Source::new).ns(raw)
+}
+
+/// Bits of the fixed-point factor from counter ticks straight to a bucket's ticks: the
+/// high word of a 64x64 multiply, no shift.
+pub(crate) const COUNTER_BITS: u32 = 64;
+
+/// The conversion from counter readings straight to a bucket's ticks, in one multiply,
+/// for a bucket whose epoch is the clock's origin: `ticks = (raw - zero) * k >> 64` for
+/// `raw - zero < span` (wrapping; otherwise the two-step conversion decides).
+///
+/// Never later than the two-step conversion it replaces (`ticks(ns(raw))`, the bucket's
+/// `Params::ticks` of [`monotonic_ns`]'s reading) and at most 4 ticks earlier (proof at
+/// [`counter_ticks`]; checked by the property tests): every decision it admits, the
+/// two-step reading admits too.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct CounterTicks {
+    pub(crate) zero: u64,
+    pub(crate) k: u64,
+    pub(crate) span: u64,
+}
+
+impl CounterTicks {
+    /// Ticks for the counter reading `raw`, None outside the span.
+    #[inline(always)]
+    pub(crate) fn ticks(&self, raw: u64) -> Option<u64> {
+        let d = raw.wrapping_sub(self.zero);
+        (d < self.span).then(|| ((d as u128 * self.k as u128) >> COUNTER_BITS) as u64)
+    }
+}
+
+/// The one-multiply conversion for a clock with counter origin `origin` and `mult`
+/// nanoseconds per 2^40 ticks (see `Source`) to a bucket counting `q_ticks` ticks per
+/// 2^52 ns from the clock's origin, valid while the clock is under `max_ns` (the
+/// bucket's rebase threshold). None when the factor does not fit 64 bits (a bucket tick
+/// shorter than a counter tick, e.g. a TSC under 2 GHz): the two-step conversion then.
+///
+/// Why it never reads later than the two-step conversion: with e = raw − origin and
+/// X = e·mult·q/2^92 (the exact product), the two-step reading is
+/// floor(floor(e·mult/2^40)·q/2^52) ≥ floor(X − q/2^52), as the inner floor loses under
+/// one nanosecond. With k = floor(mult·q/2^28) ≤ mult·q/2^28 and zero = origin + c,
+/// c = ceil(q·2^12/k) counter ticks (c·k/2^64 ≥ q/2^52), the reading is
+/// floor((e − c)·k/2^64) ≤ floor(X − q/2^52). It is at most 4 ticks earlier: it exceeds
+/// X − e/2^64 − c·k/2^64 − 1 > X − 1/16 − q/2^52 − k/2^64 − 1 (e < 2^60 under max_ns =
+/// 2^57 for any counter under 8 GHz), with q/2^52 ≤ 2 + 2^-51
+/// (a tick lasts at least half a nanosecond) and k < 2^64.
+pub(crate) fn counter_ticks(origin: u64, mult: u64, q_ticks: u64, max_ns: u64) -> Option<CounterTicks> {
+    let k = (mult as u128 * q_ticks as u128) >> (SCALE_BITS + 52 - COUNTER_BITS);
+    if k == 0 || k > u64::MAX as u128 || mult == 0 {
+        return None;
+    }
+    let c = ((q_ticks as u128) << (COUNTER_BITS - 52)).div_ceil(k);
+    let zero = (origin as u128).checked_add(c).filter(|z| *z <= u64::MAX as u128)? as u64;
+    // The largest e with e·mult < max_ns·2^40 (so the clock shows under max_ns), less c.
+    let e_max = (((max_ns as u128) << SCALE_BITS) - 1) / mult as u128;
+    // Counted from zero, and never wrapping past 2^64 (a reading before zero then wraps
+    // to at least 2^64 − zero, outside the span).
+    let span = (e_max + 1).saturating_sub(c).min((u64::MAX - zero) as u128) as u64;
+    Some(CounterTicks {
+        zero,
+        k: k as u64,
+        span,
+    })
 }
 
 /// The largest time a clock may show: 2^63 ns, about 292 years, so a manual clock set

@@ -5,6 +5,12 @@
 //! interval T, with m chosen so a tick lasts between 0.5 and 1 ns. Debits are whole
 //! multiples of 2^m ticks, so the long-run rate carries no rounding drift at all; only
 //! reading the clock is quantised, to under a nanosecond, and that error never adds up.
+//! A one-rate limiter on the monotonic clock hands its bucket the TSC reading itself,
+//! converted to ticks in one multiply ([`Bucket::try_take_words_counter`]): never later
+//! than the nanosecond reading's ticks and at most 4 ticks earlier, with every refusal
+//! decided on the nanosecond reading: from any state it admits exactly what that reading
+//! admits, and an admission on an idle bucket may leave the TAT up to 4 ticks (at most
+//! 4 ns) earlier, as an arrival read that much earlier would.
 //! The word holds a 4-bit generation (which parameter slot is current) and a 60-bit TAT
 //! counted from the slot's *epoch*, a multiple of 2^52 ns at or before the bucket's
 //! first use, so any clock reading works, however far from the clock's origin. 2^60
@@ -20,6 +26,8 @@
 //! and only of what the debit can still hold, never past full; otherwise nothing
 //! (lowering the TAT under a scheduled grant would let a newcomer share its slot).
 
+#[cfg(test)]
+mod counter_tests;
 mod params;
 #[cfg(test)]
 mod tests;
@@ -27,6 +35,7 @@ mod undo;
 
 pub(crate) use params::{Params, SimBucket};
 
+use crate::clock::{self, CounterTicks};
 use crate::rate::Rate;
 use crate::sync::{AtomicU64, Mutex, Ordering};
 
@@ -158,6 +167,12 @@ struct Slot {
     burst: AtomicU64,
     q_ticks: AtomicU64,
     epoch: AtomicU64,
+    /// The one-multiply conversion from the monotonic clock's counter to this slot's
+    /// ticks ([`CounterTicks`]); a span of 0 when there is none (the epoch is not the
+    /// clock's origin, or the bucket does not read the counter).
+    counter_zero: AtomicU64,
+    counter_k: AtomicU64,
+    counter_span: AtomicU64,
     amount: AtomicU64,
     period: AtomicU64,
     /// When this generation became current (ns).
@@ -178,6 +193,9 @@ pub struct Bucket {
     ahead: AtomicU64,
     /// The latest clock time at which an undo or refund gave capacity back.
     given: AtomicU64,
+    /// The monotonic clock's counter scale `(origin, mult)` when decisions may come as
+    /// counter readings ([`Bucket::try_take_words_counter`]).
+    counter: Option<(u64, u64)>,
 }
 
 impl Bucket {
@@ -189,6 +207,12 @@ impl Bucket {
 
     /// A full bucket at `rate` whose epoch suits a clock now showing `now_ns`.
     pub fn new_at(rate: Rate, now_ns: u64) -> Bucket {
+        Bucket::new_on(rate, now_ns, None)
+    }
+
+    /// [`Bucket::new_at`] on the monotonic clock, whose counter scale (see
+    /// [`clock::tsc_scale`]) `counter` is: decisions may then come as counter readings.
+    pub(crate) fn new_on(rate: Rate, now_ns: u64, counter: Option<(u64, u64)>) -> Bucket {
         let b = Bucket {
             word: AtomicU64::new(0),
             refunded: AtomicU64::new(0),
@@ -196,6 +220,7 @@ impl Bucket {
             change: Mutex::new(()),
             ahead: AtomicU64::new(0),
             given: AtomicU64::new(0),
+            counter,
         };
         b.write_slot(0, &rate, epoch_for(now_ns), 0);
         b
@@ -204,6 +229,16 @@ impl Bucket {
     fn write_slot(&self, gen: usize, rate: &Rate, epoch: u64, since_ns: u64) {
         let p = Params::of(rate);
         let s = &self.slots[gen];
+        // Counter readings count from the clock's origin: only a slot whose epoch is
+        // that origin converts them in one multiply.
+        let c = match self.counter {
+            Some((origin, mult)) if epoch == 0 => clock::counter_ticks(origin, mult, p.q_ticks, REBASE_NS),
+            _ => None,
+        };
+        let c = c.unwrap_or(CounterTicks { zero: 0, k: 0, span: 0 });
+        s.counter_zero.store(c.zero, Ordering::Relaxed);
+        s.counter_k.store(c.k, Ordering::Relaxed);
+        s.counter_span.store(c.span, Ordering::Relaxed);
         s.since.store(since_ns, Ordering::Relaxed);
         s.m.store(p.m, Ordering::Relaxed);
         s.tau.store(p.tau, Ordering::Relaxed);
@@ -330,7 +365,7 @@ impl Bucket {
         // stack, and reading it back stalls on store forwarding). The slot's fields are
         // read one by one, each where it is first needed, and the time since the epoch
         // once: it decides the rebase and gives the ticks.
-        let mut w = self.word.load(Ordering::Acquire);
+        let w = self.word.load(Ordering::Acquire);
         let s = &self.slots[(w >> GEN_SHIFT) as usize];
         let rel = at_ns.saturating_sub(s.epoch.load(Ordering::Relaxed));
         if rel >= REBASE_NS {
@@ -344,19 +379,63 @@ impl Bucket {
         // `now + tau` below 2^60 - 1 (tau = burst << m < 2^57), so no clamp at TAT_MASK.
         let now = ((rel as u128 * s.q_ticks.load(Ordering::Relaxed) as u128) >> Q_BITS) as u64;
         let (add, limit) = (cost << s.m.load(Ordering::Relaxed), now + s.tau.load(Ordering::Relaxed));
+        // Refused, or a generation moved under it: the general path (which says how long
+        // until it conforms).
+        self.debit(w, now, add, limit, || self.take_words(at_ns, cost))
+    }
+
+    /// [`Bucket::try_take_words`] for the monotonic clock's counter reading `raw` (see
+    /// [`clock::read_counter`]) on a bucket made with its scale ([`Bucket::new_on`]):
+    /// the same decision, with the ticks converted from the counter in one multiply
+    /// ([`CounterTicks`]), never later than `try_take_words(monotonic ns of raw)` reads
+    /// them. Outside the conversion's span (or on a bucket without it) and on a refusal,
+    /// the nanosecond path decides.
+    #[inline]
+    pub(crate) fn try_take_words_counter(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        let w = self.word.load(Ordering::Acquire);
+        let s = &self.slots[(w >> GEN_SHIFT) as usize];
+        let c = CounterTicks {
+            zero: s.counter_zero.load(Ordering::Relaxed),
+            k: s.counter_k.load(Ordering::Relaxed),
+            span: s.counter_span.load(Ordering::Relaxed),
+        };
+        let Some(now) = c.ticks(raw) else {
+            return self.take_words_counter_far(raw, cost);
+        };
+        let burst = s.burst.load(Ordering::Relaxed);
+        if cost > burst {
+            return Err(Deny::TooLarge { cost, burst, unit: 0 });
+        }
+        // As in `try_take_words`: within the span the clock shows under 2^57 ns past the
+        // epoch, so `now` is below 2^59 and `now + tau` below 2^60 - 1.
+        let (add, limit) = (cost << s.m.load(Ordering::Relaxed), now + s.tau.load(Ordering::Relaxed));
+        self.debit(w, now, add, limit, || self.take_words_counter(raw, cost))
+    }
+
+    /// The debit of the fast paths: the word `w` (or a later one of the same generation)
+    /// moves to max(TAT, now) + add if that is at most `limit`; `general` decides
+    /// otherwise (a refusal, or a generation moved under it). A lost CAS retries from the
+    /// word it returned after a pause.
+    #[inline(always)]
+    fn debit(
+        &self,
+        mut w: u64,
+        now: u64,
+        add: u64,
+        limit: u64,
+        general: impl Fn() -> Result<(u64, u64), Deny>,
+    ) -> Result<(u64, u64), Deny> {
         debug_assert!(limit <= TAT_MASK);
         let gen = w & !TAT_MASK;
         let mut spins = 0u32;
         loop {
             let new = (w & TAT_MASK).max(now) + add;
             if new > limit {
-                // Refused: the general path says how long until it conforms.
-                return self.take_words(at_ns, cost);
+                return general();
             }
+            // A take that changes nothing (cost 0, the TAT ahead of now) writes the same
+            // word: no test for it on the path of every other take.
             let next = gen | new;
-            if next == w {
-                return Ok((w, w));
-            }
             // SeqCst: a fast path reads the queue's waiting count after its take (see
             // `WaitQueue::try_now_token`); with the joiner's fence, one sees the other.
             match self
@@ -368,8 +447,7 @@ impl Bucket {
                     w = seen;
                     backoff(&mut spins);
                 }
-                // A rate change or a rebase moved the generation: the general path.
-                Err(_) => return self.take_words(at_ns, cost),
+                Err(_) => return general(),
             }
         }
     }
@@ -379,6 +457,30 @@ impl Bucket {
     #[inline(never)]
     fn take_words(&self, at_ns: u64, cost: u64) -> Result<(u64, u64), Deny> {
         self.take(at_ns, cost, 0).map(|t| (t.before, t.after))
+    }
+
+    /// [`Bucket::take_words`] at the counter reading `raw`, in nanoseconds.
+    #[inline(never)]
+    fn take_words_counter(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        self.take(self.counter_ns(raw), cost, 0).map(|t| (t.before, t.after))
+    }
+
+    /// The monotonic clock's nanoseconds at the counter reading `raw` (as
+    /// [`clock::counter_ns`], from the scale the bucket keeps).
+    #[inline]
+    pub(crate) fn counter_ns(&self, raw: u64) -> u64 {
+        match self.counter {
+            Some((origin, mult)) => clock::scale_to_ns(raw.saturating_sub(origin), mult),
+            None => clock::counter_ns(raw),
+        }
+    }
+
+    /// [`Bucket::try_take_words_counter`] outside the one-multiply span: the
+    /// nanosecond path.
+    #[cold]
+    #[inline(never)]
+    fn take_words_counter_far(&self, raw: u64, cost: u64) -> Result<(u64, u64), Deny> {
+        self.try_take_words(self.counter_ns(raw), cost)
     }
 
     /// [`Bucket::try_take_words`] for a decision far past the epoch: rebased first (see

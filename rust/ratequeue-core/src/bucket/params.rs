@@ -77,7 +77,7 @@ impl Params {
             tat.max(now)
         };
         let new = base + (cost << self.m);
-        let delay_ns = self.ns_until(at_ns, new.saturating_sub(self.tau));
+        let delay_ns = self.ns_until_from(at_ns, now, new.saturating_sub(self.tau));
         if delay_ns > max_delay_ns || new > TAT_MASK {
             // Beyond the word (years of reservations ahead): refused, with the true wait.
             return Err(Deny::Wait(delay_ns));
@@ -169,7 +169,14 @@ impl Params {
     /// Nanoseconds from `at_ns` until the clock reaches tick `target`: the least x with
     /// ticks(at + x) >= target, computed exactly so a retry after it always conforms.
     pub(crate) fn ns_until(&self, at_ns: u64, target: u64) -> u64 {
-        if target <= self.ticks(at_ns) {
+        self.ns_until_from(at_ns, self.ticks(at_ns), target)
+    }
+
+    /// [`Params::ns_until`] with `now` = `self.ticks(at_ns)` already known.
+    #[inline]
+    fn ns_until_from(&self, at_ns: u64, now: u64, target: u64) -> u64 {
+        debug_assert_eq!(now, self.ticks(at_ns));
+        if target <= now {
             return 0;
         }
         let t = self.time_of(target as u128).expect("a u64 tick times 2^52 fits a u128");

@@ -6,7 +6,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::MutexGuard;
 
 use crate::bucket::{Bucket, Deny, Taken, Undo};
-use crate::clock::AnyClock;
+use crate::clock::{self, AnyClock};
 use crate::error::Error;
 use crate::rate::Rate;
 
@@ -23,6 +23,9 @@ pub const RECENT: usize = 256;
 #[derive(Debug)]
 pub struct Limiter {
     clock: AnyClock,
+    /// One rate on the monotonic clock reading the TSC: decisions read the counter and
+    /// the bucket converts it in one multiply ([`Bucket::try_take_words_counter`]).
+    on_counter: bool,
     buckets: Box<[Bucket]>,
     bucket_unit: Box<[usize]>,
     units: Box<[String]>,
@@ -79,6 +82,12 @@ impl Limiter {
         if rates.len() > MAX_RATES {
             return Err(Error::invalid("rates", rates.len(), "may hold at most 16 rates"));
         }
+        // The counter is read only for one rate: several are decided under a lock, at
+        // one time in nanoseconds for all.
+        let counter = match clock {
+            AnyClock::Monotonic if rates.len() == 1 => clock::tsc_scale(),
+            _ => None,
+        };
         let mut units: Vec<String> = Vec::new();
         let mut bucket_unit = Vec::with_capacity(rates.len());
         let mut buckets = Vec::with_capacity(rates.len());
@@ -91,10 +100,11 @@ impl Limiter {
                 units.len() - 1
             });
             bucket_unit.push(idx);
-            buckets.push(Bucket::new_at(rate, clock.now_ns()));
+            buckets.push(Bucket::new_on(rate, clock.now_ns(), counter));
         }
         Ok(Limiter {
             clock,
+            on_counter: counter.is_some(),
             buckets: buckets.into(),
             bucket_unit: bucket_unit.into(),
             units: units.into(),
@@ -185,6 +195,12 @@ impl Limiter {
     /// `Err(Deny::Wait(ns))`: refused, would conform in `ns`; nothing was consumed.
     #[inline]
     pub fn try_acquire(&self, costs: &[u64]) -> Result<(), Deny> {
+        if self.on_counter {
+            // One rate counts the one unit (index 0), which a denial already names.
+            return self.buckets[0]
+                .try_take_words_counter(clock::read_counter(), costs[0])
+                .map(|_| ());
+        }
         self.try_acquire_at(self.clock.now_ns(), costs)
     }
 
@@ -235,6 +251,9 @@ impl Limiter {
     /// `Deny::Wait(0)`, so no time promised to a joiner moves.
     #[inline]
     pub fn try_acquire_idle_nowait(&self, costs: &[u64], joined: impl Fn() -> bool) -> Option<Result<(), Deny>> {
+        if self.on_counter {
+            return Some(self.try_take_one_idle_counter(costs, joined).map(|_| ()));
+        }
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
             return Some(self.try_take_one_idle(now, costs, joined).map(|_| ()));
@@ -251,6 +270,9 @@ impl Limiter {
 
     /// [`Limiter::try_acquire_idle_nowait`], waiting for the multi-rate lock if busy.
     pub fn try_acquire_idle(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<(), Deny> {
+        if self.on_counter {
+            return self.try_take_one_idle_counter(costs, joined).map(|_| ());
+        }
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
             return self.try_take_one_idle(now, costs, joined).map(|_| ());
@@ -267,6 +289,20 @@ impl Limiter {
         let (before, after) = b.try_take_words(now, c)?;
         if joined() {
             self.untake_raced(b, before, after, now, c);
+            return Err(Deny::Wait(0));
+        }
+        Ok(after)
+    }
+
+    /// [`Limiter::try_take_one_idle`] at a reading of the clock's counter (see
+    /// [`Limiter::try_acquire`]).
+    #[inline]
+    fn try_take_one_idle_counter(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<u64, Deny> {
+        let (b, c) = (&self.buckets[0], costs[0]);
+        let raw = clock::read_counter();
+        let (before, after) = b.try_take_words_counter(raw, c)?;
+        if joined() {
+            self.untake_raced(b, before, after, b.counter_ns(raw), c);
             return Err(Deny::Wait(0));
         }
         Ok(after)
