@@ -11,7 +11,7 @@ use ratequeue_core::llm::{request_facts, response_usage};
 /// Bodies this long or longer are read with the interpreter released.
 const DETACH_AT: usize = 64 << 10;
 
-fn read<T: Send>(py: Python<'_>, body: &[u8], f: impl FnOnce(&[u8]) -> T + Send) -> T {
+pub(crate) fn read<T: Send>(py: Python<'_>, body: &[u8], f: impl FnOnce(&[u8]) -> T + Send) -> T {
     if body.len() >= DETACH_AT {
         py.detach(|| f(body))
     } else {
@@ -70,11 +70,11 @@ pub fn _read_request<'py>(
 }
 
 /// A header's lower-case name and value.
-type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+pub(crate) type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
 /// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
 /// value)`, None when an entry is not such a triple of bytes.
-fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
+pub(crate) fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
     let mut out = Vec::with_capacity(headers.len());
     for item in headers.iter() {
         let Ok(t) = item.cast::<PyTuple>() else {
@@ -137,7 +137,7 @@ pub fn _read_response<'py>(
 }
 
 /// A header value as Python's `bytes.decode("latin-1")` gives it.
-fn latin1<'py>(py: Python<'py>, v: &[u8]) -> Bound<'py, PyString> {
+pub(crate) fn latin1<'py>(py: Python<'py>, v: &[u8]) -> Bound<'py, PyString> {
     if v.is_ascii() {
         // ASCII is UTF-8 as it is.
         PyString::new(py, std::str::from_utf8(v).unwrap_or_default())

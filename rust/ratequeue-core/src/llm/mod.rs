@@ -5,6 +5,7 @@
 //! Memory is bounded by the nesting bound and the keys of the objects open at once.
 
 pub mod headers;
+pub mod plan;
 mod request;
 pub mod scan;
 mod usage;
