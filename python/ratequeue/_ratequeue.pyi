@@ -33,6 +33,9 @@ def _read_response(
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...
+def _cap_output(
+    body: bytes, limit: int, add: int
+) -> tuple[bytes, int, int | None] | Literal[False] | None: ...
 
 @final
 class _RequestReader:

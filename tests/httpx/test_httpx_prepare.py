@@ -6,15 +6,30 @@ reference prepares the call, and nothing was changed by the reader."""
 from __future__ import annotations
 
 import importlib
+import json
 from typing import Any
 
 import pytest
 import ratequeue as rq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ratequeue.httpx import Cap, Estimate, RateLimitedTransport, TokenEstimator, chars_estimate
+from ratequeue._ratequeue import _cap_output
+from ratequeue.httpx import (
+    Cap,
+    Capped,
+    Estimate,
+    RateLimitedTransport,
+    TokenEstimator,
+    chars_estimate,
+    using,
+)
+from ratequeue.httpx._body import spliced
+from ratequeue.httpx._caps import apply_limit, output_field
+from ratequeue.httpx._estimate import OUTPUT_FIELDS
+from ratequeue.httpx._prepare import _MISSING
+from ratequeue.httpx._record import json_object
 from ratequeue.httpx._wire import header_list
-from test_httpx_native import mutated, request_bodies
+from test_httpx_native import dumps, encode, mutated, request_bodies
 
 OWN = st.sampled_from(
     [
@@ -160,3 +175,118 @@ def test_a_burst_past_64_bits_keeps_the_reference() -> None:
     t = RateLimitedTransport(httpx2.MockTransport(lambda r: httpx2.Response(200)), lim)
     t._plan = (("requests", 0, 2**70),)
     assert t._new_reader() is None
+
+
+# -- the output cap, written natively -------------------------------------------------------
+
+BOUNDS = st.one_of(
+    st.integers(-5, 300),
+    st.sampled_from([True, False, None, 1.0, "9", 2**64 + 1, -(2**70), [], {}]),
+)
+
+
+@st.composite
+def capped_bodies(draw: Any) -> bytes:
+    """Request bodies whose output bounds repeat, nest, are escaped or not ints."""
+    base = json.loads(draw(request_bodies()).decode("utf-8", "surrogatepass") or "{}")
+    top: list[tuple[str, Any]] = [(k, v) for k, v in base.items()] if isinstance(base, dict) else []
+    for _ in range(draw(st.integers(0, 4))):
+        f = draw(st.sampled_from(OUTPUT_FIELDS))
+        value = draw(st.one_of(BOUNDS, st.just([(f, 500)])))  # a nested object of the same key
+        top.insert(draw(st.integers(0, len(top))), (f, value))
+    text = dumps(top, draw(st.booleans()), draw(st.booleans()))
+    if draw(st.booleans()):  # escaped keys
+        text = text.replace('"max_tokens"', '"max\\u005ftokens"')
+    if draw(st.booleans()):
+        text = " \n" + text.replace(",", " ,\t") + "\r\n"
+    return encode(text)
+
+
+def reference_cap(data: bytes, limit: int, path: str) -> Any:
+    """What the Python path does: the capped body's bytes and the cap applied (None:
+    nothing changes; False: the body is not a UTF-8 object ``spliced`` reads)."""
+    body = json_object(data)
+    if body is None:
+        return False
+    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+    capped = apply_limit(body, path, limit)
+    if capped is None:
+        return None
+    fields = {
+        f: body[f]
+        for f, was in zip(OUTPUT_FIELDS, before, strict=True)
+        if body.get(f, _MISSING) is not was
+    }
+    new = spliced(data, fields)
+    return False if new is None else (new, capped, body)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(capped_bodies(), mutated(capped_bodies())),
+    st.integers(1, 400),
+    st.sampled_from(["/v1/chat/completions", "/v1/responses", "/v1/messages"]),
+)
+def test_native_cap_is_the_reference_byte_for_byte(data: bytes, limit: int, path: str) -> None:
+    got = _cap_output(data, limit, OUTPUT_FIELDS.index(output_field(path)))
+    want = reference_cap(data, limit, path)
+    if got is False:  # deferred: huge ints, other encodings, not an object
+        return
+    if want is None or got is None:
+        assert got == want
+        return
+    assert want is not False
+    new, capped, body = want
+    assert got[0] == new
+    assert Capped(OUTPUT_FIELDS[got[1]], got[2], limit) == capped
+    assert json.loads(got[0]) == body  # valid JSON, the capped object
+    for f in OUTPUT_FIELDS:  # never raised
+        if type(body.get(f)) is int:
+            assert body[f] <= limit or body[f] < 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+def test_caps_through_the_transport_either_way(
+    native: bool, modname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ratequeue.httpx import _prepare
+
+    if not native:
+        monkeypatch.setattr(_prepare, "_cap_output", lambda *a: False)
+    mod = importlib.import_module(modname)
+    sent: list[Any] = []
+    lim = rq.Limiter(
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(
+        mod.MockTransport(lambda r: sent.append(r) or mod.Response(200, json={})),
+        lim,
+        estimator=TokenEstimator(None),
+        caps=[Cap(100, route="/chat/completions"), Cap(20, task="summary")],
+    )
+    c = mod.Client(transport=t)
+    data = (
+        b'{"model":"m","max_tokens" : 4000,"messages":[{"role":"user","content":"\\u00fc'
+        + b"x" * 39
+        + b'"}]}'
+    )
+    r = c.post("http://p/v1/chat/completions", content=data)
+    rec = r.extensions["ratequeue"]
+    assert (rec.capped.field, rec.capped.requested, rec.capped.sent) == ("max_tokens", 4000, 100)
+    assert tuple(rec.estimate) == (10 + 4, 100)
+    if native:  # the one number rewritten, every other byte kept
+        assert sent[-1].content == data.replace(b"4000", b"100")
+    assert json.loads(sent[-1].content)["max_tokens"] == 100
+    assert int(sent[-1].headers["content-length"]) == len(sent[-1].content)
+    with using(task="summary"):
+        r = c.post("http://p/v1/chat/completions", content=data)
+    assert json.loads(sent[-1].content)["max_tokens"] == 20
+    r = c.post("http://p/v1/chat/completions", content=b'{"model":"m","max_tokens":7}')
+    assert r.extensions["ratequeue"].capped is None
+    assert sent[-1].content == b'{"model":"m","max_tokens":7}'
+    r = c.post("http://p/v1/chat/completions", content=b'{"model":"m"}')
+    assert sent[-1].content == b'{"model":"m","max_completion_tokens":100}'
+    assert tuple(r.extensions["ratequeue"].estimate)[1] == 100

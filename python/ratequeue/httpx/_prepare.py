@@ -13,14 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal
 
-from .._ratequeue import Limiter, Policy, _RequestReader
+from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
-from ._body import set_body
+from ._body import replace_body, set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, Capped, CapTable
+from ._caps import Cap, Capped, CapTable, output_field
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import _CHARS, OUTPUT_FIELDS, Estimate, TokenEstimator, chars_estimate
 from ._record import _Call, json_object
@@ -68,6 +68,9 @@ def _read_request(
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _MISSING = object()
+_ADD = {f: i for i, f in enumerate(OUTPUT_FIELDS)}
+# A body read natively: model, a stream to ask for its usage, prompt and output tokens.
+_Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
 # estimate, costs, units clamped, body, cap applied.
 _Read = tuple[
@@ -245,6 +248,9 @@ class _Requests:
             or (data and self.stream_usage and b'"stream"' in data)
         ):
             facts = self._read_body(data, path) if data else False
+            if facts and self.caps and data:
+                on = task or _OPTIONS.get().task  # the task a cap matches
+                capped, facts = self._cap(request, data, path, facts, on)
             if facts is False:  # the reference: a full parse, the estimator over it
                 body = json_object(data) if data else None
                 if body is not None:
@@ -264,18 +270,37 @@ class _Requests:
             costs = self._unit_costs
         return priority, task, account, request_id, model, est, costs, clamped, data, capped
 
-    def _read_body(
-        self, data: Any, path: str
-    ) -> tuple[str | None, bool, int, int] | Literal[False] | None:
+    def _cap(
+        self, request: Any, data: bytes, path: str, facts: _Facts, task: str | None
+    ) -> tuple[Capped | None, _Facts | Literal[False]]:
+        """The output cap of a body read natively, written natively (one number, or the
+        field added; the other bytes kept): the cap applied and the facts of the body
+        sent; False facts: the reference decides (nothing was changed)."""
+        limit = self._cap_table.limit(path, facts[0], task)
+        if limit is None:
+            return None, facts
+        out = _cap_output(data, limit, _ADD[output_field(path)])
+        if out is None:  # every bound is within the cap
+            return None, facts
+        if out is False:
+            return None, False
+        new, field, requested = out
+        sent = self._read_body(new, path)
+        if not sent:
+            return None, False
+        replace_body(request, new)
+        return Capped(OUTPUT_FIELDS[field], requested, limit), sent
+
+    def _read_body(self, data: Any, path: str) -> _Facts | Literal[False] | None:
         """The body's model and estimate read natively in one pass (``(model, stream,
         input, output)``, or None when it is not a JSON object), when the estimate is the
-        character count and nothing rewrites the body; False: parse it in Python."""
+        character count; False: parse it in Python."""
         e = self.estimator
         if type(e) is not TokenEstimator:
             if e is not chars_estimate:
                 return False
             e = _CHARS
-        if e._encoding is not None or not e._started or self.caps or type(data) is not bytes:
+        if e._encoding is not None or not e._started or type(data) is not bytes:
             return False
         read = _body_facts(data, e.chars_per_token, e.default_output_tokens)
         if read and read[1] and self.stream_usage and path.endswith("/chat/completions"):
