@@ -290,3 +290,14 @@ def test_caps_through_the_transport_either_way(
     r = c.post("http://p/v1/chat/completions", content=b'{"model":"m"}')
     assert sent[-1].content == b'{"model":"m","max_completion_tokens":100}'
     assert tuple(r.extensions["ratequeue"].estimate)[1] == 100
+
+
+def test_a_path_that_is_not_utf8_never_raises() -> None:
+    import httpx2
+
+    t = transport(httpx2, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    for body in (b'{"stream":true}', b'{"model":"m"}'):
+        req = request(httpx2, "POST", "/v1/chat/completions", [], body)
+        header_list(req.headers)
+        got = t._reader.read(req, "/\ud800/chat/completions", False, t.estimator)
+        assert (got is None) is (body == b'{"stream":true}')

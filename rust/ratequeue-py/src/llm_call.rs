@@ -211,8 +211,13 @@ impl RequestReaderPy {
                 Err(_) => return Ok(None),
                 Ok(None) => (none(), 0, default),
                 Ok(Some(f)) => {
-                    if f.stream_wants_usage && self.stream_usage && path.to_str()?.ends_with("/chat/completions") {
-                        return Ok(None); // a stream to ask for its usage: the body is rewritten
+                    // A stream to ask for its usage: the body is rewritten (a path that is
+                    // not UTF-8 is left to the reference too).
+                    if f.stream_wants_usage
+                        && self.stream_usage
+                        && path.to_str().map_or(true, |p| p.ends_with("/chat/completions"))
+                    {
+                        return Ok(None);
                     }
                     let Ok((i, o)) = f.estimate(cpt, default) else {
                         return Ok(None);
