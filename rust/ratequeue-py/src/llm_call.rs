@@ -3,7 +3,7 @@
 //! means "prepare the call in Python" (nothing was changed: the reader has no side
 //! effects), wherever the native readers defer or a setting needs the reference.
 
-use pyo3::exceptions::PyException;
+use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
@@ -154,7 +154,14 @@ impl RequestReaderPy {
                 Err(_) => return Ok(None),
             };
             if is_body && length_within(pairs[i].1.as_bytes(), self.max_body) {
-                match request.getattr(intern!(py, "content")) {
+                // httpx's `content` property is `_content` once read: read it without the
+                // property's Python frame; the property decides when it is missing.
+                let content = match request.getattr(intern!(py, "_content")) {
+                    Ok(d) => Ok(d),
+                    Err(e) if e.is_instance_of::<PyAttributeError>(py) => request.getattr(intern!(py, "content")),
+                    Err(e) => Err(e),
+                };
+                match content {
                     Ok(d) => data = Some(d),
                     // A stream not read (RequestNotRead): estimated without its body.
                     Err(e) if e.is_instance_of::<PyException>(py) => {}
