@@ -33,6 +33,46 @@ def _read_response(
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...
+def _cap_output(
+    body: bytes, limit: int, add: int
+) -> tuple[bytes, int, int | None] | Literal[False] | None: ...
+
+@final
+class _RequestReader:
+    """The transport's request read in one call (ratequeue.httpx only)."""
+
+    def __new__(
+        cls,
+        plan: tuple[tuple[str, int, int | None], ...],
+        unit_costs: dict[str, int],
+        triples: set[type],
+        token_estimator: type,
+        chars_estimate: object,
+        chars: object,
+        estimate: type,
+        *,
+        needs_body: bool,
+        stream_usage: bool,
+        caps: bool,
+        max_body: int,
+    ) -> _RequestReader: ...
+    def read(
+        self, request: Any, path: str, want_estimate: bool, estimator: object
+    ) -> (
+        tuple[
+            str | None,
+            str | None,
+            str | None,
+            str | None,
+            str | None,
+            Any,
+            dict[str, int],
+            tuple[str, ...],
+            Any,
+            None,
+        ]
+        | None
+    ): ...
 
 # The asyncio bridge's calls for a policy's queued wait (ratequeue.aio only).
 def _wait_policy(acq: PolicyAcquiring) -> Awaitable[PolicyPermit]: ...

@@ -13,7 +13,7 @@ import ratequeue as rq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ratequeue.httpx import RateLimitedTransport, _wire
-from ratequeue.httpx import _transport as transport_mod
+from ratequeue.httpx import _prepare as transport_mod
 from ratequeue.httpx._estimate import _MAX_DEPTH, _SKIP, _chars
 from ratequeue.httpx._record import json_object
 

@@ -384,11 +384,11 @@ REQUEST_NAMES = st.one_of(
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(REQUEST_NAMES, st.binary(max_size=8)), max_size=10))
 def test_request_headers_agree_with_the_reference(pairs: list[tuple[bytes, bytes]]) -> None:
-    from ratequeue.httpx import _transport
+    from ratequeue.httpx import _prepare
 
     headers = [(k, k, v) for k, v in pairs]
     got = _read_call_headers(headers)
-    assert got == _transport._read_request(headers)  # the Python reader
+    assert got == _prepare._read_request(headers)  # the Python reader
     length = [v for k, v in pairs if k == b"content-length"]
     assert got is not None and got[4] is (length[-1] if length else None)  # its own bytes
 
@@ -432,13 +432,14 @@ def _answer(request: httpx2.Request) -> httpx2.Response:
 def test_transport_estimate_and_settle_are_the_same_either_way(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from ratequeue.httpx import _record, _transport
+    from ratequeue.httpx import _prepare, _record, _transport
 
     if not native:
-        monkeypatch.setattr(_transport.RateLimitedTransport, "_read_body", lambda *a: False)
-        monkeypatch.setattr(_transport, "_body_facts", lambda *a: False)
+        monkeypatch.setattr(_prepare._Requests, "_new_reader", lambda self: None)
+        monkeypatch.setattr(_prepare._Requests, "_read_body", lambda *a: False)
+        monkeypatch.setattr(_prepare, "_body_facts", lambda *a: False)
         monkeypatch.setattr(_transport, "_read_response", lambda *a: None)
-        monkeypatch.setattr(_transport, "_call_headers", lambda hl: None)
+        monkeypatch.setattr(_prepare, "_call_headers", lambda hl: None)
         monkeypatch.setattr(_record, "_read_usage", lambda b: False)
     lim = rq.Limiter(rq.Rate(1000, per="minute"), rq.Rate(10**6, per="minute", unit="tokens"))
     t = RateLimitedTransport(httpx2.MockTransport(_answer), lim, estimator=TokenEstimator(None))
@@ -451,6 +452,7 @@ def test_transport_estimate_and_settle_are_the_same_either_way(
     assert tuple(rec.usage) == (7, 3)
     native_read = t._read_body(json.dumps(body).encode(), "/v1/chat/completions")
     assert (native_read is not False) is native
+    assert (t._reader is not None) is native
 
 
 def test_deep_request_through_the_transport() -> None:

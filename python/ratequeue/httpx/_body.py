@@ -101,6 +101,12 @@ def set_body(request: Any, data: bytes, body: dict[str, Any], fields: Mapping[st
     new = spliced(data, fields)
     if new is None:
         new = _dumps(body).encode()
+    replace_body(request, new)
+
+
+def replace_body(request: Any, new: bytes) -> None:
+    """Send ``request`` with the bytes ``new``: its stream, content and
+    ``Content-Length`` replaced in place."""
     stream_type = type(request.stream)
     if stream_type.__name__ != "ByteStream":
         stream_type = sys.modules[type(request).__module__].ByteStream

@@ -115,14 +115,20 @@ class CapTable:
         self.limits: dict[tuple[str, str | None, str | None], int | None] = {}
         self.size = size
 
-    def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
-        """``apply_caps`` with this table's caps."""
-        model = body.get("model")
-        key = (path, model if type(model) is str else None, task)
+    def limit(self, path: str, model: str | None, task: str | None) -> int | None:
+        """``cap_limit`` with this table's caps."""
+        key = (path, model, task)
         try:
-            limit = self.limits[key]
+            return self.limits[key]
         except KeyError:
             limit = cap_limit(self.caps, *key)
             if len(self.limits) < self.size:
                 self.limits[key] = limit
-        return apply_limit(body, path, limit)
+            return limit
+
+    def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
+        """``apply_caps`` with this table's caps."""
+        model = body.get("model")
+        return apply_limit(
+            body, path, self.limit(path, model if type(model) is str else None, task)
+        )

@@ -11,41 +11,22 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy, _read_response
-from .._ratequeue import _read_call_headers as _call_headers
-from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
-from ._body import set_body
-from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, Capped, CapTable
-from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import (
-    _CHARS,
-    OUTPUT_FIELDS,
-    Estimate,
-    TokenEstimator,
-    chars_estimate,
-    default_estimator,
-)
+from ._caps import Cap, CapTable
+from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
-from ._record import _RELEASE, CallRecord, _Call, json_object
+from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
+from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
 from ._stream import wrap
 from ._usage import Usage
-from ._wire import (
-    _TRIPLES,
-    for_sdk,
-    header_list,
-    hint_retry,
-    new_id,
-    scan_response,
-    split_base,
-)
+from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
 if TYPE_CHECKING:
     from ..ledger._protocol import LedgerLike as Ledger
@@ -59,47 +40,6 @@ __all__ = [
 ]
 
 _new = tuple.__new__
-PRIORITY_HEADER = "x-ratequeue-priority"
-TASK_HEADER = "x-ratequeue-task"
-ACCOUNT_HEADER = "x-ratequeue-account"
-_OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
-# Request headers the transport reads, by lower-case name: 0-2 its own (removed before
-# sending), 3 the SDK's idempotency key, 4 the body's length; 5 read by nobody.
-_READ = {
-    b"x-ratequeue-priority": 0,
-    b"x-ratequeue-task": 1,
-    b"x-ratequeue-account": 2,
-    b"idempotency-key": 3,
-    b"content-length": 4,
-}
-_READ_MAX = 512
-
-
-def _read_request(
-    hl: list[tuple[bytes, bytes, bytes]],
-) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
-    """The headers the transport reads, by name (``_READ``; names seen are added to it
-    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
-    content length."""
-    out: list[Any] = [None, None, None, None, None]
-    for _, lk, v in hl:
-        i = _READ.get(lk)
-        if i is None:
-            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
-                _READ[lk] = 5
-            continue
-        if i == 4:
-            out[4] = v
-        elif i != 5:
-            out[i] = v.decode("latin-1")
-    return out[0], out[1], out[2], out[3], out[4]
-
-
-# Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
-# unit costs 1 per call.
-_UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
-_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_MISSING = object()
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -112,7 +52,7 @@ def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | No
     return float(v)
 
 
-class RateLimitedTransport:
+class RateLimitedTransport(_Requests):
     """An httpx / httpx2 transport that waits in ratequeue's queue before each call.
 
     ``limit`` is a :class:`~ratequeue.Limiter`, :class:`~ratequeue.Policy` or
@@ -194,6 +134,7 @@ class RateLimitedTransport:
         # before sending (it is read from the body when asked for).
         self._tokens = bool(self.units & {"tokens", "input_tokens", "output_tokens"})
         self._needs_body = self._tokens or bool(self.caps) or self.ledger is not None
+        self._reader = self._new_reader()
         self._is_pool = isinstance(limit, Pool)
         self._is_policy = isinstance(limit, Policy)
         self.wait_histogram = Histogram()
@@ -204,213 +145,6 @@ class RateLimitedTransport:
         self._counts = {"refused": 0, "rate_limited": 0, "paused": 0, "calibrated": 0}
 
     # -- the steps of a call -------------------------------------------------------------
-
-    def _unit_bursts(self) -> dict[str, int]:
-        """Per unit, the largest cost any route could admit (estimates are clamped to it)."""
-        limiters: list[Limiter] = []
-        if isinstance(self.limit, Pool):
-            limiters = [p.limiter for p in self.limit.providers]
-        elif self.upstream is not None:
-            limiters = [self.upstream]
-        out: dict[str, int] = {}
-        for lim in limiters:
-            per: dict[str, int] = {}
-            for r in lim.rates:
-                per[r.unit] = min(per.get(r.unit, r.burst), r.burst)
-            for u, b in per.items():
-                out[u] = max(out.get(u, 0), b)
-        return out
-
-    def _set_bursts(self) -> None:
-        self._bursts = self._unit_bursts()
-        # Per unit: where its cost is in (requests, tokens, input, output), -1 for 1 per
-        # call; and the clamp (None: none).
-        self._plan = tuple(
-            (u, _UNIT_INDEX.get(u, -1), self._bursts.get(u)) for u in sorted(self.units)
-        )
-        self._unit_costs = {u: 1 for u in sorted(self.units)}  # a call without an estimate
-        # The units a settle corrects (those that follow the tokens).
-        self._token_plan = tuple((u, j) for u, j, _ in self._plan if j > 0)
-
-    def _prepare(self, request: Any, is_async: bool) -> _Call:
-        """The call's record: its own headers read (and removed), the body capped and
-        estimated when anything needs it, its costs planned, the budget charged."""
-        headers = request.headers
-        # header_list inline: httpx's own list of triples, or one built for other types.
-        hl = headers._list if type(headers) in _TRIPLES else header_list(headers)
-        own = _call_headers(hl) if type(hl) is list else None  # one native pass
-        if own is None:
-            own = _read_request(hl)
-        priority, task, account, request_id, length = own
-        if priority is not None or task is not None or account is not None:
-            for h in _OWN_HEADERS:
-                if h in headers:
-                    del headers[h]
-        opts = _OPTIONS.get()
-        if opts is not _EMPTY:
-            priority = priority or opts.priority
-            task = task or opts.task
-            account = account or opts.account
-        priority = priority or self.priority
-        data = None
-        if (
-            length is not None
-            and request.method in _BODY_METHODS
-            and length.isdigit()
-            and int(length) <= self.max_body
-        ):
-            try:
-                data = request.content
-            except Exception:  # a stream not read (RequestNotRead): estimate without it
-                data = None
-        path = request.url.path
-        budget = _CURRENT_BUDGET.get()
-        capped = model = est = None
-        clamped: tuple[str, ...] = ()
-        if (
-            self._needs_body
-            or budget is not None
-            or (data and self.stream_usage and b'"stream"' in data)
-        ):
-            facts: Any = False
-            if data:
-                # _read_body inline (this runs on every call): the native reader when the
-                # estimate is the character count and nothing rewrites the body.
-                e = self.estimator
-                if type(e) is not TokenEstimator and e is chars_estimate:
-                    e = _CHARS
-                if (
-                    type(e) is TokenEstimator
-                    and e._encoding is None
-                    and e._started
-                    and not self.caps
-                    and type(data) is bytes
-                ):
-                    facts = _body_facts(data, e.chars_per_token, e.default_output_tokens)
-                    if (
-                        facts
-                        and facts[1]
-                        and self.stream_usage
-                        and path.endswith("/chat/completions")
-                    ):
-                        facts = False  # a stream to ask for its usage: the body is rewritten
-            if facts is False:  # the reference: a full parse, the estimator over it
-                body = json_object(data) if data else None
-                if body is not None:
-                    if self.caps or "stream" in body:
-                        capped = self._rewrite(request, data, body, path, task)  # type: ignore[arg-type]
-                    m = body.get("model")
-                    model = m if type(m) is str else None
-                est = self.estimator(body, path)
-                i, o = est
-            elif facts is None:  # not a JSON object
-                est = self.estimator(None, path)
-                i, o = est
-            else:
-                model, _, i, o = facts
-                est = _new(Estimate, (i, o))
-            # _costs inline: per unit, the estimate's cost clamped to the unit's burst.
-            vals = (1, i + o, i, o)
-            costs = {}
-            for u, j, b in self._plan:
-                c = 1 if j < 0 else vals[j]
-                if b is not None and c > b:
-                    c = b
-                    clamped += (u,)
-                costs[u] = c
-        else:
-            costs = self._unit_costs
-        # What acquire takes: the costs, and the priority, keys and bound on the wait.
-        if self._is_policy:
-            kw: dict[str, Any] = dict(costs)
-            kw.update(current_options().keys)
-            if self.keys is not None:
-                kw.update(self.keys(request))
-            kw["timeout"] = self.timeout
-        elif priority is not None or self.timeout is not None:
-            kw = dict(costs)
-            kw["timeout"] = self.timeout
-            if priority is not None:
-                kw["priority"] = priority
-        else:
-            kw = costs
-        acc = self.account
-        if type(acc) is not str:
-            acc = acc(request) or "default"  # type: ignore[operator]
-        call = _Call(
-            request,
-            request_id or new_id(),
-            path,
-            model,
-            est,
-            capped,
-            priority,
-            task,
-            None if est is not None else (data, self.estimator),
-            costs,
-            clamped,
-            kw,
-            account or acc,
-            is_async,
-        )
-        if budget is not None:
-            assert est is not None
-            chain = budget.chain()
-            call._sub = _budget.charge(
-                chain, call.request_id, model, est.input_tokens, est.output_tokens
-            )
-            call._chain = chain
-        return call
-
-    def _read_body(
-        self, data: Any, path: str
-    ) -> tuple[str | None, bool, int, int] | Literal[False] | None:
-        """The body's model and estimate read natively in one pass (``(model, stream,
-        input, output)``, or None when it is not a JSON object), when the estimate is the
-        character count and nothing rewrites the body; False: parse it in Python."""
-        e = self.estimator
-        if type(e) is not TokenEstimator:
-            if e is not chars_estimate:
-                return False
-            e = _CHARS
-        if e._encoding is not None or not e._started or self.caps or type(data) is not bytes:
-            return False
-        read = _body_facts(data, e.chars_per_token, e.default_output_tokens)
-        if read and read[1] and self.stream_usage and path.endswith("/chat/completions"):
-            return False  # a stream to ask for its usage: the body is rewritten
-        return read
-
-    def _rewrite(
-        self, request: Any, data: bytes, body: dict[str, Any], path: str, task: str | None
-    ) -> Capped | None:
-        """Apply the output caps and ask a stream for its usage: the body and the request
-        rewritten in place when a field changed; the cap applied, if any."""
-        fields: dict[str, Any] = {}
-        capped = None
-        if self.caps:
-            before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
-            capped = self._cap_table.apply(body, path, task)
-            if capped is not None:
-                for f, was in zip(OUTPUT_FIELDS, before, strict=True):
-                    v = body.get(f, _MISSING)
-                    if v is not was:
-                        fields[f] = v
-        if body.get("stream") is True and self._stream_opts(body, path):
-            fields["stream_options"] = body["stream_options"]
-        if fields:
-            set_body(request, data, body, fields)
-        return capped
-
-    def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
-        """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
-        True if the body changed."""
-        if not self.stream_usage or not path.endswith("/chat/completions"):
-            return False
-        so = body.get("stream_options")
-        if isinstance(so, dict) and so.get("include_usage") is True:
-            return False
-        body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
-        return True
 
     def _hold_kw(self, call: _Call) -> dict[str, Any]:
         est = call.estimate
@@ -440,21 +174,6 @@ class RateLimitedTransport:
             self._unwind(call)
             raise
         call._held = True
-
-    def _costs(self, est: Estimate) -> tuple[dict[str, int], tuple[str, ...]]:
-        """Per unit, what a call of this estimate takes; clamped to the burst (never more
-        than the limiter can grant), and the units clamped."""
-        i, o = est
-        vals = (1, i + o, i, o)
-        out = {}
-        clamped: tuple[str, ...] = ()
-        for u, j, b in self._plan:
-            c = 1 if j < 0 else vals[j]
-            if b is not None and c > b:
-                c = b
-                clamped += (u,)
-            out[u] = c
-        return out, clamped
 
     def _granted(self, call: _Call, grant: Any) -> None:
         """A Pool's grant: the provider chosen, and the request sent to its URL."""

@@ -21,6 +21,7 @@ mod limiter;
 mod limiter_entry;
 mod limiter_ops;
 mod llm;
+mod llm_call;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -40,6 +41,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(fork::_driver_fault_for_test, m)?)?;
     aio::register(m)?;
     llm::register(m)?;
+    llm_call::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;

@@ -5,13 +5,14 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use ratequeue_core::llm::cap::cap_output;
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bodies this long or longer are read with the interpreter released.
 const DETACH_AT: usize = 64 << 10;
 
-fn read<T: Send>(py: Python<'_>, body: &[u8], f: impl FnOnce(&[u8]) -> T + Send) -> T {
+pub(crate) fn read<T: Send>(py: Python<'_>, body: &[u8], f: impl FnOnce(&[u8]) -> T + Send) -> T {
     if body.len() >= DETACH_AT {
         py.detach(|| f(body))
     } else {
@@ -70,11 +71,11 @@ pub fn _read_request<'py>(
 }
 
 /// A header's lower-case name and value.
-type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
+pub(crate) type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 
 /// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
 /// value)`, None when an entry is not such a triple of bytes.
-fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
+pub(crate) fn pairs<'py>(headers: &Bound<'py, PyList>) -> PyResult<Option<Vec<Pair<'py>>>> {
     let mut out = Vec::with_capacity(headers.len());
     for item in headers.iter() {
         let Ok(t) = item.cast::<PyTuple>() else {
@@ -137,7 +138,7 @@ pub fn _read_response<'py>(
 }
 
 /// A header value as Python's `bytes.decode("latin-1")` gives it.
-fn latin1<'py>(py: Python<'py>, v: &[u8]) -> Bound<'py, PyString> {
+pub(crate) fn latin1<'py>(py: Python<'py>, v: &[u8]) -> Bound<'py, PyString> {
     if v.is_ascii() {
         // ASCII is UTF-8 as it is.
         PyString::new(py, std::str::from_utf8(v).unwrap_or_default())
@@ -178,11 +179,48 @@ pub fn _read_call_headers<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) ->
     .into_any())
 }
 
+/// `(body, field, requested)` of a request body with its output bound capped at
+/// `limit` (`field`: index in `("max_completion_tokens", "max_output_tokens",
+/// "max_tokens")`; `add`: the one added when none is present), None when nothing
+/// changes, False when only the Python reference can tell.
+#[pyfunction]
+pub fn _cap_output<'py>(
+    py: Python<'py>,
+    body: &Bound<'py, PyBytes>,
+    limit: &Bound<'py, PyAny>,
+    add: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let no = || PyBool::new(py, false).to_owned().into_any();
+    let Ok(limit) = limit.extract::<u64>() else {
+        return Ok(no());
+    };
+    Ok(match read(py, body.as_bytes(), |b| cap_output(b, limit, add)) {
+        Ok(None) => py.None().into_bound(py),
+        Err(_) => no(),
+        Ok(Some(c)) => {
+            let requested = match c.requested {
+                Some(v) => v.into_pyobject(py)?.into_any(),
+                None => py.None().into_bound(py),
+            };
+            PyTuple::new(
+                py,
+                [
+                    PyBytes::new(py, &c.body).into_any(),
+                    c.field.into_pyobject(py)?.into_any(),
+                    requested,
+                ],
+            )?
+            .into_any()
+        }
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_usage, m)?)?;
     m.add_function(wrap_pyfunction!(_read_request, m)?)?;
     m.add_function(wrap_pyfunction!(_scan_response, m)?)?;
     m.add_function(wrap_pyfunction!(_read_response, m)?)?;
     m.add_function(wrap_pyfunction!(_read_call_headers, m)?)?;
+    m.add_function(wrap_pyfunction!(_cap_output, m)?)?;
     Ok(())
 }

@@ -4,7 +4,9 @@
 //! runs it): other encodings, nesting past [`scan::MAX_DEPTH`], numbers past `u64`.
 //! Memory is bounded by the nesting bound and the keys of the objects open at once.
 
+pub mod cap;
 pub mod headers;
+pub mod plan;
 mod request;
 pub mod scan;
 mod usage;

@@ -1,0 +1,355 @@
+"""The request side of the transport: what a call is before it is sent.
+
+Its own headers read (and removed), the body capped and estimated when anything needs
+it, its costs per unit planned, the budget charged, the call's record made. One native
+call (``_RequestReader.read``) does the reading on the common path; the Python
+reference here does it wherever that reader defers (other header types, an estimator
+other than the character count, caps, a stream to ask for its usage, bodies only a full
+parse can decide).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, Literal
+
+from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader
+from .._ratequeue import _read_call_headers as _call_headers
+from .._ratequeue import _read_request as _body_facts
+from ..pool import Pool
+from . import _budget
+from ._body import replace_body, set_body
+from ._budget import _CURRENT as _CURRENT_BUDGET
+from ._caps import Cap, Capped, CapTable, output_field
+from ._context import _EMPTY, _OPTIONS, current_options
+from ._estimate import _CHARS, OUTPUT_FIELDS, Estimate, TokenEstimator, chars_estimate
+from ._record import _Call, json_object
+from ._wire import _TRIPLES, header_list, new_id
+
+_new = tuple.__new__
+PRIORITY_HEADER = "x-ratequeue-priority"
+TASK_HEADER = "x-ratequeue-task"
+ACCOUNT_HEADER = "x-ratequeue-account"
+_OWN_HEADERS = (PRIORITY_HEADER, TASK_HEADER, ACCOUNT_HEADER)
+# Request headers the transport reads, by lower-case name: 0-2 its own (removed before
+# sending), 3 the SDK's idempotency key, 4 the body's length; 5 read by nobody.
+_READ = {
+    b"x-ratequeue-priority": 0,
+    b"x-ratequeue-task": 1,
+    b"x-ratequeue-account": 2,
+    b"idempotency-key": 3,
+    b"content-length": 4,
+}
+_READ_MAX = 512
+
+
+def _read_request(
+    hl: list[tuple[bytes, bytes, bytes]],
+) -> tuple[str | None, str | None, str | None, str | None, bytes | None]:
+    """The headers the transport reads, by name (``_READ``; names seen are added to it
+    as read by nobody, up to ``_READ_MAX``): priority, task, account, request id and
+    content length."""
+    out: list[Any] = [None, None, None, None, None]
+    for _, lk, v in hl:
+        i = _READ.get(lk)
+        if i is None:
+            if len(_READ) < _READ_MAX:  # names come from callers: the table stays bounded
+                _READ[lk] = 5
+            continue
+        if i == 4:
+            out[4] = v
+        elif i != 5:
+            out[i] = v.decode("latin-1")
+    return out[0], out[1], out[2], out[3], out[4]
+
+
+# Where each unit's cost is in (requests, tokens, input_tokens, output_tokens); any other
+# unit costs 1 per call.
+_UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
+_BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+_MISSING = object()
+_ADD = {f: i for i, f in enumerate(OUTPUT_FIELDS)}
+# A body read natively: model, a stream to ask for its usage, prompt and output tokens.
+_Facts = tuple[str | None, bool, int, int]
+# What a call read from its request: priority, task, account, request id, model,
+# estimate, costs, units clamped, body, cap applied.
+_Read = tuple[
+    str | None,
+    str | None,
+    str | None,
+    str | None,
+    str | None,
+    Estimate | None,
+    dict[str, int],
+    tuple[str, ...],
+    Any,
+    Capped | None,
+]
+
+
+class _Requests:
+    """The transport's request side (a base of ``RateLimitedTransport``)."""
+
+    # Set by RateLimitedTransport.__init__.
+    limit: Limiter | Policy | Pool
+    upstream: Limiter | None
+    units: frozenset[str]
+    timeout: float | None
+    priority: str | None
+    estimator: Callable[[dict[str, Any] | None, str], Estimate]
+    caps: tuple[Cap, ...]
+    _cap_table: CapTable
+    account: str | Callable[[Any], str]
+    keys: Callable[[Any], Any] | None
+    stream_usage: bool
+    max_body: int
+    _needs_body: bool
+    _is_policy: bool
+    _reader: _RequestReader | None = None
+
+    def _unit_bursts(self) -> dict[str, int]:
+        """Per unit, the largest cost any route could admit (estimates are clamped to it)."""
+        limiters: list[Limiter] = []
+        if isinstance(self.limit, Pool):
+            limiters = [p.limiter for p in self.limit.providers]
+        elif self.upstream is not None:
+            limiters = [self.upstream]
+        out: dict[str, int] = {}
+        for lim in limiters:
+            per: dict[str, int] = {}
+            for r in lim.rates:
+                per[r.unit] = min(per.get(r.unit, r.burst), r.burst)
+            for u, b in per.items():
+                out[u] = max(out.get(u, 0), b)
+        return out
+
+    def _set_bursts(self) -> None:
+        self._bursts = self._unit_bursts()
+        # Per unit: where its cost is in (requests, tokens, input, output), -1 for 1 per
+        # call; and the clamp (None: none).
+        self._plan = tuple(
+            (u, _UNIT_INDEX.get(u, -1), self._bursts.get(u)) for u in sorted(self.units)
+        )
+        self._unit_costs = {u: 1 for u in sorted(self.units)}  # a call without an estimate
+        # The units a settle corrects (those that follow the tokens).
+        self._token_plan = tuple((u, j) for u, j, _ in self._plan if j > 0)
+        if hasattr(self, "_needs_body"):
+            self._reader = self._new_reader()
+
+    def _new_reader(self) -> _RequestReader | None:
+        """The native reader of this plan (None: the Python reference prepares every call)."""
+        try:
+            return _RequestReader(
+                self._plan,
+                self._unit_costs,
+                _TRIPLES,
+                TokenEstimator,
+                chars_estimate,
+                _CHARS,
+                Estimate,
+                needs_body=self._needs_body,
+                stream_usage=self.stream_usage,
+                caps=bool(self.caps),
+                max_body=self.max_body,
+            )
+        except OverflowError:  # a burst past 64 bits
+            return None
+
+    def _prepare(self, request: Any, is_async: bool) -> _Call:
+        """The call's record: its own headers read (and removed), the body capped and
+        estimated when anything needs it, its costs planned, the budget charged."""
+        path = request.url.path
+        budget = _CURRENT_BUDGET.get()
+        r = self._reader
+        got: _Read | None = None
+        if r is not None:
+            got = r.read(request, path, budget is not None, self.estimator)
+        if got is None:  # the reference
+            got = self._read_py(request, path, budget is not None)
+        priority, task, account, request_id, model, est, costs, clamped, data, capped = got
+        if priority is not None or task is not None or account is not None:
+            headers = request.headers
+            for h in _OWN_HEADERS:
+                if h in headers:
+                    del headers[h]
+        opts = _OPTIONS.get()
+        if opts is not _EMPTY:
+            priority = priority or opts.priority
+            task = task or opts.task
+            account = account or opts.account
+        priority = priority or self.priority
+        # What acquire takes: the costs, and the priority, keys and bound on the wait.
+        if self._is_policy:
+            kw: dict[str, Any] = dict(costs)
+            kw.update(current_options().keys)
+            if self.keys is not None:
+                kw.update(self.keys(request))
+            kw["timeout"] = self.timeout
+        elif priority is not None or self.timeout is not None:
+            kw = dict(costs)
+            kw["timeout"] = self.timeout
+            if priority is not None:
+                kw["priority"] = priority
+        else:
+            kw = costs
+        acc = self.account
+        if type(acc) is not str:
+            acc = acc(request) or "default"  # type: ignore[operator]
+        call = _Call(
+            request,
+            request_id or new_id(),
+            path,
+            model,
+            est,
+            capped,
+            priority,
+            task,
+            None if est is not None else (data, self.estimator),
+            costs,
+            clamped,
+            kw,
+            account or acc,
+            is_async,
+        )
+        if budget is not None:
+            assert est is not None
+            chain = budget.chain()
+            call._sub = _budget.charge(
+                chain, call.request_id, model, est.input_tokens, est.output_tokens
+            )
+            call._chain = chain
+        return call
+
+    def _read_py(self, request: Any, path: str, want_estimate: bool) -> _Read:
+        """What ``_RequestReader.read`` gives, in Python (and the body rewritten for the
+        caps and a stream's usage)."""
+        headers = request.headers
+        hl = headers._list if type(headers) in _TRIPLES else header_list(headers)
+        own = _call_headers(hl) if type(hl) is list else None  # one native pass
+        if own is None:
+            own = _read_request(hl)
+        priority, task, account, request_id, length = own
+        data = None
+        if (
+            length is not None
+            and request.method in _BODY_METHODS
+            and length.isdigit()
+            and int(length) <= self.max_body
+        ):
+            try:
+                data = request.content
+            except Exception:  # a stream not read (RequestNotRead): estimate without it
+                data = None
+        capped = model = est = None
+        clamped: tuple[str, ...] = ()
+        if (
+            self._needs_body
+            or want_estimate
+            or (data and self.stream_usage and b'"stream"' in data)
+        ):
+            facts = self._read_body(data, path) if data else False
+            if facts and self.caps and data:
+                on = task or _OPTIONS.get().task  # the task a cap matches
+                capped, facts = self._cap(request, data, path, facts, on)
+            if facts is False:  # the reference: a full parse, the estimator over it
+                body = json_object(data) if data else None
+                if body is not None:
+                    if self.caps or "stream" in body:
+                        on = task or _OPTIONS.get().task  # the task a cap matches
+                        capped = self._rewrite(request, data, body, path, on)  # type: ignore[arg-type]
+                    m = body.get("model")
+                    model = m if type(m) is str else None
+                est = self.estimator(body, path)
+            elif facts is None:  # not a JSON object
+                est = self.estimator(None, path)
+            else:
+                model, _, i, o = facts
+                est = _new(Estimate, (i, o))
+            costs, clamped = self._costs(est)
+        else:
+            costs = self._unit_costs
+        return priority, task, account, request_id, model, est, costs, clamped, data, capped
+
+    def _cap(
+        self, request: Any, data: bytes, path: str, facts: _Facts, task: str | None
+    ) -> tuple[Capped | None, _Facts | Literal[False]]:
+        """The output cap of a body read natively, written natively (one number, or the
+        field added; the other bytes kept): the cap applied and the facts of the body
+        sent; False facts: the reference decides (nothing was changed)."""
+        limit = self._cap_table.limit(path, facts[0], task)
+        if limit is None:
+            return None, facts
+        out = _cap_output(data, limit, _ADD[output_field(path)])
+        if out is None:  # every bound is within the cap
+            return None, facts
+        if out is False:
+            return None, False
+        new, field, requested = out
+        sent = self._read_body(new, path)
+        if not sent:
+            return None, False
+        replace_body(request, new)
+        return Capped(OUTPUT_FIELDS[field], requested, limit), sent
+
+    def _read_body(self, data: Any, path: str) -> _Facts | Literal[False] | None:
+        """The body's model and estimate read natively in one pass (``(model, stream,
+        input, output)``, or None when it is not a JSON object), when the estimate is the
+        character count; False: parse it in Python."""
+        e = self.estimator
+        if type(e) is not TokenEstimator:
+            if e is not chars_estimate:
+                return False
+            e = _CHARS
+        if e._encoding is not None or not e._started or type(data) is not bytes:
+            return False
+        read = _body_facts(data, e.chars_per_token, e.default_output_tokens)
+        if read and read[1] and self.stream_usage and path.endswith("/chat/completions"):
+            return False  # a stream to ask for its usage: the body is rewritten
+        return read
+
+    def _rewrite(
+        self, request: Any, data: bytes, body: dict[str, Any], path: str, task: str | None
+    ) -> Capped | None:
+        """Apply the output caps and ask a stream for its usage: the body and the request
+        rewritten in place when a field changed; the cap applied, if any."""
+        fields: dict[str, Any] = {}
+        capped = None
+        if self.caps:
+            before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+            capped = self._cap_table.apply(body, path, task)
+            if capped is not None:
+                for f, was in zip(OUTPUT_FIELDS, before, strict=True):
+                    v = body.get(f, _MISSING)
+                    if v is not was:
+                        fields[f] = v
+        if body.get("stream") is True and self._stream_opts(body, path):
+            fields["stream_options"] = body["stream_options"]
+        if fields:
+            set_body(request, data, body, fields)
+        return capped
+
+    def _stream_opts(self, body: dict[str, Any], path: str) -> bool:
+        """Ask a streamed chat call (``"stream": true``) for its usage in the last event;
+        True if the body changed."""
+        if not self.stream_usage or not path.endswith("/chat/completions"):
+            return False
+        so = body.get("stream_options")
+        if isinstance(so, dict) and so.get("include_usage") is True:
+            return False
+        body["stream_options"] = {**(so if isinstance(so, dict) else {}), "include_usage": True}
+        return True
+
+    def _costs(self, est: Estimate) -> tuple[dict[str, int], tuple[str, ...]]:
+        """Per unit, what a call of this estimate takes; clamped to the burst (never more
+        than the limiter can grant), and the units clamped."""
+        i, o = est
+        vals = (1, i + o, i, o)
+        out = {}
+        clamped: tuple[str, ...] = ()
+        for u, j, b in self._plan:
+            c = 1 if j < 0 else vals[j]
+            if b is not None and c > b:
+                c = b
+                clamped += (u,)
+            out[u] = c
+        return out, clamped

@@ -1,0 +1,173 @@
+//! An output cap written into a request body without re-serialising it: the value of
+//! every top-level occurrence of an output-bounding field above the cap is replaced by
+//! the cap's number, or the field is added before the closing brace; every other byte
+//! stays. The same bytes as the Python reference (`apply_limit` over a full parse, then
+//! `spliced`), or [`Defer`] where only it can tell.
+
+use super::scan::{Num, Scanner, Shape, Stop};
+use super::Defer;
+
+/// The output-bounding fields, in the order the reference checks them.
+pub const OUTPUT_FIELDS: [&str; 3] = ["max_completion_tokens", "max_output_tokens", "max_tokens"];
+
+/// What a field's last value is, for the cap.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Seen {
+    Absent,
+    /// An int the cap keeps (negative, or at most the cap).
+    Kept,
+    /// A non-negative int above the cap.
+    Above(u64),
+    /// Not an int (a bool, float, string, null, container): replaced.
+    NotInt,
+}
+
+/// A body rewritten for a cap.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CappedBody {
+    /// The new bytes.
+    pub body: Vec<u8>,
+    /// The field the record names (index in [`OUTPUT_FIELDS`]): the last replaced, or
+    /// the one added.
+    pub field: usize,
+    /// What that field asked for when it was an int (None: not an int, or added).
+    pub requested: Option<u64>,
+}
+
+/// `body` with its output bound capped at `limit`: `Ok(None)` when nothing changes
+/// (every bound present is an int at most `limit`); `add` is the field (index in
+/// [`OUTPUT_FIELDS`]) added when none is present. `Err(Defer)` when the body is not a
+/// UTF-8 JSON object this scanner reads, or a bound above the cap is past 64 bits.
+pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBody>, Defer> {
+    if add >= OUTPUT_FIELDS.len() {
+        return Err(Defer);
+    }
+    let scanner = Scanner::new(body).ok_or(Defer)?;
+    let mut seen = [Seen::Absent; 3];
+    let mut spans: Vec<(usize, usize, usize)> = Vec::new(); // (field, start, end)
+    let mut members = 0usize;
+    let mut close = 0usize;
+    let read = scanner.document(|s| {
+        s.object(1, |s, key| {
+            members += 1;
+            let start = s.pos;
+            let shape = s.value(1)?;
+            if let Some(f) = OUTPUT_FIELDS.iter().position(|f| key.is(f.as_bytes())) {
+                spans.push((f, start, s.pos));
+                seen[f] = match shape {
+                    Shape::Num(Num::Int { negative: true, .. }) => Seen::Kept,
+                    Shape::Num(Num::Int { value: Some(v), .. }) if v <= limit => Seen::Kept,
+                    Shape::Num(Num::Int { value: Some(v), .. }) => Seen::Above(v),
+                    Shape::Num(Num::Int { value: None, .. }) => return Err(Stop::Defer),
+                    _ => Seen::NotInt,
+                };
+            }
+            Ok(())
+        })?;
+        close = s.pos - 1;
+        Ok(())
+    });
+    match read {
+        Ok(Some(())) => {}
+        Ok(None) | Err(_) => return Err(Defer),
+    }
+    let number = limit.to_string();
+    let mut edits: Vec<(usize, usize, Vec<u8>)> = Vec::new();
+    let (mut field, mut requested) = (add, None);
+    if seen.iter().all(|s| *s == Seen::Absent) {
+        let mut text = Vec::new();
+        if members > 0 {
+            text.push(b',');
+        }
+        text.push(b'"');
+        text.extend_from_slice(OUTPUT_FIELDS[add].as_bytes());
+        text.extend_from_slice(b"\":");
+        text.extend_from_slice(number.as_bytes());
+        edits.push((close, close, text));
+    } else {
+        let mut any = false;
+        for (f, s) in seen.iter().enumerate() {
+            let asked = match *s {
+                Seen::Above(v) => Some(v),
+                Seen::NotInt => None,
+                Seen::Absent | Seen::Kept => continue,
+            };
+            any = true;
+            (field, requested) = (f, asked);
+            for &(g, a, b) in &spans {
+                if g == f {
+                    edits.push((a, b, number.as_bytes().to_vec()));
+                }
+            }
+        }
+        if !any {
+            return Ok(None);
+        }
+        edits.sort_by_key(|e| e.0);
+    }
+    let mut out = Vec::with_capacity(body.len() + 32);
+    let mut at = 0;
+    for (a, b, text) in edits {
+        out.extend_from_slice(&body[at..a]);
+        out.extend_from_slice(&text);
+        at = b;
+    }
+    out.extend_from_slice(&body[at..]);
+    Ok(Some(CappedBody {
+        body: out,
+        field,
+        requested,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cap(body: &str, limit: u64, add: usize) -> Result<Option<(String, usize, Option<u64>)>, Defer> {
+        cap_output(body.as_bytes(), limit, add)
+            .map(|r| r.map(|c| (String::from_utf8(c.body).unwrap(), c.field, c.requested)))
+    }
+
+    #[test]
+    fn lowers_every_occurrence_and_never_raises() {
+        assert_eq!(
+            cap(r#"{"max_tokens": 500, "a":1, "max_tokens" :900 }"#, 100, 0),
+            Ok(Some((
+                r#"{"max_tokens": 100, "a":1, "max_tokens" :100 }"#.into(),
+                2,
+                Some(900)
+            )))
+        );
+        // The last value decides: an earlier larger one is rewritten with it only.
+        assert_eq!(cap(r#"{"max_tokens":500,"max_tokens":5}"#, 100, 0), Ok(None));
+        assert_eq!(cap(r#"{"max_tokens":-7}"#, 100, 0), Ok(None));
+        assert_eq!(cap(r#"{"max_tokens":100}"#, 100, 0), Ok(None));
+        assert_eq!(
+            cap(r#"{"max_tokens":1.0,"max_completion_tokens":true}"#, 9, 0),
+            Ok(Some((r#"{"max_tokens":9,"max_completion_tokens":9}"#.into(), 2, None)))
+        );
+        assert_eq!(
+            cap(r#"{"max\u005ftokens":{"max_tokens":1000}}"#, 9, 0),
+            Ok(Some((r#"{"max\u005ftokens":9}"#.into(), 2, None)))
+        );
+    }
+
+    #[test]
+    fn adds_a_missing_bound() {
+        assert_eq!(
+            cap(r#"{"model":"ü" }"#, 7, 1),
+            Ok(Some((r#"{"model":"ü" ,"max_output_tokens":7}"#.into(), 1, None)))
+        );
+        assert_eq!(cap(" { } ", 7, 2), Ok(Some((r#" { "max_tokens":7} "#.into(), 2, None))));
+    }
+
+    #[test]
+    fn defers() {
+        assert_eq!(cap(r#"{"max_tokens":99999999999999999999999}"#, 7, 0), Err(Defer));
+        assert_eq!(cap("[1]", 7, 0), Err(Defer));
+        assert_eq!(cap(r#"{"a":"#, 7, 0), Err(Defer));
+        assert_eq!(cap_output(b"\xff{}", 7, 0), Err(Defer));
+        assert_eq!(cap("{}", 7, 3), Err(Defer));
+    }
+}

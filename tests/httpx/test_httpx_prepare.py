@@ -1,0 +1,303 @@
+"""The one-call request reader (``_RequestReader.read``) against the Python reference
+(``_read_py``): own headers, body, model, estimate, costs and clamps are the same for
+any request, transport settings and estimator; where the reader defers (None) the
+reference prepares the call, and nothing was changed by the reader."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+import pytest
+import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ratequeue._ratequeue import _cap_output
+from ratequeue.httpx import (
+    Cap,
+    Capped,
+    Estimate,
+    RateLimitedTransport,
+    TokenEstimator,
+    chars_estimate,
+    using,
+)
+from ratequeue.httpx._body import spliced
+from ratequeue.httpx._caps import apply_limit, output_field
+from ratequeue.httpx._estimate import OUTPUT_FIELDS
+from ratequeue.httpx._prepare import _MISSING
+from ratequeue.httpx._record import json_object
+from ratequeue.httpx._wire import header_list
+from test_httpx_native import dumps, encode, mutated, request_bodies
+
+OWN = st.sampled_from(
+    [
+        "x-ratequeue-priority",
+        "X-RateQueue-Task",
+        "x-ratequeue-account",
+        "Idempotency-Key",
+        "x-other",
+        "content-type",
+    ]
+)
+VALUES = st.text(st.characters(min_codepoint=0x20, max_codepoint=0xFF), max_size=6).map(
+    lambda v: v.encode("latin-1")
+)
+
+
+def _custom(body: dict[str, Any] | None, path: str) -> Estimate:
+    return Estimate(3, 5)
+
+
+def transport(mod: Any, units: str, burst: int, stream_usage: bool, est: Any, caps: bool) -> Any:
+    rates = [rq.Rate(10**6, per="minute", burst=burst)]
+    if units != "requests":
+        for u in units.split("+"):
+            rates.append(rq.Rate(10**6, per="minute", burst=burst, unit=u))
+    return RateLimitedTransport(
+        mod.MockTransport(lambda r: mod.Response(200, json={})),
+        rq.Limiter(*rates, clock=rq.ManualClock()),
+        estimator=est,
+        stream_usage=stream_usage,
+        caps=[Cap(7)] if caps else (),
+    )
+
+
+def request(mod: Any, method: str, path: str, headers: list[tuple[str, bytes]], body: Any) -> Any:
+    if body == "stream":  # a body not read: its length known, its content not
+        hs = [*headers, ("content-length", b"5")]
+        return mod.Request(method, "http://p" + path, headers=hs, content=iter([b"12345"]))
+    return mod.Request(method, "http://p" + path, headers=headers, content=body)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["httpx", "httpx2"]),
+    st.sampled_from(["POST", "PUT", "GET"]),
+    st.sampled_from(["/v1/chat/completions", "/v1/responses", "/x"]),
+    st.lists(st.tuples(OWN, VALUES), max_size=4),
+    st.one_of(st.none(), st.just("stream"), request_bodies(), mutated(request_bodies())),
+    st.sampled_from(["requests", "requests+tokens", "input_tokens+output_tokens+images"]),
+    st.sampled_from([1, 50, 10**6]),
+    st.booleans(),
+    st.sampled_from(["chars", "chars_estimate", "custom", "chars3"]),
+    st.booleans(),
+    st.booleans(),
+)
+def test_reader_agrees_with_the_reference(
+    modname: str,
+    method: str,
+    path: str,
+    headers: list[tuple[str, bytes]],
+    body: Any,
+    units: str,
+    burst: int,
+    stream_usage: bool,
+    est_name: str,
+    caps: bool,
+    want: bool,
+) -> None:
+    mod = importlib.import_module(modname)
+    est = {
+        "chars": TokenEstimator(None),
+        "chars_estimate": chars_estimate,
+        "custom": _custom,
+        "chars3": TokenEstimator(None, chars_per_token=3, default_output_tokens=17),
+    }[est_name]
+    t = transport(mod, units, burst, stream_usage, est, caps)
+    req = request(mod, method, path, headers, body)
+    header_list(req.headers)  # its type known to keep httpx's triples (the reference learns it)
+    before = (list(req.headers.raw), req.method, str(req.url))
+    got = t._reader.read(req, path, want, t.estimator)
+    assert (list(req.headers.raw), req.method, str(req.url)) == before  # nothing changed
+    if got is None:
+        return
+    ref = request(mod, method, path, headers, body)
+    want_read = t._read_py(ref, path, want)
+    data_got, data_ref = got[8], want_read[8]
+    assert got[:8] == want_read[:8]
+    assert type(got[5]) is type(want_read[5])
+    assert data_got == data_ref
+    assert got[9] is want_read[9] is None
+
+
+def test_the_common_call_is_read_natively() -> None:
+    import httpx2
+
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 40 + b'"}]}'
+    for units in ("requests", "requests+tokens"):
+        t = transport(httpx2, units, 10**6, True, TokenEstimator(None), False)
+        req = request(httpx2, "POST", "/v1/chat/completions", [], body)
+        header_list(req.headers)
+        got = t._reader.read(req, "/v1/chat/completions", False, t.estimator)
+        assert got is not None
+        assert got[6] == (
+            {"requests": 1, "tokens": 14 + 1024} if "tokens" in units else {"requests": 1}
+        )
+
+
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+def test_a_stream_without_its_usage_and_caps_take_the_reference(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    t = transport(mod, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    req = request(mod, "POST", "/v1/chat/completions", [], b'{"stream":true}')
+    header_list(req.headers)
+    assert t._reader.read(req, "/v1/chat/completions", False, t.estimator) is None
+    c = mod.Client(transport=t)
+    r = c.post("http://p/v1/chat/completions", content=b'{"stream":true}')
+    assert b'"include_usage":true' in r.request.content
+    t = transport(mod, "requests+tokens", 10**6, True, TokenEstimator(None), True)
+    req = request(mod, "POST", "/x", [], b'{"max_tokens":9}')
+    assert t._reader.read(req, "/x", False, t.estimator) is None
+
+
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+def test_own_headers_are_removed_and_read(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    sent: list[Any] = []
+    lim = rq.Limiter(rq.Rate(10**6, per="minute"), classes={"p": 1}, clock=rq.ManualClock())
+    t = RateLimitedTransport(
+        mod.MockTransport(lambda r: sent.append(r) or mod.Response(200, json={})), lim
+    )
+    c = mod.Client(transport=t)
+    h = {"x-ratequeue-priority": "p", "X-RateQueue-Task": "t", "x-ratequeue-account": "a"}
+    r = c.post("http://p/x", json={"a": 1}, headers={**h, "Idempotency-Key": "k"})
+    rec = r.extensions["ratequeue"]
+    assert (rec.priority, rec.task, rec._account, rec.request_id) == ("p", "t", "a", "k")
+    assert not any(k.lower().startswith("x-ratequeue") for k in sent[-1].headers)
+
+
+def test_a_burst_past_64_bits_keeps_the_reference() -> None:
+    import httpx2
+
+    lim = rq.Limiter(rq.Rate(10**6, per="minute", burst=10**6), clock=rq.ManualClock())
+    t = RateLimitedTransport(httpx2.MockTransport(lambda r: httpx2.Response(200)), lim)
+    t._plan = (("requests", 0, 2**70),)
+    assert t._new_reader() is None
+
+
+# -- the output cap, written natively -------------------------------------------------------
+
+BOUNDS = st.one_of(
+    st.integers(-5, 300),
+    st.sampled_from([True, False, None, 1.0, "9", 2**64 + 1, -(2**70), [], {}]),
+)
+
+
+@st.composite
+def capped_bodies(draw: Any) -> bytes:
+    """Request bodies whose output bounds repeat, nest, are escaped or not ints."""
+    base = json.loads(draw(request_bodies()).decode("utf-8", "surrogatepass") or "{}")
+    top: list[tuple[str, Any]] = [(k, v) for k, v in base.items()] if isinstance(base, dict) else []
+    for _ in range(draw(st.integers(0, 4))):
+        f = draw(st.sampled_from(OUTPUT_FIELDS))
+        value = draw(st.one_of(BOUNDS, st.just([(f, 500)])))  # a nested object of the same key
+        top.insert(draw(st.integers(0, len(top))), (f, value))
+    text = dumps(top, draw(st.booleans()), draw(st.booleans()))
+    if draw(st.booleans()):  # escaped keys
+        text = text.replace('"max_tokens"', '"max\\u005ftokens"')
+    if draw(st.booleans()):
+        text = " \n" + text.replace(",", " ,\t") + "\r\n"
+    return encode(text)
+
+
+def reference_cap(data: bytes, limit: int, path: str) -> Any:
+    """What the Python path does: the capped body's bytes and the cap applied (None:
+    nothing changes; False: the body is not a UTF-8 object ``spliced`` reads)."""
+    body = json_object(data)
+    if body is None:
+        return False
+    before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
+    capped = apply_limit(body, path, limit)
+    if capped is None:
+        return None
+    fields = {
+        f: body[f]
+        for f, was in zip(OUTPUT_FIELDS, before, strict=True)
+        if body.get(f, _MISSING) is not was
+    }
+    new = spliced(data, fields)
+    return False if new is None else (new, capped, body)
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    st.one_of(capped_bodies(), mutated(capped_bodies())),
+    st.integers(1, 400),
+    st.sampled_from(["/v1/chat/completions", "/v1/responses", "/v1/messages"]),
+)
+def test_native_cap_is_the_reference_byte_for_byte(data: bytes, limit: int, path: str) -> None:
+    got = _cap_output(data, limit, OUTPUT_FIELDS.index(output_field(path)))
+    want = reference_cap(data, limit, path)
+    if got is False:  # deferred: huge ints, other encodings, not an object
+        return
+    if want is None or got is None:
+        assert got == want
+        return
+    assert want is not False
+    new, capped, body = want
+    assert got[0] == new
+    assert Capped(OUTPUT_FIELDS[got[1]], got[2], limit) == capped
+    assert json.loads(got[0]) == body  # valid JSON, the capped object
+    for f in OUTPUT_FIELDS:  # never raised
+        if type(body.get(f)) is int:
+            assert body[f] <= limit or body[f] < 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+def test_caps_through_the_transport_either_way(
+    native: bool, modname: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ratequeue.httpx import _prepare
+
+    if not native:
+        monkeypatch.setattr(_prepare, "_cap_output", lambda *a: False)
+    mod = importlib.import_module(modname)
+    sent: list[Any] = []
+    lim = rq.Limiter(
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(
+        mod.MockTransport(lambda r: sent.append(r) or mod.Response(200, json={})),
+        lim,
+        estimator=TokenEstimator(None),
+        caps=[Cap(100, route="/chat/completions"), Cap(20, task="summary")],
+    )
+    c = mod.Client(transport=t)
+    data = (
+        b'{"model":"m","max_tokens" : 4000,"messages":[{"role":"user","content":"\\u00fc'
+        + b"x" * 39
+        + b'"}]}'
+    )
+    r = c.post("http://p/v1/chat/completions", content=data)
+    rec = r.extensions["ratequeue"]
+    assert (rec.capped.field, rec.capped.requested, rec.capped.sent) == ("max_tokens", 4000, 100)
+    assert tuple(rec.estimate) == (10 + 4, 100)
+    if native:  # the one number rewritten, every other byte kept
+        assert sent[-1].content == data.replace(b"4000", b"100")
+    assert json.loads(sent[-1].content)["max_tokens"] == 100
+    assert int(sent[-1].headers["content-length"]) == len(sent[-1].content)
+    with using(task="summary"):
+        r = c.post("http://p/v1/chat/completions", content=data)
+    assert json.loads(sent[-1].content)["max_tokens"] == 20
+    r = c.post("http://p/v1/chat/completions", content=b'{"model":"m","max_tokens":7}')
+    assert r.extensions["ratequeue"].capped is None
+    assert sent[-1].content == b'{"model":"m","max_tokens":7}'
+    r = c.post("http://p/v1/chat/completions", content=b'{"model":"m"}')
+    assert sent[-1].content == b'{"model":"m","max_completion_tokens":100}'
+    assert tuple(r.extensions["ratequeue"].estimate)[1] == 100
+
+
+def test_a_path_that_is_not_utf8_never_raises() -> None:
+    import httpx2
+
+    t = transport(httpx2, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    for body in (b'{"stream":true}', b'{"model":"m"}'):
+        req = request(httpx2, "POST", "/v1/chat/completions", [], body)
+        header_list(req.headers)
+        got = t._reader.read(req, "/\ud800/chat/completions", False, t.estimator)
+        assert (got is None) is (body == b'{"stream":true}')
