@@ -301,3 +301,32 @@ def test_a_path_that_is_not_utf8_never_raises() -> None:
         header_list(req.headers)
         got = t._reader.read(req, "/\ud800/chat/completions", False, t.estimator)
         assert (got is None) is (body == b'{"stream":true}')
+
+
+@pytest.mark.parametrize(
+    ("name", "value"),
+    [
+        ("caps", (Cap(1),)),
+        ("stream_usage", False),
+        ("max_body", 0),
+        ("ledger", None),
+        ("limit", rq.Limiter(rq.Rate(1, per="second"))),
+        ("units", frozenset({"requests"})),
+        ("upstream", None),
+    ],
+)
+def test_settings_read_at_construction_cannot_be_changed_on_a_live_transport(
+    name: str, value: Any
+) -> None:
+    """The native request reader, the cap table and the units are made from these when
+    the transport is built: assigning one later would leave them deciding with the old
+    value, so it raises instead of diverging silently."""
+    import httpx2
+
+    t = transport(httpx2, "requests+tokens", 10**6, True, TokenEstimator(None), True)
+    before = getattr(t, name)
+    with pytest.raises(AttributeError, match=f"{name}.*new transport"):
+        setattr(t, name, value)
+    assert getattr(t, name) is before
+    t.timeout = 2.0  # the rest stays settable
+    assert t.timeout == 2.0

@@ -66,6 +66,18 @@ class RateLimitedTransport(_Requests):
     the limits the headers state.
     """
 
+    # Read when the transport is built (the native request reader, the cap table, the
+    # units and what a call needs): assigning one later raises instead of diverging.
+    _FIXED = frozenset({"caps", "stream_usage", "max_body", "ledger", "limit", "units", "upstream"})
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in self._FIXED and name in self.__dict__:
+            raise AttributeError(
+                f"RateLimitedTransport.{name} is fixed when the transport is built: "
+                "make a new transport"
+            )
+        object.__setattr__(self, name, value)
+
     def __init__(
         self,
         inner: Any,
