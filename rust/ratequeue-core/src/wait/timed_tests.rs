@@ -41,6 +41,27 @@ fn join(q: &Arc<WaitQueue>, class: usize, slot: &Arc<Slot>) -> u64 {
     }
 }
 
+/// Three classes of equal weight, four self-timed threads joined as a1, b1, c1, a2 (fair
+/// order: 100, 200, 300, 400 ms): the queue, its clock, the slots and their tickets.
+#[allow(clippy::type_complexity)]
+fn three_classes_four_waiters() -> (Arc<WaitQueue>, Arc<ManualClock>, [Arc<Slot>; 4], [u64; 4]) {
+    let classes = vec![("a".into(), 1.0), ("b".into(), 1.0), ("c".into(), 1.0)];
+    let (q, clock) = setup(classes);
+    let slots = [
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+        Slot::self_timed(),
+    ];
+    let tickets = [
+        join(&q, 0, &slots[0]),
+        join(&q, 1, &slots[1]),
+        join(&q, 2, &slots[2]),
+        join(&q, 0, &slots[3]),
+    ];
+    (q, clock, slots, tickets)
+}
+
 fn granted(slot: &Slot) -> Option<u64> {
     match *lock(&slot.state) {
         Some(Outcome::Granted { at_ns, .. }) => Some(at_ns),
@@ -127,15 +148,7 @@ fn a_submission_that_grants_a_late_self_timed_head_asks_the_driver_for_the_next(
 
 #[test]
 fn with_several_classes_an_early_waiter_waits_untimed_until_it_is_the_head() {
-    let classes = vec![("a".into(), 1.0), ("b".into(), 1.0), ("c".into(), 1.0)];
-    let (q, clock) = setup(classes);
-    let (a1, b1, c1, a2) = (
-        Slot::self_timed(),
-        Slot::self_timed(),
-        Slot::self_timed(),
-        Slot::self_timed(),
-    );
-    let [ta1, tb1, tc1, ta2] = [join(&q, 0, &a1), join(&q, 1, &b1), join(&q, 2, &c1), join(&q, 0, &a2)];
+    let (q, clock, [a1, b1, c1, a2], [ta1, tb1, tc1, ta2]) = three_classes_four_waiters();
     // Fair order: a1 100, b1 200, c1 300, a2 400 ms; a2 predicted from its class alone.
     assert_eq!(a2.timer(), Some(200 * MS));
     // No driver while every thread is timed (an early waiter, once untimed, leaves its
@@ -272,15 +285,7 @@ fn a_stalled_self_timed_head_is_taken_over_by_the_driver_for_a_plain_waiter_behi
 
 #[test]
 fn a_stalled_self_timed_head_is_taken_over_for_an_untimed_waiter_of_another_class() {
-    let classes = vec![("a".into(), 1.0), ("b".into(), 1.0), ("c".into(), 1.0)];
-    let (q, clock) = setup(classes);
-    let (a1, b1, c1, a2) = (
-        Slot::self_timed(),
-        Slot::self_timed(),
-        Slot::self_timed(),
-        Slot::self_timed(),
-    );
-    let [ta1, _tb1, _tc1, ta2] = [join(&q, 0, &a1), join(&q, 1, &b1), join(&q, 2, &c1), join(&q, 0, &a2)];
+    let (q, clock, [a1, b1, c1, a2], [ta1, _, _, ta2]) = three_classes_four_waiters();
     clock.set(100 * MS).unwrap();
     q.poll_for(ta1, &a1);
     clock.set(200 * MS).unwrap();
