@@ -84,7 +84,11 @@ def test_the_sent_body_is_capped_json(
     for hook in (None, _first_wins):
         body = json.loads(out, object_pairs_hook=hook)
         assert isinstance(body, dict)
-        bounds = [body[f] for f in ("max_completion_tokens", "max_output_tokens", "max_tokens") if f in body]
+        bounds = [
+            body[f]
+            for f in ("max_completion_tokens", "max_output_tokens", "max_tokens")
+            if f in body
+        ]
         assert bounds, out
         for v in bounds:
             assert type(v) is int and 0 <= v <= CAP, (out, hook)
