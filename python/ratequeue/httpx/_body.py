@@ -7,7 +7,7 @@ import json
 import json.decoder
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ._record import SCAN
@@ -58,6 +58,26 @@ def _members(s: str) -> tuple[dict[str, list[tuple[int, int]]], int] | None:
             pos = ws(s, pos + 1)
     except (IndexError, StopIteration, ValueError, RecursionError):
         return None
+
+
+_BOUND_KEYS = (b'"max_completion_tokens"', b'"max_output_tokens"', b'"max_tokens"')
+
+
+def repeated(data: bytes, names: Sequence[str]) -> dict[str, list[Any]]:
+    """Every value of each of ``names`` that occurs more than once at the top level of
+    the UTF-8 JSON object ``data``, in order (empty when none does, or when ``data`` is
+    not such an object: ``spliced`` then writes no occurrence of its own)."""
+    if b"\\" not in data and all(data.count(k) < 2 for k in _BOUND_KEYS):
+        return {}  # no key written twice, nor escaped
+    try:
+        s = data.decode()
+    except UnicodeDecodeError:
+        return {}
+    found = _members(s)
+    if found is None:
+        return {}
+    spans = found[0]
+    return {n: [SCAN(s, a)[0] for a, _ in spans[n]] for n in names if len(spans.get(n, ())) > 1}
 
 
 def spliced(data: bytes, fields: Mapping[str, Any]) -> bytes | None:

@@ -5,13 +5,15 @@ model (exact, or a glob such as ``"gpt-4o*"``) and by task tag (``x-ratequeue-ta
 header or :func:`ratequeue.httpx.using`); the smallest matching cap applies. It is
 applied by rewriting the body: a larger ``max_tokens`` / ``max_completion_tokens`` /
 ``max_output_tokens`` is lowered, a missing one is added (the field the route's API
-uses), a smaller one is never raised.
+uses), a smaller one is never raised; one that is no count (a negative int, not an int)
+is replaced, and so is every occurrence of a key the body repeats when any is above the
+cap or no count.
 """
 
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -75,23 +77,47 @@ def cap_limit(caps: Sequence[Cap], path: str, model: str | None, task: str | Non
     return min((c.max_tokens for c in caps if c.matches(path, model, task)), default=None)
 
 
+def _over(v: Any, limit: int) -> bool:
+    """True when the cap replaces this bound: no count (not an int, or negative), or
+    above the cap."""
+    return isinstance(v, bool) or not isinstance(v, int) or v < 0 or v > limit
+
+
+def cap_fields(
+    body: dict[str, Any],
+    path: str,
+    limit: int,
+    repeated: Mapping[str, Sequence[Any]] | None = None,
+) -> tuple[Capped | None, dict[str, int]]:
+    """Lower (or add) the body's output bound to ``limit``, in place: what was done
+    (None: nothing) and the fields written. ``repeated``: every value of a bound the
+    body's bytes repeat (``body`` holds the last); any one the cap replaces writes them
+    all, so a parser keeping the first of a repeated key sees the cap too."""
+    present = [f for f in OUTPUT_FIELDS if f in body]
+    if not present:
+        f = output_field(path)
+        body[f] = limit
+        return Capped(f, None, limit), {f: limit}
+    done: Capped | None = None
+    fields: dict[str, int] = {}
+    for f in present:
+        values = repeated.get(f) if repeated else None
+        over = [v for v in (values or (body[f],)) if _over(v, limit)]
+        if over:
+            v = over[-1]
+            body[f] = fields[f] = limit
+            done = Capped(
+                f, v if not isinstance(v, bool) and isinstance(v, int) and v >= 0 else None, limit
+            )
+    return done, fields
+
+
 def apply_limit(body: dict[str, Any], path: str, limit: int | None) -> Capped | None:
     """Lower (or add) the body's output bound to ``limit``, in place; what was done, or
     None when nothing was."""
     if limit is None:
         return None
-    present = [f for f in OUTPUT_FIELDS if f in body]
-    if not present:
-        f = output_field(path)
-        body[f] = limit
-        return Capped(f, None, limit)
-    done: Capped | None = None
-    for f in present:
-        v = body[f]
-        if isinstance(v, bool) or not isinstance(v, int) or v > limit:
-            body[f] = limit
-            done = Capped(f, v if isinstance(v, int) and not isinstance(v, bool) else None, limit)
-    return done
+    return cap_fields(body, path, limit)[0]
 
 
 def apply_caps(
@@ -128,7 +154,18 @@ class CapTable:
 
     def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
         """``apply_caps`` with this table's caps."""
+        return self.apply_fields(body, path, task)[0]
+
+    def apply_fields(
+        self,
+        body: dict[str, Any],
+        path: str,
+        task: str | None,
+        repeated: Mapping[str, Sequence[Any]] | None = None,
+    ) -> tuple[Capped | None, dict[str, int]]:
+        """``cap_fields`` with this table's limit for the call (nothing when none)."""
         model = body.get("model")
-        return apply_limit(
-            body, path, self.limit(path, model if type(model) is str else None, task)
-        )
+        limit = self.limit(path, model if type(model) is str else None, task)
+        if limit is None:
+            return None, {}
+        return cap_fields(body, path, limit, repeated)

@@ -18,7 +18,7 @@ from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
-from ._body import replace_body, set_body
+from ._body import repeated, replace_body, set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
 from ._caps import Cap, Capped, CapTable, output_field
 from ._context import _EMPTY, _OPTIONS, current_options
@@ -67,7 +67,6 @@ def _read_request(
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_MISSING = object()
 _ADD = {f: i for i, f in enumerate(OUTPUT_FIELDS)}
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
@@ -315,13 +314,10 @@ class _Requests:
         fields: dict[str, Any] = {}
         capped = None
         if self.caps:
-            before = [body.get(f, _MISSING) for f in OUTPUT_FIELDS]
-            capped = self._cap_table.apply(body, path, task)
-            if capped is not None:
-                for f, was in zip(OUTPUT_FIELDS, before, strict=True):
-                    v = body.get(f, _MISSING)
-                    if v is not was:
-                        fields[f] = v
+            capped, written = self._cap_table.apply_fields(
+                body, path, task, repeated(data, OUTPUT_FIELDS)
+            )
+            fields.update(written)
         if body.get("stream") is True and self._stream_opts(body, path):
             fields["stream_options"] = body["stream_options"]
         if fields:

@@ -1,7 +1,7 @@
 //! An output cap written into a request body without re-serialising it: the value of
-//! every top-level occurrence of an output-bounding field above the cap is replaced by
-//! the cap's number, or the field is added before the closing brace; every other byte
-//! stays. The same bytes as the Python reference (`apply_limit` over a full parse, then
+//! every top-level occurrence of an output-bounding field is replaced by the cap's
+//! number when any occurrence is above the cap or no count (a negative int, not an
+//! int), or the field is added before the closing brace; every other byte stays. The same bytes as the Python reference (`apply_limit` over a full parse, then
 //! `spliced`), or [`Defer`] where only it can tell.
 
 use super::scan::{Num, Scanner, Shape, Stop};
@@ -10,16 +10,16 @@ use super::Defer;
 /// The output-bounding fields, in the order the reference checks them.
 pub const OUTPUT_FIELDS: [&str; 3] = ["max_completion_tokens", "max_output_tokens", "max_tokens"];
 
-/// What a field's last value is, for the cap.
+/// What a field's occurrences are, for the cap.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Seen {
     Absent,
-    /// An int the cap keeps (negative, or at most the cap).
+    /// Every occurrence a count the cap keeps (an int from 0 to the cap).
     Kept,
-    /// A non-negative int above the cap.
-    Above(u64),
-    /// Not an int (a bool, float, string, null, container): replaced.
-    NotInt,
+    /// An occurrence the cap replaces, the last such: a non-negative int above the cap
+    /// (its value), or no count (None: a negative int, bool, float, string, null,
+    /// container).
+    Over(Option<u64>),
 }
 
 /// A body rewritten for a cap.
@@ -35,7 +35,7 @@ pub struct CappedBody {
 }
 
 /// `body` with its output bound capped at `limit`: `Ok(None)` when nothing changes
-/// (every bound present is an int at most `limit`); `add` is the field (index in
+/// (every occurrence of every bound present is an int from 0 to `limit`); `add` is the field (index in
 /// [`OUTPUT_FIELDS`]) added when none is present. `Err(Defer)` when the body is not a
 /// UTF-8 JSON object this scanner reads, or a bound above the cap is past 64 bits.
 pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBody>, Defer> {
@@ -54,12 +54,20 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBo
             let shape = s.value(1)?;
             if let Some(f) = OUTPUT_FIELDS.iter().position(|f| key.is(f.as_bytes())) {
                 spans.push((f, start, s.pos));
-                seen[f] = match shape {
-                    Shape::Num(Num::Int { negative: true, .. }) => Seen::Kept,
-                    Shape::Num(Num::Int { value: Some(v), .. }) if v <= limit => Seen::Kept,
-                    Shape::Num(Num::Int { value: Some(v), .. }) => Seen::Above(v),
+                // Any occurrence over the cap writes them all: a parser that keeps the
+                // first of a repeated key sees the cap too, not only one that keeps the
+                // last. A negative bound is no count (some servers read -1 as no limit).
+                let over = match shape {
+                    Shape::Num(Num::Int { negative: true, .. }) => Some(None),
+                    Shape::Num(Num::Int { value: Some(v), .. }) if v <= limit => None,
+                    Shape::Num(Num::Int { value: Some(v), .. }) => Some(Some(v)),
                     Shape::Num(Num::Int { value: None, .. }) => return Err(Stop::Defer),
-                    _ => Seen::NotInt,
+                    _ => Some(None),
+                };
+                seen[f] = match (over, seen[f]) {
+                    (Some(asked), _) => Seen::Over(asked),
+                    (None, Seen::Absent) => Seen::Kept,
+                    (None, was) => was,
                 };
             }
             Ok(())
@@ -87,10 +95,8 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBo
     } else {
         let mut any = false;
         for (f, s) in seen.iter().enumerate() {
-            let asked = match *s {
-                Seen::Above(v) => Some(v),
-                Seen::NotInt => None,
-                Seen::Absent | Seen::Kept => continue,
+            let Seen::Over(asked) = *s else {
+                continue;
             };
             any = true;
             (field, requested) = (f, asked);
@@ -139,9 +145,26 @@ mod tests {
                 Some(900)
             )))
         );
-        // The last value decides: an earlier larger one is rewritten with it only.
-        assert_eq!(cap(r#"{"max_tokens":500,"max_tokens":5}"#, 100, 0), Ok(None));
-        assert_eq!(cap(r#"{"max_tokens":-7}"#, 100, 0), Ok(None));
+        // Any occurrence over the cap writes every one (first-wins parsers included).
+        assert_eq!(
+            cap(r#"{"max_tokens":500,"max_tokens":5}"#, 100, 0),
+            Ok(Some((r#"{"max_tokens":100,"max_tokens":100}"#.into(), 2, Some(500))))
+        );
+        assert_eq!(
+            cap(r#"{"max_tokens":500,"max\u005ftokens":null,"max_tokens":5}"#, 100, 0),
+            Ok(Some((
+                r#"{"max_tokens":100,"max\u005ftokens":100,"max_tokens":100}"#.into(),
+                2,
+                None
+            )))
+        );
+        assert_eq!(cap(r#"{"max_tokens":5,"max_tokens":100}"#, 100, 0), Ok(None));
+        // A negative bound is no count: replaced.
+        assert_eq!(
+            cap(r#"{"max_tokens":-7}"#, 100, 0),
+            Ok(Some((r#"{"max_tokens":100}"#.into(), 2, None)))
+        );
+        assert_eq!(cap(r#"{"max_tokens":-0}"#, 100, 0), Ok(None));
         assert_eq!(cap(r#"{"max_tokens":100}"#, 100, 0), Ok(None));
         assert_eq!(
             cap(r#"{"max_tokens":1.0,"max_completion_tokens":true}"#, 9, 0),
