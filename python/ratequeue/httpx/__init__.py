@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from ._budget import BudgetExceeded, CallBudget, SubCall, current_budget
-from ._caps import Cap, Capped, apply_caps
+from ._caps import Cap, CapNotApplied, Capped, apply_caps
 from ._context import CallOptions, current_options, using
 from ._estimate import Estimate, Estimator, TokenEstimator, chars_estimate
 from ._headers import (
@@ -42,6 +42,7 @@ __all__ = [
     "CallOptions",
     "CallRecord",
     "Cap",
+    "CapNotApplied",
     "Capped",
     "Estimate",
     "Estimator",

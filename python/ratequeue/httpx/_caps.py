@@ -17,9 +17,21 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .._errors import RateQueueError
 from ._estimate import OUTPUT_FIELDS
 
-__all__ = ["Cap", "Capped", "apply_caps", "output_field"]
+__all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
+
+
+class CapNotApplied(RateQueueError, ValueError):
+    """An output cap matches the call but its body could not be capped: not read (over
+    the transport's ``max_body``, or a stream) or not one JSON object. Refused before
+    anything was acquired, charged or sent (``retry_after`` is ``inf``: the same call is
+    refused again). A transport built with ``uncapped="send"`` sends such calls as they
+    are instead."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, float("inf"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,6 +163,15 @@ class CapTable:
             if len(self.limits) < self.size:
                 self.limits[key] = limit
             return limit
+
+    def may_match(self, path: str, task: str | None) -> bool:
+        """True when some cap matches a call on ``path`` with ``task`` whose model is not
+        known (a cap on a model may be the one)."""
+        return any(
+            (c.route is None or path == c.route or path.endswith(c.route))
+            and (c.task is None or task == c.task)
+            for c in self.caps
+        )
 
     def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
         """``apply_caps`` with this table's caps."""

@@ -20,7 +20,7 @@ from ..pool import Pool
 from . import _budget
 from ._body import repeated, replace_body, set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, Capped, CapTable, output_field
+from ._caps import Cap, CapNotApplied, Capped, CapTable, output_field
 from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import _CHARS, OUTPUT_FIELDS, Estimate, TokenEstimator, chars_estimate
 from ._record import _Call, json_object
@@ -102,6 +102,7 @@ class _Requests:
     keys: Callable[[Any], Any] | None
     stream_usage: bool
     max_body: int
+    uncapped: str
     _needs_body: bool
     _is_policy: bool
     _reader: _RequestReader | None = None
@@ -241,6 +242,7 @@ class _Requests:
                 data = None
         capped = model = est = None
         clamped: tuple[str, ...] = ()
+        parsed = False  # the body read as one JSON object
         if (
             self._needs_body
             or want_estimate
@@ -253,6 +255,7 @@ class _Requests:
             if facts is False:  # the reference: a full parse, the estimator over it
                 body = json_object(data) if data else None
                 if body is not None:
+                    parsed = True
                     if self.caps or "stream" in body:
                         on = task or _OPTIONS.get().task  # the task a cap matches
                         capped = self._rewrite(request, data, body, path, on)  # type: ignore[arg-type]
@@ -262,12 +265,39 @@ class _Requests:
             elif facts is None:  # not a JSON object
                 est = self.estimator(None, path)
             else:
+                parsed = True
                 model, _, i, o = facts
                 est = _new(Estimate, (i, o))
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
+        if not parsed and self.caps and self.uncapped == "refuse":
+            self._uncapped(request, path, task, length, data)
         return priority, task, account, request_id, model, est, costs, clamped, data, capped
+
+    def _uncapped(
+        self, request: Any, path: str, task: str | None, length: bytes | None, data: Any
+    ) -> None:
+        """Refuse a call with a body the caps could not read (not read, or not one JSON
+        object) when a cap may match it: a body past ``max_body`` must not carry a call
+        around its cap. Bodies with nothing to cap pass: none (or empty), or a multipart
+        upload."""
+        if request.method not in _BODY_METHODS or length == b"0" or data == b"":
+            return
+        if request.headers.get("content-type", "").lower().startswith("multipart/"):
+            return
+        if not self._cap_table.may_match(path, task or _OPTIONS.get().task):
+            return
+        why = (
+            "is not one JSON object"
+            if data
+            else f"was not read (a stream, or longer than max_body={self.max_body})"
+        )
+        raise CapNotApplied(
+            f"an output cap matches {request.method} {path} but its body {why}: refused "
+            "before sending (raise max_body, send the body whole, or build the transport "
+            'with uncapped="send")'
+        )
 
     def _cap(
         self, request: Any, data: bytes, path: str, facts: _Facts, task: str | None

@@ -11,7 +11,7 @@ import math
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import Histogram, Limiter, Policy, _read_response
@@ -57,7 +57,9 @@ class RateLimitedTransport(_Requests):
 
     ``limit`` is a :class:`~ratequeue.Limiter`, :class:`~ratequeue.Policy` or
     :class:`~ratequeue.Pool`. Each call is estimated (1 request; prompt + max output
-    tokens), capped (``caps``), checked against the :class:`CallBudget` of its context,
+    tokens), capped (``caps``; a call a cap may match whose body cannot be capped —
+    past ``max_body``, a stream, not one JSON object — raises ``CapNotApplied`` unless
+    ``uncapped="send"``), checked against the :class:`CallBudget` of its context,
     held in the ``ledger``, then acquired with ``timeout`` as the bound on its queue wait
     (``Overloaded`` / ``WaitTimeout`` otherwise; nothing is sent). The response settles
     the permit, budget and ledger with the real usage. A 429 puts the provider's limiter
@@ -68,7 +70,9 @@ class RateLimitedTransport(_Requests):
 
     # Read when the transport is built (the native request reader, the cap table, the
     # units and what a call needs): assigning one later raises instead of diverging.
-    _FIXED = frozenset({"caps", "stream_usage", "max_body", "ledger", "limit", "units", "upstream"})
+    _FIXED = frozenset(
+        {"caps", "stream_usage", "max_body", "uncapped", "ledger", "limit", "units", "upstream"}
+    )
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name in self._FIXED and name in self.__dict__:
@@ -99,6 +103,7 @@ class RateLimitedTransport(_Requests):
         retry_hint: bool = True,
         stream_usage: bool = True,
         max_body: int = 8 << 20,
+        uncapped: Literal["refuse", "send"] = "refuse",
     ) -> None:
         if not (hasattr(inner, "handle_request") or hasattr(inner, "handle_async_request")):
             raise TypeError(f"inner={inner!r} is not an httpx or httpx2 transport")
@@ -125,6 +130,9 @@ class RateLimitedTransport(_Requests):
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body={max_body!r} must be an int >= 0")
         self.max_body = max_body
+        if not isinstance(uncapped, str) or uncapped not in ("refuse", "send"):
+            raise ValueError(f"uncapped={uncapped!r} must be 'refuse' or 'send'")
+        self.uncapped: str = uncapped
         if isinstance(limit, Limiter):
             self.upstream: Limiter | None = limit
             self.units = frozenset(limit.units)
