@@ -9,9 +9,10 @@
   starts with every permit free: permits of threads that do not exist in it would
   otherwise leak forever (a pre-fork permit released in the child gives nothing back).
 
-Each child reports through its exit code (and a traceback on a pipe); a watchdog alarm
-kills a child that hangs. ``RATEQUEUE_FORK_STRESS_RUNS`` repeats the stress test
-(``make stress-fork`` runs it 200 times).
+Each child reports through its exit code (and a traceback on a pipe); the parent kills a
+child that hangs, the failure holding its Python and native stacks (tests/forking.py).
+``RATEQUEUE_FORK_STRESS_RUNS`` repeats the stress test (``make stress-fork`` runs it 200
+times).
 """
 
 from __future__ import annotations
@@ -433,13 +434,12 @@ def test_fork_while_a_policy_acquire_holds_its_lock_waits_for_it():
     t0 = time.monotonic()
 
     def child():
-        signal.alarm(5)
         _ratequeue._wait_cancel(acq, 0)
         held.release()
         with policy.acquire(timeout=2):
             pass
 
-    check(fork_child(child, CHILD_TIMEOUT))
+    check_child(fork_child(child, 5), 5)
     assert time.monotonic() - t0 >= 0.3
     holder.join()
 
@@ -482,7 +482,6 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
                 held.release()
 
             def child():
-                signal.alarm(10)
                 with policy.acquire(timeout=5):
                     pass
 
@@ -492,7 +491,7 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
 
                 asyncio.run(one())
 
-            check(fork_child(child, CHILD_TIMEOUT))
+            check_child(fork_child(child, 10), 10)
     finally:
         stop.set()
         for t in threads:
