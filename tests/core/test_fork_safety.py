@@ -275,7 +275,12 @@ def test_a_thread_waiting_for_a_core_lock_never_holds_the_gil(case):
         assert not t.is_alive()
 
 
-def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
+@pytest.mark.parametrize("inherited", ["handled", "ignored"])
+def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherited):
+    # The child inherits the test process's SIGINT disposition, which is not the test's
+    # to assume: pytest started as a background job of a non-interactive shell (`pytest &`,
+    # as under some CI runners and agents) starts with SIGINT ignored, and so does every
+    # child it forks (which then rightly ignores Ctrl-C). Both are given here.
     lim = rq.Limiter(rq.Rate(1, per="minute", burst=1))
     assert lim.try_acquire()
     # The parent's main thread waits once (whatever it caches about "main" is warm).
@@ -298,8 +303,13 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
 
     out = []
     t = threading.Thread(target=lambda: out.append(fork_child(child, CHILD_TIMEOUT)))
-    t.start()
-    t.join(CHILD_TIMEOUT + 10)
+    given = signal.default_int_handler if inherited == "handled" else signal.SIG_IGN
+    old = signal.signal(signal.SIGINT, given)
+    try:
+        t.start()
+        t.join(CHILD_TIMEOUT + 90)  # its timeout, then its stacks if it hangs
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert out
     check(out[0])
 
