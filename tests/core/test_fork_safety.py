@@ -280,7 +280,8 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherit
     # The child inherits the test process's SIGINT disposition, which is not the test's
     # to assume: pytest started as a background job of a non-interactive shell (`pytest &`,
     # as under some CI runners and agents) starts with SIGINT ignored, and so does every
-    # child it forks (which then rightly ignores Ctrl-C). Both are given here.
+    # child it forks (which then rightly ignores Ctrl-C). Both are given here; the child
+    # installs the handler it tests.
     lim = rq.Limiter(rq.Rate(1, per="minute", burst=1))
     assert lim.try_acquire()
     # The parent's main thread waits once (whatever it caches about "main" is warm).
@@ -290,6 +291,9 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherit
 
     def child():
         assert threading.current_thread() is threading.main_thread()
+        # Ctrl-C handled as Python's default does, whatever was inherited (only the main
+        # thread may set a handler: this is it).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         t0 = time.monotonic()
         try:
