@@ -19,7 +19,7 @@ from forking import check_child, fork_child
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)"),
     pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning"),
-    pytest.mark.timeout(60),
+    pytest.mark.timeout(120),  # a hung child: its timeout, its stacks (gdb), then the failure
 ]
 
 CHILD_TIMEOUT = 15
