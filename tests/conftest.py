@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 import ratequeue as rq
+from forking import report_stacks_on_sigusr1
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -46,6 +47,17 @@ HANG_SECONDS = float(os.environ.get("RATEQUEUE_HANG_SECONDS", "240"))
 
 
 _real_stderr: object = None
+
+
+def _stacks_on_sigusr1_in_a_child() -> None:
+    """Every forked child of the test process (``multiprocessing`` ones included) writes
+    each thread's Python stack to its stderr (the test's captured output) on SIGUSR1: what
+    a parent's watchdog sends a child it finds hung (tests/forking.py)."""
+    report_stacks_on_sigusr1(2)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_stacks_on_sigusr1_in_a_child)
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import ratequeue as rq
+from forking import check_child, fork_child
 from hypothesis import given
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
@@ -688,26 +689,20 @@ def test_exported_from_the_package() -> None:
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs fork")
 def test_the_driver_thread_restarts_in_a_forked_child() -> None:
-    import os
-
     lim = rq.Limiter(rq.Rate(10, per="second"))
     a = Adaptive(lim, AIMD(), interval=0.02).start()
+
+    def child() -> None:  # a new driver thread steps on its own
+        deadline = time.monotonic() + 10.0
+        while a.reasons["drop"] < 1 and time.monotonic() < deadline:
+            a.report(503)
+            time.sleep(0.01)
+        assert a.reasons["drop"] >= 1
+        assert a._thread is not None and a._thread.is_alive()
+        a.close()
+
     try:
-        pid = os.fork()
-        if pid == 0:  # the child: a new driver thread steps on its own
-            code = 1
-            try:
-                deadline = time.monotonic() + 10.0
-                while a.reasons["drop"] < 1 and time.monotonic() < deadline:
-                    a.report(503)
-                    time.sleep(0.01)
-                alive = a._thread is not None and a._thread.is_alive()
-                code = 0 if a.reasons["drop"] >= 1 and alive else 1
-                a.close()
-            finally:
-                os._exit(code)
-        _, status = os.waitpid(pid, 0)
-        assert os.waitstatus_to_exitcode(status) == 0
+        check_child(fork_child(child, 20), 20)
     finally:
         a.close()
 

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from forking import check_child, fork_child
 from ratequeue._ratequeue import _wait_submit
 
 FD_DIR = "/proc/self/fd" if os.path.isdir("/proc/self/fd") else "/dev/fd"
@@ -350,27 +351,22 @@ def test_a_forked_child_never_writes_to_an_inherited_descriptor(tmp_path):
     loop.run_until_complete(settle())
     inherited = aio._channels[loop].channel
     fd = inherited.fileno()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child reports through its exit code
-        code = 1
-        try:
-            os.close(fd)  # the child reuses the number for a file of its own
-            mine = os.open(tmp_path / "child", os.O_RDWR | os.O_CREAT)
-            assert mine == fd
-            # The child starts with every permit free (the parent's are not its own).
-            own = c.try_acquire()
-            assert own is not None
-            ticket = _wait_submit(c.acquire_async(), inherited)
-            assert isinstance(ticket, int)
-            own.release()  # granted to a waiter on the inherited channel
-            assert os.fstat(mine).st_size == 0
-            p = c.try_acquire()  # the channel handed the grant back
-            assert p is not None
-            code = 0
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> None:
+        os.close(fd)  # the child reuses the number for a file of its own
+        mine = os.open(tmp_path / "child", os.O_RDWR | os.O_CREAT)
+        assert mine == fd
+        # The child starts with every permit free (the parent's are not its own).
+        own = c.try_acquire()
+        assert own is not None
+        ticket = _wait_submit(c.acquire_async(), inherited)
+        assert isinstance(ticket, int)
+        own.release()  # granted to a waiter on the inherited channel
+        assert os.fstat(mine).st_size == 0
+        p = c.try_acquire()  # the channel handed the grant back
+        assert p is not None
+
+    check_child(fork_child(child, 20), 20)
     held.release()  # the parent's channel still works
     permit = loop.run_until_complete(asyncio.wait_for(task, 10))
     permit.release()

@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 import ratequeue as rq
+from forking import check_child, fork_child
 from hypothesis import given
 from hypothesis import strategies as st
 from ratequeue.canary import (
@@ -584,24 +585,18 @@ async def test_the_async_transport_with_shadow_copies() -> None:
 
 
 def test_a_forked_child_runs_shadow_copies_on_its_own_threads() -> None:
-    import os
-
     canary = Canary(reply(1), reply(2), stages=(1.0,), shadow=True, gates=())
     canary.call("u0", 0)  # the parent's shadow thread exists
     _wait_for(lambda: canary.kpis()["candidate"].requests == 1)
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            canary.call("u1", 1)
-            deadline = time.monotonic() + 10
-            while canary.kpis()["candidate"].requests < 2 and time.monotonic() < deadline:
-                time.sleep(0.005)
-            code = 0 if canary.kpis()["candidate"].requests == 2 else 1
-        finally:
-            os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> None:
+        canary.call("u1", 1)
+        deadline = time.monotonic() + 10
+        while canary.kpis()["candidate"].requests < 2 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert canary.kpis()["candidate"].requests == 2
+
+    check_child(fork_child(child, 20), 20)
 
 
 @aio

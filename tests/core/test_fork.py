@@ -1,15 +1,14 @@
 """Fork safety (pre-fork servers): a limiter whose queue and driver thread were used in
 the parent still serves waiters in a child, which needs its own driver thread.
 
-Each child reports through its exit code (and a traceback on a pipe); a watchdog alarm
-kills a child that hangs.
+Each child reports through its exit code (and a traceback on a pipe); the parent kills a
+child that hangs, the failure holding its Python and native stacks (tests/forking.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import threading
 import time
 
@@ -20,14 +19,14 @@ from forking import check_child, fork_child
 pytestmark = [
     pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork (POSIX)"),
     pytest.mark.filterwarnings("ignore:.*fork.*:DeprecationWarning"),
-    pytest.mark.timeout(60),
+    pytest.mark.timeout(120),  # a hung child: its timeout, its stacks (gdb), then the failure
 ]
 
 CHILD_TIMEOUT = 15
 
 
-def assert_child_ok(body):
-    check_child(fork_child(body, CHILD_TIMEOUT), CHILD_TIMEOUT)
+def assert_child_ok(body, timeout=CHILD_TIMEOUT):
+    check_child(fork_child(body, timeout), timeout)
 
 
 async def acquire_in_task(limiter, *args, **kwargs):
@@ -226,13 +225,12 @@ def test_fork_while_other_threads_use_the_queue_never_deadlocks_the_child():
         w.start()
 
     def child():
-        signal.alarm(2)  # a deadlocked child dies quickly
         for _ in range(3):
             limiter.acquire()
 
     try:
         for _ in range(40):
-            assert_child_ok(child)
+            assert_child_ok(child, timeout=5)  # a deadlocked child fails quickly
     finally:
         stop.set()
         for w in workers:

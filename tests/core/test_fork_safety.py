@@ -9,9 +9,10 @@
   starts with every permit free: permits of threads that do not exist in it would
   otherwise leak forever (a pre-fork permit released in the child gives nothing back).
 
-Each child reports through its exit code (and a traceback on a pipe); a watchdog alarm
-kills a child that hangs. ``RATEQUEUE_FORK_STRESS_RUNS`` repeats the stress test
-(``make stress-fork`` runs it 200 times).
+Each child reports through its exit code (and a traceback on a pipe); the parent kills a
+child that hangs, the failure holding its Python and native stacks (tests/forking.py).
+``RATEQUEUE_FORK_STRESS_RUNS`` repeats the stress test (``make stress-fork`` runs it 200
+times).
 """
 
 from __future__ import annotations
@@ -274,7 +275,13 @@ def test_a_thread_waiting_for_a_core_lock_never_holds_the_gil(case):
         assert not t.is_alive()
 
 
-def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
+@pytest.mark.parametrize("inherited", ["handled", "ignored"])
+def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherited):
+    # The child inherits the test process's SIGINT disposition, which is not the test's
+    # to assume: pytest started as a background job of a non-interactive shell (`pytest &`,
+    # as under some CI runners and agents) starts with SIGINT ignored, and so does every
+    # child it forks (which then rightly ignores Ctrl-C). Both are given here; the child
+    # installs the handler it tests.
     lim = rq.Limiter(rq.Rate(1, per="minute", burst=1))
     assert lim.try_acquire()
     # The parent's main thread waits once (whatever it caches about "main" is warm).
@@ -284,6 +291,9 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
 
     def child():
         assert threading.current_thread() is threading.main_thread()
+        # Ctrl-C handled as Python's default does, whatever was inherited (only the main
+        # thread may set a handler: this is it).
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
         t0 = time.monotonic()
         try:
@@ -297,8 +307,13 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c():
 
     out = []
     t = threading.Thread(target=lambda: out.append(fork_child(child, CHILD_TIMEOUT)))
-    t.start()
-    t.join(CHILD_TIMEOUT + 10)
+    given = signal.default_int_handler if inherited == "handled" else signal.SIG_IGN
+    old = signal.signal(signal.SIGINT, given)
+    try:
+        t.start()
+        t.join(CHILD_TIMEOUT + 90)  # its timeout, then its stacks if it hangs
+    finally:
+        signal.signal(signal.SIGINT, old)
     assert out
     check(out[0])
 
@@ -433,13 +448,12 @@ def test_fork_while_a_policy_acquire_holds_its_lock_waits_for_it():
     t0 = time.monotonic()
 
     def child():
-        signal.alarm(5)
         _ratequeue._wait_cancel(acq, 0)
         held.release()
         with policy.acquire(timeout=2):
             pass
 
-    check(fork_child(child, CHILD_TIMEOUT))
+    check_child(fork_child(child, 5), 5)
     assert time.monotonic() - t0 >= 0.3
     holder.join()
 
@@ -482,7 +496,6 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
                 held.release()
 
             def child():
-                signal.alarm(10)
                 with policy.acquire(timeout=5):
                     pass
 
@@ -492,7 +505,7 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
 
                 asyncio.run(one())
 
-            check(fork_child(child, CHILD_TIMEOUT))
+            check_child(fork_child(child, 10), 10)
     finally:
         stop.set()
         for t in threads:

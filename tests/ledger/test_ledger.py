@@ -11,6 +11,7 @@ from datetime import datetime, timezone
 
 import pytest
 import ratequeue as rq
+from forking import join_or_fail
 from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
 from ledger_blocking import sqlite_writer_blocked
 from ratequeue.ledger import (
@@ -751,7 +752,7 @@ def test_a_forked_child_uses_the_same_ledger_object(make: Factory, clock) -> Non
 
     p = multiprocessing.get_context("fork").Process(target=child)
     p.start()
-    p.join(60)
+    join_or_fail([p], 60)
     assert p.exitcode == 0
     assert led.balance("acme").used == {"tokens": 12, "calls": 2}
     assert led.charge("child", "acme", input_tokens=7).replay

@@ -11,6 +11,7 @@ from collections import Counter
 from typing import Any
 
 import pytest
+from forking import join_or_fail
 from ledger_backends import shared_redis, stop_shared_redis
 from ratequeue.ledger import Every, LedgerBase, Plan, RedisLedger, SqliteLedger
 
@@ -79,8 +80,7 @@ def run_exactness(spec: tuple[str, str, str], seed: int = 1) -> dict[str, Any]:
     procs = [ctx.Process(target=worker, args=(spec, w, seed)) for w in range(PROCS)]
     for p in procs:
         p.start()
-    for p in procs:
-        p.join(300)
+    join_or_fail(procs, 300)
     assert [p.exitcode for p in procs] == [0] * PROCS
     used = {a: led.balance(a).used["tokens"] for a in total}
     rows = sum(1 for a in total for _ in led.iter_usage(a))

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from forking import join_or_fail
 from hypothesis import given
 from hypothesis import strategies as st
 from ledger_backends import Factory
@@ -281,7 +282,7 @@ def test_redis_connections_per_thread_survive_fork_and_close(make: Factory, cloc
     p.start()
     for i in range(200):  # the parent keeps charging on its own socket meanwhile
         led.charge(f"p{i + 1}", "acme", input_tokens=3)
-    p.join(60)
+    join_or_fail([p], 60)
     assert p.exitcode == 0
     assert led.balance("acme").used["tokens"] == 1 + 200 * 3 + 200 * 2
 

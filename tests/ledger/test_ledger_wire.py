@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import ratequeue as rq
 import redis
+from forking import join_or_fail
 from ledger_backends import T0
 from ledger_blocking import eventually
 from ratequeue.ledger import Every, Plan, RedisLedger
@@ -160,7 +161,7 @@ def test_a_forked_child_never_uses_the_parents_socket(server: RedisServer) -> No
     p.start()
     for i in range(100):
         led.charge(f"p{i}", "acme", input_tokens=3)
-    p.join(60)
+    join_or_fail([p], 60)
     assert p.exitcode == 0
     assert q.get(timeout=10) is True  # the child opened its own
     # the child closing its ledger never shut the parent's socket down

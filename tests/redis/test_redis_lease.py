@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import ratequeue as rq
 import redis
+from forking import check_child, fork_child
 from ratequeue.redis import AsyncRedisLimiter, RedisLimiter
 from redis_server import RedisServer
 
@@ -225,17 +226,15 @@ def test_forked_child_does_not_reuse_the_parents_lease(redis_server: RedisServer
     peek = RedisLimiter(c, rq.Rate(100, per=1, burst=100), name="fork", clock=clock)
     assert lim.try_acquire()  # the parent holds a lease of 10 (9 left)
     rfd, wfd = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        try:
-            ok = lim.try_acquire()  # must take a lease of its own
-            os.write(wfd, b"%d %d" % (ok, lim.stats()["leases"]))
-        finally:
-            os._exit(0)
+
+    def child() -> None:
+        ok = lim.try_acquire()  # must take a lease of its own
+        os.write(wfd, b"%d %d" % (ok, lim.stats()["leases"]))
+
+    check_child(fork_child(child, 20), 20)
     os.close(wfd)
     got = os.read(rfd, 64).decode()
     os.close(rfd)
-    os.waitpid(pid, 0)
     assert got == "1 2"  # the parent's count (1) plus the child's own lease
     assert peek.available() == 80
     c.close()
