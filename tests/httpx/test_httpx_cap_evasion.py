@@ -96,7 +96,8 @@ def test_a_route_spelled_another_way_is_still_capped(
     mod, sent, lim, t = _setup(modname, [Cap(100, route="/chat/completions")])
     body = b'{"model":"m","max_completion_tokens":5000}'
     url = "http://p" + path
-    _capped_or_refused(mod.Client(transport=t), sent, lim, 100, method="POST", url=url, content=body)
+    c = mod.Client(transport=t)
+    _capped_or_refused(c, sent, lim, 100, method="POST", url=url, content=body)
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE", "OPTIONS", "post"])
