@@ -30,8 +30,10 @@ def _setup(
     )
 
     def handler(r: Any) -> Any:
-        r.read()
-        sent.append(r)
+        if r.url.path.endswith("/moved"):
+            return mod.Response(307, headers={"location": "/v1/chat/completions"})
+        # What a real transport sends: the stream's bytes (``content`` may be stale).
+        sent.append(mod.Request(r.method, r.url, headers=r.headers, content=b"".join(r.stream)))
         return mod.Response(200, json={})
 
     t = RateLimitedTransport(mod.MockTransport(handler), lim, caps=caps, max_body=1024, **kw)
@@ -211,3 +213,28 @@ def test_the_sdks_get_the_refusal_unwrapped_and_do_not_retry() -> None:
             a.messages.create(model="claude", max_tokens=5000, messages=msg)  # type: ignore[arg-type]
         assert m.stats()["requests"] == 0
         assert lim.available("requests") == 60_000
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_stream_swapped_by_an_event_hook_is_what_gets_capped(modname: str) -> None:
+    mod, sent, lim, t = _setup(modname, [Cap(100)])
+
+    def hook(request: Any) -> None:  # a hook rewriting the body leaves ``content`` stale
+        new = b'{"model":"m","max_tokens":5000}'
+        request.stream = mod.ByteStream(new)
+        request.headers["content-length"] = str(len(new))
+
+    c = mod.Client(transport=t, event_hooks={"request": [hook]})
+    body = b'{"model":"m","max_tokens":50}'
+    _capped_or_refused(
+        c, sent, lim, 100, method="POST", url="http://p/v1/chat/completions", content=body
+    )
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_307_redirect_of_a_capped_call_is_capped_again(modname: str) -> None:
+    mod, sent, lim, t = _setup(modname, [Cap(100)])
+    c = mod.Client(transport=t, follow_redirects=True)
+    r = c.post("http://p/v1/moved", content=b'{"model":"m","max_tokens":5000}')
+    assert r.status_code == 200 and len(sent) == 1
+    _within(sent[0].content, 100)
