@@ -233,7 +233,7 @@ def test_a_stream_swapped_by_an_event_hook_is_what_gets_capped(modname: str) -> 
 
 @pytest.mark.parametrize("modname", MODS)
 def test_a_307_redirect_of_a_capped_call_is_capped_again(modname: str) -> None:
-    mod, sent, lim, t = _setup(modname, [Cap(100)])
+    mod, sent, _, t = _setup(modname, [Cap(100)])
     c = mod.Client(transport=t, follow_redirects=True)
     r = c.post("http://p/v1/moved", content=b'{"model":"m","max_tokens":5000}')
     assert r.status_code == 200 and len(sent) == 1

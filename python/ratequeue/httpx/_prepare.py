@@ -88,6 +88,26 @@ _Read = tuple[
 ]
 
 
+def _content(request: Any) -> bytes | None:
+    """The request's body, None when it is a stream not read (RequestNotRead)."""
+    try:
+        return request.content  # type: ignore[no-any-return]
+    except Exception:
+        return None
+
+
+def _sent_bytes(request: Any) -> bytes | None:
+    """The bytes the transport will send: an in-memory stream's own (an event hook may
+    have swapped the stream and left ``content`` stale; a redirect's stream is not read),
+    else the body read, else None (a stream not read)."""
+    stream = request.stream
+    if type(stream).__name__ == "ByteStream":
+        b = getattr(stream, "_stream", None)
+        if type(b) is bytes:
+            return b
+    return _content(request)
+
+
 def _is_upload(request: Any, whole: Any) -> bool:
     """A multipart upload: labelled so, and its body a multipart one (its bytes open with
     a boundary; or not read, httpx's own multipart stream)."""
@@ -249,10 +269,7 @@ class _Requests:
             and length.isdigit()
             and int(length) <= self.max_body
         ):
-            try:
-                data = request.content
-            except Exception:  # a stream not read (RequestNotRead): estimate without it
-                data = None
+            data = _sent_bytes(request) if self.caps else _content(request)
         capped = model = est = None
         clamped: tuple[str, ...] = ()
         parsed = False  # the body read as one JSON object
@@ -295,12 +312,7 @@ class _Requests:
         one (as read, never as a Content-Length claims), or a multipart upload (by its
         bytes or its stream, never by its Content-Type alone: some servers parse any body
         as JSON)."""
-        whole = data
-        if whole is None:
-            try:  # in memory already when past max_body; a stream not read raises
-                whole = request.content
-            except Exception:
-                whole = None
+        whole = data if data is not None else _sent_bytes(request)  # past max_body
         if whole == b"":
             return
         if not self._cap_table.may_match(path, task or _OPTIONS.get().task):
