@@ -60,14 +60,12 @@ def _members(s: str) -> tuple[dict[str, list[tuple[int, int]]], int] | None:
         return None
 
 
-_BOUND_KEYS = (b'"max_completion_tokens"', b'"max_output_tokens"', b'"max_tokens"')
-
-
 def repeated(data: bytes, names: Sequence[str]) -> dict[str, list[Any]]:
     """Every value of each of ``names`` that occurs more than once at the top level of
     the UTF-8 JSON object ``data``, in order (empty when none does, or when ``data`` is
     not such an object: ``spliced`` then writes no occurrence of its own)."""
-    if b"\\" not in data and all(data.count(k) < 2 for k in _BOUND_KEYS):
+    # A key spelled with an escape other than \uXXXX is not one of these names.
+    if b"\\u" not in data and all(data.count(b'"%s"' % n.encode()) < 2 for n in names):
         return {}  # no key written twice, nor escaped
     try:
         s = data.decode()

@@ -13,6 +13,7 @@ cap or no count.
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -54,8 +55,9 @@ class Cap:
                 raise TypeError(f"{name}={v!r} must be a string or None")
 
     def matches(self, path: str, model: str | None, task: str | None) -> bool:
-        """True when the call's path, model and task fit every criterion given."""
-        if self.route is not None and not (path == self.route or path.endswith(self.route)):
+        """True when the call's path, model and task fit every criterion given (the
+        route as servers route it: any case, trailing or doubled slashes ignored)."""
+        if self.route is not None and not _on_route(path, self.route):
             return False
         if self.model is not None:
             if model is None:
@@ -75,8 +77,24 @@ class Capped:
     sent: int
 
 
+def route_of(path: str) -> str:
+    """``path`` as a server routing leniently sees it: lower case, doubled and trailing
+    slashes dropped (Express and ASP.NET route case-insensitively and ignore a trailing
+    slash; a cap must match every spelling a server may serve as its route)."""
+    p = path.lower()
+    if "//" in p:
+        p = re.sub("/{2,}", "/", p)
+    return p.rstrip("/") or "/"
+
+
+def _on_route(path: str, route: str) -> bool:
+    p, r = route_of(path), route_of(route)
+    return p == r or p.endswith(r)
+
+
 def output_field(path: str) -> str:
     """The body field that bounds output on this route's API."""
+    path = route_of(path)
     if path.endswith("/responses"):
         return "max_output_tokens"
     if path.endswith("/chat/completions"):
@@ -146,10 +164,11 @@ class CapTable:
     """The caps of one transport, with the limit of each (route, model, task) seen kept
     (at most ``size`` of them: they come from callers)."""
 
-    __slots__ = ("caps", "limits", "size")
+    __slots__ = ("by_model", "caps", "limits", "size")
 
     def __init__(self, caps: Sequence[Cap], size: int = 1024) -> None:
         self.caps = tuple(caps)
+        self.by_model = any(c.model is not None for c in self.caps)
         self.limits: dict[tuple[str, str | None, str | None], int | None] = {}
         self.size = size
 
@@ -168,10 +187,15 @@ class CapTable:
         """True when some cap matches a call on ``path`` with ``task`` whose model is not
         known (a cap on a model may be the one)."""
         return any(
-            (c.route is None or path == c.route or path.endswith(c.route))
-            and (c.task is None or task == c.task)
+            (c.route is None or _on_route(path, c.route)) and (c.task is None or task == c.task)
             for c in self.caps
         )
+
+    def limit_any(self, path: str, models: Sequence[Any], task: str | None) -> int | None:
+        """The smallest limit over every model a repeated ``model`` key names (a parser
+        keeping the first sees another model than one keeping the last)."""
+        limits = [self.limit(path, m if type(m) is str else None, task) for m in models]
+        return min((v for v in limits if v is not None), default=None)
 
     def apply(self, body: dict[str, Any], path: str, task: str | None) -> Capped | None:
         """``apply_caps`` with this table's caps."""
@@ -186,7 +210,11 @@ class CapTable:
     ) -> tuple[Capped | None, dict[str, int]]:
         """``cap_fields`` with this table's limit for the call (nothing when none)."""
         model = body.get("model")
-        limit = self.limit(path, model if type(model) is str else None, task)
+        models = repeated.get("model") if repeated else None
+        if models:
+            limit = self.limit_any(path, models, task)
+        else:
+            limit = self.limit(path, model if type(model) is str else None, task)
         if limit is None:
             return None, {}
         return cap_fields(body, path, limit, repeated)

@@ -68,6 +68,8 @@ def _read_request(
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _ADD = {f: i for i, f in enumerate(OUTPUT_FIELDS)}
+_MODEL = ("model",)
+_CAP_KEYS = (*OUTPUT_FIELDS, "model")  # every value of each, when one is repeated
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
@@ -84,6 +86,37 @@ _Read = tuple[
     Any,
     Capped | None,
 ]
+
+
+def _content(request: Any) -> bytes | None:
+    """The request's body, None when it is a stream not read (RequestNotRead)."""
+    try:
+        return request.content  # type: ignore[no-any-return]
+    except Exception:
+        return None
+
+
+def _sent_bytes(request: Any) -> bytes | None:
+    """The bytes the transport will send: an in-memory stream's own (an event hook may
+    have swapped the stream and left ``content`` stale; a redirect's stream is not read),
+    else the body read, else None (a stream not read)."""
+    stream = request.stream
+    if type(stream).__name__ == "ByteStream":
+        b = getattr(stream, "_stream", None)
+        if type(b) is bytes:
+            return b
+    return _content(request)
+
+
+def _is_upload(request: Any, whole: Any) -> bool:
+    """A multipart upload: labelled so, and its body a multipart one (its bytes open with
+    a boundary; or not read, httpx's own multipart stream)."""
+    ctype = request.headers.get("content-type", "").strip().lower()
+    if not ctype.startswith("multipart/"):
+        return False
+    if whole is None:
+        return type(request.stream).__name__ == "MultipartStream"
+    return type(whole) is bytes and whole.lstrip(b"\r\n").startswith(b"--")
 
 
 class _Requests:
@@ -232,14 +265,11 @@ class _Requests:
         data = None
         if (
             length is not None
-            and request.method in _BODY_METHODS
+            and (request.method in _BODY_METHODS or self.caps)  # a GET's body is capped too
             and length.isdigit()
             and int(length) <= self.max_body
         ):
-            try:
-                data = request.content
-            except Exception:  # a stream not read (RequestNotRead): estimate without it
-                data = None
+            data = _sent_bytes(request) if self.caps else _content(request)
         capped = model = est = None
         clamped: tuple[str, ...] = ()
         parsed = False  # the body read as one JSON object
@@ -272,21 +302,22 @@ class _Requests:
         else:
             costs = self._unit_costs
         if not parsed and self.caps and self.uncapped == "refuse":
-            self._uncapped(request, path, task, length, data)
+            self._uncapped(request, path, task, data)
         return priority, task, account, request_id, model, est, costs, clamped, data, capped
 
-    def _uncapped(
-        self, request: Any, path: str, task: str | None, length: bytes | None, data: Any
-    ) -> None:
+    def _uncapped(self, request: Any, path: str, task: str | None, data: Any) -> None:
         """Refuse a call with a body the caps could not read (not read, or not one JSON
-        object) when a cap may match it: a body past ``max_body`` must not carry a call
-        around its cap. Bodies with nothing to cap pass: none (or empty), or a multipart
-        upload."""
-        if request.method not in _BODY_METHODS or length == b"0" or data == b"":
-            return
-        if request.headers.get("content-type", "").lower().startswith("multipart/"):
+        object) when a cap may match it, whatever its method: a body past ``max_body``
+        must not carry a call around its cap. Bodies with nothing to cap pass: an empty
+        one (as read, never as a Content-Length claims), or a multipart upload (by its
+        bytes or its stream, never by its Content-Type alone: some servers parse any body
+        as JSON)."""
+        whole = data if data is not None else _sent_bytes(request)  # past max_body
+        if whole == b"":
             return
         if not self._cap_table.may_match(path, task or _OPTIONS.get().task):
+            return
+        if _is_upload(request, whole):
             return
         why = (
             "is not one JSON object"
@@ -305,7 +336,10 @@ class _Requests:
         """The output cap of a body read natively, written natively (one number, or the
         field added; the other bytes kept): the cap applied and the facts of the body
         sent; False facts: the reference decides (nothing was changed)."""
-        limit = self._cap_table.limit(path, facts[0], task)
+        table = self._cap_table
+        models = repeated(data, _MODEL).get("model") if table.by_model else None
+        # A repeated model: a first-wins parser sees another one; the smallest cap of any.
+        limit = table.limit_any(path, models, task) if models else table.limit(path, facts[0], task)
         if limit is None:
             return None, facts
         out = _cap_output(data, limit, _ADD[output_field(path)])
@@ -345,7 +379,7 @@ class _Requests:
         capped = None
         if self.caps:
             capped, written = self._cap_table.apply_fields(
-                body, path, task, repeated(data, OUTPUT_FIELDS)
+                body, path, task, repeated(data, _CAP_KEYS)
             )
             fields.update(written)
         if body.get("stream") is True and self._stream_opts(body, path):
