@@ -98,7 +98,7 @@ def streams(draw: Any) -> tuple[list[bytes], int]:
     if draw(st.booleans()):
         body += b"data: [DONE]\n\n"
     cuts = sorted(draw(st.lists(st.integers(0, len(body)), max_size=6)))
-    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)])]
+    chunks = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
     return chunks, draw(st.sampled_from([8, 40, 1 << 20]))
 
 

@@ -6,8 +6,8 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 use ratequeue_core::llm::cap::cap_output;
-use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
+use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bodies this long or longer are read with the interpreter released.

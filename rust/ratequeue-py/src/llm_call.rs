@@ -7,9 +7,9 @@ use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
-use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::request_facts;
 
 use crate::llm::{latin1, pairs, read};

@@ -66,7 +66,10 @@ pub fn payload(raw: &[u8]) -> Vec<u8> {
     let mut first = true;
     let mut i = 0;
     while i < raw.len() {
-        let end = raw[i..].iter().position(|&c| c == b'\n' || c == b'\r').map_or(raw.len(), |e| i + e);
+        let end = raw[i..]
+            .iter()
+            .position(|&c| c == b'\n' || c == b'\r')
+            .map_or(raw.len(), |e| i + e);
         let line = &raw[i..end];
         if let Some(rest) = line.strip_prefix(b"data:") {
             if !first {
@@ -78,7 +81,11 @@ pub fn payload(raw: &[u8]) -> Vec<u8> {
         }
         i = end;
         if i < raw.len() {
-            i += if raw[i] == b'\r' && raw.get(i + 1) == Some(&b'\n') { 2 } else { 1 };
+            i += if raw[i] == b'\r' && raw.get(i + 1) == Some(&b'\n') {
+                2
+            } else {
+                1
+            };
         }
     }
     out
@@ -161,7 +168,11 @@ mod tests {
     #[test]
     fn frames_and_finds_usage_events() {
         let (found, n) = run(
-            &[b"data: {\"usage\":null}\n\ndata: {\"usage\" :\n {\"a\":1}}\r", b"\n\r\nev", b"ent: x\n\n"],
+            &[
+                b"data: {\"usage\":null}\n\ndata: {\"usage\" :\n {\"a\":1}}\r",
+                b"\n\r\nev",
+                b"ent: x\n\n",
+            ],
             1 << 20,
         );
         assert_eq!(found, vec![b"{\"usage\" :".to_vec()]);
