@@ -4,6 +4,8 @@
 //! that mention a usage object (`"usage"`, blanks, `:`, blanks, `{`) are handed on, as
 //! their `data:` lines joined: the same rules as the Python reference (`SSEUsage`).
 
+use memchr::memmem;
+
 /// The framing state of one stream.
 #[derive(Debug)]
 pub struct SseFrames {
@@ -23,7 +25,7 @@ fn blank(c: u8) -> bool {
 pub fn mentions_usage(raw: &[u8]) -> bool {
     const KEY: &[u8] = b"\"usage\"";
     let mut from = 0;
-    while let Some(i) = find(&raw[from..], KEY) {
+    while let Some(i) = memmem::find(&raw[from..], KEY) {
         let mut p = from + i + KEY.len();
         while p < raw.len() && blank(raw[p]) {
             p += 1;
@@ -40,23 +42,6 @@ pub fn mentions_usage(raw: &[u8]) -> bool {
         from += i + 1;
     }
     false
-}
-
-fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
-    if needle.len() > hay.len() {
-        return None;
-    }
-    let first = needle[0];
-    let mut at = 0;
-    while at + needle.len() <= hay.len() {
-        let i = hay[at..=hay.len() - needle.len()].iter().position(|&c| c == first)?;
-        let p = at + i;
-        if &hay[p..p + needle.len()] == needle {
-            return Some(p);
-        }
-        at = p + 1;
-    }
-    None
 }
 
 /// The `data:` lines of an event (each without `data:` and its leading spaces), joined
@@ -120,14 +105,19 @@ impl SseFrames {
             &joined
         };
         let mut start = 0;
+        // The next `\r\n\r\n` at or after `start` (searched again only once passed:
+        // the chunk is scanned for it once, not once per event).
+        let mut crlf = memmem::find(data, b"\r\n\r\n");
         loop {
-            let lf = find(&data[start..], b"\n\n");
-            let crlf = find(&data[start..], b"\r\n\r\n");
+            if crlf.is_some_and(|c| c < start) {
+                crlf = memmem::find(&data[start..], b"\r\n\r\n").map(|c| start + c);
+            }
+            let lf = memmem::find(&data[start..], b"\n\n").map(|a| start + a);
             let (end, sep) = match (lf, crlf) {
                 (None, None) => break,
-                (Some(a), Some(b)) if b < a => (start + b, 4),
-                (None, Some(b)) => (start + b, 4),
-                (Some(a), _) => (start + a, 2),
+                (Some(a), Some(b)) if b < a => (b, 4),
+                (None, Some(b)) => (b, 4),
+                (Some(a), _) => (a, 2),
             };
             if self.skip {
                 self.skip = false;
@@ -180,6 +170,21 @@ mod tests {
         assert_eq!(payload(b"data:  a\r\nid: 1\rdata:b\ndata:"), b"a\nb\n".to_vec());
         assert!(mentions_usage(b"x\"usage\"\x0b:\x0c{"));
         assert!(!mentions_usage(b"\"usage\":[{"));
+    }
+
+    #[test]
+    fn mixed_separators_end_events_in_order() {
+        let (found, n) = run(
+            &[b"data: \"usage\":{1}\r\n\r\ndata: x\n\ndata: \"usage\":{2}\n\ndata: \"usage\":{3}\r\n\r\n"],
+            1 << 20,
+        );
+        let want: Vec<Vec<u8>> = vec![
+            b"\"usage\":{1}".to_vec(),
+            b"\"usage\":{2}".to_vec(),
+            b"\"usage\":{3}".to_vec(),
+        ];
+        assert_eq!(found, want);
+        assert_eq!(n, 4);
     }
 
     #[test]
