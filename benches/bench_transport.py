@@ -33,8 +33,10 @@ written to ``benches/results/transport.md``::
    --tool=cachegrind --cache-sim=no`` twice (50 warm-up calls, then 100 or 600 calls):
    instructions per call = the difference / 500, so start-up and imports cancel out.
    Rows: the sync and async floors, the transport over a Limiter of requests and tokens,
-   of requests only, with caps + a CallBudget, async; with ``--baseline`` each also as
-   it was at that ref.
+   of requests only, with caps + a CallBudget, async; an SSE stream of 20 events (the
+   body asking for its usage itself, and without ``stream_options``: the transport asks),
+   each over the bare transport with the same body; with ``--baseline`` each also as it
+   was at that ref.
 """
 
 from __future__ import annotations
@@ -453,8 +455,26 @@ IR_ROWS = {
     "caps": "... + output caps + CallBudget",
     "afloor": "floor: async MockTransport",
     "async": "async RateLimitedTransport(MockTransport)",
+    "sfloor": "floor: MockTransport, SSE of 20 events",
+    "sse": "RateLimitedTransport, SSE of 20 events",
+    "askfloor": "floor: MockTransport, SSE, the body without stream_options",
+    "ask": "RateLimitedTransport, SSE, the transport asks for the usage",
 }
-IR_FLOOR = {"tokens": "floor", "requests": "floor", "caps": "floor", "async": "afloor"}
+IR_FLOOR = {
+    "tokens": "floor",
+    "requests": "floor",
+    "caps": "floor",
+    "async": "afloor",
+    "sse": "sfloor",
+    "ask": "askfloor",
+}
+# The body each row sends (the chat body unless named here).
+IR_BODY = {
+    "sfloor": {**BODY, "stream": True, "stream_options": {"include_usage": True}},
+    "sse": {**BODY, "stream": True, "stream_options": {"include_usage": True}},
+    "askfloor": {**BODY, "stream": True},
+    "ask": {**BODY, "stream": True},
+}
 
 
 def _floors(rows: list[str]) -> set[str]:
@@ -466,7 +486,7 @@ def ir_child(which: str, row: str, n: int) -> None:
     cls = RateLimitedTransport if which == "now" else baseline_transport(which)
     mod = sys.modules[cls.__module__.rsplit(".", 1)[0]]  # its own Cap and CallBudget
     inner = httpx2.MockTransport(answer)
-    if row in ("floor", "afloor"):
+    if row in ("floor", "afloor", "sfloor", "askfloor"):
         t: Any = inner
     elif row == "requests":
         t = cls(inner, rq.Limiter(rq.Rate(10**9, per="minute", burst=10**6)))
@@ -484,13 +504,14 @@ def ir_child(which: str, row: str, n: int) -> None:
         async_row(lambda: httpx2.AsyncClient(transport=t), "http://x/v1/chat/completions", n)
         return
     client = httpx2.Client(transport=t)
-    sync_row(client, "http://x/v1/chat/completions", BODY, 50)
+    body = IR_BODY.get(row, BODY)
+    sync_row(client, "http://x/v1/chat/completions", body, 50)
     gc.collect()
     gc.freeze()  # the warm-up's objects are not traced again by the counted calls
     if row == "caps":
-        budget_row(client, "http://x/v1/chat/completions", BODY, n, mod.CallBudget)
+        budget_row(client, "http://x/v1/chat/completions", body, n, mod.CallBudget)
     else:
-        sync_row(client, "http://x/v1/chat/completions", BODY, n)
+        sync_row(client, "http://x/v1/chat/completions", body, n)
 
 
 def _ir(which: str, row: str, n: int) -> int:

@@ -75,12 +75,52 @@ def steps() -> list[tuple[str, Callable[[], Any]]]:
     def nothing() -> None:
         pass
 
+    def before_received() -> None:
+        call = t._prepare(req, False)
+        call._permit = t.limit.acquire(**call._kw)
+
+    settled = t._prepare(req, False)
+    settled._permit = t.limit.acquire(**settled._kw)
+    usage = json_usage(resp.content)
+
+    def settle() -> None:
+        settled._once = [None]
+        t._settle(settled, usage, 200, reported=True)
+
+    sdata = json.dumps({**bt.BODY, "stream": True}).encode()
+
+    def sse_req() -> Any:
+        return client.build_request(
+            "POST",
+            "http://x/v1/chat/completions",
+            content=sdata,
+            headers={"content-type": "application/json"},
+        )
+
+    sreq = sse_req()
+    sresp = inner.handle_request(t._prepare(sse_req(), False)._request)
+
+    def sse_before() -> None:
+        call = t._prepare(sse_req(), False)
+        call._permit = t.limit.acquire(**call._kw)
+
+    def sse_through() -> None:
+        call = t._prepare(sse_req(), False)
+        call._permit = t.limit.acquire(**call._kw)
+        t._received(call, sresp, 0.0, False)
+
     return [
         ("(the loop itself)", nothing),
         ("the loop itself", nothing),
         ("floor: MockTransport.handle_request", lambda: inner.handle_request(req)),
         ("RateLimitedTransport.handle_request", lambda: t.handle_request(req)),
         ("  prepare, acquire, received (no inner call)", through),
+        ("  prepare, acquire (no received)", before_received),
+        ("  _settle (a usage, the token units)", settle),
+        ("SSE: build the stream request", sse_req),
+        ("SSE: + prepare, acquire", sse_before),
+        ("SSE: + received (20 events, consumed)", sse_through),
+        ("SSE: _prepare of a stream request", lambda: t._prepare(sreq, False)),
         ("  _prepare", lambda: t._prepare(req, False)),
         (
             "    request body read (native: model, stream, chars/4)",

@@ -38,6 +38,17 @@ def _cap_output(
 ) -> tuple[bytes, int, int | None] | Literal[False] | None: ...
 
 @final
+class _SSEFrames:
+    """A stream's Server-Sent Events framed natively (ratequeue.httpx only)."""
+
+    def __new__(cls, max_event: int) -> _SSEFrames: ...
+    def feed(self, chunk: bytes) -> list[bytes] | None: ...
+    @property
+    def events(self) -> int: ...
+    @property
+    def buffered(self) -> int: ...
+
+@final
 class _RequestReader:
     """The transport's request read in one call (ratequeue.httpx only)."""
 
@@ -55,6 +66,7 @@ class _RequestReader:
         stream_usage: bool,
         caps: bool,
         max_body: int,
+        replace_body: Any = None,
     ) -> _RequestReader: ...
     def read(
         self, request: Any, path: str, want_estimate: bool, estimator: object

@@ -70,6 +70,11 @@ def request(mod: Any, method: str, path: str, headers: list[tuple[str, bytes]], 
     return mod.Request(method, "http://p" + path, headers=headers, content=body)
 
 
+def sent(req: Any) -> tuple[Any, ...]:
+    """What a request sends: headers, method, URL and body bytes (None: not read)."""
+    return (list(req.headers.raw), req.method, str(req.url), getattr(req, "_content", None))
+
+
 @settings(max_examples=300, deadline=None)
 @given(
     st.sampled_from(["httpx", "httpx2"]),
@@ -107,13 +112,15 @@ def test_reader_agrees_with_the_reference(
     t = transport(mod, units, burst, stream_usage, est, caps)
     req = request(mod, method, path, headers, body)
     header_list(req.headers)  # its type known to keep httpx's triples (the reference learns it)
-    before = (list(req.headers.raw), req.method, str(req.url))
+    before = sent(req)
     got = t._reader.read(req, path, want, t.estimator)
-    assert (list(req.headers.raw), req.method, str(req.url)) == before  # nothing changed
     if got is None:
+        assert sent(req) == before  # nothing changed
         return
     ref = request(mod, method, path, headers, body)
     want_read = t._read_py(ref, path, want)
+    # The same request goes out: a stream asked for its usage, byte for byte.
+    assert sent(req) == sent(ref)
     data_got, data_ref = got[8], want_read[8]
     assert got[:8] == want_read[:8]
     assert type(got[5]) is type(want_read[5])
@@ -137,15 +144,27 @@ def test_the_common_call_is_read_natively() -> None:
 
 
 @pytest.mark.parametrize("modname", ["httpx", "httpx2"])
-def test_a_stream_without_its_usage_and_caps_take_the_reference(modname: str) -> None:
+def test_a_stream_is_asked_for_its_usage_natively_and_caps_take_the_reference(
+    modname: str,
+) -> None:
     mod = importlib.import_module(modname)
     t = transport(mod, "requests+tokens", 10**6, True, TokenEstimator(None), False)
-    req = request(mod, "POST", "/v1/chat/completions", [], b'{"stream":true}')
+    body = b'{"model":"m","stream":true }'
+    req = request(mod, "POST", "/v1/chat/completions", [], body)
+    header_list(req.headers)
+    got = t._reader.read(req, "/v1/chat/completions", False, t.estimator)
+    assert got is not None and got[4] == "m"
+    assert req.content == b'{"model":"m","stream":true ,"stream_options":{"include_usage":true}}'
+    assert req.headers["content-length"] == str(len(req.content))
+    assert b"".join(req.stream) == req.content
+    # One already there is merged into by the reference.
+    req = request(mod, "POST", "/v1/chat/completions", [], b'{"stream":true,"stream_options":{}}')
     header_list(req.headers)
     assert t._reader.read(req, "/v1/chat/completions", False, t.estimator) is None
     c = mod.Client(transport=t)
-    r = c.post("http://p/v1/chat/completions", content=b'{"stream":true}')
-    assert b'"include_usage":true' in r.request.content
+    for content in (body, b'{"stream":true,"stream_options":{"x":1}}'):
+        r = c.post("http://p/v1/chat/completions", content=content)
+        assert json.loads(r.request.content)["stream_options"]["include_usage"] is True
     t = transport(mod, "requests+tokens", 10**6, True, TokenEstimator(None), True)
     req = request(mod, "POST", "/x", [], b'{"max_tokens":9}')
     assert t._reader.read(req, "/x", False, t.estimator) is None

@@ -101,10 +101,14 @@ def test_garbage_is_ignored() -> None:
 @settings(max_examples=200, deadline=None)
 @given(st.binary(max_size=2000), st.integers(1, 50))
 def test_any_bytes_are_read_in_bounded_memory(data: bytes, size: int) -> None:
-    r = SSEUsage(max_event=100)
+    r = SSEUsage(max_event=100, native=False)
+    n = SSEUsage(max_event=100)
+    assert n._frames is not None
     for i in range(0, len(data), size):
         r.feed(data[i : i + size])
+        n.feed(data[i : i + size])
         assert len(r._buf) <= 100 + size
+        assert n._frames.buffered == len(r._buf)
 
 
 class _SlowSSE(SSEUsage):
@@ -156,7 +160,7 @@ _SSE_PARTS = st.sampled_from(
 def test_sse_fast_path_agrees_with_the_event_loop(parts: list[bytes], cuts: list[int]) -> None:
     data = b"".join(parts)
     bounds = sorted({min(c, len(data)) for c in cuts} | {0, len(data)})
-    fast, slow = SSEUsage(max_event=64), _SlowSSE(max_event=64)
+    fast, slow = SSEUsage(max_event=64, native=False), _SlowSSE(max_event=64, native=False)
     for a, b in itertools.pairwise(bounds):
         fast.feed(data[a:b])
         slow.feed(data[a:b])

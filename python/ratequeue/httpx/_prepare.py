@@ -184,6 +184,7 @@ class _Requests:
                 stream_usage=self.stream_usage,
                 caps=bool(self.caps),
                 max_body=self.max_body,
+                replace_body=replace_body,
             )
         except OverflowError:  # a burst past 64 bits
             return None

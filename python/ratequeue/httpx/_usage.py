@@ -14,6 +14,8 @@ import json
 import re
 from typing import Any, NamedTuple
 
+from .._ratequeue import _read_usage, _SSEFrames
+
 __all__ = ["SSEUsage", "Usage", "usage_from_json", "usage_of"]
 
 
@@ -93,16 +95,34 @@ class SSEUsage:
     parsed as JSON.
     """
 
-    __slots__ = ("_buf", "_input", "_output", "_skip", "events", "final", "max_event")
+    __slots__ = (
+        "_buf",
+        "_events",
+        "_frames",
+        "_input",
+        "_output",
+        "_skip",
+        "final",
+        "max_event",
+    )
 
-    def __init__(self, max_event: int = 1 << 20) -> None:
+    def __init__(self, max_event: int = 1 << 20, *, native: bool = True) -> None:
         self._buf = b""
         self._skip = False
         self._input: int | None = None
         self._output: int | None = None
         self.final = False
         self.max_event = max_event
-        self.events = 0
+        self._events = 0
+        # The framing done natively (``ratequeue_core::llm::sse``); ``native=False``:
+        # the reference below, chunk by chunk in Python.
+        self._frames = _SSEFrames(max_event) if native else None
+
+    @property
+    def events(self) -> int:
+        """Events read (complete, not skipped)."""
+        f = self._frames
+        return self._events if f is None else f.events
 
     @property
     def usage(self) -> Usage | None:
@@ -113,6 +133,13 @@ class SSEUsage:
 
     def feed(self, chunk: bytes) -> None:
         """Read one chunk; at most ``max_event`` bytes of one event are kept."""
+        f = self._frames
+        if f is not None:
+            found = f.feed(chunk) if type(chunk) is bytes else f.feed(bytes(chunk))
+            if found is not None:
+                for payload in found:
+                    self._use(payload)
+            return
         data = self._buf + chunk if self._buf else chunk
         start = 0
         if b"\r" not in data:
@@ -129,7 +156,7 @@ class SSEUsage:
                 if self._skip:
                     self._skip = False
                 else:
-                    self.events += 1
+                    self._events += 1
                     if ahead is not None and ahead.start() < end:
                         if search(data, start, end) is not None:
                             self._parse(data[start:end])
@@ -158,15 +185,34 @@ class SSEUsage:
         self._buf = rest
 
     def _event(self, raw: bytes) -> None:
-        self.events += 1
+        self._events += 1
         if _USAGE_OBJECT.search(raw) is not None:
             self._parse(raw)
 
     def _parse(self, raw: bytes) -> None:
         """An event that mentions a usage object: its JSON read."""
-        payload = b"\n".join(
-            line[5:].lstrip(b" ") for line in raw.splitlines() if line.startswith(b"data:")
+        self._payload(
+            b"\n".join(
+                line[5:].lstrip(b" ") for line in raw.splitlines() if line.startswith(b"data:")
+            )
         )
+
+    def _use(self, payload: bytes) -> None:
+        """The usage of an event's payload: an event without a ``type`` (OpenAI chat's
+        chunks) read natively as a response body is (its usage is final); any other by
+        :meth:`_payload`."""
+        if b'"type"' not in payload and b"\\u" not in payload:
+            u = _read_usage(payload)
+            if u is None:
+                return
+            if u is not False:
+                self._input, self._output = u
+                self.final = True
+                return
+        self._payload(payload)
+
+    def _payload(self, payload: bytes) -> None:
+        """The reference: an event's payload parsed as JSON, its usage by its type."""
         try:
             ev = json.loads(payload)
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth

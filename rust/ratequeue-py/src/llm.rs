@@ -7,6 +7,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
 use ratequeue_core::llm::cap::cap_output;
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
+use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bodies this long or longer are read with the interpreter released.
@@ -215,7 +216,50 @@ pub fn _cap_output<'py>(
     })
 }
 
+/// A stream's Server-Sent Events framed natively (`ratequeue_core::llm::sse`): `feed`
+/// returns the payloads of the events that mention a usage object (None when no event
+/// does), for the Python reader to take the usage from.
+#[pyclass(name = "_SSEFrames", module = "ratequeue._ratequeue")]
+pub struct SseFramesPy {
+    inner: SseFrames,
+}
+
+#[pymethods]
+impl SseFramesPy {
+    #[new]
+    fn new(max_event: usize) -> Self {
+        SseFramesPy {
+            inner: SseFrames::new(max_event),
+        }
+    }
+
+    /// The payloads (`data:` lines joined) of the complete events of this chunk that
+    /// mention a usage object, or None.
+    fn feed<'py>(&mut self, chunk: &Bound<'py, PyBytes>) -> PyResult<Option<Bound<'py, PyList>>> {
+        let py = chunk.py();
+        let mut found: Vec<Vec<u8>> = Vec::new();
+        read(py, chunk.as_bytes(), |b| self.inner.feed(b, |p| found.push(p)));
+        if found.is_empty() {
+            return Ok(None);
+        }
+        Ok(Some(PyList::new(py, found.iter().map(|p| PyBytes::new(py, p)))?))
+    }
+
+    /// Events read (complete, not skipped).
+    #[getter]
+    fn events(&self) -> u64 {
+        self.inner.events
+    }
+
+    /// Bytes kept of a partial event.
+    #[getter]
+    fn buffered(&self) -> usize {
+        self.inner.buffered()
+    }
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<SseFramesPy>()?;
     m.add_function(wrap_pyfunction!(_read_usage, m)?)?;
     m.add_function(wrap_pyfunction!(_read_request, m)?)?;
     m.add_function(wrap_pyfunction!(_scan_response, m)?)?;

@@ -7,6 +7,7 @@ use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
@@ -29,6 +30,8 @@ pub struct RequestReaderPy {
     chars_estimate: Py<PyAny>,
     chars: Py<PyAny>,
     estimate: Py<PyType>,
+    /// `_body.replace_body(request, new)`: a stream's body asked for its usage is sent.
+    replace_body: Option<Py<PyAny>>,
     tuple_new: Py<PyAny>,
     needs_body: bool,
     stream_usage: bool,
@@ -78,7 +81,7 @@ fn length_within(v: &[u8], max: u64) -> bool {
 impl RequestReaderPy {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body))]
+    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None))]
     fn new(
         py: Python<'_>,
         plan: Vec<(Bound<'_, PyString>, i64, Option<u64>)>,
@@ -92,6 +95,7 @@ impl RequestReaderPy {
         stream_usage: bool,
         caps: bool,
         max_body: u64,
+        replace_body: Option<Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         Ok(RequestReaderPy {
             units: plan
@@ -112,6 +116,7 @@ impl RequestReaderPy {
             chars_estimate: chars_estimate.unbind(),
             chars: chars.unbind(),
             estimate: estimate.unbind(),
+            replace_body: replace_body.map(Bound::unbind),
             tuple_new: py.get_type::<PyTuple>().getattr("__new__")?.unbind(),
             needs_body,
             stream_usage,
@@ -217,18 +222,41 @@ impl RequestReaderPy {
             match read(py, bytes, request_facts) {
                 Err(_) => return Ok(None),
                 Ok(None) => (none(), 0, default),
-                Ok(Some(f)) => {
+                Ok(Some(mut f)) => {
                     // A stream to ask for its usage: the body is rewritten (a path that is
-                    // not UTF-8 is left to the reference too).
-                    if f.stream_wants_usage
-                        && self.stream_usage
-                        && path.to_str().map_or(true, |p| p.ends_with("/chat/completions"))
-                    {
-                        return Ok(None);
+                    // not UTF-8 is left to the reference too), and read again as sent.
+                    let mut sent = None;
+                    if f.stream_wants_usage && self.stream_usage {
+                        let Ok(p) = path.to_str() else {
+                            return Ok(None);
+                        };
+                        if !p.ends_with("/chat/completions") {
+                            // Not a chat call: nothing to ask for.
+                        } else if let Some(replace) = &self.replace_body {
+                            let Ok(new) = read(py, bytes, ask_stream_usage) else {
+                                return Ok(None);
+                            };
+                            match read(py, &new, request_facts) {
+                                Ok(Some(g)) if !g.stream_wants_usage => f = g,
+                                _ => return Ok(None),
+                            }
+                            sent = Some((replace, new));
+                        } else {
+                            return Ok(None);
+                        }
                     }
                     let Ok((i, o)) = f.estimate(cpt, default) else {
                         return Ok(None);
                     };
+                    // Nothing defers past here: the body is replaced only now (None
+                    // still means "nothing changed").
+                    let cost_ok = self.units.iter().all(|(_, plan)| plan.cost(i, o).is_ok());
+                    if !cost_ok {
+                        return Ok(None);
+                    }
+                    if let Some((replace, new)) = sent {
+                        replace.bind(py).call1((request, PyBytes::new(py, &new)))?;
+                    }
                     let m = match f.model {
                         Some(m) => PyString::new(py, &m).into_any(),
                         None => none(),

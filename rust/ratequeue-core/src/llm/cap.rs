@@ -126,6 +126,44 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBo
     }))
 }
 
+/// What a streamed chat call is asked for so that its last event carries the usage.
+pub const STREAM_USAGE_FIELD: &[u8] = br#""stream_options":{"include_usage":true}"#;
+
+/// `body` with `"stream_options":{"include_usage":true}` added before its closing brace
+/// (every other byte kept), the bytes the Python reference (`_stream_opts`, then
+/// `spliced`) writes when the body has no top-level `stream_options`. `Err(Defer)` when
+/// it has one (the reference merges into it), or when the body is not a UTF-8 JSON
+/// object this scanner reads. The caller asks only for a body whose `stream` is true.
+pub fn ask_stream_usage(body: &[u8]) -> Result<Vec<u8>, Defer> {
+    let scanner = Scanner::new(body).ok_or(Defer)?;
+    let mut members = 0usize;
+    let mut close = 0usize;
+    let read = scanner.document(|s| {
+        s.object(1, |s, key| {
+            members += 1;
+            if key.is(b"stream_options") {
+                return Err(Stop::Defer);
+            }
+            s.value(1)?;
+            Ok(())
+        })?;
+        close = s.pos - 1;
+        Ok(())
+    });
+    match read {
+        Ok(Some(())) => {}
+        Ok(None) | Err(_) => return Err(Defer),
+    }
+    let mut out = Vec::with_capacity(body.len() + STREAM_USAGE_FIELD.len() + 1);
+    out.extend_from_slice(&body[..close]);
+    if members > 0 {
+        out.push(b',');
+    }
+    out.extend_from_slice(STREAM_USAGE_FIELD);
+    out.extend_from_slice(&body[close..]);
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -192,5 +230,19 @@ mod tests {
         assert_eq!(cap(r#"{"a":"#, 7, 0), Err(Defer));
         assert_eq!(cap_output(b"\xff{}", 7, 0), Err(Defer));
         assert_eq!(cap("{}", 7, 3), Err(Defer));
+    }
+
+    #[test]
+    fn asks_a_stream_for_its_usage() {
+        let ask = |b: &str| ask_stream_usage(b.as_bytes()).map(|v| String::from_utf8(v).unwrap());
+        assert_eq!(
+            ask(r#"{"stream": true }"#),
+            Ok(r#"{"stream": true ,"stream_options":{"include_usage":true}}"#.into())
+        );
+        assert_eq!(ask(" {} "), Ok(r#" {"stream_options":{"include_usage":true}} "#.into()));
+        assert_eq!(ask(r#"{"stream":true,"stream_options":null}"#), Err(Defer));
+        assert_eq!(ask(r#"{"stream":true,"stream\u005foptions":{}}"#), Err(Defer));
+        assert_eq!(ask("[true]"), Err(Defer));
+        assert_eq!(ask(r#"{"stream":"#), Err(Defer));
     }
 }

@@ -9,6 +9,7 @@ pub mod headers;
 pub mod plan;
 mod request;
 pub mod scan;
+pub mod sse;
 mod usage;
 
 pub use request::{request_facts, RequestFacts, MAX_MEMBERS, PROMPT_DEPTH};

@@ -1,0 +1,196 @@
+//! Server-Sent Events framed as they pass, for the usage they report: events end at a
+//! blank line (`\n\n` or `\r\n\r\n`); at most one partial event of at most `max_event`
+//! bytes is kept (a longer one is skipped up to its end, never buffered). Only events
+//! that mention a usage object (`"usage"`, blanks, `:`, blanks, `{`) are handed on, as
+//! their `data:` lines joined: the same rules as the Python reference (`SSEUsage`).
+
+use memchr::memmem;
+
+/// The framing state of one stream.
+#[derive(Debug)]
+pub struct SseFrames {
+    buf: Vec<u8>,
+    skip: bool,
+    max_event: usize,
+    /// Events read (complete, not skipped).
+    pub events: u64,
+}
+
+/// Python's `bytes` regex `\s`: ASCII blanks.
+fn blank(c: u8) -> bool {
+    matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
+}
+
+/// True when `raw` holds `"usage"`, blanks, `:`, blanks, `{`.
+pub fn mentions_usage(raw: &[u8]) -> bool {
+    const KEY: &[u8] = b"\"usage\"";
+    let mut from = 0;
+    while let Some(i) = memmem::find(&raw[from..], KEY) {
+        let mut p = from + i + KEY.len();
+        while p < raw.len() && blank(raw[p]) {
+            p += 1;
+        }
+        if p < raw.len() && raw[p] == b':' {
+            p += 1;
+            while p < raw.len() && blank(raw[p]) {
+                p += 1;
+            }
+            if p < raw.len() && raw[p] == b'{' {
+                return true;
+            }
+        }
+        from += i + 1;
+    }
+    false
+}
+
+/// The `data:` lines of an event (each without `data:` and its leading spaces), joined
+/// by `\n`; lines end at `\n`, `\r` or `\r\n`.
+pub fn payload(raw: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(raw.len());
+    let mut first = true;
+    let mut i = 0;
+    while i < raw.len() {
+        let end = raw[i..]
+            .iter()
+            .position(|&c| c == b'\n' || c == b'\r')
+            .map_or(raw.len(), |e| i + e);
+        let line = &raw[i..end];
+        if let Some(rest) = line.strip_prefix(b"data:") {
+            if !first {
+                out.push(b'\n');
+            }
+            first = false;
+            let skip = rest.iter().take_while(|&&c| c == b' ').count();
+            out.extend_from_slice(&rest[skip..]);
+        }
+        i = end;
+        if i < raw.len() {
+            i += if raw[i] == b'\r' && raw.get(i + 1) == Some(&b'\n') {
+                2
+            } else {
+                1
+            };
+        }
+    }
+    out
+}
+
+impl SseFrames {
+    /// A stream's framing, keeping at most `max_event` bytes of one event.
+    pub fn new(max_event: usize) -> Self {
+        SseFrames {
+            buf: Vec::new(),
+            skip: false,
+            max_event,
+            events: 0,
+        }
+    }
+
+    /// Bytes kept of a partial event (at most `max_event`, or 3 while one is skipped).
+    pub fn buffered(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// Reads one chunk: `usage_event(payload)` for each complete event (not skipped)
+    /// that mentions a usage object.
+    pub fn feed(&mut self, chunk: &[u8], mut usage_event: impl FnMut(Vec<u8>)) {
+        let joined;
+        let data: &[u8] = if self.buf.is_empty() {
+            chunk
+        } else {
+            let mut d = std::mem::take(&mut self.buf);
+            d.extend_from_slice(chunk);
+            joined = d;
+            &joined
+        };
+        let mut start = 0;
+        // The next `\r\n\r\n` at or after `start` (searched again only once passed:
+        // the chunk is scanned for it once, not once per event).
+        let mut crlf = memmem::find(data, b"\r\n\r\n");
+        loop {
+            if crlf.is_some_and(|c| c < start) {
+                crlf = memmem::find(&data[start..], b"\r\n\r\n").map(|c| start + c);
+            }
+            let lf = memmem::find(&data[start..], b"\n\n").map(|a| start + a);
+            let (end, sep) = match (lf, crlf) {
+                (None, None) => break,
+                (Some(a), Some(b)) if b < a => (b, 4),
+                (None, Some(b)) => (b, 4),
+                (Some(a), _) => (a, 2),
+            };
+            if self.skip {
+                self.skip = false;
+            } else {
+                self.events += 1;
+                let raw = &data[start..end];
+                if mentions_usage(raw) {
+                    usage_event(payload(raw));
+                }
+            }
+            start = end + sep;
+        }
+        let rest = &data[start..];
+        if rest.len() > self.max_event {
+            // An event longer than the bound: dropped up to its end (its last bytes stay:
+            // a separator may straddle two chunks).
+            self.skip = true;
+            self.buf = rest[rest.len() - 3..].to_vec();
+        } else {
+            self.buf = rest.to_vec();
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run(chunks: &[&[u8]], max_event: usize) -> (Vec<Vec<u8>>, u64) {
+        let mut f = SseFrames::new(max_event);
+        let mut out = Vec::new();
+        for c in chunks {
+            f.feed(c, |p| out.push(p));
+        }
+        (out, f.events)
+    }
+
+    #[test]
+    fn frames_and_finds_usage_events() {
+        let (found, n) = run(
+            &[
+                b"data: {\"usage\":null}\n\ndata: {\"usage\" :\n {\"a\":1}}\r",
+                b"\n\r\nev",
+                b"ent: x\n\n",
+            ],
+            1 << 20,
+        );
+        assert_eq!(found, vec![b"{\"usage\" :".to_vec()]);
+        assert_eq!(n, 3);
+        assert_eq!(payload(b"data:  a\r\nid: 1\rdata:b\ndata:"), b"a\nb\n".to_vec());
+        assert!(mentions_usage(b"x\"usage\"\x0b:\x0c{"));
+        assert!(!mentions_usage(b"\"usage\":[{"));
+    }
+
+    #[test]
+    fn mixed_separators_end_events_in_order() {
+        let (found, n) = run(
+            &[b"data: \"usage\":{1}\r\n\r\ndata: x\n\ndata: \"usage\":{2}\n\ndata: \"usage\":{3}\r\n\r\n"],
+            1 << 20,
+        );
+        let want: Vec<Vec<u8>> = vec![
+            b"\"usage\":{1}".to_vec(),
+            b"\"usage\":{2}".to_vec(),
+            b"\"usage\":{3}".to_vec(),
+        ];
+        assert_eq!(found, want);
+        assert_eq!(n, 4);
+    }
+
+    #[test]
+    fn skips_an_event_past_the_bound() {
+        let (found, n) = run(&[b"data: \"usage\":{", b"xxxxxxxx", b"x\n\ndata: \"usage\":{}\n\n"], 8);
+        assert_eq!(found, vec![b"\"usage\":{}".to_vec()]);
+        assert_eq!(n, 1);
+    }
+}
