@@ -25,6 +25,9 @@ pub struct LimiterPy {
     pub(crate) gate: Arc<Gate>,
     /// Cost of a unit not named in a call (None: it must be named).
     pub(crate) defaults: [Option<u64>; MAX_RATES],
+    /// With one unit, its default cost (`defaults[0]`): the cost of `try_acquire()`
+    /// without arguments, read by the fast entry with no further check; None otherwise.
+    pub(crate) default_one: Option<u64>,
     pub(crate) max_wait_ns: Option<u64>,
     pub(crate) clock: Py<PyAny>,
     #[pyo3(get)]

@@ -8,7 +8,6 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::PyBool;
 use pyo3::Borrowed;
-use ratequeue_core::Deny;
 
 use crate::errors::{not_installed, panicked};
 use crate::limiter::LimiterPy;
@@ -28,34 +27,60 @@ unsafe extern "C" fn try_acquire_fast(
     nargs: ffi::Py_ssize_t,
     kwnames: *mut ffi::PyObject,
 ) -> *mut ffi::PyObject {
-    // SAFETY: the interpreter calls a method attached, with `nargs` arguments at `args`
-    // followed by one per name in `kwnames`.
-    let py = unsafe { Python::assume_attached() };
-    // The common call, `lim.try_acquire()`: decided here with the limiter borrowed (no
-    // reference taken and dropped) and only a small result carried out of the unwind
-    // guard; anything else (an error to raise, several units) takes the general path.
+    // The common call, `lim.try_acquire()` on one unit: decided here, with only True or
+    // False carried out of the unwind guard; anything else (an error to raise, several
+    // units, arguments) takes the general path, out of line.
     if nargs == 0 && (kwnames.is_null() || unsafe { ffi::PyTuple_GET_SIZE(kwnames) } == 0) {
-        // SAFETY: `slf` is the object the method was called on, alive for the call.
-        if let Ok(lim) = unsafe { Borrowed::from_ptr(py, slf) }.cast::<LimiterPy>() {
-            let lim = lim.get();
-            match catch_unwind(AssertUnwindSafe(|| lim.decide_default())) {
-                Ok(Some(Ok(ok))) => return PyBool::new(py, ok).to_owned().into_ptr(),
-                Ok(Some(Err(Deny::Wait(_)))) => return PyBool::new(py, false).to_owned().into_ptr(),
-                // Decided (nothing consumed): the error, raised as the general path does.
-                Ok(Some(Err(d))) => {
-                    let e = catch_unwind(AssertUnwindSafe(|| lim.deny(py, d)))
-                        .unwrap_or_else(|_| panicked("Limiter.try_acquire panicked"));
-                    e.restore(py);
-                    return std::ptr::null_mut();
-                }
+        // SAFETY: the interpreter calls a method attached. The method's descriptor (made
+        // for this type in `install`) calls it only with `slf` an instance of the type
+        // (CPython checks it, a TypeError otherwise, before any call of a method
+        // descriptor's function), alive for the call; Limiter has no subclasses.
+        let lim = unsafe { Borrowed::from_ptr(Python::assume_attached(), slf).cast_unchecked::<LimiterPy>() }.get();
+        if let Some(c) = lim.default_one {
+            match catch_unwind(AssertUnwindSafe(|| lim.decide_default(c))) {
+                Ok(Some(ok)) => return unsafe { py_bool(ok) },
                 Ok(None) => {}
                 Err(_) => {
-                    panicked("Limiter.try_acquire panicked").restore(py);
+                    // SAFETY: as above.
+                    panicked("Limiter.try_acquire panicked").restore(unsafe { Python::assume_attached() });
                     return std::ptr::null_mut();
                 }
             }
         }
     }
+    unsafe { try_acquire_general(slf, args, nargs, kwnames) }
+}
+
+/// A new reference to True or False.
+///
+/// # Safety
+/// Called attached.
+#[inline(always)]
+unsafe fn py_bool(ok: bool) -> *mut ffi::PyObject {
+    let b = if ok {
+        unsafe { ffi::Py_True() }
+    } else {
+        unsafe { ffi::Py_False() }
+    };
+    unsafe { ffi::Py_INCREF(b) };
+    b
+}
+
+/// [`try_acquire_fast`] for every call it does not decide itself.
+///
+/// # Safety
+/// As [`try_acquire_fast`]: called attached, with its arguments.
+#[cold]
+#[inline(never)]
+unsafe fn try_acquire_general(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    // SAFETY: the interpreter calls a method attached, with `nargs` arguments at `args`
+    // followed by one per name in `kwnames`.
+    let py = unsafe { Python::assume_attached() };
     let out = catch_unwind(AssertUnwindSafe(|| -> PyResult<Py<PyAny>> {
         if nargs <= 1 {
             let obj = unsafe { Bound::from_borrowed_ptr(py, slf) };

@@ -111,12 +111,36 @@ impl LimiterPy {
         decided.map(|()| true)
     }
 
-    /// `try_acquire()` with no argument on one unit (its default cost): the decision, or
-    /// None for a limiter over several units (the general path names what is missing).
-    #[inline]
-    pub(crate) fn decide_default(&self) -> Option<Result<bool, Deny>> {
-        let c = self.one_cost(None)?;
-        Some(self.decide_now(&[c]))
+    /// `try_acquire()` with no argument on one unit, at its default cost `c`
+    /// ([`LimiterPy::default_one`]): [`Self::decide_now`] with the answer in one register,
+    /// True or False; None (nothing consumed, nothing counted) for what only the general
+    /// path answers: a cost above the burst (its error), or the multi-rate lock busy.
+    #[inline(always)]
+    pub(crate) fn decide_default(&self, c: u64) -> Option<bool> {
+        let queue = &self.gate.queue;
+        if queue.waiting() != 0 {
+            queue.note_try(false);
+            return Some(false);
+        }
+        match self.core.try_acquire_idle_nowait(&[c], || queue.joined()) {
+            Some(Ok(())) => {
+                queue.note_try(true);
+                Some(true)
+            }
+            Some(refused) => self.refused_default(refused),
+            None => None,
+        }
+    }
+
+    /// The end of [`Self::decide_default`] for a decision that did not admit (out of
+    /// line): as [`Self::decide_now`] ends it; None for an error to raise.
+    #[inline(never)]
+    fn refused_default(&self, decided: Result<(), Deny>) -> Option<bool> {
+        match self.refused_now(decided) {
+            Ok(ok) => Some(ok),
+            Err(Deny::Wait(_)) => Some(false),
+            Err(_) => None,
+        }
     }
 
     /// With one unit, the cost of a call without keywords whose only argument is absent
@@ -190,6 +214,7 @@ impl LimiterPy {
             None => Bound::new(py, crate::clock::MonotonicClockPy)?.into_any().unbind(),
         };
         Ok(LimiterPy {
+            default_one: if single { defaults[0] } else { None },
             core,
             gate,
             defaults,

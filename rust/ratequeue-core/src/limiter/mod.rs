@@ -25,6 +25,8 @@ pub struct Limiter {
     clock: AnyClock,
     /// One rate on the monotonic clock reading the TSC: decisions read the counter and
     /// the bucket converts it in one multiply ([`Bucket::try_take_words_counter`]).
+    /// Invariant (set in [`Limiter::new`], never changed): true only when `buckets` holds
+    /// exactly one bucket ([`Limiter::counter_bucket`] relies on it).
     on_counter: bool,
     buckets: Box<[Bucket]>,
     bucket_unit: Box<[usize]>,
@@ -191,15 +193,26 @@ impl Limiter {
         self.take_all(now, costs, 0, false).map(|_| ())
     }
 
+    /// The one bucket of a limiter that reads the counter (None otherwise), with no
+    /// bounds check on the decision's path.
+    #[inline(always)]
+    fn counter_bucket(&self) -> Option<&Bucket> {
+        if !self.on_counter {
+            return None;
+        }
+        debug_assert_eq!(self.buckets.len(), 1);
+        // SAFETY: `on_counter` is true only for a limiter made with exactly one rate (see
+        // `Limiter::new`), and `buckets` is never changed after it: index 0 exists.
+        Some(unsafe { self.buckets.get_unchecked(0) })
+    }
+
     /// Admits `costs` (one per unit, indexed as [`Limiter::units`]) now or not at all.
     /// `Err(Deny::Wait(ns))`: refused, would conform in `ns`; nothing was consumed.
     #[inline]
     pub fn try_acquire(&self, costs: &[u64]) -> Result<(), Deny> {
-        if self.on_counter {
+        if let Some(b) = self.counter_bucket() {
             // One rate counts the one unit (index 0), which a denial already names.
-            return self.buckets[0]
-                .try_take_words_counter(clock::read_counter(), costs[0])
-                .map(|_| ());
+            return b.try_take_words_counter(clock::read_counter(), costs[0]).map(|_| ());
         }
         self.try_acquire_at(self.clock.now_ns(), costs)
     }
@@ -251,8 +264,8 @@ impl Limiter {
     /// `Deny::Wait(0)`, so no time promised to a joiner moves.
     #[inline]
     pub fn try_acquire_idle_nowait(&self, costs: &[u64], joined: impl Fn() -> bool) -> Option<Result<(), Deny>> {
-        if self.on_counter {
-            return Some(self.try_take_one_idle_counter(costs, joined).map(|_| ()));
+        if let Some(b) = self.counter_bucket() {
+            return Some(self.try_take_one_idle_counter(b, costs, joined).map(|_| ()));
         }
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
@@ -270,8 +283,8 @@ impl Limiter {
 
     /// [`Limiter::try_acquire_idle_nowait`], waiting for the multi-rate lock if busy.
     pub fn try_acquire_idle(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<(), Deny> {
-        if self.on_counter {
-            return self.try_take_one_idle_counter(costs, joined).map(|_| ());
+        if let Some(b) = self.counter_bucket() {
+            return self.try_take_one_idle_counter(b, costs, joined).map(|_| ());
         }
         let now = self.clock.now_ns();
         if self.buckets.len() == 1 {
@@ -297,8 +310,8 @@ impl Limiter {
     /// [`Limiter::try_take_one_idle`] at a reading of the clock's counter (see
     /// [`Limiter::try_acquire`]).
     #[inline]
-    fn try_take_one_idle_counter(&self, costs: &[u64], joined: impl Fn() -> bool) -> Result<u64, Deny> {
-        let (b, c) = (&self.buckets[0], costs[0]);
+    fn try_take_one_idle_counter(&self, b: &Bucket, costs: &[u64], joined: impl Fn() -> bool) -> Result<u64, Deny> {
+        let c = costs[0];
         let raw = clock::read_counter();
         let (before, after) = b.try_take_words_counter(raw, c)?;
         if joined() {
