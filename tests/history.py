@@ -706,6 +706,9 @@ class Ops(History):
     def __init__(self, seed: int, mode: str = "single"):
         super().__init__(seed, mode)
         self.holders: list[Holder] = []  # single mode; threads keep their own
+        # No promised time is later (an undated reservation's included: the library's
+        # clock at the call was at most the reading after it).
+        self.promised_by = 0
 
     # -- non-blocking -----------------------------------------------------------
 
@@ -767,6 +770,8 @@ class Ops(History):
             self.bump("refused")
             return
         at = t + round(res.delay * NS)
+        with self.lock:
+            self.promised_by = max(self.promised_by, self.now() + math.ceil(res.delay * NS))
         self.oplog[op] += f" -> delay={res.delay}"
         q = self.new_req("lim", None, self.reserve_cls(), list(costs.values()), "reserve", op, t)
         self.granted(q, t0=t, at_ns=at)
@@ -1101,6 +1106,13 @@ class Ops(History):
                             " after every holder released",
                             [],
                         )
+        # A queued reservation is debited at its promised time, never earlier, even when
+        # everyone ahead of it left and its bucket is full long before: until every
+        # promise is due, a waiter still queued is owed nothing yet (a full bucket then
+        # also refuses a burst: no barging). Time passes the last promise first.
+        last = max([self.promised_by, *(q.grant_ns for q in self.reqs if q.grant_ns is not None)])
+        if last > self.now():
+            self.advance_to(last)
         longest = max(
             x.burst * x.per_ns // x.amount for lv in self.levels.values() for x in lv.rates
         )
@@ -1108,7 +1120,7 @@ class Ops(History):
             self.advance_to(self.now() + 2 * longest + NS)
             if all(self._full(lv) for lv in self.levels.values() if lv.is_rate):
                 break
-        # Every waiter's owner is gone; queued reservations are due by now.
+        # Every waiter's owner is gone and every promised time has passed.
         for lv in self.levels.values():
             if lv.kind in ("rate", "conc") and lv.obj.waiting:
                 self.violate("leftover", f"{lv.name}: {lv.obj.waiting} waiters left", [])

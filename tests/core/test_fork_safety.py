@@ -318,6 +318,41 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherit
     check(out[0])
 
 
+def test_a_thread_that_waited_before_forking_is_the_childs_main_thread_for_ctrl_c():
+    # The forking thread waits first, found not to be the main thread (an answer a
+    # blocked acquire may remember); in the child it is the main thread, and Ctrl-C
+    # must stop its wait there.
+    lim = rq.Limiter(rq.Rate(1, per="minute", burst=1))
+    assert lim.try_acquire()
+    warm = rq.Limiter(rq.Rate(50, per="second", burst=1))
+
+    def child():
+        assert threading.current_thread() is threading.main_thread()
+        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+        t0 = time.monotonic()
+        try:
+            lim.acquire()  # a minute away: only Ctrl-C ends it
+        except KeyboardInterrupt:
+            pass
+        else:
+            raise AssertionError("granted?")
+        assert time.monotonic() - t0 < 5
+        assert lim.waiting == 0
+
+    out = []
+
+    def forker():
+        warm.try_acquire()
+        assert warm.acquire(timeout=1).waited > 0  # queued: the thread was checked
+        out.append(fork_child(child, CHILD_TIMEOUT))
+
+    t = threading.Thread(target=forker)
+    t.start()
+    t.join(CHILD_TIMEOUT + 10)
+    assert out
+    check(out[0])
+
+
 def test_child_forked_from_another_thread_starts_with_every_permit_free():
     conc = rq.Concurrency(3)
     kconc = rq.KeyedConcurrency(1)

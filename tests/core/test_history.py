@@ -9,13 +9,15 @@ operations.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from history import NS, History, Req
+import ratequeue as rq
+from history import NS, History, Level, Ops, RateSpec, Req
 
 HERE = Path(__file__).resolve().parents[1]  # tests/, where stress_history.py is
 STRESS = HERE / "stress_history.py"
@@ -136,3 +138,74 @@ def test_checker_finds_more_permits_held_than_the_limit():
     _grant(h, "conc", 0, 0, [1])
     h.check_concurrency()
     assert _kinds(h) == ["concurrency"]
+
+
+# ---------------------------------------------------------------------------------------
+# the end-of-run checks: a waiter left is reported only once every promise is due
+
+
+def _only_lim(lim: object, spec: RateSpec, h: Ops | None = None) -> Ops:
+    """A run's checker whose only level is ``lim`` (on ``h``'s clock when given)."""
+    h = h or Ops(1)
+    h.levels = {"lim": Level("lim", "rate", lim, rates=[spec])}
+    return h
+
+
+def test_a_reservation_promised_after_the_buckets_refill_is_not_a_leftover():
+    """A queued reservation is debited at its promised time, never earlier, even when
+    everyone ahead of it left and the bucket is full long before (the seed 2 threads
+    failure, "lim: 2 waiters left" and "a full bucket refused a burst": a worker's last
+    reservation promised ~18 s on, waiters ahead of it gone). The end checks must let
+    time pass every promise before counting what is left."""
+    h = Ops(1)
+    lim = rq.Limiter(rq.Rate(1, per=1, burst=1), clock=h.clock, max_queue=50, name="lim")
+    _only_lim(lim, RateSpec("requests", 1, 1, 1), h)
+
+    async def main() -> float:
+        assert lim.try_acquire()  # the bucket empty
+        tasks = [asyncio.ensure_future(lim.acquire_async()) for _ in range(6)]
+        await asyncio.sleep(0)
+        assert lim.waiting == 6
+        delay = lim.reserve().delay  # behind six waiters
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        return delay
+
+    t0 = h.now()
+    delay = asyncio.run(main())
+    assert delay == pytest.approx(7.0)
+    assert lim.waiting == 1  # the reservation, until its time: the bucket refills first
+    q = h.new_req("lim", None, None, [1], "reserve", 0, t0)
+    h.granted(q, t0=t0, at_ns=t0 + round(delay * NS))
+    h.final_checks()
+    assert h.violations == []
+    assert lim.waiting == 0
+    assert h.now() >= q.grant_ns
+
+
+class _Stuck:
+    """A rate level whose queue keeps a waiter forever, its bucket full."""
+
+    waiting = 1
+
+    def poll(self) -> None:
+        return None
+
+    def next_wake(self) -> None:
+        return None
+
+    def available(self, unit: str) -> float:
+        return 1.0
+
+    def try_acquire(self, **costs: int) -> None:
+        return None
+
+
+def test_checker_reports_a_waiter_left_after_every_promise():
+    h = _only_lim(_Stuck(), RateSpec("requests", 1, 1, 1))
+    h.final_checks()
+    assert [v.message for v in h.violations] == [
+        "lim: 1 waiters left",
+        "lim: a full bucket refused a burst",
+    ]

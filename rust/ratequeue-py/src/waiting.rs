@@ -108,15 +108,33 @@ impl GatePy for Arc<Gate> {
     }
 }
 
-/// True on the interpreter's main thread, asked each time: a child forked from another
-/// thread has that thread as its main thread (and its signal handlers run there). The
-/// calls run Python code, where a pending signal's handler may run and raise (Ctrl-C):
-/// that error is returned, for the caller to stop its wait with, never dropped.
+thread_local! {
+    /// The fork generation in which this thread was found not to be the interpreter's
+    /// main thread (`u64::MAX`: not known).
+    static NOT_MAIN: std::cell::Cell<u64> = const { std::cell::Cell::new(u64::MAX) };
+}
+
+/// True on the interpreter's main thread. A thread found not to be it is remembered until
+/// the next fork (a child forked from it has it as its main thread, and its signal
+/// handlers run there), so a blocked acquire off the main thread runs no Python code for
+/// it (~5,000 instructions with the GIL held); the main thread asks Python each time.
+/// The calls run Python code, where a pending signal's handler may run and raise
+/// (Ctrl-C): that error is returned, for the caller to stop its wait with, never dropped.
 pub(crate) fn is_main_thread(py: Python<'_>) -> PyResult<bool> {
+    let generation = ratequeue_core::fork::generation();
+    if NOT_MAIN.with(|g| g.get()) == generation {
+        return Ok(false);
+    }
     let threading = py.import("threading")?;
     let main = threading.call_method0("main_thread")?;
     let current = threading.call_method0("current_thread")?;
-    Ok(current.is(&main))
+    let is_main = current.is(&main);
+    if !is_main {
+        // The fork handlers count the generations (installed with the first queue).
+        ratequeue_core::fork::install();
+        NOT_MAIN.with(|g| g.set(generation));
+    }
+    Ok(is_main)
 }
 
 /// What a grant gave: context manager; a Concurrency permit is returned on exit.

@@ -27,6 +27,8 @@ mod submit;
 #[cfg(test)]
 mod tests;
 mod timed;
+#[cfg(test)]
+use timed::timers_precise;
 use timed::TAKEOVER_NS;
 #[cfg(test)]
 mod timed_tests;

@@ -28,40 +28,37 @@ extern "C" {
     fn prctl(option: i32, arg2: u64, arg3: u64, arg4: u64, arg5: u64) -> i32;
 }
 
-/// This thread's timer slack at 1 ns while it lives (Linux adds the default 50 µs to
-/// every timed wait otherwise); the previous slack comes back on drop.
-struct PreciseTimers {
-    #[cfg_attr(not(target_os = "linux"), allow(dead_code))]
-    previous: u64,
+thread_local! {
+    /// This thread's timer slack is already 1 ns (set by [`precise_timers`]).
+    static PRECISE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
 }
 
-impl PreciseTimers {
-    fn new() -> PreciseTimers {
-        #[cfg(target_os = "linux")]
-        // SAFETY: PR_GET_TIMERSLACK (30) and PR_SET_TIMERSLACK (29) touch only this thread.
-        unsafe {
-            let previous = prctl(30, 0, 0, 0, 0);
-            if previous > 1 {
-                prctl(29, 1, 0, 0, 0);
-                return PreciseTimers {
-                    previous: previous as u64,
-                };
-            }
-        }
-        PreciseTimers { previous: 0 }
-    }
-}
-
-impl Drop for PreciseTimers {
-    fn drop(&mut self) {
-        #[cfg(target_os = "linux")]
-        if self.previous > 1 {
-            // SAFETY: as in `new`.
+/// Sets this thread's timer slack to 1 ns (Linux adds the default 50 µs to every timed
+/// wait otherwise), once per thread: the slack stays at 1 ns after the wait, so a
+/// thread that waits again makes no system call for it, and none runs between its
+/// timer and its return (setting it back after each wait cost a `prctl` on the wake
+/// path, ~1-2 µs on a virtual machine). A slack the thread sets itself afterwards is
+/// left as it is.
+fn precise_timers() {
+    #[cfg(target_os = "linux")]
+    PRECISE.with(|done| {
+        if !done.get() {
+            // SAFETY: PR_GET_TIMERSLACK (30) and PR_SET_TIMERSLACK (29) touch only this
+            // thread.
             unsafe {
-                prctl(29, self.previous, 0, 0, 0);
+                if prctl(30, 0, 0, 0, 0) > 1 {
+                    prctl(29, 1, 0, 0, 0);
+                }
             }
+            done.set(true);
         }
-    }
+    });
+}
+
+/// True when this thread's timed waits already run with 1 ns timer slack.
+#[cfg(test)]
+pub(super) fn timers_precise() -> bool {
+    PRECISE.with(|done| done.get())
 }
 
 impl WaitQueue {
@@ -82,7 +79,6 @@ impl WaitQueue {
             return slot.wait(slice);
         }
         let end = slice.map(|d| Instant::now() + d);
-        let mut precise = None;
         loop {
             let mut g = lock(&slot.state);
             slot.present.store(true, Ordering::Release);
@@ -104,7 +100,7 @@ impl WaitQueue {
                     d = Some(d.map_or(left, |d| d.min(left)));
                 }
                 if timer != NONE {
-                    precise.get_or_insert_with(PreciseTimers::new);
+                    precise_timers();
                 }
                 g = slot.sleep(g, d).0;
             };

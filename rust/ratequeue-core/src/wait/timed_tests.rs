@@ -238,6 +238,66 @@ fn on_the_real_time_clock_a_blocked_thread_times_itself_and_is_granted_in_fifo_o
     assert_eq!(q.waiting(), 0);
 }
 
+/// This thread's timer slack in nanoseconds.
+#[cfg(target_os = "linux")]
+fn timer_slack() -> i32 {
+    // SAFETY: PR_GET_TIMERSLACK reads only this thread's slack.
+    unsafe { libc::prctl(libc::PR_GET_TIMERSLACK, 0, 0, 0, 0) }
+}
+
+#[cfg(target_os = "linux")]
+fn set_timer_slack(ns: u64) {
+    // SAFETY: PR_SET_TIMERSLACK changes only this thread's slack.
+    assert_eq!(unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, ns, 0, 0, 0) }, 0);
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_self_timed_thread_sets_its_timer_slack_to_1_ns_once_and_keeps_a_slack_set_after() {
+    let lim = Limiter::new(
+        vec![("requests".into(), Rate::new(1000.0, 1e9, 1).unwrap())],
+        AnyClock::Monotonic,
+    )
+    .unwrap();
+    let q = WaitQueue::new(
+        Arc::new(lim),
+        1,
+        AnyClock::Monotonic,
+        QueueConfig::new(vec![], 1000, None).unwrap(),
+    );
+    let gate = Gate::new(q.clone(), vec!["requests".into()], false);
+    let queued = |gate: &Arc<Gate>| {
+        // The burst taken first: the next acquire queues and its thread times itself
+        // (unless the thread was descheduled past its grant time in between).
+        let _ = gate.try_now(&[1], 0);
+        let _permit = gate.acquire_blocking(&mut Blocked, &[1], 0, None).unwrap();
+    };
+    std::thread::spawn(move || {
+        set_timer_slack(50_000);
+        assert!(!timers_precise());
+        // Until a wait has slept to its timer (one does at once unless the machine is
+        // starved).
+        for _ in 0..1000 {
+            queued(&gate);
+            if timers_precise() {
+                break;
+            }
+        }
+        assert!(timers_precise());
+        // Left at 1 ns after the wait: no system call between the timer and the return.
+        assert_eq!(timer_slack(), 1);
+        queued(&gate);
+        assert_eq!(timer_slack(), 1);
+        // A slack the thread sets afterwards is its own: later waits leave it.
+        set_timer_slack(30_000);
+        queued(&gate);
+        assert_eq!(timer_slack(), 30_000);
+    })
+    .join()
+    .unwrap();
+    assert_eq!(q.waiting(), 0);
+}
+
 /// A host without a lock of its own that never stops a wait.
 struct Blocked;
 
