@@ -275,6 +275,25 @@ def test_a_thread_waiting_for_a_core_lock_never_holds_the_gil(case):
         assert not t.is_alive()
 
 
+def _ctrl_c_stops_the_wait(lim):
+    """In a forked child: it runs on the main thread, and a Ctrl-C 0.2 s into a wait a
+    minute long stops it and leaves no waiter. Ctrl-C is handled as Python's default does
+    whatever the child inherited (a test process started with SIGINT ignored passes that
+    on); only the main thread may set a handler: this is it."""
+    assert threading.current_thread() is threading.main_thread()
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    try:
+        lim.acquire()  # a minute away: only Ctrl-C ends it
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("granted?")
+    assert time.monotonic() - t0 < 5
+    assert lim.waiting == 0
+
+
 @pytest.mark.parametrize("inherited", ["handled", "ignored"])
 def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherited):
     # The child inherits the test process's SIGINT disposition, which is not the test's
@@ -289,24 +308,10 @@ def test_child_forked_from_another_thread_has_its_main_thread_and_ctrl_c(inherit
     warm.try_acquire()
     warm.acquire(timeout=1)
 
-    def child():
-        assert threading.current_thread() is threading.main_thread()
-        # Ctrl-C handled as Python's default does, whatever was inherited (only the main
-        # thread may set a handler: this is it).
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-        t0 = time.monotonic()
-        try:
-            lim.acquire()  # a minute away: only Ctrl-C ends it
-        except KeyboardInterrupt:
-            pass
-        else:
-            raise AssertionError("granted?")
-        assert time.monotonic() - t0 < 5
-        assert lim.waiting == 0
-
     out = []
-    t = threading.Thread(target=lambda: out.append(fork_child(child, CHILD_TIMEOUT)))
+    t = threading.Thread(
+        target=lambda: out.append(fork_child(lambda: _ctrl_c_stops_the_wait(lim), CHILD_TIMEOUT))
+    )
     given = signal.default_int_handler if inherited == "handled" else signal.SIG_IGN
     old = signal.signal(signal.SIGINT, given)
     try:
@@ -326,25 +331,12 @@ def test_a_thread_that_waited_before_forking_is_the_childs_main_thread_for_ctrl_
     assert lim.try_acquire()
     warm = rq.Limiter(rq.Rate(50, per="second", burst=1))
 
-    def child():
-        assert threading.current_thread() is threading.main_thread()
-        threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()
-        t0 = time.monotonic()
-        try:
-            lim.acquire()  # a minute away: only Ctrl-C ends it
-        except KeyboardInterrupt:
-            pass
-        else:
-            raise AssertionError("granted?")
-        assert time.monotonic() - t0 < 5
-        assert lim.waiting == 0
-
     out = []
 
     def forker():
         warm.try_acquire()
         assert warm.acquire(timeout=1).waited > 0  # queued: the thread was checked
-        out.append(fork_child(child, CHILD_TIMEOUT))
+        out.append(fork_child(lambda: _ctrl_c_stops_the_wait(lim), CHILD_TIMEOUT))
 
     t = threading.Thread(target=forker)
     t.start()
