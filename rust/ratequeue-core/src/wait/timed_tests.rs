@@ -201,8 +201,8 @@ fn a_thread_away_from_its_wait_leaves_its_grant_to_the_driver() {
     assert_eq!(s.timer(), Some(100 * MS), "kept for when it comes back");
 }
 
-#[test]
-fn on_the_real_time_clock_a_blocked_thread_times_itself_and_is_granted_in_fifo_order() {
+/// A queue and gate of one rate, 1,000/s burst 1, on the monotonic clock (self-timed).
+fn monotonic_gate() -> (Arc<WaitQueue>, Arc<Gate>) {
     let lim = Limiter::new(
         vec![("requests".into(), Rate::new(1000.0, 1e9, 1).unwrap())],
         AnyClock::Monotonic,
@@ -214,8 +214,14 @@ fn on_the_real_time_clock_a_blocked_thread_times_itself_and_is_granted_in_fifo_o
         AnyClock::Monotonic,
         QueueConfig::new(vec![], 1000, None).unwrap(),
     );
-    assert!(q.self_timing());
     let gate = Gate::new(q.clone(), vec!["requests".into()], false);
+    (q, gate)
+}
+
+#[test]
+fn on_the_real_time_clock_a_blocked_thread_times_itself_and_is_granted_in_fifo_order() {
+    let (q, gate) = monotonic_gate();
+    assert!(q.self_timing());
     let threads: Vec<_> = (0..4)
         .map(|_| {
             let gate = gate.clone();
@@ -254,18 +260,7 @@ fn set_timer_slack(ns: u64) {
 #[cfg(target_os = "linux")]
 #[test]
 fn a_self_timed_thread_sets_its_timer_slack_to_1_ns_once_and_keeps_a_slack_set_after() {
-    let lim = Limiter::new(
-        vec![("requests".into(), Rate::new(1000.0, 1e9, 1).unwrap())],
-        AnyClock::Monotonic,
-    )
-    .unwrap();
-    let q = WaitQueue::new(
-        Arc::new(lim),
-        1,
-        AnyClock::Monotonic,
-        QueueConfig::new(vec![], 1000, None).unwrap(),
-    );
-    let gate = Gate::new(q.clone(), vec!["requests".into()], false);
+    let (q, gate) = monotonic_gate();
     let queued = |gate: &Arc<Gate>| {
         // The burst taken first: the next acquire queues and its thread times itself
         // (unless the thread was descheduled past its grant time in between).
