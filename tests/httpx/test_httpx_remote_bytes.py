@@ -1,0 +1,175 @@
+"""Bytes a remote party controls (review21): the native SSE framing and usage reading
+against the Python reference (``SSEUsage(native=False)``) over arbitrary bytes, any
+chunking and any bound; bounded memory on endless lines and events; and the native
+request rewrite (a streamed chat call asked for its usage) against the reference for
+the JSON objects SDKs send."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+from unittest import mock
+
+import pytest
+import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ratequeue.httpx import RateLimitedTransport, TokenEstimator
+from ratequeue.httpx import _stream
+from ratequeue.httpx._usage import SSEUsage
+from ratequeue.httpx._wire import header_list
+
+# -- the SSE framing over any bytes ---------------------------------------------------------
+
+ATOMS = st.one_of(
+    st.sampled_from(
+        [
+            b"\n",
+            b"\r",
+            b"\r\n",
+            b"\n\n",
+            b"\r\n\r\n",
+            b"\n\r\n",
+            b"data:",
+            b"data: ",
+            b"event: x\n",
+            b": comment\n",
+            b'"usage"',
+            b" : {",
+            b'{"usage":{"prompt_tokens":1,"completion_tokens":2}}',
+            b'{"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":99999999999999999999999}}',
+            b'{"type":"message_delta","usage":{"output_tokens":5}}',
+            b'{"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}',
+            b'{"type":"response.completed","response":{"usage":{"input_tokens":4,"output_tokens":6}}}',
+            b'{"usage":{"prompt_tokens":-3,"completion_tokens":2.5}}',
+            b'{"u\\u0073age":{"prompt_tokens":1}}',
+            b"\xef\xbb\xbf",
+            b"\x00",
+            b"\xff\xfe",
+            b"\xc3",
+            b"[" * 200,
+            b"]" * 200,
+            b"data: [DONE]\n\n",
+        ]
+    ),
+    st.binary(max_size=6),
+)
+BYTES = st.lists(ATOMS, max_size=30).map(b"".join)
+BOUNDS = st.sampled_from([0, 1, 2, 3, 4, 8, 40, 1 << 20])
+
+
+def cut(body: bytes, cuts: list[int]) -> list[bytes]:
+    at = sorted(c % (len(body) + 1) for c in cuts)
+    return [body[a:b] for a, b in zip([0, *at], [*at, len(body)], strict=True)]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(BYTES, st.lists(st.integers(0, 10**6), max_size=10), BOUNDS)
+def test_native_framing_agrees_on_any_bytes(
+    body: bytes, cuts: list[int], max_event: int
+) -> None:
+    native, ref = SSEUsage(max_event), SSEUsage(max_event, native=False)
+    assert native._frames is not None
+    for c in cut(body, cuts):
+        native.feed(c)
+        ref.feed(c)
+        assert (native.usage, native.final, native.events) == (ref.usage, ref.final, ref.events)
+        # The kept part is the reference's, and bounded.
+        assert native._frames.buffered == len(ref._buf) <= max(max_event, 3)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("max_event", [0, 1, 2])
+def test_a_bound_below_three_bytes_frames_without_error(native: bool, max_event: int) -> None:
+    u = SSEUsage(max_event, native=native)
+    for c in (
+        b"a",
+        b"bc",
+        b"\n",
+        b'\ndata: {"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n',
+    ):
+        u.feed(c)
+    assert (tuple(u.usage or ()), u.final, u.events) == ((1, 2), True, 1)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_an_endless_line_or_event_keeps_at_most_the_bound(native: bool) -> None:
+    """A provider (or a man in the middle) that never ends a line, or an event: what is
+    kept stays within ``max_event``; past it the event is skipped (its usage unread) and
+    the stream passes on; the next event is read."""
+    max_event = 4096
+    for unit in (b"x" * 1000, b"data: " + b"y" * 993 + b"\n"):  # a line; an event of lines
+        u = SSEUsage(max_event, native=native)
+        for _ in range(200):
+            u.feed(unit)
+            kept = u._frames.buffered if u._frames is not None else len(u._buf)
+            assert kept <= max_event
+        u.feed(b'"usage":{"prompt_tokens":9}\n\n')  # ends the skipped event: not read
+        assert (u.usage, u.events) == (None, 0)
+        u.feed(b'data: {"usage":{"prompt_tokens":1,"completion_tokens":2}}\n\n')
+        assert (tuple(u.usage or ()), u.final, u.events) == ((1, 2), True, 1)
+
+
+def test_endless_nesting_in_an_event_is_not_read_and_does_not_raise() -> None:
+    deep = b'data: {"usage":{"prompt_tokens":1},"x":' + b"[" * 500_000 + b"\n\n"
+    for native in (True, False):
+        u = SSEUsage(native=native)
+        u.feed(deep)
+        assert (u.usage, u.events) == (None, 1)
+
+
+# -- usage reported through the transport ----------------------------------------------------
+
+USAGES = st.one_of(
+    st.integers(0, 10**6),
+    st.sampled_from([-1, 2**64 - 1, 2**64, 2**70, 1.5, 80.0, None, True, "7"]),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(USAGES, USAGES), min_size=1, max_size=3), st.booleans(), st.booleans())
+def test_a_streamed_usage_settles_as_the_reference_and_never_negative(
+    usages: list[tuple[Any, Any]], done: bool, split: bool
+) -> None:
+    """However a provider spells its counts (negative, float, past 64 bits, repeated,
+    later ones smaller), the native path charges what the reference charges, never a
+    negative count, and passes the stream's bytes on unchanged (whole, or in chunks of
+    7 bytes: events split anywhere)."""
+    import httpx2
+
+    sse = b"".join(
+        b"data: "
+        + json.dumps({"choices": [], "usage": {"prompt_tokens": i, "completion_tokens": o}}).encode()
+        + b"\n\n"
+        for i, o in usages
+    ) + (b"data: [DONE]\n\n" if done else b"")
+
+    def answer(r: httpx2.Request) -> httpx2.Response:
+        if split:
+            content: Any = iter([sse[i : i + 7] for i in range(0, len(sse), 7)])
+        else:
+            content = sse
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=content)
+
+    got = {}
+    for native in (True, False):
+        lim = rq.Limiter(
+            rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens")
+        )
+        c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
+        with mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)):
+            with c.stream(
+                "POST",
+                "http://p/v1/chat/completions",
+                json={"model": "m", "messages": [{"role": "u", "content": "hi"}], "stream": True},
+            ) as r:
+                passed = r.read()
+        assert passed == sse
+        rec = r.extensions["ratequeue"]
+        assert rec.settled
+        got[native] = (rec.usage, rec.charged)
+    assert got[True] == got[False]
+    usage, charged = got[True]
+    assert all(v >= 0 for v in charged.values())
+    assert usage is None or min(usage) >= 0
