@@ -133,9 +133,10 @@ impl SseFrames {
         let rest = &data[start..];
         if rest.len() > self.max_event {
             // An event longer than the bound: dropped up to its end (its last bytes stay:
-            // a separator may straddle two chunks).
+            // a separator may straddle two chunks; fewer when fewer came, as Python's
+            // `rest[-3:]`: a bound below 3 bytes must not underflow).
             self.skip = true;
-            self.buf = rest[rest.len() - 3..].to_vec();
+            self.buf = rest[rest.len().saturating_sub(3)..].to_vec();
         } else {
             self.buf = rest.to_vec();
         }
