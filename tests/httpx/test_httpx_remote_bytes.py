@@ -173,3 +173,106 @@ def test_a_streamed_usage_settles_as_the_reference_and_never_negative(
     usage, charged = got[True]
     assert all(v >= 0 for v in charged.values())
     assert usage is None or min(usage) >= 0
+
+
+# -- a streamed chat request asked for its usage: native rewrite vs the reference -----------
+
+KEY_SPELLINGS = {
+    "stream": ['"stream"', '"str\\u0065am"'],
+    "stream_options": ['"stream_options"', '"stream\\u005foptions"'],
+    "model": ['"model"'],
+    "messages": ['"messages"'],
+    "max_tokens": ['"max_tokens"'],
+    "x": ['"x"', '"\\u00e9\\n"'],
+}
+STREAM_VALUES = st.sampled_from([True, False, None, "true", 1, 0, 1.0])
+OPTION_VALUES = st.sampled_from(
+    [
+        None,
+        5,
+        "x",
+        [],
+        {},
+        {"include_usage": True},
+        {"include_usage": False},
+        {"include_usage": 1},
+        {"include_usage": True, "include_usage ": False},
+        {"other": 1},
+    ]
+)
+OTHER_VALUES = st.one_of(
+    st.text(max_size=8),
+    st.sampled_from(["\ud800", "é😀", '"stream":true', "\\u0000"]),
+    st.integers(-5, 10**20),
+    st.lists(st.dictionaries(st.sampled_from(["role", "content"]), st.text(max_size=5)), max_size=2),
+)
+
+
+@st.composite
+def sdk_bodies(draw: Any) -> bytes:
+    """A JSON object an SDK may send: keys repeated or spelled with escapes, ``stream``
+    of any type, ``stream_options`` of any type or absent, any spacing."""
+    names = draw(
+        st.lists(st.sampled_from(list(KEY_SPELLINGS)), max_size=7).map(lambda v: ["stream", *v])
+    )
+    ws = draw(st.sampled_from(["", " ", "\n  ", "\t"]))
+    parts = []
+    for n in draw(st.permutations(names)):
+        key = draw(st.sampled_from(KEY_SPELLINGS[n]))
+        if n == "stream":
+            v: Any = draw(STREAM_VALUES)
+        elif n == "stream_options":
+            v = draw(OPTION_VALUES)
+        else:
+            v = draw(OTHER_VALUES)
+        text = json.dumps(v, ensure_ascii=draw(st.booleans()))
+        parts.append(f"{ws}{key}{ws}:{ws}{text}")
+    body = "{" + ",".join(parts) + ws + "}" + draw(st.sampled_from(["", " ", "\n"]))
+    return body.encode("utf-8", "surrogatepass")
+
+
+@settings(max_examples=400, deadline=None)
+@given(
+    sdk_bodies(),
+    st.sampled_from(["httpx", "httpx2"]),
+    st.sampled_from(["/v1/chat/completions", "/v1/responses"]),
+)
+def test_the_native_stream_rewrite_sends_what_the_reference_sends(
+    body: bytes, modname: str, path: str
+) -> None:
+    mod = importlib.import_module(modname)
+    sent: dict[bool, bytes] = {}
+    records: dict[bool, Any] = {}
+    for native in (True, False):
+        seen: list[bytes] = []
+
+        def answer(r: Any, seen: list[bytes] = seen) -> Any:
+            seen.append(r.read())
+            return mod.Response(200, json={})
+
+        lim = rq.Limiter(
+            rq.Rate(10**6, per="minute"),
+            rq.Rate(10**9, per="minute", unit="tokens"),
+            clock=rq.ManualClock(),
+        )
+        t = RateLimitedTransport(mod.MockTransport(answer), lim, estimator=TokenEstimator(None))
+        if not native:
+            t._reader = None
+        c = mod.Client(transport=t)
+        r = c.post("http://p" + path, content=body, headers={"content-type": "application/json"})
+        header_list(r.request.headers)
+        sent[native] = seen[-1]
+        records[native] = r.extensions["ratequeue"]
+        assert r.request.headers["content-length"] == str(len(seen[-1]))
+    # The same bytes go out either way (so the same JSON, for any parser).
+    assert sent[True] == sent[False]
+    a, b = records[True], records[False]
+    assert (a.model, a.estimate, a.charged) == (b.model, b.estimate, b.charged)
+    # A chat stream goes out asking for its usage.
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return
+    if path.endswith("/chat/completions") and parsed.get("stream") is True:
+        so = json.loads(sent[True]).get("stream_options")
+        assert isinstance(so, dict) and so.get("include_usage") is True
