@@ -276,3 +276,52 @@ def test_the_native_stream_rewrite_sends_what_the_reference_sends(
     if path.endswith("/chat/completions") and parsed.get("stream") is True:
         so = json.loads(sent[True]).get("stream_options")
         assert isinstance(so, dict) and so.get("include_usage") is True
+
+
+# -- usage in every chunk: the transport settles at the last, not the first ----------------
+
+
+def _chat_chunk(k: int, finish: str | None = None, content: bool = True) -> bytes:
+    choices = [{"index": 0, "delta": {"content": "x"}, "finish_reason": finish}] if content else []
+    ev = {"choices": choices, "usage": {"prompt_tokens": 10, "completion_tokens": k}}
+    return b"data: " + json.dumps(ev).encode() + b"\n\n"
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    "sse",
+    [
+        # vLLM's continuous_usage_stats: cumulative usage in every chunk, then the chunk
+        # OpenAI specifies (choices empty) with the whole count.
+        b"".join(_chat_chunk(k) for k in range(1, 6))
+        + _chat_chunk(9, "stop")
+        + _chat_chunk(500, content=False)
+        + b"data: [DONE]\n\n",
+        # Usage on the chunk that finishes the choice (DeepSeek, Together): final.
+        _chat_chunk(1, None).replace(b'{"prompt_tokens": 10, "completion_tokens": 1}', b"null")
+        + _chat_chunk(500, "stop")
+        + b"data: [DONE]\n\n",
+    ],
+    ids=["every_chunk", "on_the_finishing_chunk"],
+)
+def test_usage_in_every_chunk_settles_at_the_whole_count(native: bool, sse: bytes) -> None:
+    """A chat chunk that still streams a choice reports a usage so far: the call settles
+    at the chunk that ends the stream's choices (or has none), not at the first count."""
+    import httpx2
+
+    def answer(r: httpx2.Request) -> httpx2.Response:
+        parts = iter([sse[i : i + 50] for i in range(0, len(sse), 50)])
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=parts)
+
+    lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
+    c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
+    with mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)):
+        with c.stream(
+            "POST",
+            "http://p/v1/chat/completions",
+            json={"model": "m", "messages": [{"role": "u", "content": "hi"}], "stream": True},
+        ) as r:
+            r.read()
+    rec = r.extensions["ratequeue"]
+    assert tuple(rec.usage) == (10, 500)
+    assert rec.charged["tokens"] == 510
