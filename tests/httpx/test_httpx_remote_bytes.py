@@ -43,6 +43,9 @@ ATOMS = st.one_of(
             b'{"type":"message_start","message":{"usage":{"input_tokens":3,"output_tokens":1}}}',
             b'{"type":"response.completed","response":{"usage":{"input_tokens":4,"output_tokens":6}}}',
             b'{"usage":{"prompt_tokens":-3,"completion_tokens":2.5}}',
+            b'{"choices":[{"delta":{}}],"usage":{"prompt_tokens":3,"completion_tokens":4}}',
+            b'{"choices":[{"finish_reason":"stop"}],"usage":{"prompt_tokens":3}}',
+            b'{"choices":[],"x":{"choices":[1]},"usage":{"prompt_tokens":5}}',
             b'{"u\\u0073age":{"prompt_tokens":1}}',
             b"\xef\xbb\xbf",
             b"\x00",
@@ -66,9 +69,7 @@ def cut(body: bytes, cuts: list[int]) -> list[bytes]:
 
 @settings(max_examples=1500, deadline=None)
 @given(BYTES, st.lists(st.integers(0, 10**6), max_size=10), BOUNDS)
-def test_native_framing_agrees_on_any_bytes(
-    body: bytes, cuts: list[int], max_event: int
-) -> None:
+def test_native_framing_agrees_on_any_bytes(body: bytes, cuts: list[int], max_event: int) -> None:
     native, ref = SSEUsage(max_event), SSEUsage(max_event, native=False)
     assert native._frames is not None
     for c in cut(body, cuts):
@@ -140,7 +141,9 @@ def test_a_streamed_usage_settles_as_the_reference_and_never_negative(
 
     sse = b"".join(
         b"data: "
-        + json.dumps({"choices": [], "usage": {"prompt_tokens": i, "completion_tokens": o}}).encode()
+        + json.dumps(
+            {"choices": [], "usage": {"prompt_tokens": i, "completion_tokens": o}}
+        ).encode()
         + b"\n\n"
         for i, o in usages
     ) + (b"data: [DONE]\n\n" if done else b"")
@@ -154,9 +157,7 @@ def test_a_streamed_usage_settles_as_the_reference_and_never_negative(
 
     got = {}
     for native in (True, False):
-        lim = rq.Limiter(
-            rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens")
-        )
+        lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
         c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
         with mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)):
             with c.stream(
@@ -204,7 +205,9 @@ OTHER_VALUES = st.one_of(
     st.text(max_size=8),
     st.sampled_from(["\ud800", "é😀", '"stream":true', "\\u0000"]),
     st.integers(-5, 10**20),
-    st.lists(st.dictionaries(st.sampled_from(["role", "content"]), st.text(max_size=5)), max_size=2),
+    st.lists(
+        st.dictionaries(st.sampled_from(["role", "content"]), st.text(max_size=5)), max_size=2
+    ),
 )
 
 
@@ -294,7 +297,7 @@ def _chat_chunk(k: int, finish: str | None = None, content: bool = True) -> byte
         # vLLM's continuous_usage_stats: cumulative usage in every chunk, then the chunk
         # OpenAI specifies (choices empty) with the whole count.
         b"".join(_chat_chunk(k) for k in range(1, 6))
-        + _chat_chunk(9, "stop")
+        + _chat_chunk(500, "stop")
         + _chat_chunk(500, content=False)
         + b"data: [DONE]\n\n",
         # Usage on the chunk that finishes the choice (DeepSeek, Together): final.
@@ -325,3 +328,33 @@ def test_usage_in_every_chunk_settles_at_the_whole_count(native: bool, sse: byte
     rec = r.extensions["ratequeue"]
     assert tuple(rec.usage) == (10, 500)
     assert rec.charged["tokens"] == 510
+
+
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"stream":true,"model":"\xed\xa0\x80"}',  # a surrogate written as bytes
+        b'\xef\xbb\xbf{"stream":true,"temperature":NaN}',  # a BOM, and NaN
+        '{"stream":true,"x":"\u00e9"}'.encode("utf-16"),
+    ],
+    ids=["surrogate_bytes", "bom_nan", "utf16"],
+)
+def test_a_body_serialized_again_never_raises(modname: str, body: bytes) -> None:
+    """A body that is not plain UTF-8 JSON is written again whole when it must change: in
+    ASCII (a lone surrogate escaped) and as it came (NaN kept), never an error."""
+    mod = importlib.import_module(modname)
+    seen: list[bytes] = []
+
+    def answer(r: Any) -> Any:
+        seen.append(r.read())
+        return mod.Response(200, json={})
+
+    lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
+    c = mod.Client(transport=RateLimitedTransport(mod.MockTransport(answer), lim))
+    c.post("http://p/v1/chat/completions", content=body)
+    sent = json.loads(seen[-1])
+    assert sent["stream_options"] == {"include_usage": True}
+    assert {k: v for k, v in sent.items() if k != "stream_options"}.keys() == (
+        json.loads(body).keys()
+    )
