@@ -6,6 +6,7 @@ the JSON objects SDKs send."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 from typing import Any
@@ -15,8 +16,7 @@ import pytest
 import ratequeue as rq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ratequeue.httpx import RateLimitedTransport, TokenEstimator
-from ratequeue.httpx import _stream
+from ratequeue.httpx import RateLimitedTransport, TokenEstimator, _stream
 from ratequeue.httpx._usage import SSEUsage
 from ratequeue.httpx._wire import header_list
 
@@ -159,13 +159,16 @@ def test_a_streamed_usage_settles_as_the_reference_and_never_negative(
     for native in (True, False):
         lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
         c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
-        with mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)):
-            with c.stream(
+        sse_usage = functools.partial(SSEUsage, native=native)
+        with (
+            mock.patch.object(_stream, "SSEUsage", sse_usage),
+            c.stream(
                 "POST",
                 "http://p/v1/chat/completions",
                 json={"model": "m", "messages": [{"role": "u", "content": "hi"}], "stream": True},
-            ) as r:
-                passed = r.read()
+            ) as r,
+        ):
+            passed = r.read()
         assert passed == sse
         rec = r.extensions["ratequeue"]
         assert rec.settled
@@ -318,13 +321,15 @@ def test_usage_in_every_chunk_settles_at_the_whole_count(native: bool, sse: byte
 
     lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
     c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
-    with mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)):
-        with c.stream(
+    with (
+        mock.patch.object(_stream, "SSEUsage", lambda: SSEUsage(native=native)),
+        c.stream(
             "POST",
             "http://p/v1/chat/completions",
             json={"model": "m", "messages": [{"role": "u", "content": "hi"}], "stream": True},
-        ) as r:
-            r.read()
+        ) as r,
+    ):
+        r.read()
     rec = r.extensions["ratequeue"]
     assert tuple(rec.usage) == (10, 500)
     assert rec.charged["tokens"] == 510

@@ -3,9 +3,11 @@
 OpenAI chat (``usage.prompt_tokens`` / ``completion_tokens``), OpenAI responses and
 Anthropic (``usage.input_tokens`` / ``output_tokens``). Streams: OpenAI chat's final
 chunk with ``usage``, the responses API's ``response.completed`` event, Anthropic's
-``message_start`` (input) and ``message_delta`` (output, cumulative). The SSE parser
-keeps at most one partial event of at most ``max_event`` bytes; a longer event is
-skipped, never buffered.
+``message_start`` (input) and ``message_delta`` (output, cumulative); a chat chunk's
+usage is final once no choice in it is still streaming (vLLM's continuous usage reports
+a count so far in every chunk). The SSE parser keeps at most one partial event of at
+most ``max_event`` bytes (3 while skipping); a longer event is skipped to its end, its
+usage unread, never buffered; the work per chunk is proportional to the chunk (natively).
 """
 
 from __future__ import annotations
