@@ -363,3 +363,35 @@ def test_a_body_serialized_again_never_raises(modname: str, body: bytes) -> None
     assert {k: v for k, v in sent.items() if k != "stream_options"}.keys() == (
         json.loads(body).keys()
     )
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="review21, left: the reader sees the network's bytes before httpx decodes "
+    "them; a compressed body's usage is never read (the estimate stays charged)",
+)
+@pytest.mark.parametrize("ctype", ["application/json", "text/event-stream"])
+def test_a_compressed_response_settles_with_its_usage(ctype: str) -> None:
+    import gzip
+
+    import httpx2
+
+    raw = (
+        b'{"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":3000}}'
+        if ctype == "application/json"
+        else b'data: {"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":3000}}\n\n'
+    )
+    hs = {"content-type": ctype, "content-encoding": "gzip"}
+
+    def answer(r: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers=hs, content=iter([gzip.compress(raw)]))
+
+    lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
+    c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
+    with c.stream(
+        "POST",
+        "http://p/v1/chat/completions",
+        json={"model": "m", "messages": [{"role": "u", "content": "hi"}], "max_tokens": 100},
+    ) as r:
+        assert r.read() == raw
+    assert r.extensions["ratequeue"].charged["tokens"] == 3080
