@@ -118,7 +118,9 @@ def set_body(request: Any, data: bytes, body: dict[str, Any], fields: Mapping[st
     not plain UTF-8 JSON), its stream, content and ``Content-Length`` replaced in place."""
     new = spliced(data, fields)
     if new is None:
-        new = _dumps(body).encode()
+        # Written again whole: in ASCII (a lone surrogate the bytes held is escaped, not
+        # an encoding error) and with NaN as it came (never a ValueError).
+        new = json.dumps(body, separators=(",", ":")).encode()
     replace_body(request, new)
 
 

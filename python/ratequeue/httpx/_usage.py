@@ -3,9 +3,11 @@
 OpenAI chat (``usage.prompt_tokens`` / ``completion_tokens``), OpenAI responses and
 Anthropic (``usage.input_tokens`` / ``output_tokens``). Streams: OpenAI chat's final
 chunk with ``usage``, the responses API's ``response.completed`` event, Anthropic's
-``message_start`` (input) and ``message_delta`` (output, cumulative). The SSE parser
-keeps at most one partial event of at most ``max_event`` bytes; a longer event is
-skipped, never buffered.
+``message_start`` (input) and ``message_delta`` (output, cumulative); a chat chunk's
+usage is final once no choice in it is still streaming (vLLM's continuous usage reports
+a count so far in every chunk). The SSE parser keeps at most one partial event of at
+most ``max_event`` bytes (3 while skipping); a longer event is skipped to its end, its
+usage unread, never buffered; the work per chunk is proportional to the chunk (natively).
 """
 
 from __future__ import annotations
@@ -85,6 +87,23 @@ def usage_from_json(body: Any) -> Usage | None:
     if u is None and isinstance(body.get("response"), dict):
         u = usage_of(body["response"].get("usage"))
     return u
+
+
+def _chat_final(choices: Any) -> bool:
+    """True when a chat chunk's usage is the call's whole count: no choice in it, or
+    every one finished (OpenAI's usage chunk has ``"choices": []``; some providers put
+    the usage on the chunk that finishes the choice)."""
+    if not isinstance(choices, list) or not choices:
+        return True
+    return all(isinstance(c, dict) and c.get("finish_reason") is not None for c in choices)
+
+
+def _no_choices(payload: bytes) -> bool:
+    """True when a payload's choices are absent or, at most once, ``"choices":[]``
+    (whatever their nesting: either way the top level has no choice); anything else is
+    left to the full parse."""
+    n = payload.count(b'"choices"')
+    return n == 0 or (n == 1 and b'"choices":[]' in payload)
 
 
 class SSEUsage:
@@ -198,10 +217,10 @@ class SSEUsage:
         )
 
     def _use(self, payload: bytes) -> None:
-        """The usage of an event's payload: an event without a ``type`` (OpenAI chat's
-        chunks) read natively as a response body is (its usage is final); any other by
-        :meth:`_payload`."""
-        if b'"type"' not in payload and b"\\u" not in payload:
+        """The usage of an event's payload: an event without a ``type`` and without
+        choices (OpenAI chat's usage chunk, ``"choices":[]``) read natively as a response
+        body is (its usage is final); any other by :meth:`_payload`."""
+        if b'"type"' not in payload and b"\\u" not in payload and _no_choices(payload):
             u = _read_usage(payload)
             if u is None:
                 return
@@ -240,9 +259,13 @@ class SSEUsage:
         u = usage_from_json(ev)
         if u is not None:
             self._input, self._output = u.input_tokens, u.output_tokens
-            self.final = kind in (
-                None,
-                "response.completed",
-                "response.incomplete",
-                "response.failed",
-            )
+            if kind is None:
+                # A chat chunk still streaming a choice reports a count so far (vLLM's
+                # continuous_usage_stats): final once none is streaming.
+                self.final = _chat_final(ev.get("choices"))
+            else:
+                self.final = kind in (
+                    "response.completed",
+                    "response.incomplete",
+                    "response.failed",
+                )

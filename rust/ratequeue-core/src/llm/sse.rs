@@ -93,26 +93,32 @@ impl SseFrames {
     }
 
     /// Reads one chunk: `usage_event(payload)` for each complete event (not skipped)
-    /// that mentions a usage object.
+    /// that mentions a usage object. The work is proportional to the chunk, not to what
+    /// is kept: the kept part holds no separator, so only its last 3 bytes are searched
+    /// again, and it is grown in place while no event ends (an event sent a few bytes at
+    /// a time costs no copy of what came before).
     pub fn feed(&mut self, chunk: &[u8], mut usage_event: impl FnMut(Vec<u8>)) {
-        let joined;
-        let data: &[u8] = if self.buf.is_empty() {
-            chunk
+        // Where a separator may start: not in the kept bytes but their last 3 (one that
+        // straddles the two chunks).
+        let from = self.buf.len().saturating_sub(3);
+        let joined = if self.buf.is_empty() {
+            None
         } else {
             let mut d = std::mem::take(&mut self.buf);
             d.extend_from_slice(chunk);
-            joined = d;
-            &joined
+            Some(d)
         };
+        let data: &[u8] = joined.as_deref().unwrap_or(chunk);
         let mut start = 0;
         // The next `\r\n\r\n` at or after `start` (searched again only once passed:
         // the chunk is scanned for it once, not once per event).
-        let mut crlf = memmem::find(data, b"\r\n\r\n");
+        let mut crlf = memmem::find(&data[from..], b"\r\n\r\n").map(|c| from + c);
         loop {
             if crlf.is_some_and(|c| c < start) {
                 crlf = memmem::find(&data[start..], b"\r\n\r\n").map(|c| start + c);
             }
-            let lf = memmem::find(&data[start..], b"\n\n").map(|a| start + a);
+            let at = start.max(from);
+            let lf = memmem::find(&data[at..], b"\n\n").map(|a| at + a);
             let (end, sep) = match (lf, crlf) {
                 (None, None) => break,
                 (Some(a), Some(b)) if b < a => (b, 4),
@@ -130,14 +136,18 @@ impl SseFrames {
             }
             start = end + sep;
         }
-        let rest = &data[start..];
-        if rest.len() > self.max_event {
+        let len = data.len();
+        if len - start > self.max_event {
             // An event longer than the bound: dropped up to its end (its last bytes stay:
-            // a separator may straddle two chunks).
+            // a separator may straddle two chunks; fewer when fewer came, as Python's
+            // `rest[-3:]`: a bound below 3 bytes must not underflow).
             self.skip = true;
-            self.buf = rest[rest.len() - 3..].to_vec();
+            self.buf = data[len.saturating_sub(3).max(start)..].to_vec();
+        } else if start == 0 && joined.is_some() {
+            // No event ended: the kept bytes and the chunk, as they are.
+            self.buf = joined.unwrap_or_default();
         } else {
-            self.buf = rest.to_vec();
+            self.buf = data[start..].to_vec();
         }
     }
 }
