@@ -365,11 +365,6 @@ def test_a_body_serialized_again_never_raises(modname: str, body: bytes) -> None
     )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="review21, left: the reader sees the network's bytes before httpx decodes "
-    "them; a compressed body's usage is never read (the estimate stays charged)",
-)
 @pytest.mark.parametrize("ctype", ["application/json", "text/event-stream"])
 def test_a_compressed_response_settles_with_its_usage(ctype: str) -> None:
     import gzip

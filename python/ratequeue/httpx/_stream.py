@@ -8,6 +8,7 @@ import importlib
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._decode import Decoder, decoder
 from ._record import json_usage as _json_usage
 from ._usage import SSEUsage, Usage
 
@@ -22,8 +23,15 @@ def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> 
     transport._settle(call, usage, call.status, reported=True)
 
 
+# A compressed event stream is decoded for its usage up to 1 MiB plus 100 decoded bytes
+# per encoded byte (text streams compress 2-20x): a decompression bomb stops there.
+_SSE_DECODED = 1 << 20
+_SSE_RATIO = 100
+
+
 class _Reader:
-    """Finds the usage in a body as it is read; settles the call at its end."""
+    """Finds the usage in a body as it is read (its ``Content-Encoding`` undone on the
+    side); settles the call at its end. ``over``: the usage cannot be read."""
 
     __slots__ = ("buf", "call", "over", "size", "sse", "transport")
 
@@ -50,14 +58,38 @@ class _Reader:
         if self.call._done:
             return
         usage: Usage | None = None
-        if self.sse is not None:
+        if self.over:
+            self.buf = []
+        elif self.sse is not None:
             # A stream cut before its final usage event may have produced more than it
             # reported so far: the estimate stays charged.
             usage = self.sse.usage if self.sse.final else None
-        elif not self.over and self.buf:
+        elif self.buf:
             usage = _json_usage(b"".join(self.buf))
             self.buf = []
         _done(self.call, self.transport, usage)
+
+
+class _Decoding(_Reader):
+    """A reader of a body sent with a ``Content-Encoding``: it reads the decoded bytes."""
+
+    __slots__ = ("dec",)
+
+    def __init__(
+        self, call: _Call, transport: RateLimitedTransport, sse: bool, dec: Decoder
+    ) -> None:
+        super().__init__(call, transport, sse)
+        self.dec = dec
+        self.over = dec.stopped
+
+    def feed(self, chunk: bytes) -> None:
+        if self.over or self.call._done:  # nothing (more) to read
+            return
+        dec = self.dec
+        for piece in dec.feed(chunk):
+            super().feed(piece)
+        if dec.stopped:
+            self.over, self.buf = True, []
 
 
 _STREAMS: dict[type, tuple[type, type]] = {}
@@ -135,5 +167,9 @@ def wrap(
         _done(call, transport, usage)
         return
     sync_t, async_t = _STREAMS.get(type(response)) or _stream_types(type(response))
-    reader = _Reader(call, transport, sse)
+    enc = response.headers.get("content-encoding")
+    dec = None
+    if enc is not None:  # a stream: a bound per encoded byte; JSON: max_body in all
+        dec = decoder(enc, _SSE_DECODED, _SSE_RATIO) if sse else decoder(enc, transport.max_body)
+    reader = _Reader(call, transport, sse) if dec is None else _Decoding(call, transport, sse, dec)
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
