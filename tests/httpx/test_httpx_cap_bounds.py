@@ -52,6 +52,19 @@ def _untouched(lim: rq.Limiter, sent: list[Any]) -> None:
 both = pytest.mark.parametrize("native", [True, False])
 
 
+def _bound_values(data: bytes) -> list[Any]:
+    """Every value of a bound key, at any depth, repeated keys included."""
+    vals: list[Any] = []
+
+    def hook(p: list[tuple[str, Any]]) -> dict[str, Any]:
+        names = ("maxOutputTokens", "max_output_tokens", "maxTokens", "max_tokens")
+        vals.extend(v for k, v in p if k in names)
+        return dict(p)
+
+    json.loads(data, object_pairs_hook=hook)
+    return vals
+
+
 # -- 1. n / best_of multiply output --------------------------------------------------------
 
 
@@ -174,9 +187,9 @@ def test_a_nested_bound_is_capped_in_place(
     url: str, outer: str, inner: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     mod, sent, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
-    body = (
-        b'{"contents":[{"parts":[{"text":"hi"}]}],"%s":{"temperature":0.5,"%s":5000}}'
-        % (outer.encode(), inner.encode())
+    body = b'{"contents":[{"parts":[{"text":"hi"}]}],"%s":{"temperature":0.5,"%s":5000}}' % (
+        outer.encode(),
+        inner.encode(),
     )
     r = mod.Client(transport=t).post(url, content=body)
     assert json.loads(sent[-1].content)[outer][inner] == 100
@@ -196,22 +209,26 @@ def test_a_nested_bound_is_capped_in_place(
 def test_a_nested_bound_repeated_or_beside_a_top_level_one_is_capped_everywhere(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mod, sent, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
+    mod, sent, lim, t = _setup("httpx", [Cap(100)], native, monkeypatch)
     c = mod.Client(transport=t)
+    # A container named twice: a first-wins and a last-wins parser read other bounds.
     for body in (
         b'{"generationConfig":{"maxOutputTokens":5000},"generationConfig":{"maxOutputTokens":5}}',
+        b'{"generationConfig":{"maxOutputTokens":5},"generation_config":{}}',
+        b'{"inferenceConfig":{"maxTokens":5},"inferenceConfig":null}',
+    ):
+        with pytest.raises(CapNotApplied, match="twice"):
+            c.post(GEMINI, content=body)
+    _untouched(lim, sent)
+    for body in (
         b'{"generationConfig":{"maxOutputTokens":5,"maxOutputTokens":5000}}',
+        b'{"generationConfig":{"maxOutputTokens":5,"max_output_tokens":5000}}',
+        b'{"generationConfig":{"maxOutputTokens":5},"max_tokens":5000,"inferenceConfig":{}}',
         b'{"max_tokens":5,"generationConfig":{"maxOutputTokens":5000}}',
         b'{"generationConfig":{"maxOutputTokens":"5000"},"inferenceConfig":{"maxTokens":-1}}',
     ):
         c.post(GEMINI, content=body)
-        vals: list[Any] = []
-
-        def hook(p: list[tuple[str, Any]]) -> dict[str, Any]:
-            vals.extend(v for k, v in p if k in ("maxOutputTokens", "maxTokens", "max_tokens"))
-            return dict(p)
-
-        json.loads(sent[-1].content, object_pairs_hook=hook)
+        vals = _bound_values(sent[-1].content)
         assert vals and all(type(v) is int and 0 <= v <= 100 for v in vals), sent[-1].content
 
 
@@ -298,9 +315,7 @@ def test_an_exact_model_matches_any_case() -> None:
 def test_path_parameters_do_not_escape_a_route_cap(
     path: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    mod, sent, lim, t = _setup(
-        "httpx", [Cap(100, route="/chat/completions")], native, monkeypatch
-    )
+    mod, sent, lim, t = _setup("httpx", [Cap(100, route="/chat/completions")], native, monkeypatch)
     body = b'{"model":"m","max_completion_tokens":5000}'
     try:
         mod.Client(transport=t).post("http://p" + path, content=body)
@@ -345,9 +360,11 @@ def test_a_multipart_body_naming_a_bound_is_refused(
     _untouched(lim, sent)
     # Uploads naming no bound pass; uncapped="send" sends these as they are.
     c.post(CHAT, files=files, data={"model": "whisper-1", "max_tokens_note": "x"})
-    c.post(CHAT, content=raw.replace(field.encode(), b"prompt"), headers={
-        "content-type": "multipart/form-data; boundary=b"
-    })
+    c.post(
+        CHAT,
+        content=raw.replace(field.encode(), b"prompt"),
+        headers={"content-type": "multipart/form-data; boundary=b"},
+    )
     assert len(sent) == 2
     mod, sent, lim, t = _setup(modname, [Cap(100)], True, monkeypatch, uncapped="send")
     mod.Client(transport=t).post(CHAT, files=files, data={field: "5000"})
