@@ -30,10 +30,13 @@ __all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
 
 class CapNotApplied(RateQueueError, ValueError):
     """An output cap matches the call but its body could not be capped: not read (over
-    the transport's ``max_body``, or a stream) or not one JSON object. Refused before
-    anything was acquired, charged or sent (``retry_after`` is ``inf``: the same call is
-    refused again). A transport built with ``uncapped="send"`` sends such calls as they
-    are instead."""
+    the transport's ``max_body``, or a stream), not one JSON object, or a multipart body
+    with a form field naming a bound; or its choices cannot share the cap (``n`` /
+    ``best_of`` not a positive int, or more of them than the cap has tokens), or it
+    names a container of bounds twice. Refused before anything was acquired, charged or
+    sent (``retry_after`` is ``inf``: the same call is refused again). A transport built
+    with ``uncapped="send"`` sends the bodies it could not read (or that name a bound in a
+    form field) as they are instead; the other refusals stand."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, float("inf"))
@@ -235,7 +238,8 @@ def apply_caps(
     caps: Sequence[Cap], body: dict[str, Any], path: str, task: str | None
 ) -> Capped | None:
     """Lower (or add) the body's output bound to the smallest matching cap, in place;
-    what was done, or None when no cap applied."""
+    what was done, or None when no cap applied (:class:`CapNotApplied` as
+    :func:`cap_fields` raises it)."""
     model = body.get("model")
     model = model if isinstance(model, str) else None
     return apply_limit(body, path, cap_limit(caps, path, model, task))

@@ -201,7 +201,7 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Capping, Defer>
     let mut added: Option<usize> = None;
     for field in 0..OUTPUT_BOUNDS.len() {
         let over = |o: &&Occurrence| o.field == field && o.count.is_none_or(|v| v > per);
-        let Some(last) = found.iter().filter(over).last() else {
+        let Some(last) = found.iter().rfind(over) else {
             continue;
         };
         replaced = Some((field, last.count));
