@@ -35,7 +35,10 @@ def _read_call_headers(
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...
 def _cap_output(
     body: bytes, limit: int, add: int
-) -> tuple[bytes, int, int | None] | Literal[False] | None: ...
+) -> tuple[bytes, int, int | None, int] | str | Literal[False] | None: ...
+
+_OUTPUT_BOUNDS: tuple[tuple[str, str], ...]
+_CHOICES: tuple[str, ...]
 
 @final
 class _SSEFrames:

@@ -119,6 +119,13 @@ def response_bodies(draw: Any) -> bytes:
     return encode(dumps(top, draw(st.booleans()), draw(st.booleans())))
 
 
+NESTED_BOUNDS = [
+    ("generationConfig", ["maxOutputTokens", "max_output_tokens", "temperature"]),
+    ("generation_config", ["max_output_tokens", "maxOutputTokens"]),
+    ("inferenceConfig", ["maxTokens", "topP"]),
+]
+
+
 @st.composite
 def request_bodies(draw: Any) -> bytes:
     top: list[tuple[str, Any]] = draw(_objects(VALUES))
@@ -135,9 +142,13 @@ def request_bodies(draw: Any) -> bytes:
         top.append(("stream", draw(st.sampled_from([True, False, None, 1]))))
         so = draw(st.sampled_from([None, [], [("include_usage", True)], [("include_usage", 1)]]))
         top.append(("stream_options", so))
-    for f in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+    for f in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of"):
         if draw(st.booleans()):
             top.append((f, draw(st.one_of(INTS, SCALARS))))
+    for c, names in NESTED_BOUNDS:  # nested bounds (Gemini, Bedrock), repeated or not
+        for _ in range(draw(st.integers(0, 2))):
+            inner = [(n, draw(st.one_of(INTS, SCALARS))) for n in names if draw(st.booleans())]
+            top.append((c, draw(st.one_of(st.just(inner), SCALARS))))
     order = draw(st.permutations(range(len(top))))
     top = [top[i] for i in order]
     return encode(dumps(top, draw(st.booleans()), draw(st.booleans())))

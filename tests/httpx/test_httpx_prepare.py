@@ -23,12 +23,14 @@ from ratequeue.httpx import (
     chars_estimate,
     using,
 )
-from ratequeue.httpx._body import repeated, spliced
-from ratequeue.httpx._caps import cap_fields, output_field
-from ratequeue.httpx._estimate import OUTPUT_FIELDS
+from ratequeue.httpx._body import nested_values, repeated, spliced
+from ratequeue.httpx._caps import BOUND_NAMES, CapNotApplied, cap_fields, output_field
+from ratequeue.httpx._estimate import OUTPUT_BOUNDS, OUTPUT_FIELDS
+from ratequeue.httpx._prepare import _CAP_KEYS as CAP_KEYS
+from ratequeue.httpx._prepare import _NESTED as NESTED
 from ratequeue.httpx._record import json_object
 from ratequeue.httpx._wire import header_list
-from test_httpx_native import dumps, encode, mutated, request_bodies
+from test_httpx_native import NESTED_BOUNDS, dumps, encode, mutated, request_bodies
 
 OWN = st.sampled_from(
     [
@@ -212,6 +214,15 @@ def capped_bodies(draw: Any) -> bytes:
         f = draw(st.sampled_from(OUTPUT_FIELDS))
         value = draw(st.one_of(BOUNDS, st.just([(f, 500)])))  # a nested object of the same key
         top.insert(draw(st.integers(0, len(top))), (f, value))
+    for _ in range(draw(st.integers(0, 2))):  # choices
+        f = draw(st.sampled_from(["n", "best_of"]))
+        value = draw(st.one_of(st.integers(1, 5), st.integers(1, 5), BOUNDS))
+        top.insert(draw(st.integers(0, len(top))), (f, value))
+    for c, names in NESTED_BOUNDS:  # a container of nested bounds, rarely repeated
+        for _ in range(draw(st.sampled_from([0, 0, 1, 1, 1, 2]))):
+            inner = [(n, draw(BOUNDS)) for n in names if draw(st.booleans())]
+            value = draw(st.one_of(st.just(inner), st.just(inner), BOUNDS))
+            top.insert(draw(st.integers(0, len(top))), (c, value))
     text = dumps(top, draw(st.booleans()), draw(st.booleans()))
     if draw(st.booleans()):  # escaped keys
         text = text.replace('"max_tokens"', '"max\\u005ftokens"')
@@ -226,7 +237,12 @@ def reference_cap(data: bytes, limit: int, path: str) -> Any:
     body = json_object(data)
     if body is None:
         return False
-    capped, fields = cap_fields(body, path, limit, repeated(data, OUTPUT_FIELDS))
+    try:
+        capped, fields = cap_fields(
+            body, path, limit, repeated(data, CAP_KEYS), nested_values(data, NESTED)
+        )
+    except CapNotApplied as e:
+        return str(e)
     if capped is None:
         return None
     new = spliced(data, fields)
@@ -237,24 +253,35 @@ def reference_cap(data: bytes, limit: int, path: str) -> Any:
 @given(
     st.one_of(capped_bodies(), mutated(capped_bodies())),
     st.integers(1, 400),
-    st.sampled_from(["/v1/chat/completions", "/v1/responses", "/v1/messages"]),
+    st.sampled_from(
+        [
+            "/v1/chat/completions",
+            "/v1/responses",
+            "/v1/messages",
+            "/v1beta/models/g:generateContent",
+            "/model/m/converse",
+        ]
+    ),
 )
 def test_native_cap_is_the_reference_byte_for_byte(data: bytes, limit: int, path: str) -> None:
-    got = _cap_output(data, limit, OUTPUT_FIELDS.index(output_field(path)))
+    got = _cap_output(data, limit, BOUND_NAMES.index(output_field(path)))
     want = reference_cap(data, limit, path)
     if got is False:  # deferred: huge ints, other encodings, not an object
         return
-    if want is None or got is None:
-        assert got == want
+    if want is None or got is None or type(got) is str:
+        assert got == want  # unchanged, or refused for the same reason
         return
-    assert want is not False
+    assert want is not False and type(want) is not str
     new, capped, body = want
     assert got[0] == new
-    assert Capped(OUTPUT_FIELDS[got[1]], got[2], limit) == capped
+    assert Capped(BOUND_NAMES[got[1]], got[2], got[3]) == capped
     assert json.loads(got[0]) == body  # valid JSON, the capped object
-    for f in OUTPUT_FIELDS:  # never raised; a negative one replaced
-        if type(body.get(f)) is int:
-            assert 0 <= body[f] <= limit
+    choices = max([1] + [body[k] for k in ("n", "best_of") if k in body])
+    assert got[3] == limit // choices
+    for p in OUTPUT_BOUNDS:  # never raised; a negative one replaced
+        v = body.get(p[0]) if len(p) == 1 else (body.get(p[0]) or {}).get(p[1])
+        if type(v) is int:
+            assert 0 <= v <= got[3]
 
 
 @pytest.mark.parametrize("native", [True, False])

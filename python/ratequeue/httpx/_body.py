@@ -78,10 +78,39 @@ def repeated(data: bytes, names: Sequence[str]) -> dict[str, list[Any]]:
     return {n: [SCAN(s, a)[0] for a, _ in spans[n]] for n in names if len(spans.get(n, ())) > 1}
 
 
-def spliced(data: bytes, fields: Mapping[str, Any]) -> bytes | None:
-    """``data`` (a UTF-8 JSON object) with these top-level fields set: each value written
-    where the field is (every occurrence), a missing field added at the end; every other
-    byte kept. None when ``data`` is not such an object."""
+def nested_values(
+    data: bytes, names: Sequence[tuple[str, str]]
+) -> dict[tuple[str, str], list[Any]] | None:
+    """Every value of each ``(container, name)`` inside the top-level objects of the UTF-8
+    JSON object ``data`` named ``container``, in order (every occurrence of either key);
+    None when ``data`` is not such an object."""
+    try:
+        s = data.decode()
+    except UnicodeDecodeError:
+        return None
+    found = _members(s)
+    if found is None:
+        return None
+    out: dict[tuple[str, str], list[Any]] = {}
+    for c in {c for c, _ in names}:
+        for a, b in found[0].get(c, ()):
+            inner = _members(s[a:b])
+            if inner is None:  # not an object
+                continue
+            for c2, n in names:
+                if c2 == c:
+                    for x, _ in inner[0].get(n, ()):
+                        out.setdefault((c, n), []).append(SCAN(s, a + x)[0])
+    return out
+
+
+def spliced(data: bytes, fields: Mapping[str | tuple[str, str], Any]) -> bytes | None:
+    """``data`` (a UTF-8 JSON object) with these fields set: a top-level field's value
+    written where the field is (every occurrence), a missing one added at the end; a
+    nested field ``(container, name)`` written where it is in each object the container
+    names, else added at the end of each, a container that is no object replaced by
+    ``{name: value}``, a missing one added at the end. Every other byte kept. None when
+    ``data`` is not such an object."""
     try:
         s = data.decode()
     except UnicodeDecodeError:
@@ -94,6 +123,22 @@ def spliced(data: bytes, fields: Mapping[str, Any]) -> bytes | None:
     added: list[str] = []
     for key, value in fields.items():
         text = _dumps(value)
+        if isinstance(key, tuple):
+            outer, name = key
+            where = spans.get(outer)
+            if not where:
+                added.append(_dumps(outer) + ":" + _dumps({name: value}))
+                continue
+            for a, b in where:
+                inner = _members(s[a:b])
+                if inner is None:
+                    edits.append((a, b, _dumps({name: value})))
+                elif name in inner[0]:
+                    edits.extend((a + x, a + y, text) for x, y in inner[0][name])
+                else:
+                    at = a + inner[1]
+                    edits.append((at, at, ("," if inner[0] else "") + _dumps(name) + ":" + text))
+            continue
         where = spans.get(key)
         if where:
             edits.extend((a, b, text) for a, b in where)
@@ -112,7 +157,9 @@ def spliced(data: bytes, fields: Mapping[str, Any]) -> bytes | None:
     return "".join(out).encode()
 
 
-def set_body(request: Any, data: bytes, body: dict[str, Any], fields: Mapping[str, Any]) -> None:
+def set_body(
+    request: Any, data: bytes, body: dict[str, Any], fields: Mapping[str | tuple[str, str], Any]
+) -> None:
     """Send ``request`` with ``body`` (whose ``fields`` changed): the bytes it had with
     only those fields written again (the whole body serialized again when its bytes are
     not plain UTF-8 JSON), its stream, content and ``Content-Length`` replaced in place."""

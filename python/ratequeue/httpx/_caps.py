@@ -2,12 +2,16 @@
 
 A rule matches a call by route (the URL path, or its end: ``"/chat/completions"``), by
 model (exact, or a glob such as ``"gpt-4o*"``) and by task tag (``x-ratequeue-task``
-header or :func:`ratequeue.httpx.using`); the smallest matching cap applies. It is
-applied by rewriting the body: a larger ``max_tokens`` / ``max_completion_tokens`` /
-``max_output_tokens`` is lowered, a missing one is added (the field the route's API
-uses), a smaller one is never raised; one that is no count (a negative int, not an int)
-is replaced, and so is every occurrence of a key the body repeats when any is above the
-cap or no count.
+header or :func:`ratequeue.httpx.using`); the smallest matching cap applies, model
+globs in any case. It bounds the call's whole output: a body asking for several choices
+(``n``, ``best_of``) gets the cap divided among them. It is applied by rewriting the
+body at every place of :data:`~ratequeue.httpx._estimate.OUTPUT_BOUNDS` (top-level
+``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, Gemini's
+``generationConfig.maxOutputTokens``, Bedrock Converse's ``inferenceConfig.maxTokens``): a
+larger bound is lowered, a smaller one is never raised; one that is no count (a negative
+int, not an int) is replaced, and so is every occurrence of a key the body repeats when
+any is above the cap or no count; a container without a bound gets one, and a body with
+neither a bound nor a container gets the field the route's API uses.
 """
 
 from __future__ import annotations
@@ -19,17 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RateQueueError
-from ._estimate import OUTPUT_FIELDS
+from ._estimate import CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS
 
 __all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
 
 
 class CapNotApplied(RateQueueError, ValueError):
     """An output cap matches the call but its body could not be capped: not read (over
-    the transport's ``max_body``, or a stream) or not one JSON object. Refused before
-    anything was acquired, charged or sent (``retry_after`` is ``inf``: the same call is
-    refused again). A transport built with ``uncapped="send"`` sends such calls as they
-    are instead."""
+    the transport's ``max_body``, or a stream), not one JSON object, or a multipart body
+    with a form field naming a bound; or its choices cannot share the cap (``n`` /
+    ``best_of`` not a positive int, or more of them than the cap has tokens), or it
+    names a container of bounds twice. Refused before anything was acquired, charged or
+    sent (``retry_after`` is ``inf``: the same call is refused again). A transport built
+    with ``uncapped="send"`` sends the bodies it could not read (or that name a bound in a
+    form field) as they are instead; the other refusals stand."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message, float("inf"))
@@ -62,15 +69,18 @@ class Cap:
         if self.model is not None:
             if model is None:
                 return False
-            if model != self.model and not fnmatch.fnmatchcase(model, self.model):
+            # Providers read model ids in any case: so does the cap.
+            m, want = model.lower(), self.model.lower()
+            if m != want and not fnmatch.fnmatchcase(m, want):
                 return False
         return self.task is None or task == self.task
 
 
 @dataclass(frozen=True, slots=True)
 class Capped:
-    """A cap applied to a call: the field rewritten, what was asked (None: nothing) and
-    what was sent."""
+    """A cap applied to a call: the field rewritten (``container.name`` for a nested
+    one), what was asked (None: nothing) and what was sent (the cap divided among the
+    choices the body asks for)."""
 
     field: str
     requested: int | None
@@ -78,12 +88,24 @@ class Capped:
 
 
 def route_of(path: str) -> str:
-    """``path`` as a server routing leniently sees it: lower case, doubled and trailing
-    slashes dropped (Express and ASP.NET route case-insensitively and ignore a trailing
-    slash; a cap must match every spelling a server may serve as its route)."""
+    """``path`` as a server routing leniently sees it: lower case, ``;`` parameters of
+    each segment, doubled and trailing slashes and dot segments dropped (Express and
+    ASP.NET route case-insensitively and ignore a trailing slash, Tomcat and Spring strip
+    ``;`` parameters; a cap must match every spelling a server may serve as its route)."""
     p = path.lower()
+    if ";" in p:
+        p = re.sub(";[^/]*", "", p)
     if "//" in p:
         p = re.sub("/{2,}", "/", p)
+    if "/." in p:
+        segs: list[str] = []
+        for seg in p.split("/"):
+            if seg == "..":
+                if len(segs) > 1:
+                    segs.pop()
+            elif seg != ".":
+                segs.append(seg)
+        p = "/".join(segs)
     return p.rstrip("/") or "/"
 
 
@@ -92,13 +114,33 @@ def _on_route(path: str, route: str) -> bool:
     return p == r or p.endswith(r)
 
 
+#: Each bound of OUTPUT_BOUNDS by name (``container.name`` for a nested one).
+BOUND_NAMES = tuple(".".join(p) for p in OUTPUT_BOUNDS)
+_NESTED = tuple((p[0], p[1]) for p in OUTPUT_BOUNDS if len(p) == 2)
+#: Containers of nested bounds, in order, each with the bound added to it (its first).
+_CONTAINERS: dict[str, str] = {}
+for _c, _n in _NESTED:
+    _CONTAINERS.setdefault(_c, _n)
+#: Spellings of one container (a body naming one group twice is refused).
+_GROUPS = (("generationConfig", "generation_config"), ("inferenceConfig",))
+# Why a body a cap matches cannot be capped (the native reader's words).
+CHOICES_REFUSED = "asks for n or best_of choices that are not a positive integer"
+TOO_MANY_CHOICES = "asks for more choices (n, best_of) than the cap has tokens"
+REPEATED_CONTAINER = "names an object of output bounds twice"
+
+
 def output_field(path: str) -> str:
-    """The body field that bounds output on this route's API."""
+    """The body field that bounds output on this route's API (``container.name`` for a
+    nested one)."""
     path = route_of(path)
     if path.endswith("/responses"):
         return "max_output_tokens"
     if path.endswith("/chat/completions"):
         return "max_completion_tokens"
+    if path.endswith((":generatecontent", ":streamgeneratecontent")):
+        return "generationConfig.maxOutputTokens"
+    if path.endswith(("/converse", "/converse-stream")):
+        return "inferenceConfig.maxTokens"
     return "max_tokens"
 
 
@@ -118,27 +160,69 @@ def cap_fields(
     path: str,
     limit: int,
     repeated: Mapping[str, Sequence[Any]] | None = None,
-) -> tuple[Capped | None, dict[str, int]]:
-    """Lower (or add) the body's output bound to ``limit``, in place: what was done
-    (None: nothing) and the fields written. ``repeated``: every value of a bound the
-    body's bytes repeat (``body`` holds the last); any one the cap replaces writes them
-    all, so a parser keeping the first of a repeated key sees the cap too."""
-    present = [f for f in OUTPUT_FIELDS if f in body]
-    if not present:
-        f = output_field(path)
-        body[f] = limit
-        return Capped(f, None, limit), {f: limit}
+    nested: Mapping[tuple[str, str], Sequence[Any]] | None = None,
+) -> tuple[Capped | None, dict[str | tuple[str, str], int]]:
+    """Bound the body's output at ``limit`` for the whole call, in place: what was done
+    (None: nothing) and the fields written (``(container, name)`` for a nested one, as
+    ``spliced`` takes them). ``repeated``: every value of a top-level key the body's
+    bytes repeat (``body`` holds the last); any one the cap replaces writes them all, so
+    a parser keeping the first of a repeated key sees the cap too. ``nested``: every
+    value of each nested bound (default: ``body``'s). Raises :class:`CapNotApplied` when
+    the body's choices cannot share the cap or it names a container twice."""
+    rep = repeated or {}
+
+    def values(k: str) -> Sequence[Any]:
+        return rep.get(k) or ((body[k],) if k in body else ())
+
+    choices = 1
+    for k in CHOICES:
+        for v in values(k):
+            if type(v) is not int or v < 1:
+                raise CapNotApplied(CHOICES_REFUSED)
+            choices = max(choices, v)
+    per = limit // choices
+    if per == 0:
+        raise CapNotApplied(TOO_MANY_CHOICES)
+    for group in _GROUPS:
+        if sum(len(values(c)) for c in group) > 1:
+            raise CapNotApplied(REPEATED_CONTAINER)
+    if nested is None:
+        nested = {(c, n): (d[n],) for c, n in _NESTED if type(d := body.get(c)) is dict and n in d}
+    fields: dict[str | tuple[str, str], int] = {}
     done: Capped | None = None
-    fields: dict[str, int] = {}
-    for f in present:
-        values = repeated.get(f) if repeated else None
-        over = [v for v in (values or (body[f],)) if _over(v, limit)]
+    for i, p in enumerate(OUTPUT_BOUNDS):
+        vals = values(p[0]) if len(p) == 1 else nested.get((p[0], p[1]), ())
+        over = [v for v in vals if _over(v, per)]
         if over:
             v = over[-1]
-            body[f] = fields[f] = limit
-            done = Capped(
-                f, v if not isinstance(v, bool) and isinstance(v, int) and v >= 0 else None, limit
-            )
+            fields[p[0] if len(p) == 1 else (p[0], p[1])] = per
+            asked = v if not isinstance(v, bool) and isinstance(v, int) and v >= 0 else None
+            done = Capped(BOUND_NAMES[i], asked, per)
+    added: int | None = None
+    for c, name in _CONTAINERS.items():
+        if c not in body:
+            continue
+        d = body[c]
+        if type(d) is dict and any(n in d for c2, n in _NESTED if c2 == c):
+            continue
+        fields[(c, name)] = per
+        added = max(added or 0, BOUND_NAMES.index(f"{c}.{name}"))
+    if not any(f in body for f in OUTPUT_FIELDS) and not any(c in body for c in _CONTAINERS):
+        route = output_field(path)
+        c, _, name = route.rpartition(".")
+        fields[(c, name) if c else route] = per
+        added = BOUND_NAMES.index(route)
+    for key in fields:  # the body as sent
+        if isinstance(key, tuple):
+            d = body.get(key[0])
+            if type(d) is dict:
+                d[key[1]] = per
+            else:
+                body[key[0]] = {key[1]: per}
+        else:
+            body[key] = per
+    if done is None and added is not None:
+        done = Capped(BOUND_NAMES[added], None, per)
     return done, fields
 
 
@@ -154,7 +238,8 @@ def apply_caps(
     caps: Sequence[Cap], body: dict[str, Any], path: str, task: str | None
 ) -> Capped | None:
     """Lower (or add) the body's output bound to the smallest matching cap, in place;
-    what was done, or None when no cap applied."""
+    what was done, or None when no cap applied (:class:`CapNotApplied` as
+    :func:`cap_fields` raises it)."""
     model = body.get("model")
     model = model if isinstance(model, str) else None
     return apply_limit(body, path, cap_limit(caps, path, model, task))
@@ -207,7 +292,8 @@ class CapTable:
         path: str,
         task: str | None,
         repeated: Mapping[str, Sequence[Any]] | None = None,
-    ) -> tuple[Capped | None, dict[str, int]]:
+        nested: Mapping[tuple[str, str], Sequence[Any]] | None = None,
+    ) -> tuple[Capped | None, dict[str | tuple[str, str], int]]:
         """``cap_fields`` with this table's limit for the call (nothing when none)."""
         model = body.get("model")
         models = repeated.get("model") if repeated else None
@@ -217,4 +303,4 @@ class CapTable:
             limit = self.limit(path, model if type(model) is str else None, task)
         if limit is None:
             return None, {}
-        return cap_fields(body, path, limit, repeated)
+        return cap_fields(body, path, limit, repeated, nested)

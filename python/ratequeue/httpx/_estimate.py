@@ -4,8 +4,10 @@ The prompt is the text of the request body's strings (messages, system, input, t
 not ``model``, ``role``, ``type`` nor base64 data such as images): counted by tiktoken when it is
 installed and its encoding loads, otherwise by the documented fallback of one token per
 four characters (rounded up) plus four per message. The output is the request's
-``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, or
-``default_output_tokens`` when it names none.
+``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (or a nested bound of
+:data:`OUTPUT_BOUNDS`: Gemini's ``generationConfig.maxOutputTokens``, Bedrock Converse's
+``inferenceConfig.maxTokens``), or ``default_output_tokens`` when it names none; times the
+choices it asks for (the largest ``n`` or ``best_of``): each choice may produce as much.
 """
 
 from __future__ import annotations
@@ -14,10 +16,19 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-__all__ = ["OUTPUT_FIELDS", "Estimate", "Estimator", "TokenEstimator"]
+from .._ratequeue import _CHOICES, _OUTPUT_BOUNDS
 
-#: Body fields that bound a call's output, in the order they are read.
-OUTPUT_FIELDS = ("max_completion_tokens", "max_output_tokens", "max_tokens")
+__all__ = ["CHOICES", "OUTPUT_BOUNDS", "OUTPUT_FIELDS", "Estimate", "Estimator", "TokenEstimator"]
+
+#: Where a body bounds a call's output, in the order the estimate reads them: a top-level
+#: field ``(name,)`` or one inside a top-level object ``(container, name)``. One table,
+#: the native reader's (``ratequeue_core::llm::cap::OUTPUT_BOUNDS``).
+OUTPUT_BOUNDS: tuple[tuple[str, ...], ...] = tuple((c, n) if c else (n,) for c, n in _OUTPUT_BOUNDS)
+#: The top-level output-bounding fields.
+OUTPUT_FIELDS = tuple(p[0] for p in OUTPUT_BOUNDS if len(p) == 1)
+#: Fields asking for several choices (each may produce the bound's output).
+CHOICES: tuple[str, ...] = tuple(_CHOICES)
+_NESTED = tuple(p for p in OUTPUT_BOUNDS if len(p) == 2)
 _SKIP = frozenset(
     {"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"}
 )
@@ -220,15 +231,31 @@ class TokenEstimator:
         else:
             m = g("input")
             prompt += 4 * len(m) if type(m) is list else 4
-        # The first of OUTPUT_FIELDS that is an int >= 0.
+        # The first of OUTPUT_BOUNDS that is an int >= 0.
         v = g("max_completion_tokens")
         if type(v) is not int or v < 0:
             v = g("max_output_tokens")
             if type(v) is not int or v < 0:
                 v = g("max_tokens")
                 if type(v) is not int or v < 0:
-                    v = self.default_output_tokens
+                    v = _nested_bound(body, self.default_output_tokens)
+        # Times the choices asked for: the largest n or best_of that is an int >= 1.
+        n = g("n")
+        b = g("best_of")
+        if (type(n) is int and n > 1) or (type(b) is int and b > 1):
+            v *= max(n if type(n) is int else 1, b if type(b) is int else 1)
         return _new(Estimate, (prompt, v))
+
+
+def _nested_bound(body: dict[str, Any], default: int) -> int:
+    """The first nested bound of ``body`` that is an int >= 0, else ``default``."""
+    for c, n in _NESTED:
+        d = body.get(c)
+        if type(d) is dict:
+            v = d.get(n)
+            if type(v) is int and v >= 0:
+                return v
+    return default
 
 
 def _load(name: str | None) -> _Encoding | None:

@@ -10,19 +10,29 @@ parse can decide).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from typing import Any, Literal
+from urllib.parse import unquote
 
 from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
 from . import _budget
-from ._body import repeated, replace_body, set_body
+from ._body import nested_values, repeated, replace_body, set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
-from ._caps import Cap, CapNotApplied, Capped, CapTable, output_field
+from ._caps import BOUND_NAMES, Cap, CapNotApplied, Capped, CapTable, output_field
 from ._context import _EMPTY, _OPTIONS, current_options
-from ._estimate import _CHARS, OUTPUT_FIELDS, Estimate, TokenEstimator, chars_estimate
+from ._estimate import (
+    _CHARS,
+    CHOICES,
+    OUTPUT_BOUNDS,
+    OUTPUT_FIELDS,
+    Estimate,
+    TokenEstimator,
+    chars_estimate,
+)
 from ._record import _Call, json_object
 from ._wire import _TRIPLES, header_list, new_id
 
@@ -67,9 +77,18 @@ def _read_request(
 # unit costs 1 per call.
 _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3}
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
-_ADD = {f: i for i, f in enumerate(OUTPUT_FIELDS)}
+_ADD = {f: i for i, f in enumerate(BOUND_NAMES)}
 _MODEL = ("model",)
-_CAP_KEYS = (*OUTPUT_FIELDS, "model")  # every value of each, when one is repeated
+_NESTED = tuple((p[0], p[1]) for p in OUTPUT_BOUNDS if len(p) == 2)
+_CONTAINERS = tuple(dict.fromkeys(c for c, _ in _NESTED))
+# Every value of each, when one is repeated.
+_CAP_KEYS = (*OUTPUT_FIELDS, *CHOICES, *_CONTAINERS, "model")
+# Multipart form fields that name a bound (or a choice count, or a container of bounds).
+_FORM_BOUNDS = frozenset((*OUTPUT_FIELDS, *CHOICES, *_CONTAINERS))
+_BOUNDARY = re.compile(r'boundary\s*=\s*(?:"([^"]+)"|([^;\s]+))', re.IGNORECASE)
+_FORM_NAME = re.compile(
+    r'(?:^|;)\s*name(\*?)\s*=\s*(?:"((?:[^"\\]|\\.)*)"|([^;\s]*))', re.IGNORECASE
+)
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
@@ -117,6 +136,59 @@ def _is_upload(request: Any, whole: Any) -> bool:
     if whole is None:
         return type(request.stream).__name__ == "MultipartStream"
     return type(whole) is bytes and whole.lstrip(b"\r\n").startswith(b"--")
+
+
+def _refused(request: Any, path: str, why: str) -> CapNotApplied:
+    return CapNotApplied(
+        f"an output cap matches {request.method} {path} but its body {why}: refused before sending"
+    )
+
+
+def _form_names_a_bound(request: Any, whole: Any) -> bool:
+    """True when a multipart body has a form field naming an output bound by its head
+    (``max_tokens``, ``max_tokens[]``, ``n``, ``generationConfig[maxOutputTokens]``), or
+    its fields cannot be listed."""
+    names = _form_names(request, whole)
+    if names is None:
+        return True
+    return any(re.split(r"[\[.]", n, maxsplit=1)[0] in _FORM_BOUNDS for n in names)
+
+
+def _form_names(request: Any, whole: Any) -> Iterator[str] | None:
+    """The names of a multipart body's form fields: httpx's multipart stream's own, or
+    read from the bytes' part headers (None: no boundary to read them by)."""
+    if whole is None:
+        fields = getattr(request.stream, "fields", None)
+        if not isinstance(fields, list):
+            return None
+        return (str(getattr(f, "name", "")) for f in fields)
+    m = _BOUNDARY.search(request.headers.get("content-type", ""))
+    if m is None:
+        return None
+    return _part_names(whole, b"--" + (m.group(1) or m.group(2)).encode("latin-1"))
+
+
+def _part_names(data: bytes, delim: bytes) -> Iterator[str]:
+    """The ``name`` of each part's Content-Disposition (its headers read up to 16 KiB;
+    one pass over the bytes, nothing copied but the headers)."""
+    at = data.find(delim)
+    while at != -1:
+        start = at + len(delim)
+        end = start + 16384
+        for blank in (b"\r\n\r\n", b"\n\n"):
+            i = data.find(blank, start, end)
+            if i != -1:
+                end = i
+        for line in data[start:end].split(b"\n"):
+            head, _, params = line.partition(b":")
+            if head.strip().lower() != b"content-disposition":
+                continue
+            for m in _FORM_NAME.finditer(params.decode("utf-8", "replace")):
+                name = m.group(2) if m.group(2) is not None else m.group(3)
+                if m.group(1):  # name*=utf-8''max_tokens
+                    name = unquote(name.split("''", 1)[-1])
+                yield name
+        at = data.find(delim, start)
 
 
 class _Requests:
@@ -319,7 +391,13 @@ class _Requests:
         if not self._cap_table.may_match(path, task or _OPTIONS.get().task):
             return
         if _is_upload(request, whole):
-            return
+            if not _form_names_a_bound(request, whole):
+                return
+            raise CapNotApplied(
+                f"an output cap matches {request.method} {path} but its multipart body has a "
+                "form field naming an output bound (max_tokens, n, ...): refused before "
+                "sending (send the bound in a JSON body)"
+            )
         why = (
             "is not one JSON object"
             if data
@@ -348,12 +426,14 @@ class _Requests:
             return None, facts
         if out is False:
             return None, False
-        new, field, requested = out
+        if isinstance(out, str):  # the body cannot be capped: refused
+            raise _refused(request, path, out)
+        new, field, requested, bound = out
         sent = self._read_body(new, path)
         if not sent:
             return None, False
         replace_body(request, new)
-        return Capped(OUTPUT_FIELDS[field], requested, limit), sent
+        return Capped(BOUND_NAMES[field], requested, bound), sent
 
     def _read_body(self, data: Any, path: str) -> _Facts | Literal[False] | None:
         """The body's model and estimate read natively in one pass (``(model, stream,
@@ -376,12 +456,18 @@ class _Requests:
     ) -> Capped | None:
         """Apply the output caps and ask a stream for its usage: the body and the request
         rewritten in place when a field changed; the cap applied, if any."""
-        fields: dict[str, Any] = {}
+        fields: dict[str | tuple[str, str], Any] = {}
         capped = None
         if self.caps:
-            capped, written = self._cap_table.apply_fields(
-                body, path, task, repeated(data, _CAP_KEYS)
-            )
+            nested = None
+            if any(c in body for c in _CONTAINERS):
+                nested = nested_values(data, _NESTED)
+            try:
+                capped, written = self._cap_table.apply_fields(
+                    body, path, task, repeated(data, _CAP_KEYS), nested
+                )
+            except CapNotApplied as e:
+                raise _refused(request, path, str(e)) from None
             fields.update(written)
         if body.get("stream") is True and self._stream_opts(body, path):
             fields["stream_options"] = body["stream_options"]

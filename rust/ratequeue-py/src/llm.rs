@@ -5,7 +5,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
-use ratequeue_core::llm::cap::cap_output;
+use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
@@ -180,10 +180,12 @@ pub fn _read_call_headers<'py>(py: Python<'py>, headers: &Bound<'py, PyList>) ->
     .into_any())
 }
 
-/// `(body, field, requested)` of a request body with its output bound capped at
-/// `limit` (`field`: index in `("max_completion_tokens", "max_output_tokens",
-/// "max_tokens")`; `add`: the one added when none is present), None when nothing
-/// changes, False when only the Python reference can tell.
+/// `(body, field, requested, sent)` of a request body with its output bounds capped at
+/// `limit` for the whole call (`field`: index in `_OUTPUT_BOUNDS`; `add`: the one added
+/// when the body has no bound and no container; `sent`: the bound written, the cap
+/// divided among the choices), None when nothing changes, a reason (str) when the cap
+/// cannot be applied (the call is refused), False when only the Python reference can
+/// tell.
 #[pyfunction]
 pub fn _cap_output<'py>(
     py: Python<'py>,
@@ -196,9 +198,10 @@ pub fn _cap_output<'py>(
         return Ok(no());
     };
     Ok(match read(py, body.as_bytes(), |b| cap_output(b, limit, add)) {
-        Ok(None) => py.None().into_bound(py),
+        Ok(Capping::Kept) => py.None().into_bound(py),
         Err(_) => no(),
-        Ok(Some(c)) => {
+        Ok(Capping::Refused(why)) => PyString::new(py, refusal(why)).into_any(),
+        Ok(Capping::Capped(c)) => {
             let requested = match c.requested {
                 Some(v) => v.into_pyobject(py)?.into_any(),
                 None => py.None().into_bound(py),
@@ -209,11 +212,21 @@ pub fn _cap_output<'py>(
                     PyBytes::new(py, &c.body).into_any(),
                     c.field.into_pyobject(py)?.into_any(),
                     requested,
+                    c.sent.into_pyobject(py)?.into_any(),
                 ],
             )?
             .into_any()
         }
     })
+}
+
+/// The reason a refusal gives (the Python reference words it the same way).
+pub(crate) fn refusal(why: Refusal) -> &'static str {
+    match why {
+        Refusal::Choices => "asks for n or best_of choices that are not a positive integer",
+        Refusal::TooManyChoices => "asks for more choices (n, best_of) than the cap has tokens",
+        Refusal::RepeatedContainer => "names an object of output bounds twice",
+    }
 }
 
 /// A stream's Server-Sent Events framed natively (`ratequeue_core::llm::sse`): `feed`
@@ -266,5 +279,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_response, m)?)?;
     m.add_function(wrap_pyfunction!(_read_call_headers, m)?)?;
     m.add_function(wrap_pyfunction!(_cap_output, m)?)?;
+    m.add("_OUTPUT_BOUNDS", PyTuple::new(m.py(), OUTPUT_BOUNDS)?)?;
+    m.add("_CHOICES", PyTuple::new(m.py(), CHOICES)?)?;
     Ok(())
 }

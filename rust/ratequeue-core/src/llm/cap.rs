@@ -1,25 +1,62 @@
-//! An output cap written into a request body without re-serialising it: the value of
-//! every top-level occurrence of an output-bounding field is replaced by the cap's
-//! number when any occurrence is above the cap or no count (a negative int, not an
-//! int), or the field is added before the closing brace; every other byte stays. The same bytes as the Python reference (`apply_limit` over a full parse, then
-//! `spliced`), or [`Defer`] where only it can tell.
+//! An output cap written into a request body without re-serialising it. The cap bounds
+//! the call's total output: a body asking for several choices (`n`, `best_of`) gets the
+//! cap divided among them. Every place a known bound is read ([`OUTPUT_BOUNDS`]: top
+//! level, or one object down such as Gemini's `generationConfig`) carries it: the value
+//! of every occurrence is replaced by the per-choice number when any occurrence is above
+//! it or no count (a negative int, not an int); a container without a bound gets one
+//! added before its closing brace; a body with no bound and no container gets the
+//! route's field added before its closing brace; every other byte stays. The same bytes
+//! as the Python reference (`cap_fields` over a full parse, then `spliced`), or
+//! [`Defer`] where only it can tell.
 
-use super::scan::{Num, Scanner, Shape, Stop};
+use super::scan::{Num, Scan, Scanner, Shape, Stop};
 use super::Defer;
 
-/// The output-bounding fields, in the order the reference checks them.
+/// The output-bounding fields the estimate and the caps know, in the order the
+/// estimate reads them: `(container, name)`, the container `""` for a top-level field.
+/// Proto3 JSON (Gemini) takes either spelling of a field name; a container's first
+/// bound here is the one added to it.
+pub const OUTPUT_BOUNDS: [(&str, &str); 8] = [
+    ("", "max_completion_tokens"),
+    ("", "max_output_tokens"),
+    ("", "max_tokens"),
+    ("generationConfig", "maxOutputTokens"),
+    ("generationConfig", "max_output_tokens"),
+    ("generation_config", "max_output_tokens"),
+    ("generation_config", "maxOutputTokens"),
+    ("inferenceConfig", "maxTokens"),
+];
+/// The top-level output-bounding fields (the first of [`OUTPUT_BOUNDS`]).
 pub const OUTPUT_FIELDS: [&str; 3] = ["max_completion_tokens", "max_output_tokens", "max_tokens"];
+/// Fields asking for several choices, each one output as long as the bound.
+pub const CHOICES: [&str; 2] = ["n", "best_of"];
+/// Containers of nested bounds: name, and the group of spellings of one field it is in
+/// (a body naming one group twice is refused: a parser keeping the first and one keeping
+/// the last would read different bounds).
+pub const CONTAINERS: [(&str, usize); 3] = [
+    ("generationConfig", 0),
+    ("generation_config", 0),
+    ("inferenceConfig", 1),
+];
 
-/// What a field's occurrences are, for the cap.
+/// Why a body a cap matches cannot be capped (the transport refuses the call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Seen {
-    Absent,
-    /// Every occurrence a count the cap keeps (an int from 0 to the cap).
+pub enum Refusal {
+    /// An `n` or `best_of` that is not a positive integer.
+    Choices,
+    /// More choices than the cap has tokens: the per-choice bound would be 0.
+    TooManyChoices,
+    /// A container of nested bounds named twice (in one spelling or two).
+    RepeatedContainer,
+}
+
+/// What a cap does to a body.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Capping {
+    /// Every bound is within the cap: the body is sent as it is.
     Kept,
-    /// An occurrence the cap replaces, the last such: a non-negative int above the cap
-    /// (its value), or no count (None: a negative int, bool, float, string, null,
-    /// container).
-    Over(Option<u64>),
+    Capped(CappedBody),
+    Refused(Refusal),
 }
 
 /// A body rewritten for a cap.
@@ -27,48 +64,115 @@ enum Seen {
 pub struct CappedBody {
     /// The new bytes.
     pub body: Vec<u8>,
-    /// The field the record names (index in [`OUTPUT_FIELDS`]): the last replaced, or
-    /// the one added.
+    /// The field the record names (index in [`OUTPUT_BOUNDS`]): the last replaced, else
+    /// the last added.
     pub field: usize,
     /// What that field asked for when it was an int (None: not an int, or added).
     pub requested: Option<u64>,
+    /// The bound written (the cap divided among the choices).
+    pub sent: u64,
 }
 
-/// `body` with its output bound capped at `limit`: `Ok(None)` when nothing changes
-/// (every occurrence of every bound present is an int from 0 to `limit`); `add` is the field (index in
-/// [`OUTPUT_FIELDS`]) added when none is present. `Err(Defer)` when the body is not a
-/// UTF-8 JSON object this scanner reads, or a bound above the cap is past 64 bits.
-pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBody>, Defer> {
-    if add >= OUTPUT_FIELDS.len() {
+/// An occurrence of a bound: its index in [`OUTPUT_BOUNDS`], where its value is, and the
+/// value when it is a count (a non-negative int in 64 bits).
+struct Occurrence {
+    field: usize,
+    start: usize,
+    end: usize,
+    count: Option<u64>,
+}
+
+/// A top-level occurrence of a container: which, where its value is, and, when it is an
+/// object, where its closing brace is and whether it holds a bound.
+struct Container {
+    which: usize,
+    start: usize,
+    end: usize,
+    object: Option<(usize, bool, bool)>, // (close, has members, has a bound)
+}
+
+fn count_of(shape: Shape<'_>) -> Scan<Option<u64>> {
+    match shape {
+        Shape::Num(Num::Int {
+            negative: false,
+            value: Some(v),
+        }) => Ok(Some(v)),
+        Shape::Num(Num::Int {
+            negative: false,
+            value: None,
+        }) => Err(Stop::Defer),
+        _ => Ok(None),
+    }
+}
+
+/// `body` with its output bounds capped at `limit` for the whole call; `add` is the
+/// bound (index in [`OUTPUT_BOUNDS`]) added when the body has no bound and no container.
+/// `Err(Defer)` when the body is not a UTF-8 JSON object this scanner reads, or a bound,
+/// `n` or `best_of` is an int past 64 bits.
+pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Capping, Defer> {
+    if add >= OUTPUT_BOUNDS.len() {
         return Err(Defer);
     }
     let scanner = Scanner::new(body).ok_or(Defer)?;
-    let mut seen = [Seen::Absent; 3];
-    let mut spans: Vec<(usize, usize, usize)> = Vec::new(); // (field, start, end)
+    let mut found: Vec<Occurrence> = Vec::new();
+    let mut containers: Vec<Container> = Vec::new();
+    let (mut choices, mut bad_choices) = (1u64, false);
     let mut members = 0usize;
     let mut close = 0usize;
     let read = scanner.document(|s| {
         s.object(1, |s, key| {
             members += 1;
             let start = s.pos;
-            let shape = s.value(1)?;
-            if let Some(f) = OUTPUT_FIELDS.iter().position(|f| key.is(f.as_bytes())) {
-                spans.push((f, start, s.pos));
-                // Any occurrence over the cap writes them all: a parser that keeps the
-                // first of a repeated key sees the cap too, not only one that keeps the
-                // last. A negative bound is no count (some servers read -1 as no limit).
-                let over = match shape {
-                    Shape::Num(Num::Int { negative: true, .. }) => Some(None),
-                    Shape::Num(Num::Int { value: Some(v), .. }) if v <= limit => None,
-                    Shape::Num(Num::Int { value: Some(v), .. }) => Some(Some(v)),
-                    Shape::Num(Num::Int { value: None, .. }) => return Err(Stop::Defer),
-                    _ => Some(None),
-                };
-                seen[f] = match (over, seen[f]) {
-                    (Some(asked), _) => Seen::Over(asked),
-                    (None, Seen::Absent) => Seen::Kept,
-                    (None, was) => was,
-                };
+            if CHOICES.iter().any(|c| key.is(c.as_bytes())) {
+                match count_of(s.value(1)?)? {
+                    Some(v) if v >= 1 => choices = choices.max(v),
+                    _ => bad_choices = true,
+                }
+            } else if let Some(which) = CONTAINERS.iter().position(|(c, _)| key.is(c.as_bytes())) {
+                if s.peek() != Some(b'{') {
+                    s.value(1)?;
+                    containers.push(Container {
+                        which,
+                        start,
+                        end: s.pos,
+                        object: None,
+                    });
+                    return Ok(());
+                }
+                let (mut inner, mut bound) = (false, false);
+                let name = CONTAINERS[which].0;
+                s.object(2, |s, k| {
+                    inner = true;
+                    let at = s.pos;
+                    let shape = s.value(2)?;
+                    let f = OUTPUT_BOUNDS.iter().position(|(c, n)| *c == name && k.is(n.as_bytes()));
+                    if let Some(field) = f {
+                        bound = true;
+                        found.push(Occurrence {
+                            field,
+                            start: at,
+                            end: s.pos,
+                            count: count_of(shape)?,
+                        });
+                    }
+                    Ok(())
+                })?;
+                containers.push(Container {
+                    which,
+                    start,
+                    end: s.pos,
+                    object: Some((s.pos - 1, inner, bound)),
+                });
+            } else {
+                let shape = s.value(1)?;
+                if let Some(field) = OUTPUT_FIELDS.iter().position(|f| key.is(f.as_bytes())) {
+                    found.push(Occurrence {
+                        field,
+                        start,
+                        end: s.pos,
+                        count: count_of(shape)?,
+                    });
+                }
             }
             Ok(())
         })?;
@@ -79,39 +183,65 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBo
         Ok(Some(())) => {}
         Ok(None) | Err(_) => return Err(Defer),
     }
-    let number = limit.to_string();
-    let mut edits: Vec<(usize, usize, Vec<u8>)> = Vec::new();
-    let (mut field, mut requested) = (add, None);
-    if seen.iter().all(|s| *s == Seen::Absent) {
-        let mut text = Vec::new();
-        if members > 0 {
-            text.push(b',');
-        }
-        text.push(b'"');
-        text.extend_from_slice(OUTPUT_FIELDS[add].as_bytes());
-        text.extend_from_slice(b"\":");
-        text.extend_from_slice(number.as_bytes());
-        edits.push((close, close, text));
-    } else {
-        let mut any = false;
-        for (f, s) in seen.iter().enumerate() {
-            let Seen::Over(asked) = *s else {
-                continue;
-            };
-            any = true;
-            (field, requested) = (f, asked);
-            for &(g, a, b) in &spans {
-                if g == f {
-                    edits.push((a, b, number.as_bytes().to_vec()));
-                }
-            }
-        }
-        if !any {
-            return Ok(None);
-        }
-        edits.sort_by_key(|e| e.0);
+    if bad_choices {
+        return Ok(Capping::Refused(Refusal::Choices));
     }
-    let mut out = Vec::with_capacity(body.len() + 32);
+    let per = limit / choices;
+    if per == 0 {
+        return Ok(Capping::Refused(Refusal::TooManyChoices));
+    }
+    for group in 0..2 {
+        if containers.iter().filter(|c| CONTAINERS[c.which].1 == group).count() > 1 {
+            return Ok(Capping::Refused(Refusal::RepeatedContainer));
+        }
+    }
+    let number = per.to_string();
+    let mut edits: Vec<(usize, usize, Vec<u8>)> = Vec::new();
+    let mut replaced: Option<(usize, Option<u64>)> = None;
+    let mut added: Option<usize> = None;
+    for field in 0..OUTPUT_BOUNDS.len() {
+        let over = |o: &&Occurrence| o.field == field && o.count.is_none_or(|v| v > per);
+        let Some(last) = found.iter().rfind(over) else {
+            continue;
+        };
+        replaced = Some((field, last.count));
+        for o in found.iter().filter(|o| o.field == field) {
+            edits.push((o.start, o.end, number.as_bytes().to_vec()));
+        }
+    }
+    let top_bound = found.iter().any(|o| o.field < OUTPUT_FIELDS.len());
+    for c in &containers {
+        let name = CONTAINERS[c.which].0;
+        let field = OUTPUT_BOUNDS.iter().position(|(n, _)| *n == name).unwrap_or(add);
+        let inner = OUTPUT_BOUNDS[field].1;
+        match c.object {
+            Some((_, _, true)) => continue,
+            Some((at, members, false)) => {
+                let comma = if members { "," } else { "" };
+                edits.push((at, at, format!("{comma}\"{inner}\":{number}").into_bytes()));
+            }
+            None => edits.push((c.start, c.end, format!("{{\"{inner}\":{number}}}").into_bytes())),
+        }
+        added = added.max(Some(field));
+    }
+    if !top_bound && containers.is_empty() {
+        let (outer, inner) = OUTPUT_BOUNDS[add];
+        let comma = if members > 0 { "," } else { "" };
+        let text = if outer.is_empty() {
+            format!("{comma}\"{inner}\":{number}")
+        } else {
+            format!("{comma}\"{outer}\":{{\"{inner}\":{number}}}")
+        };
+        edits.push((close, close, text.into_bytes()));
+        added = Some(add);
+    }
+    let (field, requested) = match (replaced, added) {
+        (Some(r), _) => r,
+        (None, Some(f)) => (f, None),
+        (None, None) => return Ok(Capping::Kept),
+    };
+    edits.sort_by_key(|e| e.0);
+    let mut out = Vec::with_capacity(body.len() + 48);
     let mut at = 0;
     for (a, b, text) in edits {
         out.extend_from_slice(&body[at..a]);
@@ -119,10 +249,11 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Option<CappedBo
         at = b;
     }
     out.extend_from_slice(&body[at..]);
-    Ok(Some(CappedBody {
+    Ok(Capping::Capped(CappedBody {
         body: out,
         field,
         requested,
+        sent: per,
     }))
 }
 
@@ -169,8 +300,95 @@ mod tests {
     use super::*;
 
     fn cap(body: &str, limit: u64, add: usize) -> Result<Option<(String, usize, Option<u64>)>, Defer> {
-        cap_output(body.as_bytes(), limit, add)
-            .map(|r| r.map(|c| (String::from_utf8(c.body).unwrap(), c.field, c.requested)))
+        cap_output(body.as_bytes(), limit, add).map(|r| match r {
+            Capping::Kept => None,
+            Capping::Capped(c) => Some((String::from_utf8(c.body).unwrap(), c.field, c.requested)),
+            Capping::Refused(why) => panic!("refused: {why:?}"),
+        })
+    }
+
+    #[test]
+    fn divides_the_cap_among_choices() {
+        assert_eq!(
+            cap(r#"{"n":4,"max_tokens":5000,"n":2}"#, 100, 0),
+            Ok(Some((r#"{"n":4,"max_tokens":25,"n":2}"#.into(), 2, Some(5000))))
+        );
+        assert_eq!(
+            cap(r#"{"best_of":3}"#, 100, 2),
+            Ok(Some((r#"{"best_of":3,"max_tokens":33}"#.into(), 2, None)))
+        );
+        assert_eq!(cap(r#"{"n":4,"max_tokens":25}"#, 100, 0), Ok(None));
+        let refused = |b: &str| match cap_output(b.as_bytes(), 100, 0) {
+            Ok(Capping::Refused(why)) => Some(why),
+            _ => None,
+        };
+        assert_eq!(refused(r#"{"n":101}"#), Some(Refusal::TooManyChoices));
+        for b in [
+            r#"{"n":0}"#,
+            r#"{"n":-1}"#,
+            r#"{"n":2.0}"#,
+            r#"{"best_of":"2"}"#,
+            r#"{"n":null}"#,
+            r#"{"n":true}"#,
+        ] {
+            assert_eq!(refused(b), Some(Refusal::Choices), "{b}");
+        }
+        assert_eq!(refused(r#"{"n":99999999999999999999999}"#), None); // deferred
+        assert_eq!(cap_output(br#"{"n":99999999999999999999999}"#, 100, 0), Err(Defer));
+        assert_eq!(
+            refused(r#"{"generationConfig":{},"generation_config":{}}"#),
+            Some(Refusal::RepeatedContainer)
+        );
+        assert_eq!(
+            refused(r#"{"inferenceConfig":{},"inferenceConfig":{}}"#),
+            Some(Refusal::RepeatedContainer)
+        );
+    }
+
+    #[test]
+    fn caps_nested_bounds_in_place_and_adds_them_to_containers() {
+        assert_eq!(
+            cap(r#"{"generationConfig": {"t":1, "maxOutputTokens": 5000}}"#, 100, 2),
+            Ok(Some((
+                r#"{"generationConfig": {"t":1, "maxOutputTokens": 100}}"#.into(),
+                3,
+                Some(5000)
+            )))
+        );
+        assert_eq!(
+            cap(r#"{"max_tokens":5000,"generationConfig":{ }}"#, 100, 2),
+            Ok(Some((
+                r#"{"max_tokens":100,"generationConfig":{ "maxOutputTokens":100}}"#.into(),
+                2,
+                Some(5000)
+            )))
+        );
+        assert_eq!(
+            cap(r#"{"max_tokens":5,"inferenceConfig":null,"generation_config":{"a":1}}"#, 100, 2),
+            Ok(Some((
+                r#"{"max_tokens":5,"inferenceConfig":{"maxTokens":100},"generation_config":{"a":1,"max_output_tokens":100}}"#.into(),
+                7,
+                None
+            )))
+        );
+        assert_eq!(
+            cap(r#"{}"#, 100, 3),
+            Ok(Some((
+                r#"{"generationConfig":{"maxOutputTokens":100}}"#.into(),
+                3,
+                None
+            )))
+        );
+        assert_eq!(cap(r#"{"generationConfig":{"maxOutputTokens":7}}"#, 100, 2), Ok(None));
+        // Nested deeper than one object down is not a bound.
+        assert_eq!(
+            cap(r#"{"a":{"generationConfig":{"maxOutputTokens":5000}}}"#, 100, 2),
+            Ok(Some((
+                r#"{"a":{"generationConfig":{"maxOutputTokens":5000}},"max_tokens":100}"#.into(),
+                2,
+                None
+            )))
+        );
     }
 
     #[test]
@@ -229,7 +447,7 @@ mod tests {
         assert_eq!(cap("[1]", 7, 0), Err(Defer));
         assert_eq!(cap(r#"{"a":"#, 7, 0), Err(Defer));
         assert_eq!(cap_output(b"\xff{}", 7, 0), Err(Defer));
-        assert_eq!(cap("{}", 7, 3), Err(Defer));
+        assert_eq!(cap("{}", 7, 8), Err(Defer));
     }
 
     #[test]

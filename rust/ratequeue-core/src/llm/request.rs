@@ -3,6 +3,7 @@
 //! the output bound, and the prompt's characters exactly as the Python reference
 //! (`_estimate._chars` over a full `json` parse) counts them.
 
+use super::cap::{CHOICES, CONTAINERS, OUTPUT_BOUNDS, OUTPUT_FIELDS};
 use super::scan::{decode, decode_string, Num, Scan, Scanner, Shape, Str, MAX_DEPTH};
 use super::Defer;
 
@@ -46,14 +47,18 @@ pub struct RequestFacts {
     /// Elements of `messages` and of `input` when each is an array.
     pub messages: Option<u64>,
     pub input: Option<u64>,
-    /// `max_completion_tokens`, `max_output_tokens`, `max_tokens`.
-    bounds: [Bound; 3],
+    /// The bounds of [`OUTPUT_BOUNDS`] (a nested one from its container's last
+    /// occurrence, when that is an object).
+    bounds: [Bound; OUTPUT_BOUNDS.len()],
+    /// `n` and `best_of`.
+    choices: [Bound; CHOICES.len()],
 }
 
 impl RequestFacts {
     /// The character fallback's estimate (`TokenEstimator(None)`): prompt tokens
-    /// (ceil(chars / `chars_per_token`) + 4 per message) and the first output bound
-    /// that is an int >= 0, else `default_output`.
+    /// (ceil(chars / `chars_per_token`) + 4 per message) and the output: the first
+    /// bound that is an int >= 0, else `default_output`, times the choices asked for
+    /// (the largest `n` or `best_of` that is an int >= 1, else one).
     pub fn estimate(&self, chars_per_token: u64, default_output: u64) -> Result<(u64, u64), Defer> {
         if chars_per_token == 0 {
             return Err(Defer);
@@ -76,7 +81,15 @@ impl RequestFacts {
                 Bound::Unusable => {}
             }
         }
-        Ok((prompt, output))
+        let mut choices = 1u64;
+        for c in self.choices {
+            match c {
+                Bound::Count(v) => choices = choices.max(v),
+                Bound::Huge => return Err(Defer),
+                Bound::Unusable => {}
+            }
+        }
+        Ok((prompt, output.checked_mul(choices).ok_or(Defer)?))
     }
 }
 
@@ -235,11 +248,31 @@ pub fn request_facts(body: &[u8]) -> Result<Option<RequestFacts>, Defer> {
                 facts.messages = array_len(shape);
             } else if named(b"input") {
                 facts.input = array_len(shape);
-            } else if let Some(i) = [b"max_completion_tokens" as &[u8], b"max_output_tokens", b"max_tokens"]
-                .iter()
-                .position(|f| named(f))
-            {
+            } else if let Some(i) = OUTPUT_FIELDS.iter().position(|f| named(f.as_bytes())) {
                 facts.bounds[i] = bound(shape);
+            } else if let Some(i) = CHOICES.iter().position(|f| named(f.as_bytes())) {
+                facts.choices[i] = bound(shape);
+            } else if let Some(c) = CONTAINERS.iter().position(|(c, _)| named(c.as_bytes())) {
+                // Its bounds as a dict keeps them: this occurrence's, read again.
+                let name = CONTAINERS[c].0;
+                for (j, (outer, _)) in OUTPUT_BOUNDS.iter().enumerate() {
+                    if *outer == name {
+                        facts.bounds[j] = Bound::Unusable;
+                    }
+                }
+                if let Shape::Object = shape {
+                    let mut again = Scanner { b: s.b, pos: at };
+                    again.object(2, |s2, k2| {
+                        let v = s2.value(2)?;
+                        let f = OUTPUT_BOUNDS
+                            .iter()
+                            .position(|(o, n)| *o == name && k2.is(n.as_bytes()));
+                        if let Some(j) = f {
+                            facts.bounds[j] = bound(v);
+                        }
+                        Ok(())
+                    })?;
+                }
             }
             n = counter.member(0, &key, chars, n)?;
             Ok(())
@@ -293,6 +326,28 @@ mod tests {
         assert_eq!(est(r#"{"max_tokens":99999999999999999999}"#), Err(Defer));
         assert_eq!(est(r#"{"input":[1,2,3],"max_tokens":-0}"#), Ok(Some((12, 0))));
         assert_eq!(est(r#"{"messages":"x","input":[1,2]}"#), Ok(Some((1 + 8, 1024))));
+    }
+
+    #[test]
+    fn choices_and_nested_bounds() {
+        assert_eq!(est(r#"{"n":3,"max_tokens":10}"#), Ok(Some((4, 30))));
+        assert_eq!(est(r#"{"n":3,"best_of":5,"n":0}"#), Ok(Some((4, 5 * 1024))));
+        assert_eq!(est(r#"{"n":true,"best_of":-2,"max_tokens":10}"#), Ok(Some((4, 10))));
+        assert_eq!(est(r#"{"n":99999999999999999999,"max_tokens":1}"#), Err(Defer));
+        assert_eq!(est(r#"{"n":4294967296,"max_tokens":4294967296}"#), Err(Defer));
+        assert_eq!(est(r#"{"generationConfig":{"maxOutputTokens":77}}"#), Ok(Some((4, 77))));
+        assert_eq!(
+            est(r#"{"generation_config":{"maxOutputTokens":7,"maxOutputTokens":8}}"#),
+            Ok(Some((4, 8)))
+        );
+        assert_eq!(
+            est(r#"{"inferenceConfig":{"maxTokens":7},"inferenceConfig":null}"#),
+            Ok(Some((4, 1024)))
+        );
+        assert_eq!(
+            est(r#"{"max_tokens":5,"inferenceConfig":{"maxTokens":7}}"#),
+            Ok(Some((4, 5)))
+        );
     }
 
     #[test]
