@@ -97,6 +97,18 @@ def test_choices_share_the_cap(
 
 
 @both
+def test_null_choices_are_the_default_one(native: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # OpenAI: "n: integer or null, defaults to 1"; a client may send the null.
+    mod, sent, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
+    body = b'{"model":"m","n":null,"best_of":null,"max_tokens":5000}'
+    r = mod.Client(transport=t).post(CHAT, content=body)
+    out = json.loads(sent[-1].content)
+    assert out["max_tokens"] == 100 and out["n"] is None
+    rec = r.extensions["ratequeue"]
+    assert rec.capped.sent == 100 and rec.estimate.output_tokens == 100
+
+
+@both
 def test_choices_within_the_cap_are_left_alone(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -120,7 +132,6 @@ def test_choices_within_the_cap_are_left_alone(
         b'{"model":"m","n":2.0,"max_tokens":5}',
         b'{"model":"m","n":"4","max_tokens":5}',
         b'{"model":"m","n":true,"max_tokens":5}',
-        b'{"model":"m","n":null,"max_tokens":5}',
         b'{"model":"m","n":[4],"max_tokens":5}',
         b'{"model":"m","n":99999999999999999999999,"max_tokens":5}',
         b'{"model":"m","n":4,"n":"x","max_tokens":5}',

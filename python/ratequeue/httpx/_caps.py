@@ -177,6 +177,8 @@ def cap_fields(
     choices = 1
     for k in CHOICES:
         for v in values(k):
+            if v is None:  # the API's default: one choice
+                continue
             if type(v) is not int or v < 1:
                 raise CapNotApplied(CHOICES_REFUSED)
             choices = max(choices, v)

@@ -124,9 +124,12 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Capping, Defer>
             members += 1;
             let start = s.pos;
             if CHOICES.iter().any(|c| key.is(c.as_bytes())) {
-                match count_of(s.value(1)?)? {
-                    Some(v) if v >= 1 => choices = choices.max(v),
-                    _ => bad_choices = true,
+                match s.value(1)? {
+                    Shape::Null => {} // the API's default: one choice
+                    shape => match count_of(shape)? {
+                        Some(v) if v >= 1 => choices = choices.max(v),
+                        _ => bad_choices = true,
+                    },
                 }
             } else if let Some(which) = CONTAINERS.iter().position(|(c, _)| key.is(c.as_bytes())) {
                 if s.peek() != Some(b'{') {
