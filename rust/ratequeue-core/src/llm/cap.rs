@@ -321,6 +321,11 @@ mod tests {
             Ok(Some((r#"{"best_of":3,"max_tokens":33}"#.into(), 2, None)))
         );
         assert_eq!(cap(r#"{"n":4,"max_tokens":25}"#, 100, 0), Ok(None));
+        // null is the API's default: one choice
+        assert_eq!(
+            cap(r#"{"n":null,"max_tokens":500}"#, 100, 0),
+            Ok(Some((r#"{"n":null,"max_tokens":100}"#.into(), 2, Some(500))))
+        );
         let refused = |b: &str| match cap_output(b.as_bytes(), 100, 0) {
             Ok(Capping::Refused(why)) => Some(why),
             _ => None,
@@ -331,7 +336,6 @@ mod tests {
             r#"{"n":-1}"#,
             r#"{"n":2.0}"#,
             r#"{"best_of":"2"}"#,
-            r#"{"n":null}"#,
             r#"{"n":true}"#,
         ] {
             assert_eq!(refused(b), Some(Refusal::Choices), "{b}");
