@@ -17,6 +17,7 @@ import ratequeue as rq
 from ledger_backends import T0, Factory, shared_redis, stop_shared_redis
 from ledger_blocking import sqlite_writer_blocked
 from ratequeue.__main__ import main
+from ratequeue.ledger._model import request_fingerprint
 from ratequeue.ledger import (
     Daily,
     Every,
@@ -136,6 +137,59 @@ def test_redis_plain_charges_decide_like_the_general_script(clock: rq.ManualCloc
     same(lambda led: [(c.request_id, c.tokens, c.period) for c in led.iter_usage("acme")])
     red.close()
     sql.close()
+
+
+def _half_done(flow: Any, steps: int, exec_: Any) -> tuple[Any, bool]:
+    """Runs ``steps`` steps of a call's flow; (the next step, or the result, and whether
+    the flow ended)."""
+    step = next(flow)
+    for _ in range(steps):
+        try:
+            step = flow.send(exec_(step))
+        except StopIteration as stop:
+            return stop.value, True
+    return step, False
+
+
+def _finish(flow: Any, step: Any, exec_: Any) -> Any:
+    while True:
+        try:
+            step = flow.send(exec_(step))
+        except StopIteration as stop:
+            return stop.value
+
+
+@pytest.mark.parametrize("how", ["default plan", "set_plan"])
+def test_a_new_account_is_never_seen_half_made(clock: rq.ManualClock, how: str) -> None:
+    """Another process charging a new account while this one makes it (its first charge
+    storing the default plan, or ``set_plan``), stopped after any of its Redis commands:
+    the charge lands once, never 'the plan keeps changing' (it did: the plan was stored
+    before its version, three reads in the gap and the charge failed; a cancelled
+    asyncio charge finished on a worker thread was dropped so, under load)."""
+    name = f"mk-{how[0]}-{id(clock)}"
+    a = _redis(clock, name, default_plan=PRO)
+    b = _redis(clock, name, default_plan=PRO)
+    for k in range(1, 20):
+        acct = f"acct{k}"
+        if how == "set_plan":
+            flow: Any = a._store_plan_flow(acct, PRO, None, None)
+        else:
+            args = a._request_args("first", acct, 1)
+            flow = a._charge_call(*args, request_fingerprint("charge", *args[1:]))
+        step, ended = _half_done(flow, k, a._exec)
+        if ended:
+            break
+        assert b.charge("other", acct, input_tokens=2).tokens == 2  # made, or half made
+        _finish(flow, step, a._exec)
+        want = 2 if how == "set_plan" else 3
+        assert b.balance(acct).used["tokens"] == want, k
+        assert a.balance(acct).used["tokens"] == want, k
+        assert a.plan_of(acct) == PRO
+    else:
+        raise AssertionError("the flow never ended")
+    assert k > 2  # it was stopped in the middle at least once
+    a.close()
+    b.close()
 
 
 def test_redis_plain_charge_with_odd_ids_and_meta(clock: rq.ManualClock) -> None:
