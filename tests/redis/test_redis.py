@@ -248,7 +248,7 @@ def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
 
 
 def test_policy_all_or_nothing(r: redis.Redis) -> None:
-    p = policy(r)
+    p = policy(r, per=3600)  # hourly: no refill between the calls, however slow
     assert p.try_acquire(user="a", tenant="t", tokens=100)
     assert p.try_acquire(user="a", tenant="t", tokens=100)
     tokens_before = float(r.get(b"rq:{api}:cluster:1"))
@@ -267,12 +267,12 @@ def test_policy_all_or_nothing(r: redis.Redis) -> None:
 
 
 def test_policy_shadow_counts_but_never_refuses(r: redis.Redis) -> None:
-    p = policy(r, shadow=["user"])
+    p = policy(r, per=3600, shadow=["user"])  # hourly: no refill between the calls
     got = [p.try_acquire(user="a", tenant="t", tokens=1) is not None for _ in range(4)]
     assert got == [True, True, True, True]
     assert p.stats()["levels"]["user"]["shadow_refused"] == 2
     assert p.try_acquire(user="a", tenant="t", tokens=1) is not None
-    assert p.try_acquire(user="a", tenant="t", tokens=1) is None  # tenant (enforced): 5/s
+    assert p.try_acquire(user="a", tenant="t", tokens=1) is None  # tenant (enforced): 5/h
     assert p.stats()["levels"]["tenant"]["refused"] == 1
     with pytest.raises(ValueError, match="shadow"):
         policy(r, shadow=["nope"])
