@@ -26,6 +26,7 @@ from ratequeue.ledger import (
     Plan,
     SqliteLedger,
 )
+from ratequeue.ledger._model import request_fingerprint
 
 atexit.register(stop_shared_redis)
 
@@ -136,6 +137,73 @@ def test_redis_plain_charges_decide_like_the_general_script(clock: rq.ManualCloc
     same(lambda led: [(c.request_id, c.tokens, c.period) for c in led.iter_usage("acme")])
     red.close()
     sql.close()
+
+
+def _half_done(flow: Any, steps: int, exec_: Any) -> tuple[Any, bool]:
+    """Runs ``steps`` steps of a call's flow; (the next step, or the result, and whether
+    the flow ended)."""
+    step = next(flow)
+    for _ in range(steps):
+        try:
+            step = flow.send(exec_(step))
+        except StopIteration as stop:
+            return stop.value, True
+    return step, False
+
+
+def _finish(flow: Any, step: Any, exec_: Any) -> Any:
+    while True:
+        try:
+            step = flow.send(exec_(step))
+        except StopIteration as stop:
+            return stop.value
+
+
+@pytest.mark.parametrize("how", ["default plan", "set_plan"])
+def test_a_new_account_is_never_seen_half_made(clock: rq.ManualClock, how: str) -> None:
+    """Another process charging a new account while this one makes it (its first charge
+    storing the default plan, or ``set_plan``), stopped after any of its Redis commands:
+    the charge lands once, never 'the plan keeps changing' (it did: the plan was stored
+    before its version, three reads in the gap and the charge failed; a cancelled
+    asyncio charge finished on a worker thread was dropped so, under load)."""
+    name = f"mk-{how[0]}-{id(clock)}"
+    a = _redis(clock, name, default_plan=PRO)
+    b = _redis(clock, name, default_plan=PRO)
+    for k in range(1, 20):
+        acct = f"acct{k}"
+        if how == "set_plan":
+            flow: Any = a._store_plan_flow(acct, PRO, None, None)
+        else:
+            args = a._request_args("first", acct, 1)
+            flow = a._charge_call(*args, request_fingerprint("charge", *args[1:]))
+        step, ended = _half_done(flow, k, a._exec)
+        if ended:
+            break
+        assert b.charge("other", acct, input_tokens=2).tokens == 2  # made, or half made
+        _finish(flow, step, a._exec)
+        want = 2 if how == "set_plan" else 3
+        assert b.balance(acct).used["tokens"] == want, k
+        assert a.balance(acct).used["tokens"] == want, k
+        assert a.plan_of(acct) == PRO
+    else:
+        raise AssertionError("the flow never ended")
+    assert k >= 2  # it was stopped in the middle at least once
+    a.close()
+    b.close()
+
+
+def test_a_plan_left_without_its_version_is_given_one(clock: rq.ManualClock) -> None:
+    """An account whose plan an older client stored without its version (stopped between
+    its two commands): charged, it gets version 1 and the charge lands."""
+    for default in (PRO, None):
+        led = _redis(clock, f"nover-{default is None}-{id(clock)}", default_plan=default)
+        led.client.hset(led._pfx("acme") + "a", "plan", PRO.to_json())
+        assert led.charge("a", "acme", input_tokens=4).tokens == 4
+        assert led.charge("a", "acme", input_tokens=4).replay
+        assert led.client.hget(led._pfx("acme") + "a", "ver") == b"1"
+        assert list(led.accounts()) == ["acme"]
+        assert led.balance("acme").used["tokens"] == 4
+        led.close()
 
 
 def test_redis_plain_charge_with_odd_ids_and_meta(clock: rq.ManualClock) -> None:

@@ -309,8 +309,10 @@ def test_cancelled_calls_finishing_through_an_outage_hold_no_worker_between_trie
     assert _executor().submit(lambda: "free").result(timeout=10) == "free"
     server.start()  # empty (no persistence): the default plan makes the account again
     landed = eventually(lambda: led.balance("acme").used["tokens"] == 40 * 2, 60)
-    # (failed once in CI at load ~15 with other test processes starting redis-servers:
-    # the message and the captured ratequeue.ledger log say how many landed and why not)
+    # (failed under load, 37-39 of 40 landed: the 40 made the emptied account at once,
+    # and a plan stored before its version failed three reads, 'the plan keeps changing':
+    # see test_a_new_account_is_never_seen_half_made; the message and the captured
+    # ratequeue.ledger log say how many landed and why not)
     assert landed, f"{led.balance('acme').used['tokens'] // 2} of 40 charges landed"
     assert all(led.charge(f"x{i}", "acme", input_tokens=2).replay for i in range(40))
     led.close()

@@ -40,19 +40,23 @@ def test_burst_then_refused_with_retry_after(r: redis.Redis) -> None:
 
 
 def test_tat_is_server_microseconds_and_key_expires_when_full(r: redis.Redis) -> None:
-    lim = RedisLimiter(r, rq.Rate(100, per=1, burst=5), name="exp")
+    # one permit a minute: the key lives 3 minutes (at 100/s it lived 30 ms, and a loaded
+    # machine's delay before the next command let it expire)
+    lim = RedisLimiter(r, rq.Rate(1, per=60, burst=5), name="exp")
     before = server_us(r)
     assert lim.try_acquire(3)
     after = server_us(r)
     (key,) = lim.keys
     assert key == b"rq:{exp}:exp:0"
     tat = int(r.get(key))
-    # TAT = max(TAT, now) + 3 * 10 ms, in integer microseconds of the server's clock.
-    assert before + 30_000 <= tat <= after + 30_000
-    assert 0 < r.pttl(key) <= 30
+    # TAT = max(TAT, now) + 3 * 60 s, in integer microseconds of the server's clock.
+    assert before + 180_000_000 <= tat <= after + 180_000_000
+    assert 0 < r.pttl(key) <= 180_000  # expires when full again
+    fast = RedisLimiter(r, rq.Rate(100, per=1, burst=5), name="fast")
+    assert fast.try_acquire(3)  # full again 30 ms later (a later look changes nothing)
     time.sleep(0.06)
-    assert r.exists(key) == 0  # full again: no key, no memory
-    assert lim.available() == 5.0
+    assert r.exists(*fast.keys) == 0  # full again: no key, no memory
+    assert fast.available() == 5.0
 
 
 def test_several_units_all_or_nothing(r: redis.Redis) -> None:
@@ -209,13 +213,13 @@ def test_keyed_acquire_and_reserve(r: redis.Redis) -> None:
 # -- policies ----------------------------------------------------------------------------
 
 
-def policy(r: redis.Redis, **kw: object) -> RedisPolicy:
+def policy(r: redis.Redis, per: float = 1, **kw: object) -> RedisPolicy:
     return RedisPolicy(
         r,
         {
-            "user": rq.KeyedLimiter(rq.Rate(2, per=1)),
-            "tenant": rq.KeyedLimiter(rq.Rate(5, per=1)),
-            "cluster": rq.Limiter(rq.Rate(100, per=1), rq.Rate(1000, per=1, unit="tokens")),
+            "user": rq.KeyedLimiter(rq.Rate(2, per=per)),
+            "tenant": rq.KeyedLimiter(rq.Rate(5, per=per)),
+            "cluster": rq.Limiter(rq.Rate(100, per=per), rq.Rate(1000, per=per, unit="tokens")),
         },
         name="api",
         **kw,  # type: ignore[arg-type]
@@ -223,7 +227,9 @@ def policy(r: redis.Redis, **kw: object) -> RedisPolicy:
 
 
 def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
-    p = policy(r)
+    # rates per hour: a key expires once its bucket is full again, which at 100/s was
+    # 10 ms after the acquire, before a loaded machine's next command listed the keys
+    p = policy(r, per=3600)
     assert p.try_acquire(user="alice", tenant="acme", tokens=10)
     keys = sorted(r.keys("*"))
     assert keys == [
@@ -234,16 +240,15 @@ def test_policy_keys_share_one_cluster_slot(r: redis.Redis) -> None:
     ]
     assert len({key_slot(k) for k in keys}) == 1
     # A standalone limiter with the policy's tag shares the policy's bucket.
-    cluster = RedisLimiter(
-        r, rq.Rate(100, per=1), rq.Rate(1000, per=1, unit="tokens"), name="cluster", tag="api"
-    )
+    hourly = rq.Rate(100, per=3600), rq.Rate(1000, per=3600, unit="tokens")
+    cluster = RedisLimiter(r, *hourly, name="cluster", tag="api")
     assert cluster.keys == keys[:2]
-    # 10 tokens taken, refilled at 1000/s since (a loaded machine may take a few ms).
-    assert 989 <= cluster.available("tokens") <= 1000
+    # 10 tokens taken, refilled at 1000/h since (under one token in the next 3.6 s).
+    assert 990 <= cluster.available("tokens") < 991
 
 
 def test_policy_all_or_nothing(r: redis.Redis) -> None:
-    p = policy(r)
+    p = policy(r, per=3600)  # hourly: no refill between the calls, however slow
     assert p.try_acquire(user="a", tenant="t", tokens=100)
     assert p.try_acquire(user="a", tenant="t", tokens=100)
     tokens_before = float(r.get(b"rq:{api}:cluster:1"))
@@ -262,12 +267,12 @@ def test_policy_all_or_nothing(r: redis.Redis) -> None:
 
 
 def test_policy_shadow_counts_but_never_refuses(r: redis.Redis) -> None:
-    p = policy(r, shadow=["user"])
+    p = policy(r, per=3600, shadow=["user"])  # hourly: no refill between the calls
     got = [p.try_acquire(user="a", tenant="t", tokens=1) is not None for _ in range(4)]
     assert got == [True, True, True, True]
     assert p.stats()["levels"]["user"]["shadow_refused"] == 2
     assert p.try_acquire(user="a", tenant="t", tokens=1) is not None
-    assert p.try_acquire(user="a", tenant="t", tokens=1) is None  # tenant (enforced): 5/s
+    assert p.try_acquire(user="a", tenant="t", tokens=1) is None  # tenant (enforced): 5/h
     assert p.stats()["levels"]["tenant"]["refused"] == 1
     with pytest.raises(ValueError, match="shadow"):
         policy(r, shadow=["nope"])

@@ -78,10 +78,14 @@ class RedisLedger(_RedisLedgerCore):
                     return info
         key = self._pfx(account) + "a"
         fields = yield ("cmd", "HMGET", key, *_INFO_FIELDS)
-        if fields[1] is None:
-            if self.default_plan is None:
+        if fields[1] is None or fields[0] is None:  # no plan, or one without its version
+            if fields[1] is not None:
+                plan = self._plan(_s(fields[1]))
+            elif self.default_plan is not None:
+                plan = self.default_plan
+            else:
                 raise self._unknown(account)
-            yield from self._store_plan_flow(account, self.default_plan, None, None, True)
+            yield from self._store_plan_flow(account, plan, None, None, True)
             fields = yield ("cmd", "HMGET", key, *_INFO_FIELDS)
         return self._info_from(account, fields)
 
@@ -110,18 +114,18 @@ class RedisLedger(_RedisLedgerCore):
         only_new: bool = False,
     ) -> _Flow[None]:
         key = self._pfx(account) + "a"
-        pj = plan.to_json()
-        if only_new and not (yield ("cmd", "HSETNX", key, "plan", pj)):
-            return
         anc = "" if anchor is None else repr(anchor)
         tj = "" if thr is None else json.dumps(list(thr))
-        # the plan first, then its version: a reader of the new plan under the old
-        # version is told STALE by the script and reads again
-        yield ("cmd", "HSET", key, "plan", pj, "anchor", anc, "thr", tj)
-        yield ("cmd", "HINCRBY", key, "ver", 1)
+        # the plan with a new version in one script step (op 'p'): a reader sees the old
+        # plan and version or the new ones, never a plan without its version; a reader
+        # of the old version is told STALE by the script and reads again
+        new = "1" if only_new else ""
+        stored = yield ("eval", ["EVALSHA", LUA_SHA, 1, key, "p", new, plan.to_json(), anc, tj])
+        # (also when not stored: one who stored it may have stopped before this)
         yield ("cmd", "ZADD", self._prefix + "accounts", 0, account)
-        with self._lock:
-            self._info.pop(account, None)
+        if stored:
+            with self._lock:
+                self._info.pop(account, None)
 
     def _set_plan(
         self, account: str, plan: Plan, anchor: float | None, thr: tuple[int, ...] | None

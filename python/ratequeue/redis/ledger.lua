@@ -79,6 +79,21 @@ if ARGV[1] == 'c' then
   return fired
 end
 
+-- Op 'p' stores an account's plan, anchor, thresholds and a new version in one step, so
+-- no reader sees a plan without its version: KEYS 1 account hash; ARGV 1 'p', 2 '1' to
+-- store only when the account has no plan, 3 plan JSON, 4 anchor, 5 thresholds JSON.
+-- Replies 1 once stored, 0 when it had a plan (a plan an older client left without its
+-- version, stopped between two commands, gets version 1).
+if ARGV[1] == 'p' then
+  if ARGV[2] == '1' and redis.call('HEXISTS', KEYS[1], 'plan') == 1 then
+    redis.call('HSETNX', KEYS[1], 'ver', '1')
+    return 0
+  end
+  redis.call('HSET', KEYS[1], 'plan', ARGV[3], 'anchor', ARGV[4], 'thr', ARGV[5])
+  redis.call('HINCRBY', KEYS[1], 'ver', 1)
+  return 1
+end
+
 local A, R, H, S, O, P = KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6]
 local op, now, ver, pfx = ARGV[1], tonumber(ARGV[2]), ARGV[14], ARGV[15]
 local retention, pkey, pend = tonumber(ARGV[16]), ARGV[17], ARGV[18]
