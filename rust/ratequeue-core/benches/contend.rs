@@ -76,7 +76,10 @@ fn main() {
             let b = together(threads, n, rq.clone());
             (together(threads, n, gov.clone()), b)
         };
-        println!("round {round}: governor {a:.2} ns, ratequeue {b:.2} ns, ratio {:.2}", a / b);
+        println!(
+            "round {round}: governor {a:.2} ns, ratequeue {b:.2} ns, ratio {:.2}",
+            a / b
+        );
         gs.push(a);
         rs.push(b);
         ratios.push(a / b);
