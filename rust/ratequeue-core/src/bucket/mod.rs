@@ -424,7 +424,7 @@ impl Bucket {
     /// The debit of the fast paths, on the word `w` read with its slot `s`: the word (or
     /// a later one of the same generation) moves to max(TAT, now) + cost·2^m if that is
     /// at most now + tau; `general` decides otherwise (a refusal, or a generation moved
-    /// under it). A lost CAS retries from the word it returned after a pause.
+    /// under it). A lost CAS retries out of line ([`Bucket::debit_retry`]).
     ///
     /// Requires `cost <= burst` and `now + tau <= TAT_MASK`. The arithmetic is on whole
     /// words, the generation on top: `now` and the limit carry the slot's generation
