@@ -97,6 +97,31 @@ fn bucket_try_take_under_a_rate_change_keeps_content() {
     });
 }
 
+/// Two fast takes, one of which may lose its CAS and retry (out of line, `debit_retry`),
+/// racing a rate change that moves the generation under the retry: every take is decided
+/// once, and the content used carries over (burst 1 → 2: the new burst less what was
+/// admitted is left, whatever the order).
+#[test]
+fn bucket_try_take_retries_across_a_rate_change_keep_content() {
+    model(|| {
+        let b = bucket(1);
+        let change = {
+            let b = b.clone();
+            thread::spawn(move || b.set_rate(0, Rate::new(1.0, 1e9, 2).unwrap()))
+        };
+        let ts: Vec<_> = (0..2)
+            .map(|_| {
+                let b = b.clone();
+                thread::spawn(move || b.try_take(0, 1).is_ok())
+            })
+            .collect();
+        change.join().unwrap();
+        let admitted = ts.into_iter().map(|t| t.join().unwrap()).filter(|ok| *ok).count();
+        assert!(admitted >= 1);
+        assert_eq!(b.available(0), 2.0 - admitted as f64);
+    });
+}
+
 #[test]
 fn bucket_concurrent_reservations_get_distinct_slots() {
     model(|| {

@@ -43,7 +43,10 @@ const GEN_SHIFT: u32 = 60;
 const TAT_MASK: u64 = (1 << GEN_SHIFT) - 1;
 /// The largest TAT a bucket can hold, in ticks.
 pub(crate) const TAT_LIMIT: u64 = TAT_MASK;
-const GENS: usize = 16;
+/// Parameter slots, one per generation. 15, not 16: the word's top generation value
+/// (15) is never used, so a word plus any debit of at most 2^60 ticks stays below 2^64
+/// and the fast paths compare and add whole words ([`Bucket::try_take_words_counter`]).
+const GENS: usize = 15;
 const Q_BITS: u32 = 52;
 const Q_ONE: f64 = (1u64 << Q_BITS) as f64;
 /// Epochs are multiples of 2^52 ns: moving one shifts ticks by exactly `q_ticks` per unit.
@@ -173,6 +176,10 @@ struct Slot {
     counter_zero: AtomicU64,
     counter_k: AtomicU64,
     counter_span: AtomicU64,
+    /// 2^m (the ticks of one unit), so that a cost (at most the burst) is one multiply.
+    unit: AtomicU64,
+    /// This slot's generation in the word's place (`gen << GEN_SHIFT`).
+    gen_bits: AtomicU64,
     amount: AtomicU64,
     period: AtomicU64,
     /// When this generation became current (ns).
@@ -186,7 +193,9 @@ pub struct Bucket {
     word: AtomicU64,
     /// Ticks given back by refunds so far (monotonic; written under `change`).
     refunded: AtomicU64,
-    slots: [Slot; GENS],
+    /// One more slot than [`GENS`]: indexed by the word's top 4 bits with no bounds
+    /// check; the last is never written or current.
+    slots: [Slot; GENS + 1],
     change: Mutex<()>,
     /// The latest clock time of a debit scheduled after the call that made it by
     /// something other than this bucket's own schedule (see [`Bucket::note_ahead`]).
@@ -239,6 +248,8 @@ impl Bucket {
         s.counter_zero.store(c.zero, Ordering::Relaxed);
         s.counter_k.store(c.k, Ordering::Relaxed);
         s.counter_span.store(c.span, Ordering::Relaxed);
+        s.unit.store(1 << p.m, Ordering::Relaxed);
+        s.gen_bits.store((gen as u64) << GEN_SHIFT, Ordering::Relaxed);
         s.since.store(since_ns, Ordering::Relaxed);
         s.m.store(p.m, Ordering::Relaxed);
         s.tau.store(p.tau, Ordering::Relaxed);
@@ -371,17 +382,16 @@ impl Bucket {
         if rel >= REBASE_NS {
             return self.try_take_words_rebased(at_ns, cost);
         }
-        let burst = s.burst.load(Ordering::Relaxed);
-        if cost > burst {
-            return Err(Deny::TooLarge { cost, burst, unit: 0 });
+        // A cost above the burst: the general path says so (`Deny::TooLarge`).
+        if cost > s.burst.load(Ordering::Relaxed) {
+            return self.take_words(at_ns, cost);
         }
         // `Params::ticks` for rel < 2^57 (its clamp at 2^62 cannot bite): below 2^59, and
         // `now + tau` below 2^60 - 1 (tau = burst << m < 2^57), so no clamp at TAT_MASK.
         let now = ((rel as u128 * s.q_ticks.load(Ordering::Relaxed) as u128) >> Q_BITS) as u64;
-        let (add, limit) = (cost << s.m.load(Ordering::Relaxed), now + s.tau.load(Ordering::Relaxed));
         // Refused, or a generation moved under it: the general path (which says how long
         // until it conforms).
-        self.debit(w, now, add, limit, || self.take_words(at_ns, cost))
+        self.debit(w, s, now, cost, || self.take_words(at_ns, cost))
     }
 
     /// [`Bucket::try_take_words`] for the monotonic clock's counter reading `raw` (see
@@ -402,52 +412,97 @@ impl Bucket {
         let Some(now) = c.ticks(raw) else {
             return self.take_words_counter_far(raw, cost);
         };
-        let burst = s.burst.load(Ordering::Relaxed);
-        if cost > burst {
-            return Err(Deny::TooLarge { cost, burst, unit: 0 });
+        // A cost above the burst: the general path says so (`Deny::TooLarge`).
+        if cost > s.burst.load(Ordering::Relaxed) {
+            return self.take_words_counter(raw, cost);
         }
         // As in `try_take_words`: within the span the clock shows under 2^57 ns past the
         // epoch, so `now` is below 2^59 and `now + tau` below 2^60 - 1.
-        let (add, limit) = (cost << s.m.load(Ordering::Relaxed), now + s.tau.load(Ordering::Relaxed));
-        self.debit(w, now, add, limit, || self.take_words_counter(raw, cost))
+        self.debit(w, s, now, cost, || self.take_words_counter(raw, cost))
     }
 
-    /// The debit of the fast paths: the word `w` (or a later one of the same generation)
-    /// moves to max(TAT, now) + add if that is at most `limit`; `general` decides
-    /// otherwise (a refusal, or a generation moved under it). A lost CAS retries from the
-    /// word it returned after a pause.
+    /// The debit of the fast paths, on the word `w` read with its slot `s`: the word (or
+    /// a later one of the same generation) moves to max(TAT, now) + cost·2^m if that is
+    /// at most now + tau; `general` decides otherwise (a refusal, or a generation moved
+    /// under it). A lost CAS retries out of line ([`Bucket::debit_retry`]).
+    ///
+    /// Requires `cost <= burst` and `now + tau <= TAT_MASK`. The arithmetic is on whole
+    /// words, the generation on top: `now` and the limit carry the slot's generation
+    /// bits, so max(word, now) is max(TAT, now) under the same generation; an admitted
+    /// word is at most that generation's bits + TAT_MASK, and no sum wraps: a word is
+    /// below 15·2^60 (the top generation value is never used, see [`GENS`]) and the
+    /// debit cost·2^m ≤ tau below 2^57.
     #[inline(always)]
     fn debit(
         &self,
-        mut w: u64,
+        w: u64,
+        s: &Slot,
         now: u64,
-        add: u64,
-        limit: u64,
+        cost: u64,
         general: impl Fn() -> Result<(u64, u64), Deny>,
     ) -> Result<(u64, u64), Deny> {
-        debug_assert!(limit <= TAT_MASK);
-        let gen = w & !TAT_MASK;
+        debug_assert!(now + s.tau.load(Ordering::Relaxed) <= TAT_MASK);
+        debug_assert!(cost <= s.burst.load(Ordering::Relaxed));
+        debug_assert_eq!(w & !TAT_MASK, s.gen_bits.load(Ordering::Relaxed));
+        debug_assert!(w >> GEN_SHIFT < GENS as u64);
+        let add = cost * s.unit.load(Ordering::Relaxed);
+        let now = now | s.gen_bits.load(Ordering::Relaxed);
+        let limit = now + s.tau.load(Ordering::Relaxed);
+        let next = w.max(now) + add;
+        if next > limit {
+            return general();
+        }
+        // A take that changes nothing (cost 0, the TAT ahead of now) writes the same
+        // word: no test for it on the path of every other take.
+        // SeqCst: a fast path reads the queue's waiting count after its take (see
+        // `WaitQueue::try_now_token`); with the joiner's fence, one sees the other.
+        match self
+            .word
+            .compare_exchange_weak(w, next, Ordering::SeqCst, Ordering::Acquire)
+        {
+            Ok(_) => Ok((w, next)),
+            Err(seen) => match self.debit_retry(seen, now, add, limit) {
+                Some(words) => Ok(words),
+                None => general(),
+            },
+        }
+    }
+
+    /// [`Bucket::debit`] after a lost CAS (out of line: the first attempt's path stays
+    /// straight), `seen` the word that CAS returned: after a pause, retries from the
+    /// word read afresh, while the generation is unchanged. Some(the words before and
+    /// after) when it debited; None when the general path must decide (a refusal, or
+    /// another generation).
+    ///
+    /// The word is read again after the pause rather than retried from `seen`: the
+    /// winner of the lost CAS goes on deciding meanwhile, so `seen` is stale by then and
+    /// a CAS from it would fail, taking the cache line from the winner for nothing. A
+    /// `now` read before the pause is earlier than the true time: it can only refuse
+    /// more, never admit more.
+    #[cold]
+    #[inline(never)]
+    fn debit_retry(&self, seen: u64, now: u64, add: u64, limit: u64) -> Option<(u64, u64)> {
+        let mut w = seen;
         let mut spins = 0u32;
         loop {
-            let new = (w & TAT_MASK).max(now) + add;
-            if new > limit {
-                return general();
+            if (w ^ now) >> GEN_SHIFT != 0 {
+                return None;
             }
-            // A take that changes nothing (cost 0, the TAT ahead of now) writes the same
-            // word: no test for it on the path of every other take.
-            let next = gen | new;
-            // SeqCst: a fast path reads the queue's waiting count after its take (see
-            // `WaitQueue::try_now_token`); with the joiner's fence, one sees the other.
+            backoff(&mut spins);
+            w = self.word.load(Ordering::Acquire);
+            if (w ^ now) >> GEN_SHIFT != 0 {
+                return None;
+            }
+            let next = w.max(now) + add;
+            if next > limit {
+                return None;
+            }
             match self
                 .word
                 .compare_exchange_weak(w, next, Ordering::SeqCst, Ordering::Acquire)
             {
-                Ok(_) => return Ok((w, next)),
-                Err(seen) if seen & !TAT_MASK == gen => {
-                    w = seen;
-                    backoff(&mut spins);
-                }
-                Err(_) => return general(),
+                Ok(_) => return Some((w, next)),
+                Err(seen) => w = seen,
             }
         }
     }

@@ -363,4 +363,41 @@ mod epochs {
             "{err:?}"
         );
     }
+
+    /// The fast paths add whole words (the generation on top, see `Bucket::debit`): a
+    /// word of the last generation with its TAT filled to the top, plus a debit as large
+    /// as the burst allows, must not wrap past 2^64 into a small word that passes the
+    /// limit. The generation value 15 is never used (GENS = 15), so the sum stays below
+    /// 2^64 and the take is refused with the bucket unchanged.
+    #[test]
+    fn a_fast_take_on_the_last_generation_with_a_full_word_never_wraps() {
+        // One unit per 2^55 ns (about 1.1 years), burst 1: a debit is 2^56 ticks.
+        let r = Rate::new(1.0, (1u64 << 55) as f64, 1).unwrap();
+        let b = Bucket::new(r);
+        for _ in 0..200 {
+            let w = b.word();
+            assert!(w >> GEN_SHIFT < GENS as u64, "{w:#x}");
+            for (g, s) in b.slots.iter().enumerate().take(GENS) {
+                let bits = s.gen_bits.load(Ordering::Relaxed);
+                assert!(bits == (g as u64) << GEN_SHIFT || (bits == 0 && s.unit.load(Ordering::Relaxed) == 0));
+            }
+            if w >> GEN_SHIFT == GENS as u64 - 1 {
+                break;
+            }
+            b.set_rate(0, r);
+        }
+        assert_eq!(b.word() >> GEN_SHIFT, GENS as u64 - 1);
+        // Reservations ahead until the word is full (the last one beyond it is refused).
+        while b.take(0, 1, u64::MAX).is_ok() {}
+        let w = b.word();
+        assert!(w & TAT_MASK > TAT_MASK - (1 << 57), "{w:#x}");
+        assert!(matches!(b.try_take(0, 1), Err(Deny::Wait(_))));
+        assert!(matches!(b.try_take(1 << 50, 1), Err(Deny::Wait(_))));
+        assert_eq!(b.word(), w);
+        // Round the generations once more: the top value is never reached.
+        for _ in 0..2 * GENS {
+            b.set_rate(0, r);
+            assert!(b.word() >> GEN_SHIFT < GENS as u64);
+        }
+    }
 }
