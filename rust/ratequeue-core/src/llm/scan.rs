@@ -274,55 +274,59 @@ impl<'a> Scanner<'a> {
         let mut i = start;
         let mut chars = 0usize;
         let mut escaped = false;
-        'string: loop {
-            // Eight plain bytes at a time: no quote, backslash nor control byte among
-            // them; each counts unless it continues a UTF-8 sequence.
-            while let Some(chunk) = b.get(i..i + 8) {
-                let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
-                if has_zero(w ^ (ONES * u64::from(b'"'))) | has_zero(w ^ (ONES * u64::from(b'\\'))) | below_space(w)
-                    != 0
-                {
-                    break;
+        loop {
+            // Eight bytes at a time up to the first quote, backslash or control byte (the
+            // lowest flagged byte of each test is exact); each byte before it counts
+            // unless it continues a UTF-8 sequence. The last few bytes one by one.
+            let c = loop {
+                if let Some(chunk) = b.get(i..i + 8) {
+                    let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
+                    let m = has_zero(w ^ (ONES * u64::from(b'"')))
+                        | has_zero(w ^ (ONES * u64::from(b'\\')))
+                        | below_space(w);
+                    if m == 0 {
+                        chars += 8 - continuations(w);
+                        i += 8;
+                        continue;
+                    }
+                    let k = (m.trailing_zeros() / 8) as usize;
+                    let before = if k == 0 { 0 } else { w & (u64::MAX >> (64 - 8 * k)) };
+                    chars += k - continuations(before);
+                    i += k;
+                    break chunk[k];
                 }
-                chars += 8 - continuations(w);
-                i += 8;
-            }
-            // Then byte by byte through the next eight (or to the end of the string).
-            let until = i + 8;
-            while i < until {
                 let c = *b.get(i).ok_or(Stop::Invalid)?;
-                match c {
-                    b'"' => break 'string,
-                    b'\\' => {
-                        escaped = true;
-                        let e = *b.get(i + 1).ok_or(Stop::Invalid)?;
-                        match e {
-                            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
-                            b'u' => {
-                                let hi = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
-                                i += 6;
-                                if (0xD800..0xDC00).contains(&hi)
-                                    && b.get(i) == Some(&b'\\')
-                                    && b.get(i + 1) == Some(&b'u')
-                                {
-                                    // CPython joins an escaped low surrogate that follows (and
-                                    // rejects bad hex there either way).
-                                    let lo = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
-                                    if (0xDC00..0xE000).contains(&lo) {
-                                        i += 6;
-                                    }
+                if c == b'"' || c == b'\\' || c < 0x20 {
+                    break c;
+                }
+                chars += usize::from(c & 0xC0 != 0x80);
+                i += 1;
+            };
+            match c {
+                b'"' => break,
+                b'\\' => {
+                    escaped = true;
+                    let e = *b.get(i + 1).ok_or(Stop::Invalid)?;
+                    match e {
+                        b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => i += 2,
+                        b'u' => {
+                            let hi = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
+                            i += 6;
+                            if (0xD800..0xDC00).contains(&hi) && b.get(i) == Some(&b'\\') && b.get(i + 1) == Some(&b'u')
+                            {
+                                // CPython joins an escaped low surrogate that follows (and
+                                // rejects bad hex there either way).
+                                let lo = hex4(b.get(i + 2..i + 6).ok_or(Stop::Invalid)?).ok_or(Stop::Invalid)?;
+                                if (0xDC00..0xE000).contains(&lo) {
+                                    i += 6;
                                 }
                             }
-                            _ => return Err(Stop::Invalid),
                         }
-                        chars += 1;
+                        _ => return Err(Stop::Invalid),
                     }
-                    0..=0x1F => return Err(Stop::Invalid),
-                    _ => {
-                        chars += usize::from(c & 0xC0 != 0x80);
-                        i += 1;
-                    }
+                    chars += 1;
                 }
+                _ => return Err(Stop::Invalid), // a control byte
             }
         }
         self.pos = i + 1;
@@ -626,6 +630,46 @@ mod tests {
             assert_eq!(found != 0, special, "{w8:?}");
             let conts = w8.iter().filter(|&&c| c & 0xC0 == 0x80).count();
             assert_eq!(continuations(w), conts, "{w8:?}");
+        }
+    }
+
+    #[test]
+    fn special_bytes_at_every_offset_of_a_word() {
+        // The word-at-a-time search: a quote, an escape or a control byte at each offset
+        // of the first two words, after ASCII and multi-byte characters.
+        for prefix in ["", "é", "😀", "ab€"] {
+            for n in 0..17 {
+                let head = format!("{prefix}{}", "x".repeat(n));
+                let want = head.chars().count();
+                let quoted = format!("\"{head}\"tail");
+                let mut s = Scanner {
+                    b: quoted.as_bytes(),
+                    pos: 0,
+                };
+                let st = s.string().unwrap();
+                assert_eq!((st.chars, st.escaped), (want, false), "{quoted}");
+                assert_eq!(s.pos, quoted.len() - 4);
+                let esc = format!("\"{head}\\u00e9\\\"é\"");
+                let mut s = Scanner {
+                    b: esc.as_bytes(),
+                    pos: 0,
+                };
+                let st = s.string().unwrap();
+                assert_eq!((st.chars, st.escaped), (want + 3, true), "{esc}");
+                assert_eq!(s.pos, esc.len());
+                let ctl = format!("\"{head}\u{1f}\"");
+                let mut s = Scanner {
+                    b: ctl.as_bytes(),
+                    pos: 0,
+                };
+                assert_eq!(s.string().map(|_| ()), Err(Stop::Invalid), "{ctl:?}");
+                let open = format!("\"{head}");
+                let mut s = Scanner {
+                    b: open.as_bytes(),
+                    pos: 0,
+                };
+                assert_eq!(s.string().map(|_| ()), Err(Stop::Invalid), "{open:?}");
+            }
         }
     }
 
