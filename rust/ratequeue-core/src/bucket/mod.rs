@@ -469,30 +469,18 @@ impl Bucket {
     }
 
     /// [`Bucket::debit`] after a lost CAS (out of line: the first attempt's path stays
-    /// straight), `seen` the word that CAS returned: after a pause, retries from the
-    /// word read afresh, while the generation is unchanged. Some(the words before and
-    /// after) when it debited; None when the general path must decide (a refusal, or
-    /// another generation).
-    ///
-    /// The word is read again after the pause rather than retried from `seen`: the
-    /// winner of the lost CAS goes on deciding meanwhile, so `seen` is stale by then and
-    /// a CAS from it would fail, taking the cache line from the winner for nothing. A
-    /// `now` read before the pause is earlier than the true time: it can only refuse
-    /// more, never admit more.
+    /// straight): retries from the word `w` the CAS returned, after a pause, while the
+    /// generation is unchanged. Some(the words before and after) when it debited; None
+    /// when the general path must decide (a refusal, or another generation).
     #[cold]
     #[inline(never)]
-    fn debit_retry(&self, seen: u64, now: u64, add: u64, limit: u64) -> Option<(u64, u64)> {
-        let mut w = seen;
+    fn debit_retry(&self, mut w: u64, now: u64, add: u64, limit: u64) -> Option<(u64, u64)> {
         let mut spins = 0u32;
         loop {
             if (w ^ now) >> GEN_SHIFT != 0 {
                 return None;
             }
             backoff(&mut spins);
-            w = self.word.load(Ordering::Acquire);
-            if (w ^ now) >> GEN_SHIFT != 0 {
-                return None;
-            }
             let next = w.max(now) + add;
             if next > limit {
                 return None;
