@@ -390,3 +390,22 @@ def test_a_compressed_response_settles_with_its_usage(ctype: str) -> None:
     ) as r:
         assert r.read() == raw
     assert r.extensions["ratequeue"].charged["tokens"] == 3080
+
+
+@pytest.mark.parametrize("ctype", ["Text/Event-Stream", "TEXT/EVENT-STREAM; charset=utf-8"])
+def test_an_event_stream_type_in_any_case_is_read_as_events(ctype: str) -> None:
+    # Media types are case-insensitive (RFC 9110 8.3.1): review21's finding 8 read this
+    # stream as one JSON body, found no usage and kept the estimate.
+    import httpx2
+
+    raw = b'data: {"choices":[],"usage":{"prompt_tokens":80,"completion_tokens":3000}}\n\n'
+
+    def answer(r: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers={"content-type": ctype}, content=iter([raw]))
+
+    lim = rq.Limiter(rq.Rate(10**6, per="minute"), rq.Rate(10**9, per="minute", unit="tokens"))
+    c = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), lim))
+    body = {"model": "m", "messages": [{"role": "u", "content": "hi"}], "max_tokens": 100}
+    with c.stream("POST", "http://p/v1/chat/completions", json=body) as r:
+        assert r.read() == raw
+    assert r.extensions["ratequeue"].charged["tokens"] == 3080
