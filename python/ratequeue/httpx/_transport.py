@@ -236,7 +236,7 @@ class RateLimitedTransport(_Requests):
             self._settle(call, None, status)
         response.extensions["ratequeue"] = call
         if not call._done:
-            sse = ctype.startswith(b"text/event-stream")
+            sse = ctype[:17].lower() == b"text/event-stream"  # any case (RFC 9110)
             if sse or not consumed:
                 wrap(response, call, self, is_async, sse)
             elif wanted:
