@@ -316,3 +316,28 @@ def test_cancelled_calls_finishing_through_an_outage_hold_no_worker_between_trie
     assert landed, f"{led.balance('acme').used['tokens'] // 2} of 40 charges landed"
     assert all(led.charge(f"x{i}", "acme", input_tokens=2).replay for i in range(40))
     led.close()
+
+
+def test_a_cancelled_call_whose_plan_keeps_changing_is_tried_again(server: RedisServer) -> None:
+    """'The plan keeps changing' (three plan changes during one call) is transient, as an
+    unreachable Redis is: the worker finishing a cancelled call tries it again instead
+    of dropping the charge (flaky22's residual risk)."""
+    from ratequeue.ledger._base import _executor
+    from ratequeue.ledger._model import request_fingerprint
+    from ratequeue.redis._ledger_core import PlanChanging
+
+    led = ledger(server)
+    led.charge("warm", "acme", input_tokens=1)
+    tries: list[int] = []
+
+    def again() -> Any:
+        tries.append(1)
+        if len(tries) < 3:
+            raise PlanChanging("the plan of account 'acme' keeps changing; try again")
+        a = led._request_args("y", "acme", 2, 0, 1, None, None, None)
+        return led._charge_call(*a, request_fingerprint("charge", *a[1:]))
+
+    _executor().submit(led._finish_cancelled, again, None)
+    assert eventually(lambda: led.balance("acme").used["tokens"] == 1 + 2, 30)
+    assert len(tries) == 3 and led.charge("y", "acme", input_tokens=2).replay
+    led.close()

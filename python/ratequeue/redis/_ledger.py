@@ -47,6 +47,7 @@ from ._ledger_core import (
     LUA_SHA,
     MAX_REDIS_AMOUNT,
     SWEEP_SECONDS,
+    PlanChanging,
     _Flow,
     _RedisLedgerCore,
     _Step,
@@ -260,7 +261,7 @@ class RedisLedger(_RedisLedgerCore):
             if tag == "QUOTA":
                 raise quota_exceeded(account, _s(r[1]), int(r[2]), int(r[3]), span, now)
             raise LedgerError(f"unexpected reply from the ledger script: {r!r}")
-        raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+        raise PlanChanging(f"the plan of account {account!r} keeps changing; try again")
 
     def _charge_step(
         self,
@@ -386,7 +387,7 @@ class RedisLedger(_RedisLedgerCore):
                 yield ("cmd", "SET", self._prefix + "hold:" + rid, account, "EX", ttl)
             self._remember_hold(rid, account, h.expires_at)
             return h
-        raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+        raise PlanChanging(f"the plan of account {account!r} keeps changing; try again")
 
     def _remember_hold(self, rid: str, account: str, exp: float) -> None:
         now = self._now()
@@ -419,7 +420,7 @@ class RedisLedger(_RedisLedgerCore):
             r = yield self._op(op, account, info, span, now, second, extra, units=units)
             if _s(r[0]) != "STALE":
                 return r, info, span
-        raise LedgerError(f"the plan of account {account!r} keeps changing; try again")
+        raise PlanChanging(f"the plan of account {account!r} keeps changing; try again")
 
     def _settle_call(
         self, rid: str, am: dict[str, int], model: str | None, account: str | None, sfp: str
@@ -687,7 +688,7 @@ class RedisLedger(_RedisLedgerCore):
                 span = info.plan.period.at(at, info.anchor)
                 r = self._exec(self._comp_step(campaign_id, acc, info, span, params))
                 if _s(r[0]) == "STALE":
-                    raise LedgerError(f"the plan of account {acc!r} keeps changing")
+                    raise PlanChanging(f"the plan of account {acc!r} keeps changing")
             rec = _ints(json.loads(r[1]))
             rec["status"] = "done" if _s(r[0]) == "DONE" else "changed"
             out[k] = rec

@@ -40,6 +40,7 @@ from .._cancel import cancel_requests, swallowed
 from ..ledger._base import LedgerBase, _executor
 from ..ledger._model import (
     ClockLike,
+    LedgerError,
     Plan,
     Span,
     check_id,
@@ -71,6 +72,13 @@ _INFO_FIELDS = ("ver", "plan", "anchor", "thr")
 #: pauses in all while Redis is unreachable).
 _FINISH_ATTEMPTS = 20
 _log = logging.getLogger("ratequeue.ledger")
+
+
+class PlanChanging(LedgerError):
+    """An account's plan changed under one call three times in a row: transient (the call
+    may be tried again), as an unreachable Redis is."""
+
+
 #: Seconds between scans for outboxes whose pending hint was lost (a crash).
 SWEEP_SECONDS = 60.0
 
@@ -359,12 +367,16 @@ class _RedisLedgerCore(LedgerBase):
     ) -> None:
         """A cancelled asyncio call's ending (on a worker thread): ``again()`` run until
         Redis answers (its own refusal counts as an answer), then ``undo``. While Redis is
-        unreachable each try is one call; the next is scheduled (``_LATER``), so no
-        worker thread sleeps between tries."""
+        unreachable (or the account's plan keeps changing) each try is one call; the next
+        is scheduled (``_LATER``), so no worker thread sleeps between tries."""
         if again is not None:
             try:
                 self._drive(again())
-            except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+            except (
+                redis.exceptions.ConnectionError,
+                redis.exceptions.TimeoutError,
+                PlanChanging,  # as transient as an outage: the call is idempotent
+            ) as e:
                 if attempt + 1 < _FINISH_ATTEMPTS:
                     _LATER.call(
                         min(2.0, 0.05 * 2**attempt),
@@ -372,7 +384,8 @@ class _RedisLedgerCore(LedgerBase):
                     )
                     return
                 _log.error(
-                    "a cancelled ledger call was not finished: Redis unreachable for %d tries (%s)",
+                    "a cancelled ledger call was not finished: Redis unreachable or the plan "
+                    "changing for %d tries (%s)",
                     _FINISH_ATTEMPTS,
                     e,
                 )
