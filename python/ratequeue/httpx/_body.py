@@ -60,6 +60,17 @@ def _members(s: str) -> tuple[dict[str, list[tuple[int, int]]], int] | None:
         return None
 
 
+def _object(data: bytes) -> tuple[str, tuple[dict[str, list[tuple[int, int]]], int]] | None:
+    """``data`` decoded, with its top-level members (``_members``); None when it is not
+    a UTF-8 JSON object."""
+    try:
+        s = data.decode()
+    except UnicodeDecodeError:
+        return None
+    found = _members(s)
+    return None if found is None else (s, found)
+
+
 def repeated(data: bytes, names: Sequence[str]) -> dict[str, list[Any]]:
     """Every value of each of ``names`` that occurs more than once at the top level of
     the UTF-8 JSON object ``data``, in order (empty when none does, or when ``data`` is
@@ -67,14 +78,10 @@ def repeated(data: bytes, names: Sequence[str]) -> dict[str, list[Any]]:
     # A key spelled with an escape other than \uXXXX is not one of these names.
     if b"\\u" not in data and all(data.count(b'"%s"' % n.encode()) < 2 for n in names):
         return {}  # no key written twice, nor escaped
-    try:
-        s = data.decode()
-    except UnicodeDecodeError:
+    got = _object(data)
+    if got is None:
         return {}
-    found = _members(s)
-    if found is None:
-        return {}
-    spans = found[0]
+    s, (spans, _) = got
     return {n: [SCAN(s, a)[0] for a, _ in spans[n]] for n in names if len(spans.get(n, ())) > 1}
 
 
@@ -84,13 +91,10 @@ def nested_values(
     """Every value of each ``(container, name)`` inside the top-level objects of the UTF-8
     JSON object ``data`` named ``container``, in order (every occurrence of either key);
     None when ``data`` is not such an object."""
-    try:
-        s = data.decode()
-    except UnicodeDecodeError:
+    got = _object(data)
+    if got is None:
         return None
-    found = _members(s)
-    if found is None:
-        return None
+    s, found = got
     out: dict[tuple[str, str], list[Any]] = {}
     for c in {c for c, _ in names}:
         for a, b in found[0].get(c, ()):
@@ -111,14 +115,10 @@ def spliced(data: bytes, fields: Mapping[str | tuple[str, str], Any]) -> bytes |
     names, else added at the end of each, a container that is no object replaced by
     ``{name: value}``, a missing one added at the end. Every other byte kept. None when
     ``data`` is not such an object."""
-    try:
-        s = data.decode()
-    except UnicodeDecodeError:
+    got = _object(data)
+    if got is None:
         return None
-    found = _members(s)
-    if found is None:
-        return None
-    spans, close = found
+    s, (spans, close) = got
     edits: list[tuple[int, int, str]] = []
     added: list[str] = []
     for key, value in fields.items():
