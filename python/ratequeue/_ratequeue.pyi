@@ -51,6 +51,7 @@ class _SSEFrames:
     @property
     def buffered(self) -> int: ...
 
+def _next_id(prefix: str) -> str: ...
 @final
 class _RequestReader:
     """The transport's request read in one call (ratequeue.httpx only)."""
@@ -70,6 +71,7 @@ class _RequestReader:
         caps: bool,
         max_body: int,
         replace_body: Any = None,
+        call: tuple[Any, Any, Any, Any, Any, tuple[str, str, str]] | None = None,
     ) -> _RequestReader: ...
     def read(
         self, request: Any, path: str, want_estimate: bool, estimator: object
@@ -88,6 +90,15 @@ class _RequestReader:
         ]
         | None
     ): ...
+    def prepare(
+        self,
+        request: Any,
+        estimator: object,
+        is_async: bool,
+        priority: str | None,
+        timeout: float | None,
+        account: object,
+    ) -> Any | None: ...
 
 # The asyncio bridge's calls for a policy's queued wait (ratequeue.aio only).
 def _wait_policy(acq: PolicyAcquiring) -> Awaitable[PolicyPermit]: ...

@@ -5,6 +5,7 @@ reference prepares the call, and nothing was changed by the reader."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import json
 from typing import Any
@@ -15,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ratequeue._ratequeue import _cap_output
 from ratequeue.httpx import (
+    CallBudget,
     Cap,
     Capped,
     Estimate,
@@ -23,6 +25,7 @@ from ratequeue.httpx import (
     chars_estimate,
     using,
 )
+from ratequeue.httpx import _wire
 from ratequeue.httpx._body import nested_values, repeated, spliced
 from ratequeue.httpx._caps import BOUND_NAMES, CapNotApplied, cap_fields, output_field
 from ratequeue.httpx._estimate import OUTPUT_BOUNDS, OUTPUT_FIELDS
@@ -128,6 +131,135 @@ def test_reader_agrees_with_the_reference(
     assert type(got[5]) is type(want_read[5])
     assert data_got == data_ref
     assert got[9] is want_read[9] is None
+
+
+def record_fields(call: Any, t: Any) -> tuple[Any, ...]:
+    """What ``_prepare`` decides of a call, its generated request id by shape."""
+    rid = call.request_id
+    if rid.startswith(_wire._PREFIX) and rid[len(_wire._PREFIX) :].isdigit():
+        rid = "<generated>"
+    pending = call._pending
+    return (
+        rid,
+        call.path,
+        call._model,
+        call._estimate,
+        type(call._estimate),
+        call.capped,
+        call.priority,
+        call.task,
+        None if pending is None else (pending[0], pending[1] is t.estimator),
+        call._charged,
+        call.clamped,
+        call._kw,
+        call._account,
+        call._async,
+        call._sub,
+        call._chain,
+    )
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.sampled_from(["httpx", "httpx2"]),
+    st.sampled_from(["POST", "GET"]),
+    st.sampled_from(["/v1/chat/completions", "/x", "/a%20b/x", "/a%2Fb", ""]),
+    st.lists(st.tuples(OWN, VALUES), max_size=4),
+    st.one_of(st.none(), st.just("stream"), request_bodies(), mutated(request_bodies())),
+    st.sampled_from(["requests", "requests+tokens", "input_tokens+output_tokens+images"]),
+    st.sampled_from(["chars", "custom"]),
+    st.sampled_from([None, "p", ""]),
+    st.sampled_from([None, 0.0, 2.5]),
+    st.sampled_from(["default", "", "callable"]),
+    st.sampled_from([None, "budget", "options"]),
+    st.booleans(),
+)
+def test_prepare_agrees_with_the_reference(
+    modname: str,
+    method: str,
+    path: str,
+    headers: list[tuple[str, bytes]],
+    body: Any,
+    units: str,
+    est_name: str,
+    priority: str | None,
+    timeout: float | None,
+    account: str,
+    context: str | None,
+    is_async: bool,
+) -> None:
+    """The record ``_RequestReader.prepare`` makes is the one the Python ``_prepare``
+    makes (with no native reader at all); where it defers, nothing was changed."""
+    mod = importlib.import_module(modname)
+
+    def make() -> Any:
+        est = TokenEstimator(None) if est_name == "chars" else _custom
+        t = transport(mod, units, 10**6, True, est, False)
+        t.priority = priority
+        t.timeout = timeout
+        t.account = (lambda r: "acc") if account == "callable" else account
+        return t
+
+    t, ref_t = make(), make()
+    ref_t._reader = None
+    req = request(mod, method, path, headers, body)
+    ref = request(mod, method, path, headers, body)
+    header_list(req.headers)
+    before = sent(req)
+    with contextlib.ExitStack() as stack:
+        if context == "budget":
+            stack.enter_context(CallBudget(calls=10))
+        elif context == "options":
+            stack.enter_context(using(task="t"))
+        assert t._reader is not None
+        call = t._reader.prepare(req, t.estimator, is_async, t.priority, t.timeout, t.account)
+        if call is None:
+            assert sent(req) == before  # nothing changed
+            return
+        assert context is None and account != "callable"
+        want = ref_t._prepare(ref, is_async)
+    assert sent(req) == sent(ref)
+    assert record_fields(call, t) == record_fields(want, ref_t)
+    assert type(call) is type(want)
+    assert call._request is req
+
+
+@pytest.mark.parametrize("modname", ["httpx", "httpx2"])
+def test_the_common_call_is_prepared_natively(modname: str) -> None:
+    """Outside budgets and call options, with a str account: one native crossing makes
+    the record (own headers removed, an id generated or the SDK's key kept); inside
+    either, or with an account callable, ``prepare`` defers to the Python ``_prepare``."""
+    mod = importlib.import_module(modname)
+    t = transport(mod, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    t.timeout = 1.5
+    body = b'{"model":"m","messages":[{"role":"user","content":"' + b"x" * 40 + b'"}]}'
+    hs = [("X-RateQueue-Priority", b"hi"), ("x-ratequeue-task", b"t"), ("x-other", b"1")]
+    req = request(mod, "POST", "/v1/chat/completions", hs, body)
+    header_list(req.headers)
+    call = t._reader.prepare(req, t.estimator, True, t.priority, t.timeout, t.account)
+    assert call is not None
+    assert (call.path, call.model, call.priority, call.task, call._account) == (
+        "/v1/chat/completions",
+        "m",
+        "hi",
+        "t",
+        "default",
+    )
+    assert call._kw == {**call._charged, "timeout": 1.5, "priority": "hi"}
+    assert call.request_id.startswith(_wire._PREFIX) and call._async is True
+    assert not any(k.lower().startswith(b"x-ratequeue") for k, _ in req.headers.raw)
+    assert req.headers["x-other"] == "1"
+    ids = {t._prepare(request(mod, "POST", "/x", [], body), False).request_id for _ in range(3)}
+    assert len(ids) == 3
+    keyed = request(mod, "POST", "/x", [("Idempotency-Key", b"k1")], body)
+    assert t._prepare(keyed, False).request_id == "k1"
+    for ctx in (CallBudget(calls=5), using(task="u")):
+        with ctx:
+            req = request(mod, "POST", "/x", [], body)
+            assert t._reader.prepare(req, t.estimator, False, None, None, "a") is None
+            assert t._prepare(req, False).task == ("u" if not isinstance(ctx, CallBudget) else None)
+    req = request(mod, "POST", "/x", [], body)
+    assert t._reader.prepare(req, t.estimator, False, None, None, lambda r: "a") is None
 
 
 def test_the_common_call_is_read_natively() -> None:

@@ -19,7 +19,7 @@ from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
-from . import _budget
+from . import _budget, _wire
 from ._body import nested_values, repeated, replace_body, set_body
 from ._budget import _CURRENT as _CURRENT_BUDGET
 from ._caps import BOUND_NAMES, Cap, CapNotApplied, Capped, CapTable, output_field
@@ -257,6 +257,11 @@ class _Requests:
                 caps=bool(self.caps),
                 max_body=self.max_body,
                 replace_body=replace_body,
+                # Calls outside budgets and call options, on a Limiter or Pool, without
+                # caps: the whole record made natively (``prepare``).
+                call=None
+                if self.caps or isinstance(self.limit, Policy)
+                else (_Call, _CURRENT_BUDGET, _OPTIONS, _EMPTY, _wire, _OWN_HEADERS),
             )
         except OverflowError:  # a burst past 64 bits
             return None
@@ -264,9 +269,15 @@ class _Requests:
     def _prepare(self, request: Any, is_async: bool) -> _Call:
         """The call's record: its own headers read (and removed), the body capped and
         estimated when anything needs it, its costs planned, the budget charged."""
+        r = self._reader
+        if r is not None:
+            call = r.prepare(
+                request, self.estimator, is_async, self.priority, self.timeout, self.account
+            )
+            if call is not None:
+                return call  # type: ignore[no-any-return]
         path = request.url.path
         budget = _CURRENT_BUDGET.get()
-        r = self._reader
         got: _Read | None = None
         if r is not None:
             got = r.read(request, path, budget is not None, self.estimator)

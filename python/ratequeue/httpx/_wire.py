@@ -4,14 +4,13 @@ hints, URLs of a Pool's providers, and errors made to pass through the anthropic
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import sys
 import uuid
 from typing import Any
 
 from .._errors import RateQueueError
-from .._ratequeue import _scan_response
+from .._ratequeue import _next_id, _scan_response
 from ._headers import RateLimitHeaders
 
 _NO_LIMITS = RateLimitHeaders()
@@ -112,7 +111,6 @@ def scan_response(
 
 
 _ID_PREFIX = uuid.uuid4().hex[:12]
-_IDS = itertools.count(1)
 _PREFIX = f"rq-{_ID_PREFIX}-{os.getpid()}-"
 
 
@@ -127,7 +125,7 @@ os.register_at_fork(after_in_child=_forked)
 def new_id() -> str:
     """A request id unique across processes (a random prefix per start, the pid for
     forks, a counter)."""
-    return _PREFIX + str(next(_IDS))
+    return _next_id(_PREFIX)  # the counter is shared with the native prepare
 
 
 _SDK_ERRORS: dict[type, type] = {}

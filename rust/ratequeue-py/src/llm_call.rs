@@ -3,10 +3,12 @@
 //! means "prepare the call in Python" (nothing was changed: the reader has no side
 //! effects), wherever the native readers defer or a setting needs the reference.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+
 use pyo3::exceptions::{PyAttributeError, PyException};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
 use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
@@ -37,7 +39,86 @@ pub struct RequestReaderPy {
     stream_usage: bool,
     caps: bool,
     max_body: u64,
+    /// What `prepare` makes a call of (None: `prepare` always defers): the record type,
+    /// the budget and call-options context variables, the options' empty value, the
+    /// request-id module (`_PREFIX`) and the own headers' names.
+    call: Option<CallParts>,
 }
+
+/// What `prepare` needs besides the reader (see `RequestReaderPy::call`).
+struct CallParts {
+    record: Py<PyAny>,
+    budget: Py<PyAny>,
+    options: Py<PyAny>,
+    empty: Py<PyAny>,
+    ids_module: Py<PyAny>,
+    own: [Py<PyString>; 3],
+}
+
+/// A request as read natively: its own headers (priority, task, account, request id;
+/// latin-1 text or None), model, estimate, costs per unit, units clamped and the body.
+struct Read<'py> {
+    head: [Bound<'py, PyAny>; 4],
+    model: Bound<'py, PyAny>,
+    est: Bound<'py, PyAny>,
+    costs: Bound<'py, PyAny>,
+    clamped: Bound<'py, PyAny>,
+    data: Bound<'py, PyAny>,
+}
+
+/// `PyContextVar_Get` without a default: the variable's value in this context (its own
+/// default when unset).
+fn context_get<'py>(var: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyAny>> {
+    let py = var.py();
+    let mut out: *mut pyo3::ffi::PyObject = std::ptr::null_mut();
+    // SAFETY: `var` is a live object (the call checks it is a ContextVar and raises
+    // otherwise); `out` receives a new reference or stays null with an error set.
+    let rc = unsafe { pyo3::ffi::PyContextVar_Get(var.as_ptr(), std::ptr::null_mut(), &mut out) };
+    if rc < 0 {
+        return Err(PyErr::fetch(py));
+    }
+    if out.is_null() {
+        return Ok(py.None().into_bound(py));
+    }
+    // SAFETY: a new reference, owned from here.
+    Ok(unsafe { Bound::from_owned_ptr(py, out) })
+}
+
+/// httpx's `request.url.path` (the path, percent-decoded, "/" when empty) without the
+/// property's Python frames where no decoding is needed.
+fn url_path<'py>(request: &Bound<'py, PyAny>) -> PyResult<Bound<'py, PyString>> {
+    let py = request.py();
+    let url = request.getattr(intern!(py, "url"))?;
+    if let Ok(reference) = url.getattr(intern!(py, "_uri_reference")) {
+        if let Ok(p) = reference.getattr(intern!(py, "path")) {
+            if let Ok(p) = p.cast_into_exact::<PyString>() {
+                if p.to_str().is_ok_and(|s| !s.is_empty() && !s.contains('%')) {
+                    return Ok(p);
+                }
+            }
+        }
+    }
+    Ok(url.getattr(intern!(py, "path"))?.cast_into::<PyString>()?)
+}
+
+/// A header value the way `value or fallback` reads it (an empty string is absent).
+fn or_else<'py>(v: &Bound<'py, PyAny>, fallback: impl FnOnce() -> Bound<'py, PyAny>) -> Bound<'py, PyAny> {
+    match v.cast::<PyString>() {
+        Ok(s) if s.len().is_ok_and(|n| n > 0) => v.clone(),
+        _ => fallback(),
+    }
+}
+
+/// `call=` of the constructor: `(record type, budget variable, options variable, empty
+/// options, request-id module, own header names)`.
+type CallArgs<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    [Bound<'py, PyString>; 3],
+);
 
 /// The estimator's character-count settings when the native reader can stand in for it
 /// (a `TokenEstimator` counting characters, settled): `(chars_per_token, default)`.
@@ -81,7 +162,7 @@ fn length_within(v: &[u8], max: u64) -> bool {
 impl RequestReaderPy {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None))]
+    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None, call=None))]
     fn new(
         py: Python<'_>,
         plan: Vec<(Bound<'_, PyString>, i64, Option<u64>)>,
@@ -96,7 +177,19 @@ impl RequestReaderPy {
         caps: bool,
         max_body: u64,
         replace_body: Option<Bound<'_, PyAny>>,
+        call: Option<CallArgs<'_>>,
     ) -> PyResult<Self> {
+        let call = match call {
+            None => None,
+            Some((record, budget, options, empty, ids_module, own)) => Some(CallParts {
+                record: record.unbind(),
+                budget: budget.unbind(),
+                options: options.unbind(),
+                empty: empty.unbind(),
+                ids_module: ids_module.unbind(),
+                own: own.map(Bound::unbind),
+            }),
+        };
         Ok(RequestReaderPy {
             units: plan
                 .into_iter()
@@ -122,6 +215,7 @@ impl RequestReaderPy {
             stream_usage,
             caps,
             max_body,
+            call,
         })
     }
 
@@ -135,6 +229,143 @@ impl RequestReaderPy {
         want_estimate: bool,
         estimator: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyTuple>>> {
+        let py = request.py();
+        let Some(r) = self.read_request(request, path, want_estimate, estimator)? else {
+            return Ok(None);
+        };
+        let [p, t, a, id] = r.head;
+        let items = [p, t, a, id, r.model, r.est, r.costs, r.clamped, r.data, py.None().into_bound(py)];
+        Ok(Some(PyTuple::new(py, items)?))
+    }
+
+    /// The call's record (`_Call`) of a request outside budgets and call options, its own
+    /// headers removed: what `_prepare` makes, in one crossing (`priority`, `timeout`,
+    /// `account`: the transport's settings; a Policy's calls are prepared in Python). None
+    /// where the Python `_prepare` must make it; nothing has changed then.
+    #[allow(clippy::too_many_arguments)]
+    fn prepare<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        estimator: &Bound<'py, PyAny>,
+        is_async: bool,
+        priority: &Bound<'py, PyAny>,
+        timeout: &Bound<'py, PyAny>,
+        account: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Bound<'py, PyAny>>> {
+        let py = request.py();
+        let Some(parts) = &self.call else {
+            return Ok(None);
+        };
+        if !account.is_exact_instance_of::<PyString>()
+            || !context_get(parts.budget.bind(py))?.is_none()
+            || !context_get(parts.options.bind(py))?.is(parts.empty.bind(py))
+        {
+            return Ok(None);
+        }
+        let path = url_path(request)?;
+        let Some(r) = self.read_request(request, &path, false, estimator)? else {
+            return Ok(None);
+        };
+        let [p, t, a, id] = r.head;
+        if !(p.is_none() && t.is_none() && a.is_none()) {
+            let headers = request.getattr(intern!(py, "headers"))?;
+            for (value, name) in [&p, &t, &a].into_iter().zip(&parts.own) {
+                if !value.is_none() {
+                    headers.del_item(name.bind(py))?;
+                }
+            }
+        }
+        let none = || py.None().into_bound(py);
+        // As `_prepare` outside call options: an empty priority or account header is
+        // absent (the transport's own is used), a task header is kept as sent.
+        let priority = or_else(&p, || priority.clone());
+        let task = t;
+        let account = or_else(&a, || account.clone());
+        let id = match id.cast::<PyString>() {
+            Ok(s) if s.len()? > 0 => id,
+            _ => new_id(parts, py)?.into_any(),
+        };
+        let kw = if priority.is_none() && timeout.is_none() {
+            r.costs.clone()
+        } else {
+            let kw = r.costs.cast::<PyDict>()?.copy()?;
+            kw.set_item(intern!(py, "timeout"), timeout)?;
+            if !priority.is_none() {
+                kw.set_item(intern!(py, "priority"), &priority)?;
+            }
+            kw.into_any()
+        };
+        let pending = if r.est.is_none() {
+            PyTuple::new(py, [r.data, estimator.clone()])?.into_any()
+        } else {
+            none()
+        };
+        let args = [
+            request.clone(),
+            id,
+            path.into_any(),
+            r.model,
+            r.est,
+            none(),
+            priority,
+            task,
+            pending,
+            r.costs,
+            r.clamped,
+            kw,
+            account,
+            PyBool::new(py, is_async).to_owned().into_any(),
+        ];
+        Ok(Some(parts.record.bind(py).call1(PyTuple::new(py, args)?)?))
+    }
+}
+
+/// Request ids of this process: one counter for the native `prepare` and `_wire.new_id`
+/// (never repeated while the process lives; a fork's child has another prefix).
+static IDS: AtomicU64 = AtomicU64::new(1);
+
+/// `prefix` followed by the next count in decimal.
+fn next_id<'py>(py: Python<'py>, prefix: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyString>> {
+    let n = IDS.fetch_add(1, Ordering::Relaxed);
+    let p = prefix.to_str()?;
+    let mut digits = [0u8; 20];
+    let mut at = digits.len();
+    let mut k = n;
+    loop {
+        at -= 1;
+        digits[at] = b'0' + (k % 10) as u8;
+        k /= 10;
+        if k == 0 {
+            break;
+        }
+    }
+    let mut s = String::with_capacity(p.len() + digits.len() - at);
+    s.push_str(p);
+    s.extend(digits[at..].iter().map(|&d| char::from(d)));
+    Ok(PyString::new(py, &s))
+}
+
+/// A request id: `prefix` (the process's, `_wire._PREFIX`) and the next count.
+#[pyfunction]
+pub fn _next_id<'py>(py: Python<'py>, prefix: &Bound<'py, PyString>) -> PyResult<Bound<'py, PyString>> {
+    next_id(py, prefix)
+}
+
+/// `_wire.new_id()`: the module's prefix (set again after a fork) and the next count.
+fn new_id<'py>(parts: &CallParts, py: Python<'py>) -> PyResult<Bound<'py, PyString>> {
+    let prefix = parts.ids_module.bind(py).getattr(intern!(py, "_PREFIX"))?;
+    next_id(py, prefix.cast::<PyString>()?)
+}
+
+impl RequestReaderPy {
+    /// What `read` gives, as Rust values (None: the Python reference prepares the call).
+    fn read_request<'py>(
+        &self,
+        request: &Bound<'py, PyAny>,
+        path: &Bound<'py, PyString>,
+        want_estimate: bool,
+        estimator: &Bound<'py, PyAny>,
+    ) -> PyResult<Option<Read<'py>>> {
         let py = request.py();
         let headers = request.getattr(intern!(py, "headers"))?;
         if !self.triples.bind(py).contains(headers.get_type())? {
@@ -194,21 +425,14 @@ impl RequestReaderPy {
             text(RequestHeader::IdempotencyKey),
         ];
         if !needed {
-            let [p, t, a, r] = head;
-            let costs = self.unit_costs.bind(py).clone().into_any();
-            let items = [
-                p,
-                t,
-                a,
-                r,
-                none(),
-                none(),
-                costs,
-                PyTuple::empty(py).into_any(),
-                data_obj,
-                none(),
-            ];
-            return Ok(Some(PyTuple::new(py, items)?));
+            return Ok(Some(Read {
+                head,
+                model: none(),
+                est: none(),
+                costs: self.unit_costs.bind(py).clone().into_any(),
+                clamped: PyTuple::empty(py).into_any(),
+                data: data_obj,
+            }));
         }
         if self.caps {
             return Ok(None);
@@ -280,25 +504,20 @@ impl RequestReaderPy {
             .tuple_new
             .bind(py)
             .call1((self.estimate.bind(py), (input, output)))?;
-        let [p, t, a, r] = head;
-        let items = [
-            p,
-            t,
-            a,
-            r,
+        Ok(Some(Read {
+            head,
             model,
             est,
-            costs.into_any(),
-            PyTuple::new(py, clamped)?.into_any(),
-            data_obj,
-            none(),
-        ];
-        Ok(Some(PyTuple::new(py, items)?))
+            costs: costs.into_any(),
+            clamped: PyTuple::new(py, clamped)?.into_any(),
+            data: data_obj,
+        }))
     }
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<RequestReaderPy>()
+    m.add_class::<RequestReaderPy>()?;
+    m.add_function(wrap_pyfunction!(_next_id, m)?)
 }
 
 #[cfg(test)]
