@@ -9,38 +9,21 @@
 //! min and median ns per decision of each and the ratio of governor's time to ours per
 //! round (≥ 1.5 is the goal of issue 13).
 
-use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use governor::{Quota, RateLimiter};
 use ratequeue_core::{AnyClock, Limiter, Rate};
 
 const BURST: u32 = 1 << 30;
 
+#[path = "common/together.rs"]
+mod common;
+
 /// Wall ns per decision of `threads` threads each making `n` decisions together.
 fn together(threads: usize, n: u64, decide: Arc<dyn Fn() -> bool + Send + Sync>) -> f64 {
-    let start = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (start, decide) = (start.clone(), decide.clone());
-            std::thread::spawn(move || {
-                start.wait();
-                let mut admitted = 0u64;
-                for _ in 0..n {
-                    admitted += black_box(decide()) as u64;
-                }
-                assert_eq!(admitted, n, "the bench must time admissions");
-            })
-        })
-        .collect();
-    start.wait();
-    let t0 = Instant::now();
-    for h in handles {
-        h.join().unwrap();
-    }
-    t0.elapsed().as_nanos() as f64 / (threads as u64 * n) as f64
+    common::together(threads, n, decide).as_nanos() as f64 / (threads as u64 * n) as f64
 }
 
 fn stats(v: &[f64]) -> (f64, f64) {

@@ -12,8 +12,8 @@
 
 use std::hint::black_box;
 use std::num::NonZeroU32;
-use std::sync::{Arc, Barrier};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::time::Duration;
 
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use governor::{Quota, RateLimiter};
@@ -40,29 +40,12 @@ fn governor() -> Governor {
     RateLimiter::direct(quota)
 }
 
-/// Wall time for `threads` threads each making `iters` decisions, divided by `threads`
-/// (so criterion's time per iteration is the time per decision of the whole group).
+#[path = "common/together.rs"]
+mod common;
+
+/// Wall time per thread of `threads` threads each making `iters` decisions together.
 fn together(threads: usize, iters: u64, decide: Arc<dyn Fn() -> bool + Send + Sync>) -> Duration {
-    let start = Arc::new(Barrier::new(threads + 1));
-    let handles: Vec<_> = (0..threads)
-        .map(|_| {
-            let (start, decide) = (start.clone(), decide.clone());
-            std::thread::spawn(move || {
-                start.wait();
-                let mut admitted = 0u64;
-                for _ in 0..iters {
-                    admitted += decide() as u64;
-                }
-                assert_eq!(admitted, iters, "the bench must time admissions");
-            })
-        })
-        .collect();
-    start.wait();
-    let t0 = Instant::now();
-    for h in handles {
-        h.join().unwrap();
-    }
-    t0.elapsed() / threads as u32
+    common::together(threads, iters, decide) / threads as u32
 }
 
 fn bench(c: &mut Criterion) {

@@ -234,7 +234,18 @@ impl RequestReaderPy {
             return Ok(None);
         };
         let [p, t, a, id] = r.head;
-        let items = [p, t, a, id, r.model, r.est, r.costs, r.clamped, r.data, py.None().into_bound(py)];
+        let items = [
+            p,
+            t,
+            a,
+            id,
+            r.model,
+            r.est,
+            r.costs,
+            r.clamped,
+            r.data,
+            py.None().into_bound(py),
+        ];
         Ok(Some(PyTuple::new(py, items)?))
     }
 
