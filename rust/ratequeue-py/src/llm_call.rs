@@ -179,17 +179,14 @@ impl RequestReaderPy {
         replace_body: Option<Bound<'_, PyAny>>,
         call: Option<CallArgs<'_>>,
     ) -> PyResult<Self> {
-        let call = match call {
-            None => None,
-            Some((record, budget, options, empty, ids_module, own)) => Some(CallParts {
-                record: record.unbind(),
-                budget: budget.unbind(),
-                options: options.unbind(),
-                empty: empty.unbind(),
-                ids_module: ids_module.unbind(),
-                own: own.map(Bound::unbind),
-            }),
-        };
+        let call = call.map(|(record, budget, options, empty, ids_module, own)| CallParts {
+            record: record.unbind(),
+            budget: budget.unbind(),
+            options: options.unbind(),
+            empty: empty.unbind(),
+            ids_module: ids_module.unbind(),
+            own: own.map(Bound::unbind),
+        });
         Ok(RequestReaderPy {
             units: plan
                 .into_iter()
