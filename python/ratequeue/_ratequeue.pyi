@@ -52,6 +52,7 @@ class _SSEFrames:
     def buffered(self) -> int: ...
 
 def _next_id(prefix: str) -> str: ...
+
 @final
 class _RequestReader:
     """The transport's request read in one call (ratequeue.httpx only)."""
@@ -71,7 +72,8 @@ class _RequestReader:
         caps: bool,
         max_body: int,
         replace_body: Any = None,
-        call: tuple[Any, Any, Any, Any, Any, tuple[str, str, str]] | None = None,
+        call: tuple[type, Any, Any, Any, Any, tuple[str, str, str], tuple[tuple[str, Any], ...]]
+        | None = None,
     ) -> _RequestReader: ...
     def read(
         self, request: Any, path: str, want_estimate: bool, estimator: object

@@ -22,10 +22,10 @@ from ratequeue.httpx import (
     Estimate,
     RateLimitedTransport,
     TokenEstimator,
+    _wire,
     chars_estimate,
     using,
 )
-from ratequeue.httpx import _wire
 from ratequeue.httpx._body import nested_values, repeated, spliced
 from ratequeue.httpx._caps import BOUND_NAMES, CapNotApplied, cap_fields, output_field
 from ratequeue.httpx._estimate import OUTPUT_BOUNDS, OUTPUT_FIELDS
@@ -133,30 +133,22 @@ def test_reader_agrees_with_the_reference(
     assert got[9] is want_read[9] is None
 
 
-def record_fields(call: Any, t: Any) -> tuple[Any, ...]:
-    """What ``_prepare`` decides of a call, its generated request id by shape."""
-    rid = call.request_id
-    if rid.startswith(_wire._PREFIX) and rid[len(_wire._PREFIX) :].isdigit():
-        rid = "<generated>"
-    pending = call._pending
-    return (
-        rid,
-        call.path,
-        call._model,
-        call._estimate,
-        type(call._estimate),
-        call.capped,
-        call.priority,
-        call.task,
-        None if pending is None else (pending[0], pending[1] is t.estimator),
-        call._charged,
-        call.clamped,
-        call._kw,
-        call._account,
-        call._async,
-        call._sub,
-        call._chain,
-    )
+def record_fields(call: Any, t: Any) -> dict[str, Any]:
+    """Every slot of a record (CallRecord's and _Call's), its generated request id by
+    shape, its request and estimator by identity."""
+    out: dict[str, Any] = {}
+    for cls in type(call).__mro__[:-1]:
+        for name in cls.__slots__:
+            v = getattr(call, name)  # every slot set: AttributeError otherwise
+            if name == "request_id" and v.startswith(_wire._PREFIX):
+                v = "<generated>" if v[len(_wire._PREFIX) :].isdigit() else v
+            elif name == "_pending" and v is not None:
+                v = (v[0], v[1] is t.estimator)
+            elif name == "_request":
+                v = type(v)
+            out[name] = v
+    out["types"] = (type(call), type(call._estimate), type(call._once))
+    return out
 
 
 @settings(max_examples=300, deadline=None)
@@ -220,8 +212,8 @@ def test_prepare_agrees_with_the_reference(
         want = ref_t._prepare(ref, is_async)
     assert sent(req) == sent(ref)
     assert record_fields(call, t) == record_fields(want, ref_t)
-    assert type(call) is type(want)
     assert call._request is req
+    assert call._chain is want._chain and call._once is not want._once
 
 
 @pytest.mark.parametrize("modname", ["httpx", "httpx2"])
@@ -260,6 +252,72 @@ def test_the_common_call_is_prepared_natively(modname: str) -> None:
             assert t._prepare(req, False).task == ("u" if not isinstance(ctx, CallBudget) else None)
     req = request(mod, "POST", "/x", [], body)
     assert t._reader.prepare(req, t.estimator, False, None, None, lambda r: "a") is None
+
+
+def test_prepared_records_hold_and_free_what_they_reference() -> None:
+    """The native record holds one reference to each value (none leaked, none freed
+    early): the shared constants, the request and the estimator come back to their
+    counts once the records are gone, and a collection with records alive is safe."""
+    import gc
+    import sys
+
+    import httpx2
+    from ratequeue.httpx._record import _NO_CHAIN
+
+    t = transport(httpx2, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    body = b'{"model":"m","messages":[]}'
+    req = request(httpx2, "POST", "/v1/chat/completions", [], body)
+    header_list(req.headers)
+    before = (sys.getrefcount(_NO_CHAIN), sys.getrefcount(req), sys.getrefcount(t.estimator))
+    calls = [t._reader.prepare(req, t.estimator, False, None, None, "a") for _ in range(200)]
+    assert all(c is not None and c._chain is _NO_CHAIN and c._request is req for c in calls)
+    assert sys.getrefcount(_NO_CHAIN) == before[0] + 200
+    gc.collect()
+    assert [c.path for c in calls[:2]] == ["/v1/chat/completions"] * 2
+    del calls
+    gc.collect()
+    assert (
+        sys.getrefcount(_NO_CHAIN),
+        sys.getrefcount(req),
+        sys.getrefcount(t.estimator),
+    ) == before
+
+
+def test_a_record_type_prepare_cannot_fill_is_refused() -> None:
+    """The native record is made only for a type whose slots are exactly the ones it
+    sets; another layout is refused when the reader is built, never half-filled."""
+    from ratequeue._ratequeue import _RequestReader
+    from ratequeue.httpx._record import _CONSTANT_SLOTS, _Call
+
+    class Extra(_Call):
+        __slots__ = ("extra",)
+
+    class Prop(_Call):
+        __slots__ = ()
+        priority = property(lambda self: None)  # type: ignore[assignment]
+
+    t = transport(__import__("httpx2"), "requests", 10**6, True, TokenEstimator(None), False)
+    for bad, consts in (
+        (Extra, _CONSTANT_SLOTS),
+        (_Call, _CONSTANT_SLOTS[1:]),
+        (Prop, _CONSTANT_SLOTS),
+        (_Call, (*_CONSTANT_SLOTS, ("nope", None))),
+    ):
+        with pytest.raises((ValueError, AttributeError)):
+            _RequestReader(
+                t._plan,
+                t._unit_costs,
+                set(),
+                TokenEstimator,
+                chars_estimate,
+                t.estimator,
+                Estimate,
+                needs_body=True,
+                stream_usage=True,
+                caps=False,
+                max_body=100,
+                call=(bad, None, None, None, None, ("a", "b", "c"), consts),
+            )
 
 
 def test_the_common_call_is_read_natively() -> None:

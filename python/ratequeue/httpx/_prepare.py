@@ -33,7 +33,7 @@ from ._estimate import (
     TokenEstimator,
     chars_estimate,
 )
-from ._record import _Call, json_object
+from ._record import _CONSTANT_SLOTS, _Call, json_object
 from ._wire import _TRIPLES, header_list, new_id
 
 _new = tuple.__new__
@@ -261,7 +261,15 @@ class _Requests:
                 # caps: the whole record made natively (``prepare``).
                 call=None
                 if self.caps or isinstance(self.limit, Policy)
-                else (_Call, _CURRENT_BUDGET, _OPTIONS, _EMPTY, _wire, _OWN_HEADERS),
+                else (
+                    _Call,
+                    _CURRENT_BUDGET,
+                    _OPTIONS,
+                    _EMPTY,
+                    _wire,
+                    _OWN_HEADERS,
+                    _CONSTANT_SLOTS,
+                ),
             )
         except OverflowError:  # a burst past 64 bits
             return None

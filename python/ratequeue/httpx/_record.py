@@ -340,3 +340,27 @@ class _Call(CallRecord):
         self._owed: object = None
         self._retried = False
         self._once = [None]  # popped by the one caller that settles
+
+
+#: The slots ``_Call.__init__`` sets to the same value for every call (the native
+#: ``_RequestReader.prepare`` sets them from here, the others from the request; a test
+#: holds the two records equal slot by slot).
+_CONSTANT_SLOTS = (
+    ("provider", None),
+    ("waited", 0.0),
+    ("http_seconds", None),
+    ("status", None),
+    ("_usage", None),
+    ("_usage_body", None),
+    ("settled", False),
+    ("rate_limits", None),
+    ("_correction", None),
+    ("_permit", None),
+    ("_provider", None),
+    ("_sub", None),
+    ("_chain", _NO_CHAIN),
+    ("_held", False),
+    ("_done", False),
+    ("_owed", None),
+    ("_retried", False),
+)

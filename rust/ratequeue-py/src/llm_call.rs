@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use pyo3::exceptions::{PyAttributeError, PyException};
+use pyo3::exceptions::{PyAttributeError, PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
@@ -45,9 +45,34 @@ pub struct RequestReaderPy {
     call: Option<CallParts>,
 }
 
+/// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
+/// are `_record._CONSTANT_SLOTS`, and `_once`, a new `[None]`).
+const CALL_SLOTS: [&str; 14] = [
+    "_request",
+    "request_id",
+    "path",
+    "_model",
+    "_estimate",
+    "capped",
+    "priority",
+    "task",
+    "_pending",
+    "_charged",
+    "clamped",
+    "_kw",
+    "_account",
+    "_async",
+];
+
 /// What `prepare` needs besides the reader (see `RequestReaderPy::call`).
 struct CallParts {
-    record: Py<PyAny>,
+    record: Py<PyType>,
+    /// Where each of `CALL_SLOTS` is in a record (byte offsets of its slots).
+    slots: [isize; CALL_SLOTS.len()],
+    /// `_record._CONSTANT_SLOTS`: (offset, value) set the same in every record.
+    constants: Vec<(isize, Py<PyAny>)>,
+    /// Where `_once` is.
+    once: isize,
     budget: Py<PyAny>,
     options: Py<PyAny>,
     empty: Py<PyAny>,
@@ -112,13 +137,78 @@ fn or_else<'py>(v: &Bound<'py, PyAny>, fallback: impl FnOnce() -> Bound<'py, PyA
 /// `call=` of the constructor: `(record type, budget variable, options variable, empty
 /// options, request-id module, own header names)`.
 type CallArgs<'py> = (
-    Bound<'py, PyAny>,
+    Bound<'py, PyType>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     Bound<'py, PyAny>,
     [Bound<'py, PyString>; 3],
+    Vec<(Bound<'py, PyString>, Bound<'py, PyAny>)>,
 );
+
+/// The constant slots of the record type, checked: with `CALL_SLOTS` and `_once` they
+/// are every slot of the type and its bases, and the type has no `__dict__` (a record
+/// made natively has every attribute `_Call.__init__` sets).
+fn record_constants(
+    record: &Bound<'_, PyType>,
+    constants: &[(Bound<'_, PyString>, Bound<'_, PyAny>)],
+) -> PyResult<Vec<(isize, Py<PyAny>)>> {
+    let py = record.py();
+    let mut named: Vec<String> = CALL_SLOTS.iter().map(|n| (*n).to_owned()).collect();
+    named.push("_once".to_owned());
+    for (n, _) in constants {
+        named.push(n.to_str()?.to_owned());
+    }
+    let mut slots: Vec<String> = Vec::new();
+    for base in record.mro().iter() {
+        let base = base.cast_into::<PyType>()?;
+        if base.is(py.get_type::<pyo3::types::PyAny>()) {
+            continue;
+        }
+        let Some(declared) = base.getattr("__dict__")?.get_item("__slots__").ok() else {
+            return Err(PyValueError::new_err(format!("{base} has no __slots__")));
+        };
+        for n in declared.try_iter()? {
+            slots.push(n?.extract()?);
+        }
+    }
+    named.sort();
+    slots.sort();
+    if named != slots {
+        return Err(PyValueError::new_err(format!(
+            "the record's slots {slots:?} are not the ones prepare sets {named:?}"
+        )));
+    }
+    constants
+        .iter()
+        .map(|(n, v)| Ok((slot_offset(record, n.to_str()?)?, v.clone().unbind())))
+        .collect()
+}
+
+/// The byte offset of a slot of `record`: its descriptor must be a writable object
+/// member (what `__slots__` makes), else a ValueError.
+fn slot_offset(record: &Bound<'_, PyType>, name: &str) -> PyResult<isize> {
+    let d = record.getattr(name)?;
+    // SAFETY: the type of a live object is read; a member descriptor's layout is
+    // `PyMemberDescrObject` (checked by its exact type first), whose `d_member` points to
+    // the type's `PyMemberDef` for as long as the type lives (the reader holds it).
+    unsafe {
+        let member_type = &raw mut pyo3::ffi::PyMemberDescr_Type;
+        if pyo3::ffi::Py_TYPE(d.as_ptr()) == member_type {
+            let def = (*d.as_ptr().cast::<pyo3::ffi::PyMemberDescrObject>()).d_member;
+            if !def.is_null()
+                && (*def).type_code == pyo3::ffi::Py_T_OBJECT_EX
+                && (*def).flags & pyo3::ffi::Py_READONLY == 0
+                && (*def).offset > 0
+            {
+                return Ok((*def).offset);
+            }
+        }
+    }
+    Err(PyValueError::new_err(format!(
+        "{name} is not a writable slot of {record}"
+    )))
+}
 
 /// The estimator's character-count settings when the native reader can stand in for it
 /// (a `TokenEstimator` counting characters, settled): `(chars_per_token, default)`.
@@ -179,14 +269,26 @@ impl RequestReaderPy {
         replace_body: Option<Bound<'_, PyAny>>,
         call: Option<CallArgs<'_>>,
     ) -> PyResult<Self> {
-        let call = call.map(|(record, budget, options, empty, ids_module, own)| CallParts {
-            record: record.unbind(),
-            budget: budget.unbind(),
-            options: options.unbind(),
-            empty: empty.unbind(),
-            ids_module: ids_module.unbind(),
-            own: own.map(Bound::unbind),
-        });
+        let call = match call {
+            None => None,
+            Some((record, budget, options, empty, ids_module, own, constants)) => Some(CallParts {
+                slots: {
+                    let mut at = [0; CALL_SLOTS.len()];
+                    for (a, name) in at.iter_mut().zip(CALL_SLOTS) {
+                        *a = slot_offset(&record, name)?;
+                    }
+                    at
+                },
+                constants: record_constants(&record, &constants)?,
+                once: slot_offset(&record, "_once")?,
+                record: record.unbind(),
+                budget: budget.unbind(),
+                options: options.unbind(),
+                empty: empty.unbind(),
+                ids_module: ids_module.unbind(),
+                own: own.map(Bound::unbind),
+            }),
+        };
         Ok(RequestReaderPy {
             units: plan
                 .into_iter()
@@ -324,7 +426,32 @@ impl RequestReaderPy {
             account,
             PyBool::new(py, is_async).to_owned().into_any(),
         ];
-        Ok(Some(parts.record.bind(py).call1(PyTuple::new(py, args)?)?))
+        // `_Call(*args)` without its `__init__` frame: the instance made empty, then its
+        // slots set (every one: `record_constants` checked the names).
+        let record = parts.record.bind(py);
+        // SAFETY (the allocation): `record` is a live heap type of slots only (checked at
+        // construction); `PyType_GenericAlloc` returns a new, zeroed, tracked instance or
+        // null with an error set; its traverse and dealloc accept NULL slots.
+        let once = PyList::new(py, [py.None()])?;
+        let obj = unsafe { Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyType_GenericAlloc(record.as_type_ptr(), 0))? };
+        let base = obj.as_ptr().cast::<u8>();
+        // SAFETY: each offset is one of the type's object slots (`slot_offset`), inside
+        // the instance just made, and NULL there (zeroed): a slot takes the reference it
+        // is given, as `PyMember_SetOne` does. Nothing runs Python between the allocation
+        // and the last write.
+        unsafe {
+            let put = |at: isize, value: *mut pyo3::ffi::PyObject| {
+                *base.offset(at).cast::<*mut pyo3::ffi::PyObject>() = value;
+            };
+            for (&at, value) in parts.slots.iter().zip(args) {
+                put(at, value.into_ptr());
+            }
+            for (at, value) in &parts.constants {
+                put(*at, value.clone_ref(py).into_ptr());
+            }
+            put(parts.once, once.into_ptr());
+        }
+        Ok(Some(obj))
     }
 }
 
