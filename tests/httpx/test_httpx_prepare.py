@@ -320,6 +320,38 @@ def test_a_record_type_prepare_cannot_fill_is_refused() -> None:
             )
 
 
+def test_the_estimate_is_made_of_its_own_type() -> None:
+    """The native reader makes the estimate as ``tuple.__new__(type, (i, o))`` would,
+    for a tuple subclass of a tuple's layout (made directly) and one with a ``__dict__``
+    (through ``tuple.__new__``)."""
+    import httpx2
+    from ratequeue._ratequeue import _RequestReader
+
+    class WithDict(tuple):  # type: ignore[type-arg]
+        pass
+
+    t = transport(httpx2, "requests+tokens", 10**6, True, TokenEstimator(None), False)
+    body = b'{"model":"m","messages":[],"max_tokens":7}'
+    for ty in (Estimate, WithDict):
+        r = _RequestReader(
+            t._plan,
+            t._unit_costs,
+            {type(httpx2.Headers())},
+            TokenEstimator,
+            chars_estimate,
+            t.estimator,
+            ty,
+            needs_body=True,
+            stream_usage=True,
+            caps=False,
+            max_body=1000,
+        )
+        req = request(httpx2, "POST", "/v1/chat/completions", [], body)
+        got = r.read(req, "/v1/chat/completions", False, t.estimator)
+        assert got is not None
+        assert type(got[5]) is ty and tuple(got[5]) == (0, 7)
+
+
 def test_the_common_call_is_read_natively() -> None:
     import httpx2
 

@@ -455,6 +455,38 @@ impl RequestReaderPy {
     }
 }
 
+/// `ty((a, b))` of a tuple subclass (`Estimate`), made as `tuple.__new__` makes it (the
+/// instance allocated by its type, its two items set) without the call; another type,
+/// or one that adds to a tuple's layout, through `tuple_new`.
+pub(crate) fn pair_of<'py>(
+    ty: &Bound<'py, PyType>,
+    tuple_new: &Py<PyAny>,
+    a: u64,
+    b: u64,
+) -> PyResult<Bound<'py, PyAny>> {
+    let py = ty.py();
+    let (a, b) = (a.into_pyobject(py)?, b.into_pyobject(py)?);
+    let tp = ty.as_type_ptr();
+    // SAFETY: the type object is live (`ty` holds it); its fields are read only.
+    let plain = ty.is_subclass_of::<PyTuple>()?
+        && unsafe {
+            (*tp).tp_basicsize == (*(&raw mut pyo3::ffi::PyTuple_Type)).tp_basicsize && (*tp).tp_alloc.is_some()
+        };
+    if !plain {
+        return tuple_new.bind(py).call1((ty, (a, b)));
+    }
+    // SAFETY: a tuple subclass of a tuple's own layout: its `tp_alloc` returns a new
+    // instance of two NULL items (or null with an error set), each set once below with a
+    // reference it takes, as `tuple_subtype_new` does.
+    unsafe {
+        let alloc = (*tp).tp_alloc.unwrap_or(pyo3::ffi::PyType_GenericAlloc);
+        let obj = Bound::from_owned_ptr_or_err(py, alloc(tp, 2))?;
+        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, a.into_any().into_ptr());
+        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, b.into_any().into_ptr());
+        Ok(obj)
+    }
+}
+
 /// Request ids of this process: one counter for the native `prepare` and `_wire.new_id`
 /// (never repeated while the process lives; a fork's child has another prefix).
 static IDS: AtomicU64 = AtomicU64::new(1);
@@ -635,10 +667,7 @@ impl RequestReaderPy {
                 clamped.push(unit.bind(py).clone());
             }
         }
-        let est = self
-            .tuple_new
-            .bind(py)
-            .call1((self.estimate.bind(py), (input, output)))?;
+        let est = pair_of(self.estimate.bind(py), &self.tuple_new, input, output)?;
         Ok(Some(Read {
             head,
             model,
