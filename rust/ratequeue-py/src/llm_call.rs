@@ -467,11 +467,11 @@ pub(crate) fn pair_of<'py>(
     let py = ty.py();
     let (a, b) = (a.into_pyobject(py)?, b.into_pyobject(py)?);
     let tp = ty.as_type_ptr();
-    // SAFETY: the type object is live (`ty` holds it); its fields are read only.
+    // SAFETY: both type objects are live (`ty` holds one, the other is static); their
+    // fields are read only.
+    let tuple = py.get_type::<PyTuple>().as_type_ptr();
     let plain = ty.is_subclass_of::<PyTuple>()?
-        && unsafe {
-            (*tp).tp_basicsize == (*(&raw mut pyo3::ffi::PyTuple_Type)).tp_basicsize && (*tp).tp_alloc.is_some()
-        };
+        && unsafe { (*tp).tp_basicsize == (*tuple).tp_basicsize && (*tp).tp_alloc.is_some() };
     if !plain {
         return tuple_new.bind(py).call1((ty, (a, b)));
     }
