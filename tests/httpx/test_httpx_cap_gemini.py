@@ -19,7 +19,7 @@ from ratequeue.httpx import CallBudget, Cap, CapNotApplied, TokenEstimator
 from ratequeue.httpx._caps import BOUND_NAMES, output_field
 from ratequeue.httpx._estimate import NESTED_CHOICES
 from test_httpx_cap_bounds import _bound_values, _setup, _untouched, both
-from test_httpx_native import INTS, SCALARS, dumps, encode, mutated
+from test_httpx_native import SCALARS, dumps, encode, mutated
 from test_httpx_prepare import reference_cap
 
 GEMINI = "http://p/v1beta/models/gemini-2.0-flash:generateContent"
@@ -34,7 +34,16 @@ SPELLINGS = [
 
 
 def test_the_table_names_every_spelling() -> None:
+    from ratequeue.httpx._estimate import OUTPUT_FIELDS
+
     assert set(NESTED_CHOICES) == {(c, n) for c, n, _ in SPELLINGS}
+    # The order the Python estimate reads the top-level bounds in (written out there).
+    assert OUTPUT_FIELDS == (
+        "max_completion_tokens",
+        "max_output_tokens",
+        "max_tokens",
+        "max_gen_len",
+    )
     assert ("textGenerationConfig", "maxTokenCount") in [tuple(p) for p in _bounds()]
     assert ("max_gen_len",) in _bounds()
 
@@ -152,7 +161,7 @@ def test_a_candidate_count_elsewhere_is_not_one(
     native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Top level, or deeper than the container: no Gemini parser reads it as a count.
-    mod, sent, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
+    mod, _, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
     c = mod.Client(transport=t)
     r = c.post(GEMINI, content=b'{"candidateCount":8,"generationConfig":{"maxOutputTokens":5000}}')
     assert r.extensions["ratequeue"].capped.sent == 100
@@ -396,8 +405,7 @@ def gemini_bodies(draw: Any) -> bytes:
     for c, names in CONTAINERS.items():
         for _ in range(draw(st.sampled_from([0, 0, 1, 1, 1, 2]))):
             inner = [
-                (draw(st.sampled_from(names)), draw(COUNTS))
-                for _ in range(draw(st.integers(0, 4)))
+                (draw(st.sampled_from(names)), draw(COUNTS)) for _ in range(draw(st.integers(0, 4)))
             ]
             top.append((c, draw(st.one_of(st.just(inner), st.just(inner), SCALARS))))
     order = draw(st.permutations(range(len(top))))
@@ -432,7 +440,11 @@ def _choices(data: bytes) -> int:
 
 
 @settings(max_examples=400, deadline=None)
-@given(st.one_of(gemini_bodies(), mutated(gemini_bodies())), st.integers(1, 400), st.sampled_from(PATHS))
+@given(
+    st.one_of(gemini_bodies(), mutated(gemini_bodies())),
+    st.integers(1, 400),
+    st.sampled_from(PATHS),
+)
 def test_native_cap_is_the_reference_byte_for_byte(data: bytes, limit: int, path: str) -> None:
     got = _cap_output(data, limit, BOUND_NAMES.index(output_field(path)))
     want = reference_cap(data, limit, path)
