@@ -47,11 +47,12 @@ NESTED_CHOICES: tuple[tuple[str, str], ...] = tuple((c, n) for c, n in _NESTED_C
 #: group twice cannot be capped).
 CONTAINERS: tuple[tuple[str, int], ...] = tuple((c, g) for c, g in _CONTAINERS)
 _NESTED = tuple(p for p in OUTPUT_BOUNDS if len(p) == 2)
-# The nested choice counts by container.
-_CHOICES_IN: dict[str, tuple[str, ...]] = {}
-for _c, _n in NESTED_CHOICES:
-    _CHOICES_IN[_c] = (*_CHOICES_IN.get(_c, ()), _n)
-_CHOICES_IN_ITEMS = tuple(_CHOICES_IN.items())
+# NESTED_CHOICES as the estimate reads them (written out there: two containers, each
+# with both spellings of Gemini's candidateCount).
+_CANDIDATES = ("candidateCount", "candidate_count")
+assert {(c, n) for c in ("generationConfig", "generation_config") for n in _CANDIDATES} == set(
+    NESTED_CHOICES
+)
 _SKIP = frozenset(
     {"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"}
 )
@@ -271,16 +272,24 @@ class TokenEstimator:
         k = 1
         if (type(n) is int and n > 1) or (type(b) is int and b > 1):
             k = max(n if type(n) is int else 1, b if type(b) is int else 1)
-        for c, names in _CHOICES_IN_ITEMS:
-            d = g(c)
-            if type(d) is dict:
-                for name in names:
-                    x = d.get(name)
-                    if type(x) is int and x > k:
-                        k = x
+        d = g("generationConfig")
+        if type(d) is dict:
+            k = _candidates(d, k)
+        d = g("generation_config")
+        if type(d) is dict:
+            k = _candidates(d, k)
         if k > 1:
             v *= k
         return _new(Estimate, (prompt, v))
+
+
+def _candidates(config: dict[str, Any], k: int) -> int:
+    """The larger of ``k`` and a Gemini generation config's candidate counts (ints)."""
+    for name in _CANDIDATES:
+        x = config.get(name)
+        if type(x) is int and x > k:
+            k = x
+    return k
 
 
 def _nested_bound(body: dict[str, Any], default: int) -> int:
