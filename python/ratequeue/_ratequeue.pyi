@@ -39,6 +39,8 @@ def _cap_output(
 
 _OUTPUT_BOUNDS: tuple[tuple[str, str], ...]
 _CHOICES: tuple[str, ...]
+_NESTED_CHOICES: tuple[tuple[str, str], ...]
+_CONTAINERS: tuple[tuple[str, int], ...]
 
 @final
 class _SSEFrames:

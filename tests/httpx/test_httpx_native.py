@@ -123,6 +123,7 @@ NESTED_BOUNDS = [
     ("generationConfig", ["maxOutputTokens", "max_output_tokens", "temperature"]),
     ("generation_config", ["max_output_tokens", "maxOutputTokens"]),
     ("inferenceConfig", ["maxTokens", "topP"]),
+    ("textGenerationConfig", ["maxTokenCount", "topP"]),
 ]
 
 
@@ -142,7 +143,14 @@ def request_bodies(draw: Any) -> bytes:
         top.append(("stream", draw(st.sampled_from([True, False, None, 1]))))
         so = draw(st.sampled_from([None, [], [("include_usage", True)], [("include_usage", 1)]]))
         top.append(("stream_options", so))
-    for f in ("max_tokens", "max_completion_tokens", "max_output_tokens", "n", "best_of"):
+    for f in (
+        "max_tokens",
+        "max_completion_tokens",
+        "max_output_tokens",
+        "max_gen_len",
+        "n",
+        "best_of",
+    ):
         if draw(st.booleans()):
             top.append((f, draw(st.one_of(INTS, SCALARS))))
     for c, names in NESTED_BOUNDS:  # nested bounds (Gemini, Bedrock), repeated or not

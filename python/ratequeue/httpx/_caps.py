@@ -4,26 +4,28 @@ A rule matches a call by route (the URL path, or its end: ``"/chat/completions"`
 model (exact, or a glob such as ``"gpt-4o*"``) and by task tag (``x-ratequeue-task``
 header or :func:`ratequeue.httpx.using`); the smallest matching cap applies, model
 globs in any case. It bounds the call's whole output: a body asking for several choices
-(``n``, ``best_of``) gets the cap divided among them. It is applied by rewriting the
-body at every place of :data:`~ratequeue.httpx._estimate.OUTPUT_BOUNDS` (top-level
-``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens``, Gemini's
-``generationConfig.maxOutputTokens``, Bedrock Converse's ``inferenceConfig.maxTokens``): a
-larger bound is lowered, a smaller one is never raised; one that is no count (a negative
-int, not an int) is replaced, and so is every occurrence of a key the body repeats when
-any is above the cap or no count; a container without a bound gets one, and a body with
-neither a bound nor a container gets the field the route's API uses.
+(``n``, ``best_of``, Gemini's ``generationConfig.candidateCount``) gets the cap divided
+among them. It is applied by rewriting the body at every place of
+:data:`~ratequeue.httpx._estimate.OUTPUT_BOUNDS` (top-level ``max_tokens`` /
+``max_completion_tokens`` / ``max_output_tokens`` / ``max_gen_len``, Gemini's
+``generationConfig.maxOutputTokens``, Bedrock Converse's ``inferenceConfig.maxTokens``,
+Titan's ``textGenerationConfig.maxTokenCount``): a larger bound is lowered, a smaller
+one is never raised; one that is no count (a negative int, not an int) is replaced, and so
+is every occurrence of a key the body repeats when any is above the cap or no count; a
+container without a bound gets one, and a body with neither a bound nor a container gets
+the field the route's API (or Bedrock model) uses.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RateQueueError
-from ._estimate import CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS
+from ._estimate import CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS
 
 __all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
 
@@ -122,7 +124,10 @@ _CONTAINERS: dict[str, str] = {}
 for _c, _n in _NESTED:
     _CONTAINERS.setdefault(_c, _n)
 #: Spellings of one container (a body naming one group twice is refused).
-_GROUPS = (("generationConfig", "generation_config"), ("inferenceConfig",))
+_GROUPS = tuple(
+    tuple(c for c, g in CONTAINERS if g == group)
+    for group in dict.fromkeys(g for _, g in CONTAINERS)
+)
 # Why a body a cap matches cannot be capped (the native reader's words).
 CHOICES_REFUSED = "asks for n or best_of choices that are not a positive integer"
 TOO_MANY_CHOICES = "asks for more choices (n, best_of) than the cap has tokens"
@@ -141,6 +146,14 @@ def output_field(path: str) -> str:
         return "generationConfig.maxOutputTokens"
     if path.endswith(("/converse", "/converse-stream")):
         return "inferenceConfig.maxTokens"
+    if path.endswith(("/invoke", "/invoke-with-response-stream")) and "/model/" in path:
+        # Bedrock's InvokeModel: the body is the model's own; its id (or an inference
+        # profile's ARN naming it) is in the path.
+        model = path[path.index("/model/") + 7 : path.rindex("/")]
+        if "meta.llama" in model:
+            return "max_gen_len"
+        if "amazon.titan-text" in model or "amazon.titan-tg1" in model:
+            return "textGenerationConfig.maxTokenCount"
     return "max_tokens"
 
 
@@ -174,9 +187,15 @@ def cap_fields(
     def values(k: str) -> Sequence[Any]:
         return rep.get(k) or ((body[k],) if k in body else ())
 
+    if nested is None:
+        nested = {
+            (c, n): (d[n],)
+            for c, n in _NESTED + NESTED_CHOICES
+            if type(d := body.get(c)) is dict and n in d
+        }
     choices = 1
-    for k in CHOICES:
-        for v in values(k):
+    for vals in _choice_values(body, values, nested):
+        for v in vals:
             if v is None:  # the API's default: one choice
                 continue
             if type(v) is not int or v < 1:
@@ -188,8 +207,6 @@ def cap_fields(
     for group in _GROUPS:
         if sum(len(values(c)) for c in group) > 1:
             raise CapNotApplied(REPEATED_CONTAINER)
-    if nested is None:
-        nested = {(c, n): (d[n],) for c, n in _NESTED if type(d := body.get(c)) is dict and n in d}
     fields: dict[str | tuple[str, str], int] = {}
     done: Capped | None = None
     for i, p in enumerate(OUTPUT_BOUNDS):
@@ -226,6 +243,24 @@ def cap_fields(
     if done is None and added is not None:
         done = Capped(BOUND_NAMES[added], None, per)
     return done, fields
+
+
+def _choice_values(
+    body: dict[str, Any],
+    values: Callable[[str], Sequence[Any]],
+    nested: Mapping[tuple[str, str], Sequence[Any]],
+) -> Iterator[Sequence[Any]]:
+    """Every value of each choice count: top-level ones, and nested ones (every value
+    ``nested`` holds, else the body's own: a caller that did not read them from the
+    bytes still has the last one counted)."""
+    for k in CHOICES:
+        yield values(k)
+    for c, n in NESTED_CHOICES:
+        got = nested.get((c, n))
+        if got:
+            yield got
+        elif type(d := body.get(c)) is dict and n in d:
+            yield (d[n],)
 
 
 def apply_limit(body: dict[str, Any], path: str, limit: int | None) -> Capped | None:

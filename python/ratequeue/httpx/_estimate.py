@@ -4,10 +4,13 @@ The prompt is the text of the request body's strings (messages, system, input, t
 not ``model``, ``role``, ``type`` nor base64 data such as images): counted by tiktoken when it is
 installed and its encoding loads, otherwise by the documented fallback of one token per
 four characters (rounded up) plus four per message. The output is the request's
-``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` (or a nested bound of
-:data:`OUTPUT_BOUNDS`: Gemini's ``generationConfig.maxOutputTokens``, Bedrock Converse's
-``inferenceConfig.maxTokens``), or ``default_output_tokens`` when it names none; times the
-choices it asks for (the largest ``n`` or ``best_of``): each choice may produce as much.
+``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``max_gen_len`` (or a
+nested bound of :data:`OUTPUT_BOUNDS`: Gemini's ``generationConfig.maxOutputTokens``,
+Bedrock Converse's ``inferenceConfig.maxTokens``, Titan's
+``textGenerationConfig.maxTokenCount``), or ``default_output_tokens`` when it names none;
+times the choices it asks for (the largest ``n``, ``best_of`` or Gemini
+``candidateCount``: :data:`CHOICES`, :data:`NESTED_CHOICES`): each choice may produce as
+much.
 """
 
 from __future__ import annotations
@@ -16,9 +19,18 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-from .._ratequeue import _CHOICES, _OUTPUT_BOUNDS
+from .._ratequeue import _CHOICES, _CONTAINERS, _NESTED_CHOICES, _OUTPUT_BOUNDS
 
-__all__ = ["CHOICES", "OUTPUT_BOUNDS", "OUTPUT_FIELDS", "Estimate", "Estimator", "TokenEstimator"]
+__all__ = [
+    "CHOICES",
+    "CONTAINERS",
+    "NESTED_CHOICES",
+    "OUTPUT_BOUNDS",
+    "OUTPUT_FIELDS",
+    "Estimate",
+    "Estimator",
+    "TokenEstimator",
+]
 
 #: Where a body bounds a call's output, in the order the estimate reads them: a top-level
 #: field ``(name,)`` or one inside a top-level object ``(container, name)``. One table,
@@ -26,9 +38,21 @@ __all__ = ["CHOICES", "OUTPUT_BOUNDS", "OUTPUT_FIELDS", "Estimate", "Estimator",
 OUTPUT_BOUNDS: tuple[tuple[str, ...], ...] = tuple((c, n) if c else (n,) for c, n in _OUTPUT_BOUNDS)
 #: The top-level output-bounding fields.
 OUTPUT_FIELDS = tuple(p[0] for p in OUTPUT_BOUNDS if len(p) == 1)
-#: Fields asking for several choices (each may produce the bound's output).
+#: Top-level fields asking for several choices (each may produce the bound's output).
 CHOICES: tuple[str, ...] = tuple(_CHOICES)
+#: Choice counts inside a container of bounds ``(container, name)``: Gemini's
+#: ``candidateCount`` in every spelling proto3 JSON takes.
+NESTED_CHOICES: tuple[tuple[str, str], ...] = tuple((c, n) for c, n in _NESTED_CHOICES)
+#: Containers of nested bounds and the group of spellings each is in (a body naming one
+#: group twice cannot be capped).
+CONTAINERS: tuple[tuple[str, int], ...] = tuple((c, g) for c, g in _CONTAINERS)
 _NESTED = tuple(p for p in OUTPUT_BOUNDS if len(p) == 2)
+# NESTED_CHOICES as the estimate reads them (written out there: two containers, each
+# with both spellings of Gemini's candidateCount).
+_CANDIDATES = ("candidateCount", "candidate_count")
+assert {(c, n) for c in ("generationConfig", "generation_config") for n in _CANDIDATES} == set(
+    NESTED_CHOICES
+)
 _SKIP = frozenset(
     {"model", "role", "type", "id", "data", "image_url", "source", "file_data", "b64_json"}
 )
@@ -238,13 +262,34 @@ class TokenEstimator:
             if type(v) is not int or v < 0:
                 v = g("max_tokens")
                 if type(v) is not int or v < 0:
-                    v = _nested_bound(body, self.default_output_tokens)
-        # Times the choices asked for: the largest n or best_of that is an int >= 1.
+                    v = g("max_gen_len")
+                    if type(v) is not int or v < 0:
+                        v = _nested_bound(body, self.default_output_tokens)
+        # Times the choices asked for: the largest n, best_of or nested count (Gemini's
+        # candidateCount) that is an int >= 1.
         n = g("n")
         b = g("best_of")
+        k = 1
         if (type(n) is int and n > 1) or (type(b) is int and b > 1):
-            v *= max(n if type(n) is int else 1, b if type(b) is int else 1)
+            k = max(n if type(n) is int else 1, b if type(b) is int else 1)
+        d = g("generationConfig")
+        if type(d) is dict:
+            k = _candidates(d, k)
+        d = g("generation_config")
+        if type(d) is dict:
+            k = _candidates(d, k)
+        if k > 1:
+            v *= k
         return _new(Estimate, (prompt, v))
+
+
+def _candidates(config: dict[str, Any], k: int) -> int:
+    """The larger of ``k`` and a Gemini generation config's candidate counts (ints)."""
+    for name in _CANDIDATES:
+        x = config.get(name)
+        if type(x) is int and x > k:
+            k = x
+    return k
 
 
 def _nested_bound(body: dict[str, Any], default: int) -> int:

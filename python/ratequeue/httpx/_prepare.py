@@ -27,6 +27,7 @@ from ._context import _EMPTY, _OPTIONS, current_options
 from ._estimate import (
     _CHARS,
     CHOICES,
+    NESTED_CHOICES,
     OUTPUT_BOUNDS,
     OUTPUT_FIELDS,
     Estimate,
@@ -79,7 +80,8 @@ _UNIT_INDEX = {"requests": 0, "tokens": 1, "input_tokens": 2, "output_tokens": 3
 _BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 _ADD = {f: i for i, f in enumerate(BOUND_NAMES)}
 _MODEL = ("model",)
-_NESTED = tuple((p[0], p[1]) for p in OUTPUT_BOUNDS if len(p) == 2)
+# Nested bounds and nested choice counts (Gemini's candidateCount): every value of each.
+_NESTED = tuple((p[0], p[1]) for p in OUTPUT_BOUNDS if len(p) == 2) + NESTED_CHOICES
 _CONTAINERS = tuple(dict.fromkeys(c for c, _ in _NESTED))
 # Every value of each, when one is repeated.
 _CAP_KEYS = (*OUTPUT_FIELDS, *CHOICES, *_CONTAINERS, "model")

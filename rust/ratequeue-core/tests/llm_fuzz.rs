@@ -5,7 +5,7 @@
 //! counts.
 
 use proptest::prelude::*;
-use ratequeue_core::llm::cap::{ask_stream_usage, cap_output};
+use ratequeue_core::llm::cap::{ask_stream_usage, cap_output, OUTPUT_BOUNDS};
 use ratequeue_core::llm::sse::{mentions_usage, payload, SseFrames};
 use ratequeue_core::llm::{request_facts, response_usage};
 
@@ -28,6 +28,11 @@ fn sse_bytes() -> impl Strategy<Value = Vec<u8>> {
         Just(b"\\u0075".to_vec()),
         Just(b"99999999999999999999999".to_vec()),
         Just(b"[[[[[[[[".to_vec()),
+        Just(b"{\"generationConfig\":{\"candidateCount\":".to_vec()),
+        Just(b"\"candidate_count\":3,".to_vec()),
+        Just(b"{\"textGenerationConfig\":{\"maxTokenCount\":".to_vec()),
+        Just(b"{\"max_gen_len\":".to_vec()),
+        Just(b"}}".to_vec()),
         proptest::collection::vec(any::<u8>(), 0..6),
     ];
     proptest::collection::vec(atom, 0..40).prop_map(|v| v.concat())
@@ -94,7 +99,7 @@ proptest! {
     }
 
     #[test]
-    fn json_readers_never_panic(body in sse_bytes(), limit in any::<u64>(), add in 0usize..4) {
+    fn json_readers_never_panic(body in sse_bytes(), limit in any::<u64>(), add in 0usize..OUTPUT_BOUNDS.len() + 1) {
         let _ = response_usage(&body);
         let _ = request_facts(&body);
         let _ = cap_output(&body, limit, add);

@@ -5,7 +5,7 @@
 
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
-use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, OUTPUT_BOUNDS};
+use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
@@ -281,5 +281,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_cap_output, m)?)?;
     m.add("_OUTPUT_BOUNDS", PyTuple::new(m.py(), OUTPUT_BOUNDS)?)?;
     m.add("_CHOICES", PyTuple::new(m.py(), CHOICES)?)?;
+    m.add("_NESTED_CHOICES", PyTuple::new(m.py(), NESTED_CHOICES)?)?;
+    m.add("_CONTAINERS", PyTuple::new(m.py(), CONTAINERS)?)?;
     Ok(())
 }

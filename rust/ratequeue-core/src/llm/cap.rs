@@ -1,48 +1,69 @@
 //! An output cap written into a request body without re-serialising it. The cap bounds
-//! the call's total output: a body asking for several choices (`n`, `best_of`) gets the
-//! cap divided among them. Every place a known bound is read ([`OUTPUT_BOUNDS`]: top
-//! level, or one object down such as Gemini's `generationConfig`) carries it: the value
-//! of every occurrence is replaced by the per-choice number when any occurrence is above
-//! it or no count (a negative int, not an int); a container without a bound gets one
-//! added before its closing brace; a body with no bound and no container gets the
-//! route's field added before its closing brace; every other byte stays. The same bytes
-//! as the Python reference (`cap_fields` over a full parse, then `spliced`), or
-//! [`Defer`] where only it can tell.
+//! the call's total output: a body asking for several choices (`n`, `best_of`, Gemini's
+//! `candidateCount`: [`CHOICES`], [`NESTED_CHOICES`]) gets the cap divided among them.
+//! Every place a known bound is read ([`OUTPUT_BOUNDS`]: top level, or one object down
+//! such as Gemini's `generationConfig`) carries it: the value of every occurrence is
+//! replaced by the per-choice number when any occurrence is above it or no count (a
+//! negative int, not an int); a container without a bound gets one added before its
+//! closing brace; a body with no bound and no container gets the route's field added
+//! before its closing brace; every other byte stays. The same bytes as the Python
+//! reference (`cap_fields` over a full parse, then `spliced`), or [`Defer`] where only it
+//! can tell.
 
 use super::scan::{Num, Scan, Scanner, Shape, Stop};
 use super::Defer;
 
 /// The output-bounding fields the estimate and the caps know, in the order the
-/// estimate reads them: `(container, name)`, the container `""` for a top-level field.
-/// Proto3 JSON (Gemini) takes either spelling of a field name; a container's first
-/// bound here is the one added to it.
-pub const OUTPUT_BOUNDS: [(&str, &str); 8] = [
+/// estimate reads them: `(container, name)`, the container `""` for a top-level field
+/// (the top-level ones first). Proto3 JSON (Gemini) takes either spelling of a field
+/// name; a container's first bound here is the one added to it. Bedrock's InvokeModel
+/// bodies: Meta Llama's `max_gen_len`, Amazon Titan Text's
+/// `textGenerationConfig.maxTokenCount`.
+pub const OUTPUT_BOUNDS: [(&str, &str); 10] = [
     ("", "max_completion_tokens"),
     ("", "max_output_tokens"),
     ("", "max_tokens"),
+    ("", "max_gen_len"),
     ("generationConfig", "maxOutputTokens"),
     ("generationConfig", "max_output_tokens"),
     ("generation_config", "max_output_tokens"),
     ("generation_config", "maxOutputTokens"),
     ("inferenceConfig", "maxTokens"),
+    ("textGenerationConfig", "maxTokenCount"),
 ];
 /// The top-level output-bounding fields (the first of [`OUTPUT_BOUNDS`]).
-pub const OUTPUT_FIELDS: [&str; 3] = ["max_completion_tokens", "max_output_tokens", "max_tokens"];
-/// Fields asking for several choices, each one output as long as the bound.
+pub const OUTPUT_FIELDS: [&str; 4] = [
+    "max_completion_tokens",
+    "max_output_tokens",
+    "max_tokens",
+    "max_gen_len",
+];
+/// Top-level fields asking for several choices, each one output as long as the bound.
 pub const CHOICES: [&str; 2] = ["n", "best_of"];
+/// Choice counts inside a container of [`CONTAINERS`]: Gemini's `candidateCount`, in
+/// every spelling proto3 JSON takes (each candidate may produce `maxOutputTokens`).
+pub const NESTED_CHOICES: [(&str, &str); 4] = [
+    ("generationConfig", "candidateCount"),
+    ("generationConfig", "candidate_count"),
+    ("generation_config", "candidate_count"),
+    ("generation_config", "candidateCount"),
+];
 /// Containers of nested bounds: name, and the group of spellings of one field it is in
 /// (a body naming one group twice is refused: a parser keeping the first and one keeping
 /// the last would read different bounds).
-pub const CONTAINERS: [(&str, usize); 3] = [
+pub const CONTAINERS: [(&str, usize); 4] = [
     ("generationConfig", 0),
     ("generation_config", 0),
     ("inferenceConfig", 1),
+    ("textGenerationConfig", 2),
 ];
+/// Groups of [`CONTAINERS`].
+const GROUPS: usize = 3;
 
 /// Why a body a cap matches cannot be capped (the transport refuses the call).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Refusal {
-    /// An `n` or `best_of` that is not a positive integer.
+    /// An `n`, `best_of` or nested choice count that is not a positive integer.
     Choices,
     /// More choices than the cap has tokens: the per-choice bound would be 0.
     TooManyChoices,
@@ -148,6 +169,16 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Capping, Defer>
                     inner = true;
                     let at = s.pos;
                     let shape = s.value(2)?;
+                    if NESTED_CHOICES.iter().any(|(c, n)| *c == name && k.is(n.as_bytes())) {
+                        match shape {
+                            Shape::Null => {} // the API's default: one candidate
+                            shape => match count_of(shape)? {
+                                Some(v) if v >= 1 => choices = choices.max(v),
+                                _ => bad_choices = true,
+                            },
+                        }
+                        return Ok(());
+                    }
                     let f = OUTPUT_BOUNDS.iter().position(|(c, n)| *c == name && k.is(n.as_bytes()));
                     if let Some(field) = f {
                         bound = true;
@@ -193,7 +224,7 @@ pub fn cap_output(body: &[u8], limit: u64, add: usize) -> Result<Capping, Defer>
     if per == 0 {
         return Ok(Capping::Refused(Refusal::TooManyChoices));
     }
-    for group in 0..2 {
+    for group in 0..GROUPS {
         if containers.iter().filter(|c| CONTAINERS[c.which].1 == group).count() > 1 {
             return Ok(Capping::Refused(Refusal::RepeatedContainer));
         }
@@ -358,7 +389,7 @@ mod tests {
             cap(r#"{"generationConfig": {"t":1, "maxOutputTokens": 5000}}"#, 100, 2),
             Ok(Some((
                 r#"{"generationConfig": {"t":1, "maxOutputTokens": 100}}"#.into(),
-                3,
+                4,
                 Some(5000)
             )))
         );
@@ -374,15 +405,15 @@ mod tests {
             cap(r#"{"max_tokens":5,"inferenceConfig":null,"generation_config":{"a":1}}"#, 100, 2),
             Ok(Some((
                 r#"{"max_tokens":5,"inferenceConfig":{"maxTokens":100},"generation_config":{"a":1,"max_output_tokens":100}}"#.into(),
-                7,
+                8,
                 None
             )))
         );
         assert_eq!(
-            cap(r#"{}"#, 100, 3),
+            cap(r#"{}"#, 100, 4),
             Ok(Some((
                 r#"{"generationConfig":{"maxOutputTokens":100}}"#.into(),
-                3,
+                4,
                 None
             )))
         );
@@ -395,6 +426,141 @@ mod tests {
                 2,
                 None
             )))
+        );
+    }
+
+    #[test]
+    fn the_tables_agree() {
+        for (i, f) in OUTPUT_FIELDS.iter().enumerate() {
+            assert_eq!(OUTPUT_BOUNDS[i], ("", *f));
+        }
+        assert!(OUTPUT_BOUNDS[OUTPUT_FIELDS.len()..].iter().all(|(c, _)| !c.is_empty()));
+        for (c, _) in OUTPUT_BOUNDS.iter().chain(NESTED_CHOICES.iter()) {
+            assert!(c.is_empty() || CONTAINERS.iter().any(|(n, _)| n == c), "{c}");
+        }
+        assert!(CONTAINERS.iter().all(|(_, g)| *g < GROUPS));
+    }
+
+    #[test]
+    fn gemini_candidates_share_the_cap() {
+        assert_eq!(
+            cap(
+                r#"{"generationConfig":{"candidateCount":8,"maxOutputTokens":5000}}"#,
+                100,
+                2
+            ),
+            Ok(Some((
+                r#"{"generationConfig":{"candidateCount":8,"maxOutputTokens":12}}"#.into(),
+                4,
+                Some(5000)
+            )))
+        );
+        // Every occurrence of a repeated key, every spelling; null is one candidate.
+        assert_eq!(
+            cap(
+                r#"{"generation_config":{"candidate_count":4,"candidateCount":1,"candidate_count":null}}"#,
+                100,
+                2
+            ),
+            Ok(Some((
+                r#"{"generation_config":{"candidate_count":4,"candidateCount":1,"candidate_count":null,"max_output_tokens":25}}"#.into(),
+                6,
+                None
+            )))
+        );
+        assert_eq!(
+            cap(r#"{"n":3,"generationConfig":{"candidate\u0043ount":5}}"#, 100, 2),
+            Ok(Some((
+                r#"{"n":3,"generationConfig":{"candidate\u0043ount":5,"maxOutputTokens":20}}"#.into(),
+                4,
+                None
+            )))
+        );
+        assert_eq!(
+            cap(
+                r#"{"generationConfig":{"candidateCount":4,"maxOutputTokens":25}}"#,
+                100,
+                2
+            ),
+            Ok(None)
+        );
+        // Elsewhere it counts nothing.
+        assert_eq!(
+            cap(
+                r#"{"candidateCount":4,"inferenceConfig":{"candidateCount":4,"maxTokens":500}}"#,
+                100,
+                2
+            ),
+            Ok(Some((
+                r#"{"candidateCount":4,"inferenceConfig":{"candidateCount":4,"maxTokens":100}}"#.into(),
+                8,
+                Some(500)
+            )))
+        );
+        let refused = |b: &str| match cap_output(b.as_bytes(), 100, 0) {
+            Ok(Capping::Refused(why)) => Some(why),
+            _ => None,
+        };
+        assert_eq!(
+            refused(r#"{"generationConfig":{"candidateCount":101}}"#),
+            Some(Refusal::TooManyChoices)
+        );
+        for b in [
+            r#"{"generationConfig":{"candidateCount":0}}"#,
+            r#"{"generationConfig":{"candidate_count":-1}}"#,
+            r#"{"generation_config":{"candidateCount":2.0}}"#,
+            r#"{"generationConfig":{"candidateCount":"2"}}"#,
+            r#"{"generationConfig":{"candidateCount":2,"candidateCount":{}}}"#,
+        ] {
+            assert_eq!(refused(b), Some(Refusal::Choices), "{b}");
+        }
+        assert_eq!(
+            cap_output(
+                br#"{"generationConfig":{"candidateCount":99999999999999999999999}}"#,
+                100,
+                0
+            ),
+            Err(Defer)
+        );
+    }
+
+    #[test]
+    fn titan_and_llama_bounds() {
+        assert_eq!(
+            cap(r#"{"prompt":"x","max_gen_len":500}"#, 100, 2),
+            Ok(Some((r#"{"prompt":"x","max_gen_len":100}"#.into(), 3, Some(500))))
+        );
+        assert_eq!(
+            cap(r#"{"prompt":"x"}"#, 100, 3),
+            Ok(Some((r#"{"prompt":"x","max_gen_len":100}"#.into(), 3, None)))
+        );
+        assert_eq!(
+            cap(r#"{"textGenerationConfig":{"maxTokenCount":500,"topP":1}}"#, 100, 2),
+            Ok(Some((
+                r#"{"textGenerationConfig":{"maxTokenCount":100,"topP":1}}"#.into(),
+                9,
+                Some(500)
+            )))
+        );
+        assert_eq!(
+            cap(r#"{"inputText":"x"}"#, 100, 9),
+            Ok(Some((
+                r#"{"inputText":"x","textGenerationConfig":{"maxTokenCount":100}}"#.into(),
+                9,
+                None
+            )))
+        );
+        assert_eq!(
+            cap(r#"{"textGenerationConfig":{}}"#, 100, 2),
+            Ok(Some((
+                r#"{"textGenerationConfig":{"maxTokenCount":100}}"#.into(),
+                9,
+                None
+            )))
+        );
+        assert_eq!(
+            cap_output(br#"{"textGenerationConfig":{},"textGenerationConfig":{}}"#, 100, 0),
+            Ok(Capping::Refused(Refusal::RepeatedContainer))
         );
     }
 
@@ -454,7 +620,7 @@ mod tests {
         assert_eq!(cap("[1]", 7, 0), Err(Defer));
         assert_eq!(cap(r#"{"a":"#, 7, 0), Err(Defer));
         assert_eq!(cap_output(b"\xff{}", 7, 0), Err(Defer));
-        assert_eq!(cap("{}", 7, 8), Err(Defer));
+        assert_eq!(cap("{}", 7, OUTPUT_BOUNDS.len()), Err(Defer));
     }
 
     #[test]

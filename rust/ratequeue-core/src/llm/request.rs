@@ -3,7 +3,7 @@
 //! the output bound, and the prompt's characters exactly as the Python reference
 //! (`_estimate._chars` over a full `json` parse) counts them.
 
-use super::cap::{CHOICES, CONTAINERS, OUTPUT_BOUNDS, OUTPUT_FIELDS};
+use super::cap::{CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS};
 use super::scan::{decode, decode_string, Num, Scan, Scanner, Shape, Str, MAX_DEPTH};
 use super::Defer;
 
@@ -52,13 +52,16 @@ pub struct RequestFacts {
     bounds: [Bound; OUTPUT_BOUNDS.len()],
     /// `n` and `best_of`.
     choices: [Bound; CHOICES.len()],
+    /// The choice counts of [`NESTED_CHOICES`] (from their container's last occurrence).
+    nested_choices: [Bound; NESTED_CHOICES.len()],
 }
 
 impl RequestFacts {
     /// The character fallback's estimate (`TokenEstimator(None)`): prompt tokens
     /// (ceil(chars / `chars_per_token`) + 4 per message) and the output: the first
     /// bound that is an int >= 0, else `default_output`, times the choices asked for
-    /// (the largest `n` or `best_of` that is an int >= 1, else one).
+    /// (the largest `n`, `best_of` or nested count such as Gemini's `candidateCount`
+    /// that is an int >= 1, else one).
     pub fn estimate(&self, chars_per_token: u64, default_output: u64) -> Result<(u64, u64), Defer> {
         if chars_per_token == 0 {
             return Err(Defer);
@@ -82,8 +85,8 @@ impl RequestFacts {
             }
         }
         let mut choices = 1u64;
-        for c in self.choices {
-            match c {
+        for c in self.choices.iter().chain(self.nested_choices.iter()) {
+            match *c {
                 Bound::Count(v) => choices = choices.max(v),
                 Bound::Huge => return Err(Defer),
                 Bound::Unusable => {}
@@ -260,15 +263,20 @@ pub fn request_facts(body: &[u8]) -> Result<Option<RequestFacts>, Defer> {
                         facts.bounds[j] = Bound::Unusable;
                     }
                 }
+                for (j, (outer, _)) in NESTED_CHOICES.iter().enumerate() {
+                    if *outer == name {
+                        facts.nested_choices[j] = Bound::Unusable;
+                    }
+                }
                 if let Shape::Object = shape {
                     let mut again = Scanner { b: s.b, pos: at };
                     again.object(2, |s2, k2| {
                         let v = s2.value(2)?;
-                        let f = OUTPUT_BOUNDS
-                            .iter()
-                            .position(|(o, n)| *o == name && k2.is(n.as_bytes()));
-                        if let Some(j) = f {
+                        let named = |(o, n): &(&str, &str)| *o == name && k2.is(n.as_bytes());
+                        if let Some(j) = OUTPUT_BOUNDS.iter().position(named) {
                             facts.bounds[j] = bound(v);
+                        } else if let Some(j) = NESTED_CHOICES.iter().position(named) {
+                            facts.nested_choices[j] = bound(v);
                         }
                         Ok(())
                     })?;
@@ -347,6 +355,48 @@ mod tests {
         assert_eq!(
             est(r#"{"max_tokens":5,"inferenceConfig":{"maxTokens":7}}"#),
             Ok(Some((4, 5)))
+        );
+    }
+
+    #[test]
+    fn candidates_titan_and_llama() {
+        let gemini = r#"{"generationConfig":{"candidateCount":8,"maxOutputTokens":100}}"#;
+        assert_eq!(est(gemini), Ok(Some((4, 800))));
+        assert_eq!(
+            est(r#"{"generation_config":{"candidate_count":3}}"#),
+            Ok(Some((4, 3 * 1024)))
+        );
+        assert_eq!(
+            est(r#"{"n":2,"generationConfig":{"candidate_count":3,"maxOutputTokens":10}}"#),
+            Ok(Some((4, 30)))
+        );
+        // A repeated key or container: the last, as a dict keeps it.
+        assert_eq!(
+            est(r#"{"generationConfig":{"candidateCount":8,"candidateCount":2,"maxOutputTokens":1}}"#),
+            Ok(Some((4, 2)))
+        );
+        assert_eq!(
+            est(r#"{"generationConfig":{"candidateCount":8},"generationConfig":{"maxOutputTokens":1}}"#),
+            Ok(Some((4, 1)))
+        );
+        assert_eq!(est(r#"{"candidateCount":8,"max_tokens":1}"#), Ok(Some((4, 1))));
+        assert_eq!(
+            est(r#"{"generationConfig":{"candidateCount":0,"maxOutputTokens":9}}"#),
+            Ok(Some((4, 9)))
+        );
+        assert_eq!(
+            est(r#"{"generationConfig":{"candidateCount":4294967296,"maxOutputTokens":4294967296}}"#),
+            Err(Defer)
+        );
+        assert_eq!(
+            est(r#"{"generationConfig":{"candidateCount":99999999999999999999}}"#),
+            Err(Defer)
+        );
+        assert_eq!(est(r#"{"prompt":"abcd","max_gen_len":66}"#), Ok(Some((5, 66))));
+        assert_eq!(est(r#"{"max_gen_len":66,"max_tokens":5}"#), Ok(Some((4, 5))));
+        assert_eq!(
+            est(r#"{"textGenerationConfig":{"maxTokenCount":77}}"#),
+            Ok(Some((4, 77)))
         );
     }
 
