@@ -226,7 +226,7 @@ pub fn unit_costs_named<'py>(
 /// [`cost`], with a plain int below 2**64 - 1 read at once (the one validation path
 /// decides every other value, including the saturating 2**64 - 1).
 #[inline]
-fn plain_cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+pub(crate) fn plain_cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     if v.is_exact_instance_of::<PyInt>() {
         if let Ok(c) = v.extract::<u64>() {
             if c != u64::MAX {
