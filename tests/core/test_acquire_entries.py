@@ -222,3 +222,33 @@ def test_acquire_async_ready_at_once_needs_no_loop() -> None:
     permit = e.value.value
     assert isinstance(permit, rq.Permit)
     assert permit.costs == {"requests": 1, "tokens": 10}
+
+
+def test_policy_costs_and_settle_keep_their_errors() -> None:
+    # Policy reads a plain int at once too (acq10); every other value as before.
+    def policy() -> rq.Policy:
+        return rq.Policy({"llm": two_units()})
+
+    for kw, exc, message in [
+        ({"tokens": -1}, ValueError, "tokens=-1 must be >= 0"),
+        ({"tokens": 1.5}, TypeError, "tokens must be an int, got float"),
+        ({"tokens": True}, TypeError, "tokens must be an int, got bool"),
+        ({"tokens": 2**64}, rq.CostTooLarge, None),
+        ({"tokens": 2**64 - 1}, rq.CostTooLarge, None),
+    ]:
+        with pytest.raises(exc) as e:
+            policy().acquire(**kw)
+        assert message is None or str(e.value) == message
+    pol = policy()
+    p = pol.acquire(tokens=500)
+    for kw, exc, message in [
+        ({"bogus": 1}, TypeError, 'unexpected keyword "bogus": no level counts it'),
+        ({"tokens": -1}, ValueError, "tokens=-1 must be >= 0"),
+        ({"tokens": True}, TypeError, "tokens must be an int, got bool"),
+    ]:
+        with pytest.raises(exc) as e:
+            p.settle(**kw)
+        assert str(e.value) == message
+    p.settle(tokens=300)
+    assert pol.try_acquire(tokens=700) is not None
+    assert pol.try_acquire(tokens=1) is None

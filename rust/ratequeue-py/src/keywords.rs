@@ -62,7 +62,7 @@ pub fn policy_keywords<'py>(
         let mut costs = Vec::with_capacity(l.units.len().max(1));
         for u in l.units {
             costs.push(match take(u) {
-                Some(v) => cost(u, &v)?,
+                Some(v) => plain_cost(u, &v)?,
                 None if u == "requests" => 1,
                 None => {
                     return Err(missing_keyword(&format!(
