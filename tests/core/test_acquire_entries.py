@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import re
 from typing import Any
 
 import pytest
@@ -252,3 +253,56 @@ def test_policy_costs_and_settle_keep_their_errors() -> None:
     p.settle(tokens=300)
     assert pol.try_acquire(tokens=700) is not None
     assert pol.try_acquire(tokens=1) is None
+
+
+POLICY_REFUSED: list[tuple[dict[str, Any], type[BaseException], str]] = [
+    ({"tokens": 5, "timeout": -1}, ValueError, "timeout=-1 must be >= 0 seconds"),
+    ({"tokens": 5, "timeout": "x"}, TypeError, "timeout must be a number of seconds, got str"),
+    (
+        {"tokens": 5, "max_wait": 1},
+        TypeError,
+        'unexpected keyword "max_wait": not a keyed level\'s name nor a unit of any level',
+    ),
+    ({"requests": 1}, TypeError, 'missing cost for unit "tokens" (level "llm"): pass tokens=...'),
+    (
+        {"tokens": 1001},
+        rq.CostTooLarge,
+        'cost 1001 (level "llm") exceeds the burst of 1000 (level "llm") and can never be admitted',
+    ),
+]
+
+
+def test_policy_acquire_keeps_signature_errors_and_keys() -> None:
+    # Policy.acquire's vectorcall entry (acq10) reads `timeout=` and the levels' keywords.
+    assert str(inspect.signature(rq.Policy.acquire)) == "(self, /, *, timeout=None, **kw)"
+    assert (rq.Policy.acquire.__doc__ or "").startswith("Waits for every level")
+
+    def policy() -> rq.Policy:
+        return rq.Policy(
+            {
+                "llm": two_units(),
+                "user": rq.KeyedLimiter(rq.Rate(5, burst=2), clock=rq.ManualClock()),
+            }
+        )
+
+    for kw, exc, message in POLICY_REFUSED:
+        pol = policy()
+        with pytest.raises(exc) as e:
+            pol.acquire(user="u", **kw)
+        assert str(e.value) == message
+        assert pol.try_acquire(user="u", tokens=1000) is not None  # nothing was taken
+    pol = policy()
+    with pytest.raises(TypeError) as e:
+        pol.acquire(1, tokens=1)  # type: ignore[misc]
+    assert str(e.value) == "Policy.acquire() takes 0 positional arguments but 1 was given"
+    with pytest.raises(TypeError, match=re.escape('missing key for level "user": pass user=...')):
+        pol.acquire(tokens=1)
+    assert pol.acquire(user="u", tokens=5, timeout=None).delay == 0.0
+    assert pol.acquire(user="u", tokens=5, timeout=1.0).delay == 0.0
+    assert pol.try_acquire(user="u", tokens=1) is None  # the key's burst of 2 is used
+
+    class Sub(rq.Policy):
+        pass
+
+    sub = Sub({"llm": rq.Limiter(rq.Rate(100, burst=10), clock=rq.ManualClock())})
+    assert isinstance(sub.acquire(requests=2), rq.PolicyPermit)

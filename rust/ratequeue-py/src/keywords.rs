@@ -34,20 +34,34 @@ pub fn policy_keywords<'py>(
     levels: &[LevelKeywords<'_>],
     kw: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Vec<LevelCall<'py>>> {
-    // The keywords once, as text (a call passes a few): no Python string is made per lookup.
-    let mut given: Vec<(String, Bound<'py, PyAny>, bool)> = Vec::new();
-    if let Some(d) = kw {
-        given.reserve(d.len());
-        for (k, v) in d.iter() {
-            let k = k.cast::<PyString>().map_err(|_| type_err("keyword", "a str", &k))?;
-            given.push((k.to_str()?.to_owned(), v, false));
-        }
+    policy_keywords_named(levels, kw.into_iter().flat_map(|d| d.iter()))
+}
+
+/// [`policy_keywords`] over keywords as (name, value) pairs (a dict's items, or a
+/// vectorcall's `kwnames` beside its values): the same calls and the same TypeErrors.
+pub fn policy_keywords_named<'py>(
+    levels: &[LevelKeywords<'_>],
+    named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+) -> PyResult<Vec<LevelCall<'py>>> {
+    // The keywords once (a call passes a few), checked as text here; a lookup reads the
+    // text again (no Python string made, none copied).
+    let named = named.into_iter();
+    let mut given: Vec<(Bound<'py, PyString>, Bound<'py, PyAny>, bool)> = Vec::with_capacity(named.size_hint().0);
+    for (k, v) in named {
+        let k = k
+            .cast_into::<PyString>()
+            .map_err(|e| type_err("keyword", "a str", e.into_inner().as_any()))?;
+        k.to_str()?;
+        given.push((k, v, false));
     }
     let mut take = |name: &str| -> Option<Bound<'py, PyAny>> {
-        given.iter_mut().find(|(k, _, _)| k == name).map(|(_, v, used)| {
-            *used = true;
-            v.clone()
-        })
+        given
+            .iter_mut()
+            .find(|(k, _, _)| k.to_str().is_ok_and(|k| k == name))
+            .map(|(_, v, used)| {
+                *used = true;
+                v.clone()
+            })
     };
     let mut out = Vec::with_capacity(levels.len());
     for l in levels {
@@ -79,7 +93,7 @@ pub fn policy_keywords<'py>(
     }
     if let Some((k, _, _)) = given.iter().find(|(_, _, used)| !used) {
         return Err(unexpected_keyword(
-            k,
+            k.to_str()?,
             "not a keyed level's name nor a unit of any level",
         ));
     }

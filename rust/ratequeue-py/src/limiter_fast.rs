@@ -1,5 +1,5 @@
-//! Vectorcall entries of `Limiter.acquire`, `Limiter.acquire_async` and `Permit.settle`
-//! over PyO3's: a method with `**costs` gets the tuple-and-dict convention from PyO3
+//! Vectorcall entries of `Limiter.acquire`, `Limiter.acquire_async`, `Permit.settle` and
+//! `Policy.acquire` over PyO3's: a method with `**costs` gets the tuple-and-dict convention from PyO3
 //! (a dict built per call, then read again); these read the keywords from `kwnames`
 //! beside their values, and hand a call with too many positional arguments to PyO3's
 //! method for its TypeError. Same checks, same results, same messages.
@@ -14,6 +14,7 @@ use pyo3::{intern, Borrowed};
 
 use crate::errors::{not_installed, panicked};
 use crate::limiter::LimiterPy;
+use crate::policy::PolicyPy;
 use crate::waiting::{GatePy, PermitPy};
 
 /// A call's keywords: the names (`kwnames`, a tuple of str) and their values.
@@ -169,6 +170,27 @@ fn settle_body<'py>(
     Ok(py.None())
 }
 
+fn policy_acquire_body<'py>(
+    py: Python<'py>,
+    slf: &Bound<'py, PyAny>,
+    _n: Option<&Bound<'py, PyAny>>,
+    kw: Keywords<'py>,
+) -> PyResult<Py<PyAny>> {
+    let pol = slf.cast::<PolicyPy>()?.get();
+    let t_name = intern!(py, "timeout");
+    let mut timeout = None;
+    // As PyO3's method: the levels' keywords first, then `timeout=` (None as absent).
+    let args = pol.args_named(kw.iter().filter(|(k, v)| {
+        let own = is_named(k, t_name, "timeout");
+        if own {
+            timeout = Some(v.clone()).filter(|v| !v.is_none());
+        }
+        !own
+    }))?;
+    Ok(Py::new(py, pol.acquire_args(py, args, timeout.as_ref())?)?.into_any())
+}
+
+static POLICY_ACQUIRE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static ACQUIRE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static ACQUIRE_ASYNC: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
 static SETTLE: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
@@ -201,6 +223,16 @@ unsafe extern "C" fn settle_fast(
 ) -> *mut ffi::PyObject {
     let how = (&SETTLE, "Permit.settle", 0);
     unsafe { fast_call(slf, args, nargs, kwnames, how, settle_body) }
+}
+
+unsafe extern "C" fn policy_acquire_fast(
+    slf: *mut ffi::PyObject,
+    args: *const *mut ffi::PyObject,
+    nargs: ffi::Py_ssize_t,
+    kwnames: *mut ffi::PyObject,
+) -> *mut ffi::PyObject {
+    let how = (&POLICY_ACQUIRE, "Policy.acquire", 0);
+    unsafe { fast_call(slf, args, nargs, kwnames, how, policy_acquire_body) }
 }
 
 type Entry = unsafe extern "C" fn(
@@ -247,11 +279,18 @@ fn install_one(
     Ok(())
 }
 
-/// Installs the fast entries of `Limiter.acquire`, `Limiter.acquire_async` and
-/// `Permit.settle`.
+/// Installs the fast entries of `Limiter.acquire`, `Limiter.acquire_async`,
+/// `Permit.settle` and `Policy.acquire`.
 pub fn install(py: Python<'_>) -> PyResult<()> {
     let lim = py.get_type::<LimiterPy>();
     install_one(py, &lim, c"acquire", acquire_fast, &ACQUIRE)?;
     install_one(py, &lim, c"acquire_async", acquire_async_fast, &ACQUIRE_ASYNC)?;
-    install_one(py, &py.get_type::<PermitPy>(), c"settle", settle_fast, &SETTLE)
+    install_one(py, &py.get_type::<PermitPy>(), c"settle", settle_fast, &SETTLE)?;
+    install_one(
+        py,
+        &py.get_type::<PolicyPy>(),
+        c"acquire",
+        policy_acquire_fast,
+        &POLICY_ACQUIRE,
+    )
 }

@@ -20,7 +20,7 @@ use crate::waiting::Ready;
 #[pyclass(frozen, name = "PolicyPermit", module = "ratequeue")]
 pub struct PolicyPermitPy {
     policy: Arc<Policy>,
-    units: Vec<Vec<String>>,
+    units: Arc<[Vec<String>]>,
     state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
     delay_ns: u64,
     /// The time every level holds it, on the policy's clock.
@@ -37,7 +37,7 @@ impl PolicyPermitPy {
     /// after the call that read `clock` at `start_ns`.
     pub fn new(
         policy: Arc<Policy>,
-        units: Vec<Vec<String>>,
+        units: Arc<[Vec<String>]>,
         (args, held): (Vec<LevelArgs>, Vec<Held>),
         (start_ns, delay_ns): (u64, u64),
         clock: AnyClock,
