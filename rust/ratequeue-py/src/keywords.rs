@@ -196,13 +196,15 @@ pub fn unit_costs(
     kw: Option<&Bound<'_, PyDict>>,
     out: &mut [u64],
 ) -> PyResult<()> {
-    unit_costs_named(units, defaults, n, kw.into_iter().flat_map(|d| d.iter()), out)
+    unit_costs_named(units, &[], defaults, n, kw.into_iter().flat_map(|d| d.iter()), out)
 }
 
 /// [`unit_costs`] over keywords as (name, value) pairs (a dict's items, or a vectorcall's
-/// `kwnames` beside its values): the same costs and the same TypeErrors.
+/// `kwnames` beside its values): the same costs and the same TypeErrors. `interned`: the
+/// units' names as interned strings (or empty), matched by identity before by text.
 pub fn unit_costs_named<'py>(
     units: &[String],
+    interned: &[Py<PyString>],
     defaults: &[Option<u64>],
     n: Option<&Bound<'py, PyAny>>,
     named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
@@ -215,14 +217,19 @@ pub fn unit_costs_named<'py>(
         given = 1;
     }
     for (k, v) in named {
-        let k = k.cast_into::<PyString>()?;
-        let name = k.to_str()?;
-        let Some(i) = units.iter().position(|u| u == name) else {
-            return Err(unexpected_keyword(
-                name,
-                &format!("this limiter counts units {units:?}"),
-            ));
+        // The interpreter passes the names written in a call as interned strings.
+        let i = match interned.iter().position(|u| u.as_ptr() == k.as_ptr()) {
+            Some(i) => i,
+            None => {
+                let k = k.cast_into::<PyString>()?;
+                let name = k.to_str()?;
+                units
+                    .iter()
+                    .position(|u| u == name)
+                    .ok_or_else(|| unexpected_keyword(name, &format!("this limiter counts units {units:?}")))?
+            }
         };
+        let name = &units[i];
         if given & (1 << i) != 0 {
             return Err(given_twice(name));
         }

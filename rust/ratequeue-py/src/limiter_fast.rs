@@ -119,7 +119,9 @@ fn acquire_args<'py>(
     let costs = lim.costs_named(
         n,
         kw.iter().filter(|(k, v)| {
-            if is_named(k, p_name, "priority") {
+            if lim.unit_names.iter().any(|u| u.as_ptr() == k.as_ptr()) {
+                true // a unit (never named like these keywords)
+            } else if is_named(k, p_name, "priority") {
                 priority = Some(v.clone()).filter(|v| !v.is_none());
                 false
             } else if is_named(k, t_name, "timeout") {
