@@ -12,7 +12,7 @@ impl Resource for Limiter {
 
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.take_at_with(now_ns, costs, 0, false)
-            .map(|r| Some(self.token_of(&r)))
+            .map(|r| Some(self.token_of(r)))
     }
 
     #[inline]
@@ -23,7 +23,7 @@ impl Resource for Limiter {
         let _serial = self.try_lock_multi()?;
         Some(
             self.take_all_serial(now_ns, costs, 0, false)
-                .map(|r| Some(self.token_of(&r))),
+                .map(|r| Some(self.token_of(r))),
         )
     }
 
@@ -40,7 +40,7 @@ impl Resource for Limiter {
         let _serial = self.try_lock_multi()?;
         Some(
             self.take_all_idle(now_ns, costs, joined)
-                .map(|r| Some(self.token_of(&r))),
+                .map(|r| Some(self.token_of(r))),
         )
     }
 
@@ -51,7 +51,7 @@ impl Resource for Limiter {
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(&r))
+        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(r))
     }
 
     fn charge_at(&self, at_ns: u64, costs: &[u64]) {
