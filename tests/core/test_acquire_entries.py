@@ -306,3 +306,13 @@ def test_policy_acquire_keeps_signature_errors_and_keys() -> None:
 
     sub = Sub({"llm": rq.Limiter(rq.Rate(100, burst=10), clock=rq.ManualClock())})
     assert isinstance(sub.acquire(requests=2), rq.PolicyPermit)
+
+
+def test_settle_of_many_units() -> None:
+    # More keywords than settle keeps inline (4): every one applied.
+    units = ["requests", "tokens", "a", "b", "c", "d"]
+    lim = rq.Limiter(*(rq.Rate(100, burst=100, unit=u) for u in units), clock=rq.ManualClock())
+    p = lim.acquire(**dict.fromkeys(units, 50))
+    p.settle(**{u: 10 + i for i, u in enumerate(units)})
+    assert p.costs == {u: 10 + i for i, u in enumerate(units)}
+    assert [lim.available(u) for u in units] == [100 - 10 - i for i in range(6)]

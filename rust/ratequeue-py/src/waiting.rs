@@ -184,17 +184,30 @@ impl PermitPy {
         if units.is_empty() {
             return Err(crate::errors::wrong_type("a Concurrency permit has no costs to settle"));
         }
-        let mut costs = Vec::new();
+        // (unit index, cost) per keyword: a few inline, more on the heap.
+        let (mut inline, mut n, mut more) = ([(0usize, 0u64); 4], 0, Vec::new());
         for (k, v) in named {
             let k = k.cast_into::<PyString>()?;
             let name = k.to_str()?;
             let i = units.iter().position(|u| u == name).ok_or_else(|| {
                 crate::errors::unexpected_keyword(name, &format!("this limiter counts units {units:?}"))
             })?;
-            costs.push((i, crate::keywords::plain_cost(name, &v)?));
+            let c = (i, crate::keywords::plain_cost(name, &v)?);
+            if n < inline.len() {
+                inline[n] = c;
+                n += 1;
+            } else {
+                more.push(c);
+            }
         }
+        let costs = if more.is_empty() {
+            &inline[..n]
+        } else {
+            more.splice(0..0, inline);
+            &more[..]
+        };
         // Locks are tried first; only a busy one is waited for, detached from Python.
-        self.inner.settle(&costs, &Unblocked);
+        self.inner.settle(costs, &Unblocked);
         Ok(())
     }
 

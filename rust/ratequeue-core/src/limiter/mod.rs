@@ -448,7 +448,11 @@ impl Limiter {
             r.taken[0].after_word()
         } else {
             let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            let oldest = if recent.len() == RECENT { recent.pop_front() } else { None };
+            let oldest = if recent.len() == RECENT {
+                recent.pop_front()
+            } else {
+                None
+            };
             recent.push_back((r.seq, r.taken));
             drop(recent);
             drop(oldest); // freed outside the lock
