@@ -316,3 +316,12 @@ def test_settle_of_many_units() -> None:
     p.settle(**{u: 10 + i for i, u in enumerate(units)})
     assert p.costs == {u: 10 + i for i, u in enumerate(units)}
     assert [lim.available(u) for u in units] == [100 - 10 - i for i in range(6)]
+
+
+@pytest.mark.parametrize("method", ["acquire", "acquire_async"])
+def test_a_positional_none_is_no_cost(method: str) -> None:
+    # PyO3 reads an explicit None as the argument left out (ratequeue.adaptive passes it).
+    lim = two_units()
+    assert permit_of(lim, method, None, tokens=7).costs == {"requests": 1, "tokens": 7}
+    one = rq.Limiter(rq.Rate(10, burst=10), clock=rq.ManualClock())
+    assert permit_of(one, method, None, priority=None, timeout=None).costs == {"requests": 1}

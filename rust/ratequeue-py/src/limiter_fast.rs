@@ -80,7 +80,10 @@ unsafe fn fast_call(
         };
         if nargs <= positional {
             let obj = unsafe { Borrowed::from_ptr(py, slf) };
-            let n = (nargs == 1).then(|| unsafe { Bound::from_borrowed_ptr(py, *args) });
+            // As PyO3 reads an optional argument: None is the argument left out.
+            let n = (nargs == 1)
+                .then(|| unsafe { Bound::from_borrowed_ptr(py, *args) })
+                .filter(|n| !n.is_none());
             return body(py, &obj, n.as_ref(), kw);
         }
         let full = full.get(py).ok_or_else(|| not_installed(what))?;
