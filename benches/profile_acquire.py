@@ -106,6 +106,8 @@ def rows() -> list[tuple[str, Callable[[int], Any]]]:
             loop(lambda: lim.try_acquire(requests=1, tokens=500)),
         ),
         ("lim.acquire(requests=1, tokens=500)", loop(lambda: lim.acquire(requests=1, tokens=500))),
+        ("one-unit lim.acquire(requests=1)", loop(lambda: one.acquire(requests=1))),
+        ("one-unit lim.acquire()", loop(lambda: one.acquire())),
         (
             "lim.acquire(requests=1, tokens=500, timeout=30.0)",
             loop(lambda: lim.acquire(requests=1, tokens=500, timeout=30.0)),
