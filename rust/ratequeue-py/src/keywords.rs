@@ -34,20 +34,34 @@ pub fn policy_keywords<'py>(
     levels: &[LevelKeywords<'_>],
     kw: Option<&Bound<'py, PyDict>>,
 ) -> PyResult<Vec<LevelCall<'py>>> {
-    // The keywords once, as text (a call passes a few): no Python string is made per lookup.
-    let mut given: Vec<(String, Bound<'py, PyAny>, bool)> = Vec::new();
-    if let Some(d) = kw {
-        given.reserve(d.len());
-        for (k, v) in d.iter() {
-            let k = k.cast::<PyString>().map_err(|_| type_err("keyword", "a str", &k))?;
-            given.push((k.to_str()?.to_owned(), v, false));
-        }
+    policy_keywords_named(levels, kw.into_iter().flat_map(|d| d.iter()))
+}
+
+/// [`policy_keywords`] over keywords as (name, value) pairs (a dict's items, or a
+/// vectorcall's `kwnames` beside its values): the same calls and the same TypeErrors.
+pub fn policy_keywords_named<'py>(
+    levels: &[LevelKeywords<'_>],
+    named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+) -> PyResult<Vec<LevelCall<'py>>> {
+    // The keywords once (a call passes a few), checked as text here; a lookup reads the
+    // text again (no Python string made, none copied).
+    let named = named.into_iter();
+    let mut given: Vec<(Bound<'py, PyString>, Bound<'py, PyAny>, bool)> = Vec::with_capacity(named.size_hint().0);
+    for (k, v) in named {
+        let k = k
+            .cast_into::<PyString>()
+            .map_err(|e| type_err("keyword", "a str", e.into_inner().as_any()))?;
+        k.to_str()?;
+        given.push((k, v, false));
     }
     let mut take = |name: &str| -> Option<Bound<'py, PyAny>> {
-        given.iter_mut().find(|(k, _, _)| k == name).map(|(_, v, used)| {
-            *used = true;
-            v.clone()
-        })
+        given
+            .iter_mut()
+            .find(|(k, _, _)| k.to_str().is_ok_and(|k| k == name))
+            .map(|(_, v, used)| {
+                *used = true;
+                v.clone()
+            })
     };
     let mut out = Vec::with_capacity(levels.len());
     for l in levels {
@@ -62,7 +76,7 @@ pub fn policy_keywords<'py>(
         let mut costs = Vec::with_capacity(l.units.len().max(1));
         for u in l.units {
             costs.push(match take(u) {
-                Some(v) => cost(u, &v)?,
+                Some(v) => plain_cost(u, &v)?,
                 None if u == "requests" => 1,
                 None => {
                     return Err(missing_keyword(&format!(
@@ -79,7 +93,7 @@ pub fn policy_keywords<'py>(
     }
     if let Some((k, _, _)) = given.iter().find(|(_, _, used)| !used) {
         return Err(unexpected_keyword(
-            k,
+            k.to_str()?,
             "not a keyed level's name nor a unit of any level",
         ));
     }
@@ -182,13 +196,15 @@ pub fn unit_costs(
     kw: Option<&Bound<'_, PyDict>>,
     out: &mut [u64],
 ) -> PyResult<()> {
-    unit_costs_named(units, defaults, n, kw.into_iter().flat_map(|d| d.iter()), out)
+    unit_costs_named(units, &[], defaults, n, kw.into_iter().flat_map(|d| d.iter()), out)
 }
 
 /// [`unit_costs`] over keywords as (name, value) pairs (a dict's items, or a vectorcall's
-/// `kwnames` beside its values): the same costs and the same TypeErrors.
+/// `kwnames` beside its values): the same costs and the same TypeErrors. `interned`: the
+/// units' names as interned strings (or empty), matched by identity before by text.
 pub fn unit_costs_named<'py>(
     units: &[String],
+    interned: &[Py<PyString>],
     defaults: &[Option<u64>],
     n: Option<&Bound<'py, PyAny>>,
     named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
@@ -201,14 +217,19 @@ pub fn unit_costs_named<'py>(
         given = 1;
     }
     for (k, v) in named {
-        let k = k.cast_into::<PyString>()?;
-        let name = k.to_str()?;
-        let Some(i) = units.iter().position(|u| u == name) else {
-            return Err(unexpected_keyword(
-                name,
-                &format!("this limiter counts units {units:?}"),
-            ));
+        // The interpreter passes the names written in a call as interned strings.
+        let i = match interned.iter().position(|u| u.as_ptr() == k.as_ptr()) {
+            Some(i) => i,
+            None => {
+                let k = k.cast_into::<PyString>()?;
+                let name = k.to_str()?;
+                units
+                    .iter()
+                    .position(|u| u == name)
+                    .ok_or_else(|| unexpected_keyword(name, &format!("this limiter counts units {units:?}")))?
+            }
         };
+        let name = &units[i];
         if given & (1 << i) != 0 {
             return Err(given_twice(name));
         }
@@ -226,7 +247,7 @@ pub fn unit_costs_named<'py>(
 /// [`cost`], with a plain int below 2**64 - 1 read at once (the one validation path
 /// decides every other value, including the saturating 2**64 - 1).
 #[inline]
-fn plain_cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
+pub(crate) fn plain_cost(name: &str, v: &Bound<'_, PyAny>) -> PyResult<u64> {
     if v.is_exact_instance_of::<PyInt>() {
         if let Ok(c) = v.extract::<u64>() {
             if c != u64::MAX {

@@ -19,6 +19,7 @@ mod keyed_limiter;
 mod keywords;
 mod limiter;
 mod limiter_entry;
+mod limiter_fast;
 mod limiter_ops;
 mod llm;
 mod llm_call;
@@ -62,6 +63,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<waiting::ChannelPy>()?;
     m.add_class::<aio::LoopWaitersPy>()?;
     limiter_entry::install(m.py())?;
+    limiter_fast::install(m.py())?;
     aio::install(m.py())?;
     Ok(())
 }

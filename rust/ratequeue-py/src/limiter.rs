@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{AnyClock, Limiter};
 
@@ -25,6 +25,8 @@ pub struct LimiterPy {
     pub(crate) gate: Arc<Gate>,
     /// Cost of a unit not named in a call (None: it must be named).
     pub(crate) defaults: [Option<u64>; MAX_RATES],
+    /// The units' names, interned: a call's keywords are matched by identity first.
+    pub(crate) unit_names: Box<[Py<PyString>]>,
     /// With one unit, its default cost (`defaults[0]`): the cost of `try_acquire()`
     /// without arguments, read by the fast entry with no further check; None otherwise.
     pub(crate) default_one: Option<u64>,

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyInt, PyTuple};
+use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::{Deny, Limiter, Rate, Reserved};
 
@@ -69,7 +69,7 @@ impl LimiterPy {
         named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
     ) -> PyResult<Costs> {
         let mut out = [0u64; MAX_RATES];
-        crate::keywords::unit_costs_named(self.core.units(), &self.defaults, n, named, &mut out)?;
+        crate::keywords::unit_costs_named(self.core.units(), &self.unit_names, &self.defaults, n, named, &mut out)?;
         Ok(out)
     }
 
@@ -214,6 +214,7 @@ impl LimiterPy {
             None => Bound::new(py, crate::clock::MonotonicClockPy)?.into_any().unbind(),
         };
         Ok(LimiterPy {
+            unit_names: core.units().iter().map(|u| PyString::intern(py, u).unbind()).collect(),
             default_one: if single { defaults[0] } else { None },
             core,
             gate,

@@ -27,6 +27,8 @@ const SIGNAL_SLICE: Duration = Duration::from_millis(50);
 pub struct PolicyPy {
     core: Arc<Policy>,
     levels: Vec<LevelPy>,
+    /// The units of each level (shared by its permits).
+    units: Arc<[Vec<String>]>,
     clock: AnyClock,
 }
 
@@ -54,8 +56,16 @@ fn refusal_error(py: Python<'_>, p: &PolicyPy, r: Refusal, max_wait_ns: u64) -> 
 
 impl PolicyPy {
     fn args(&self, kw: Option<&Bound<'_, PyDict>>) -> PyResult<Vec<LevelArgs>> {
+        self.args_named(kw.into_iter().flat_map(|d| d.iter()))
+    }
+
+    /// [`Self::args`] of keywords as (name, value) pairs.
+    pub(crate) fn args_named<'py>(
+        &self,
+        named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<Vec<LevelArgs>> {
         let levels: Vec<_> = self.levels.iter().map(LevelPy::keywords).collect();
-        let calls = crate::keywords::policy_keywords(&levels, kw)?;
+        let calls = crate::keywords::policy_keywords_named(&levels, named)?;
         calls
             .into_iter()
             .enumerate()
@@ -72,10 +82,9 @@ impl PolicyPy {
 
     /// The permit of `held` for `args`, after `delay_ns`.
     pub(crate) fn permit(&self, args: Vec<LevelArgs>, held: Vec<Held>, start_ns: u64, delay_ns: u64) -> PolicyPermitPy {
-        let units = self.levels.iter().map(LevelPy::units).collect();
         PolicyPermitPy::new(
             self.core.clone(),
-            units,
+            self.units.clone(),
             (args, held),
             (start_ns, delay_ns),
             self.clock.clone(),
@@ -166,6 +175,7 @@ impl PolicyPy {
         let core = Policy::new(core_levels).map_err(|e| to_py(py, e))?;
         Ok(PolicyPy {
             core: Arc::new(core),
+            units: py_levels.iter().map(LevelPy::units).collect(),
             levels: py_levels,
             clock: clock.unwrap_or_default(),
         })
@@ -240,6 +250,65 @@ impl PolicyPy {
         kw: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<PolicyPermitPy> {
         let args = self.args(kw)?;
+        self.acquire_args(py, args, timeout)
+    }
+
+    /// Awaitable (and async context manager) version of acquire: the same lifecycle,
+    /// its waits bridged to the running event loop by ratequeue.aio.
+    #[pyo3(signature = (*, timeout = None, **kw))]
+    fn acquire_async(
+        slf: &Bound<'_, Self>,
+        timeout: Option<&Bound<'_, PyAny>>,
+        kw: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<PolicyAcquiringPy> {
+        let py = slf.py();
+        let me = slf.get();
+        let args = me.args(kw)?;
+        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
+        let start = me.clock.now_ns();
+        let permit = match me.try_now(py, &args, start) {
+            Some(held) => Some(Py::new(py, me.permit(args.clone(), held, start, 0))?),
+            None => None,
+        };
+        let (policy, clock) = (me.core.clone(), me.clock.clone());
+        let core = Arc::new(unblocked(move || {
+            PolicyAcquire::started_at(policy, args, clock, t, start)
+        }));
+        Ok(PolicyAcquiringPy::new(slf.clone().unbind(), core, permit))
+    }
+
+    /// Level names, in order.
+    #[getter]
+    fn levels(&self) -> Vec<String> {
+        self.levels.iter().map(|l| l.name.clone()).collect()
+    }
+
+    /// Admitted requests and, per level, refusals and shadow refusals.
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let d = PyDict::new(py);
+        d.set_item("admitted", self.core.admitted())?;
+        let levels = PyDict::new(py);
+        for (i, l) in self.levels.iter().enumerate() {
+            let c = self.core.counts(i);
+            let e = PyDict::new(py);
+            e.set_item("refused", c.refused)?;
+            e.set_item("shadow_refused", c.shadow_refused)?;
+            e.set_item("shadow", self.core.levels()[i].shadow)?;
+            levels.set_item(&l.name, e)?;
+        }
+        d.set_item("levels", levels)?;
+        Ok(d)
+    }
+}
+
+impl PolicyPy {
+    /// `acquire` of parsed keywords: `args` per level, `timeout` as given.
+    pub(crate) fn acquire_args(
+        &self,
+        py: Python<'_>,
+        args: Vec<LevelArgs>,
+        timeout: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<PolicyPermitPy> {
         let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
         // The call's time: the fast path decides at it, and the delay counts from it.
         let start = self.clock.now_ns();
@@ -291,53 +360,6 @@ impl PolicyPy {
                 }
             }
         }
-    }
-
-    /// Awaitable (and async context manager) version of acquire: the same lifecycle,
-    /// its waits bridged to the running event loop by ratequeue.aio.
-    #[pyo3(signature = (*, timeout = None, **kw))]
-    fn acquire_async(
-        slf: &Bound<'_, Self>,
-        timeout: Option<&Bound<'_, PyAny>>,
-        kw: Option<&Bound<'_, PyDict>>,
-    ) -> PyResult<PolicyAcquiringPy> {
-        let py = slf.py();
-        let me = slf.get();
-        let args = me.args(kw)?;
-        let t = timeout.map(|t| seconds_ns("timeout", t)).transpose()?;
-        let start = me.clock.now_ns();
-        let permit = match me.try_now(py, &args, start) {
-            Some(held) => Some(Py::new(py, me.permit(args.clone(), held, start, 0))?),
-            None => None,
-        };
-        let (policy, clock) = (me.core.clone(), me.clock.clone());
-        let core = Arc::new(unblocked(move || {
-            PolicyAcquire::started_at(policy, args, clock, t, start)
-        }));
-        Ok(PolicyAcquiringPy::new(slf.clone().unbind(), core, permit))
-    }
-
-    /// Level names, in order.
-    #[getter]
-    fn levels(&self) -> Vec<String> {
-        self.levels.iter().map(|l| l.name.clone()).collect()
-    }
-
-    /// Admitted requests and, per level, refusals and shadow refusals.
-    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let d = PyDict::new(py);
-        d.set_item("admitted", self.core.admitted())?;
-        let levels = PyDict::new(py);
-        for (i, l) in self.levels.iter().enumerate() {
-            let c = self.core.counts(i);
-            let e = PyDict::new(py);
-            e.set_item("refused", c.refused)?;
-            e.set_item("shadow_refused", c.shadow_refused)?;
-            e.set_item("shadow", self.core.levels()[i].shadow)?;
-            levels.set_item(&l.name, e)?;
-        }
-        d.set_item("levels", levels)?;
-        Ok(d)
     }
 }
 

@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::policy::{Finished, Held, PolicyAcquire};
 use ratequeue_core::{AnyClock, LevelArgs, Policy};
 
-use crate::args::cost;
 use crate::errors::{aio_not_ready, unexpected_keyword};
+use crate::keywords::plain_cost;
 use crate::policy::PolicyPy;
 use crate::waiting::Ready;
 
@@ -20,7 +20,7 @@ use crate::waiting::Ready;
 #[pyclass(frozen, name = "PolicyPermit", module = "ratequeue")]
 pub struct PolicyPermitPy {
     policy: Arc<Policy>,
-    units: Vec<Vec<String>>,
+    units: Arc<[Vec<String>]>,
     state: Mutex<(Vec<LevelArgs>, Vec<Held>)>,
     delay_ns: u64,
     /// The time every level holds it, on the policy's clock.
@@ -37,7 +37,7 @@ impl PolicyPermitPy {
     /// after the call that read `clock` at `start_ns`.
     pub fn new(
         policy: Arc<Policy>,
-        units: Vec<Vec<String>>,
+        units: Arc<[Vec<String>]>,
         (args, held): (Vec<LevelArgs>, Vec<Held>),
         (start_ns, delay_ns): (u64, u64),
         clock: AnyClock,
@@ -123,17 +123,18 @@ impl PolicyPermitPy {
         let mut given: Vec<(usize, usize, u64)> = Vec::new();
         if let Some(d) = kw {
             for (k, v) in d.iter() {
-                let name: String = k.extract()?;
-                let c = cost(&name, &v)?;
+                let k = k.cast_into::<PyString>()?;
+                let name = k.to_str()?;
+                let c = plain_cost(name, &v)?;
                 let mut found = false;
                 for (i, units) in self.units.iter().enumerate() {
-                    if let Some(j) = units.iter().position(|u| *u == name) {
+                    if let Some(j) = units.iter().position(|u| u == name) {
                         given.push((i, j, c));
                         found = true;
                     }
                 }
                 if !found {
-                    return Err(unexpected_keyword(&name, "no level counts it"));
+                    return Err(unexpected_keyword(name, "no level counts it"));
                 }
             }
         }

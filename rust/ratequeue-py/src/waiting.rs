@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pyo3::prelude::*;
-use pyo3::types::{PyDict, PyTuple};
+use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::wait::{Detach, Host, Permit, Stopped};
 use ratequeue_core::{AnyClock, GrantRef, QueueConfig, WaitQueue};
 
@@ -174,6 +174,43 @@ impl PermitPy {
         }
     }
 
+    /// `settle(**costs)` with the keywords as (name, value) pairs (a dict's items, or
+    /// the fast entry's `kwnames` beside its values).
+    pub(crate) fn settle_named<'py>(
+        &self,
+        named: impl IntoIterator<Item = (Bound<'py, PyAny>, Bound<'py, PyAny>)>,
+    ) -> PyResult<()> {
+        let units = self.inner.owner().units();
+        if units.is_empty() {
+            return Err(crate::errors::wrong_type("a Concurrency permit has no costs to settle"));
+        }
+        // (unit index, cost) per keyword: a few inline, more on the heap.
+        let (mut inline, mut n, mut more) = ([(0usize, 0u64); 4], 0, Vec::new());
+        for (k, v) in named {
+            let k = k.cast_into::<PyString>()?;
+            let name = k.to_str()?;
+            let i = units.iter().position(|u| u == name).ok_or_else(|| {
+                crate::errors::unexpected_keyword(name, &format!("this limiter counts units {units:?}"))
+            })?;
+            let c = (i, crate::keywords::plain_cost(name, &v)?);
+            if n < inline.len() {
+                inline[n] = c;
+                n += 1;
+            } else {
+                more.push(c);
+            }
+        }
+        let costs = if more.is_empty() {
+            &inline[..n]
+        } else {
+            more.splice(0..0, inline);
+            &more[..]
+        };
+        // Locks are tried first; only a busy one is waited for, detached from Python.
+        self.inner.settle(costs, &Unblocked);
+        Ok(())
+    }
+
     /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
         PermitPy {
@@ -216,23 +253,7 @@ impl PermitPy {
     /// called again; each call settles against the previous one.
     #[pyo3(signature = (**costs))]
     fn settle(&self, costs: Option<&Bound<'_, PyDict>>) -> PyResult<()> {
-        let units = self.inner.owner().units();
-        if units.is_empty() {
-            return Err(crate::errors::wrong_type("a Concurrency permit has no costs to settle"));
-        }
-        let mut named = Vec::new();
-        if let Some(kw) = costs {
-            for (k, v) in kw.iter() {
-                let name: String = k.extract()?;
-                let i = units.iter().position(|u| *u == name).ok_or_else(|| {
-                    crate::errors::unexpected_keyword(&name, &format!("this limiter counts units {units:?}"))
-                })?;
-                named.push((i, crate::args::cost(&name, &v)?));
-            }
-        }
-        // Locks are tried first; only a busy one is waited for, detached from Python.
-        self.inner.settle(&named, &Unblocked);
-        Ok(())
+        self.settle_named(costs.into_iter().flat_map(|d| d.iter()))
     }
 
     /// The costs this permit holds, by unit.

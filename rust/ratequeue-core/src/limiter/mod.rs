@@ -441,16 +441,21 @@ impl Limiter {
     }
 
     /// A grant's token: one rate, the word it left; several, the change count right
-    /// after it (taken under the lock that serialises every change), covering every rate.
-    fn token_of(&self, r: &Reservation) -> u64 {
+    /// after it (taken under the lock that serialises every change), covering every rate;
+    /// its debits kept (moved, not copied) for a late give-back.
+    fn token_of(&self, r: Reservation) -> u64 {
         if self.buckets.len() == 1 {
             r.taken[0].after_word()
         } else {
             let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            if recent.len() == RECENT {
-                recent.pop_front();
-            }
-            recent.push_back((r.seq, r.taken.clone()));
+            let oldest = if recent.len() == RECENT {
+                recent.pop_front()
+            } else {
+                None
+            };
+            recent.push_back((r.seq, r.taken));
+            drop(recent);
+            drop(oldest); // freed outside the lock
             r.seq
         }
     }

@@ -12,7 +12,7 @@ impl Resource for Limiter {
 
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
         self.take_at_with(now_ns, costs, 0, false)
-            .map(|r| Some(self.token_of(&r)))
+            .map(|r| Some(self.token_of(r)))
     }
 
     #[inline]
@@ -23,7 +23,7 @@ impl Resource for Limiter {
         let _serial = self.try_lock_multi()?;
         Some(
             self.take_all_serial(now_ns, costs, 0, false)
-                .map(|r| Some(self.token_of(&r))),
+                .map(|r| Some(self.token_of(r))),
         )
     }
 
@@ -40,7 +40,7 @@ impl Resource for Limiter {
         let _serial = self.try_lock_multi()?;
         Some(
             self.take_all_idle(now_ns, costs, joined)
-                .map(|r| Some(self.token_of(&r))),
+                .map(|r| Some(self.token_of(r))),
         )
     }
 
@@ -51,7 +51,7 @@ impl Resource for Limiter {
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(&r))
+        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(r))
     }
 
     fn charge_at(&self, at_ns: u64, costs: &[u64]) {
@@ -95,54 +95,17 @@ impl Resource for Limiter {
     fn settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
         let now = self.clock.now_ns();
         let _serial = self.serial();
-        let exact = match grant.token {
-            Some(t) if self.buckets.len() > 1 => self.seq.load(Ordering::Acquire) == t,
-            Some(_) => true,
-            None => false,
-        };
-        let mut latest = exact;
-        let mut word = 0;
-        for (i, b) in self.buckets.iter().enumerate() {
-            let u = self.bucket_unit[i];
-            let (e, a) = (estimated[u], actual[u]);
-            // While exact, the grant's words: the token itself (one rate), or the current
-            // words, since nothing changed (several).
-            let mut t = match grant.token {
-                Some(w) if exact && self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
-                Some(_) if exact => Some(Taken::from_token(b.word(), e)),
-                _ => None,
-            };
-            if a < e {
-                let u = match &mut t {
-                    Some(tk) => match b.give_back(tk, e - a, now) {
-                        // The word moved on: a token knows nothing of where its debit sits
-                        // now, the grant time does (the same refund as without a token).
-                        Undo::Nothing | Undo::Dropped if !tk.is_latest() => b.refund_since(now, e - a, grant.at_ns, e),
-                        u => u,
-                    },
-                    None => b.refund_since(now, e - a, grant.at_ns, e),
-                };
-                self.note(u);
-            } else if a > e {
-                match &mut t {
-                    Some(t) => b.charge_more(t, a - e, now),
-                    None => b.charge(now, a - e),
-                }
-            }
-            latest &= t.is_some_and(|t| t.is_latest());
-            word = t.map_or(0, |t| t.after_word());
-        }
-        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
-        GrantRef {
-            at_ns: grant.at_ns,
-            token: latest.then_some(if self.buckets.len() == 1 { word } else { seq }),
-            owed: None,
-        }
+        self.settle_serial(now, estimated, actual, grant)
     }
 
     fn try_settle(&self, estimated: &[u64], actual: &[u64], grant: GrantRef) -> Option<GrantRef> {
-        // One rate settles lock-free; several serialise on a lock.
-        (self.buckets.len() == 1).then(|| self.settle(estimated, actual, grant))
+        // One rate settles lock-free; several serialise on a lock, taken here only if free.
+        let now = self.clock.now_ns();
+        let _serial = match self.buckets.len() {
+            1 => None,
+            _ => Some(self.try_lock_multi()?),
+        };
+        Some(self.settle_serial(now, estimated, actual, grant))
     }
 
     fn service_ns(&self, costs: &[u64]) -> f64 {
@@ -192,5 +155,54 @@ impl Resource for Limiter {
             }
         }
         Some(t)
+    }
+}
+
+impl Limiter {
+    /// [`Resource::settle`]'s body, with the multi-rate lock held (several rates).
+    fn settle_serial(&self, now: u64, estimated: &[u64], actual: &[u64], grant: GrantRef) -> GrantRef {
+        let exact = match grant.token {
+            Some(t) if self.buckets.len() > 1 => self.seq.load(Ordering::Acquire) == t,
+            Some(_) => true,
+            None => false,
+        };
+        let mut latest = exact;
+        let mut word = 0;
+        for (i, b) in self.buckets.iter().enumerate() {
+            let u = self.bucket_unit[i];
+            let (e, a) = (estimated[u], actual[u]);
+            // While exact, the grant's words: the token itself (one rate), or the current
+            // words, since nothing changed (several).
+            let mut t = match grant.token {
+                Some(w) if exact && self.buckets.len() == 1 => Some(Taken::from_token(w, e)),
+                Some(_) if exact => Some(Taken::from_token(b.word(), e)),
+                _ => None,
+            };
+            if a < e {
+                let u = match &mut t {
+                    Some(tk) => match b.give_back(tk, e - a, now) {
+                        // The word moved on: a token knows nothing of where its debit sits
+                        // now, the grant time does (the same refund as without a token).
+                        Undo::Nothing | Undo::Dropped if !tk.is_latest() => b.refund_since(now, e - a, grant.at_ns, e),
+                        u => u,
+                    },
+                    None => b.refund_since(now, e - a, grant.at_ns, e),
+                };
+                self.note(u);
+            } else if a > e {
+                match &mut t {
+                    Some(t) => b.charge_more(t, a - e, now),
+                    None => b.charge(now, a - e),
+                }
+            }
+            latest &= t.is_some_and(|t| t.is_latest());
+            word = t.map_or(0, |t| t.after_word());
+        }
+        let seq = self.seq.fetch_add(1, Ordering::AcqRel) + 1;
+        GrantRef {
+            at_ns: grant.at_ns,
+            token: latest.then_some(if self.buckets.len() == 1 { word } else { seq }),
+            owed: None,
+        }
     }
 }

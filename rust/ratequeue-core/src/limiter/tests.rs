@@ -190,6 +190,39 @@ mod rates {
     }
 
     #[test]
+    fn multi_rate_try_settle_settles_as_settle_unless_the_lock_is_busy() {
+        // Twin limiters, the same grants and settles: try_settle (acq10: several rates
+        // too, under the multi-rate lock when it is free) gives what settle gives.
+        let rates = [("requests", 10.0, 10), ("tokens", 100.0, 100)];
+        let (a, _) = limiter(&rates);
+        let (b, _) = limiter(&rates);
+        let grant = |l: &Limiter| GrantRef {
+            at_ns: 0,
+            token: l.try_take_token(0, &[1, 50]).unwrap(),
+            owed: None,
+        };
+        let (ga, gb) = (grant(&a), grant(&b));
+        let ga = Resource::try_settle(&a, &[1, 50], &[1, 30], ga).unwrap();
+        let gb = Resource::settle(&b, &[1, 50], &[1, 30], gb);
+        assert_eq!(ga.token.is_some(), gb.token.is_some());
+        assert!(ga.token.is_some());
+        assert_eq!((a.available(0), a.available(1)), (b.available(0), b.available(1)));
+        assert_eq!(a.available(1), 70.0);
+        let ga = Resource::try_settle(&a, &[1, 30], &[2, 60], ga).unwrap();
+        let gb = Resource::settle(&b, &[1, 30], &[2, 60], gb);
+        assert_eq!(ga.token.is_some(), gb.token.is_some());
+        assert_eq!((a.available(0), a.available(1)), (8.0, 40.0));
+        assert_eq!((b.available(0), b.available(1)), (8.0, 40.0));
+        // Busy: nothing changes, the caller settles by the blocking path.
+        let busy = a.lock_multi();
+        assert!(Resource::try_settle(&a, &[2, 60], &[1, 10], ga).is_none());
+        drop(busy);
+        assert_eq!((a.available(0), a.available(1)), (8.0, 40.0));
+        assert!(Resource::try_settle(&a, &[2, 60], &[1, 10], ga).is_some());
+        assert_eq!((a.available(0), a.available(1)), (9.0, 90.0));
+    }
+
+    #[test]
     fn multi_rate_settle_without_exactness_is_capped_by_the_grant_time() {
         let (l, clock) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
         let g = GrantRef {
