@@ -4,14 +4,13 @@
 //! or nothing is done and the Python reference (`_transport._received`) takes the call.
 
 use pyo3::prelude::*;
-use pyo3::sync::PyOnceLock;
-use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyTuple, PyType};
-use pyo3::{intern, IntoPyObjectExt};
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, intern};
 use ratequeue_core::llm::headers::scan_headers;
 use ratequeue_core::llm::response_usage;
 
 use crate::histogram::{to_ns, HistogramPy};
-use crate::llm::{pairs, read};
+use crate::llm::read;
 use crate::waiting::{PermitPy, Unblocked};
 
 /// Most units a plan corrects (`tokens`, `input_tokens`, `output_tokens`).
@@ -22,18 +21,74 @@ fn defer(py: Python<'_>) -> Bound<'_, PyAny> {
     PyBool::new(py, false).to_owned().into_any()
 }
 
-/// `tuple.__new__`, to make a `Usage` (a NamedTuple) without its Python `__new__`.
-fn tuple_new(py: Python<'_>) -> PyResult<&Bound<'_, PyAny>> {
-    static NEW: PyOnceLock<Py<PyAny>> = PyOnceLock::new();
-    NEW.get_or_try_init(py, || Ok::<_, PyErr>(py.get_type::<PyTuple>().getattr("__new__")?.unbind()))
-        .map(|n| n.bind(py))
+/// One correction of the plan: the unit's index in the permit, its name, its actual.
+struct Correction<'a, 'py> {
+    index: usize,
+    name: Borrowed<'a, 'py, PyString>,
+    actual: u64,
 }
 
-/// One correction of the plan: the unit's index in the permit, its name, its actual.
-struct Correction<'py> {
-    index: usize,
-    name: Bound<'py, PyAny>,
-    actual: u64,
+/// Item `i` of a tuple, borrowed for as long as the tuple is.
+fn item<'a, 'py>(t: Borrowed<'a, 'py, PyTuple>, i: usize) -> Option<Borrowed<'a, 'py, PyAny>> {
+    if i >= t.len() {
+        return None;
+    }
+    // SAFETY: a tuple's items are set and live as long as the tuple; `i` is in range.
+    Some(unsafe { Borrowed::from_ptr(t.py(), ffi::PyTuple_GET_ITEM(t.as_ptr(), i as ffi::Py_ssize_t)) })
+}
+
+/// The bytes of a `bytes` item, borrowed for as long as the tuple holding it is.
+fn bytes_of<'a>(b: Borrowed<'a, '_, PyAny>) -> Option<&'a [u8]> {
+    let b = b.cast::<PyBytes>().ok()?;
+    // SAFETY: a `bytes` object is immutable and lives as long as the borrow (`'a`).
+    Some(unsafe {
+        std::slice::from_raw_parts(
+            ffi::PyBytes_AS_STRING(b.as_ptr()).cast::<u8>(),
+            usize::try_from(ffi::PyBytes_Size(b.as_ptr())).unwrap_or(0),
+        )
+    })
+}
+
+/// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
+/// value)`, None when an entry is not such a triple of bytes.
+fn pairs_of<'a>(headers: Borrowed<'a, '_, PyTuple>) -> Option<Vec<(&'a [u8], &'a [u8])>> {
+    let n = headers.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = item(headers, i)?.cast::<PyTuple>().ok()?;
+        if t.len() != 3 {
+            return None;
+        }
+        out.push((bytes_of(item(t, 1)?)?, bytes_of(item(t, 2)?)?));
+    }
+    Some(out)
+}
+
+/// A plan entry `(unit, index)`, None when it is not one.
+fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py, PyString>, usize)> {
+    let t = entry.cast::<PyTuple>().ok()?;
+    if t.len() != 2 {
+        return None;
+    }
+    let name = item(t, 0)?.cast::<PyString>().ok()?;
+    let j = item(t, 1)?.extract::<usize>().ok()?;
+    Some((name, j))
+}
+
+/// A `Usage` (a subclass of tuple) of two counts, made as
+/// `tuple.__new__(usage_type, (i, o))` makes it, without a call into Python.
+fn usage_of<'py>(py: Python<'py>, usage_type: &Bound<'py, PyType>, i: u64, o: u64) -> PyResult<Bound<'py, PyAny>> {
+    let (i, o) = (i.into_pyobject(py)?, o.into_pyobject(py)?);
+    let t = usage_type.as_type_ptr();
+    // SAFETY: the type is a subclass of tuple (checked by the caller) whose instances are
+    // tuples of `nitems` items; both items are set before the object is handed out.
+    unsafe {
+        let obj = ffi::PyType_GenericAlloc(t, 2);
+        let obj = Bound::from_owned_ptr_or_err(py, obj)?;
+        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, i.into_ptr());
+        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, o.into_ptr());
+        Ok(obj)
+    }
 }
 
 /// Settles a call whose 2xx response body (`body`, already read) is here, as
@@ -65,15 +120,16 @@ pub fn _settle_response<'py>(
     let Ok(ns) = to_ns("seconds", http_seconds) else {
         return Ok(defer(py));
     };
-    let Some(pairs) = pairs(headers)? else {
+    // A snapshot of the list (no Python runs meanwhile), read without a copy per entry.
+    let headers = headers.to_tuple();
+    let Some(pairs) = pairs_of(headers.as_borrowed()) else {
         return Ok(defer(py));
     };
-    let scan = scan_headers(pairs.iter().map(|(k, v)| (k.as_bytes(), v.as_bytes())));
+    let scan = scan_headers(pairs.iter().copied());
     if scan.exhausted {
         return Ok(defer(py));
     }
-    if let Some(i) = scan.content_type {
-        let v = pairs[i].1.as_bytes();
+    if let Some((_, v)) = scan.content_type.and_then(|i| pairs.get(i)) {
         if v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream") {
             return Ok(defer(py));
         }
@@ -81,10 +137,13 @@ pub fn _settle_response<'py>(
     let Ok(permit) = permit.cast::<PermitPy>() else {
         return Ok(defer(py));
     };
+    if !usage_type.is_subclass_of::<PyTuple>()? {
+        return Ok(defer(py));
+    }
     let data = body.as_bytes();
     let readable = !data.is_empty() && data.len() <= max_body;
     let mut usage = None;
-    let mut fixes: [Option<Correction<'py>>; MOST_UNITS] = [None, None, None];
+    let mut fixes: [Option<Correction<'_, 'py>>; MOST_UNITS] = [None, None, None];
     let mut n = 0;
     if !plan.is_empty() && readable {
         let Ok(found) = read(py, data, response_usage) else {
@@ -96,11 +155,11 @@ pub fn _settle_response<'py>(
             // As `Permit.settle` reads a cost past 64 bits: saturated.
             let actual = [1, i.saturating_add(o), i, o];
             let units = permit.get().permit().owner().units();
-            for item in plan.iter() {
-                let Ok((name, j)) = item.extract::<(Bound<'py, PyAny>, usize)>() else {
+            for item in plan.iter_borrowed() {
+                let Some((name, j)) = unit_of(item) else {
                     return Ok(defer(py));
                 };
-                let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(&name)?) else {
+                let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(name)?) else {
                     return Ok(defer(py));
                 };
                 let Ok(was) = was.extract::<u64>() else {
@@ -109,7 +168,7 @@ pub fn _settle_response<'py>(
                 if a == was {
                     continue;
                 }
-                let Ok(text) = name.extract::<&str>() else {
+                let Ok(text) = name.to_str() else {
                     return Ok(defer(py));
                 };
                 let Some(index) = units.iter().position(|u| u == text) else {
@@ -128,7 +187,7 @@ pub fn _settle_response<'py>(
         }
     }
     // One caller settles (the list's pop is atomic); a call settled already is left.
-    if once.len() == 0 || once.call_method0(intern!(py, "pop")).is_err() {
+    if once.del_item(0).is_err() {
         histogram.get().inner.record(ns);
         return Ok(py.None().into_bound(py));
     }
@@ -140,13 +199,13 @@ pub fn _settle_response<'py>(
             call.setattr(intern!(py, "_usage_body"), body)?;
         }
     } else if let Some(u) = usage {
-        let value = tuple_new(py)?.call1((usage_type, (u.input_tokens, u.output_tokens)))?;
+        let value = usage_of(py, usage_type, u.input_tokens, u.output_tokens)?;
         call.setattr(intern!(py, "_usage"), value)?;
         if n > 0 {
             let correction = PyDict::new(py);
             let mut named = [(0usize, 0u64); MOST_UNITS];
             for (k, fix) in fixes.iter().flatten().enumerate() {
-                correction.set_item(&fix.name, fix.actual.into_py_any(py)?)?;
+                correction.set_item(fix.name, fix.actual)?;
                 named[k] = (fix.index, fix.actual);
             }
             call.setattr(intern!(py, "_correction"), correction)?;
