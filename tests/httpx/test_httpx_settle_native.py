@@ -209,18 +209,22 @@ def test_a_call_settled_before_is_left_alone(mod: Any) -> None:
 
 def test_deferred_calls_change_nothing(mod: Any) -> None:
     """Where the native call defers (a header list it cannot read, an SSE type, an
-    exhausted quota, a usage past 64 bits, a permit not a Limiter's), nothing changed."""
+    exhausted quota, a usage past 64 bits, a permit not a Limiter's), nothing changed;
+    an SSE type or an exhausted quota hands on what ``_read_response`` would say."""
     huge = json.dumps({"usage": {"prompt_tokens": 2**64, "completion_tokens": 1}}).encode()
     ok = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 1}}).encode()
     triple = (b"Content-Type", b"content-type", b"text/event-stream")
-    cases: list[tuple[list[Any], bytes, bool]] = [
-        ([("not", "a triple")], ok, False),
-        ([triple], ok, False),
-        ([(b"X", b"x-ratelimit-remaining-tokens", b"0")], ok, False),
-        ([], huge, False),
-        ([], ok, True),
+    exhausted = (b"X", b"x-ratelimit-remaining-tokens", b"0")
+    cases: list[tuple[list[Any], bytes, bool, Any]] = [
+        ([("not", "a triple")], ok, False, False),
+        # What the headers say is handed on (the reference continues from it).
+        ([triple], ok, False, (b"text/event-stream", False, False)),
+        ([exhausted], ok, False, (b"", True, False)),
+        ([triple, exhausted], ok, True, (b"text/event-stream", True, False)),
+        ([], huge, False, False),
+        ([], ok, True, False),
     ]
-    for headers, answer, foreign_permit in cases:
+    for headers, answer, foreign_permit, want in cases:
         (t, llm), _ = pair(mod, "tokens", 10**6, answer, [], 200)
         req = mod.Request("POST", CHAT, json={"model": "m", "max_tokens": 100})
         call = t._prepare(req, False)
@@ -240,7 +244,7 @@ def test_deferred_calls_change_nothing(mod: Any) -> None:
             0.001,
             Usage,
         )
-        assert got is False
+        assert got == want and (got is not False or want is False)
         assert (llm.available("tokens"), call._once, call.settled, call._usage) == before
         assert t.http_histogram.count == 0
 

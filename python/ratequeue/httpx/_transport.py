@@ -224,26 +224,27 @@ class RateLimitedTransport(_Requests):
             and not self.calibrate
             and type(hl) is list
         ):
-            # The common path in one native call (None: done; False: nothing was done,
-            # the reference below takes the call).
-            if (
-                _settle_response(
-                    call,
-                    call._once,
-                    call._permit,
-                    call._charged,
-                    self._token_plan,
-                    hl,
-                    response.content,
-                    self.max_body,
-                    self.http_histogram,
-                    http_seconds,
-                    Usage,
-                )
-                is None
-            ):
+            # The common path in one native call (None: done). Otherwise nothing was done
+            # and the reference below takes the call: from the start (False), or from
+            # what the headers say (an SSE type or an exhausted quota; usage not read).
+            found = _settle_response(
+                call,
+                call._once,
+                call._permit,
+                call._charged,
+                self._token_plan,
+                hl,
+                response.content,
+                self.max_body,
+                self.http_histogram,
+                http_seconds,
+                Usage,
+            )
+            if found is None:
                 response.extensions["ratequeue"] = call
                 return response
+        else:
+            found = False
         self.http_histogram.record(http_seconds)
         # The body is here already (what MockTransport and ASGI tests return): its usage
         # is read in the same native call as the headers when the settle needs it.
@@ -254,7 +255,8 @@ class RateLimitedTransport(_Requests):
             and len(content) <= self.max_body
             and (self._token_plan or call._sub is not None or call._held)
         )
-        found = _read_response(hl, content if wanted else None) if type(hl) is list else None
+        if found is False:
+            found = _read_response(hl, content if wanted else None) if type(hl) is list else None
         if found is None:
             ctype, exhausted = scan_response(hl)
             usage: Any = False

@@ -93,9 +93,10 @@ fn usage_of<'py>(py: Python<'py>, usage_type: &Bound<'py, PyType>, i: u64, o: u6
 
 /// Settles a call whose 2xx response body (`body`, already read) is here, as
 /// `_received` + `_settle` would: None when done (settled now, or by another caller
-/// before), False when the Python reference must take the call (nothing was done: a
-/// header entry that is not a triple of bytes, an SSE content type, an exhausted quota,
-/// a usage only the reference reads, a permit that is not a Limiter's).
+/// before); otherwise nothing was done and the Python reference takes the call: from
+/// `_read_response`'s `(content_type, exhausted, False)` for an SSE content type or an
+/// exhausted quota, from the start (False) for a header entry that is not a triple of
+/// bytes, a usage only the reference reads, a permit that is not a Limiter's.
 ///
 /// `plan`: `((unit, index in (requests, tokens, input, output)), ...)` of the units a
 /// usage corrects (empty: the body is kept for the record to read when asked for);
@@ -126,13 +127,17 @@ pub fn _settle_response<'py>(
         return Ok(defer(py));
     };
     let scan = scan_headers(pairs.iter().copied());
-    if scan.exhausted {
-        return Ok(defer(py));
-    }
-    if let Some((_, v)) = scan.content_type.and_then(|i| pairs.get(i)) {
-        if v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream") {
-            return Ok(defer(py));
-        }
+    let sse = scan
+        .content_type
+        .and_then(|i| pairs.get(i))
+        .is_some_and(|(_, v)| v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream"));
+    if scan.exhausted || sse {
+        // What `_read_response` would say, the usage left to the reference.
+        let ctype = match scan.content_type.and_then(|i| item(headers.as_borrowed(), i)) {
+            Some(t) => item(t.cast::<PyTuple>()?, 2).map_or_else(|| PyBytes::new(py, b"").into_any(), |v| v.to_owned()),
+            None => PyBytes::new(py, b"").into_any(),
+        };
+        return Ok(PyTuple::new(py, [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)])?.into_any());
     }
     let Ok(permit) = permit.cast::<PermitPy>() else {
         return Ok(defer(py));
