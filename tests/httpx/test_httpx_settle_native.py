@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import threading
 from typing import Any
 
 import pytest
@@ -271,3 +272,38 @@ def test_requests_only_keeps_the_body_for_the_record(mod: Any) -> None:
     assert rec.settled and rec._usage_body == answer
     assert rec.usage == Usage(3, 4)
     assert rec.charged == {"requests": 1}
+
+
+def test_a_race_with_a_cancel_settles_once(mod: Any) -> None:
+    """The native settle and a concurrent ``_settle`` (a close, cancel or ``__del__``):
+    one of them settles, and the record and the limiter agree on which."""
+    answer = json.dumps({"usage": {"prompt_tokens": 5, "completion_tokens": 6}}).encode()
+    barrier = threading.Barrier(2)
+    for _ in range(200):
+        (t, llm), _ = pair(mod, "tokens", 10**6, answer, [], 200)
+        req = mod.Request("POST", CHAT, json={"model": "m", "max_tokens": 100})
+        call = t._prepare(req, False)
+        call._permit = llm.acquire(**call._kw)
+        args = (call, call._once, call._permit, call._charged, t._token_plan, [], answer)
+
+        def native() -> None:
+            barrier.wait()
+            _settle_response(*args, t.max_body, t.http_histogram, 0.001, Usage)
+
+        def cancel() -> None:
+            barrier.wait()
+            t._settle(call, None, None)
+
+        threads = [threading.Thread(target=native), threading.Thread(target=cancel)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join()
+        assert call.settled and call._once == []
+        if call._usage is None:  # the cancel settled: nothing used
+            assert call.charged == {"requests": 1, "tokens": 0}
+            assert llm.available("tokens") == 10**6
+        else:
+            assert call._usage == Usage(5, 6)
+            assert call.charged == {"requests": 1, "tokens": 11}
+            assert llm.available("tokens") == 10**6 - 11

@@ -137,7 +137,11 @@ pub fn _settle_response<'py>(
             Some(t) => item(t.cast::<PyTuple>()?, 2).map_or_else(|| PyBytes::new(py, b"").into_any(), |v| v.to_owned()),
             None => PyBytes::new(py, b"").into_any(),
         };
-        return Ok(PyTuple::new(py, [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)])?.into_any());
+        return Ok(PyTuple::new(
+            py,
+            [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)],
+        )?
+        .into_any());
     }
     let Ok(permit) = permit.cast::<PermitPy>() else {
         return Ok(defer(py));
@@ -182,11 +186,7 @@ pub fn _settle_response<'py>(
                 if n == MOST_UNITS {
                     return Ok(defer(py));
                 }
-                fixes[n] = Some(Correction {
-                    index,
-                    name,
-                    actual: a,
-                });
+                fixes[n] = Some(Correction { index, name, actual: a });
                 n += 1;
             }
         }
@@ -196,6 +196,16 @@ pub fn _settle_response<'py>(
         histogram.get().inner.record(ns);
         return Ok(py.None().into_bound(py));
     }
+    // The limiter first: nothing after the pop may lose the refund.
+    let mut named = [(0usize, 0u64); MOST_UNITS];
+    for (k, fix) in fixes.iter().flatten().enumerate() {
+        named[k] = (fix.index, fix.actual);
+    }
+    if n > 0 {
+        // Locks are tried first; only a busy one is waited for, detached from Python.
+        permit.get().permit().settle(&named[..n], &Unblocked);
+    }
+    histogram.get().inner.record(ns);
     call.setattr(intern!(py, "_done"), true)?;
     call.setattr(intern!(py, "settled"), true)?;
     if plan.is_empty() {
@@ -207,22 +217,17 @@ pub fn _settle_response<'py>(
         let value = usage_of(py, usage_type, u.input_tokens, u.output_tokens)?;
         call.setattr(intern!(py, "_usage"), value)?;
         if n > 0 {
+            // What acquire took, corrected to the usage.
             let correction = PyDict::new(py);
-            let mut named = [(0usize, 0u64); MOST_UNITS];
-            for (k, fix) in fixes.iter().flatten().enumerate() {
+            for fix in fixes.iter().flatten() {
                 correction.set_item(fix.name, fix.actual)?;
-                named[k] = (fix.index, fix.actual);
             }
             call.setattr(intern!(py, "_correction"), correction)?;
-            let clamped = call.getattr(intern!(py, "clamped"))?;
-            if clamped.is_truthy()? {
+            if call.getattr(intern!(py, "clamped"))?.is_truthy()? {
                 call.setattr(intern!(py, "clamped"), PyTuple::empty(py))?;
             }
-            // Locks are tried first; only a busy one is waited for, detached from Python.
-            permit.get().permit().settle(&named[..n], &Unblocked);
         }
     }
-    histogram.get().inner.record(ns);
     Ok(py.None().into_bound(py))
 }
 
