@@ -267,7 +267,7 @@ def test_async_native_settle_is_the_reference(mod: Any) -> None:
 
 def test_requests_only_keeps_the_body_for_the_record(mod: Any) -> None:
     answer = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
-    (nt, nl), _ = pair(mod, "requests", 1, answer, [], 200)
+    (nt, _nl), _ = pair(mod, "requests", 1, answer, [], 200)
     rec = mod.Client(transport=nt).post(CHAT, json={"model": "m"}).extensions["ratequeue"]
     assert rec.settled and rec._usage_body == answer
     assert rec.usage == Usage(3, 4)
@@ -285,12 +285,13 @@ def test_a_race_with_a_cancel_settles_once(mod: Any) -> None:
         call = t._prepare(req, False)
         call._permit = llm.acquire(**call._kw)
         args = (call, call._once, call._permit, call._charged, t._token_plan, [], answer)
+        args += (t.max_body, t.http_histogram, 0.001, Usage)
 
-        def native() -> None:
+        def native(args: tuple[Any, ...] = args) -> None:
             barrier.wait()
-            _settle_response(*args, t.max_body, t.http_histogram, 0.001, Usage)
+            _settle_response(*args)
 
-        def cancel() -> None:
+        def cancel(t: Any = t, call: Any = call) -> None:
             barrier.wait()
             t._settle(call, None, None)
 
