@@ -215,6 +215,7 @@ class RateLimitedTransport(_Requests):
         hl = response.headers
         hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
         consumed = response.is_stream_consumed
+        found: Any = False
         if (
             status < 300
             and consumed
@@ -243,8 +244,6 @@ class RateLimitedTransport(_Requests):
             if found is None:
                 response.extensions["ratequeue"] = call
                 return response
-        else:
-            found = False
         self.http_histogram.record(http_seconds)
         # The body is here already (what MockTransport and ASGI tests return): its usage
         # is read in the same native call as the headers when the settle needs it.
