@@ -30,6 +30,19 @@ def _scan_response(headers: list[tuple[bytes, bytes, bytes]]) -> tuple[bytes, bo
 def _read_response(
     headers: list[tuple[bytes, bytes, bytes]], body: bytes | None = None
 ) -> tuple[bytes, bool, tuple[int, int] | Literal[False] | None] | None: ...
+def _settle_response(
+    call: object,
+    once: list[None],
+    permit: object,
+    charged: dict[str, int],
+    plan: tuple[tuple[str, int], ...],
+    headers: list[tuple[bytes, bytes, bytes]],
+    body: bytes,
+    max_body: int,
+    histogram: Histogram,
+    http_seconds: float,
+    usage_type: type,
+) -> tuple[bytes, bool, Literal[False]] | Literal[False] | None: ...
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...

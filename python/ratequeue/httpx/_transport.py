@@ -14,7 +14,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
-from .._ratequeue import Histogram, Limiter, Policy, _read_response
+from .._ratequeue import Histogram, Limiter, Policy, _read_response, _settle_response
 from ..pool import Pool
 from . import _budget
 from ._caps import Cap, CapTable
@@ -157,6 +157,9 @@ class RateLimitedTransport(_Requests):
         self._reader = self._new_reader()
         self._is_pool = isinstance(limit, Pool)
         self._is_policy = isinstance(limit, Policy)
+        # A Limiter's 2xx responses settle in one native call (_settle_response); False
+        # takes the Python reference for every call (tests compare the two).
+        self._native_settle = isinstance(limit, Limiter)
         self.wait_histogram = Histogram()
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
@@ -209,10 +212,39 @@ class RateLimitedTransport(_Requests):
     def _received(self, call: _Call, response: Any, http_seconds: float, is_async: bool) -> Any:
         call.http_seconds = http_seconds
         call.status = status = response.status_code
-        self.http_histogram.record(http_seconds)
         hl = response.headers
         hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
         consumed = response.is_stream_consumed
+        found: Any = False
+        if (
+            status < 300
+            and consumed
+            and self._native_settle
+            and call._sub is None
+            and not call._held
+            and not self.calibrate
+            and type(hl) is list
+        ):
+            # The common path in one native call (None: done). Otherwise nothing was done
+            # and the reference below takes the call: from the start (False), or from
+            # what the headers say (an SSE type or an exhausted quota; usage not read).
+            found = _settle_response(
+                call,
+                call._once,
+                call._permit,
+                call._charged,
+                self._token_plan,
+                hl,
+                response.content,
+                self.max_body,
+                self.http_histogram,
+                http_seconds,
+                Usage,
+            )
+            if found is None:
+                response.extensions["ratequeue"] = call
+                return response
+        self.http_histogram.record(http_seconds)
         # The body is here already (what MockTransport and ASGI tests return): its usage
         # is read in the same native call as the headers when the settle needs it.
         content = response.content if consumed else None
@@ -222,7 +254,8 @@ class RateLimitedTransport(_Requests):
             and len(content) <= self.max_body
             and (self._token_plan or call._sub is not None or call._held)
         )
-        found = _read_response(hl, content if wanted else None) if type(hl) is list else None
+        if found is False:
+            found = _read_response(hl, content if wanted else None) if type(hl) is list else None
         if found is None:
             ctype, exhausted = scan_response(hl)
             usage: Any = False

@@ -19,7 +19,7 @@ pub struct HistogramPy {
     pub inner: Arc<Histogram>,
 }
 
-fn to_ns(name: &str, s: f64) -> PyResult<u64> {
+pub(crate) fn to_ns(name: &str, s: f64) -> PyResult<u64> {
     if !s.is_finite() || s < 0.0 {
         return Err(value_err(
             name,

@@ -23,6 +23,7 @@ mod limiter_fast;
 mod limiter_ops;
 mod llm;
 mod llm_call;
+mod llm_settle;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -43,6 +44,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     aio::register(m)?;
     llm::register(m)?;
     llm_call::register(m)?;
+    llm_settle::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;

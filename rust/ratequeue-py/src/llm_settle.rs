@@ -1,0 +1,237 @@
+//! The transport's response side in one crossing: on the common path (a 2xx response
+//! whose body is here, a Limiter's permit) the headers are scanned, the usage read, the
+//! permit settled from the token plan and the call's record and HTTP histogram updated,
+//! or nothing is done and the Python reference (`_transport._received`) takes the call.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PyString, PyTuple, PyType};
+use pyo3::{ffi, intern};
+use ratequeue_core::llm::headers::scan_headers;
+use ratequeue_core::llm::response_usage;
+
+use crate::histogram::{to_ns, HistogramPy};
+use crate::llm::read;
+use crate::waiting::{PermitPy, Unblocked};
+
+/// Most units a plan corrects (`tokens`, `input_tokens`, `output_tokens`).
+const MOST_UNITS: usize = 3;
+
+/// The Python reference's answer: nothing was done.
+fn defer(py: Python<'_>) -> Bound<'_, PyAny> {
+    PyBool::new(py, false).to_owned().into_any()
+}
+
+/// One correction of the plan: the unit's index in the permit, its name, its actual.
+struct Correction<'a, 'py> {
+    index: usize,
+    name: Borrowed<'a, 'py, PyString>,
+    actual: u64,
+}
+
+/// Item `i` of a tuple, borrowed for as long as the tuple is.
+fn item<'a, 'py>(t: Borrowed<'a, 'py, PyTuple>, i: usize) -> Option<Borrowed<'a, 'py, PyAny>> {
+    if i >= t.len() {
+        return None;
+    }
+    // SAFETY: a tuple's items are set and live as long as the tuple; `i` is in range.
+    Some(unsafe { Borrowed::from_ptr(t.py(), ffi::PyTuple_GET_ITEM(t.as_ptr(), i as ffi::Py_ssize_t)) })
+}
+
+/// The bytes of a `bytes` item, borrowed for as long as the tuple holding it is.
+fn bytes_of<'a>(b: Borrowed<'a, '_, PyAny>) -> Option<&'a [u8]> {
+    let b = b.cast::<PyBytes>().ok()?;
+    // SAFETY: a `bytes` object is immutable and lives as long as the borrow (`'a`).
+    Some(unsafe {
+        std::slice::from_raw_parts(
+            ffi::PyBytes_AS_STRING(b.as_ptr()).cast::<u8>(),
+            usize::try_from(ffi::PyBytes_Size(b.as_ptr())).unwrap_or(0),
+        )
+    })
+}
+
+/// `(lower-case name, value)` of httpx's header triples `(name, lower-case name,
+/// value)`, None when an entry is not such a triple of bytes.
+fn pairs_of<'a>(headers: Borrowed<'a, '_, PyTuple>) -> Option<Vec<(&'a [u8], &'a [u8])>> {
+    let n = headers.len();
+    let mut out = Vec::with_capacity(n);
+    for i in 0..n {
+        let t = item(headers, i)?.cast::<PyTuple>().ok()?;
+        if t.len() != 3 {
+            return None;
+        }
+        out.push((bytes_of(item(t, 1)?)?, bytes_of(item(t, 2)?)?));
+    }
+    Some(out)
+}
+
+/// A plan entry `(unit, index)`, None when it is not one.
+fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py, PyString>, usize)> {
+    let t = entry.cast::<PyTuple>().ok()?;
+    if t.len() != 2 {
+        return None;
+    }
+    let name = item(t, 0)?.cast::<PyString>().ok()?;
+    let j = item(t, 1)?.extract::<usize>().ok()?;
+    Some((name, j))
+}
+
+/// A `Usage` (a subclass of tuple) of two counts, made as
+/// `tuple.__new__(usage_type, (i, o))` makes it, without a call into Python.
+fn usage_of<'py>(py: Python<'py>, usage_type: &Bound<'py, PyType>, i: u64, o: u64) -> PyResult<Bound<'py, PyAny>> {
+    let (i, o) = (i.into_pyobject(py)?, o.into_pyobject(py)?);
+    let t = usage_type.as_type_ptr();
+    // SAFETY: the type is a subclass of tuple (checked by the caller) whose instances are
+    // tuples of `nitems` items; both items are set before the object is handed out.
+    unsafe {
+        let obj = ffi::PyType_GenericAlloc(t, 2);
+        let obj = Bound::from_owned_ptr_or_err(py, obj)?;
+        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, i.into_ptr());
+        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, o.into_ptr());
+        Ok(obj)
+    }
+}
+
+/// Settles a call whose 2xx response body (`body`, already read) is here, as
+/// `_received` + `_settle` would: None when done (settled now, or by another caller
+/// before); otherwise nothing was done and the Python reference takes the call: from
+/// `_read_response`'s `(content_type, exhausted, False)` for an SSE content type or an
+/// exhausted quota, from the start (False) for a header entry that is not a triple of
+/// bytes, a usage only the reference reads, a permit that is not a Limiter's.
+///
+/// `plan`: `((unit, index in (requests, tokens, input, output)), ...)` of the units a
+/// usage corrects (empty: the body is kept for the record to read when asked for);
+/// `charged`: what acquire took per unit; `once`: the call's settle-once list.
+#[pyfunction]
+#[allow(clippy::too_many_arguments)]
+pub fn _settle_response<'py>(
+    py: Python<'py>,
+    call: &Bound<'py, PyAny>,
+    once: &Bound<'py, PyList>,
+    permit: &Bound<'py, PyAny>,
+    charged: &Bound<'py, PyDict>,
+    plan: &Bound<'py, PyTuple>,
+    headers: &Bound<'py, PyList>,
+    body: &Bound<'py, PyBytes>,
+    max_body: usize,
+    histogram: &Bound<'py, HistogramPy>,
+    http_seconds: f64,
+    usage_type: &Bound<'py, PyType>,
+) -> PyResult<Bound<'py, PyAny>> {
+    // Everything that may defer comes first: nothing is changed before the settle.
+    let Ok(ns) = to_ns("seconds", http_seconds) else {
+        return Ok(defer(py));
+    };
+    // A snapshot of the list (no Python runs meanwhile), read without a copy per entry.
+    let headers = headers.to_tuple();
+    let Some(pairs) = pairs_of(headers.as_borrowed()) else {
+        return Ok(defer(py));
+    };
+    let scan = scan_headers(pairs.iter().copied());
+    let sse = scan
+        .content_type
+        .and_then(|i| pairs.get(i))
+        .is_some_and(|(_, v)| v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream"));
+    if scan.exhausted || sse {
+        // What `_read_response` would say, the usage left to the reference.
+        let ctype = match scan.content_type.and_then(|i| item(headers.as_borrowed(), i)) {
+            Some(t) => item(t.cast::<PyTuple>()?, 2).map_or_else(|| PyBytes::new(py, b"").into_any(), |v| v.to_owned()),
+            None => PyBytes::new(py, b"").into_any(),
+        };
+        return Ok(PyTuple::new(
+            py,
+            [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)],
+        )?
+        .into_any());
+    }
+    let Ok(permit) = permit.cast::<PermitPy>() else {
+        return Ok(defer(py));
+    };
+    if !usage_type.is_subclass_of::<PyTuple>()? {
+        return Ok(defer(py));
+    }
+    let data = body.as_bytes();
+    let readable = !data.is_empty() && data.len() <= max_body;
+    let mut usage = None;
+    let mut fixes: [Option<Correction<'_, 'py>>; MOST_UNITS] = [None, None, None];
+    let mut n = 0;
+    if !plan.is_empty() && readable {
+        let Ok(found) = read(py, data, response_usage) else {
+            return Ok(defer(py));
+        };
+        usage = found;
+        if let Some(u) = found {
+            let (i, o) = (u.input_tokens, u.output_tokens);
+            // As `Permit.settle` reads a cost past 64 bits: saturated.
+            let actual = [1, i.saturating_add(o), i, o];
+            let units = permit.get().permit().owner().units();
+            for item in plan.iter_borrowed() {
+                let Some((name, j)) = unit_of(item) else {
+                    return Ok(defer(py));
+                };
+                let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(name)?) else {
+                    return Ok(defer(py));
+                };
+                let Ok(was) = was.extract::<u64>() else {
+                    return Ok(defer(py));
+                };
+                if a == was {
+                    continue;
+                }
+                let Ok(text) = name.to_str() else {
+                    return Ok(defer(py));
+                };
+                let Some(index) = units.iter().position(|u| u == text) else {
+                    return Ok(defer(py));
+                };
+                if n == MOST_UNITS {
+                    return Ok(defer(py));
+                }
+                fixes[n] = Some(Correction { index, name, actual: a });
+                n += 1;
+            }
+        }
+    }
+    // One caller settles (the list's pop is atomic); a call settled already is left.
+    if once.del_item(0).is_err() {
+        histogram.get().inner.record(ns);
+        return Ok(py.None().into_bound(py));
+    }
+    // The limiter first: nothing after the pop may lose the refund.
+    let mut named = [(0usize, 0u64); MOST_UNITS];
+    for (k, fix) in fixes.iter().flatten().enumerate() {
+        named[k] = (fix.index, fix.actual);
+    }
+    if n > 0 {
+        // Locks are tried first; only a busy one is waited for, detached from Python.
+        permit.get().permit().settle(&named[..n], &Unblocked);
+    }
+    histogram.get().inner.record(ns);
+    call.setattr(intern!(py, "_done"), true)?;
+    call.setattr(intern!(py, "settled"), true)?;
+    if plan.is_empty() {
+        if readable {
+            // Only the record wants the usage: read when asked for.
+            call.setattr(intern!(py, "_usage_body"), body)?;
+        }
+    } else if let Some(u) = usage {
+        let value = usage_of(py, usage_type, u.input_tokens, u.output_tokens)?;
+        call.setattr(intern!(py, "_usage"), value)?;
+        if n > 0 {
+            // What acquire took, corrected to the usage.
+            let correction = PyDict::new(py);
+            for fix in fixes.iter().flatten() {
+                correction.set_item(fix.name, fix.actual)?;
+            }
+            call.setattr(intern!(py, "_correction"), correction)?;
+            if call.getattr(intern!(py, "clamped"))?.is_truthy()? {
+                call.setattr(intern!(py, "clamped"), PyTuple::empty(py))?;
+            }
+        }
+    }
+    Ok(py.None().into_bound(py))
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(_settle_response, m)?)?;
+    Ok(())
+}
