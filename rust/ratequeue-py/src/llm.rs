@@ -3,8 +3,9 @@
 //! is past what it reads). Bodies of at least `DETACH_AT` bytes are read detached from
 //! Python (other threads run meanwhile); smaller ones cost less than a detach.
 
+use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple};
+use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple, PyType};
 use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::sse::SseFrames;
@@ -136,6 +137,35 @@ pub fn _read_response<'py>(
         Some(b) => _read_usage(py, b)?,
     };
     Ok(PyTuple::new(py, [ctype, PyBool::new(py, exhausted).to_owned().into_any(), usage])?.into_any())
+}
+
+/// `tuple.__new__(ty, (a, b))` of a tuple subclass (`Estimate`, `Usage`), made as that
+/// call makes it (the instance allocated by its type, its two items set) without the
+/// call; a type that adds to a tuple's layout through the call itself.
+pub(crate) fn pair_of<'py>(ty: &Bound<'py, PyType>, a: u64, b: u64) -> PyResult<Bound<'py, PyAny>> {
+    let py = ty.py();
+    let (a, b) = (a.into_pyobject(py)?, b.into_pyobject(py)?);
+    let tp = ty.as_type_ptr();
+    // SAFETY: both type objects are live (`ty` holds one, the other is static); their
+    // fields are read only.
+    let tuple = py.get_type::<PyTuple>().as_type_ptr();
+    let plain = ty.is_subclass_of::<PyTuple>()?
+        && unsafe { (*tp).tp_basicsize == (*tuple).tp_basicsize && (*tp).tp_alloc.is_some() };
+    if !plain {
+        return py
+            .get_type::<PyTuple>()
+            .call_method1(intern!(py, "__new__"), (ty, (a, b)));
+    }
+    // SAFETY: a tuple subclass of a tuple's own layout: its `tp_alloc` returns a new
+    // instance of two NULL items (or null with an error set), each set once below with a
+    // reference it takes, as `tuple_subtype_new` does.
+    unsafe {
+        let alloc = (*tp).tp_alloc.unwrap_or(pyo3::ffi::PyType_GenericAlloc);
+        let obj = Bound::from_owned_ptr_or_err(py, alloc(tp, 2))?;
+        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, a.into_any().into_ptr());
+        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, b.into_any().into_ptr());
+        Ok(obj)
+    }
 }
 
 /// A header value as Python's `bytes.decode("latin-1")` gives it.

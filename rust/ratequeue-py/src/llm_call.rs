@@ -14,7 +14,7 @@ use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
 
-use crate::llm::{latin1, pairs, read};
+use crate::llm::{latin1, pair_of, pairs, read};
 
 /// Methods whose body the transport reads.
 const BODY_METHODS: [&str; 3] = ["POST", "PUT", "PATCH"];
@@ -34,7 +34,6 @@ pub struct RequestReaderPy {
     estimate: Py<PyType>,
     /// `_body.replace_body(request, new)`: a stream's body asked for its usage is sent.
     replace_body: Option<Py<PyAny>>,
-    tuple_new: Py<PyAny>,
     needs_body: bool,
     stream_usage: bool,
     caps: bool,
@@ -254,7 +253,6 @@ impl RequestReaderPy {
     #[allow(clippy::too_many_arguments)]
     #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None, call=None))]
     fn new(
-        py: Python<'_>,
         plan: Vec<(Bound<'_, PyString>, i64, Option<u64>)>,
         unit_costs: Bound<'_, PyDict>,
         triples: Bound<'_, PySet>,
@@ -309,7 +307,6 @@ impl RequestReaderPy {
             chars: chars.unbind(),
             estimate: estimate.unbind(),
             replace_body: replace_body.map(Bound::unbind),
-            tuple_new: py.get_type::<PyTuple>().getattr("__new__")?.unbind(),
             needs_body,
             stream_usage,
             caps,
@@ -452,38 +449,6 @@ impl RequestReaderPy {
             put(parts.once, once.into_ptr());
         }
         Ok(Some(obj))
-    }
-}
-
-/// `ty((a, b))` of a tuple subclass (`Estimate`), made as `tuple.__new__` makes it (the
-/// instance allocated by its type, its two items set) without the call; another type,
-/// or one that adds to a tuple's layout, through `tuple_new`.
-pub(crate) fn pair_of<'py>(
-    ty: &Bound<'py, PyType>,
-    tuple_new: &Py<PyAny>,
-    a: u64,
-    b: u64,
-) -> PyResult<Bound<'py, PyAny>> {
-    let py = ty.py();
-    let (a, b) = (a.into_pyobject(py)?, b.into_pyobject(py)?);
-    let tp = ty.as_type_ptr();
-    // SAFETY: both type objects are live (`ty` holds one, the other is static); their
-    // fields are read only.
-    let tuple = py.get_type::<PyTuple>().as_type_ptr();
-    let plain = ty.is_subclass_of::<PyTuple>()?
-        && unsafe { (*tp).tp_basicsize == (*tuple).tp_basicsize && (*tp).tp_alloc.is_some() };
-    if !plain {
-        return tuple_new.bind(py).call1((ty, (a, b)));
-    }
-    // SAFETY: a tuple subclass of a tuple's own layout: its `tp_alloc` returns a new
-    // instance of two NULL items (or null with an error set), each set once below with a
-    // reference it takes, as `tuple_subtype_new` does.
-    unsafe {
-        let alloc = (*tp).tp_alloc.unwrap_or(pyo3::ffi::PyType_GenericAlloc);
-        let obj = Bound::from_owned_ptr_or_err(py, alloc(tp, 2))?;
-        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, a.into_any().into_ptr());
-        pyo3::ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, b.into_any().into_ptr());
-        Ok(obj)
     }
 }
 
@@ -667,7 +632,7 @@ impl RequestReaderPy {
                 clamped.push(unit.bind(py).clone());
             }
         }
-        let est = pair_of(self.estimate.bind(py), &self.tuple_new, input, output)?;
+        let est = pair_of(self.estimate.bind(py), input, output)?;
         Ok(Some(Read {
             head,
             model,

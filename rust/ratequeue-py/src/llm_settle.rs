@@ -10,7 +10,7 @@ use ratequeue_core::llm::headers::scan_headers;
 use ratequeue_core::llm::response_usage;
 
 use crate::histogram::{to_ns, HistogramPy};
-use crate::llm::read;
+use crate::llm::{pair_of, read};
 use crate::waiting::{PermitPy, Unblocked};
 
 /// Most units a plan corrects (`tokens`, `input_tokens`, `output_tokens`).
@@ -73,22 +73,6 @@ fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py
     let name = item(t, 0)?.cast::<PyString>().ok()?;
     let j = item(t, 1)?.extract::<usize>().ok()?;
     Some((name, j))
-}
-
-/// A `Usage` (a subclass of tuple) of two counts, made as
-/// `tuple.__new__(usage_type, (i, o))` makes it, without a call into Python.
-fn usage_of<'py>(py: Python<'py>, usage_type: &Bound<'py, PyType>, i: u64, o: u64) -> PyResult<Bound<'py, PyAny>> {
-    let (i, o) = (i.into_pyobject(py)?, o.into_pyobject(py)?);
-    let t = usage_type.as_type_ptr();
-    // SAFETY: the type is a subclass of tuple (checked by the caller) whose instances are
-    // tuples of `nitems` items; both items are set before the object is handed out.
-    unsafe {
-        let obj = ffi::PyType_GenericAlloc(t, 2);
-        let obj = Bound::from_owned_ptr_or_err(py, obj)?;
-        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 0, i.into_ptr());
-        ffi::PyTuple_SET_ITEM(obj.as_ptr(), 1, o.into_ptr());
-        Ok(obj)
-    }
 }
 
 /// Settles a call whose 2xx response body (`body`, already read) is here, as
@@ -214,7 +198,7 @@ pub fn _settle_response<'py>(
             call.setattr(intern!(py, "_usage_body"), body)?;
         }
     } else if let Some(u) = usage {
-        let value = usage_of(py, usage_type, u.input_tokens, u.output_tokens)?;
+        let value = pair_of(usage_type, u.input_tokens, u.output_tokens)?;
         call.setattr(intern!(py, "_usage"), value)?;
         if n > 0 {
             // What acquire took, corrected to the usage.
