@@ -18,7 +18,9 @@ def test_a_max_body_past_64_bits_still_settles() -> None:
     OverflowError from the native settle's argument."""
     answer = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
     llm = rq.Limiter(
-        rq.Rate(1000, per="minute"), rq.Rate(10**6, per="minute", unit="tokens"), clock=rq.ManualClock()
+        rq.Rate(1000, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
     )
     inner = httpx.MockTransport(lambda r: httpx.Response(200, content=answer))
     t = RateLimitedTransport(inner, llm, max_body=2**64)
