@@ -16,7 +16,7 @@ class _Dropping(httpx.Request):
     the header scan and the removal: here the ``_content`` read, in general another thread
     while a long body is read detached)."""
 
-    @property  # type: ignore[override]
+    @property
     def _content(self) -> bytes:
         if "_body" not in self.__dict__:
             raise AttributeError("_content")  # not read yet (httpx's own test)

@@ -4,6 +4,7 @@ settings the reference accepted before it: the response is answered, the permit 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import httpx
 import ratequeue as rq
@@ -23,7 +24,7 @@ def test_a_max_body_past_64_bits_still_settles() -> None:
         clock=rq.ManualClock(),
     )
     inner = httpx.MockTransport(lambda r: httpx.Response(200, content=answer))
-    t = RateLimitedTransport(inner, llm, max_body=2**64)
+    t: Any = RateLimitedTransport(inner, llm, max_body=2**64)
     with httpx.Client(transport=t) as c:
         r = c.post(CHAT, json={"model": "m", "max_tokens": 100})
     rec = r.extensions["ratequeue"]
