@@ -8,6 +8,7 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
@@ -130,6 +131,9 @@ class RateLimitedTransport(_Requests):
         if isinstance(max_body, bool) or not isinstance(max_body, int) or max_body < 0:
             raise ValueError(f"max_body={max_body!r} must be an int >= 0")
         self.max_body = max_body
+        # What the native settle reads it as: no body is longer than sys.maxsize bytes,
+        # so the bound is the same, and a max_body past 64 bits is no OverflowError.
+        self._native_max_body = min(max_body, sys.maxsize)
         if not isinstance(uncapped, str) or uncapped not in ("refuse", "send"):
             raise ValueError(f"uncapped={uncapped!r} must be 'refuse' or 'send'")
         self.uncapped: str = uncapped
@@ -236,7 +240,7 @@ class RateLimitedTransport(_Requests):
                 self._token_plan,
                 hl,
                 response.content,
-                self.max_body,
+                self._native_max_body,
                 self.http_histogram,
                 http_seconds,
                 Usage,

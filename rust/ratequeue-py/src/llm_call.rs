@@ -375,9 +375,11 @@ impl RequestReaderPy {
         };
         let [p, t, a, id] = r.head;
         if !(p.is_none() && t.is_none() && a.is_none()) {
+            // As `_prepare`: each one there now is removed (Python may have run since the
+            // scan, e.g. another thread while a long body was read detached).
             let headers = request.getattr(intern!(py, "headers"))?;
-            for (value, name) in [&p, &t, &a].into_iter().zip(&parts.own) {
-                if !value.is_none() {
+            for name in &parts.own {
+                if headers.contains(name.bind(py))? {
                     headers.del_item(name.bind(py))?;
                 }
             }
