@@ -440,6 +440,12 @@ impl Limiter {
         (self.buckets.len() > 1).then(|| self.lock_multi())
     }
 
+    /// Holds the list of recent multi-rate grants as a thread filing a grant does.
+    #[cfg(test)]
+    pub(crate) fn hold_grant_list(&self) -> impl Drop + '_ {
+        self.recent.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// A grant's token: one rate, the word it left; several, the change count right
     /// after it (taken under the lock that serialises every change), covering every rate;
     /// its debits kept (moved, not copied) for a late give-back.

@@ -223,6 +223,35 @@ mod rates {
     }
 
     #[test]
+    fn a_fork_waits_for_a_grant_being_filed() {
+        // A thread stopped while it files a multi-rate grant (the list of recent grants
+        // held) must keep the fork handler waiting: in the child that thread is gone, and
+        // the list would stay locked for good (the child's next grant would hang).
+        use crate::fork::ForkLocks;
+        use std::sync::atomic::AtomicBool;
+        let (l, _) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
+        let released = AtomicBool::new(false);
+        std::thread::scope(|s| {
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (l, released) = (&l, &released);
+            s.spawn(move || {
+                let filing = l.hold_grant_list();
+                tx.send(()).unwrap();
+                std::thread::sleep(std::time::Duration::from_millis(300));
+                released.store(true, Ordering::SeqCst);
+                drop(filing);
+            });
+            rx.recv().unwrap();
+            let mut held = Vec::new();
+            l.lock_for_fork(&mut held);
+            assert!(
+                released.load(Ordering::SeqCst),
+                "the fork handler held the limiter's locks while a grant was being filed"
+            );
+        });
+    }
+
+    #[test]
     fn multi_rate_settle_without_exactness_is_capped_by_the_grant_time() {
         let (l, clock) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
         let g = GrantRef {
