@@ -19,6 +19,9 @@ pub const MAX_RATES: usize = 16;
 /// How many multi-rate grants a limiter remembers for a late give-back.
 pub const RECENT: usize = 256;
 
+/// The debits of the latest tokened multi-rate grants, by token (oldest first).
+type Recent = VecDeque<(u64, Vec<Taken>)>;
+
 /// Several GCRA buckets, each counting one unit, decided together.
 #[derive(Debug)]
 pub struct Limiter {
@@ -33,15 +36,15 @@ pub struct Limiter {
     units: Box<[String]>,
     /// Serialises every change of a multi-rate limiter (decisions, undos, refunds,
     /// charges, rate changes) so that one change's check, debits and (on a refusal) undo
-    /// are never interleaved with another's; single-rate decisions stay lock-free.
-    multi: std::sync::Mutex<()>,
+    /// are never interleaved with another's; single-rate decisions stay lock-free. It
+    /// guards the debits of the latest tokened grants (at most [`RECENT`]), so that a
+    /// grant given back after other changes still follows the one undo rule on each rate
+    /// (a grant no longer listed gives nothing back): one lock, which the fork handler
+    /// takes, and which a caller holding the GIL only tries.
+    multi: std::sync::Mutex<Recent>,
     /// Multi-rate: counts changes (under `multi`); a grant's token is its value right
     /// after the grant, so "unchanged" means no change on any bucket since.
     seq: AtomicU64,
-    /// Multi-rate: the debits of the latest tokened grants (at most [`RECENT`]), so that
-    /// a grant given back after other changes still follows the one undo rule on each
-    /// rate; a grant no longer listed gives nothing back.
-    recent: std::sync::Mutex<VecDeque<(u64, Vec<Taken>)>>,
     /// Give-backs kept because a later grant stood on them (per bucket).
     refunds_dropped: AtomicU64,
 }
@@ -110,8 +113,7 @@ impl Limiter {
             buckets: buckets.into(),
             bucket_unit: bucket_unit.into(),
             units: units.into(),
-            multi: std::sync::Mutex::new(()),
-            recent: std::sync::Mutex::new(VecDeque::new()),
+            multi: std::sync::Mutex::new(VecDeque::new()),
             seq: AtomicU64::new(0),
             refunds_dropped: AtomicU64::new(0),
         })
@@ -422,12 +424,12 @@ impl Limiter {
         self.take_all(at_ns, costs, max_delay_ns, scheduled)
     }
 
-    fn lock_multi(&self) -> MutexGuard<'_, ()> {
+    fn lock_multi(&self) -> MutexGuard<'_, Recent> {
         self.multi.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     /// [`Limiter::lock_multi`] if it is free now.
-    fn try_lock_multi(&self) -> Option<MutexGuard<'_, ()>> {
+    fn try_lock_multi(&self) -> Option<MutexGuard<'_, Recent>> {
         match self.multi.try_lock() {
             Ok(g) => Some(g),
             Err(std::sync::TryLockError::Poisoned(e)) => Some(e.into_inner()),
@@ -436,34 +438,44 @@ impl Limiter {
     }
 
     /// The lock every change of a multi-rate limiter holds (None for a single rate).
-    fn serial(&self) -> Option<MutexGuard<'_, ()>> {
+    fn serial(&self) -> Option<MutexGuard<'_, Recent>> {
         (self.buckets.len() > 1).then(|| self.lock_multi())
     }
 
     /// Holds the list of recent multi-rate grants as a thread filing a grant does.
     #[cfg(test)]
     pub(crate) fn hold_grant_list(&self) -> impl Drop + '_ {
-        self.recent.lock().unwrap_or_else(|e| e.into_inner())
+        self.lock_multi()
     }
 
     /// A grant's token: one rate, the word it left; several, the change count right
-    /// after it (taken under the lock that serialises every change), covering every rate;
-    /// its debits kept (moved, not copied) for a late give-back.
-    fn token_of(&self, r: Reservation) -> u64 {
-        if self.buckets.len() == 1 {
-            r.taken[0].after_word()
-        } else {
-            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            let oldest = if recent.len() == RECENT {
-                recent.pop_front()
-            } else {
-                None
-            };
-            recent.push_back((r.seq, r.taken));
-            drop(recent);
-            drop(oldest); // freed outside the lock
-            r.seq
+    /// after it, covering every rate, its debits filed in `recent` (moved, not copied)
+    /// for a late give-back. `recent` is the multi-rate lock's list: the lock held from
+    /// the grant to its filing, so no change comes between and no fork sees it filed half.
+    fn token_of(&self, r: Reservation, recent: Option<&mut Recent>) -> u64 {
+        match recent {
+            Some(list) if self.buckets.len() > 1 => {
+                if list.len() == RECENT {
+                    list.pop_front();
+                }
+                list.push_back((r.seq, r.taken));
+                r.seq
+            }
+            _ => r.taken[0].after_word(),
         }
+    }
+
+    /// A grant at `at_ns` with no delay and its token, the multi-rate lock held through
+    /// both (`scheduled`: a grant the queue scheduled, see [`Bucket::take_with`]).
+    fn take_token_at(&self, at_ns: u64, costs: &[u64], scheduled: bool) -> Result<u64, Deny> {
+        if self.buckets.len() == 1 {
+            return self
+                .take_at_with(at_ns, costs, 0, scheduled)
+                .map(|r| self.token_of(r, None));
+        }
+        let mut recent = self.lock_multi();
+        self.take_all_serial(at_ns, costs, 0, scheduled)
+            .map(|r| self.token_of(r, Some(&mut recent)))
     }
 
     fn note(&self, u: Undo) -> Undo {

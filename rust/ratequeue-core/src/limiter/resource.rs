@@ -11,8 +11,7 @@ impl Resource for Limiter {
     }
 
     fn try_take_token(&self, now_ns: u64, costs: &[u64]) -> Result<Option<u64>, Deny> {
-        self.take_at_with(now_ns, costs, 0, false)
-            .map(|r| Some(self.token_of(r)))
+        self.take_token_at(now_ns, costs, false).map(Some)
     }
 
     #[inline]
@@ -20,10 +19,10 @@ impl Resource for Limiter {
         if self.buckets.len() == 1 {
             return Some(self.try_take_token(now_ns, costs));
         }
-        let _serial = self.try_lock_multi()?;
+        let mut recent = self.try_lock_multi()?;
         Some(
             self.take_all_serial(now_ns, costs, 0, false)
-                .map(|r| Some(self.token_of(r))),
+                .map(|r| Some(self.token_of(r, Some(&mut recent)))),
         )
     }
 
@@ -37,10 +36,10 @@ impl Resource for Limiter {
         if self.buckets.len() == 1 {
             return Some(self.try_take_one_idle(now_ns, costs, joined).map(Some));
         }
-        let _serial = self.try_lock_multi()?;
+        let mut recent = self.try_lock_multi()?;
         Some(
             self.take_all_idle(now_ns, costs, joined)
-                .map(|r| Some(self.token_of(r))),
+                .map(|r| Some(self.token_of(r, Some(&mut recent)))),
         )
     }
 
@@ -51,7 +50,7 @@ impl Resource for Limiter {
     }
 
     fn take_at(&self, at_ns: u64, costs: &[u64]) -> Result<u64, Deny> {
-        self.take_at_with(at_ns, costs, 0, true).map(|r| self.token_of(r))
+        self.take_token_at(at_ns, costs, true)
     }
 
     fn charge_at(&self, at_ns: u64, costs: &[u64]) {
@@ -70,12 +69,9 @@ impl Resource for Limiter {
             self.note(self.buckets[0].give_back(&mut t, ret, now));
             return;
         }
-        let _serial = self.lock_multi();
-        let taken = {
-            let mut recent = self.recent.lock().unwrap_or_else(|e| e.into_inner());
-            let at = recent.iter().position(|(seq, _)| *seq == token);
-            at.and_then(|k| recent.remove(k)).map(|(_, taken)| taken)
-        };
+        let mut recent = self.lock_multi();
+        let at = recent.iter().position(|(seq, _)| *seq == token);
+        let taken = at.and_then(|k| recent.remove(k)).map(|(_, taken)| taken);
         for (i, b) in self.buckets.iter().enumerate() {
             let c = costs[self.bucket_unit[i]];
             let u = match &taken {

@@ -252,6 +252,22 @@ mod rates {
     }
 
     #[test]
+    fn a_try_does_not_wait_for_a_grant_being_filed() {
+        // What a caller holding the GIL uses: busy, it says so (None) and changes nothing.
+        let (l, _) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
+        let filing = l.hold_grant_list();
+        assert!(Resource::try_take_token_nowait(&l, 0, &[1, 1]).is_none());
+        assert!(Resource::try_take_token_idle_nowait(&l, 0, &[1, 1], &|| false).is_none());
+        assert!(l.try_acquire_nowait(&[1, 1]).is_none());
+        drop(filing);
+        assert_eq!((l.available(0), l.available(1)), (10.0, 2.0));
+        let token = Resource::try_take_token_nowait(&l, 0, &[1, 1]).unwrap().unwrap();
+        assert!(token.is_some());
+        Resource::give_back(&l, &[1, 1], token);
+        assert_eq!((l.available(0), l.available(1)), (10.0, 2.0));
+    }
+
+    #[test]
     fn multi_rate_settle_without_exactness_is_capped_by_the_grant_time() {
         let (l, clock) = limiter(&[("requests", 10.0, 10), ("tokens", 1.0, 2)]);
         let g = GrantRef {
