@@ -175,6 +175,32 @@ fn below_space(w: u64) -> u64 {
     w.wrapping_sub(ONES * 0x20) & !w & HIGHS
 }
 
+/// Sixteen bytes at once with SSE2 (part of every x86_64).
+#[cfg(target_arch = "x86_64")]
+mod sse2 {
+    use std::arch::x86_64::{
+        _mm_cmpeq_epi8, _mm_cmplt_epi8, _mm_loadu_si128, _mm_min_epu8, _mm_movemask_epi8, _mm_or_si128, _mm_set1_epi8,
+    };
+
+    /// Bit `k` of the first mask: byte `k` is a quote, a backslash or below 0x20; of the
+    /// second: byte `k` continues a UTF-8 sequence (`0b10xx_xxxx`).
+    #[inline]
+    pub(super) fn marks(block: &[u8; 16]) -> (u32, u32) {
+        // SAFETY: SSE2 is in x86_64's baseline; the load reads the 16 bytes of `block`
+        // (unaligned load).
+        unsafe {
+            let x = _mm_loadu_si128(block.as_ptr().cast());
+            let quote = _mm_cmpeq_epi8(x, _mm_set1_epi8(b'"' as i8));
+            let backslash = _mm_cmpeq_epi8(x, _mm_set1_epi8(b'\\' as i8));
+            let control = _mm_cmpeq_epi8(_mm_min_epu8(x, _mm_set1_epi8(0x1F)), x); // x <= 0x1F
+            let stop = _mm_movemask_epi8(_mm_or_si128(_mm_or_si128(quote, backslash), control));
+            // 0x80..=0xBF are the signed bytes -128..=-65.
+            let cont = _mm_movemask_epi8(_mm_cmplt_epi8(x, _mm_set1_epi8(-64)));
+            (stop as u32, cont as u32)
+        }
+    }
+}
+
 /// How many bytes of `w` continue a UTF-8 sequence (`0b10xx_xxxx`).
 #[inline]
 fn continuations(w: u64) -> usize {
@@ -231,7 +257,8 @@ impl<'a> Scanner<'a> {
     /// CPython's `json` reads the same way (not UTF-8, a BOM, a NUL in its first four
     /// bytes: other encodings).
     pub fn new(b: &'a [u8]) -> Option<Self> {
-        if b.starts_with(b"\xEF\xBB\xBF") || b.iter().take(4).any(|&c| c == 0) || std::str::from_utf8(b).is_err() {
+        if b.starts_with(b"\xEF\xBB\xBF") || b.iter().take(4).any(|&c| c == 0) || simdutf8::basic::from_utf8(b).is_err()
+        {
             return None;
         }
         Some(Scanner { b, pos: 0 })
@@ -279,6 +306,20 @@ impl<'a> Scanner<'a> {
             // lowest flagged byte of each test is exact); each byte before it counts
             // unless it continues a UTF-8 sequence. The last few bytes one by one.
             let c = loop {
+                // Sixteen at a time where SSE2 is there (every x86_64), as below.
+                #[cfg(target_arch = "x86_64")]
+                if let Some(block) = b.get(i..i + 16).and_then(|c| <&[u8; 16]>::try_from(c).ok()) {
+                    let (stop, cont) = sse2::marks(block);
+                    if stop == 0 {
+                        chars += 16 - cont.count_ones() as usize;
+                        i += 16;
+                        continue;
+                    }
+                    let k = stop.trailing_zeros();
+                    chars += k as usize - (cont & ((1 << k) - 1)).count_ones() as usize;
+                    i += k as usize;
+                    break block[k as usize];
+                }
                 if let Some(chunk) = b.get(i..i + 8) {
                     let w = u64::from_le_bytes(chunk.try_into().unwrap_or([0; 8]));
                     let m = has_zero(w ^ (ONES * u64::from(b'"')))
@@ -569,6 +610,53 @@ mod tests {
             r#""usage""#,
         ] {
             assert_eq!(skip(bad), Ok(None), "{bad}");
+        }
+    }
+
+    proptest::proptest! {
+        /// Any text, at any alignment (the 16- and 8-byte steps and the bytes one by one
+        /// meet at every offset): its code points counted, the scan ends after its quote;
+        /// a raw control byte anywhere in it is refused.
+        #[test]
+        fn strings_at_any_alignment(
+            text in "[^\"\\\\\\x00-\\x1f]{0,80}",
+            pad in 0usize..33,
+            escape_at in proptest::option::of(0usize..81),
+            control_at in proptest::option::of(0usize..81),
+            control in 0u8..0x20,
+        ) {
+            let mut body = vec![b' '; pad];
+            body.push(b'"');
+            let mut chars = 0;
+            for (k, ch) in text.chars().enumerate() {
+                if escape_at == Some(k) {
+                    body.extend_from_slice(b"\\u00e9");
+                    chars += 1;
+                }
+                let mut utf8 = [0u8; 4];
+                body.extend_from_slice(ch.encode_utf8(&mut utf8).as_bytes());
+                chars += 1;
+            }
+            let bad = control_at.filter(|&k| k < body.len() - pad);
+            if let Some(k) = bad {
+                // After the opening quote, and not inside a multi-byte character.
+                let at = pad + 1 + k;
+                if at < body.len() && body[at] & 0xC0 == 0x80 {
+                    return Ok(());
+                }
+                body.insert(at.min(body.len()), control);
+            }
+            body.extend_from_slice(b"\" tail");
+            let mut s = Scanner { b: &body, pos: pad };
+            match bad {
+                Some(_) => proptest::prop_assert!(s.string().is_err()),
+                None => {
+                    let got = s.string().unwrap();
+                    proptest::prop_assert_eq!(got.chars, chars);
+                    proptest::prop_assert_eq!(got.escaped, escape_at.is_some_and(|k| k < text.chars().count()));
+                    proptest::prop_assert_eq!(&body[s.pos..], b" tail");
+                }
+            }
         }
     }
 
