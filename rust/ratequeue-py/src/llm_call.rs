@@ -211,6 +211,8 @@ fn slot_offset(record: &Bound<'_, PyType>, name: &str) -> PyResult<isize> {
 
 /// The estimator's character-count settings when the native reader can stand in for it
 /// (a `TokenEstimator` counting characters, settled): `(chars_per_token, default)`.
+/// Read from the instance's `__dict__`: an exact `TokenEstimator` sets all four there
+/// and its class defines none of them (what `getattr` would find); one missing defers.
 fn char_settings(r: &RequestReaderPy, estimator: &Bound<'_, PyAny>) -> PyResult<Option<(u64, u64)>> {
     let py = estimator.py();
     let mut e = estimator.clone();
@@ -220,13 +222,28 @@ fn char_settings(r: &RequestReaderPy, estimator: &Bound<'_, PyAny>) -> PyResult<
         }
         e = r.chars.bind(py).clone();
     }
-    if !e.getattr(intern!(py, "_encoding"))?.is_none() || !e.getattr(intern!(py, "_started"))?.is_truthy()? {
+    // SAFETY: `e` is a live object; the call returns a new reference or null with an
+    // error set (an object without a `__dict__`).
+    let Ok(d) = (unsafe {
+        Bound::from_owned_ptr_or_err(py, pyo3::ffi::PyObject_GenericGetDict(e.as_ptr(), std::ptr::null_mut()))
+    }) else {
+        return Ok(None);
+    };
+    let Ok(d) = d.cast_into_exact::<PyDict>() else {
+        return Ok(None);
+    };
+    let (Some(encoding), Some(started), Some(cpt), Some(default)) = (
+        d.get_item(intern!(py, "_encoding"))?,
+        d.get_item(intern!(py, "_started"))?,
+        d.get_item(intern!(py, "chars_per_token"))?,
+        d.get_item(intern!(py, "default_output_tokens"))?,
+    ) else {
+        return Ok(None);
+    };
+    if !encoding.is_none() || !started.is_truthy()? {
         return Ok(None);
     }
-    let (Ok(cpt), Ok(default)) = (
-        e.getattr(intern!(py, "chars_per_token"))?.extract::<u64>(),
-        e.getattr(intern!(py, "default_output_tokens"))?.extract::<u64>(),
-    ) else {
+    let (Ok(cpt), Ok(default)) = (cpt.extract::<u64>(), default.extract::<u64>()) else {
         return Ok(None);
     };
     Ok(Some((cpt, default)))
