@@ -20,8 +20,7 @@ from ratequeue._ratequeue import _BodyReader
 from ratequeue.httpx import RateLimitedTransport
 from ratequeue.httpx._usage import Usage
 from ratequeue.testing import MockProvider
-
-from .test_httpx_settle_native import BODIES, FIELDS, RAW, UNITS, limiter
+from test_httpx_settle_native import BODIES, FIELDS, RAW, UNITS, limiter
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -120,6 +119,14 @@ def state(t: Any, llm: rq.Limiter, rec: Any) -> tuple[Any, ...]:
     )
 
 
+def reader_of(r: Any) -> str:
+    """The type name of the reader under the client's wrapper of the response stream."""
+    s = r.stream
+    while not hasattr(s, "_reader") and hasattr(s, "_stream"):
+        s = s._stream
+    return type(getattr(s, "_reader", None)).__name__
+
+
 def run_sync(mod: Any, t: Any, body: dict[str, Any], plan: tuple[str, int]) -> tuple[Any, ...]:
     """Read as the plan says: what the consumer saw (chunks, an error) and the record."""
     kind, k = plan
@@ -128,7 +135,7 @@ def run_sync(mod: Any, t: Any, body: dict[str, Any], plan: tuple[str, int]) -> t
     with mod.Client(transport=t) as c:
         r = c.send(c.build_request("POST", CHAT, json=body), stream=True)
         rec = r.extensions["ratequeue"]
-        reader = type(getattr(r.stream, "_reader", None)).__name__
+        reader = reader_of(r)
         try:
             if kind in ("read", "raise", "close2"):
                 seen.extend(r.iter_raw())
@@ -157,7 +164,7 @@ def run_async(mod: Any, t: Any, body: dict[str, Any], plan: tuple[str, int]) -> 
         async with mod.AsyncClient(transport=t) as c:
             r = await c.send(c.build_request("POST", CHAT, json=body), stream=True)
             rec = r.extensions["ratequeue"]
-            reader = type(getattr(r.stream, "_reader", None)).__name__
+            reader = reader_of(r)
             try:
                 if kind in ("read", "raise", "close2"):
                     seen.extend([x async for x in r.aiter_raw()])
@@ -184,7 +191,7 @@ def run_async(mod: Any, t: Any, body: dict[str, Any], plan: tuple[str, int]) -> 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
 @pytest.mark.parametrize("is_async", [False, True])
-@settings(max_examples=120, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     units=st.sampled_from(UNITS),
     burst=st.sampled_from([40, 1000, 10**6]),
@@ -240,7 +247,7 @@ def test_other_bodies_keep_the_python_reader(name: str) -> None:
         assert reader in ("_Reader", "_Decoding")
     pol = rq.Policy({"l": rq.Limiter(rq.Rate(10**6, per="minute", unit="tokens"))})
     inner = mod.MockTransport(lambda r: mod.Response(200, stream=sync_inner(mod, [answer], None)))
-    t = RateLimitedTransport(inner, pol)
+    t = RateLimitedTransport(inner, pol, units=["tokens"])
     reader, _, _, rec = run_sync(mod, t, {"model": "m", "max_tokens": 9}, ("read", 0))
     assert reader == "_Reader" and rec.usage == Usage(2, 3)
 
@@ -253,12 +260,54 @@ def test_the_wrappers_are_the_packages_streams(name: str) -> None:
     with mod.Client(transport=t) as c:
         r = c.send(c.build_request("POST", CHAT, json={"model": "m", "max_tokens": 9}), stream=True)
         assert isinstance(r.stream, mod.SyncByteStream)
-        assert type(r.stream._reader) is _BodyReader
+        assert reader_of(r) == _BodyReader.__name__
         assert t.http_histogram.count == 1  # recorded at the headers, not again
         assert r.read() == answer
     rec = r.extensions["ratequeue"]
     assert rec.usage == Usage(2, 3) and rec.charged == {"requests": 1, "tokens": 5}
     assert llm.available("tokens") == 10**6 - 5 and t.http_histogram.count == 1
+
+
+def close_while_waiting(mod: Any, answer: bytes) -> None:
+    """One round: the consumer waits inside the inner stream's second next()."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(mod.SyncByteStream):  # type: ignore[misc,name-defined]
+        def __iter__(self) -> Any:
+            yield answer[:4]
+            inside.set()
+            release.wait(10)
+            yield answer[4:]
+
+    llm = limiter("tokens", 10**6)
+    inner = mod.MockTransport(lambda r: mod.Response(200, stream=Slow()))
+    t = RateLimitedTransport(inner, llm)
+    c = mod.Client(transport=t)
+    r = c.send(c.build_request("POST", CHAT, json={"model": "m", "max_tokens": 9}), stream=True)
+    assert reader_of(r) == "_BodyReader"
+    rec = r.extensions["ratequeue"]
+    errors: list[BaseException] = []
+    seen: list[bytes] = []
+
+    def consume() -> None:
+        try:
+            seen.extend(r.stream)
+        except BaseException as e:  # pragma: no cover - the failure reported below
+            errors.append(e)
+
+    th = threading.Thread(target=consume)
+    th.start()
+    assert inside.wait(10)
+    r.stream.close()  # settles now, from this thread
+    assert rec.settled and rec._once == [] and rec.usage is None
+    release.set()
+    th.join(10)
+    assert not th.is_alive() and errors == []
+    assert b"".join(seen) == answer
+    assert rec.usage is None  # the end of the body after the close changed nothing
+    assert rec.charged == {"requests": 1, "tokens": rec.estimate.tokens}
+    assert llm.available("tokens") == 10**6 - rec.estimate.tokens
+    c.close()
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
@@ -269,41 +318,44 @@ def test_a_close_while_waiting_for_a_chunk(name: str) -> None:
     mod = importlib.import_module(name)
     answer = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode()
     for _ in range(20):
-        inside, release = threading.Event(), threading.Event()
+        close_while_waiting(mod, answer)
 
-        class Slow(mod.SyncByteStream):  # type: ignore[misc,name-defined]
-            def __iter__(self) -> Any:
-                yield answer[:4]
-                inside.set()
-                release.wait(10)
-                yield answer[4:]
 
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_a_close_racing_the_end_settles_once(name: str) -> None:
+    """A close from another thread racing the end of the body: one of them settles, and
+    the record and the limiter agree on which."""
+    mod = importlib.import_module(name)
+    answer = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode()
+    for _ in range(100):
         llm = limiter("tokens", 10**6)
-        inner = mod.MockTransport(lambda r: mod.Response(200, stream=Slow()))
-        t = RateLimitedTransport(inner, llm)
-        c = mod.Client(transport=t)
+        inner = mod.MockTransport(
+            lambda r: mod.Response(200, stream=sync_inner(mod, [answer[:3], answer[3:]], None))
+        )
+        c = mod.Client(transport=RateLimitedTransport(inner, llm))
         r = c.send(c.build_request("POST", CHAT, json={"model": "m", "max_tokens": 9}), stream=True)
         rec = r.extensions["ratequeue"]
-        errors: list[BaseException] = []
-        seen: list[bytes] = []
+        barrier = threading.Barrier(2)
 
-        def consume(r: Any = r) -> None:
-            try:
-                seen.extend(r.stream)
-            except BaseException as e:  # pragma: no cover - the failure reported below
-                errors.append(e)
+        def consume(r: Any = r, barrier: Any = barrier) -> None:
+            barrier.wait()
+            for _ in r.stream:
+                pass
 
-        th = threading.Thread(target=consume)
-        th.start()
-        assert inside.wait(10)
-        r.stream.close()  # settles now, from this thread
-        assert rec.settled and rec._once == [] and rec.usage is None
-        release.set()
-        th.join(10)
-        assert not th.is_alive() and errors == []
-        assert b"".join(seen) == answer
-        assert rec.charged == {"requests": 1, "tokens": rec.estimate.tokens}
-        assert llm.available("tokens") == 10**6 - rec.estimate.tokens
+        def close(r: Any = r, barrier: Any = barrier) -> None:
+            barrier.wait()
+            r.stream.close()
+
+        threads = [threading.Thread(target=consume), threading.Thread(target=close)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(10)
+        assert rec.settled and rec._once == []
+        if rec.usage is None:  # the close came first: the estimate stays charged
+            assert llm.available("tokens") == 10**6 - rec.estimate.tokens
+        else:
+            assert rec.usage == Usage(2, 3) and llm.available("tokens") == 10**6 - 5
         c.close()
 
 
@@ -312,16 +364,60 @@ def test_a_loopback_call_settles_the_providers_usage() -> None:
     natively, the permit settled with the provider's usage."""
     httpx2 = importlib.import_module("httpx2")
     llm = rq.Limiter(
-        rq.Rate(10**6, per="minute"), rq.Rate(10**6, per="minute", unit="tokens"), clock=rq.ManualClock()
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
     )
     with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
         t = RateLimitedTransport(httpx2.HTTPTransport(), llm)
         with httpx2.Client(transport=t) as c:
-            body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+            body = {
+                "model": "m",
+                "messages": [{"role": "user", "content": "x" * 40}],
+                "max_tokens": 7,
+            }
             with c.stream("POST", mock.url, json=body) as r:
-                assert type(r.stream._reader) is _BodyReader
+                assert reader_of(r) == _BodyReader.__name__
                 r.read()
     rec = r.extensions["ratequeue"]
     assert rec.settled and rec.usage == Usage(10, 5)
     assert rec.charged == {"requests": 1, "tokens": 15}
     assert llm.available("tokens") == 10**6 - 15
+
+
+DEFERRED = [
+    json.dumps({"usage": {"prompt_tokens": 2**64, "completion_tokens": 1}}).encode(),
+    json.dumps({"usage": {"input_tokens": 3, "output_tokens": 4}}).encode("utf-16"),
+    b'{"a": ' * 200 + b'{"usage": {"prompt_tokens": 3, "completion_tokens": 4}}' + b"}" * 200,
+]
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("answer", DEFERRED)
+@pytest.mark.parametrize("units", UNITS)
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_usage_only_the_reference_reads_is_handed_to_it(
+    name: str, answer: bytes, units: str, is_async: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where the native settle defers, ``_stream_deferred`` settles as ``_Reader.finish``."""
+    mod = importlib.import_module(name)
+    handed: list[Any] = []
+    body = {"model": "m", "max_tokens": 50}
+    got = []
+    for native in (True, False):
+        t, llm = transport(
+            mod, units, 10**6, 8 << 20, [], chunks_of(answer, [7, 9]), None, native, is_async
+        )
+        deferred = t._stream_deferred
+
+        def spy(call: Any, data: Any, deferred: Any = deferred) -> None:
+            handed.append(data)
+            deferred(call, data)
+
+        monkeypatch.setattr(t, "_stream_deferred", spy)
+        _, seen, _, rec = (run_async if is_async else run_sync)(mod, t, body, ("read", 0))
+        assert b"".join(seen) == answer
+        got.append(state(t, llm, rec))
+    if units != "requests":
+        assert handed == [answer]
+    assert got[0] == got[1]
