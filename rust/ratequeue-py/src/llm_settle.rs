@@ -300,3 +300,19 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_settle_response, m)?)?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::identity;
+
+    #[test]
+    fn identity_encodings() {
+        assert!(identity(b""));
+        assert!(identity(b"identity"));
+        assert!(identity(b" Identity , IDENTITY,"));
+        assert!(!identity(b"gzip"));
+        assert!(!identity(b"identity, br"));
+        assert!(!identity(b"identityx"));
+        assert!(!identity(b"\xa0identity")); // not ASCII white space: the reference decides
+    }
+}
