@@ -1,6 +1,6 @@
 """Type stubs of the native module ratequeue._ratequeue."""
 
-from collections.abc import Awaitable, Callable, Generator, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Generator, Iterable, Mapping, Sequence
 from types import TracebackType
 from typing import Any, Literal, SupportsIndex, TypeAlias, final
 
@@ -37,12 +37,13 @@ def _settle_response(
     charged: dict[str, int],
     plan: tuple[tuple[str, int], ...],
     headers: list[tuple[bytes, bytes, bytes]],
-    body: bytes,
+    body: bytes | None,
     max_body: int,
     histogram: Histogram,
     http_seconds: float,
     usage_type: type,
-) -> tuple[bytes, bool, Literal[False]] | Literal[False] | None: ...
+    transport: object | None = None,
+) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | None: ...
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...
@@ -67,6 +68,21 @@ class _SSEFrames:
     def buffered(self) -> int: ...
 
 def _next_id(prefix: str) -> str: ...
+
+@final
+class _BodyReader:
+    """A streamed response body read as it passes (ratequeue.httpx only)."""
+
+    def feed(self, chunk: bytes) -> None: ...
+    def finish(self) -> None: ...
+    def iterate(self, inner: Iterable[bytes]) -> _BodyIter: ...
+
+@final
+class _BodyIter:
+    """The chunks of a stream fed to its reader (ratequeue.httpx only)."""
+
+    def __iter__(self) -> _BodyIter: ...
+    def __next__(self) -> bytes: ...
 
 @final
 class _RequestReader:

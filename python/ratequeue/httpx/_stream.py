@@ -8,6 +8,7 @@ import importlib
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
+from .._ratequeue import _BodyReader
 from ._decode import Decoder, decoder
 from ._record import json_usage as _json_usage
 from ._usage import SSEUsage, Usage
@@ -92,12 +93,13 @@ class _Decoding(_Reader):
             self.over, self.buf = True, []
 
 
-_STREAMS: dict[type, tuple[type, type]] = {}
+_STREAMS: dict[type, tuple[type, type, type, type]] = {}
 
 
-def _stream_types(response_type: type) -> tuple[type, type]:
+def _stream_types(response_type: type) -> tuple[type, type, type, type]:
     """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
-    (whichever defines ``response_type``)."""
+    (whichever defines ``response_type``): over a Python reader, then over the native
+    ``_BodyReader``."""
     types = _STREAMS.get(response_type)
     if types is not None:
         return types
@@ -145,9 +147,51 @@ def _stream_types(response_type: type) -> tuple[type, type]:
                 if self._reader.call._owed is not None:
                     await self._reader.transport._pay_async(self._reader.call)
 
-    types = (_SyncStream, _AsyncStream)
+    class _NativeSyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        """The chunks pass through a native iterator: no Python frame per chunk."""
+
+        def __init__(self, inner: Any, reader: _BodyReader) -> None:
+            self._inner, self._reader = inner, reader
+
+        def __iter__(self) -> Iterator[bytes]:
+            return self._reader.iterate(self._inner)
+
+        def close(self) -> None:
+            try:
+                if hasattr(self._inner, "close"):
+                    self._inner.close()
+            finally:
+                self._reader.finish()
+
+    class _NativeAsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        """No ledger on the native path: nothing is owed after the settle."""
+
+        def __init__(self, inner: Any, reader: _BodyReader) -> None:
+            self._inner, self._reader = inner, reader
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            feed = self._reader.feed
+            async for chunk in self._inner:
+                feed(chunk)
+                yield chunk
+            self._reader.finish()
+
+        async def aclose(self) -> None:
+            try:
+                if hasattr(self._inner, "aclose"):
+                    await self._inner.aclose()
+            finally:
+                self._reader.finish()
+
+    types = (_SyncStream, _AsyncStream, _NativeSyncStream, _NativeAsyncStream)
     _STREAMS[response_type] = types
     return types
+
+
+def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
+    """Put the native reader between the response's stream and its consumer."""
+    types = _STREAMS.get(type(response)) or _stream_types(type(response))
+    response.stream = types[3 if is_async else 2](response.stream, reader)
 
 
 def wrap(
@@ -166,7 +210,7 @@ def wrap(
             usage = _json_usage(content)
         _done(call, transport, usage)
         return
-    sync_t, async_t = _STREAMS.get(type(response)) or _stream_types(type(response))
+    sync_t, async_t, _, _ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")
     dec = None
     if enc is not None:  # a stream: a bound per encoded byte; JSON: max_body in all

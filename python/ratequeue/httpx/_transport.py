@@ -15,7 +15,14 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import CostTooLarge, RateQueueError
-from .._ratequeue import Histogram, Limiter, Policy, _read_response, _settle_response
+from .._ratequeue import (
+    Histogram,
+    Limiter,
+    Policy,
+    _BodyReader,
+    _read_response,
+    _settle_response,
+)
 from ..pool import Pool
 from . import _budget
 from ._caps import Cap, CapTable
@@ -25,7 +32,7 @@ from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
-from ._stream import wrap
+from ._stream import _done, native_stream, wrap
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -164,6 +171,8 @@ class RateLimitedTransport(_Requests):
         # A Limiter's 2xx responses settle in one native call (_settle_response); False
         # takes the Python reference for every call (tests compare the two).
         self._native_settle = isinstance(limit, Limiter)
+        # A streamed body (not read yet) read by the native reader; False: the Python one.
+        self._native_stream = True
         self.wait_histogram = Histogram()
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
@@ -222,16 +231,17 @@ class RateLimitedTransport(_Requests):
         found: Any = False
         if (
             status < 300
-            and consumed
+            and (consumed or self._native_stream)
             and self._native_settle
             and call._sub is None
             and not call._held
             and not self.calibrate
             and type(hl) is list
         ):
-            # The common path in one native call (None: done). Otherwise nothing was done
-            # and the reference below takes the call: from the start (False), or from
-            # what the headers say (an SSE type or an exhausted quota; usage not read).
+            # The common path in one native call (None: done; a body not read yet: its
+            # native reader). Otherwise nothing was done and the reference below takes
+            # the call: from the start (False), or from what the headers say (an SSE
+            # type or an exhausted quota; usage not read).
             found = _settle_response(
                 call,
                 call._once,
@@ -239,13 +249,18 @@ class RateLimitedTransport(_Requests):
                 call._charged,
                 self._token_plan,
                 hl,
-                response.content,
+                response.content if consumed else None,
                 self._native_max_body,
                 self.http_histogram,
                 http_seconds,
                 Usage,
+                self,
             )
             if found is None:
+                response.extensions["ratequeue"] = call
+                return response
+            if type(found) is _BodyReader:
+                native_stream(response, found, is_async)
                 response.extensions["ratequeue"] = call
                 return response
         self.http_histogram.record(http_seconds)
@@ -288,6 +303,10 @@ class RateLimitedTransport(_Requests):
                 self._settle(call, None, status, reported=True)
                 call._usage_body = content
         return response
+
+    def _stream_deferred(self, call: _Call, body: bytes | None) -> None:
+        """A streamed body the native reader could not settle from: as ``_Reader.finish``."""
+        _done(call, self, None if body is None else _json_usage(body))
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:
         """Follow what the headers say: calibrate, pause exhausted units; on a 429 pause

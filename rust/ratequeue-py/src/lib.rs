@@ -24,6 +24,7 @@ mod limiter_ops;
 mod llm;
 mod llm_call;
 mod llm_settle;
+mod llm_stream;
 mod policy;
 mod policy_level;
 mod policy_permit;
@@ -45,6 +46,7 @@ fn _ratequeue(m: &Bound<'_, PyModule>) -> PyResult<()> {
     llm::register(m)?;
     llm_call::register(m)?;
     llm_settle::register(m)?;
+    llm_stream::register(m)?;
     m.add_class::<keywords::PolicyKeywordsPy>()?;
     m.add_class::<keywords::LimiterKeywordsPy>()?;
     m.add_class::<clock::ManualClockPy>()?;

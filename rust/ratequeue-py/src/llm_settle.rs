@@ -11,6 +11,7 @@ use ratequeue_core::llm::response_usage;
 
 use crate::histogram::{to_ns, HistogramPy};
 use crate::llm::{pair_of, read};
+use crate::llm_stream::BodyReaderPy;
 use crate::waiting::{PermitPy, Unblocked};
 
 /// Most units a plan corrects (`tokens`, `input_tokens`, `output_tokens`).
@@ -82,10 +83,16 @@ fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py
 /// exhausted quota, from the start (False) for a header entry that is not a triple of
 /// bytes, a usage only the reference reads, a permit that is not a Limiter's.
 ///
+/// A body not read yet (`body` None, a stream over the network) without a
+/// `Content-Encoding` (or only `identity`): the HTTP time is recorded and a
+/// [`BodyReaderPy`] is returned that buffers the body as it passes and settles at its end
+/// (`transport` takes the calls it defers); any other such body: False.
+///
 /// `plan`: `((unit, index in (requests, tokens, input, output)), ...)` of the units a
 /// usage corrects (empty: the body is kept for the record to read when asked for);
 /// `charged`: what acquire took per unit; `once`: the call's settle-once list.
 #[pyfunction]
+#[pyo3(signature = (call, once, permit, charged, plan, headers, body, max_body, histogram, http_seconds, usage_type, transport=None))]
 #[allow(clippy::too_many_arguments)]
 pub fn _settle_response<'py>(
     py: Python<'py>,
@@ -95,11 +102,12 @@ pub fn _settle_response<'py>(
     charged: &Bound<'py, PyDict>,
     plan: &Bound<'py, PyTuple>,
     headers: &Bound<'py, PyList>,
-    body: &Bound<'py, PyBytes>,
+    body: Option<&Bound<'py, PyBytes>>,
     max_body: usize,
     histogram: &Bound<'py, HistogramPy>,
     http_seconds: f64,
     usage_type: &Bound<'py, PyType>,
+    transport: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     // Everything that may defer comes first: nothing is changed before the settle.
     let Ok(ns) = to_ns("seconds", http_seconds) else {
@@ -127,20 +135,93 @@ pub fn _settle_response<'py>(
         )?
         .into_any());
     }
+    let Some(body) = body else {
+        // A stream: read natively when nothing is to be decoded.
+        let Some(transport) = transport else {
+            return Ok(defer(py));
+        };
+        if !pairs
+            .iter()
+            .all(|(name, value)| *name != b"content-encoding" || identity(value))
+        {
+            return Ok(defer(py));
+        }
+        let reader = BodyReaderPy::new(call, once, permit, charged, plan, max_body, usage_type, transport);
+        let reader = Bound::new(py, reader)?;
+        histogram.get().inner.record(ns);
+        return Ok(reader.into_any());
+    };
+    match settle_body(
+        py,
+        call,
+        once,
+        permit,
+        charged,
+        plan,
+        Some(body),
+        max_body,
+        Some((histogram.get(), ns)),
+        usage_type,
+    )? {
+        Settled::Done => Ok(py.None().into_bound(py)),
+        Settled::Deferred => Ok(defer(py)),
+    }
+}
+
+/// A `Content-Encoding` value that asks for nothing to be undone: its comma-separated
+/// tokens, without surrounding ASCII white space, empty or `identity` in any case.
+fn identity(value: &[u8]) -> bool {
+    value.split(|&b| b == b',').all(|token| {
+        let t = token.trim_ascii();
+        t.is_empty() || t.eq_ignore_ascii_case(b"identity")
+    })
+}
+
+/// What [`settle_body`] did.
+pub(crate) enum Settled {
+    /// Settled now, or by another caller before.
+    Done,
+    /// Nothing was done: the Python reference takes the call.
+    Deferred,
+}
+
+/// The settle of a 2xx call from its JSON body (None: none, or past `max_body`), shared
+/// by a body that was here and a streamed body at its end: the usage read, the permit
+/// settled from the token plan (once: `once`'s pop), the record set as `_settle` sets
+/// it; `histogram`, when given, records the HTTP time. Deferred when only the
+/// reference can settle it (nothing changed then).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn settle_body<'py>(
+    py: Python<'py>,
+    call: &Bound<'py, PyAny>,
+    once: &Bound<'py, PyList>,
+    permit: &Bound<'py, PyAny>,
+    charged: &Bound<'py, PyDict>,
+    plan: &Bound<'py, PyTuple>,
+    body: Option<&Bound<'py, PyBytes>>,
+    max_body: usize,
+    histogram: Option<(&HistogramPy, u64)>,
+    usage_type: &Bound<'py, PyType>,
+) -> PyResult<Settled> {
+    let record = || {
+        if let Some((h, ns)) = histogram {
+            h.inner.record(ns);
+        }
+    };
     let Ok(permit) = permit.cast::<PermitPy>() else {
-        return Ok(defer(py));
+        return Ok(Settled::Deferred);
     };
     if !usage_type.is_subclass_of::<PyTuple>()? {
-        return Ok(defer(py));
+        return Ok(Settled::Deferred);
     }
-    let data = body.as_bytes();
+    let data = body.map_or(&[][..], |b| b.as_bytes());
     let readable = !data.is_empty() && data.len() <= max_body;
     let mut usage = None;
     let mut fixes: [Option<Correction<'_, 'py>>; MOST_UNITS] = [None, None, None];
     let mut n = 0;
     if !plan.is_empty() && readable {
         let Ok(found) = read(py, data, response_usage) else {
-            return Ok(defer(py));
+            return Ok(Settled::Deferred);
         };
         usage = found;
         if let Some(u) = found {
@@ -150,25 +231,25 @@ pub fn _settle_response<'py>(
             let units = permit.get().permit().owner().units();
             for item in plan.iter_borrowed() {
                 let Some((name, j)) = unit_of(item) else {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 };
                 let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(name)?) else {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 };
                 let Ok(was) = was.extract::<u64>() else {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 };
                 if a == was {
                     continue;
                 }
                 let Ok(text) = name.to_str() else {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 };
                 let Some(index) = units.iter().position(|u| u == text) else {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 };
                 if n == MOST_UNITS {
-                    return Ok(defer(py));
+                    return Ok(Settled::Deferred);
                 }
                 fixes[n] = Some(Correction { index, name, actual: a });
                 n += 1;
@@ -177,8 +258,8 @@ pub fn _settle_response<'py>(
     }
     // One caller settles (the list's pop is atomic); a call settled already is left.
     if once.del_item(0).is_err() {
-        histogram.get().inner.record(ns);
-        return Ok(py.None().into_bound(py));
+        record();
+        return Ok(Settled::Done);
     }
     // The limiter first: nothing after the pop may lose the refund.
     let mut named = [(0usize, 0u64); MOST_UNITS];
@@ -189,11 +270,11 @@ pub fn _settle_response<'py>(
         // Locks are tried first; only a busy one is waited for, detached from Python.
         permit.get().permit().settle(&named[..n], &Unblocked);
     }
-    histogram.get().inner.record(ns);
+    record();
     call.setattr(intern!(py, "_done"), true)?;
     call.setattr(intern!(py, "settled"), true)?;
     if plan.is_empty() {
-        if readable {
+        if let (true, Some(body)) = (readable, body) {
             // Only the record wants the usage: read when asked for.
             call.setattr(intern!(py, "_usage_body"), body)?;
         }
@@ -212,10 +293,26 @@ pub fn _settle_response<'py>(
             }
         }
     }
-    Ok(py.None().into_bound(py))
+    Ok(Settled::Done)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_settle_response, m)?)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::identity;
+
+    #[test]
+    fn identity_encodings() {
+        assert!(identity(b""));
+        assert!(identity(b"identity"));
+        assert!(identity(b" Identity , IDENTITY,"));
+        assert!(!identity(b"gzip"));
+        assert!(!identity(b"identity, br"));
+        assert!(!identity(b"identityx"));
+        assert!(!identity(b"\xa0identity")); // not ASCII white space: the reference decides
+    }
 }
