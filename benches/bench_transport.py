@@ -66,6 +66,7 @@ import httpx2
 import openai
 import ratequeue as rq
 from ratequeue.httpx import CallBudget, Cap, RateLimitedTransport
+from ratequeue.httpx._estimate import default_estimator
 from ratequeue.testing import MockProvider
 
 HERE = Path(__file__).resolve().parent
@@ -190,6 +191,9 @@ def overhead(
 ) -> list[tuple[str, str, Sample, str | None]]:
     stream_body = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
     caps = [Cap(100, route="/chat/completions"), Cap(50, model="gpt-bench", task="x")]
+    # The shared estimator's tiktoken loader thread done before any row (as --instructions):
+    # until then calls take the Python reader beside a thread contending for the GIL.
+    default_estimator().load(60)  # type: ignore[attr-defined]
     with MockProvider(10**7, gen_time=0.0, burst=10**6) as mock:
         url = mock.url
         mem = httpx2.Client(transport=httpx2.MockTransport(answer))
