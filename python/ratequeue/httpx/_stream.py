@@ -147,27 +147,16 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
                 if self._reader.call._owed is not None:
                     await self._reader.transport._pay_async(self._reader.call)
 
-    class _NativeSyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
-        """The chunks pass through a native iterator: no Python frame per chunk."""
-
-        def __init__(self, inner: Any, reader: _BodyReader) -> None:
-            self._inner, self._reader = inner, reader
+    class _NativeSyncStream(_SyncStream):
+        """Over a ``_BodyReader``: the chunks pass through a native iterator (no Python
+        frame per chunk); closed as the Python reader's stream."""
 
         def __iter__(self) -> Iterator[bytes]:
-            return self._reader.iterate(self._inner)
+            return self._reader.iterate(self._inner)  # type: ignore[attr-defined,no-any-return]
 
-        def close(self) -> None:
-            try:
-                if hasattr(self._inner, "close"):
-                    self._inner.close()
-            finally:
-                self._reader.finish()
-
-    class _NativeAsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
-        """No ledger on the native path: nothing is owed after the settle."""
-
-        def __init__(self, inner: Any, reader: _BodyReader) -> None:
-            self._inner, self._reader = inner, reader
+    class _NativeAsyncStream(_AsyncStream):
+        """Over a ``_BodyReader``; no ledger on the native path: nothing is owed after
+        the settle."""
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             feed = self._reader.feed
