@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime as dt
 import gc
 import importlib.metadata
@@ -52,13 +53,14 @@ import os
 import platform
 import random
 import shutil
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -186,6 +188,33 @@ def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> Sampl
     return asyncio.run(main())
 
 
+@contextlib.contextmanager
+def provider_process() -> Iterator[str]:
+    """The loopback mock in a process of its own (``python -m ratequeue mock-provider``): its
+    server threads share no GIL, caches or CPU time with the calling thread. Yields its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "ratequeue", "mock-provider", "--rpm", "1e7", "--burst"]
+    cmd += ["1000000", "--gen-time", "0", "--port", str(port), "--duration", "3600"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1):
+                    break
+            except OSError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the mock provider process did not start") from None
+                time.sleep(0.05)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def overhead(
     calls: int, rounds: int, baseline: str | None
 ) -> list[tuple[str, str, Sample, str | None]]:
@@ -194,8 +223,7 @@ def overhead(
     # The shared estimator's tiktoken loader thread done before any row (as --instructions):
     # until then calls take the Python reader beside a thread contending for the GIL.
     default_estimator().load(60)  # type: ignore[attr-defined]
-    with MockProvider(10**7, gen_time=0.0, burst=10**6) as mock:
-        url = mock.url
+    with provider_process() as url:
         mem = httpx2.Client(transport=httpx2.MockTransport(answer))
         mem_t = httpx2.Client(transport=RateLimitedTransport(httpx2.MockTransport(answer), roomy()))
         mem_caps = httpx2.Client(
