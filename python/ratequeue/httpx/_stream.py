@@ -135,8 +135,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
                     await reader.transport._pay_async(call)
                 yield chunk
             reader.finish()
-            if call._owed is not None:
-                await reader.transport._pay_async(call)
+            await self._pay()
 
         async def aclose(self) -> None:
             try:
@@ -144,8 +143,13 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
                     await self._inner.aclose()
             finally:
                 self._reader.finish()
-                if self._reader.call._owed is not None:
-                    await self._reader.transport._pay_async(self._reader.call)
+                await self._pay()
+
+        async def _pay(self) -> None:
+            """What the call owes the ledger once settled, off the event loop."""
+            call = self._reader.call
+            if call._owed is not None:
+                await self._reader.transport._pay_async(call)
 
     class _NativeSyncStream(_SyncStream):
         """Over a ``_BodyReader``: the chunks pass through a native iterator (no Python
@@ -165,12 +169,8 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
                 yield chunk
             self._reader.finish()
 
-        async def aclose(self) -> None:
-            try:
-                if hasattr(self._inner, "aclose"):
-                    await self._inner.aclose()
-            finally:
-                self._reader.finish()
+        async def _pay(self) -> None:
+            pass  # no ledger on the native path
 
     types = (_SyncStream, _AsyncStream, _NativeSyncStream, _NativeAsyncStream)
     _STREAMS[response_type] = types
