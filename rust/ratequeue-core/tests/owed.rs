@@ -1,7 +1,7 @@
 //! What a grant owes (issue 10's residue): an overage decided under a lock on a keyed
-//! limit whose key map is full, a settle down before a queued hold's grant, and a
-//! parent's owed charge in a forked child. Each on a ManualClock; the race on a full key
-//! map is made deterministic by a resource that pauses inside its settle.
+//! limit whose key map is full and a settle down before a queued hold's grant (a
+//! parent's owed charge in a forked child: `forked.rs`). Each on a ManualClock; the race
+//! on a full key map is made deterministic by a resource that pauses inside its settle.
 
 use std::sync::mpsc;
 use std::sync::Arc;
@@ -236,62 +236,6 @@ fn a_settle_below_the_estimate_before_a_queued_holds_grant_is_debited_as_settled
     // Settled back to zero after the grant: the one unit it holds comes back.
     p.settle(&mut held, &cost(1), &cost(0), 350 * MS);
     assert_eq!(lim.delay_at(350 * MS, &[2]).unwrap(), 0);
-}
-
-// ---------------------------------------------------------------------------------
-// a parent's owed charge in a forked child
-
-#[test]
-fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket_holds() {
-    // One unit per 0.1 s, burst 2. A permit of two at 0; a waiter (due 0.1 s) and a
-    // reservation (promised 0.2 s) queue; the permit settles up to five: three units
-    // owed behind the reservation. Then the process forks.
-    let clock = Arc::new(ManualClock::new(0).unwrap());
-    let any = AnyClock::Manual(clock.clone());
-    let lim = Arc::new(Limiter::new(vec![("requests".into(), Rate::new(10.0, 1e9, 2).unwrap())], any.clone()).unwrap());
-    let q = WaitQueue::new(lim.clone(), 1, any, QueueConfig::new(vec![], 100, None).unwrap());
-    let Submitted::Granted { at_ns } = q.submit(&[2], 0, None, || unreachable!()).unwrap() else {
-        panic!("granted at once")
-    };
-    let _w = waiter(&q, 1);
-    let Reserved::Queued(r) = q.reserve(&[1], 0, None, |_| Ok(())).unwrap() else {
-        panic!("queued behind the waiter")
-    };
-    assert_eq!(r.at_ns, 200 * MS);
-    let g = q.settle(&[2], &[5], GrantRef::new(at_ns, None));
-    assert!(g.owed.is_some());
-    // SAFETY: the child only takes locks the fork handlers released and reads the
-    // bucket, then leaves with _exit.
-    let pid = unsafe { libc::fork() };
-    assert!(pid >= 0);
-    if pid == 0 {
-        // The three owed units went with the parent's queue (the parent debits them): the
-        // child's bucket holds two units of the permit, so settling it to one gives one
-        // back, as the parent would (cancelling what it owes first): one unit held, one
-        // free at 0, not two.
-        q.settle(&[5], &[1], g);
-        // The child's answer: when two units conform (ms), 255 when anything else is off.
-        let code = match (q.waiting(), lim.delay_at(0, &[1]), lim.delay_at(0, &[2])) {
-            (0, Ok(0), Ok(d)) => (d / MS).min(254) as i32,
-            (n, d1, _) => 200 + n.min(9) as i32 * 10 + d1.map_or(9, |d| (d / MS / 100).min(9) as i32),
-        };
-        // SAFETY: leaves the child without running the parent's destructors or tests.
-        unsafe { libc::_exit(code) };
-    }
-    let mut status = 0;
-    // SAFETY: waits for the child forked above.
-    assert_eq!(unsafe { libc::waitpid(pid, &mut status, 0) }, pid);
-    assert!(libc::WIFEXITED(status), "{status}");
-    assert_eq!(
-        libc::WEXITSTATUS(status),
-        100,
-        "in the child, two units conform after this many ms (255: the queue or one unit is off)"
-    );
-    // The parent is untouched: its waiter at 0.1 s, the reservation at 0.2 s, the owed
-    // three units after it.
-    q.run_until(&clock, 1000 * MS).unwrap();
-    assert_eq!(granted_at(r.outcome()), Some(200 * MS));
-    assert_eq!(q.waiting(), 0);
 }
 
 #[test]
