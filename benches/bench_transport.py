@@ -28,6 +28,13 @@ written to ``benches/results/transport.md``::
    ``calibrate=True`` (it learns the limit from the headers and pauses on 429).
    Shown: calls the provider saw per success, 429s, and the p50 / p99 / max latency of a
    call as its caller sees it (queue wait + HTTP + the SDK's sleeps).
+1b. ``--paired N``: the same call through each row's floor and through the transport,
+   alternating call by call, N of each, CPU and wall of every call kept (medians, the
+   mean of the fastest 90 %, p10); caller and mock provider pinned to cores 0 and 1. Rows:
+   loopback, in memory, and in memory with the caches made cold between calls (a 4 MiB
+   buffer written). Rounds of hundreds of calls cannot read a loopback row of ~0.5 ms to a
+   few µs; call-by-call pairs can. ``benches/phases_transport.py`` splits the added time
+   by phase.
 3. ``--instructions`` (needs valgrind): machine instructions per call, which a loaded
    machine does not change. Each row runs in its own process under ``valgrind
    --tool=cachegrind --cache-sim=no`` twice (50 warm-up calls, then 100 or 600 calls):
@@ -189,15 +196,18 @@ def async_row(make: Callable[[], httpx2.AsyncClient], url: str, n: int) -> Sampl
 
 
 @contextlib.contextmanager
-def provider_process() -> Iterator[str]:
+def provider_process(cpu: int | None = None) -> Iterator[str]:
     """The loopback mock in a process of its own (``python -m ratequeue mock-provider``): its
-    server threads share no GIL, caches or CPU time with the calling thread. Yields its URL."""
+    server threads share no GIL, caches or CPU time with the calling thread (``cpu``: the
+    one core it runs on). Yields its URL."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "ratequeue", "mock-provider", "--rpm", "1e7", "--burst"]
     cmd += ["1000000", "--gen-time", "0", "--port", str(port), "--duration", "3600"]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if cpu is not None:
+        os.sched_setaffinity(proc.pid, {cpu})  # its threads, made later, inherit it
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 30
@@ -382,6 +392,87 @@ def table_overhead(rows: list[tuple[str, str, Sample, str | None]]) -> list[str]
             added_cpu = f"{cpu - by[floor][1]:+.1f} µs"
             added_wall = f"{wall - by[floor][0]:+.1f} µs"
         out.append(f"| {name} | {kind} | {cpu:.1f} | {added_cpu} | {wall:.1f} | {added_wall} |")
+    return out
+
+
+# -- 1b. the added cost call by call --------------------------------------------------------
+
+
+def paired(n: int) -> list[str]:
+    """Each row's floor and transport called one after the other (ABBA), ``n`` times each,
+    the CPU (``thread_time_ns``) and wall time of every call kept: a drift of the machine
+    (frequency, a neighbour) reaches both alike, which rounds of hundreds of calls do not
+    cancel on a loopback call of ~0.5 ms. With two cores or more the calling thread runs on
+    core 0 and the mock provider on core 1. The third row writes a 4 MiB buffer between
+    calls (outside the timing): what a real network call does to the caches (the kernel's
+    network stack, httpcore, h11), which is why the loopback row costs more than in memory."""
+    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+    before = os.sched_getaffinity(0) if pin else None
+    default_estimator().load(60)  # type: ignore[attr-defined]
+    if pin:
+        os.sched_setaffinity(0, {0})
+    data = json.dumps(BODY).encode()
+    headers = {"content-type": "application/json"}
+    trash = bytearray(4 << 20)
+    ones = b"\x01" * (len(trash) // 64)
+    out = [
+        f"{n:,} calls of each, alternating call by call"
+        + (" (caller on core 0, mock provider on core 1)" if pin else "")
+        + "; µs per call.",
+        "",
+        "| row | floor CPU (median) | added CPU: median | fastest 90 %: mean | p10 "
+        "| floor wall (median) | added wall: median |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    try:
+        with provider_process(1 if pin else None) as url:
+            target = url + "/v1/chat/completions"
+            rows: list[tuple[str, Callable[[], Any], bool]] = [
+                ("loopback (the issue's row)", httpx2.HTTPTransport, False),
+                ("in memory", lambda: httpx2.MockTransport(answer), False),
+                ("in memory, caches cold", lambda: httpx2.MockTransport(answer), True),
+            ]
+            for label, make, cold in rows:
+                floor = httpx2.Client(transport=make())
+                limited = httpx2.Client(transport=RateLimitedTransport(make(), roomy()))
+
+                def one(c: httpx2.Client, cold: bool = cold) -> tuple[int, int]:
+                    if cold:
+                        trash[::64] = ones
+                    c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+                    c.post(target, content=data, headers=headers).read()
+                    return time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+
+                for _ in range(300):  # warm up: connections, caches
+                    one(floor), one(limited)
+                fs: list[tuple[int, int]] = []
+                ts: list[tuple[int, int]] = []
+                for i in range(n):
+                    pair = (
+                        ((floor, fs), (limited, ts)) if i % 2 == 0 else ((limited, ts), (floor, fs))
+                    )
+                    for c, into in pair:
+                        into.append(one(c))
+                floor.close()
+                limited.close()
+
+                def at(xs: list[tuple[int, int]], k: int) -> tuple[float, float, float]:
+                    v = sorted(x[k] / 1e3 for x in xs)
+                    return (
+                        statistics.median(v),
+                        statistics.fmean(v[: len(v) * 9 // 10]),
+                        v[len(v) // 10],
+                    )
+
+                (fc, fm, fp), (tc, tm, tp) = at(fs, 0), at(ts, 0)
+                fw, tw = at(fs, 1)[0], at(ts, 1)[0]
+                out.append(
+                    f"| {label} | {fc:.1f} | **{tc - fc:+.1f}** | {tm - fm:+.1f} | {tp - fp:+.1f} "
+                    f"| {fw:.1f} | {tw - fw:+.1f} |"
+                )
+    finally:
+        if before is not None:
+            os.sched_setaffinity(0, before)
     return out
 
 
@@ -626,6 +717,12 @@ def main() -> None:
     )
     ap.add_argument("--jobs", type=int, default=4, help="valgrind processes at once")
     ap.add_argument(
+        "--paired",
+        type=int,
+        metavar="N",
+        help="only the added cost call by call (N calls of each row's floor and transport)",
+    )
+    ap.add_argument(
         "--ir-rows",
         help=f"with --instructions: only these rows (comma-separated of {', '.join(IR_ROWS)})",
     )
@@ -642,11 +739,14 @@ def main() -> None:
         base_arg = f" --instructions{base_arg}"
         if args.ir_rows:
             base_arg += f" --ir-rows {args.ir_rows}"
+    command = f"--calls {args.calls} --rounds {args.rounds} --burst {args.burst}{base_arg}"
+    if args.paired:
+        command = f"--paired {args.paired}"
     head = [
         "# The LLM transport: added cost per call, and the queue against the SDK's retry loop",
         "",
-        f"`benches/bench_transport.py --calls {args.calls} --rounds {args.rounds} "
-        f"--burst {args.burst}{base_arg}`, {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"`benches/bench_transport.py {command}`, "
+        f"{dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC, "
         f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, load "
         f"{os.getloadavg()[0]:.2f}; Python {platform.python_version()}, {versions}.",
         "",
@@ -655,6 +755,12 @@ def main() -> None:
         rows = args.ir_rows.split(",") if args.ir_rows else None
         t3 = instructions(args.baseline, args.jobs, rows)
         lines = [*head, "## 3. Instructions per call (valgrind; load-independent)", "", *t3]
+        print("\n".join(lines))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text("\n".join(lines) + "\n")
+        return
+    if args.paired:
+        lines = [*head, "## 1b. Added cost per call, call by call", "", *paired(args.paired)]
         print("\n".join(lines))
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(lines) + "\n")
