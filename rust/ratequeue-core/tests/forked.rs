@@ -7,8 +7,9 @@
 //! lock busy (a release that detaches, a `try_now` that says "busy") and fail on a race
 //! that is the fork's, not its own. Tests of one binary run in parallel; binaries do not.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
+use ratequeue_core::fork::{ForkLocks, Held, Rank};
 use ratequeue_core::wait::{Gate, GrantRef, Inline, Outcome, Reserved, Slot, Submitted, WaitQueue, Wake};
 use ratequeue_core::{AnyClock, Limiter, ManualClock, QueueConfig, Rate, Semaphore};
 
@@ -120,7 +121,42 @@ fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket
     assert_eq!(q.waiting(), 0);
 }
 
-/// Keeps it so: no other test binary of the crate forks (the race above failed CI once,
+/// An object with two locks (as a limiter's multi-rate and rate-change locks).
+struct Two {
+    a: Mutex<u32>,
+    b: Mutex<u32>,
+}
+
+impl ForkLocks for Two {
+    fn rank(&self) -> Rank {
+        Rank::Resource
+    }
+    fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn Held + 'a>>) {
+        held.push(Box::new(self.a.lock().unwrap()));
+        held.push(Box::new(self.b.lock().unwrap()));
+    }
+}
+
+#[test]
+fn prepare_holds_every_lock_until_release() {
+    let t = Arc::new(Two {
+        a: Mutex::new(0),
+        b: Mutex::new(0),
+    });
+    ratequeue_core::fork::register_arc(&t);
+    ratequeue_core::fork::while_held_for_fork(|| assert!(t.a.try_lock().is_err() && t.b.try_lock().is_err()));
+    assert!(t.a.try_lock().is_ok() && t.b.try_lock().is_ok());
+    // Released when what runs in between panics, too.
+    let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        ratequeue_core::fork::while_held_for_fork(|| panic!("in between"))
+    }));
+    assert!(caught.is_err());
+    // (Poisoned by the unwind, as the core's locks tolerate: not held.)
+    let free = |m: &Mutex<u32>| !matches!(m.try_lock(), Err(std::sync::TryLockError::WouldBlock));
+    assert!(free(&t.a) && free(&t.b));
+}
+
+/// Keeps it so: no other test binary of the crate forks or holds the fork locks (the race above failed CI once,
 /// `lifecycle.rs`'s "an idle queue gives back without waiting" beside its fork test).
 #[test]
 fn only_this_binary_forks() {
@@ -138,11 +174,14 @@ fn only_this_binary_forks() {
     let mut files = Vec::new();
     sources(&root.join("tests"), &mut files);
     sources(&root.join("src"), &mut files);
-    let call = ["libc::", "fork()"].concat();
+    let calls = [["libc::", "fork()"].concat(), ["while_held_", "for_fork("].concat()];
     let forking: Vec<_> = files
         .iter()
-        .filter(|p| !p.ends_with("tests/forked.rs"))
-        .filter(|p| std::fs::read_to_string(p).unwrap().contains(&call))
+        .filter(|p| !p.ends_with("tests/forked.rs") && !p.ends_with("src/fork.rs"))
+        .filter(|p| {
+            let text = std::fs::read_to_string(p).unwrap();
+            calls.iter().any(|c| text.contains(c.as_str()))
+        })
         .collect();
     assert!(forking.is_empty(), "fork only in tests/forked.rs: {forking:?}");
 }
