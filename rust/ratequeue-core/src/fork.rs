@@ -247,35 +247,3 @@ pub fn while_held_for_fork<T>(between: impl FnOnce() -> T) -> T {
 extern "C" fn after_in_child() {
     release(true);
 }
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    struct Two {
-        a: Mutex<u32>,
-        b: Mutex<u32>,
-    }
-
-    impl ForkLocks for Two {
-        fn rank(&self) -> Rank {
-            Rank::Resource
-        }
-        fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn Held + 'a>>) {
-            held.push(Box::new(lock(&self.a)));
-            held.push(Box::new(lock(&self.b)));
-        }
-    }
-
-    #[test]
-    fn registry_stays_bounded() {
-        for _ in 0..10_000 {
-            let t = Arc::new(Two {
-                a: Mutex::new(0),
-                b: Mutex::new(0),
-            });
-            register_arc(&t);
-        }
-        assert!(registered() < 1_000, "{}", registered());
-    }
-}

@@ -10,27 +10,13 @@
 use std::sync::{Arc, Mutex};
 
 use ratequeue_core::fork::{ForkLocks, Held, Rank};
-use ratequeue_core::wait::{Gate, GrantRef, Inline, Outcome, Reserved, Slot, Submitted, WaitQueue, Wake};
+use ratequeue_core::wait::{Gate, GrantRef, Inline, Reserved, Submitted, WaitQueue};
 use ratequeue_core::{AnyClock, Limiter, ManualClock, QueueConfig, Rate, Semaphore};
 
+mod common;
+use common::{granted_at, waiter};
+
 const MS: u64 = 1_000_000;
-
-fn waiter(q: &Arc<WaitQueue>, c: u64) -> Arc<Slot> {
-    let s = Slot::new();
-    let s2 = s.clone();
-    assert!(matches!(
-        q.submit(&[c], 0, None, || Wake::Thread(s2)).unwrap(),
-        Submitted::Queued(_)
-    ));
-    s
-}
-
-fn granted_at(o: Option<Outcome>) -> Option<u64> {
-    match o {
-        Some(Outcome::Granted { at_ns, .. }) => Some(at_ns),
-        _ => None,
-    }
-}
 
 #[test]
 fn a_permit_from_before_a_fork_gives_nothing_back_in_the_child() {
@@ -117,7 +103,7 @@ fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket
     // The parent is untouched: its waiter at 0.1 s, the reservation at 0.2 s, the owed
     // three units after it.
     q.run_until(&clock, 1000 * MS).unwrap();
-    assert_eq!(granted_at(r.outcome()), Some(200 * MS));
+    assert_eq!(granted_at(r.outcome()), 200 * MS);
     assert_eq!(q.waiting(), 0);
 }
 
@@ -154,6 +140,22 @@ fn prepare_holds_every_lock_until_release() {
     // (Poisoned by the unwind, as the core's locks tolerate: not held.)
     let free = |m: &Mutex<u32>| !matches!(m.try_lock(), Err(std::sync::TryLockError::WouldBlock));
     assert!(free(&t.a) && free(&t.b));
+}
+
+#[test]
+fn registry_stays_bounded() {
+    for _ in 0..10_000 {
+        let t = Arc::new(Two {
+            a: Mutex::new(0),
+            b: Mutex::new(0),
+        });
+        ratequeue_core::fork::register_arc(&t);
+    }
+    assert!(
+        ratequeue_core::fork::registered() < 1_000,
+        "{}",
+        ratequeue_core::fork::registered()
+    );
 }
 
 /// Keeps it so: no other test binary of the crate forks or holds the fork locks (the race above failed CI once,

@@ -17,6 +17,9 @@ use ratequeue_core::{
     Rate, Resource,
 };
 
+mod common;
+use common::waiter;
+
 const MS: u64 = 1_000_000;
 
 /// A key's bucket whose `settle` tells `entered` when it starts, then waits (at most
@@ -178,16 +181,6 @@ fn cost(c: u64) -> Vec<LevelArgs> {
 }
 
 /// Queues a waiter of `c` on `q`; its slot.
-fn waiter(q: &Arc<WaitQueue>, c: u64) -> Arc<Slot> {
-    let s = Slot::new();
-    let s2 = s.clone();
-    assert!(matches!(
-        q.submit(&[c], 0, None, || Wake::Thread(s2)).unwrap(),
-        Submitted::Queued(_)
-    ));
-    s
-}
-
 #[test]
 fn a_settle_down_before_a_queued_holds_grant_cancels_what_it_owes() {
     // One unit per 0.1 s, burst 1. Used at 0, a waiter due at 0.1 s, the hold at 0.2 s.

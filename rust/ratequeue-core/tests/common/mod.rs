@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use ratequeue_core::wait::Slot;
+use ratequeue_core::wait::{Slot, Submitted, Wake};
 use ratequeue_core::{ManualClock, Outcome, QueuedReservation, WaitQueue};
 
 /// Nanoseconds in one second.
@@ -41,6 +41,17 @@ pub fn check_windows(grants: impl IntoIterator<Item = (u64, f64)>, per_sec: f64,
             assert!(total <= bound, "window [{}, {}]: {total} > {bound}", g[i].0, g[j].0);
         }
     }
+}
+
+/// A thread's waiter of cost `c` queued on `q` (panics if it is granted at once).
+pub fn waiter(q: &Arc<WaitQueue>, c: u64) -> Arc<Slot> {
+    let s = Slot::new();
+    let s2 = s.clone();
+    assert!(matches!(
+        q.submit(&[c], 0, None, || Wake::Thread(s2)).unwrap(),
+        Submitted::Queued(_)
+    ));
+    s
 }
 
 /// The grant time of a granted outcome (panics on anything else).
