@@ -18,6 +18,9 @@ from ratequeue.httpx import CallBudget, Cap, CapNotApplied, RateLimitedTransport
 CHAT = "http://p/v1/chat/completions"
 GEMINI = "http://p/v1beta/models/gemini-2.0-flash:generateContent"
 CONVERSE = "http://p/model/anthropic.claude-3/converse"
+# Bedrock InvokeModel with an Amazon Nova model: its own body, bounded in `inferenceConfig`
+# (`maxTokens`; older bodies `max_new_tokens`).
+NOVA = "http://p/model/us.amazon.nova-lite-v1:0/invoke"
 
 
 def _setup(
@@ -189,6 +192,7 @@ NESTED = [
     (GEMINI, "generationConfig", "max_output_tokens"),  # proto3 JSON takes either name
     (GEMINI, "generation_config", "maxOutputTokens"),
     (CONVERSE, "inferenceConfig", "maxTokens"),
+    (NOVA, "inferenceConfig", "max_new_tokens"),
 ]
 
 
@@ -261,6 +265,13 @@ def test_a_nested_bound_repeated_or_beside_a_top_level_one_is_capped_everywhere(
         (CONVERSE, b'{"messages":[]}', {"inferenceConfig": {"maxTokens": 100}}),
         (
             "http://p/model/x/converse-stream",
+            b'{"messages":[],"inferenceConfig":{"topP":1}}',
+            {"inferenceConfig": {"topP": 1, "maxTokens": 100}},
+        ),
+        # Nova's InvokeModel body: in inferenceConfig, not a top-level max_tokens.
+        (NOVA, b'{"messages":[]}', {"inferenceConfig": {"maxTokens": 100}}),
+        (
+            "http://p/model/amazon.nova-pro-v1:0/invoke-with-response-stream",
             b'{"messages":[],"inferenceConfig":{"topP":1}}',
             {"inferenceConfig": {"topP": 1, "maxTokens": 100}},
         ),

@@ -350,6 +350,9 @@ def test_output_field_knows_titan_and_llama() -> None:
         "inferenceConfig.maxTokens"
     )
     assert output_field("/v1/meta.llama/invoke") == "max_tokens"  # not a Bedrock model path
+    # Nova's InvokeModel body bounds its output in inferenceConfig, as Converse's does.
+    assert output_field("/model/us.amazon.nova-lite-v1:0/invoke") == "inferenceConfig.maxTokens"
+    assert output_field("/model/amazon.nova-pro-v1:0/converse") == "inferenceConfig.maxTokens"
 
 
 @both
@@ -391,7 +394,7 @@ CONTAINERS = {
     "generationConfig": ["candidateCount", "candidate_count", "maxOutputTokens", "topK"],
     "generation_config": ["candidate_count", "candidateCount", "max_output_tokens"],
     "textGenerationConfig": ["maxTokenCount", "topP"],
-    "inferenceConfig": ["maxTokens"],
+    "inferenceConfig": ["maxTokens", "max_new_tokens"],
 }
 TOP = ["n", "best_of", "max_tokens", "max_gen_len", "candidateCount", "prompt"]
 
@@ -420,6 +423,7 @@ PATHS = [
     "/model/amazon.titan-text-express-v1/invoke",
     "/model/meta.llama3-8b-instruct-v1:0/invoke",
     "/model/m/converse",
+    "/model/amazon.nova-micro-v1:0/invoke",
     "/v1/chat/completions",
 ]
 

@@ -122,7 +122,7 @@ def response_bodies(draw: Any) -> bytes:
 NESTED_BOUNDS = [
     ("generationConfig", ["maxOutputTokens", "max_output_tokens", "temperature"]),
     ("generation_config", ["max_output_tokens", "maxOutputTokens"]),
-    ("inferenceConfig", ["maxTokens", "topP"]),
+    ("inferenceConfig", ["maxTokens", "max_new_tokens", "topP"]),
     ("textGenerationConfig", ["maxTokenCount", "topP"]),
 ]
 

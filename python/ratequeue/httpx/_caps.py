@@ -9,7 +9,9 @@ among them. It is applied by rewriting the body at every place of
 :data:`~ratequeue.httpx._estimate.OUTPUT_BOUNDS` (top-level ``max_tokens`` /
 ``max_completion_tokens`` / ``max_output_tokens`` / ``max_gen_len``, Gemini's
 ``generationConfig.maxOutputTokens``, Bedrock Converse's ``inferenceConfig.maxTokens``,
-Titan's ``textGenerationConfig.maxTokenCount``): a larger bound is lowered, a smaller
+Nova's older ``inferenceConfig.max_new_tokens``, Titan's
+``textGenerationConfig.maxTokenCount``):
+a larger bound is lowered, a smaller
 one is never raised; one that is no count (a negative int, not an int) is replaced, and so
 is every occurrence of a key the body repeats when any is above the cap or no count; a
 container without a bound gets one, and a body with neither a bound nor a container gets
@@ -154,6 +156,8 @@ def output_field(path: str) -> str:
             return "max_gen_len"
         if "amazon.titan-text" in model or "amazon.titan-tg1" in model:
             return "textGenerationConfig.maxTokenCount"
+        if "amazon.nova" in model:  # Nova's own body bounds it there, as Converse does
+            return "inferenceConfig.maxTokens"
     return "max_tokens"
 
 

@@ -6,8 +6,8 @@ installed and its encoding loads, otherwise by the documented fallback of one to
 four characters (rounded up) plus four per message. The output is the request's
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``max_gen_len`` (or a
 nested bound of :data:`OUTPUT_BOUNDS`: Gemini's ``generationConfig.maxOutputTokens``,
-Bedrock Converse's ``inferenceConfig.maxTokens``, Titan's
-``textGenerationConfig.maxTokenCount``), or ``default_output_tokens`` when it names none;
+Bedrock Converse's ``inferenceConfig.maxTokens``, Nova's older ``inferenceConfig.max_new_tokens``,
+Titan's ``textGenerationConfig.maxTokenCount``), or ``default_output_tokens`` when it names none;
 times the choices it asks for (the largest ``n``, ``best_of`` or Gemini
 ``candidateCount``: :data:`CHOICES`, :data:`NESTED_CHOICES`): each choice may produce as
 much.

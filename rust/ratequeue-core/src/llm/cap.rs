@@ -17,9 +17,10 @@ use super::Defer;
 /// estimate reads them: `(container, name)`, the container `""` for a top-level field
 /// (the top-level ones first). Proto3 JSON (Gemini) takes either spelling of a field
 /// name; a container's first bound here is the one added to it. Bedrock's InvokeModel
-/// bodies: Meta Llama's `max_gen_len`, Amazon Titan Text's
+/// bodies: Meta Llama's `max_gen_len`, Amazon Nova's `inferenceConfig.maxTokens` (its
+/// older bodies' `max_new_tokens` read and capped, never added), Amazon Titan Text's
 /// `textGenerationConfig.maxTokenCount`.
-pub const OUTPUT_BOUNDS: [(&str, &str); 10] = [
+pub const OUTPUT_BOUNDS: [(&str, &str); 11] = [
     ("", "max_completion_tokens"),
     ("", "max_output_tokens"),
     ("", "max_tokens"),
@@ -29,6 +30,7 @@ pub const OUTPUT_BOUNDS: [(&str, &str); 10] = [
     ("generation_config", "max_output_tokens"),
     ("generation_config", "maxOutputTokens"),
     ("inferenceConfig", "maxTokens"),
+    ("inferenceConfig", "max_new_tokens"),
     ("textGenerationConfig", "maxTokenCount"),
 ];
 /// The top-level output-bounding fields (the first of [`OUTPUT_BOUNDS`]).
@@ -526,6 +528,10 @@ mod tests {
 
     #[test]
     fn titan_and_llama_bounds() {
+        let titan = OUTPUT_BOUNDS
+            .iter()
+            .position(|b| *b == ("textGenerationConfig", "maxTokenCount"))
+            .unwrap();
         assert_eq!(
             cap(r#"{"prompt":"x","max_gen_len":500}"#, 100, 2),
             Ok(Some((r#"{"prompt":"x","max_gen_len":100}"#.into(), 3, Some(500))))
@@ -538,15 +544,15 @@ mod tests {
             cap(r#"{"textGenerationConfig":{"maxTokenCount":500,"topP":1}}"#, 100, 2),
             Ok(Some((
                 r#"{"textGenerationConfig":{"maxTokenCount":100,"topP":1}}"#.into(),
-                9,
+                titan,
                 Some(500)
             )))
         );
         assert_eq!(
-            cap(r#"{"inputText":"x"}"#, 100, 9),
+            cap(r#"{"inputText":"x"}"#, 100, titan),
             Ok(Some((
                 r#"{"inputText":"x","textGenerationConfig":{"maxTokenCount":100}}"#.into(),
-                9,
+                titan,
                 None
             )))
         );
@@ -554,7 +560,7 @@ mod tests {
             cap(r#"{"textGenerationConfig":{}}"#, 100, 2),
             Ok(Some((
                 r#"{"textGenerationConfig":{"maxTokenCount":100}}"#.into(),
-                9,
+                titan,
                 None
             )))
         );
