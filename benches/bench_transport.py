@@ -400,13 +400,15 @@ def table_overhead(rows: list[tuple[str, str, Sample, str | None]]) -> list[str]
 
 def paired(n: int) -> list[str]:
     """Each row's floor and transport called one after the other (ABBA), ``n`` times each,
-    the CPU (``thread_time_ns``) and wall time of every call kept: a drift of the machine
+    the CPU (``thread_time_ns``) and wall time of every call kept; "added" is a statistic of
+    the transport's calls minus the same of the floor's (not of per-pair differences). A
+    drift of the machine
     (frequency, a neighbour) reaches both alike, which rounds of hundreds of calls do not
     cancel on a loopback call of ~0.5 ms. With two cores or more the calling thread runs on
     core 0 and the mock provider on core 1. The third row writes a 4 MiB buffer between
     calls (outside the timing): what a real network call does to the caches (the kernel's
     network stack, httpcore, h11), which is why the loopback row costs more than in memory."""
-    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+    pin = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
     before = os.sched_getaffinity(0) if pin else None
     default_estimator().load(60)  # type: ignore[attr-defined]
     if pin:

@@ -118,7 +118,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=3000)
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
-    pin = hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) >= 2
+    pin = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
     default_estimator().load(60)  # type: ignore[attr-defined]
     if pin:
         os.sched_setaffinity(0, {0})

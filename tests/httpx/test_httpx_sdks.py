@@ -217,9 +217,9 @@ def test_queue_sends_fewer_calls_per_success_than_the_sdk_retry_loop() -> None:
         sent, ok, _ = _burst(mock, httpx2.HTTPTransport(), n)
         sdk_ratio = sent / ok
     with MockProvider(600, burst=1, gen_time=0.0) as mock:
-        # under the provider by half its spacing (200 against 100 ms): a wide real-time
-        # tolerance (at 540/min, 11 ms, it failed once in CI on a loaded machine; at
-        # 400/min, 50 ms, once with both cores busy: a request held up that long reaches
+        # at half the provider's rate (200 against 100 ms apart): a wide real-time
+        # tolerance (at 540/min, 11 ms of margin, it failed once in CI on a loaded machine;
+        # at 400/min, 50 ms, once with both cores busy: a request held up that long reaches
         # the provider too close to the next)
         lim = rq.Limiter(rq.Rate(300, per="minute", burst=1))
         t = RateLimitedTransport(httpx2.HTTPTransport(), lim)

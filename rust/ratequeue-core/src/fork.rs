@@ -228,9 +228,12 @@ extern "C" fn after_in_parent() {
 }
 
 /// Test hook: runs `between` as a fork would run in this process, between the prepare
-/// handler (every registered object's locks held) and the parent's (all released, also
-/// when `between` panics). Every registered object of the process is held meanwhile, so
-/// a test using it belongs with the fork tests, in a test binary of their own.
+/// handler (every registered object's locks and the registry held) and the parent's (all
+/// released, also when `between` panics). Every registered object of the process is held
+/// meanwhile, so a test using it belongs with the fork tests, in a test binary of their
+/// own. As around a real fork, `between` must not take a registered lock, register an
+/// object (make a queue, a channel, a key map) or fork: each waits for good; nor may the
+/// caller hold a registered lock.
 #[doc(hidden)]
 pub fn while_held_for_fork<T>(between: impl FnOnce() -> T) -> T {
     struct Release;

@@ -18,8 +18,17 @@ use common::{granted_at, waiter};
 
 const MS: u64 = 1_000_000;
 
+/// The tests here hold every registered lock of the process (a fork, the hook) or need an
+/// idle queue's lock free: one at a time (a test that panicked leaves it usable).
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 #[test]
 fn a_permit_from_before_a_fork_gives_nothing_back_in_the_child() {
+    let _one = one_at_a_time();
     let sem = Arc::new(Semaphore::new(2).unwrap());
     ratequeue_core::fork::register_arc(&sem);
     let clock = AnyClock::Manual(Arc::new(ManualClock::new(0).unwrap()));
@@ -56,6 +65,7 @@ fn a_permit_from_before_a_fork_gives_nothing_back_in_the_child() {
 
 #[test]
 fn in_a_forked_child_a_permit_that_owed_a_charge_gives_back_only_what_the_bucket_holds() {
+    let _one = one_at_a_time();
     // One unit per 0.1 s, burst 2. A permit of two at 0; a waiter (due 0.1 s) and a
     // reservation (promised 0.2 s) queue; the permit settles up to five: three units
     // owed behind the reservation. Then the process forks.
@@ -118,13 +128,15 @@ impl ForkLocks for Two {
         Rank::Resource
     }
     fn lock_for_fork<'a>(&'a self, held: &mut Vec<Box<dyn Held + 'a>>) {
-        held.push(Box::new(self.a.lock().unwrap()));
-        held.push(Box::new(self.b.lock().unwrap()));
+        // As the core's locks: a poisoned one is taken all the same (prepare must not panic).
+        held.push(Box::new(self.a.lock().unwrap_or_else(|e| e.into_inner())));
+        held.push(Box::new(self.b.lock().unwrap_or_else(|e| e.into_inner())));
     }
 }
 
 #[test]
 fn prepare_holds_every_lock_until_release() {
+    let _one = one_at_a_time();
     let t = Arc::new(Two {
         a: Mutex::new(0),
         b: Mutex::new(0),
@@ -144,6 +156,7 @@ fn prepare_holds_every_lock_until_release() {
 
 #[test]
 fn registry_stays_bounded() {
+    let _one = one_at_a_time();
     for _ in 0..10_000 {
         let t = Arc::new(Two {
             a: Mutex::new(0),
@@ -158,7 +171,8 @@ fn registry_stays_bounded() {
     );
 }
 
-/// Keeps it so: no other test binary of the crate forks or holds the fork locks (the race above failed CI once,
+/// Keeps it so (a text search for the spellings this crate uses): no other test binary of
+/// the crate forks or holds the fork locks (the race above failed CI once,
 /// `lifecycle.rs`'s "an idle queue gives back without waiting" beside its fork test).
 #[test]
 fn only_this_binary_forks() {
