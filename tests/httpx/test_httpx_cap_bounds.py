@@ -391,3 +391,37 @@ def test_a_multipart_body_naming_a_bound_is_refused(
     mod, sent, lim, t = _setup(modname, [Cap(100)], True, monkeypatch, uncapped="send")
     mod.Client(transport=t).post(CHAT, files=files, data={field: "5000"})
     assert len(sent) == 1
+
+
+NO_OUTPUT = [
+    ("http://p/v1/embeddings", {"model": "text-embedding-3-small", "input": "hi"}),
+    ("http://p/v1/images/generations", {"model": "dall-e-3", "prompt": "a cat"}),
+    ("http://p/v1/audio/speech", {"model": "tts-1", "input": "hi", "voice": "alloy"}),
+    ("http://p/v1/moderations", {"input": "hi"}),
+    ("http://p/v1/messages/count_tokens", {"model": "claude-x", "messages": []}),
+    ("http://p/v1beta/models/text-embedding-004:embedContent", {"content": {"parts": []}}),
+    ("http://p/v1beta/models/gemini-2.0-flash:countTokens", {"contents": []}),
+    ("http://p/model/amazon.titan-embed-text-v2:0/invoke", {"inputText": "hi"}),
+    ("http://p/model/cohere.embed-english-v3/invoke", {"texts": ["hi"]}),
+    (
+        "http://p/model/amazon.nova-canvas-v1:0/invoke",
+        {"taskType": "TEXT_IMAGE", "textToImageParams": {"text": "a cat"}},
+    ),
+]
+
+
+@both
+@pytest.mark.parametrize(("url", "body"), NO_OUTPUT)
+def test_an_api_that_produces_no_text_gets_no_bound_added(
+    url: str, body: dict[str, Any], native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catch-all cap sends an embeddings, image, audio or token-count body as it is (its
+    server would refuse a max_tokens it does not know)."""
+    mod, sent, _, t = _setup("httpx", [Cap(100)], native, monkeypatch)
+    data = json.dumps(body).encode()
+    r = mod.Client(transport=t).post(url, content=data)
+    assert sent[-1].content == data
+    assert r.extensions["ratequeue"].capped is None
+    # A bound such a body does carry is still capped (the cap never raises one).
+    r = mod.Client(transport=t).post(url, json={**body, "max_tokens": 5000})
+    assert json.loads(sent[-1].content)["max_tokens"] == 100

@@ -344,8 +344,11 @@ def test_output_field_knows_titan_and_llama() -> None:
     )
     assert output_field("/model/meta.llama2-13b-chat-v1/invoke") == "max_gen_len"
     assert output_field("/model/meta.llama3-8b-instruct-v1:0/invoke/") == "max_gen_len"
-    # Titan's embedding models bound nothing of Titan Text's; the others read max_tokens.
-    assert output_field("/model/amazon.titan-embed-text-v2:0/invoke") == "max_tokens"
+    # Embedding and image models produce no text: nothing to add.
+    assert output_field("/model/amazon.titan-embed-text-v2:0/invoke") is None
+    assert output_field("/model/amazon.nova-reel-v1:0/invoke") is None
+    assert output_field("/v1/embeddings") is None
+    assert output_field("/model/mistral.mistral-large-2402-v1:0/invoke") == "max_tokens"
     assert output_field("/model/meta.llama3-8b-instruct-v1:0/converse") == (
         "inferenceConfig.maxTokens"
     )

@@ -15,7 +15,8 @@ a larger bound is lowered, a smaller
 one is never raised; one that is no count (a negative int, not an int) is replaced, and so
 is every occurrence of a key the body repeats when any is above the cap or no count; a
 container without a bound gets one, and a body with neither a bound nor a container gets
-the field the route's API (or Bedrock model) uses.
+the field the route's API (or Bedrock model) uses; none on an API that produces no text
+(embeddings, images, audio, moderations, token counts).
 """
 
 from __future__ import annotations
@@ -136,9 +137,31 @@ TOO_MANY_CHOICES = "asks for more choices (n, best_of) than the cap has tokens"
 REPEATED_CONTAINER = "names an object of output bounds twice"
 
 
-def output_field(path: str) -> str:
+#: Route endings of APIs that produce no text, whose bodies a cap adds no bound to (their
+#: servers refuse a field they do not know): OpenAI's embeddings, images, audio and
+#: moderations, Anthropic's token count, Gemini's embeddings, token count and Imagen.
+_NO_OUTPUT = (
+    "/embeddings",
+    "/images/generations",
+    "/images/edits",
+    "/images/variations",
+    "/audio/speech",
+    "/audio/transcriptions",
+    "/audio/translations",
+    "/moderations",
+    "/count_tokens",
+    ":embedcontent",
+    ":batchembedcontents",
+    ":counttokens",
+    ":predict",
+)
+#: Bedrock model ids (parts of) of models that produce no text: embeddings, images, video.
+_NO_OUTPUT_MODELS = ("embed", "image", "nova-canvas", "nova-reel", "stability.")
+
+
+def output_field(path: str) -> str | None:
     """The body field that bounds output on this route's API (``container.name`` for a
-    nested one)."""
+    nested one); None on an API that produces no text (nothing is added there)."""
     path = route_of(path)
     if path.endswith("/responses"):
         return "max_output_tokens"
@@ -148,10 +171,14 @@ def output_field(path: str) -> str:
         return "generationConfig.maxOutputTokens"
     if path.endswith(("/converse", "/converse-stream")):
         return "inferenceConfig.maxTokens"
+    if path.endswith(_NO_OUTPUT):
+        return None
     if path.endswith(("/invoke", "/invoke-with-response-stream")) and "/model/" in path:
         # Bedrock's InvokeModel: the body is the model's own; its id (or an inference
         # profile's ARN naming it) is in the path.
         model = path[path.index("/model/") + 7 : path.rindex("/")]
+        if any(m in model for m in _NO_OUTPUT_MODELS):
+            return None
         if "meta.llama" in model:
             return "max_gen_len"
         if "amazon.titan-text" in model or "amazon.titan-tg1" in model:
@@ -230,8 +257,12 @@ def cap_fields(
             continue
         fields[(c, name)] = per
         added = max(added or 0, BOUND_NAMES.index(f"{c}.{name}"))
-    if not any(f in body for f in OUTPUT_FIELDS) and not any(c in body for c in _CONTAINERS):
-        route = output_field(path)
+    route = output_field(path)
+    if (
+        route is not None
+        and not any(f in body for f in OUTPUT_FIELDS)
+        and not any(c in body for c in _CONTAINERS)
+    ):
         c, _, name = route.rpartition(".")
         fields[(c, name) if c else route] = per
         added = BOUND_NAMES.index(route)

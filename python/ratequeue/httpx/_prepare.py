@@ -442,7 +442,9 @@ class _Requests:
         limit = table.limit_any(path, models, task) if models else table.limit(path, facts[0], task)
         if limit is None:
             return None, facts
-        out = _cap_output(data, limit, _ADD[output_field(path)])
+        # No field to add (an API that produces no text): the reference decides.
+        route_field = output_field(path)
+        out = _cap_output(data, limit, len(_ADD) if route_field is None else _ADD[route_field])
         if out is None:  # every bound is within the cap
             return None, facts
         if out is False:
