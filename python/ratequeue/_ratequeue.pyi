@@ -50,6 +50,7 @@ def _read_call_headers(
 def _cap_output(
     body: bytes, limit: int, add: int
 ) -> tuple[bytes, int, int | None, int] | str | Literal[False] | None: ...
+def _emits_no_tokens(path: str) -> bool: ...
 
 _OUTPUT_BOUNDS: tuple[tuple[str, str], ...]
 _CHOICES: tuple[str, ...]

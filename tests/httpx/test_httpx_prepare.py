@@ -84,7 +84,9 @@ def sent(req: Any) -> tuple[Any, ...]:
 @given(
     st.sampled_from(["httpx", "httpx2"]),
     st.sampled_from(["POST", "PUT", "GET"]),
-    st.sampled_from(["/v1/chat/completions", "/v1/responses", "/x"]),
+    st.sampled_from(
+        ["/v1/chat/completions", "/v1/responses", "/x", "/v1/embeddings", "/model/a.embed-1/invoke"]
+    ),
     st.lists(st.tuples(OWN, VALUES), max_size=4),
     st.one_of(st.none(), st.just("stream"), request_bodies(), mutated(request_bodies())),
     st.sampled_from(["requests", "requests+tokens", "input_tokens+output_tokens+images"]),
@@ -155,7 +157,7 @@ def record_fields(call: Any, t: Any) -> dict[str, Any]:
 @given(
     st.sampled_from(["httpx", "httpx2"]),
     st.sampled_from(["POST", "GET"]),
-    st.sampled_from(["/v1/chat/completions", "/x", "/a%20b/x", "/a%2Fb", ""]),
+    st.sampled_from(["/v1/chat/completions", "/x", "/a%20b/x", "/a%2Fb", "", "/v1/Embeddings/"]),
     st.lists(st.tuples(OWN, VALUES), max_size=4),
     st.one_of(st.none(), st.just("stream"), request_bodies(), mutated(request_bodies())),
     st.sampled_from(["requests", "requests+tokens", "input_tokens+output_tokens+images"]),

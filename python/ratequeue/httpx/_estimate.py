@@ -7,10 +7,10 @@ four characters (rounded up) plus four per message. The output is the request's
 ``max_tokens`` / ``max_completion_tokens`` / ``max_output_tokens`` / ``max_gen_len`` (or a
 nested bound of :data:`OUTPUT_BOUNDS`: Gemini's ``generationConfig.maxOutputTokens``,
 Bedrock Converse's ``inferenceConfig.maxTokens``, Nova's older ``inferenceConfig.max_new_tokens``,
-Titan's ``textGenerationConfig.maxTokenCount``), or ``default_output_tokens`` when it names none;
-times the choices it asks for (the largest ``n``, ``best_of`` or Gemini
-``candidateCount``: :data:`CHOICES`, :data:`NESTED_CHOICES`): each choice may produce as
-much.
+Titan's ``textGenerationConfig.maxTokenCount``), or ``default_output_tokens`` when it names none
+(0 on an API that produces no tokens: embeddings, moderations, token counts); times the
+choices it asks for (the largest ``n``, ``best_of`` or Gemini ``candidateCount``:
+:data:`CHOICES`, :data:`NESTED_CHOICES`): each choice may produce as much.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
-from .._ratequeue import _CHOICES, _CONTAINERS, _NESTED_CHOICES, _OUTPUT_BOUNDS
+from .._ratequeue import _CHOICES, _CONTAINERS, _NESTED_CHOICES, _OUTPUT_BOUNDS, _emits_no_tokens
 
 __all__ = [
     "CHOICES",
@@ -229,6 +229,13 @@ class TokenEstimator:
             self._start()
         return self._encoding
 
+    def default_output(self, path: str) -> int:
+        """The output a call on ``path`` whose body names no bound is charged:
+        ``default_output_tokens``, or 0 on an API that produces no tokens (embeddings,
+        moderations, token counts; Bedrock's embedding models)."""
+        d = self.default_output_tokens
+        return 0 if d and _emits_no_tokens(path) else d
+
     def count(self, text: str) -> int:
         """Tokens of ``text``: by the encoding, or ceil(chars / chars_per_token)."""
         enc = self.encoding
@@ -239,7 +246,7 @@ class TokenEstimator:
     def __call__(self, body: dict[str, Any] | None, path: str) -> Estimate:
         """The estimate of a call with this JSON body (None: one unknown request)."""
         if body is None:
-            return Estimate(0, self.default_output_tokens)
+            return Estimate(0, self.default_output(path))
         enc = self._encoding
         if enc is None and not self._started:
             enc = self.encoding
@@ -264,7 +271,9 @@ class TokenEstimator:
                 if type(v) is not int or v < 0:
                     v = g("max_gen_len")
                     if type(v) is not int or v < 0:
-                        v = _nested_bound(body, self.default_output_tokens)
+                        v = _nested_bound(body, -1)
+                        if v < 0:
+                            v = self.default_output(path)
         # Times the choices asked for: the largest n, best_of or nested count (Gemini's
         # candidateCount) that is an int >= 1.
         n = g("n")

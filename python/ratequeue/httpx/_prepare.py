@@ -129,6 +129,12 @@ def _sent_bytes(request: Any) -> bytes | None:
     return _content(request)
 
 
+def _empty_content(request: Any) -> bool:
+    """True when a request's body is read and empty (httpx's own for a GET), whatever its
+    headers claim; a stream is never read here (``_content`` is missing)."""
+    return getattr(request, "_content", None) == b""
+
+
 def _is_upload(request: Any, whole: Any) -> bool:
     """A multipart upload: labelled so, and its body a multipart one (its bytes open with
     a boundary; or not read, httpx's own multipart stream)."""
@@ -372,7 +378,12 @@ class _Requests:
             or want_estimate
             or (data and self.stream_usage and b'"stream"' in data)
         ):
-            facts = self._read_body(data, path) if data else False
+            if data == b"" or (data is None and _empty_content(request)):
+                # No body: no prompt, and no API produces output from nothing (a GET, a
+                # DELETE, an empty POST); the estimator is not asked.
+                facts: _Facts | Literal[False] | None = (None, False, 0, 0)
+            else:
+                facts = self._read_body(data, path) if data else False
             if facts and self.caps and data:
                 on = task or _OPTIONS.get().task  # the task a cap matches
                 capped, facts = self._cap(request, data, path, facts, on)
@@ -389,7 +400,7 @@ class _Requests:
             elif facts is None:  # not a JSON object
                 est = self.estimator(None, path)
             else:
-                parsed = True
+                parsed = bool(data)  # an empty body is not read as JSON
                 model, _, i, o = facts
                 est = _new(Estimate, (i, o))
             costs, clamped = self._costs(est)
@@ -469,7 +480,7 @@ class _Requests:
             e = _CHARS
         if e._encoding is not None or not e._started or type(data) is not bytes:
             return False
-        read = _body_facts(data, e.chars_per_token, e.default_output_tokens)
+        read = _body_facts(data, e.chars_per_token, e.default_output(path))
         if read and read[1] and self.stream_usage and path.endswith("/chat/completions"):
             return False  # a stream to ask for its usage: the body is rewritten
         return read

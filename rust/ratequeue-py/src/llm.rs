@@ -8,6 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple, PyType};
 use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
+use ratequeue_core::llm::route::emits_no_tokens;
 use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
 
@@ -31,6 +32,22 @@ pub fn _read_usage<'py>(py: Python<'py>, body: &Bound<'py, PyBytes>) -> PyResult
         Ok(None) => py.None().into_bound(py),
         Err(_) => PyBool::new(py, false).to_owned().into_any(),
     })
+}
+
+/// True when a call on `path` produces no output tokens (embeddings, moderations, token
+/// counts): its estimate charges no output unless the body names a bound.
+#[pyfunction]
+pub fn _emits_no_tokens(path: &Bound<'_, PyString>) -> bool {
+    path_emits_no_tokens(path)
+}
+
+/// [`emits_no_tokens`] of a Python path (one that is not UTF-8 read with replacements:
+/// the routes are ASCII).
+pub(crate) fn path_emits_no_tokens(path: &Bound<'_, PyString>) -> bool {
+    match path.to_str() {
+        Ok(p) => emits_no_tokens(p),
+        Err(_) => emits_no_tokens(&path.to_string_lossy()),
+    }
 }
 
 /// `(model, stream_wants_usage, input_tokens, output_tokens)` of a request body under
@@ -309,6 +326,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_response, m)?)?;
     m.add_function(wrap_pyfunction!(_read_call_headers, m)?)?;
     m.add_function(wrap_pyfunction!(_cap_output, m)?)?;
+    m.add_function(wrap_pyfunction!(_emits_no_tokens, m)?)?;
     m.add("_OUTPUT_BOUNDS", PyTuple::new(m.py(), OUTPUT_BOUNDS)?)?;
     m.add("_CHOICES", PyTuple::new(m.py(), CHOICES)?)?;
     m.add("_NESTED_CHOICES", PyTuple::new(m.py(), NESTED_CHOICES)?)?;

@@ -14,7 +14,7 @@ use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
 
-use crate::llm::{latin1, pair_of, pairs, read};
+use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, read};
 
 /// Methods whose body the transport reads.
 const BODY_METHODS: [&str; 3] = ["POST", "PUT", "PATCH"];
@@ -591,12 +591,29 @@ impl RequestReaderPy {
         let Some((cpt, default)) = char_settings(self, estimator)? else {
             return Ok(None);
         };
+        // No output where the route produces none (embeddings, token counts) and the
+        // body names no bound; none at all for a call without a body.
+        let route_default = || {
+            if default != 0 && path_emits_no_tokens(path) {
+                0
+            } else {
+                default
+            }
+        };
         let (model, input, output) = if bytes.is_empty() {
-            (none(), 0, default)
+            // The body read and empty (httpx's own for a GET), whatever the headers
+            // claim: a stream is never read here (`_content` is missing).
+            let empty = body.is_some()
+                || match request.getattr(intern!(py, "_content")) {
+                    Ok(d) => d.cast::<PyBytes>().is_ok_and(|b| b.as_bytes().is_empty()),
+                    Err(e) if e.is_instance_of::<PyAttributeError>(py) => false,
+                    Err(e) => return Err(e),
+                };
+            (none(), 0, if empty { 0 } else { route_default() })
         } else {
             match read(py, bytes, request_facts) {
                 Err(_) => return Ok(None),
-                Ok(None) => (none(), 0, default),
+                Ok(None) => (none(), 0, route_default()),
                 Ok(Some(mut f)) => {
                     // A stream to ask for its usage: the body is rewritten (a path that is
                     // not UTF-8 is left to the reference too), and read again as sent.
@@ -620,6 +637,7 @@ impl RequestReaderPy {
                             return Ok(None);
                         }
                     }
+                    let default = if f.uses_default() { route_default() } else { default };
                     let Ok((i, o)) = f.estimate(cpt, default) else {
                         return Ok(None);
                     };

@@ -8,6 +8,7 @@ pub mod cap;
 pub mod headers;
 pub mod plan;
 mod request;
+pub mod route;
 pub mod scan;
 pub mod sse;
 mod usage;

@@ -57,6 +57,12 @@ pub struct RequestFacts {
 }
 
 impl RequestFacts {
+    /// True when [`estimate`](Self::estimate) would take its `default_output` (the body
+    /// names no usable bound).
+    pub fn uses_default(&self) -> bool {
+        !self.bounds.iter().any(|b| matches!(b, Bound::Count(_) | Bound::Huge))
+    }
+
     /// The character fallback's estimate (`TokenEstimator(None)`): prompt tokens
     /// (ceil(chars / `chars_per_token`) + 4 per message) and the output: the first
     /// bound that is an int >= 0, else `default_output`, times the choices asked for

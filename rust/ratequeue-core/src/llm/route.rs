@@ -1,0 +1,142 @@
+//! The route of a call as a server routing leniently sees it, and the APIs whose calls
+//! produce no tokens (the estimate charges them no output unless their body names a
+//! bound).
+
+/// Route endings (of [`route_of`]) of APIs that produce no output tokens: OpenAI's
+/// embeddings and moderations, Anthropic's token count, Gemini's embeddings and token
+/// count. Images and audio are not here: gpt-image-1 and gpt-4o-transcribe report output
+/// tokens.
+pub const NO_TOKEN_ROUTES: [&str; 6] = [
+    "/embeddings",
+    "/moderations",
+    "/count_tokens",
+    ":embedcontent",
+    ":batchembedcontents",
+    ":counttokens",
+];
+
+/// `path` lower case, `;` parameters of each segment dropped, doubled slashes collapsed,
+/// dot segments resolved (`..` never above the first segment), trailing slashes dropped
+/// ("/" when nothing is left): the Python `route_of`.
+pub fn route_of(path: &str) -> String {
+    let mut p = path.to_lowercase();
+    if p.contains(';') {
+        // Each `;` up to the next `/` (not included).
+        let mut out = String::with_capacity(p.len());
+        let mut skipping = false;
+        for c in p.chars() {
+            if c == ';' {
+                skipping = true;
+            } else if c == '/' {
+                skipping = false;
+            }
+            if !skipping {
+                out.push(c);
+            }
+        }
+        p = out;
+    }
+    if p.contains("//") {
+        let mut out = String::with_capacity(p.len());
+        for c in p.chars() {
+            if !(c == '/' && out.ends_with('/')) {
+                out.push(c);
+            }
+        }
+        p = out;
+    }
+    if p.contains("/.") {
+        let mut segs: Vec<&str> = Vec::new();
+        for seg in p.split('/') {
+            if seg == ".." {
+                if segs.len() > 1 {
+                    segs.pop();
+                }
+            } else if seg != "." {
+                segs.push(seg);
+            }
+        }
+        p = segs.join("/");
+    }
+    let trimmed = p.trim_end_matches('/');
+    if trimmed.is_empty() {
+        "/".to_owned()
+    } else {
+        trimmed.to_owned()
+    }
+}
+
+/// True when a call on `path` produces no output tokens: a route of [`NO_TOKEN_ROUTES`],
+/// or Bedrock's InvokeModel of an embedding model (its id, in the path, names `embed`).
+pub fn emits_no_tokens(path: &str) -> bool {
+    let p = route_of(path);
+    if NO_TOKEN_ROUTES.iter().any(|r| p.ends_with(r)) {
+        return true;
+    }
+    if !(p.ends_with("/invoke") || p.ends_with("/invoke-with-response-stream")) {
+        return false;
+    }
+    let Some(at) = p.find("/model/") else {
+        return false;
+    };
+    // The model id: from after "/model/" to the last "/" (nothing when that comes first).
+    let start = at + "/model/".len();
+    let end = p.rfind('/').unwrap_or(0);
+    start < end && p[start..end].contains("embed")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{emits_no_tokens, route_of};
+
+    #[test]
+    fn routes_as_the_python_reference_reads_them() {
+        for (path, want) in [
+            ("", "/"),
+            ("/", "/"),
+            ("///", "/"),
+            ("/V1/Embeddings/", "/v1/embeddings"),
+            ("/v1;a=1/embeddings;b", "/v1/embeddings"),
+            ("/v1//x///y", "/v1/x/y"),
+            ("/v1/x/../y", "/v1/y"),
+            ("/../../x", "/x"),
+            ("/./x/.", "/x"),
+            ("v1/..", "v1"),
+            ("/a/b/..", "/a"),
+        ] {
+            assert_eq!(route_of(path), want, "{path:?}");
+        }
+    }
+
+    #[test]
+    fn apis_without_output_tokens() {
+        for path in [
+            "/v1/embeddings",
+            "/openai/deployments/e/embeddings",
+            "/v1/moderations",
+            "/v1/messages/count_tokens",
+            "/v1beta/models/text-embedding-004:embedContent",
+            "/v1beta/models/m:batchEmbedContents",
+            "/v1beta/models/m:countTokens",
+            "/model/amazon.titan-embed-text-v2:0/invoke",
+            "/model/cohere.embed-english-v3/invoke-with-response-stream",
+            "/V1//EMBEDDINGS;x/",
+        ] {
+            assert!(emits_no_tokens(path), "{path:?}");
+        }
+        for path in [
+            "/v1/chat/completions",
+            "/v1/images/generations",
+            "/v1/audio/transcriptions",
+            "/v1/embeddings/x",
+            "/model/amazon.nova-lite-v1:0/invoke",
+            "/model/x.embed-v1/converse",
+            "/model//invoke",
+            "/model/",
+            "/embed/invoke",
+            "",
+        ] {
+            assert!(!emits_no_tokens(path), "{path:?}");
+        }
+    }
+}

@@ -1,0 +1,251 @@
+"""What a call that cannot produce output tokens is estimated at: a call with no body (a
+GET, a DELETE, an empty POST) costs no tokens, and a body on an API that produces no
+tokens (embeddings, moderations, token counts) is charged its prompt and no output unless
+it names a bound. Before, each such call held ``default_output_tokens`` (1,024) of the
+token buckets, and a response without a usage (a model list) kept them for good."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from typing import Any
+
+import pytest
+import ratequeue as rq
+from ratequeue._ratequeue import _emits_no_tokens
+from ratequeue.httpx import Estimate, RateLimitedTransport, TokenEstimator, chars_estimate
+from ratequeue.httpx._caps import route_of
+
+MODS = ["httpx", "httpx2"]
+BURST = 100_000
+
+
+def answer(request: Any) -> Any:
+    mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+    path = request.url.path
+    if request.method == "GET" or request.method == "DELETE":
+        return mod.Response(200, json={"object": "list", "data": [{"id": "gpt-4o"}]})
+    if path.endswith("/embeddings"):
+        usage = {"prompt_tokens": 2, "total_tokens": 2}
+        return mod.Response(200, json={"data": [{"embedding": [0.5]}], "usage": usage})
+    return mod.Response(200, json={"id": "x"})  # no usage: the estimate stays charged
+
+
+def setup(mod: Any, native: bool, estimator: Any = None) -> tuple[Any, Any, Any]:
+    clock = rq.ManualClock()
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=clock,
+    )
+    kw = {} if estimator is None else {"estimator": estimator}
+    t = RateLimitedTransport(mod.MockTransport(answer), lim, **kw)
+    if not native:
+        t._reader = None  # the Python reference prepares every call
+    return t, mod.Client(transport=t), lim
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/models"),
+        ("GET", "/v1/files/file-abc"),
+        ("DELETE", "/v1/files/file-abc"),
+        ("GET", "/v1/responses/resp_123"),
+    ],
+)
+def test_a_call_without_a_body_costs_no_tokens(
+    modname: str, native: bool, method: str, path: str
+) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, lim = setup(mod, native)
+    for _ in range(3):
+        r = client.request(method, "http://p" + path)
+        r.read()
+    rec = r.extensions["ratequeue"]
+    assert rec.estimate == Estimate(0, 0)
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_an_empty_post_costs_no_tokens(modname: str, native: bool) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, lim = setup(mod, native)
+    r = client.post("http://p/v1/chat/completions", content=b"")
+    assert r.extensions["ratequeue"].estimate == Estimate(0, 0)
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_an_unread_body_keeps_the_default_output(modname: str, native: bool) -> None:
+    """A body the transport cannot read (a stream) may be a prompt: it is charged the
+    default output, as before."""
+    mod = importlib.import_module(modname)
+    _t, client, _lim = setup(mod, native)
+    r = client.post("http://p/v1/chat/completions", content=iter([b'{"model": "m"}']))
+    r.read()
+    assert r.extensions["ratequeue"].estimate == Estimate(0, 1024)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/embeddings",
+        "/openai/deployments/emb/embeddings",
+        "/v1/moderations",
+        "/v1/messages/count_tokens",
+        "/v1beta/models/text-embedding-004:embedContent",
+        "/v1beta/models/text-embedding-004:batchEmbedContents",
+        "/v1beta/models/gemini-2.0-flash:countTokens",
+        "/model/amazon.titan-embed-text-v2:0/invoke",
+        "/model/cohere.embed-english-v3/invoke",
+        "/V1/Embeddings/",
+        "/v1//embeddings;x=1",
+    ],
+)
+def test_an_api_that_produces_no_tokens_is_charged_its_prompt_only(
+    modname: str, native: bool, path: str
+) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, _lim = setup(mod, native)
+    body = {"model": "text-embedding-3-small", "input": "x" * 40}
+    r = client.post("http://p" + path, json=body)
+    est = r.extensions["ratequeue"].estimate
+    assert est == Estimate(14, 0)  # ceil(40 / 4) + 4; no output
+    assert est == TokenEstimator(None)(body, path)
+    assert est == chars_estimate(body, path)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/chat/completions",
+        "/v1/responses",
+        "/v1/images/generations",  # gpt-image-1 reports output (image) tokens
+        "/v1/audio/transcriptions",  # gpt-4o-transcribe reports output tokens
+        "/model/amazon.nova-lite-v1:0/invoke",
+        "/v1/embeddings/x",  # not the route's end
+        "/v1/my_embeddings_generator",
+    ],
+)
+def test_other_apis_keep_the_default_output(modname: str, native: bool, path: str) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, _lim = setup(mod, native)
+    body = {"model": "m", "input": "x" * 40}
+    r = client.post("http://p" + path, json=body)
+    assert r.extensions["ratequeue"].estimate == Estimate(14, 1024)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bound_in_a_no_token_api_body_is_still_read(native: bool) -> None:
+    mod = importlib.import_module("httpx")
+    _t, client, _lim = setup(mod, native)
+    body = {"model": "m", "input": "x" * 40, "max_tokens": 9}
+    r = client.post("http://p/v1/embeddings", json=body)
+    assert r.extensions["ratequeue"].estimate == Estimate(14, 9)
+
+
+def test_the_usage_settles_an_embedding_call_to_its_prompt() -> None:
+    mod = importlib.import_module("httpx")
+    _t, client, lim = setup(mod, True)
+    r = client.post("http://p/v1/embeddings", json={"model": "m", "input": "hello"})
+    assert r.extensions["ratequeue"].usage == (2, 0)
+    assert lim.available("tokens") == BURST - 2
+
+
+def test_a_user_estimator_is_not_asked_about_an_empty_call() -> None:
+    """Nothing to estimate: no prompt, and no API generates from an empty request."""
+    seen: list[Any] = []
+
+    def est(body: Any, path: str) -> Estimate:
+        seen.append((body, path))
+        return Estimate(50, 50)
+
+    mod = importlib.import_module("httpx")
+    _t, client, lim = setup(mod, True, est)
+    r = client.get("http://p/v1/models")
+    assert r.extensions["ratequeue"].estimate == Estimate(0, 0)
+    assert seen == []
+    r = client.post("http://p/v1/embeddings", json={"input": "hi"})
+    assert seen == [({"input": "hi"}, "/v1/embeddings")]  # a body: the user's estimate wins
+    assert r.extensions["ratequeue"].estimate == Estimate(50, 50)
+    assert lim.available("tokens") == BURST - 2  # settled to the usage reported
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/embeddings",
+        "/V1/EMBEDDINGS",
+        "/v1/embeddings/",
+        "/v1/embeddings;v=2",
+        "/v1//embeddings",
+        "/v1/x/../embeddings",
+        "/v1/./embeddings",
+        "/v1/embeddings/..",
+        "/v1/messages/count_tokens",
+        "/m:countTokens",
+        "/model/x.embed-v1/invoke-with-response-stream",
+        "/model/x.embed-v1/converse",
+        "/model/embed/x/invoke",
+        "/model//invoke",
+        "/model/",
+        "",
+        "/",
+        "/embeddingsx",
+        "/v1/chat/completions",
+        "/İ/embeddings",
+        "/\u212a:counttokens",
+    ],
+)
+def test_the_native_route_rule_is_the_python_one(path: str) -> None:
+    assert _emits_no_tokens(path) == _reference(path)
+
+
+def _reference(path: str) -> bool:
+    p = route_of(path)
+    if p.endswith(
+        (
+            "/embeddings",
+            "/moderations",
+            "/count_tokens",
+            ":embedcontent",
+            ":batchembedcontents",
+            ":counttokens",
+        )
+    ):
+        return True
+    if p.endswith(("/invoke", "/invoke-with-response-stream")) and "/model/" in p:
+        return "embed" in p[p.index("/model/") + 7 : p.rindex("/")]
+    return False
+
+
+def test_the_estimate_rule_is_documented_json_safe() -> None:
+    # The estimator is still a plain function of (body, path): None is an unread body.
+    assert TokenEstimator(None)(None, "/v1/embeddings") == Estimate(0, 0)
+    assert TokenEstimator(None)(None, "/v1/chat/completions") == Estimate(0, 1024)
+    assert json.loads(json.dumps(TokenEstimator(None)({"input": "ab"}, "/v1/embeddings"))) == [5, 0]
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_stream_claiming_no_length_is_not_taken_for_empty(modname: str, native: bool) -> None:
+    """Only bytes read and empty make a call bodiless: a header claiming so does not."""
+    mod = importlib.import_module(modname)
+    t, _client, _lim = setup(mod, native)
+    req = mod.Request(
+        "POST",
+        "http://p/v1/chat/completions",
+        headers={"content-length": "0"},
+        content=iter([b'{"model": "m"}']),
+    )
+    call = t._prepare(req, False)
+    assert call.estimate == Estimate(0, 1024)
