@@ -121,6 +121,7 @@ class _RequestReader:
             tuple[str, ...],
             Any,
             None,
+            bool,
         ]
         | None
     ): ...

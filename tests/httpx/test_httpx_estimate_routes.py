@@ -249,3 +249,129 @@ def test_a_stream_claiming_no_length_is_not_taken_for_empty(modname: str, native
     )
     call = t._prepare(req, False)
     assert call.estimate == Estimate(0, 1024)
+
+
+# -- a call without a body is charged nothing, whatever usage its response reports ------------
+
+BATCH = {
+    "id": "batch_1",
+    "object": "batch",
+    "status": "completed",
+    # The batch's own usage (charged to the batch quota, not to this call).
+    "usage": {"input_tokens": 90_000, "output_tokens": 40_000, "total_tokens": 130_000},
+}
+RESPONSE = {"id": "resp_1", "object": "response", "usage": {"input_tokens": 7, "output_tokens": 9}}
+
+
+def retrieving(request: Any) -> Any:
+    mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+    path = request.url.path
+    if "/batches" in path:
+        return mod.Response(200, json=BATCH)
+    if "/responses/" in path:
+        return mod.Response(200, json=RESPONSE)
+    return mod.Response(200, json={"usage": {"prompt_tokens": 3, "completion_tokens": 4}})
+
+
+def through(mod: Any, native: bool, **kw: Any) -> tuple[Any, Any, Any]:
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    # A call the limiter cannot grant at once fails (the manual clock never moves).
+    t = RateLimitedTransport(mod.MockTransport(retrieving), lim, timeout=0.0, **kw)
+    if not native:
+        t._reader = None
+        t._native_settle = False
+    return t, mod.Client(transport=t), lim
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/batches/batch_1"),  # polled until done: the batch's usage, not ours
+        ("POST", "/v1/batches/batch_1/cancel"),
+        ("GET", "/v1/responses/resp_1"),  # charged when it was created
+        ("GET", "/v1/chat/completions/chatcmpl_1"),
+    ],
+)
+def test_a_call_without_a_body_is_charged_no_usage_its_response_reports(
+    modname: str, native: bool, method: str, path: str
+) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native)
+    for _ in range(3):
+        r = client.request(method, "http://p" + path)
+    rec = r.extensions["ratequeue"]
+    assert rec.settled and rec.usage is None
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_streamed_body_of_a_call_without_one_is_not_charged(modname: str) -> None:
+    """The response of a bodyless call read as a stream (as over the network)."""
+    mod = importlib.import_module(modname)
+
+    def streamed(request: Any) -> Any:
+        body = json.dumps(BATCH).encode()
+        return mod.Response(200, headers={"content-type": "application/json"}, stream=once(body))
+
+    class once(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        def __iter__(self) -> Any:
+            yield self.body
+
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(mod.MockTransport(streamed), lim, timeout=0.0)
+    client = mod.Client(transport=t)
+    with client.stream("GET", "http://p/v1/batches/b") as r:
+        assert json.loads(r.read())["id"] == "batch_1"
+    assert r.extensions["ratequeue"].settled
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bodyless_call_in_a_budget_and_ledger_counts_no_tokens(native: bool) -> None:
+    from ratequeue.httpx import CallBudget
+
+    class Ledger:
+        def __init__(self) -> None:
+            self.ops: list[tuple[str, int, int]] = []
+
+        def hold(self, request_id: str, account: str, **kw: Any) -> None:
+            self.ops.append(("hold", kw["input_tokens"], kw["output_tokens"]))
+
+        def settle(self, request_id: str, **kw: Any) -> None:
+            self.ops.append(("settle", kw["input_tokens"], kw["output_tokens"]))
+
+        def release(self, request_id: str) -> None:
+            self.ops.append(("release", 0, 0))
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    _t, client, _lim = through(mod, native, ledger=ledger)
+    with CallBudget(calls=5, tokens=1_000) as budget:
+        for _ in range(2):
+            client.get("http://p/v1/batches/batch_1")
+    assert budget.tokens_used == 0
+    assert [s.tokens for s in budget.usage] == [0, 0]
+    assert all(s.settled for s in budget.usage)
+    assert ledger.ops == [("hold", 0, 0), ("settle", 0, 0)] * 2
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_post_with_a_body_still_settles_to_its_usage(native: bool) -> None:
+    mod = importlib.import_module("httpx")
+    _t, client, lim = through(mod, native)
+    r = client.post("http://p/v1/chat/completions", json={"model": "m", "messages": []})
+    assert r.extensions["ratequeue"].usage == (3, 4)
+    assert lim.available("tokens") == BURST - 7

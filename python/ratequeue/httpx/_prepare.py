@@ -94,7 +94,7 @@ _FORM_NAME = re.compile(
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
-# estimate, costs, units clamped, body, cap applied.
+# estimate, costs, units clamped, body, cap applied, sent without a body (estimated).
 _Read = tuple[
     str | None,
     str | None,
@@ -106,6 +106,7 @@ _Read = tuple[
     tuple[str, ...],
     Any,
     Capped | None,
+    bool,
 ]
 
 
@@ -299,7 +300,7 @@ class _Requests:
             got = r.read(request, path, budget is not None, self.estimator)
         if got is None:  # the reference
             got = self._read_py(request, path, budget is not None)
-        priority, task, account, request_id, model, est, costs, clamped, data, capped = got
+        priority, task, account, request_id, model, est, costs, clamped, data, capped, bare = got
         if priority is not None or task is not None or account is not None:
             headers = request.headers
             for h in _OWN_HEADERS:
@@ -343,6 +344,7 @@ class _Requests:
             kw,
             account or acc,
             is_async,
+            bare,
         )
         if budget is not None:
             assert est is not None
@@ -373,6 +375,7 @@ class _Requests:
         capped = model = est = None
         clamped: tuple[str, ...] = ()
         parsed = False  # the body read as one JSON object
+        bare = False  # sent without a body
         if (
             self._needs_body
             or want_estimate
@@ -382,6 +385,7 @@ class _Requests:
                 # No body: no prompt, and no API produces output from nothing (a GET, a
                 # DELETE, an empty POST); the estimator is not asked.
                 facts: _Facts | Literal[False] | None = (None, False, 0, 0)
+                bare = True
             else:
                 facts = self._read_body(data, path) if data else False
             if facts and self.caps and data:
@@ -408,7 +412,19 @@ class _Requests:
             costs = self._unit_costs
         if not parsed and self.caps and self.uncapped == "refuse":
             self._uncapped(request, path, task, data)
-        return priority, task, account, request_id, model, est, costs, clamped, data, capped
+        return (
+            priority,
+            task,
+            account,
+            request_id,
+            model,
+            est,
+            costs,
+            clamped,
+            data,
+            capped,
+            bare,
+        )
 
     def _uncapped(self, request: Any, path: str, task: str | None, data: Any) -> None:
         """Refuse a call with a body the caps could not read (not read, or not one JSON

@@ -229,6 +229,8 @@ class RateLimitedTransport(_Requests):
         hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
         consumed = response.is_stream_consumed
         found: Any = False
+        if call._bodyless:
+            return self._received_bodyless(call, response, status, hl, http_seconds)
         if (
             status < 300
             and (consumed or self._native_stream)
@@ -302,6 +304,24 @@ class RateLimitedTransport(_Requests):
             else:  # only the record wants the usage: read when asked for
                 self._settle(call, None, status, reported=True)
                 call._usage_body = content
+        return response
+
+    def _received_bodyless(
+        self, call: _Call, response: Any, status: int, hl: Any, http_seconds: float
+    ) -> Any:
+        """A call sent without a body: its headers followed as any call's, then settled at
+        its estimate (no tokens) whatever usage its body reports (a batch's or a stored
+        response's, charged where it was made); the body is not read."""
+        self.http_histogram.record(http_seconds)
+        if status == 429 or scan_response(hl)[1] or self.calibrate:
+            self._limits(call, response, status)
+        elif self._is_pool and call._provider is not None:
+            self.limit.report(call._provider, status)  # type: ignore[union-attr]
+        if status >= 300 and status != 429:
+            self._settle(call, None, status)
+        elif not call._done:
+            self._settle(call, None, status, reported=True)
+        response.extensions["ratequeue"] = call
         return response
 
     def _stream_deferred(self, call: _Call, body: bytes | None) -> None:

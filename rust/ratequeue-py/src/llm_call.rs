@@ -46,7 +46,7 @@ pub struct RequestReaderPy {
 
 /// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
 /// are `_record._CONSTANT_SLOTS`, and `_once`, a new `[None]`).
-const CALL_SLOTS: [&str; 14] = [
+const CALL_SLOTS: [&str; 15] = [
     "_request",
     "request_id",
     "path",
@@ -61,6 +61,7 @@ const CALL_SLOTS: [&str; 14] = [
     "_kw",
     "_account",
     "_async",
+    "_bodyless",
 ];
 
 /// What `prepare` needs besides the reader (see `RequestReaderPy::call`).
@@ -88,6 +89,9 @@ struct Read<'py> {
     costs: Bound<'py, PyAny>,
     clamped: Bound<'py, PyAny>,
     data: Bound<'py, PyAny>,
+    /// Sent without a body, its estimate made: the usage its response reports is not its
+    /// own (`_Call._bodyless`).
+    bodyless: bool,
 }
 
 /// `PyContextVar_Get` without a default: the variable's value in this context (its own
@@ -333,7 +337,7 @@ impl RequestReaderPy {
     }
 
     /// `(priority, task, account, request_id, model, estimate, costs, clamped, data,
-    /// None)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
+    /// None, bodyless)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
     /// transport's), or None where the Python reference must prepare it.
     fn read<'py>(
         &self,
@@ -358,6 +362,7 @@ impl RequestReaderPy {
             r.clamped,
             r.data,
             py.None().into_bound(py),
+            PyBool::new(py, r.bodyless).to_owned().into_any(),
         ];
         Ok(Some(PyTuple::new(py, items)?))
     }
@@ -441,6 +446,7 @@ impl RequestReaderPy {
             kw,
             account,
             PyBool::new(py, is_async).to_owned().into_any(),
+            PyBool::new(py, r.bodyless).to_owned().into_any(),
         ];
         // `_Call(*args)` without its `__init__` frame: the instance made empty, then its
         // slots set (every one: `record_constants` checked the names).
@@ -583,6 +589,7 @@ impl RequestReaderPy {
                 costs: self.unit_costs.bind(py).clone().into_any(),
                 clamped: PyTuple::empty(py).into_any(),
                 data: data_obj,
+                bodyless: false,
             }));
         }
         if self.caps {
@@ -600,6 +607,7 @@ impl RequestReaderPy {
                 default
             }
         };
+        let mut bodyless = false;
         let (model, input, output) = if bytes.is_empty() {
             // The body read and empty (httpx's own for a GET), whatever the headers
             // claim: a stream is never read here (`_content` is missing).
@@ -609,6 +617,7 @@ impl RequestReaderPy {
                     Err(e) if e.is_instance_of::<PyAttributeError>(py) => false,
                     Err(e) => return Err(e),
                 };
+            bodyless = empty;
             (none(), 0, if empty { 0 } else { route_default() })
         } else {
             match read(py, bytes, request_facts) {
@@ -677,6 +686,7 @@ impl RequestReaderPy {
             costs: costs.into_any(),
             clamped: PyTuple::new(py, clamped)?.into_any(),
             data: data_obj,
+            bodyless,
         }))
     }
 }
