@@ -238,6 +238,7 @@ class RateLimitMiddleware:
     async def _limited(self, plan: _Plan, scope: Scope, receive: Receive, send: Send) -> None:
         rule = plan.rule
         keys = {n: self._key(n, scope) for n in plan.keyed}
+        bodyless = False
         if plan.static_costs is not None:
             costs = plan.static_costs if rule.tokens is None else dict(plan.static_costs)
         else:
@@ -252,8 +253,9 @@ class RateLimitMiddleware:
                 fields = self._fields(plan, keys, [])
                 await _respond(send, 413, problem_body(413, detail, []), _PROBLEM, fields)
                 return
-            costs[rule.tokens.unit] = rule.tokens.estimate(body)
+            costs[rule.tokens.unit] = rule.tokens.estimate(body, scope.get("path", "/"))
             receive = _replay(body, receive)
+            bodyless = not body
         assert plan.policy is not None
         start = time.perf_counter()
         try:
@@ -295,7 +297,9 @@ class RateLimitMiddleware:
         self.wait_histogram.record(waited)
         plan.counts["queued" if queued else "admitted"] += 1
         timing = (b"server-timing", f"queue;dur={waited * 1000:.3f}".encode())
-        scanner = UsageScanner() if rule.tokens is not None else None
+        # A request without a body generates nothing: the usage its response reports (a
+        # batch's own, a stored response's) is not its own; the estimate stays.
+        scanner = UsageScanner() if rule.tokens is not None and not bodyless else None
         status = 0
 
         async def send_with_fields(message: Message) -> None:

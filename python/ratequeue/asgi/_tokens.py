@@ -10,6 +10,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from .._ratequeue import _emits_no_tokens
+
 __all__ = ["OpenAITokens", "UsageScanner"]
 
 
@@ -19,9 +21,10 @@ class OpenAITokens:
 
     The prompt counts ``ceil(characters / chars_per_token)`` plus ``per_message`` per chat
     message and ``per_image`` per non-text part; the output is ``max_completion_tokens``,
-    ``max_tokens`` or ``max_output_tokens`` (else ``default_max_output``) times ``n``.
-    The body is read up to ``max_body`` bytes (413 beyond); ``unit`` is the limiter unit
-    charged.
+    ``max_tokens`` or ``max_output_tokens``, else ``default_max_output`` — or 0 on a route
+    that produces no tokens (embeddings, moderations, token counts: the transport's rule)
+    — times ``n``. An empty body (a GET) costs 1. The body is read up to ``max_body``
+    bytes (413 beyond); ``unit`` is the limiter unit charged.
     """
 
     unit: str = "tokens"
@@ -64,8 +67,12 @@ class OpenAITokens:
             return 0
         return self._text(len(json.dumps(content, default=str)))
 
-    def estimate(self, body: bytes) -> int:
-        """Tokens for a request body: prompt estimate + maximum output (at least 1)."""
+    def estimate(self, body: bytes, path: str | None = None) -> int:
+        """Tokens for a request body on ``path``: prompt estimate + maximum output (at
+        least 1). Without a path, a body with ``input`` and no ``messages`` is taken for
+        an embeddings call (no output), as before paths were read."""
+        if not body and path is not None:
+            return 1  # nothing to generate from
         try:
             req = json.loads(body) if body else {}
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth
@@ -95,7 +102,10 @@ class OpenAITokens:
                 output = v
                 break
         else:
-            output = 0 if "input" in req and "messages" not in req else self.default_max_output
+            if path is not None:
+                output = 0 if _emits_no_tokens(path) else self.default_max_output
+            else:
+                output = 0 if "input" in req and "messages" not in req else self.default_max_output
         n = req.get("n", 1)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             n = 1
