@@ -51,7 +51,6 @@ def gateway(clock: rq.ManualClock, app: Any) -> tuple[Any, rq.Limiter]:
         ("/v1/completions", 1024),
         ("/v1/embeddings", 0),
         ("/v1/moderations", 0),
-        ("/v1/messages/count_tokens", 0),
         ("/v1beta/models/text-embedding-004:embedContent", 0),
     ],
 )
@@ -101,3 +100,15 @@ def test_a_request_without_a_body_is_not_charged_its_response_usage(
         r = asyncio.run(call(mw, method, "/v1/batches/b"))
         assert r.status == 200
     assert cluster.available("tokens") == 10_000 - 3  # one token each, kept
+
+
+@pytest.mark.parametrize(
+    "path", ["/v1/messages/batches", "/v1/batches", "/v1/files", "/v1/messages/count_tokens"]
+)
+def test_a_management_call_costs_one_token_and_no_usage(clock: rq.ManualClock, path: str) -> None:
+    mw, cluster = gateway(clock, answer(BATCH))
+    body = json.dumps({"requests": [{"params": {"messages": [{"content": "x" * 4000}]}}]})
+    r = asyncio.run(call(mw, "POST", path, body=body.encode()))
+    assert r.status == 200
+    assert cluster.available("tokens") == 10_000 - 1
+    assert OpenAITokens().estimate(body.encode(), path) == 1

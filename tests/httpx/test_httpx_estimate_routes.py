@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
-from ratequeue._ratequeue import _emits_no_tokens
+from ratequeue._ratequeue import _emits_no_tokens, _spends_no_tokens
 from ratequeue.httpx import Estimate, RateLimitedTransport, TokenEstimator, chars_estimate
 from ratequeue.httpx._caps import route_of
 
@@ -99,10 +99,8 @@ def test_an_unread_body_keeps_the_default_output(modname: str, native: bool) -> 
         "/v1/embeddings",
         "/openai/deployments/emb/embeddings",
         "/v1/moderations",
-        "/v1/messages/count_tokens",
         "/v1beta/models/text-embedding-004:embedContent",
         "/v1beta/models/text-embedding-004:batchEmbedContents",
-        "/v1beta/models/gemini-2.0-flash:countTokens",
         "/model/amazon.titan-embed-text-v2:0/invoke",
         "/model/cohere.embed-english-v3/invoke",
         "/V1/Embeddings/",
@@ -340,7 +338,7 @@ def test_a_streamed_body_of_a_call_without_one_is_not_charged(modname: str) -> N
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_bodyless_call_in_a_budget_and_ledger_counts_no_tokens(native: bool) -> None:
+def test_a_tokenless_call_in_a_budget_and_ledger_counts_no_tokens(native: bool) -> None:
     from ratequeue.httpx import CallBudget
 
     class Ledger:
@@ -375,3 +373,261 @@ def test_a_post_with_a_body_still_settles_to_its_usage(native: bool) -> None:
     r = client.post("http://p/v1/chat/completions", json={"model": "m", "messages": []})
     assert r.extensions["ratequeue"].usage == (3, 4)
     assert lim.available("tokens") == BURST - 7
+
+
+# -- batch, file and fine-tuning management spends no tokens of the model's rate ------------
+
+ANTHROPIC_BATCH = {
+    "requests": [
+        {
+            "custom_id": f"r{i}",
+            "params": {
+                "model": "claude-sonnet-4-5",
+                "max_tokens": 1024,
+                "messages": [{"role": "user", "content": "x" * 4000}],
+            },
+        }
+        for i in range(50)
+    ]
+}
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/messages/batches", ANTHROPIC_BATCH),  # 50 prompts: batch limits, not ITPM
+        ("/v1/batches", {"input_file_id": "file-1", "endpoint": "/v1/responses"}),
+        ("/v1/fine_tuning/jobs", {"model": "gpt-4o-mini", "training_file": "file-1"}),
+        ("/v1/vector_stores", {"name": "docs"}),
+        ("/v1/uploads", {"filename": "a.jsonl", "purpose": "batch", "bytes": 9}),
+        ("/v1beta/models/gemini-2.5-flash:batchGenerateContent", {"batch": {"x": "y" * 99}}),
+        ("/openai/batches", {"input_file_id": "file-1"}),
+        # Token counts: their own rate limits, not the model's tokens.
+        ("/v1/messages/count_tokens", ANTHROPIC_BATCH["requests"][0]["params"]),
+        ("/v1/responses/input_tokens", {"model": "m", "input": "x" * 999}),
+        ("/v1beta/models/gemini-2.0-flash:countTokens", {"contents": [{"parts": ["x"]}]}),
+    ],
+)
+def test_management_calls_spend_no_tokens(
+    modname: str, native: bool, path: str, body: dict[str, Any]
+) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native)
+    r = client.post("http://p" + path, json=body)
+    rec = r.extensions["ratequeue"]
+    assert rec.estimate == Estimate(0, 0)
+    assert rec.usage is None
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/openai/deployments/files/chat/completions",  # a deployment named like an API
+        "/openai/deployments/batches/embeddings",
+        "/v1/threads/runs",
+        "/v1/files-like/chat/completions",
+    ],
+)
+def test_a_model_call_is_never_taken_for_management(native: bool, path: str) -> None:
+    mod = importlib.import_module("httpx")
+    _t, client, _lim = through(mod, native)
+    r = client.post("http://p" + path, json={"model": "m", "input": "x" * 40})
+    assert r.extensions["ratequeue"].estimate.input_tokens == 14
+
+
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    "path", ["/v1/messages/batches", "/v1/batches", "/v1/fine_tuning/jobs", "/v1/vector_stores"]
+)
+def test_a_catch_all_cap_adds_no_bound_to_a_management_call(modname: str, path: str) -> None:
+    from ratequeue.httpx import Cap
+
+    mod = importlib.import_module(modname)
+    sent: list[bytes] = []
+
+    def keep(request: Any) -> Any:
+        sent.append(request.content)
+        return mod.Response(200, json={"id": "x"})
+
+    lim = rq.Limiter(rq.Rate(1000, per="second"), clock=rq.ManualClock())
+    t = RateLimitedTransport(mod.MockTransport(keep), lim, caps=[Cap(100)])
+    body = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions"}
+    mod.Client(transport=t).post("http://p" + path, json=body)
+    assert json.loads(sent[0]) == body
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        "/v1/messages/batches",
+        "/v1/messages/batches/",
+        "/V1/Batches",
+        "/v1/batches/b1/cancel",
+        "/v1/files",
+        "/upload/v1beta/files",
+        "/v1/uploads/u1/parts",
+        "/v1/fine_tuning/jobs",
+        "/v1/vector_stores/vs1/files",
+        "/m:batchGenerateContent",
+        "/openai/deployments/files/chat/completions",
+        "/openai/deployments/batches/responses",
+        "/v1/files/../chat/completions",
+        "/v1/batches;x=1",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses/input_tokens",
+        "/v1/files/x:countTokens",
+        "/",
+        "",
+    ],
+)
+def test_the_native_management_rule_is_the_python_one(path: str) -> None:
+    assert _spends_no_tokens(path) == _management(path)
+
+
+_MODEL_CALLS = (
+    "/chat/completions",
+    "/completions",
+    "/responses",
+    "/messages",
+    "/embeddings",
+    "/moderations",
+    ":generatecontent",
+    ":streamgeneratecontent",
+    ":embedcontent",
+    ":batchembedcontents",
+    ":predict",
+    "/converse",
+    "/converse-stream",
+    "/invoke",
+    "/invoke-with-response-stream",
+    "/images/generations",
+    "/images/edits",
+    "/images/variations",
+    "/audio/speech",
+    "/audio/transcriptions",
+    "/audio/translations",
+)
+
+
+def _management(path: str) -> bool:
+    p = route_of(path)
+    if p.endswith(("/count_tokens", "/input_tokens", ":counttokens", ":batchgeneratecontent")):
+        return True
+    if p.endswith(_MODEL_CALLS):
+        return False
+    return any(
+        s in ("batches", "files", "uploads", "fine_tuning", "vector_stores") for s in p.split("/")
+    )
+
+
+# -- from the review: what makes a call bodyless is the stream it sends ----------------------
+
+PROMPT = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 4000}]}).encode()
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize("swap", ["bytes", "iterator"])
+def test_a_body_swapped_in_by_a_hook_is_charged(modname: str, native: bool, swap: str) -> None:
+    """A request built empty whose stream a hook fills (``_content`` left b"") sends a
+    prompt: it is a model call, charged what it used (before, it passed for bodyless and
+    was never charged: a way around the token limit)."""
+    mod = importlib.import_module(modname)
+
+    def answer(request: Any) -> Any:
+        assert b"".join(request.stream) == PROMPT  # the prompt went out
+        usage = {"prompt_tokens": 10_000, "completion_tokens": 40_000}
+        return mod.Response(200, json={"usage": usage})
+
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(mod.MockTransport(answer), lim, timeout=0.0)
+    if not native:
+        t._reader = None
+        t._native_settle = False
+
+    def hook(request: Any) -> None:
+        request.stream = mod.ByteStream(PROMPT) if swap == "bytes" else _chunks(mod, PROMPT)
+
+    client = mod.Client(transport=t, event_hooks={"request": [hook]})
+    r = client.post("http://p/v1/chat/completions", content=b"")
+    assert not r.extensions["ratequeue"]._tokenless
+    assert r.extensions["ratequeue"].usage == (10_000, 40_000)
+    assert lim.available("tokens") == BURST - 50_000
+    client.post("http://p/v1/chat/completions", content=b"")
+    with pytest.raises(rq.RateQueueError):  # the bucket is spent
+        client.post("http://p/v1/chat/completions", content=b"")
+
+
+def _chunks(mod: Any, body: bytes) -> Any:
+    class Chunks(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            yield body
+
+    return Chunks()
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_streamed_answer_to_a_bodyless_call_holds_its_concurrency_slot(modname: str) -> None:
+    """Settled (and its Policy's slot given back) when its body ends, not at its headers:
+    a second stream under Concurrency(1) waits meanwhile."""
+    mod = importlib.import_module(modname)
+
+    class Events(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            yield b'event: response.output_text.delta\ndata: {"delta":"x"}\n\n'
+
+    def answer(request: Any) -> Any:
+        return mod.Response(200, headers={"content-type": "text/event-stream"}, stream=Events())
+
+    lim = rq.Limiter(
+        rq.Rate(100, per="second", burst=100),
+        rq.Rate(10**6, per="minute", burst=10**6, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    t = RateLimitedTransport(
+        mod.MockTransport(answer), policy, upstream=lim, units=["requests", "tokens"], timeout=0.0
+    )
+    client = mod.Client(transport=t)
+    url = "http://p/v1/responses/resp_1?stream=true"
+    with client.stream("GET", url) as first:
+        assert first.extensions["ratequeue"]._tokenless
+        assert not first.extensions["ratequeue"].settled
+        with pytest.raises(rq.RateQueueError), client.stream("GET", url):
+            pass
+        first.read()
+        assert first.extensions["ratequeue"].settled
+    with client.stream("GET", url) as again:  # the slot is free again
+        again.read()
+    assert lim.available("tokens") == 10**6
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_bodyless_call_is_the_same_without_a_token_unit(native: bool) -> None:
+    """Whether anything needs the estimate or not: no estimator asked, no usage kept."""
+    mod = importlib.import_module("httpx")
+    lim = rq.Limiter(rq.Rate(1000, per="second"), clock=rq.ManualClock())
+    t = RateLimitedTransport(mod.MockTransport(retrieving), lim)
+    if not native:
+        t._reader = None
+        t._native_settle = False
+    r = mod.Client(transport=t).get("http://p/v1/batches/b")
+    rec = r.extensions["ratequeue"]
+    assert rec._tokenless
+    assert rec.estimate == Estimate(0, 0)
+    assert rec.usage is None
+
+
+def test_the_estimator_takes_any_path() -> None:
+    est = TokenEstimator(None)
+    assert est({"input": "ab"}, None) == Estimate(5, 1024)  # type: ignore[arg-type]
+    assert est(None, b"/v1/embeddings") == Estimate(0, 1024)  # type: ignore[arg-type]

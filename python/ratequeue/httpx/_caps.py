@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RateQueueError
+from .._ratequeue import _spends_no_tokens
 from ._estimate import CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS
 
 __all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
@@ -161,7 +162,10 @@ _NO_OUTPUT_MODELS = ("embed", "image", "nova-canvas", "nova-reel", "stability.")
 
 def output_field(path: str) -> str | None:
     """The body field that bounds output on this route's API (``container.name`` for a
-    nested one); None on an API that produces no text (nothing is added there)."""
+    nested one); None on an API that produces no text, or manages batches and files
+    (nothing is added there)."""
+    if _spends_no_tokens(path):
+        return None
     path = route_of(path)
     if path.endswith("/responses"):
         return "max_output_tokens"

@@ -234,7 +234,7 @@ class TokenEstimator:
         ``default_output_tokens``, or 0 on an API that produces no tokens (embeddings,
         moderations, token counts; Bedrock's embedding models)."""
         d = self.default_output_tokens
-        return 0 if d and _emits_no_tokens(path) else d
+        return 0 if d and isinstance(path, str) and _emits_no_tokens(path) else d
 
     def count(self, text: str) -> int:
         """Tokens of ``text``: by the encoding, or ceil(chars / chars_per_token)."""

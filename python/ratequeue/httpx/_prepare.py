@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 from urllib.parse import unquote
 
-from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader
+from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader, _spends_no_tokens
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
@@ -38,6 +38,7 @@ from ._record import _CONSTANT_SLOTS, _Call, json_object
 from ._wire import _TRIPLES, header_list, new_id
 
 _new = tuple.__new__
+_NOTHING = Estimate(0, 0)  # a call that spends no tokens
 PRIORITY_HEADER = "x-ratequeue-priority"
 TASK_HEADER = "x-ratequeue-task"
 ACCOUNT_HEADER = "x-ratequeue-account"
@@ -94,7 +95,7 @@ _FORM_NAME = re.compile(
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
-# estimate, costs, units clamped, body, cap applied, sent without a body (estimated).
+# estimate, costs, units clamped, body, cap applied, spends no tokens.
 _Read = tuple[
     str | None,
     str | None,
@@ -130,10 +131,15 @@ def _sent_bytes(request: Any) -> bytes | None:
     return _content(request)
 
 
-def _empty_content(request: Any) -> bool:
-    """True when a request's body is read and empty (httpx's own for a GET), whatever its
-    headers claim; a stream is never read here (``_content`` is missing)."""
-    return getattr(request, "_content", None) == b""
+def _sends_nothing(request: Any) -> bool:
+    """True when the request sends no body: its stream is httpx's in-memory one, empty (a
+    GET's, an empty POST's), whatever its headers or a stale ``_content`` say; any other
+    stream may send bytes."""
+    stream = request.stream
+    if type(stream).__name__ != "ByteStream":
+        return False
+    b = getattr(stream, "_stream", None)
+    return type(b) is bytes and not b
 
 
 def _is_upload(request: Any, whole: Any) -> bool:
@@ -300,7 +306,7 @@ class _Requests:
             got = r.read(request, path, budget is not None, self.estimator)
         if got is None:  # the reference
             got = self._read_py(request, path, budget is not None)
-        priority, task, account, request_id, model, est, costs, clamped, data, capped, bare = got
+        priority, task, account, request_id, model, est, costs, clamped, data, capped, free = got
         if priority is not None or task is not None or account is not None:
             headers = request.headers
             for h in _OWN_HEADERS:
@@ -344,7 +350,7 @@ class _Requests:
             kw,
             account or acc,
             is_async,
-            bare,
+            free,
         )
         if budget is not None:
             assert est is not None
@@ -375,18 +381,16 @@ class _Requests:
         capped = model = est = None
         clamped: tuple[str, ...] = ()
         parsed = False  # the body read as one JSON object
-        bare = False  # sent without a body
+        # Spends none of the model's tokens: sends no body (nothing to generate from), or
+        # manages batches and files, or counts tokens; the estimator is not asked.
+        free = (not data and _sends_nothing(request)) or _spends_no_tokens(path)
         if (
             self._needs_body
             or want_estimate
             or (data and self.stream_usage and b'"stream"' in data)
         ):
-            if data == b"" or (data is None and _empty_content(request)):
-                # No body: no prompt, and no API produces output from nothing (a GET, a
-                # DELETE, an empty POST); the estimator is not asked.
-                facts: _Facts | Literal[False] | None = (None, False, 0, 0)
-                bare = True
-            else:
+            facts: _Facts | Literal[False] | None = (None, False, 0, 0)
+            if not free:
                 facts = self._read_body(data, path) if data else False
             if facts and self.caps and data:
                 on = task or _OPTIONS.get().task  # the task a cap matches
@@ -400,16 +404,20 @@ class _Requests:
                         capped = self._rewrite(request, data, body, path, on)  # type: ignore[arg-type]
                     m = body.get("model")
                     model = m if type(m) is str else None
-                est = self.estimator(body, path)
+                est = _NOTHING if free else self.estimator(body, path)
             elif facts is None:  # not a JSON object
                 est = self.estimator(None, path)
             else:
                 parsed = bool(data)  # an empty body is not read as JSON
                 model, _, i, o = facts
                 est = _new(Estimate, (i, o))
+            if free:  # a cap may have rewritten the body: still nothing
+                model, est = None, _NOTHING
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
+            if free:
+                est = _NOTHING
         if not parsed and self.caps and self.uncapped == "refuse":
             self._uncapped(request, path, task, data)
         return (
@@ -423,7 +431,7 @@ class _Requests:
             clamped,
             data,
             capped,
-            bare,
+            free,
         )
 
     def _uncapped(self, request: Any, path: str, task: str | None, data: Any) -> None:

@@ -277,7 +277,6 @@ class _Call(CallRecord):
     __slots__ = (
         "_account",
         "_async",
-        "_bodyless",
         "_chain",
         "_done",
         "_held",
@@ -289,6 +288,7 @@ class _Call(CallRecord):
         "_request",
         "_retried",
         "_sub",
+        "_tokenless",
     )
 
     def __init__(
@@ -307,7 +307,7 @@ class _Call(CallRecord):
         kw: dict[str, Any],
         account: str,
         is_async: bool,
-        bodyless: bool = False,
+        tokenless: bool = False,
     ) -> None:
         # Every slot set here, without CallRecord.__init__: this runs on every call.
         self.request_id = request_id
@@ -339,9 +339,9 @@ class _Call(CallRecord):
         self._kw = kw
         self._account = account
         self._async = is_async
-        # Sent without a body (a GET, a DELETE, an empty POST): it generates nothing, so
-        # the usage its response reports (a batch's, a stored response's) is not its own.
-        self._bodyless = bodyless
+        # Spends none of the model's tokens (sends no body; manages batches or files;
+        # counts tokens): the usage its response reports (a batch's own) is not its own.
+        self._tokenless = tokenless
         self._owed: object = None
         self._retried = False
         self._once = [None]  # popped by the one caller that settles

@@ -183,6 +183,14 @@ def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
     response.stream = types[3 if is_async else 2](response.stream, reader)
 
 
+def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
+    """Settle the call without a usage when its body ends or is closed (passed on unread)."""
+    sync_t, async_t, _, _ = _STREAMS.get(type(response)) or _stream_types(type(response))
+    reader = _Reader(call, transport, False)
+    reader.over = True  # nothing of the body is kept
+    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
+
+
 def wrap(
     response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool, sse: bool
 ) -> None:

@@ -32,7 +32,7 @@ from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
-from ._stream import _done, native_stream, wrap
+from ._stream import _done, ignore, native_stream, wrap
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -229,8 +229,8 @@ class RateLimitedTransport(_Requests):
         hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
         consumed = response.is_stream_consumed
         found: Any = False
-        if call._bodyless:
-            return self._received_bodyless(call, response, status, hl, http_seconds)
+        if call._tokenless:
+            return self._received_tokenless(call, response, status, hl, http_seconds, is_async)
         if (
             status < 300
             and (consumed or self._native_stream)
@@ -306,12 +306,19 @@ class RateLimitedTransport(_Requests):
                 call._usage_body = content
         return response
 
-    def _received_bodyless(
-        self, call: _Call, response: Any, status: int, hl: Any, http_seconds: float
+    def _received_tokenless(
+        self,
+        call: _Call,
+        response: Any,
+        status: int,
+        hl: Any,
+        http_seconds: float,
+        is_async: bool,
     ) -> Any:
-        """A call sent without a body: its headers followed as any call's, then settled at
-        its estimate (no tokens) whatever usage its body reports (a batch's or a stored
-        response's, charged where it was made); the body is not read."""
+        """A call that spends none of the model's tokens (no body; batch or file
+        management): its headers followed as any call's, then settled at its estimate of
+        nothing whatever usage its body reports (a batch's own); a body not read yet settles
+        the call when it ends (a Policy's concurrency slot is held until then), unread."""
         self.http_histogram.record(http_seconds)
         if status == 429 or scan_response(hl)[1] or self.calibrate:
             self._limits(call, response, status)
@@ -319,9 +326,12 @@ class RateLimitedTransport(_Requests):
             self.limit.report(call._provider, status)  # type: ignore[union-attr]
         if status >= 300 and status != 429:
             self._settle(call, None, status)
-        elif not call._done:
-            self._settle(call, None, status, reported=True)
         response.extensions["ratequeue"] = call
+        if not call._done:
+            if response.is_stream_consumed:
+                self._settle(call, None, status, reported=True)
+            else:
+                ignore(response, call, self, is_async)
         return response
 
     def _stream_deferred(self, call: _Call, body: bytes | None) -> None:

@@ -8,7 +8,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple, PyType};
 use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
-use ratequeue_core::llm::route::emits_no_tokens;
+use ratequeue_core::llm::route::{emits_no_tokens, spends_no_tokens};
 use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
 
@@ -47,6 +47,21 @@ pub(crate) fn path_emits_no_tokens(path: &Bound<'_, PyString>) -> bool {
     match path.to_str() {
         Ok(p) => emits_no_tokens(p),
         Err(_) => emits_no_tokens(&path.to_string_lossy()),
+    }
+}
+
+/// True when a call on `path` spends none of the model's tokens (batch, file and
+/// fine-tuning management, token counts): nothing is estimated nor settled for it.
+#[pyfunction]
+pub fn _spends_no_tokens(path: &Bound<'_, PyString>) -> bool {
+    path_spends_no_tokens(path)
+}
+
+/// [`spends_no_tokens`] of a Python path (read as [`path_emits_no_tokens`] reads it).
+pub(crate) fn path_spends_no_tokens(path: &Bound<'_, PyString>) -> bool {
+    match path.to_str() {
+        Ok(p) => spends_no_tokens(p),
+        Err(_) => spends_no_tokens(&path.to_string_lossy()),
     }
 }
 
@@ -327,6 +342,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(_read_call_headers, m)?)?;
     m.add_function(wrap_pyfunction!(_cap_output, m)?)?;
     m.add_function(wrap_pyfunction!(_emits_no_tokens, m)?)?;
+    m.add_function(wrap_pyfunction!(_spends_no_tokens, m)?)?;
     m.add("_OUTPUT_BOUNDS", PyTuple::new(m.py(), OUTPUT_BOUNDS)?)?;
     m.add("_CHOICES", PyTuple::new(m.py(), CHOICES)?)?;
     m.add("_NESTED_CHOICES", PyTuple::new(m.py(), NESTED_CHOICES)?)?;

@@ -14,7 +14,7 @@ use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
 
-use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, read};
+use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, path_spends_no_tokens, read};
 
 /// Methods whose body the transport reads.
 const BODY_METHODS: [&str; 3] = ["POST", "PUT", "PATCH"];
@@ -61,7 +61,7 @@ const CALL_SLOTS: [&str; 15] = [
     "_kw",
     "_account",
     "_async",
-    "_bodyless",
+    "_tokenless",
 ];
 
 /// What `prepare` needs besides the reader (see `RequestReaderPy::call`).
@@ -89,9 +89,9 @@ struct Read<'py> {
     costs: Bound<'py, PyAny>,
     clamped: Bound<'py, PyAny>,
     data: Bound<'py, PyAny>,
-    /// Sent without a body, its estimate made: the usage its response reports is not its
-    /// own (`_Call._bodyless`).
-    bodyless: bool,
+    /// Spends none of the model's tokens (sends no body, manages batches or files): the
+    /// usage its response reports is not its own (`_Call._tokenless`).
+    tokenless: bool,
 }
 
 /// `PyContextVar_Get` without a default: the variable's value in this context (its own
@@ -253,6 +253,21 @@ fn char_settings(r: &RequestReaderPy, estimator: &Bound<'_, PyAny>) -> PyResult<
     Ok(Some((cpt, default)))
 }
 
+/// True when the request sends no body: its stream is httpx's in-memory one, empty (a
+/// GET's, an empty POST's); any other stream may send bytes.
+fn sends_nothing(request: &Bound<'_, PyAny>) -> PyResult<bool> {
+    let py = request.py();
+    let stream = request.getattr(intern!(py, "stream"))?;
+    if stream.get_type().name()?.to_str()? != "ByteStream" {
+        return Ok(false);
+    }
+    match stream.getattr(intern!(py, "_stream")) {
+        Ok(b) => Ok(b.is_exact_instance_of::<PyBytes>() && b.cast::<PyBytes>()?.as_bytes().is_empty()),
+        Err(e) if e.is_instance_of::<PyAttributeError>(py) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// `b.isdigit()` and `int(b) <= max` of a `Content-Length` value.
 fn length_within(v: &[u8], max: u64) -> bool {
     if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
@@ -337,7 +352,7 @@ impl RequestReaderPy {
     }
 
     /// `(priority, task, account, request_id, model, estimate, costs, clamped, data,
-    /// None, bodyless)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
+    /// None, tokenless)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
     /// transport's), or None where the Python reference must prepare it.
     fn read<'py>(
         &self,
@@ -362,7 +377,7 @@ impl RequestReaderPy {
             r.clamped,
             r.data,
             py.None().into_bound(py),
-            PyBool::new(py, r.bodyless).to_owned().into_any(),
+            PyBool::new(py, r.tokenless).to_owned().into_any(),
         ];
         Ok(Some(PyTuple::new(py, items)?))
     }
@@ -446,7 +461,7 @@ impl RequestReaderPy {
             kw,
             account,
             PyBool::new(py, is_async).to_owned().into_any(),
-            PyBool::new(py, r.bodyless).to_owned().into_any(),
+            PyBool::new(py, r.tokenless).to_owned().into_any(),
         ];
         // `_Call(*args)` without its `__init__` frame: the instance made empty, then its
         // slots set (every one: `record_constants` checked the names).
@@ -581,89 +596,95 @@ impl RequestReaderPy {
             text(RequestHeader::Account),
             text(RequestHeader::IdempotencyKey),
         ];
+        // Spends none of the model's tokens: sends no body (httpx's own empty stream: a
+        // GET, a DELETE, an empty POST; whatever the headers or a stale `_content` say:
+        // nothing to generate from), or manages batches and files, or counts tokens.
+        // Nothing is estimated for it, and the usage its response reports (a batch's own)
+        // is not its own (`_Call._tokenless`).
+        let tokenless = (bytes.is_empty() && sends_nothing(request)?) || path_spends_no_tokens(path);
         if !needed {
+            let est = if tokenless {
+                pair_of(self.estimate.bind(py), 0, 0)?
+            } else {
+                none()
+            };
             return Ok(Some(Read {
                 head,
                 model: none(),
-                est: none(),
+                est,
                 costs: self.unit_costs.bind(py).clone().into_any(),
                 clamped: PyTuple::empty(py).into_any(),
                 data: data_obj,
-                bodyless: false,
+                tokenless,
             }));
         }
         if self.caps {
             return Ok(None);
         }
-        let Some((cpt, default)) = char_settings(self, estimator)? else {
-            return Ok(None);
-        };
-        // No output where the route produces none (embeddings, token counts) and the
-        // body names no bound; none at all for a call without a body.
-        let route_default = || {
-            if default != 0 && path_emits_no_tokens(path) {
-                0
-            } else {
-                default
-            }
-        };
-        let mut bodyless = false;
-        let (model, input, output) = if bytes.is_empty() {
-            // The body read and empty (httpx's own for a GET), whatever the headers
-            // claim: a stream is never read here (`_content` is missing).
-            let empty = body.is_some()
-                || match request.getattr(intern!(py, "_content")) {
-                    Ok(d) => d.cast::<PyBytes>().is_ok_and(|b| b.as_bytes().is_empty()),
-                    Err(e) if e.is_instance_of::<PyAttributeError>(py) => false,
-                    Err(e) => return Err(e),
-                };
-            bodyless = empty;
-            (none(), 0, if empty { 0 } else { route_default() })
+        let (model, input, output) = if tokenless {
+            (none(), 0, 0)
         } else {
-            match read(py, bytes, request_facts) {
-                Err(_) => return Ok(None),
-                Ok(None) => (none(), 0, route_default()),
-                Ok(Some(mut f)) => {
-                    // A stream to ask for its usage: the body is rewritten (a path that is
-                    // not UTF-8 is left to the reference too), and read again as sent.
-                    let mut sent = None;
-                    if f.stream_wants_usage && self.stream_usage {
-                        let Ok(p) = path.to_str() else {
-                            return Ok(None);
-                        };
-                        if !p.ends_with("/chat/completions") {
-                            // Not a chat call: nothing to ask for.
-                        } else if let Some(replace) = &self.replace_body {
-                            let Ok(new) = read(py, bytes, ask_stream_usage) else {
+            let Some((cpt, default)) = char_settings(self, estimator)? else {
+                return Ok(None);
+            };
+            // No output where the route produces none (embeddings) and the body names no
+            // bound.
+            let route_default = || {
+                if default != 0 && path_emits_no_tokens(path) {
+                    0
+                } else {
+                    default
+                }
+            };
+            if bytes.is_empty() {
+                // A body not read (a stream): estimated without it.
+                (none(), 0, route_default())
+            } else {
+                match read(py, bytes, request_facts) {
+                    Err(_) => return Ok(None),
+                    Ok(None) => (none(), 0, route_default()),
+                    Ok(Some(mut f)) => {
+                        // A stream to ask for its usage: the body is rewritten (a path that is
+                        // not UTF-8 is left to the reference too), and read again as sent.
+                        let mut sent = None;
+                        if f.stream_wants_usage && self.stream_usage {
+                            let Ok(p) = path.to_str() else {
                                 return Ok(None);
                             };
-                            match read(py, &new, request_facts) {
-                                Ok(Some(g)) if !g.stream_wants_usage => f = g,
-                                _ => return Ok(None),
+                            if !p.ends_with("/chat/completions") {
+                                // Not a chat call: nothing to ask for.
+                            } else if let Some(replace) = &self.replace_body {
+                                let Ok(new) = read(py, bytes, ask_stream_usage) else {
+                                    return Ok(None);
+                                };
+                                match read(py, &new, request_facts) {
+                                    Ok(Some(g)) if !g.stream_wants_usage => f = g,
+                                    _ => return Ok(None),
+                                }
+                                sent = Some((replace, new));
+                            } else {
+                                return Ok(None);
                             }
-                            sent = Some((replace, new));
-                        } else {
+                        }
+                        let default = if f.uses_default() { route_default() } else { default };
+                        let Ok((i, o)) = f.estimate(cpt, default) else {
+                            return Ok(None);
+                        };
+                        // Nothing defers past here: the body is replaced only now (None
+                        // still means "nothing changed").
+                        let cost_ok = self.units.iter().all(|(_, plan)| plan.cost(i, o).is_ok());
+                        if !cost_ok {
                             return Ok(None);
                         }
+                        if let Some((replace, new)) = sent {
+                            replace.bind(py).call1((request, PyBytes::new(py, &new)))?;
+                        }
+                        let m = match f.model {
+                            Some(m) => PyString::new(py, &m).into_any(),
+                            None => none(),
+                        };
+                        (m, i, o)
                     }
-                    let default = if f.uses_default() { route_default() } else { default };
-                    let Ok((i, o)) = f.estimate(cpt, default) else {
-                        return Ok(None);
-                    };
-                    // Nothing defers past here: the body is replaced only now (None
-                    // still means "nothing changed").
-                    let cost_ok = self.units.iter().all(|(_, plan)| plan.cost(i, o).is_ok());
-                    if !cost_ok {
-                        return Ok(None);
-                    }
-                    if let Some((replace, new)) = sent {
-                        replace.bind(py).call1((request, PyBytes::new(py, &new)))?;
-                    }
-                    let m = match f.model {
-                        Some(m) => PyString::new(py, &m).into_any(),
-                        None => none(),
-                    };
-                    (m, i, o)
                 }
             }
         };
@@ -686,7 +707,7 @@ impl RequestReaderPy {
             costs: costs.into_any(),
             clamped: PyTuple::new(py, clamped)?.into_any(),
             data: data_obj,
-            bodyless,
+            tokenless,
         }))
     }
 }

@@ -15,6 +15,46 @@ pub const NO_TOKEN_ROUTES: [&str; 6] = [
     ":counttokens",
 ];
 
+/// Route endings (of [`route_of`]) of model calls: they spend the model's tokens whatever
+/// other segment their path has (an Azure deployment may be named `files`).
+pub const MODEL_CALLS: [&str; 21] = [
+    "/chat/completions",
+    "/completions",
+    "/responses",
+    "/messages",
+    "/embeddings",
+    "/moderations",
+    ":generatecontent",
+    ":streamgeneratecontent",
+    ":embedcontent",
+    ":batchembedcontents",
+    ":predict",
+    "/converse",
+    "/converse-stream",
+    "/invoke",
+    "/invoke-with-response-stream",
+    "/images/generations",
+    "/images/edits",
+    "/images/variations",
+    "/audio/speech",
+    "/audio/transcriptions",
+    "/audio/translations",
+];
+
+/// Path segments of the APIs that manage batches, files, uploads, fine-tuning jobs and
+/// vector stores: their calls spend none of the model's tokens (a batch's requests count
+/// against the batch quotas, not the model's per-minute ones).
+pub const MANAGEMENT: [&str; 5] = ["batches", "files", "uploads", "fine_tuning", "vector_stores"];
+
+/// Route endings of calls that spend no tokens whatever their segments: token counts
+/// (Anthropic's, OpenAI's, Gemini's) and Gemini's batch creation.
+pub const FREE_CALLS: [&str; 4] = [
+    "/count_tokens",
+    "/input_tokens",
+    ":counttokens",
+    ":batchgeneratecontent",
+];
+
 /// `path` lower case, `;` parameters of each segment dropped, doubled slashes collapsed,
 /// dot segments resolved (`..` never above the first segment), trailing slashes dropped
 /// ("/" when nothing is left): the Python `route_of`.
@@ -85,9 +125,57 @@ pub fn emits_no_tokens(path: &str) -> bool {
     start < end && p[start..end].contains("embed")
 }
 
+/// True when a call on `path` spends none of the model's tokens: a token count, or a call
+/// of the batch, file, upload, fine-tuning or vector-store APIs ([`MANAGEMENT`]) that is
+/// not a model call ([`MODEL_CALLS`]). Its estimate is nothing and the usage its response
+/// reports (a batch's own) is not its own.
+pub fn spends_no_tokens(path: &str) -> bool {
+    let p = route_of(path);
+    if FREE_CALLS.iter().any(|r| p.ends_with(r)) {
+        return true;
+    }
+    if MODEL_CALLS.iter().any(|r| p.ends_with(r)) {
+        return false;
+    }
+    p.split('/').any(|seg| MANAGEMENT.contains(&seg))
+}
+
 #[cfg(test)]
 mod tests {
-    use super::{emits_no_tokens, route_of};
+    use super::{emits_no_tokens, route_of, spends_no_tokens};
+
+    #[test]
+    fn calls_that_spend_no_tokens() {
+        for path in [
+            "/v1/messages/batches",
+            "/v1/messages/batches/b/cancel",
+            "/v1/batches",
+            "/v1/files",
+            "/upload/v1beta/files",
+            "/v1/uploads/u/parts",
+            "/v1/fine_tuning/jobs",
+            "/v1/vector_stores/v/files",
+            "/v1/messages/count_tokens",
+            "/v1/responses/input_tokens",
+            "/v1beta/models/m:countTokens",
+            "/v1beta/models/m:batchGenerateContent",
+            "/openai/batches;x/",
+        ] {
+            assert!(spends_no_tokens(path), "{path:?}");
+        }
+        for path in [
+            "/v1/chat/completions",
+            "/v1/messages",
+            "/openai/deployments/files/chat/completions",
+            "/openai/deployments/batches/embeddings",
+            "/v1/threads/runs",
+            "/v1/files-like",
+            "/",
+            "",
+        ] {
+            assert!(!spends_no_tokens(path), "{path:?}");
+        }
+    }
 
     #[test]
     fn routes_as_the_python_reference_reads_them() {
