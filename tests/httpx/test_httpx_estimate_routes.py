@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ratequeue._ratequeue import _emits_no_tokens, _spends_no_tokens
 from ratequeue.httpx import Estimate, RateLimitedTransport, TokenEstimator, chars_estimate
 from ratequeue.httpx._caps import route_of
@@ -631,3 +633,50 @@ def test_the_estimator_takes_any_path() -> None:
     est = TokenEstimator(None)
     assert est({"input": "ab"}, None) == Estimate(5, 1024)  # type: ignore[arg-type]
     assert est(None, b"/v1/embeddings") == Estimate(0, 1024)  # type: ignore[arg-type]
+
+
+_SEGMENTS = st.sampled_from(
+    [
+        "v1",
+        "V1",
+        "embeddings",
+        "EMBEDDİNGS",
+        "moderations",
+        "count_tokens",
+        "count_to\u212aens",
+        "m:countTokens",
+        "m:embedContent",
+        "m:batchGenerateContent",
+        "model",
+        "a.embed-1",
+        "invoke",
+        "chat",
+        "completions",
+        "responses",
+        "input_tokens",
+        "messages",
+        "batches",
+        "Files",
+        "uploads",
+        "fine_tuning",
+        "vector_stores",
+        ".",
+        "..",
+        "",
+        ";x",
+        "x;y=1",
+        "\u00e9",
+        "\u03a3",
+        "\udc80",
+    ]
+)
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.lists(_SEGMENTS, max_size=7), st.booleans(), st.booleans())
+def test_the_native_route_rules_are_the_python_ones(
+    segments: list[str], lead: bool, trail: bool
+) -> None:
+    path = ("/" if lead else "") + "/".join(segments) + ("/" if trail else "")
+    assert _emits_no_tokens(path) == _reference(path)
+    assert _spends_no_tokens(path) == _management(path)

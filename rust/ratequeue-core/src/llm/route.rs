@@ -2,6 +2,8 @@
 //! produce no tokens (the estimate charges them no output unless their body names a
 //! bound).
 
+use std::borrow::Cow;
+
 /// Route endings (of [`route_of`]) of APIs that produce no output tokens: OpenAI's
 /// embeddings and moderations, Anthropic's token count, Gemini's embeddings and token
 /// count. Images and audio are not here: gpt-image-1 and gpt-4o-transcribe report output
@@ -58,7 +60,17 @@ pub const FREE_CALLS: [&str; 4] = [
 /// `path` lower case, `;` parameters of each segment dropped, doubled slashes collapsed,
 /// dot segments resolved (`..` never above the first segment), trailing slashes dropped
 /// ("/" when nothing is left): the Python `route_of`.
-pub fn route_of(path: &str) -> String {
+pub fn route_of(path: &str) -> Cow<'_, str> {
+    // The common path (what SDKs send) is already its route: nothing is copied.
+    let plain = |b: &u8| !(b.is_ascii_uppercase() || *b == b';' || *b >= 0x80);
+    if path.bytes().all(|b| plain(&b))
+        && !path.contains("//")
+        && !path.contains("/.")
+        && path.len() > 1
+        && !path.ends_with('/')
+    {
+        return Cow::Borrowed(path);
+    }
     let mut p = path.to_lowercase();
     if p.contains(';') {
         // Each `;` up to the next `/` (not included).
@@ -99,11 +111,11 @@ pub fn route_of(path: &str) -> String {
         p = segs.join("/");
     }
     let trimmed = p.trim_end_matches('/');
-    if trimmed.is_empty() {
+    Cow::Owned(if trimmed.is_empty() {
         "/".to_owned()
     } else {
         trimmed.to_owned()
-    }
+    })
 }
 
 /// True when a call on `path` produces no output tokens: a route of [`NO_TOKEN_ROUTES`],
