@@ -57,6 +57,10 @@ _OUTPUT_BOUNDS: tuple[tuple[str, str], ...]
 _CHOICES: tuple[str, ...]
 _NESTED_CHOICES: tuple[tuple[str, str], ...]
 _CONTAINERS: tuple[tuple[str, int], ...]
+_NO_TOKEN_ROUTES: tuple[str, ...]
+_MODEL_CALLS: tuple[str, ...]
+_MANAGEMENT: tuple[str, ...]
+_FREE_CALLS: tuple[str, ...]
 
 @final
 class _SSEFrames:

@@ -14,7 +14,14 @@ import pytest
 import ratequeue as rq
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ratequeue._ratequeue import _emits_no_tokens, _spends_no_tokens
+from ratequeue._ratequeue import (
+    _FREE_CALLS,
+    _MANAGEMENT,
+    _MODEL_CALLS,
+    _NO_TOKEN_ROUTES,
+    _emits_no_tokens,
+    _spends_no_tokens,
+)
 from ratequeue.httpx import Estimate, RateLimitedTransport, TokenEstimator, chars_estimate
 from ratequeue.httpx._caps import route_of
 
@@ -34,41 +41,8 @@ def answer(request: Any) -> Any:
 
 
 def setup(mod: Any, native: bool, estimator: Any = None) -> tuple[Any, Any, Any]:
-    clock = rq.ManualClock()
-    lim = rq.Limiter(
-        rq.Rate(1000, per="second", burst=1000),
-        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
-        clock=clock,
-    )
     kw = {} if estimator is None else {"estimator": estimator}
-    t = RateLimitedTransport(mod.MockTransport(answer), lim, **kw)
-    if not native:
-        t._reader = None  # the Python reference prepares every call
-    return t, mod.Client(transport=t), lim
-
-
-@pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("modname", MODS)
-@pytest.mark.parametrize(
-    ("method", "path"),
-    [
-        ("GET", "/v1/models"),
-        ("GET", "/v1/files/file-abc"),
-        ("DELETE", "/v1/files/file-abc"),
-        ("GET", "/v1/responses/resp_123"),
-    ],
-)
-def test_a_call_without_a_body_costs_no_tokens(
-    modname: str, native: bool, method: str, path: str
-) -> None:
-    mod = importlib.import_module(modname)
-    _t, client, lim = setup(mod, native)
-    for _ in range(3):
-        r = client.request(method, "http://p" + path)
-        r.read()
-    rec = r.extensions["ratequeue"]
-    assert rec.estimate == Estimate(0, 0)
-    assert lim.available("tokens") == BURST
+    return through(mod, native, answer, timeout=None, **kw)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -204,24 +178,38 @@ def test_a_user_estimator_is_not_asked_about_an_empty_call() -> None:
         "/v1/chat/completions",
         "/İ/embeddings",
         "/\u212a:counttokens",
+        "/v1/messages/batches",
+        "/v1/messages/batches/",
+        "/V1/Batches",
+        "/v1/batches/b1/cancel",
+        "/v1/files",
+        "/upload/v1beta/files",
+        "/v1/uploads/u1/parts",
+        "/v1/fine_tuning/jobs",
+        "/v1/vector_stores/vs1/files",
+        "/m:batchGenerateContent",
+        "/openai/deployments/files/chat/completions",
+        "/openai/deployments/batches/responses",
+        "/v1/files/../chat/completions",
+        "/v1/batches;x=1",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/v1/responses/input_tokens",
+        "/v1/files/x:countTokens",
+        "/",
+        "",
     ],
 )
-def test_the_native_route_rule_is_the_python_one(path: str) -> None:
+def test_the_native_route_rules_are_the_python_ones_on_examples(path: str) -> None:
     assert _emits_no_tokens(path) == _reference(path)
+    assert _spends_no_tokens(path) == _management(path)
 
 
 def _reference(path: str) -> bool:
+    """The rule of ``_emits_no_tokens`` over the Python ``route_of`` (the tables are the
+    core's)."""
     p = route_of(path)
-    if p.endswith(
-        (
-            "/embeddings",
-            "/moderations",
-            "/count_tokens",
-            ":embedcontent",
-            ":batchembedcontents",
-            ":counttokens",
-        )
-    ):
+    if p.endswith(_NO_TOKEN_ROUTES):
         return True
     if p.endswith(("/invoke", "/invoke-with-response-stream")) and "/model/" in p:
         return "embed" in p[p.index("/model/") + 7 : p.rindex("/")]
@@ -273,14 +261,19 @@ def retrieving(request: Any) -> Any:
     return mod.Response(200, json={"usage": {"prompt_tokens": 3, "completion_tokens": 4}})
 
 
-def through(mod: Any, native: bool, **kw: Any) -> tuple[Any, Any, Any]:
+def through(
+    mod: Any, native: bool, provider: Any = None, timeout: float | None = 0.0, **kw: Any
+) -> tuple[Any, Any, Any]:
+    """A transport to ``provider`` (``retrieving``) over requests and tokens on the manual
+    clock; ``native`` False: the Python reference reads and settles every call. A call
+    the limiter cannot grant at once fails with ``timeout=0`` (the clock never moves)."""
     lim = rq.Limiter(
         rq.Rate(1000, per="second", burst=1000),
         rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
         clock=rq.ManualClock(),
     )
-    # A call the limiter cannot grant at once fails (the manual clock never moves).
-    t = RateLimitedTransport(mod.MockTransport(retrieving), lim, timeout=0.0, **kw)
+    inner = mod.MockTransport(provider or retrieving)
+    t = RateLimitedTransport(inner, lim, timeout=timeout, **kw)
     if not native:
         t._reader = None
         t._native_settle = False
@@ -296,6 +289,9 @@ def through(mod: Any, native: bool, **kw: Any) -> tuple[Any, Any, Any]:
         ("POST", "/v1/batches/batch_1/cancel"),
         ("GET", "/v1/responses/resp_1"),  # charged when it was created
         ("GET", "/v1/chat/completions/chatcmpl_1"),
+        ("GET", "/v1/models"),
+        ("GET", "/v1/files/file-abc"),
+        ("DELETE", "/v1/files/file-abc"),
     ],
 )
 def test_a_call_without_a_body_is_charged_no_usage_its_response_reports(
@@ -306,6 +302,7 @@ def test_a_call_without_a_body_is_charged_no_usage_its_response_reports(
     for _ in range(3):
         r = client.request(method, "http://p" + path)
     rec = r.extensions["ratequeue"]
+    assert rec.estimate == Estimate(0, 0)
     assert rec.settled and rec.usage is None
     assert lim.available("tokens") == BURST
 
@@ -462,69 +459,14 @@ def test_a_catch_all_cap_adds_no_bound_to_a_management_call(modname: str, path: 
     assert json.loads(sent[0]) == body
 
 
-@pytest.mark.parametrize(
-    "path",
-    [
-        "/v1/messages/batches",
-        "/v1/messages/batches/",
-        "/V1/Batches",
-        "/v1/batches/b1/cancel",
-        "/v1/files",
-        "/upload/v1beta/files",
-        "/v1/uploads/u1/parts",
-        "/v1/fine_tuning/jobs",
-        "/v1/vector_stores/vs1/files",
-        "/m:batchGenerateContent",
-        "/openai/deployments/files/chat/completions",
-        "/openai/deployments/batches/responses",
-        "/v1/files/../chat/completions",
-        "/v1/batches;x=1",
-        "/v1/messages",
-        "/v1/messages/count_tokens",
-        "/v1/responses/input_tokens",
-        "/v1/files/x:countTokens",
-        "/",
-        "",
-    ],
-)
-def test_the_native_management_rule_is_the_python_one(path: str) -> None:
-    assert _spends_no_tokens(path) == _management(path)
-
-
-_MODEL_CALLS = (
-    "/chat/completions",
-    "/completions",
-    "/responses",
-    "/messages",
-    "/embeddings",
-    "/moderations",
-    ":generatecontent",
-    ":streamgeneratecontent",
-    ":embedcontent",
-    ":batchembedcontents",
-    ":predict",
-    "/converse",
-    "/converse-stream",
-    "/invoke",
-    "/invoke-with-response-stream",
-    "/images/generations",
-    "/images/edits",
-    "/images/variations",
-    "/audio/speech",
-    "/audio/transcriptions",
-    "/audio/translations",
-)
-
-
 def _management(path: str) -> bool:
+    """The rule of ``_spends_no_tokens`` over the Python ``route_of``."""
     p = route_of(path)
-    if p.endswith(("/count_tokens", "/input_tokens", ":counttokens", ":batchgeneratecontent")):
+    if p.endswith(_FREE_CALLS):
         return True
     if p.endswith(_MODEL_CALLS):
         return False
-    return any(
-        s in ("batches", "files", "uploads", "fine_tuning", "vector_stores") for s in p.split("/")
-    )
+    return any(s in _MANAGEMENT for s in p.split("/"))
 
 
 # -- from the review: what makes a call bodyless is the stream it sends ----------------------

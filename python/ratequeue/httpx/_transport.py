@@ -282,13 +282,7 @@ class RateLimitedTransport(_Requests):
             usage: Any = False
         else:
             ctype, exhausted, usage = found
-        if status == 429 or exhausted or self.calibrate:
-            self._limits(call, response, status)
-        elif self._is_pool and call._provider is not None:
-            self.limit.report(call._provider, status)  # type: ignore[union-attr]
-        if status >= 300 and status != 429:
-            self._settle(call, None, status)
-        response.extensions["ratequeue"] = call
+        self._headers(call, response, status, exhausted)
         if not call._done:
             sse = ctype[:17].lower() == b"text/event-stream"  # any case (RFC 9110)
             if sse or not consumed:
@@ -306,6 +300,17 @@ class RateLimitedTransport(_Requests):
                 call._usage_body = content
         return response
 
+    def _headers(self, call: _Call, response: Any, status: int, exhausted: bool) -> None:
+        """What the headers say, followed (a 429, an exhausted quota, calibration; a Pool's
+        report); an error status settles the call with nothing used."""
+        if status == 429 or exhausted or self.calibrate:
+            self._limits(call, response, status)
+        elif self._is_pool and call._provider is not None:
+            self.limit.report(call._provider, status)  # type: ignore[union-attr]
+        if status >= 300 and status != 429:
+            self._settle(call, None, status)
+        response.extensions["ratequeue"] = call
+
     def _received_tokenless(
         self,
         call: _Call,
@@ -320,13 +325,7 @@ class RateLimitedTransport(_Requests):
         nothing whatever usage its body reports (a batch's own); a body not read yet settles
         the call when it ends (a Policy's concurrency slot is held until then), unread."""
         self.http_histogram.record(http_seconds)
-        if status == 429 or scan_response(hl)[1] or self.calibrate:
-            self._limits(call, response, status)
-        elif self._is_pool and call._provider is not None:
-            self.limit.report(call._provider, status)  # type: ignore[union-attr]
-        if status >= 300 and status != 429:
-            self._settle(call, None, status)
-        response.extensions["ratequeue"] = call
+        self._headers(call, response, status, scan_response(hl)[1])
         if not call._done:
             if response.is_stream_consumed:
                 self._settle(call, None, status, reported=True)
