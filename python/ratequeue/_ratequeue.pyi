@@ -127,6 +127,7 @@ class _RequestReader:
             Any,
             None,
             bool,
+            bool,
         ]
         | None
     ): ...

@@ -1,8 +1,7 @@
 """Token routes of the ASGI middleware on APIs other than chat: a Responses call (its
 prompt in ``input``) is charged the default output like any generation; an embeddings
-or token-count call no output; a request without a body (a gateway forwarding GETs) one
-token, and the usage its response reports (a batch's own, a stored response's) is not
-charged to it."""
+call no output; a request without a body (a gateway forwarding GETs) is settled to the
+usage its response reports, or to nothing when it reports none."""
 
 from __future__ import annotations
 
@@ -14,8 +13,6 @@ import pytest
 import ratequeue as rq
 from asgi_helpers import call
 from ratequeue.asgi import OpenAITokens, RateLimitMiddleware, Rule
-
-BATCH = {"id": "b", "object": "batch", "usage": {"input_tokens": 9_000, "output_tokens": 900}}
 
 
 async def reply(send: Any, payload: dict[str, Any]) -> None:
@@ -68,11 +65,6 @@ def test_without_a_path_the_estimate_is_as_before() -> None:
     assert est.estimate(b"") == 1024
 
 
-def test_an_empty_body_costs_one_token() -> None:
-    assert OpenAITokens().estimate(b"", "/v1/models") == 1
-    assert OpenAITokens().estimate(b"", "/v1/chat/completions") == 1
-
-
 def test_a_responses_call_is_charged_its_default_output_before_it_runs(
     clock: rq.ManualClock,
 ) -> None:
@@ -92,23 +84,21 @@ def test_a_responses_call_is_charged_its_default_output_before_it_runs(
 
 
 @pytest.mark.parametrize("method", ["GET", "DELETE", "POST"])
-def test_a_request_without_a_body_is_not_charged_its_response_usage(
+def test_a_request_without_a_body_nor_usage_settles_to_nothing(
     clock: rq.ManualClock, method: str
 ) -> None:
-    mw, cluster = gateway(clock, answer(BATCH))
+    """A gateway forwarding ``models.list()``: held at the default output while it runs,
+    then nothing (before, each kept 1,024 tokens for good)."""
+    mw, cluster = gateway(clock, answer({"object": "list", "data": []}))
     for _ in range(3):
-        r = asyncio.run(call(mw, method, "/v1/batches/b"))
+        r = asyncio.run(call(mw, method, "/v1/models"))
         assert r.status == 200
-    assert cluster.available("tokens") == 10_000 - 3  # one token each, kept
+    assert cluster.available("tokens") == 10_000
 
 
-@pytest.mark.parametrize(
-    "path", ["/v1/messages/batches", "/v1/batches", "/v1/files", "/v1/messages/count_tokens"]
-)
-def test_a_management_call_costs_one_token_and_no_usage(clock: rq.ManualClock, path: str) -> None:
-    mw, cluster = gateway(clock, answer(BATCH))
-    body = json.dumps({"requests": [{"params": {"messages": [{"content": "x" * 4000}]}}]})
-    r = asyncio.run(call(mw, "POST", path, body=body.encode()))
-    assert r.status == 200
-    assert cluster.available("tokens") == 10_000 - 1
-    assert OpenAITokens().estimate(body.encode(), path) == 1
+def test_a_request_without_a_body_is_charged_the_usage_it_reports(clock: rq.ManualClock) -> None:
+    """A GET may generate (an EventSource sends only GETs: the prompt is in the query)."""
+    mw, cluster = gateway(clock, answer({"usage": {"input_tokens": 3_000, "output_tokens": 2_000}}))
+    codes = [asyncio.run(call(mw, "GET", "/v1/generate?q=hi")).status for _ in range(3)]
+    assert codes == [200, 200, 429]
+    assert cluster.available("tokens") == 0

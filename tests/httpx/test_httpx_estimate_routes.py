@@ -1,13 +1,15 @@
-"""What a call that cannot produce output tokens is estimated at: a call with no body (a
-GET, a DELETE, an empty POST) costs no tokens, and a body on an API that produces no
-tokens (embeddings, moderations, token counts) is charged its prompt and no output unless
-it names a bound. Before, each such call held ``default_output_tokens`` (1,024) of the
-token buckets, and a response without a usage (a model list) kept them for good."""
+"""Calls that spend few or no model tokens: a call with no body (a GET, a DELETE, an
+empty POST) is settled to nothing when its response reports no usage (before, a model
+list kept ``default_output_tokens``, 1,024, for good); an API that produces no output
+(embeddings, moderations) is charged its prompt and no default output; the batch, file
+and fine-tuning APIs and token counts spend none (a batch's usage, an Anthropic batch's
+prompts are not the model's per-minute tokens)."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import re
 from typing import Any
 
 import pytest
@@ -47,11 +49,22 @@ def setup(mod: Any, native: bool, estimator: Any = None) -> tuple[Any, Any, Any]
 
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("modname", MODS)
-def test_an_empty_post_costs_no_tokens(modname: str, native: bool) -> None:
+@pytest.mark.parametrize(
+    ("method", "path"), [("POST", "/v1/chat/completions"), ("GET", "/v1/models")]
+)
+def test_a_call_without_a_body_nor_usage_settles_to_nothing(
+    modname: str, native: bool, method: str, path: str
+) -> None:
+    """Held at the default output while it runs (a GET may stream a generation), then
+    nothing: it had nothing to generate from and reported nothing."""
     mod = importlib.import_module(modname)
     _t, client, lim = setup(mod, native)
-    r = client.post("http://p/v1/chat/completions", content=b"")
-    assert r.extensions["ratequeue"].estimate == Estimate(0, 0)
+    for _ in range(3):
+        r = client.request(method, "http://p" + path, content=b"")
+    rec = r.extensions["ratequeue"]
+    assert rec._bodyless and not rec._tokenless
+    assert rec.estimate == Estimate(0, 1024)
+    assert rec.settled and rec.usage is None
     assert lim.available("tokens") == BURST
 
 
@@ -135,8 +148,7 @@ def test_the_usage_settles_an_embedding_call_to_its_prompt() -> None:
     assert lim.available("tokens") == BURST - 2
 
 
-def test_a_user_estimator_is_not_asked_about_an_empty_call() -> None:
-    """Nothing to estimate: no prompt, and no API generates from an empty request."""
+def test_a_user_estimator_is_asked_about_an_empty_call() -> None:
     seen: list[Any] = []
 
     def est(body: Any, path: str) -> Estimate:
@@ -146,10 +158,11 @@ def test_a_user_estimator_is_not_asked_about_an_empty_call() -> None:
     mod = importlib.import_module("httpx")
     _t, client, lim = setup(mod, True, est)
     r = client.get("http://p/v1/models")
-    assert r.extensions["ratequeue"].estimate == Estimate(0, 0)
-    assert seen == []
+    assert r.extensions["ratequeue"].estimate == Estimate(50, 50)
+    assert seen == [(None, "/v1/models")]
+    assert lim.available("tokens") == BURST  # settled to nothing
     r = client.post("http://p/v1/embeddings", json={"input": "hi"})
-    assert seen == [({"input": "hi"}, "/v1/embeddings")]  # a body: the user's estimate wins
+    assert seen[1] == ({"input": "hi"}, "/v1/embeddings")
     assert r.extensions["ratequeue"].estimate == Estimate(50, 50)
     assert lim.available("tokens") == BURST - 2  # settled to the usage reported
 
@@ -287,14 +300,11 @@ def through(
     [
         ("GET", "/v1/batches/batch_1"),  # polled until done: the batch's usage, not ours
         ("POST", "/v1/batches/batch_1/cancel"),
-        ("GET", "/v1/responses/resp_1"),  # charged when it was created
-        ("GET", "/v1/chat/completions/chatcmpl_1"),
-        ("GET", "/v1/models"),
         ("GET", "/v1/files/file-abc"),
         ("DELETE", "/v1/files/file-abc"),
     ],
 )
-def test_a_call_without_a_body_is_charged_no_usage_its_response_reports(
+def test_a_management_call_is_charged_no_usage_its_response_reports(
     modname: str, native: bool, method: str, path: str
 ) -> None:
     mod = importlib.import_module(modname)
@@ -302,14 +312,35 @@ def test_a_call_without_a_body_is_charged_no_usage_its_response_reports(
     for _ in range(3):
         r = client.request(method, "http://p" + path)
     rec = r.extensions["ratequeue"]
+    assert rec._tokenless
     assert rec.estimate == Estimate(0, 0)
     assert rec.settled and rec.usage is None
     assert lim.available("tokens") == BURST
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("modname", MODS)
-def test_a_streamed_body_of_a_call_without_one_is_not_charged(modname: str) -> None:
-    """The response of a bodyless call read as a stream (as over the network)."""
+@pytest.mark.parametrize(
+    ("path", "used"),
+    [("/v1/responses/resp_1", 16), ("/v1/chat/completions/chatcmpl_1", 7), ("/v1/gen?q=hi", 7)],
+)
+def test_a_call_without_a_body_is_charged_the_usage_it_reports(
+    modname: str, native: bool, path: str, used: int
+) -> None:
+    """A GET may generate (its prompt in its query, an event stream of a background
+    response): the usage it reports is charged (a retrieval of a stored response too: it
+    cannot be told apart)."""
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native)
+    r = client.get("http://p" + path)
+    rec = r.extensions["ratequeue"]
+    assert rec._bodyless and rec.usage is not None
+    assert lim.available("tokens") == BURST - used
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_streamed_body_of_a_management_call_is_not_charged(modname: str) -> None:
+    """The response of a batch poll read as a stream (as over the network)."""
     mod = importlib.import_module(modname)
 
     def streamed(request: Any) -> Any:
@@ -429,6 +460,10 @@ def test_management_calls_spend_no_tokens(
         "/openai/deployments/batches/embeddings",
         "/v1/threads/runs",
         "/v1/files-like/chat/completions",
+        "/v1/projects/batches/locations/l/publishers/anthropic/models/m:rawPredict",
+        "/workspaces/uploads/chat",
+        "/v1/files/../chat",
+        "/v1//files",
     ],
 )
 def test_a_model_call_is_never_taken_for_management(native: bool, path: str) -> None:
@@ -460,13 +495,21 @@ def test_a_catch_all_cap_adds_no_bound_to_a_management_call(modname: str, path: 
 
 
 def _management(path: str) -> bool:
-    """The rule of ``_spends_no_tokens`` over the Python ``route_of``."""
-    p = route_of(path)
+    """The rule of ``_spends_no_tokens``: only a path read as it is (any case)."""
+    if not path.isascii() or ";" in path or "//" in path or "/." in path or path.endswith("/"):
+        return False
+    p = path.lower()
     if p.endswith(_FREE_CALLS):
         return True
     if p.endswith(_MODEL_CALLS):
         return False
-    return any(s in _MANAGEMENT for s in p.split("/"))
+    segs = p.split("/")
+    for i, seg in enumerate(segs):
+        if i and seg in _MANAGEMENT:
+            before = segs[i - 2] if segs[i - 1] == "messages" and i > 1 else segs[i - 1]
+            if before == "openai" or re.fullmatch("v[0-9][a-z0-9]*", before):
+                return True
+    return False
 
 
 # -- from the review: what makes a call bodyless is the stream it sends ----------------------
@@ -504,6 +547,7 @@ def test_a_body_swapped_in_by_a_hook_is_charged(modname: str, native: bool, swap
     client = mod.Client(transport=t, event_hooks={"request": [hook]})
     r = client.post("http://p/v1/chat/completions", content=b"")
     assert not r.extensions["ratequeue"]._tokenless
+    assert not r.extensions["ratequeue"]._bodyless
     assert r.extensions["ratequeue"].usage == (10_000, 40_000)
     assert lim.available("tokens") == BURST - 50_000
     client.post("http://p/v1/chat/completions", content=b"")
@@ -544,7 +588,7 @@ def test_a_streamed_answer_to_a_bodyless_call_holds_its_concurrency_slot(modname
     client = mod.Client(transport=t)
     url = "http://p/v1/responses/resp_1?stream=true"
     with client.stream("GET", url) as first:
-        assert first.extensions["ratequeue"]._tokenless
+        assert first.extensions["ratequeue"]._bodyless
         assert not first.extensions["ratequeue"].settled
         with pytest.raises(rq.RateQueueError), client.stream("GET", url):
             pass
@@ -556,7 +600,7 @@ def test_a_streamed_answer_to_a_bodyless_call_holds_its_concurrency_slot(modname
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_bodyless_call_is_the_same_without_a_token_unit(native: bool) -> None:
+def test_a_management_call_is_the_same_without_a_token_unit(native: bool) -> None:
     """Whether anything needs the estimate or not: no estimator asked, no usage kept."""
     mod = importlib.import_module("httpx")
     lim = rq.Limiter(rq.Rate(1000, per="second"), clock=rq.ManualClock())

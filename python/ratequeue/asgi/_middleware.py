@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable, Iterable, Mapping, MutableMappi
 from typing import Any
 
 from .._errors import CostTooLarge, RateQueueError
-from .._ratequeue import Histogram, Policy, PolicyPermit, _spends_no_tokens
+from .._ratequeue import Histogram, Policy, PolicyPermit
 from ._fields import (
     Level,
     LevelView,
@@ -238,7 +238,7 @@ class RateLimitMiddleware:
     async def _limited(self, plan: _Plan, scope: Scope, receive: Receive, send: Send) -> None:
         rule = plan.rule
         keys = {n: self._key(n, scope) for n in plan.keyed}
-        tokenless = False
+        bodyless = False
         if plan.static_costs is not None:
             costs = plan.static_costs if rule.tokens is None else dict(plan.static_costs)
         else:
@@ -255,9 +255,9 @@ class RateLimitMiddleware:
                 return
             costs[rule.tokens.unit] = rule.tokens.estimate(body, scope.get("path", "/"))
             receive = _replay(body, receive)
-            # Spends none of the model's tokens: no body to generate from, or batch and
-            # file management (the usage its response reports is a batch's own).
-            tokenless = not body or _spends_no_tokens(scope.get("path", "/"))
+            # No body (a GET): settled to nothing when its response reports no usage (it
+            # may still stream a generation whose prompt is in its query: usage charged).
+            bodyless = not body
         assert plan.policy is not None
         start = time.perf_counter()
         try:
@@ -299,9 +299,7 @@ class RateLimitMiddleware:
         self.wait_histogram.record(waited)
         plan.counts["queued" if queued else "admitted"] += 1
         timing = (b"server-timing", f"queue;dur={waited * 1000:.3f}".encode())
-        # A call that spends no tokens keeps its estimate (1) whatever usage its response
-        # reports.
-        scanner = UsageScanner() if rule.tokens is not None and not tokenless else None
+        scanner = UsageScanner() if rule.tokens is not None else None
         status = 0
 
         async def send_with_fields(message: Message) -> None:
@@ -323,8 +321,10 @@ class RateLimitMiddleware:
             try:
                 if rule.tokens is not None:
                     actual = scanner.total if scanner is not None else None
-                    if actual is None and status >= 400:
-                        actual = 0  # an error without usage consumed nothing upstream
+                    if actual is None and (status >= 400 or (bodyless and scanner is not None)):
+                        # An error, or a request without a body, that reports no usage:
+                        # nothing consumed upstream.
+                        actual = 0
                     if actual is not None:
                         permit.settle(**{rule.tokens.unit: actual})
             finally:

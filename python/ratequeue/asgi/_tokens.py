@@ -10,7 +10,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from .._ratequeue import _emits_no_tokens, _spends_no_tokens
+from .._ratequeue import _emits_no_tokens
 
 __all__ = ["OpenAITokens", "UsageScanner"]
 
@@ -23,10 +23,8 @@ class OpenAITokens:
     message and ``per_image`` per non-text part; the output is ``max_completion_tokens``,
     ``max_tokens`` or ``max_output_tokens``, else ``default_max_output`` — or 0 on a route
     that produces no tokens (embeddings, moderations, token counts: the transport's rule)
-    — times ``n``. An empty body (a GET) and a call of the batch, file or fine-tuning
-    APIs or a token count cost 1 (and are never charged the usage their response
-    reports). The body is read up to ``max_body`` bytes (413 beyond); ``unit`` is the
-    limiter unit charged.
+    — times ``n``. The body is read up to ``max_body`` bytes (413 beyond); ``unit`` is
+    the limiter unit charged.
     """
 
     unit: str = "tokens"
@@ -73,8 +71,6 @@ class OpenAITokens:
         """Tokens for a request body on ``path``: prompt estimate + maximum output (at
         least 1). Without a path, a body with ``input`` and no ``messages`` is taken for
         an embeddings call (no output), as before paths were read."""
-        if path is not None and (not body or _spends_no_tokens(path)):
-            return 1  # nothing to generate from, or batch and file management
         try:
             req = json.loads(body) if body else {}
         except (ValueError, RecursionError):  # not JSON, or nested past the parser's depth

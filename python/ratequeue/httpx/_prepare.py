@@ -95,7 +95,7 @@ _FORM_NAME = re.compile(
 # A body read natively: model, a stream to ask for its usage, prompt and output tokens.
 _Facts = tuple[str | None, bool, int, int]
 # What a call read from its request: priority, task, account, request id, model,
-# estimate, costs, units clamped, body, cap applied, spends no tokens.
+# estimate, costs, units clamped, body, cap applied, spends no tokens, sends no body.
 _Read = tuple[
     str | None,
     str | None,
@@ -107,6 +107,7 @@ _Read = tuple[
     tuple[str, ...],
     Any,
     Capped | None,
+    bool,
     bool,
 ]
 
@@ -306,7 +307,20 @@ class _Requests:
             got = r.read(request, path, budget is not None, self.estimator)
         if got is None:  # the reference
             got = self._read_py(request, path, budget is not None)
-        priority, task, account, request_id, model, est, costs, clamped, data, capped, free = got
+        (
+            priority,
+            task,
+            account,
+            request_id,
+            model,
+            est,
+            costs,
+            clamped,
+            data,
+            capped,
+            free,
+            bare,
+        ) = got
         if priority is not None or task is not None or account is not None:
             headers = request.headers
             for h in _OWN_HEADERS:
@@ -351,6 +365,7 @@ class _Requests:
             account or acc,
             is_async,
             free,
+            bare,
         )
         if budget is not None:
             assert est is not None
@@ -381,9 +396,10 @@ class _Requests:
         capped = model = est = None
         clamped: tuple[str, ...] = ()
         parsed = False  # the body read as one JSON object
-        # Spends none of the model's tokens: sends no body (nothing to generate from), or
-        # manages batches and files, or counts tokens; the estimator is not asked.
-        free = (not data and _sends_nothing(request)) or _spends_no_tokens(path)
+        # Spends none of the model's tokens: manages batches and files, or counts tokens
+        # (the estimator is not asked); else, sends no body: estimated as a body not read.
+        free = _spends_no_tokens(path)
+        bare = not free and not data and _sends_nothing(request)
         if (
             self._needs_body
             or want_estimate
@@ -432,6 +448,7 @@ class _Requests:
             data,
             capped,
             free,
+            bare,
         )
 
     def _uncapped(self, request: Any, path: str, task: str | None, data: Any) -> None:

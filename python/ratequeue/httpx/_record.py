@@ -277,6 +277,7 @@ class _Call(CallRecord):
     __slots__ = (
         "_account",
         "_async",
+        "_bodyless",
         "_chain",
         "_done",
         "_held",
@@ -308,6 +309,7 @@ class _Call(CallRecord):
         account: str,
         is_async: bool,
         tokenless: bool = False,
+        bodyless: bool = False,
     ) -> None:
         # Every slot set here, without CallRecord.__init__: this runs on every call.
         self.request_id = request_id
@@ -339,9 +341,11 @@ class _Call(CallRecord):
         self._kw = kw
         self._account = account
         self._async = is_async
-        # Spends none of the model's tokens (sends no body; manages batches or files;
-        # counts tokens): the usage its response reports (a batch's own) is not its own.
+        # Spends none of the model's tokens (manages batches or files, counts tokens): the
+        # usage its response reports (a batch's own) is not its own.
         self._tokenless = tokenless
+        # Sends no body: a response that reports no usage settles it to nothing.
+        self._bodyless = bodyless
         self._owed: object = None
         self._retried = False
         self._once = [None]  # popped by the one caller that settles

@@ -237,6 +237,7 @@ class RateLimitedTransport(_Requests):
             and self._native_settle
             and call._sub is None
             and not call._held
+            and not call._bodyless
             and not self.calibrate
             and type(hl) is list
         ):
@@ -320,8 +321,8 @@ class RateLimitedTransport(_Requests):
         http_seconds: float,
         is_async: bool,
     ) -> Any:
-        """A call that spends none of the model's tokens (no body; batch or file
-        management): its headers followed as any call's, then settled at its estimate of
+        """A call that spends none of the model's tokens (batch or file management, a
+        token count): its headers followed as any call's, then settled at its estimate of
         nothing whatever usage its body reports (a batch's own); a body not read yet settles
         the call when it ends (a Policy's concurrency slot is held until then), unread."""
         self.http_histogram.record(http_seconds)
@@ -403,7 +404,9 @@ class RateLimitedTransport(_Requests):
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
-        allowed). An asyncio call leaves the ledger's part owed, for its caller to await."""
+        allowed), unless the call sent no body (nothing to generate from, nothing
+        reported: nothing used). An asyncio call leaves the ledger's part owed, for its
+        caller to await."""
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
@@ -413,7 +416,7 @@ class RateLimitedTransport(_Requests):
         call.settled = True
         # A body without a usage keeps what acquire took: the estimate, clamped to what
         # the limiter can ever grant (budget and ledger keep the estimate itself).
-        keep = usage is None and reported
+        keep = usage is None and reported and not call._bodyless
         if keep and (call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))

@@ -46,7 +46,7 @@ pub struct RequestReaderPy {
 
 /// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
 /// are `_record._CONSTANT_SLOTS`, and `_once`, a new `[None]`).
-const CALL_SLOTS: [&str; 15] = [
+const CALL_SLOTS: [&str; 16] = [
     "_request",
     "request_id",
     "path",
@@ -62,6 +62,7 @@ const CALL_SLOTS: [&str; 15] = [
     "_account",
     "_async",
     "_tokenless",
+    "_bodyless",
 ];
 
 /// What `prepare` needs besides the reader (see `RequestReaderPy::call`).
@@ -89,9 +90,12 @@ struct Read<'py> {
     costs: Bound<'py, PyAny>,
     clamped: Bound<'py, PyAny>,
     data: Bound<'py, PyAny>,
-    /// Spends none of the model's tokens (sends no body, manages batches or files): the
+    /// Spends none of the model's tokens (manages batches or files, counts tokens): the
     /// usage its response reports is not its own (`_Call._tokenless`).
     tokenless: bool,
+    /// Sends no body: a response without a usage settles it to nothing
+    /// (`_Call._bodyless`).
+    bodyless: bool,
 }
 
 /// `PyContextVar_Get` without a default: the variable's value in this context (its own
@@ -352,7 +356,7 @@ impl RequestReaderPy {
     }
 
     /// `(priority, task, account, request_id, model, estimate, costs, clamped, data,
-    /// None, tokenless)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
+    /// None, tokenless, bodyless)` of a request on `path` (`want_estimate`: a budget needs it; `estimator`: the
     /// transport's), or None where the Python reference must prepare it.
     fn read<'py>(
         &self,
@@ -378,6 +382,7 @@ impl RequestReaderPy {
             r.data,
             py.None().into_bound(py),
             PyBool::new(py, r.tokenless).to_owned().into_any(),
+            PyBool::new(py, r.bodyless).to_owned().into_any(),
         ];
         Ok(Some(PyTuple::new(py, items)?))
     }
@@ -462,6 +467,7 @@ impl RequestReaderPy {
             account,
             PyBool::new(py, is_async).to_owned().into_any(),
             PyBool::new(py, r.tokenless).to_owned().into_any(),
+            PyBool::new(py, r.bodyless).to_owned().into_any(),
         ];
         // `_Call(*args)` without its `__init__` frame: the instance made empty, then its
         // slots set (every one: `record_constants` checked the names).
@@ -596,12 +602,14 @@ impl RequestReaderPy {
             text(RequestHeader::Account),
             text(RequestHeader::IdempotencyKey),
         ];
-        // Spends none of the model's tokens: sends no body (httpx's own empty stream: a
-        // GET, a DELETE, an empty POST; whatever the headers or a stale `_content` say:
-        // nothing to generate from), or manages batches and files, or counts tokens.
+        // Spends none of the model's tokens: manages batches and files, or counts tokens.
         // Nothing is estimated for it, and the usage its response reports (a batch's own)
         // is not its own (`_Call._tokenless`).
-        let tokenless = (bytes.is_empty() && sends_nothing(request)?) || path_spends_no_tokens(path);
+        let tokenless = path_spends_no_tokens(path);
+        // Sends no body (httpx's own empty stream: a GET, a DELETE, an empty POST; whatever
+        // the headers or a stale `_content` say): estimated as a body not read, and settled
+        // to nothing when its response reports no usage (`_Call._bodyless`).
+        let bodyless = !tokenless && bytes.is_empty() && sends_nothing(request)?;
         if !needed {
             let est = if tokenless {
                 pair_of(self.estimate.bind(py), 0, 0)?
@@ -616,6 +624,7 @@ impl RequestReaderPy {
                 clamped: PyTuple::empty(py).into_any(),
                 data: data_obj,
                 tokenless,
+                bodyless,
             }));
         }
         if self.caps {
@@ -708,6 +717,7 @@ impl RequestReaderPy {
             clamped: PyTuple::new(py, clamped)?.into_any(),
             data: data_obj,
             tokenless,
+            bodyless,
         }))
     }
 }

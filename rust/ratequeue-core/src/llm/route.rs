@@ -43,16 +43,18 @@ pub const MODEL_CALLS: [&str; 21] = [
     "/audio/translations",
 ];
 
-/// Path segments of the APIs that manage batches, files, uploads, fine-tuning jobs and
-/// vector stores: their calls spend none of the model's tokens (a batch's requests count
-/// against the batch quotas, not the model's per-minute ones).
+/// Path segments naming the APIs that manage batches, files, uploads, fine-tuning jobs
+/// and vector stores: a call of them spends none of the model's tokens (a batch's requests
+/// count against the batch quotas, not the model's per-minute ones) when the segment comes
+/// right after a version segment (`v1`, `v1beta`) or `openai` (Azure), Anthropic's
+/// `messages` between (`/v1/messages/batches`).
 pub const MANAGEMENT: [&str; 5] = ["batches", "files", "uploads", "fine_tuning", "vector_stores"];
 
-/// Route endings of calls that spend no tokens whatever their segments: token counts
-/// (Anthropic's, OpenAI's, Gemini's) and Gemini's batch creation.
+/// Route endings of calls that spend no tokens: token counts (Anthropic's, OpenAI's,
+/// Gemini's) and Gemini's batch creation.
 pub const FREE_CALLS: [&str; 4] = [
-    "/count_tokens",
-    "/input_tokens",
+    "/messages/count_tokens",
+    "/responses/input_tokens",
     ":counttokens",
     ":batchgeneratecontent",
 ];
@@ -137,19 +139,46 @@ pub fn emits_no_tokens(path: &str) -> bool {
     start < end && p[start..end].contains("embed")
 }
 
-/// True when a call on `path` spends none of the model's tokens: a token count, or a call
-/// of the batch, file, upload, fine-tuning or vector-store APIs ([`MANAGEMENT`]) that is
-/// not a model call ([`MODEL_CALLS`]). Its estimate is nothing and the usage its response
-/// reports (a batch's own) is not its own.
+/// True when a call on `path` spends none of the model's tokens: a token count or batch
+/// creation of [`FREE_CALLS`], or a call of the batch, file, upload, fine-tuning or
+/// vector-store APIs ([`MANAGEMENT`], anchored) that does not end as a model call
+/// ([`MODEL_CALLS`]). Its estimate is nothing and the usage its response reports (a
+/// batch's own) is not its own: so only a path a server reads as it is counts (ASCII, no
+/// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
+/// call's, charged.
 pub fn spends_no_tokens(path: &str) -> bool {
-    let p = route_of(path);
+    let plain = path.is_ascii()
+        && !path.contains(';')
+        && !path.contains("//")
+        && !path.contains("/.")
+        && !path.ends_with('/');
+    if !plain {
+        return false;
+    }
+    let p = path.to_ascii_lowercase();
     if FREE_CALLS.iter().any(|r| p.ends_with(r)) {
         return true;
     }
     if MODEL_CALLS.iter().any(|r| p.ends_with(r)) {
         return false;
     }
-    p.split('/').any(|seg| MANAGEMENT.contains(&seg))
+    let segs: Vec<&str> = p.split('/').collect();
+    segs.iter().enumerate().any(|(i, seg)| {
+        if i == 0 || !MANAGEMENT.contains(seg) {
+            return false;
+        }
+        let mut before = segs[i - 1];
+        if before == "messages" && i > 1 {
+            before = segs[i - 2];
+        }
+        before == "openai" || is_version(before)
+    })
+}
+
+/// `v` and a digit, then letters and digits: `v1`, `v1beta`, `v2alpha`.
+fn is_version(seg: &str) -> bool {
+    let b = seg.as_bytes();
+    b.len() >= 2 && b[0] == b'v' && b[1].is_ascii_digit() && b[2..].iter().all(u8::is_ascii_alphanumeric)
 }
 
 #[cfg(test)]
@@ -171,7 +200,8 @@ mod tests {
             "/v1/responses/input_tokens",
             "/v1beta/models/m:countTokens",
             "/v1beta/models/m:batchGenerateContent",
-            "/openai/batches;x/",
+            "/openai/batches",
+            "/gateway/openai/v1/Files",
         ] {
             assert!(spends_no_tokens(path), "{path:?}");
         }
@@ -180,8 +210,16 @@ mod tests {
             "/v1/messages",
             "/openai/deployments/files/chat/completions",
             "/openai/deployments/batches/embeddings",
+            "/v1/projects/batches/locations/l/publishers/anthropic/models/m:rawPredict",
+            "/workspaces/uploads/chat",
+            "/v1/files/../chat",
+            "/v1/files;x",
+            "/v1//files",
+            "/v1/files/",
             "/v1/threads/runs",
             "/v1/files-like",
+            "/files",
+            "/x/count_tokens",
             "/",
             "",
         ] {
