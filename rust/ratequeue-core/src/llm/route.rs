@@ -147,38 +147,46 @@ pub fn emits_no_tokens(path: &str) -> bool {
 /// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
 /// call's, charged.
 pub fn spends_no_tokens(path: &str) -> bool {
-    let plain = path.is_ascii()
-        && !path.contains(';')
-        && !path.contains("//")
-        && !path.contains("/.")
-        && !path.ends_with('/');
+    let plain =
+        path.is_ascii() && !path.contains(';') && !path.contains("//") && !path.contains("/.") && !path.ends_with('/');
     if !plain {
         return false;
     }
-    let p = path.to_ascii_lowercase();
-    if FREE_CALLS.iter().any(|r| p.ends_with(r)) {
+    // Compared in any case, nothing copied (this runs on every call).
+    let ends =
+        |r: &str| path.len() >= r.len() && path.as_bytes()[path.len() - r.len()..].eq_ignore_ascii_case(r.as_bytes());
+    if FREE_CALLS.iter().any(|r| ends(r)) {
         return true;
     }
-    if MODEL_CALLS.iter().any(|r| p.ends_with(r)) {
+    if MODEL_CALLS.iter().any(|r| ends(r)) {
         return false;
     }
-    let segs: Vec<&str> = p.split('/').collect();
-    segs.iter().enumerate().any(|(i, seg)| {
-        if i == 0 || !MANAGEMENT.contains(seg) {
-            return false;
+    // The two segments before each one (`messages` skipped once, for Anthropic's).
+    let (mut before, mut before2) = ("", "");
+    for (i, seg) in path.split('/').enumerate() {
+        if i > 0 && MANAGEMENT.iter().any(|m| seg.eq_ignore_ascii_case(m)) {
+            let anchor = if before.eq_ignore_ascii_case("messages") && i > 1 {
+                before2
+            } else {
+                before
+            };
+            if anchor.eq_ignore_ascii_case("openai") || is_version(anchor) {
+                return true;
+            }
         }
-        let mut before = segs[i - 1];
-        if before == "messages" && i > 1 {
-            before = segs[i - 2];
-        }
-        before == "openai" || is_version(before)
-    })
+        before2 = before;
+        before = seg;
+    }
+    false
 }
 
 /// `v` and a digit, then letters and digits: `v1`, `v1beta`, `v2alpha`.
 fn is_version(seg: &str) -> bool {
     let b = seg.as_bytes();
-    b.len() >= 2 && b[0] == b'v' && b[1].is_ascii_digit() && b[2..].iter().all(u8::is_ascii_alphanumeric)
+    b.len() >= 2
+        && b[0].eq_ignore_ascii_case(&b'v')
+        && b[1].is_ascii_digit()
+        && b[2..].iter().all(u8::is_ascii_alphanumeric)
 }
 
 #[cfg(test)]
