@@ -60,6 +60,7 @@ _CONTAINERS: tuple[tuple[str, int], ...]
 _NO_TOKEN_ROUTES: tuple[str, ...]
 _MODEL_CALLS: tuple[str, ...]
 _MANAGEMENT: tuple[str, ...]
+_MANAGEMENT_ACTIONS: tuple[str, ...]
 _FREE_CALLS: tuple[str, ...]
 
 @final

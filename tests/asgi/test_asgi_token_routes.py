@@ -6,6 +6,7 @@ usage its response reports, or to nothing when it reports none."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 from typing import Any
 
@@ -102,3 +103,30 @@ def test_a_request_without_a_body_is_charged_the_usage_it_reports(clock: rq.Manu
     codes = [asyncio.run(call(mw, "GET", "/v1/generate?q=hi")).status for _ in range(3)]
     assert codes == [200, 200, 429]
     assert cluster.available("tokens") == 0
+
+
+def _events(n: int, fail: bool) -> Any:
+    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
+        await receive()
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for _ in range(n):
+            chunk = b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        if fail:
+            raise RuntimeError("the app failed mid-stream")
+        await send({"type": "http.response.body", "body": b""})
+
+    return app
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_a_bodyless_event_stream_without_usage_keeps_its_estimate(
+    clock: rq.ManualClock, fail: bool
+) -> None:
+    """It may have generated (an EventSource GET): cut short or never reporting, the
+    estimate stays (third review: it settled to nothing)."""
+    mw, cluster = gateway(clock, _events(20, fail))
+    with contextlib.suppress(RuntimeError):
+        asyncio.run(call(mw, "GET", "/v1/generate?q=hi"))
+    assert cluster.available("tokens") == 10_000 - 1024

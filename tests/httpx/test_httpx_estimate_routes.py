@@ -19,6 +19,7 @@ from hypothesis import strategies as st
 from ratequeue._ratequeue import (
     _FREE_CALLS,
     _MANAGEMENT,
+    _MANAGEMENT_ACTIONS,
     _MODEL_CALLS,
     _NO_TOKEN_ROUTES,
     _emits_no_tokens,
@@ -56,7 +57,8 @@ def test_a_call_without_a_body_nor_usage_settles_to_nothing(
     modname: str, native: bool, method: str, path: str
 ) -> None:
     """Held at the default output while it runs (a GET may stream a generation), then
-    nothing: it had nothing to generate from and reported nothing."""
+    nothing: its whole answer, a JSON object, reports no usage, and it had nothing to
+    generate from."""
     mod = importlib.import_module(modname)
     _t, client, lim = setup(mod, native)
     for _ in range(3):
@@ -64,7 +66,7 @@ def test_a_call_without_a_body_nor_usage_settles_to_nothing(
     rec = r.extensions["ratequeue"]
     assert rec._bodyless and not rec._tokenless
     assert rec.estimate == Estimate(0, 1024)
-    assert rec.settled and rec.usage is None
+    assert rec.settled and rec.usage == (0, 0)
     assert lim.available("tokens") == BURST
 
 
@@ -462,6 +464,8 @@ def test_management_calls_spend_no_tokens(
         "/v1/files-like/chat/completions",
         "/v1/projects/batches/locations/l/publishers/anthropic/models/m:rawPredict",
         "/workspaces/uploads/chat",
+        "/v1/fine_tuning/alpha/graders/run",  # runs a model grader
+        "/v1/vector_stores/vs_1/search",
         "/v1/files/../chat",
         "/v1//files",
     ],
@@ -508,7 +512,15 @@ def _management(path: str) -> bool:
         if i and seg in _MANAGEMENT:
             before = segs[i - 2] if segs[i - 1] == "messages" and i > 1 else segs[i - 1]
             if before == "openai" or re.fullmatch("v[0-9][a-z0-9]*", before):
-                return True
+                rest = segs[i:]
+                if seg == "fine_tuning":
+                    if len(rest) < 2 or rest[1] not in ("jobs", "checkpoints"):
+                        continue
+                    rest = rest[1:]
+                if len(rest) <= 5 and all(
+                    k % 2 == 1 or a in _MANAGEMENT_ACTIONS for k, a in enumerate(rest) if k
+                ):
+                    return True
     return False
 
 
@@ -596,7 +608,8 @@ def test_a_streamed_answer_to_a_bodyless_call_holds_its_concurrency_slot(modname
         assert first.extensions["ratequeue"].settled
     with client.stream("GET", url) as again:  # the slot is free again
         again.read()
-    assert lim.available("tokens") == 10**6
+    # An event stream without a usage may have generated: each keeps its estimate.
+    assert lim.available("tokens") == 10**6 - 2 * 1024
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -643,6 +656,12 @@ _SEGMENTS = st.sampled_from(
         "messages",
         "batches",
         "Files",
+        "jobs",
+        "cancel",
+        "content",
+        "graders",
+        "run",
+        "search",
         "uploads",
         "fine_tuning",
         "vector_stores",
@@ -666,3 +685,97 @@ def test_the_native_route_rules_are_the_python_ones(
     path = ("/" if lead else "") + "/".join(segments) + ("/" if trail else "")
     assert _emits_no_tokens(path) == _reference(path)
     assert _spends_no_tokens(path) == _management(path)
+
+
+# -- from the third review: only a whole JSON answer settles a bodyless call to nothing ------
+
+
+def _sse(mod: Any, n: int) -> Any:
+    class Events(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            for _ in range(n):
+                yield b'data: {"choices":[{"delta":{"content":"x"}}]}\n\n'
+
+    return Events()
+
+
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize("how", ["cut", "no-usage-event", "cut-json", "undecodable"])
+def test_a_bodyless_call_that_may_have_generated_keeps_its_estimate(modname: str, how: str) -> None:
+    """A GET event stream closed early or never reporting its usage, a JSON body cut
+    short, a body it cannot decode: it may have generated, so its estimate stays."""
+    mod = importlib.import_module(modname)
+
+    class Half(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            yield b'{"object": "list", "da'
+            yield b'ta": []}'
+
+    def answer(request: Any) -> Any:
+        if how == "undecodable":
+            headers = {"content-type": "application/json", "content-encoding": "x-custom"}
+            return mod.Response(200, headers=headers, stream=Half())
+        if how == "cut-json":
+            return mod.Response(200, headers={"content-type": "application/json"}, stream=Half())
+        return mod.Response(200, headers={"content-type": "text/event-stream"}, stream=_sse(mod, 5))
+
+    _t, client, lim = through(mod, True, answer, timeout=None)
+    with client.stream("GET", "http://p/v1/gen?q=hi") as r:
+        if how in ("cut", "cut-json"):
+            next(r.iter_raw())  # one chunk, then closed
+        else:
+            r.read()
+    rec = r.extensions["ratequeue"]
+    assert rec._bodyless and rec.settled
+    assert lim.available("tokens") == BURST - 1024
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_whole_streamed_json_answer_to_a_bodyless_call_settles_to_nothing(modname: str) -> None:
+    mod = importlib.import_module(modname)
+
+    class Half(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            yield b'{"object": "list", "da'
+            yield b'ta": []}'
+
+    def answer(request: Any) -> Any:
+        return mod.Response(200, headers={"content-type": "application/json"}, stream=Half())
+
+    _t, client, lim = through(mod, True, answer, timeout=None)
+    with client.stream("GET", "http://p/v1/models") as r:
+        r.read()
+    assert r.extensions["ratequeue"].usage == (0, 0)
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_an_async_whole_json_answer_to_a_bodyless_call_settles_to_nothing(modname: str) -> None:
+    mod = importlib.import_module(modname)
+
+    class Half(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        async def __aiter__(self) -> Any:
+            yield b'{"object": "list", '
+            yield b'"data": []}'
+
+    def answer(request: Any) -> Any:
+        return mod.Response(200, headers={"content-type": "application/json"}, stream=Half())
+
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(mod.MockTransport(answer), lim)
+
+    async def go() -> Any:
+        async with mod.AsyncClient(transport=t) as client:
+            async with client.stream("GET", "http://p/v1/models") as r:
+                await r.aread()
+            return r
+
+    import asyncio
+
+    r = asyncio.run(go())
+    assert r.extensions["ratequeue"].usage == (0, 0)
+    assert lim.available("tokens") == BURST

@@ -301,29 +301,45 @@ class RateLimitMiddleware:
         timing = (b"server-timing", f"queue;dur={waited * 1000:.3f}".encode())
         scanner = UsageScanner() if rule.tokens is not None else None
         status = 0
+        # A whole JSON answer (not an event stream) to a request without a body that
+        # reports no usage: nothing was generated (it had nothing to generate from).
+        whole = False
+        json_answer = False
 
         async def send_with_fields(message: Message) -> None:
-            nonlocal status, scanner
+            nonlocal status, scanner, whole, json_answer
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = list(message.get("headers", ()))
                 if scanner is not None and not _usage_readable(headers):
                     scanner = None  # the estimate stays
+                json_answer = _is_json(headers)
                 headers += self._fields(plan, keys, [timing])
                 message = {**message, "headers": headers}
-            elif scanner is not None and message["type"] == "http.response.body":
-                scanner.feed(message.get("body", b""))
+            elif message["type"] == "http.response.body":
+                if scanner is not None:
+                    scanner.feed(message.get("body", b""))
+                whole = not message.get("more_body", False)
             await send(message)
 
+        returned = False
         try:
             await self.app(scope, receive, send_with_fields)
+            returned = True
         finally:
             try:
                 if rule.tokens is not None:
                     actual = scanner.total if scanner is not None else None
-                    if actual is None and (status >= 400 or (bodyless and scanner is not None)):
-                        # An error, or a request without a body, that reports no usage:
-                        # nothing consumed upstream.
+                    nothing = (
+                        bodyless
+                        and returned
+                        and whole
+                        and json_answer
+                        and 200 <= status < 300
+                        and scanner is not None
+                    )
+                    if actual is None and (status >= 400 or nothing):
+                        # An error that reports no usage consumed nothing upstream.
                         actual = 0
                     if actual is not None:
                         permit.settle(**{rule.tokens.unit: actual})
@@ -385,6 +401,15 @@ def _check_costs(rule: Rule, units: set[str]) -> None:
     missing = sorted(u for u in units if u != "requests" and u not in named)
     if missing:
         raise ValueError(f"rule {rule.label!r} gives no cost for unit(s) {missing}: cost={{...}}")
+
+
+def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
+    """The answer is JSON (``application/json`` or ``+json``; an event stream is not)."""
+    for k, v in headers:
+        if k.lower() == b"content-type":
+            media = v.split(b";", 1)[0].strip().lower()
+            return media == b"application/json" or media.endswith(b"+json")
+    return False
 
 
 def _usage_readable(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -10,12 +10,20 @@ from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
 from ._decode import Decoder, decoder
+from ._record import json_object
 from ._record import json_usage as _json_usage
 from ._usage import SSEUsage, Usage
 
 if TYPE_CHECKING:
     from ._record import _Call
     from ._transport import RateLimitedTransport
+
+
+#: What a call sent without a body used when its whole answer is a JSON object (or empty)
+#: that reports no usage: nothing (it had nothing to generate from). A stream cut short, an
+#: event stream without its final usage, a body past the bound or undecodable keep the
+#: estimate: they may have generated.
+NONE_USED = Usage(0, 0)
 
 
 def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
@@ -34,7 +42,7 @@ class _Reader:
     """Finds the usage in a body as it is read (its ``Content-Encoding`` undone on the
     side); settles the call at its end. ``over``: the usage cannot be read."""
 
-    __slots__ = ("buf", "call", "over", "size", "sse", "transport")
+    __slots__ = ("buf", "call", "ended", "over", "size", "sse", "transport")
 
     def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
         self.call, self.transport = call, transport
@@ -42,6 +50,7 @@ class _Reader:
         self.buf: list[bytes] = []
         self.size = 0
         self.over = False
+        self.ended = False  # the body was read to its end (not closed before)
 
     def feed(self, chunk: bytes) -> None:
         if self.sse is not None:
@@ -65,9 +74,17 @@ class _Reader:
             # A stream cut before its final usage event may have produced more than it
             # reported so far: the estimate stays charged.
             usage = self.sse.usage if self.sse.final else None
-        elif self.buf:
-            usage = _json_usage(b"".join(self.buf))
+        else:
+            body = b"".join(self.buf)
             self.buf = []
+            usage = _json_usage(body) if body else None
+            if (
+                usage is None
+                and self.ended
+                and self.call._bodyless
+                and (not body or json_object(body) is not None)
+            ):
+                usage = NONE_USED
         _done(self.call, self.transport, usage)
 
 
@@ -113,6 +130,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
             for chunk in self._inner:
                 self._reader.feed(chunk)
                 yield chunk
+            self._reader.ended = True
             self._reader.finish()
 
         def close(self) -> None:
@@ -134,6 +152,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
                 if call._owed is not None:  # settled at the final usage event
                     await reader.transport._pay_async(call)
                 yield chunk
+            reader.ended = True
             reader.finish()
             await self._pay()
 

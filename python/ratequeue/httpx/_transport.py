@@ -30,9 +30,9 @@ from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
-from ._record import _RELEASE, CallRecord, _Call
+from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
-from ._stream import _done, ignore, native_stream, wrap
+from ._stream import NONE_USED, _done, ignore, native_stream, wrap
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -293,9 +293,13 @@ class RateLimitedTransport(_Requests):
                     usage = _json_usage(content)  # type: ignore[arg-type]
                 elif usage is not None:
                     usage = _new(Usage, usage)
+                if usage is None and call._bodyless and json_object(content) is not None:  # type: ignore[arg-type]
+                    usage = NONE_USED
                 self._settle(call, usage, status, reported=True)
             elif not content or len(content) > self.max_body:
-                self._settle(call, None, status, reported=True)
+                # An empty answer to a call without a body: nothing generated.
+                used = NONE_USED if call._bodyless and not content else None
+                self._settle(call, used, status, reported=True)
             else:  # only the record wants the usage: read when asked for
                 self._settle(call, None, status, reported=True)
                 call._usage_body = content
@@ -404,9 +408,7 @@ class RateLimitedTransport(_Requests):
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
-        allowed), unless the call sent no body (nothing to generate from, nothing
-        reported: nothing used). An asyncio call leaves the ledger's part owed, for its
-        caller to await."""
+        allowed). An asyncio call leaves the ledger's part owed, for its caller to await."""
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
@@ -416,7 +418,7 @@ class RateLimitedTransport(_Requests):
         call.settled = True
         # A body without a usage keeps what acquire took: the estimate, clamped to what
         # the limiter can ever grant (budget and ledger keep the estimate itself).
-        keep = usage is None and reported and not call._bodyless
+        keep = usage is None and reported
         if keep and (call._sub or call._held):
             est = call.estimate
             usage = _new(Usage, (est.input_tokens, est.output_tokens))

@@ -161,23 +161,57 @@ pub fn spends_no_tokens(path: &str) -> bool {
     if MODEL_CALLS.iter().any(|r| ends(r)) {
         return false;
     }
-    // The two segments before each one (`messages` skipped once, for Anthropic's).
-    let (mut before, mut before2) = ("", "");
-    for (i, seg) in path.split('/').enumerate() {
-        if i > 0 && MANAGEMENT.iter().any(|m| seg.eq_ignore_ascii_case(m)) {
-            let anchor = if before.eq_ignore_ascii_case("messages") && i > 1 {
-                before2
-            } else {
-                before
-            };
-            if anchor.eq_ignore_ascii_case("openai") || is_version(anchor) {
-                return true;
-            }
+    let segs: Vec<&str> = path.split('/').collect();
+    (1..segs.len()).any(|i| {
+        if !MANAGEMENT.iter().any(|m| segs[i].eq_ignore_ascii_case(m)) {
+            return false;
         }
-        before2 = before;
-        before = seg;
-    }
-    false
+        let anchor = if i > 1 && segs[i - 1].eq_ignore_ascii_case("messages") {
+            segs[i - 2]
+        } else {
+            segs[i - 1]
+        };
+        (anchor.eq_ignore_ascii_case("openai") || is_version(anchor)) && manages(&segs[i..])
+    })
+}
+
+/// Actions of the management APIs on one of their objects (`/batches/{id}/cancel`,
+/// `/files/{id}/content`, `/uploads/{id}/parts`, `/vector_stores/{id}/files`).
+pub const MANAGEMENT_ACTIONS: [&str; 12] = [
+    "cancel",
+    "content",
+    "parts",
+    "complete",
+    "results",
+    "events",
+    "checkpoints",
+    "files",
+    "file_batches",
+    "permissions",
+    "pause",
+    "resume",
+];
+
+/// True when `rest` (an API's segment and what follows) is one of its collections or
+/// objects, or an action of [`MANAGEMENT_ACTIONS`] on one: ids and actions alternate
+/// (`batches/{id}/cancel`, `vector_stores/{id}/file_batches/{id}/files`), fine-tuning's
+/// collections are `fine_tuning/jobs` and `fine_tuning/checkpoints`. Anything else under
+/// them (`fine_tuning/alpha/graders/run`, `vector_stores/{id}/search`) may run a model.
+fn manages(rest: &[&str]) -> bool {
+    let rest = if rest[0].eq_ignore_ascii_case("fine_tuning") {
+        match rest.get(1) {
+            Some(c) if c.eq_ignore_ascii_case("jobs") || c.eq_ignore_ascii_case("checkpoints") => &rest[1..],
+            _ => return false,
+        }
+    } else {
+        rest
+    };
+    rest.len() <= 5
+        && rest
+            .iter()
+            .enumerate()
+            .skip(1)
+            .all(|(k, seg)| k % 2 == 1 || MANAGEMENT_ACTIONS.iter().any(|a| seg.eq_ignore_ascii_case(a)))
 }
 
 /// `v` and a digit, then letters and digits: `v1`, `v1beta`, `v2alpha`.
@@ -210,6 +244,10 @@ mod tests {
             "/v1beta/models/m:batchGenerateContent",
             "/openai/batches",
             "/gateway/openai/v1/Files",
+            "/v1/fine_tuning/jobs/j/cancel",
+            "/v1/vector_stores/vs/file_batches/b/files",
+            "/v1/messages/batches/b/results",
+            "/v1beta/batches/b:cancel",
         ] {
             assert!(spends_no_tokens(path), "{path:?}");
         }
@@ -226,6 +264,10 @@ mod tests {
             "/v1/files/",
             "/v1/threads/runs",
             "/v1/files-like",
+            "/v1/fine_tuning/alpha/graders/run",
+            "/v1/vector_stores/vs/search",
+            "/v1/files/f/generate",
+            "/v1/fine_tuning",
             "/files",
             "/x/count_tokens",
             "/",
