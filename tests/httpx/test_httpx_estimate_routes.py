@@ -493,9 +493,12 @@ def test_a_catch_all_cap_adds_no_bound_to_a_management_call(modname: str, path: 
 
     lim = rq.Limiter(rq.Rate(1000, per="second"), clock=rq.ManualClock())
     t = RateLimitedTransport(mod.MockTransport(keep), lim, caps=[Cap(100)])
-    body = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions"}
-    mod.Client(transport=t).post("http://p" + path, json=body)
-    assert json.loads(sent[0]) == body
+    body = {"input_file_id": "file-1", "endpoint": "/v1/chat/completions", "max_tokens": 900}
+    client = mod.Client(transport=t)
+    client.post("http://p" + path, json=body)
+    assert json.loads(sent[0]) == body  # no output to bound: caps do not apply
+    client.post("http://p" + path, content=b"not json")  # nor refuse what they cannot read
+    assert sent[1] == b"not json"
 
 
 def _management(path: str) -> bool:

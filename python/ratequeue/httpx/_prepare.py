@@ -408,7 +408,7 @@ class _Requests:
             facts: _Facts | Literal[False] | None = (None, False, 0, 0)
             if not free:
                 facts = self._read_body(data, path) if data else False
-            if facts and self.caps and data:
+            if facts and self.caps and data and not free:  # no output: nothing to cap
                 on = task or _OPTIONS.get().task  # the task a cap matches
                 capped, facts = self._cap(request, data, path, facts, on)
             if facts is False:  # the reference: a full parse, the estimator over it
@@ -427,14 +427,14 @@ class _Requests:
                 parsed = bool(data)  # an empty body is not read as JSON
                 model, _, i, o = facts
                 est = _new(Estimate, (i, o))
-            if free:  # a cap may have rewritten the body: still nothing
+            if free:
                 model, est = None, _NOTHING
             costs, clamped = self._costs(est)
         else:
             costs = self._unit_costs
             if free:
                 est = _NOTHING
-        if not parsed and self.caps and self.uncapped == "refuse":
+        if not parsed and self.caps and self.uncapped == "refuse" and not free:
             self._uncapped(request, path, task, data)
         return (
             priority,
