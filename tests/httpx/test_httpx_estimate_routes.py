@@ -21,6 +21,7 @@ from ratequeue._ratequeue import (
     _MANAGEMENT,
     _MANAGEMENT_ACTIONS,
     _MODEL_CALLS,
+    _NO_TEXT_ROUTES,
     _NO_TOKEN_ROUTES,
     _emits_no_tokens,
     _spends_no_tokens,
@@ -508,7 +509,7 @@ def _management(path: str) -> bool:
     p = path.lower()
     if p.endswith(_FREE_CALLS):
         return True
-    if p.endswith(_MODEL_CALLS):
+    if p.endswith(_MODEL_CALLS + _NO_TEXT_ROUTES):
         return False
     segs = p.split("/")
     for i, seg in enumerate(segs):
@@ -702,6 +703,17 @@ def _sse(mod: Any, n: int) -> Any:
     return Events()
 
 
+def _halves(mod: Any) -> Any:
+    """A JSON object (no usage) in two chunks."""
+
+    class Halves(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        def __iter__(self) -> Any:
+            yield b'{"object": "list", "da'
+            yield b'ta": []}'
+
+    return Halves()
+
+
 @pytest.mark.parametrize("modname", MODS)
 @pytest.mark.parametrize("how", ["cut", "no-usage-event", "cut-json", "undecodable"])
 def test_a_bodyless_call_that_may_have_generated_keeps_its_estimate(modname: str, how: str) -> None:
@@ -709,17 +721,14 @@ def test_a_bodyless_call_that_may_have_generated_keeps_its_estimate(modname: str
     short, a body it cannot decode: it may have generated, so its estimate stays."""
     mod = importlib.import_module(modname)
 
-    class Half(mod.SyncByteStream):  # type: ignore[name-defined,misc]
-        def __iter__(self) -> Any:
-            yield b'{"object": "list", "da'
-            yield b'ta": []}'
-
     def answer(request: Any) -> Any:
         if how == "undecodable":
             headers = {"content-type": "application/json", "content-encoding": "x-custom"}
-            return mod.Response(200, headers=headers, stream=Half())
+            return mod.Response(200, headers=headers, stream=_halves(mod))
         if how == "cut-json":
-            return mod.Response(200, headers={"content-type": "application/json"}, stream=Half())
+            return mod.Response(
+                200, headers={"content-type": "application/json"}, stream=_halves(mod)
+            )
         return mod.Response(200, headers={"content-type": "text/event-stream"}, stream=_sse(mod, 5))
 
     _t, client, lim = through(mod, True, answer, timeout=None)
@@ -737,13 +746,8 @@ def test_a_bodyless_call_that_may_have_generated_keeps_its_estimate(modname: str
 def test_a_whole_streamed_json_answer_to_a_bodyless_call_settles_to_nothing(modname: str) -> None:
     mod = importlib.import_module(modname)
 
-    class Half(mod.SyncByteStream):  # type: ignore[name-defined,misc]
-        def __iter__(self) -> Any:
-            yield b'{"object": "list", "da'
-            yield b'ta": []}'
-
     def answer(request: Any) -> Any:
-        return mod.Response(200, headers={"content-type": "application/json"}, stream=Half())
+        return mod.Response(200, headers={"content-type": "application/json"}, stream=_halves(mod))
 
     _t, client, lim = through(mod, True, answer, timeout=None)
     with client.stream("GET", "http://p/v1/models") as r:

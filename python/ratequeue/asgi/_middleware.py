@@ -311,9 +311,12 @@ class RateLimitMiddleware:
             if message["type"] == "http.response.start":
                 status = int(message["status"])
                 headers = list(message.get("headers", ()))
-                if scanner is not None and not _usage_readable(headers):
+                media = _readable_type(headers)
+                if media is None:
                     scanner = None  # the estimate stays
-                json_answer = _is_json(headers)
+                json_answer = media is not None and (
+                    media == b"application/json" or media.endswith(b"+json")
+                )
                 headers += self._fields(plan, keys, [timing])
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body":
@@ -403,26 +406,18 @@ def _check_costs(rule: Rule, units: set[str]) -> None:
         raise ValueError(f"rule {rule.label!r} gives no cost for unit(s) {missing}: cost={{...}}")
 
 
-def _is_json(headers: list[tuple[bytes, bytes]]) -> bool:
-    """The answer is JSON (``application/json`` or ``+json``; an event stream is not)."""
-    for k, v in headers:
-        if k.lower() == b"content-type":
-            media = v.split(b";", 1)[0].strip().lower()
-            return media == b"application/json" or media.endswith(b"+json")
-    return False
-
-
-def _usage_readable(headers: list[tuple[bytes, bytes]]) -> bool:
-    """Usage is read only from uncompressed JSON or event streams: a body of another
-    type may echo text a client wrote, usage included."""
+def _readable_type(headers: list[tuple[bytes, bytes]]) -> bytes | None:
+    """The media type of an answer whose usage is read (uncompressed JSON or event
+    streams: a body of another type may echo text a client wrote, usage included), else
+    None."""
     ctype = b""
     for k, v in headers:
         k = k.lower()
         if k == b"content-encoding" and v.strip().lower() not in (b"", b"identity"):
-            return False
+            return None
         if k == b"content-type":
             ctype = v.split(b";", 1)[0].strip().lower()
-    return ctype in _USAGE_TYPES or ctype.endswith(b"+json")
+    return ctype if ctype in _USAGE_TYPES or ctype.endswith(b"+json") else None
 
 
 _USAGE_TYPES = (b"application/json", b"text/event-stream", b"application/x-ndjson")

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .._errors import RateQueueError
-from .._ratequeue import _spends_no_tokens
+from .._ratequeue import _NO_TEXT_ROUTES, _spends_no_tokens
 from ._estimate import CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS, OUTPUT_FIELDS
 
 __all__ = ["Cap", "CapNotApplied", "Capped", "apply_caps", "output_field"]
@@ -139,23 +139,8 @@ REPEATED_CONTAINER = "names an object of output bounds twice"
 
 
 #: Route endings of APIs that produce no text, whose bodies a cap adds no bound to (their
-#: servers refuse a field they do not know): OpenAI's embeddings, images, audio and
-#: moderations, Anthropic's token count, Gemini's embeddings, token count and Imagen.
-_NO_OUTPUT = (
-    "/embeddings",
-    "/images/generations",
-    "/images/edits",
-    "/images/variations",
-    "/audio/speech",
-    "/audio/transcriptions",
-    "/audio/translations",
-    "/moderations",
-    "/count_tokens",
-    ":embedcontent",
-    ":batchembedcontents",
-    ":counttokens",
-    ":predict",
-)
+#: servers refuse a field they do not know): the core's table.
+_NO_OUTPUT: tuple[str, ...] = tuple(_NO_TEXT_ROUTES)
 #: Bedrock model ids (parts of) of models that produce no text: embeddings, images, video.
 _NO_OUTPUT_MODELS = ("embed", "image", "nova-canvas", "nova-reel", "stability.")
 

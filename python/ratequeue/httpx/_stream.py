@@ -26,6 +26,15 @@ if TYPE_CHECKING:
 NONE_USED = Usage(0, 0)
 
 
+def nothing_used(call: _Call, body: bytes) -> Usage | None:
+    """``NONE_USED`` for a call sent without a body whose whole answer ``body`` (read to
+    its end) is empty or a JSON object, reporting no usage; else None (the estimate
+    stays)."""
+    if call._bodyless and (not body or json_object(body) is not None):
+        return NONE_USED
+    return None
+
+
 def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
     (never admit more than allowed) and ``usage`` stays None."""
@@ -78,13 +87,8 @@ class _Reader:
             body = b"".join(self.buf)
             self.buf = []
             usage = _json_usage(body) if body else None
-            if (
-                usage is None
-                and self.ended
-                and self.call._bodyless
-                and (not body or json_object(body) is not None)
-            ):
-                usage = NONE_USED
+            if usage is None and self.ended:
+                usage = nothing_used(self.call, body)
         _done(self.call, self.transport, usage)
 
 

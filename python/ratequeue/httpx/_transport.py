@@ -30,9 +30,9 @@ from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
-from ._record import _RELEASE, CallRecord, _Call, json_object
+from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
-from ._stream import NONE_USED, _done, ignore, native_stream, wrap
+from ._stream import _done, ignore, native_stream, nothing_used, wrap
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -293,12 +293,11 @@ class RateLimitedTransport(_Requests):
                     usage = _json_usage(content)  # type: ignore[arg-type]
                 elif usage is not None:
                     usage = _new(Usage, usage)
-                if usage is None and call._bodyless and json_object(content) is not None:  # type: ignore[arg-type]
-                    usage = NONE_USED
+                if usage is None:
+                    usage = nothing_used(call, content)  # type: ignore[arg-type]
                 self._settle(call, usage, status, reported=True)
             elif not content or len(content) > self.max_body:
-                # An empty answer to a call without a body: nothing generated.
-                used = NONE_USED if call._bodyless and not content else None
+                used = nothing_used(call, b"") if not content else None
                 self._settle(call, used, status, reported=True)
             else:  # only the record wants the usage: read when asked for
                 self._settle(call, None, status, reported=True)

@@ -13,7 +13,7 @@ import threading
 import uuid
 from collections.abc import Callable, Generator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from .._errors import QuotaExceeded
 from .._policy import Policy
@@ -280,17 +280,12 @@ class _QuotaGate:
     quota: QuotaLevel
     _counts: _Counts
 
-    def _policy_levels(self) -> Sequence[str]:
-        raise NotImplementedError  # pragma: no cover
+    if TYPE_CHECKING:  # each subclass defines them (QuotaPolicy, LedgerPolicy)
 
-    def _policy_try_acquire(self, kw: dict[str, Any]) -> Any:
-        raise NotImplementedError  # pragma: no cover
-
-    def _policy_acquire(self, timeout: float | None, kw: dict[str, Any]) -> Any:
-        raise NotImplementedError  # pragma: no cover
-
-    def _policy_acquire_async(self, timeout: float | None, kw: dict[str, Any]) -> Any:
-        raise NotImplementedError  # pragma: no cover
+        def _policy_levels(self) -> Sequence[str]: ...
+        def _policy_try_acquire(self, kw: dict[str, Any]) -> Any: ...
+        def _policy_acquire(self, timeout: float | None, kw: dict[str, Any]) -> Any: ...
+        def _policy_acquire_async(self, timeout: float | None, kw: dict[str, Any]) -> Any: ...
 
     def _prepare(self, request_id: str | None, kw: dict[str, Any]) -> tuple[str, str, int]:
         rid = uuid.uuid4().hex if request_id is None else check_id("request_id", request_id)

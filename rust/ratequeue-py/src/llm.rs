@@ -9,7 +9,8 @@ use pyo3::types::{PyBool, PyBytes, PyList, PyString, PyTuple, PyType};
 use ratequeue_core::llm::cap::{cap_output, Capping, Refusal, CHOICES, CONTAINERS, NESTED_CHOICES, OUTPUT_BOUNDS};
 use ratequeue_core::llm::headers::{scan_headers, scan_request, RequestHeader};
 use ratequeue_core::llm::route::{
-    emits_no_tokens, spends_no_tokens, FREE_CALLS, MANAGEMENT, MANAGEMENT_ACTIONS, MODEL_CALLS, NO_TOKEN_ROUTES,
+    emits_no_tokens, spends_no_tokens, FREE_CALLS, MANAGEMENT, MANAGEMENT_ACTIONS, MODEL_CALLS, NO_TEXT_ROUTES,
+    NO_TOKEN_ROUTES,
 };
 use ratequeue_core::llm::sse::SseFrames;
 use ratequeue_core::llm::{request_facts, response_usage};
@@ -351,6 +352,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("_CONTAINERS", PyTuple::new(m.py(), CONTAINERS)?)?;
     m.add("_NO_TOKEN_ROUTES", PyTuple::new(m.py(), NO_TOKEN_ROUTES)?)?;
     m.add("_MODEL_CALLS", PyTuple::new(m.py(), MODEL_CALLS)?)?;
+    m.add("_NO_TEXT_ROUTES", PyTuple::new(m.py(), NO_TEXT_ROUTES)?)?;
     m.add("_MANAGEMENT", PyTuple::new(m.py(), MANAGEMENT)?)?;
     m.add("_MANAGEMENT_ACTIONS", PyTuple::new(m.py(), MANAGEMENT_ACTIONS)?)?;
     m.add("_FREE_CALLS", PyTuple::new(m.py(), FREE_CALLS)?)?;

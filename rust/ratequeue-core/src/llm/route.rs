@@ -17,30 +17,39 @@ pub const NO_TOKEN_ROUTES: [&str; 6] = [
     ":counttokens",
 ];
 
-/// Route endings (of [`route_of`]) of model calls: they spend the model's tokens whatever
-/// other segment their path has (an Azure deployment may be named `files`).
-pub const MODEL_CALLS: [&str; 21] = [
+/// Route endings (of [`route_of`]) of model calls that produce text: with
+/// [`NO_TEXT_ROUTES`], the calls that spend the model's tokens whatever other segment
+/// their path has (an Azure deployment may be named `files`).
+pub const MODEL_CALLS: [&str; 10] = [
     "/chat/completions",
     "/completions",
     "/responses",
     "/messages",
-    "/embeddings",
-    "/moderations",
     ":generatecontent",
     ":streamgeneratecontent",
-    ":embedcontent",
-    ":batchembedcontents",
-    ":predict",
     "/converse",
     "/converse-stream",
     "/invoke",
     "/invoke-with-response-stream",
+];
+
+/// Route endings of APIs that produce no text, whose bodies a cap adds no bound to (their
+/// servers refuse a field they do not know): OpenAI's embeddings, images, audio and
+/// moderations, Anthropic's token count, Gemini's embeddings, token count and Imagen.
+pub const NO_TEXT_ROUTES: [&str; 13] = [
+    "/embeddings",
     "/images/generations",
     "/images/edits",
     "/images/variations",
     "/audio/speech",
     "/audio/transcriptions",
     "/audio/translations",
+    "/moderations",
+    "/count_tokens",
+    ":embedcontent",
+    ":batchembedcontents",
+    ":counttokens",
+    ":predict",
 ];
 
 /// Path segments naming the APIs that manage batches, files, uploads, fine-tuning jobs
@@ -142,7 +151,7 @@ pub fn emits_no_tokens(path: &str) -> bool {
 /// True when a call on `path` spends none of the model's tokens: a token count or batch
 /// creation of [`FREE_CALLS`], or a call of the batch, file, upload, fine-tuning or
 /// vector-store APIs ([`MANAGEMENT`], anchored) that does not end as a model call
-/// ([`MODEL_CALLS`]). Its estimate is nothing and the usage its response reports (a
+/// ([`MODEL_CALLS`], [`NO_TEXT_ROUTES`]). Its estimate is nothing and the usage its response reports (a
 /// batch's own) is not its own: so only a path a server reads as it is counts (ASCII, no
 /// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
 /// call's, charged.
@@ -158,7 +167,7 @@ pub fn spends_no_tokens(path: &str) -> bool {
     if FREE_CALLS.iter().any(|r| ends(r)) {
         return true;
     }
-    if MODEL_CALLS.iter().any(|r| ends(r)) {
+    if MODEL_CALLS.iter().chain(&NO_TEXT_ROUTES).any(|r| ends(r)) {
         return false;
     }
     let segs: Vec<&str> = path.split('/').collect();
