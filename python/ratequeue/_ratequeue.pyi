@@ -113,6 +113,7 @@ class _RequestReader:
         replace_body: Any = None,
         call: tuple[type, Any, Any, Any, Any, tuple[str, str, str], tuple[tuple[str, Any], ...]]
         | None = None,
+        limiter: Limiter | None = None,
     ) -> _RequestReader: ...
     def read(
         self, request: Any, path: str, want_estimate: bool, estimator: object
@@ -141,6 +142,7 @@ class _RequestReader:
         priority: str | None,
         timeout: float | None,
         account: object,
+        wait: Histogram,
     ) -> Any | None: ...
 
 # The asyncio bridge's calls for a policy's queued wait (ratequeue.aio only).

@@ -207,13 +207,25 @@ def test_prepare_agrees_with_the_reference(
         elif context == "options":
             stack.enter_context(using(task="t"))
         assert t._reader is not None
-        call = t._reader.prepare(req, t.estimator, is_async, t.priority, t.timeout, t.account)
+        call = t._reader.prepare(
+            req, t.estimator, is_async, t.priority, t.timeout, t.account, t.wait_histogram
+        )
         if call is None:
             assert sent(req) == before  # nothing changed
             return
         assert context is None and account != "callable"
         want = ref_t._prepare(ref, is_async)
     assert sent(req) == sent(ref)
+    # Granted at once by the native prepare (a Limiter, nobody queued, a priority it
+    # knows): the permit of the costs the reference acquires after; else none yet.
+    permit = call._permit
+    assert want._permit is None
+    if permit is not None:
+        assert permit.costs == call._charged and permit.waited == 0.0
+        assert t.wait_histogram.count == 1
+        call._permit = None
+    else:
+        assert call.priority is not None and t.wait_histogram.count == 0  # not a class
     assert record_fields(call, t) == record_fields(want, ref_t)
     assert call._request is req
     assert call._chain is want._chain and call._once is not want._once
@@ -231,7 +243,9 @@ def test_the_common_call_is_prepared_natively(modname: str) -> None:
     hs = [("X-RateQueue-Priority", b"hi"), ("x-ratequeue-task", b"t"), ("x-other", b"1")]
     req = request(mod, "POST", "/v1/chat/completions", hs, body)
     header_list(req.headers)
-    call = t._reader.prepare(req, t.estimator, True, t.priority, t.timeout, t.account)
+    call = t._reader.prepare(
+        req, t.estimator, True, t.priority, t.timeout, t.account, t.wait_histogram
+    )
     assert call is not None
     assert (call.path, call.model, call.priority, call.task, call._account) == (
         "/v1/chat/completions",
@@ -251,10 +265,16 @@ def test_the_common_call_is_prepared_natively(modname: str) -> None:
     for ctx in (CallBudget(calls=5), using(task="u")):
         with ctx:
             req = request(mod, "POST", "/x", [], body)
-            assert t._reader.prepare(req, t.estimator, False, None, None, "a") is None
+            assert (
+                t._reader.prepare(req, t.estimator, False, None, None, "a", t.wait_histogram)
+                is None
+            )
             assert t._prepare(req, False).task == ("u" if not isinstance(ctx, CallBudget) else None)
     req = request(mod, "POST", "/x", [], body)
-    assert t._reader.prepare(req, t.estimator, False, None, None, lambda r: "a") is None
+    assert (
+        t._reader.prepare(req, t.estimator, False, None, None, lambda r: "a", t.wait_histogram)
+        is None
+    )
 
 
 def test_prepared_records_hold_and_free_what_they_reference() -> None:
@@ -272,7 +292,10 @@ def test_prepared_records_hold_and_free_what_they_reference() -> None:
     req = request(httpx2, "POST", "/v1/chat/completions", [], body)
     header_list(req.headers)
     before = (sys.getrefcount(_NO_CHAIN), sys.getrefcount(req), sys.getrefcount(t.estimator))
-    calls = [t._reader.prepare(req, t.estimator, False, None, None, "a") for _ in range(200)]
+    calls = [
+        t._reader.prepare(req, t.estimator, False, None, None, "a", t.wait_histogram)
+        for _ in range(200)
+    ]
     assert all(c is not None and c._chain is _NO_CHAIN and c._request is req for c in calls)
     assert sys.getrefcount(_NO_CHAIN) == before[0] + 200
     gc.collect()

@@ -188,7 +188,7 @@ def test_a_call_settled_before_is_left_alone(mod: Any) -> None:
     (t, llm), _ = pair(mod, "tokens", 10**6, answer, [], 200)
     req = mod.Request("POST", CHAT, json={"model": "m", "max_tokens": 100})
     call = t._prepare(req, False)
-    call._permit = llm.acquire(**call._kw)
+    assert call._permit is not None  # granted at once by the native prepare
     t._settle(call, None, 200)  # e.g. a cancel: nothing used
     after = (llm.available("tokens"), call._usage, call._correction, call.charged)
     got = _settle_response(
@@ -229,7 +229,7 @@ def test_deferred_calls_change_nothing(mod: Any) -> None:
         (t, llm), _ = pair(mod, "tokens", 10**6, answer, [], 200)
         req = mod.Request("POST", CHAT, json={"model": "m", "max_tokens": 100})
         call = t._prepare(req, False)
-        call._permit = llm.acquire(**call._kw)
+        assert call._permit is not None  # granted at once by the native prepare
         permit = object() if foreign_permit else call._permit
         before = (llm.available("tokens"), call._once, call.settled, call._usage)
         got = _settle_response(
@@ -283,7 +283,7 @@ def test_a_race_with_a_cancel_settles_once(mod: Any) -> None:
         (t, llm), _ = pair(mod, "tokens", 10**6, answer, [], 200)
         req = mod.Request("POST", CHAT, json={"model": "m", "max_tokens": 100})
         call = t._prepare(req, False)
-        call._permit = llm.acquire(**call._kw)
+        assert call._permit is not None  # granted at once by the native prepare
         args = (call, call._once, call._permit, call._charged, t._token_plan, [], answer)
         args += (t.max_body, t.http_histogram, 0.001, Usage)
 

@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Literal
 from urllib.parse import unquote
 
-from .._ratequeue import Limiter, Policy, _cap_output, _RequestReader, _spends_no_tokens
+from .._ratequeue import Histogram, Limiter, Policy, _cap_output, _RequestReader, _spends_no_tokens
 from .._ratequeue import _read_call_headers as _call_headers
 from .._ratequeue import _read_request as _body_facts
 from ..pool import Pool
@@ -227,6 +227,8 @@ class _Requests:
     _needs_body: bool
     _is_policy: bool
     _reader: _RequestReader | None = None
+    ledger: Any
+    wait_histogram: Histogram
 
     def _unit_bursts(self) -> dict[str, int]:
         """Per unit, the largest cost any route could admit (estimates are clamped to it)."""
@@ -286,6 +288,9 @@ class _Requests:
                     _OWN_HEADERS,
                     _CONSTANT_SLOTS,
                 ),
+                # A Limiter's call granted at once takes its permit there too (a ledger
+                # holds the call first: then the transport acquires).
+                limiter=self.limit if type(self.limit) is Limiter and self.ledger is None else None,
             )
         except OverflowError:  # a burst past 64 bits
             return None
@@ -296,7 +301,13 @@ class _Requests:
         r = self._reader
         if r is not None:
             call = r.prepare(
-                request, self.estimator, is_async, self.priority, self.timeout, self.account
+                request,
+                self.estimator,
+                is_async,
+                self.priority,
+                self.timeout,
+                self.account,
+                self.wait_histogram,
             )
             if call is not None:
                 return call  # type: ignore[no-any-return]

@@ -528,26 +528,12 @@ class RateLimitedTransport(_Requests):
         """Wait for a permit (GIL released), send, and settle when the body is read."""
         try:
             call = self._prepare(request, False)
-            if self.ledger is not None:
-                self._hold(call)
-            t0 = perf_counter()
-            while True:
-                try:
-                    grant = self.limit.acquire(**call._kw)
-                    break
-                except BaseException as e:
-                    if not self._refused(call, e):
-                        raise
+            if call._permit is None:  # not granted at once by the native prepare
+                self._acquire(call)
         except RateQueueError as e:
             for_sdk(e, request)
             raise
         t1 = perf_counter()
-        if self._is_pool:
-            self._granted(call, grant)
-        else:
-            call._permit = grant
-        call.waited = waited = t1 - t0
-        self.wait_histogram.record(waited)
         try:
             response = self.inner.handle_request(call._request)
         except BaseException:
@@ -555,33 +541,39 @@ class RateLimitedTransport(_Requests):
             raise
         return self._received(call, response, perf_counter() - t1, False)
 
+    def _acquire(self, call: _Call) -> None:
+        """The call held in the ledger, then its permit acquired (waiting, GIL released)."""
+        if self.ledger is not None:
+            self._hold(call)
+        t0 = perf_counter()
+        while True:
+            try:
+                grant = self.limit.acquire(**call._kw)
+                break
+            except BaseException as e:
+                if not self._refused(call, e):
+                    raise
+        self._admitted(call, grant, perf_counter() - t0)
+
+    def _admitted(self, call: _Call, grant: Any, waited: float) -> None:
+        if self._is_pool:
+            self._granted(call, grant)
+        else:
+            call._permit = grant
+        call.waited = waited
+        self.wait_histogram.record(waited)
+
     async def handle_async_request(self, request: Any) -> Any:
         """The asyncio form: one wake-up per grant, no polling; cancellation gives back;
         the ledger is called off the event loop."""
         try:
             call = self._prepare(request, True)
-            if self.ledger is not None:
-                await self._hold_async(call)
-            t0 = perf_counter()
-            while True:
-                try:
-                    grant = await self.limit.acquire_async(**call._kw)
-                    break
-                except BaseException as e:
-                    if not self._refused(call, e):
-                        if call._owed is not None:
-                            await self._pay_async(call)
-                        raise
+            if call._permit is None:  # not granted at once by the native prepare
+                await self._acquire_async(call)
         except RateQueueError as e:
             for_sdk(e, request)
             raise
         t1 = perf_counter()
-        if self._is_pool:
-            self._granted(call, grant)
-        else:
-            call._permit = grant
-        call.waited = waited = t1 - t0
-        self.wait_histogram.record(waited)
         try:
             response = await self.inner.handle_async_request(call._request)
         except BaseException:
@@ -593,6 +585,22 @@ class RateLimitedTransport(_Requests):
         if call._owed is not None:
             await self._pay_async(call)
         return response
+
+    async def _acquire_async(self, call: _Call) -> None:
+        """The call held in the ledger (off the event loop), then its permit acquired."""
+        if self.ledger is not None:
+            await self._hold_async(call)
+        t0 = perf_counter()
+        while True:
+            try:
+                grant = await self.limit.acquire_async(**call._kw)
+                break
+            except BaseException as e:
+                if not self._refused(call, e):
+                    if call._owed is not None:
+                        await self._pay_async(call)
+                    raise
+        self._admitted(call, grant, perf_counter() - t0)
 
     def close(self) -> None:
         """Close the inner transport."""

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{Deny, Limiter, Rate, Reserved};
+use ratequeue_core::{Deny, GrantRef, Limiter, Rate, Reserved};
 
 use crate::args::{opt_text, seconds_ns};
 use crate::blocking::{try_or_unblocked, unblocked};
@@ -15,7 +15,7 @@ use crate::errors::{to_py, type_err};
 use crate::limiter::{Costs, LimiterPy};
 use crate::rate::RatePy;
 use crate::reservation::{ReservationHeld, ReservationPy};
-use crate::waiting::{new_gate, Gate};
+use crate::waiting::{new_gate, Gate, GatePy, PermitPy};
 
 impl LimiterPy {
     /// True when someone waits in this limiter's queue (nobody overtakes them).
@@ -31,6 +31,31 @@ impl LimiterPy {
         }
         let q = self.gate.queue.clone();
         py.detach(move || q.predict_delay(costs)).ok().flatten().map(|(_, d)| d)
+    }
+
+    /// `acquire(**costs, priority=priority, timeout=timeout)` when it is granted at once
+    /// (nobody queued; the rates admit `costs` now), else None and nothing changed: the
+    /// call must queue, or `acquire` raises (a cost or argument it refuses), and its own
+    /// call then does. The LLM transport's native prepare asks it first: the common call
+    /// is granted without a crossing of its own. Never waits with the GIL held (a take
+    /// undone for a joiner asks the queue's lock detached, as `acquire` does).
+    pub(crate) fn grant_now(
+        &self,
+        py: Python<'_>,
+        costs: &Bound<'_, PyDict>,
+        priority: &Bound<'_, PyAny>,
+        timeout: &Bound<'_, PyAny>,
+    ) -> Option<PermitPy> {
+        let c = self.costs_named(None, costs.iter()).ok()?;
+        let class = self.gate.class(Some(priority).filter(|p| !p.is_none())).ok()?;
+        self.gate.timeout(Some(timeout).filter(|t| !t.is_none())).ok()?;
+        let c = &c[..self.core.units().len()];
+        let (at_ns, token) = self
+            .gate
+            .queue
+            .try_now_token_then(c, class, |q| py.detach(|| q.rewake_after_undo()))
+            .ok()?;
+        Some(self.gate.permit(c, 0).with_grant(GrantRef::new(at_ns, token)))
     }
 
     /// The core limiter (for policies).

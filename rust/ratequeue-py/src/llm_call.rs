@@ -14,6 +14,8 @@ use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
 
+use crate::histogram::HistogramPy;
+use crate::limiter::LimiterPy;
 use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, path_spends_no_tokens, read};
 
 /// Methods whose body the transport reads.
@@ -42,6 +44,9 @@ pub struct RequestReaderPy {
     /// the budget and call-options context variables, the options' empty value, the
     /// request-id module (`_PREFIX`) and the own headers' names.
     call: Option<CallParts>,
+    /// The transport's Limiter when `prepare` may take its permit (a Limiter, no ledger):
+    /// a call granted at once leaves with its permit (`_permit`) and its wait recorded.
+    limiter: Option<Py<LimiterPy>>,
 }
 
 /// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
@@ -72,8 +77,9 @@ struct CallParts {
     slots: [isize; CALL_SLOTS.len()],
     /// `_record._CONSTANT_SLOTS`: (offset, value) set the same in every record.
     constants: Vec<(isize, Py<PyAny>)>,
-    /// Where `_once` is.
+    /// Where `_once` and `_permit` are.
     once: isize,
+    permit: isize,
     budget: Py<PyAny>,
     options: Py<PyAny>,
     empty: Py<PyAny>,
@@ -291,7 +297,7 @@ fn length_within(v: &[u8], max: u64) -> bool {
 impl RequestReaderPy {
     #[new]
     #[allow(clippy::too_many_arguments)]
-    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None, call=None))]
+    #[pyo3(signature = (plan, unit_costs, triples, token_estimator, chars_estimate, chars, estimate, *, needs_body, stream_usage, caps, max_body, replace_body=None, call=None, limiter=None))]
     fn new(
         plan: Vec<(Bound<'_, PyString>, i64, Option<u64>)>,
         unit_costs: Bound<'_, PyDict>,
@@ -306,6 +312,7 @@ impl RequestReaderPy {
         max_body: u64,
         replace_body: Option<Bound<'_, PyAny>>,
         call: Option<CallArgs<'_>>,
+        limiter: Option<Bound<'_, LimiterPy>>,
     ) -> PyResult<Self> {
         let call = match call {
             None => None,
@@ -319,6 +326,7 @@ impl RequestReaderPy {
                 },
                 constants: record_constants(&record, &constants)?,
                 once: slot_offset(&record, "_once")?,
+                permit: slot_offset(&record, "_permit")?,
                 record: record.unbind(),
                 budget: budget.unbind(),
                 options: options.unbind(),
@@ -352,6 +360,7 @@ impl RequestReaderPy {
             caps,
             max_body,
             call,
+            limiter: limiter.map(Bound::unbind),
         })
     }
 
@@ -390,7 +399,10 @@ impl RequestReaderPy {
     /// The call's record (`_Call`) of a request outside budgets and call options, its own
     /// headers removed: what `_prepare` makes, in one crossing (`priority`, `timeout`,
     /// `account`: the transport's settings; a Policy's calls are prepared in Python). None
-    /// where the Python `_prepare` must make it; nothing has changed then.
+    /// where the Python `_prepare` must make it; nothing has changed then. With the
+    /// transport's Limiter (`limiter=`), a call it grants at once leaves with its permit
+    /// (`_permit`; its wait, none, recorded in `wait`): the transport acquires only for
+    /// the others.
     #[allow(clippy::too_many_arguments)]
     fn prepare<'py>(
         &self,
@@ -400,6 +412,7 @@ impl RequestReaderPy {
         priority: &Bound<'py, PyAny>,
         timeout: &Bound<'py, PyAny>,
         account: &Bound<'py, PyAny>,
+        wait: &Bound<'py, HistogramPy>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = request.py();
         let Some(parts) = &self.call else {
@@ -446,6 +459,12 @@ impl RequestReaderPy {
             }
             kw.into_any()
         };
+        // Granted last of what can fail before the record exists (a permit dropped after
+        // it keeps its costs charged: never more admitted than the rates allow).
+        let granted = match &self.limiter {
+            Some(lim) => lim.get().grant_now(py, r.costs.cast::<PyDict>()?, &priority, timeout),
+            None => None,
+        };
         let pending = if r.est.is_none() {
             PyTuple::new(py, [r.data, estimator.clone()])?.into_any()
         } else {
@@ -490,9 +509,19 @@ impl RequestReaderPy {
                 put(at, value.into_ptr());
             }
             for (at, value) in &parts.constants {
-                put(*at, value.clone_ref(py).into_ptr());
+                if *at != parts.permit || granted.is_none() {
+                    put(*at, value.clone_ref(py).into_ptr());
+                }
             }
             put(parts.once, once.into_ptr());
+        }
+        if let Some(permit) = granted {
+            // SAFETY: as above; the `_permit` slot was left NULL for it.
+            let permit = Bound::new(py, permit).inspect_err(|_| unsafe {
+                *base.offset(parts.permit).cast::<*mut pyo3::ffi::PyObject>() = py.None().into_ptr();
+            })?;
+            unsafe { *base.offset(parts.permit).cast::<*mut pyo3::ffi::PyObject>() = permit.into_ptr() };
+            wait.get().inner.record(0);
         }
         Ok(Some(obj))
     }
