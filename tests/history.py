@@ -55,6 +55,7 @@ from typing import Any
 
 import ratequeue as rq
 from ratequeue import aio
+from ratequeue._ratequeue import _grant_now
 
 NS = 10**9
 #: An epoch-based manual clock start (2025-12-01T00:00:00Z), as simulations use.
@@ -718,7 +719,9 @@ class Ops(History):
         # Each clock reading is taken right before the call it dates (no GIL switch
         # point in between), so it is the time the library saw.
         try:
-            if lv.kind == "rate":
+            if lv.kind == "rate" and r.random() < 0.3:
+                self.op_grant_now(lv, holders)
+            elif lv.kind == "rate":
                 costs = self.rate_costs(lv)
                 op = self.note(f"lim.try_acquire({costs})")
                 t = self.now()
@@ -752,6 +755,27 @@ class Ops(History):
             self.bump("try_acquire")
         except rq.CostTooLarge:
             self.bump("cost_too_large")
+
+    def op_grant_now(self, lv: Level, holders: list[Holder]) -> None:
+        """The LLM transport's grant in its native prepare (``_grant_now``): a permit at
+        once or nothing, in any class named (or an unknown one: nothing); never ahead of a
+        waiter of any class, so checked as a ``try_acquire``. Its permit is held, then
+        settled or released as an acquire's."""
+        r = self.rng
+        costs = self.rate_costs(lv)
+        cls = r.choice([None, *lv.classes, "nope"]) if lv.classes else r.choice([None, "nope"])
+        op = self.note(f"grant_now(lim, {costs}, priority={cls!r})")
+        t = self.now()
+        p = _grant_now(lv.obj, costs, cls, None)
+        self.oplog[op] += f" -> {p is not None}"
+        if p is None:
+            return
+        if cls == "nope" or any(c > x.burst for c, x in zip(costs.values(), lv.rates, strict=True)):
+            self.violate("grant", f"grant_now granted what acquire refuses: {costs}, {cls}", [])
+        q = self.new_req("lim", None, None, list(costs.values()), "try", op, t)
+        self.granted(q, t0=t, at_ns=p.granted_at_ns)
+        holders.append(Holder(p, [q], "permit"))
+        self.bump("grant_now")
 
     def op_reserve(self, holders: list[Holder]) -> None:
         r = self.rng

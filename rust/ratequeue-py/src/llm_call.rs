@@ -17,6 +17,7 @@ use ratequeue_core::llm::request_facts;
 use crate::histogram::HistogramPy;
 use crate::limiter::LimiterPy;
 use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, path_spends_no_tokens, read};
+use crate::waiting::PermitPy;
 
 /// Methods whose body the transport reads.
 const BODY_METHODS: [&str; 3] = ["POST", "PUT", "PATCH"];
@@ -527,6 +528,18 @@ impl RequestReaderPy {
     }
 }
 
+/// `prepare`'s grant on its own (`Limiter.grant_now`): the permit of `costs` when it is
+/// granted at once, else None and nothing changed (the history checker's operation of it).
+#[pyfunction]
+pub fn _grant_now(
+    limiter: &Bound<'_, LimiterPy>,
+    costs: &Bound<'_, PyDict>,
+    priority: &Bound<'_, PyAny>,
+    timeout: &Bound<'_, PyAny>,
+) -> Option<PermitPy> {
+    limiter.get().grant_now(limiter.py(), costs, priority, timeout)
+}
+
 /// Request ids of this process: one counter for the native `prepare` and `_wire.new_id`
 /// (never repeated while the process lives; a fork's child has another prefix).
 static IDS: AtomicU64 = AtomicU64::new(1);
@@ -753,6 +766,7 @@ impl RequestReaderPy {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<RequestReaderPy>()?;
+    m.add_function(wrap_pyfunction!(_grant_now, m)?)?;
     m.add_function(wrap_pyfunction!(_next_id, m)?)
 }
 
