@@ -142,7 +142,7 @@ class _RequestReader:
         priority: str | None,
         timeout: float | None,
         account: object,
-        wait: Histogram,
+        wait: object,
     ) -> Any | None: ...
 
 # The asyncio bridge's calls for a policy's queued wait (ratequeue.aio only).

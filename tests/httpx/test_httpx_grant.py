@@ -207,3 +207,25 @@ def test_with_a_ledger_the_hold_comes_first(mod: Any) -> None:
     assert log[0] == ("hold", 10**6)  # held before anything was taken
     pt = transport(inner(mod), rq.Policy({"l": lim}), units=["requests", "tokens"])
     assert pt._prepare(request(mod), False)._permit is None
+
+
+def test_a_wait_histogram_of_its_own_is_recorded_in(mod: Any) -> None:
+    """A transport's ``wait_histogram`` replaced by any object with ``record``: calls go
+    on (the grant at once is the Python path's then), and their waits are recorded in it
+    (from the review: the native prepare took only a ``Histogram``, a TypeError)."""
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+
+        def record(self, seconds: float) -> None:
+            self.waits.append(seconds)
+
+    lim = limiter()
+    t = transport(inner(mod), lim)
+    t.wait_histogram = rec = Recorder()  # type: ignore[assignment]
+    client = mod.Client(transport=t)
+    for _ in range(2):
+        assert client.post(CHAT, json=BODY).extensions["ratequeue"].settled
+    assert len(rec.waits) == 2 and all(w >= 0.0 for w in rec.waits)
+    assert lim.available("tokens") == 10**6 - 22

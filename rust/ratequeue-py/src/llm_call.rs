@@ -402,8 +402,8 @@ impl RequestReaderPy {
     /// `account`: the transport's settings; a Policy's calls are prepared in Python). None
     /// where the Python `_prepare` must make it; nothing has changed then. With the
     /// transport's Limiter (`limiter=`), a call it grants at once leaves with its permit
-    /// (`_permit`; its wait, none, recorded in `wait`): the transport acquires only for
-    /// the others.
+    /// (`_permit`; its wait, none, recorded in `wait`, when that is a `Histogram`): the
+    /// transport acquires only for the others.
     #[allow(clippy::too_many_arguments)]
     fn prepare<'py>(
         &self,
@@ -413,7 +413,7 @@ impl RequestReaderPy {
         priority: &Bound<'py, PyAny>,
         timeout: &Bound<'py, PyAny>,
         account: &Bound<'py, PyAny>,
-        wait: &Bound<'py, HistogramPy>,
+        wait: &Bound<'py, PyAny>,
     ) -> PyResult<Option<Bound<'py, PyAny>>> {
         let py = request.py();
         let Some(parts) = &self.call else {
@@ -460,11 +460,11 @@ impl RequestReaderPy {
             }
             kw.into_any()
         };
-        // Granted last of what can fail before the record exists (a permit dropped after
-        // it keeps its costs charged: never more admitted than the rates allow).
-        let granted = match &self.limiter {
-            Some(lim) => lim.get().grant_now(py, r.costs.cast::<PyDict>()?, &priority, timeout),
-            None => None,
+        // What the grant at once asks, kept for after the record is made (only with a
+        // `Histogram` to record its wait in: any other object is the Python path's).
+        let grant = match (&self.limiter, wait.cast::<HistogramPy>()) {
+            (Some(lim), Ok(h)) => Some((lim, h, r.costs.clone(), priority.clone())),
+            _ => None,
         };
         let pending = if r.est.is_none() {
             PyTuple::new(py, [r.data, estimator.clone()])?.into_any()
@@ -510,19 +510,28 @@ impl RequestReaderPy {
                 put(at, value.into_ptr());
             }
             for (at, value) in &parts.constants {
-                if *at != parts.permit || granted.is_none() {
-                    put(*at, value.clone_ref(py).into_ptr());
-                }
+                put(*at, value.clone_ref(py).into_ptr());
             }
             put(parts.once, once.into_ptr());
         }
-        if let Some(permit) = granted {
-            // SAFETY: as above; the `_permit` slot was left NULL for it.
-            let permit = Bound::new(py, permit).inspect_err(|_| unsafe {
-                *base.offset(parts.permit).cast::<*mut pyo3::ffi::PyObject>() = py.None().into_ptr();
-            })?;
-            unsafe { *base.offset(parts.permit).cast::<*mut pyo3::ffi::PyObject>() = permit.into_ptr() };
-            wait.get().inner.record(0);
+        // Granted last, the record made: only the permit's own object can fail after it
+        // (a MemoryError; the permit dropped keeps its costs charged, never more admitted).
+        let Some((lim, h, costs, priority)) = grant else {
+            return Ok(Some(obj));
+        };
+        let Ok(costs) = costs.cast_into::<PyDict>() else {
+            return Ok(Some(obj));
+        };
+        if let Some(permit) = lim.get().grant_now(py, &costs, &priority, timeout) {
+            let permit = Bound::new(py, permit)?;
+            // SAFETY: the `_permit` slot of the record made above holds a reference (None):
+            // it is replaced by the permit's and released.
+            unsafe {
+                let at = base.offset(parts.permit).cast::<*mut pyo3::ffi::PyObject>();
+                let old = std::mem::replace(&mut *at, permit.into_ptr());
+                pyo3::ffi::Py_DECREF(old);
+            }
+            h.get().inner.record(0);
         }
         Ok(Some(obj))
     }
