@@ -47,9 +47,20 @@ impl LimiterPy {
         timeout: &Bound<'_, PyAny>,
     ) -> Option<PermitPy> {
         let c = self.costs_named(None, costs.iter()).ok()?;
+        self.grant_costs_now(py, &c[..self.core.units().len()], priority, timeout)
+    }
+
+    /// [`Self::grant_now`] of costs already per unit, in this limiter's order (the
+    /// transport's reader computes them so: no names matched).
+    pub(crate) fn grant_costs_now(
+        &self,
+        py: Python<'_>,
+        c: &[u64],
+        priority: &Bound<'_, PyAny>,
+        timeout: &Bound<'_, PyAny>,
+    ) -> Option<PermitPy> {
         let class = self.gate.class(Some(priority).filter(|p| !p.is_none())).ok()?;
         self.gate.timeout(Some(timeout).filter(|t| !t.is_none())).ok()?;
-        let c = &c[..self.core.units().len()];
         let (at_ns, token) = self
             .gate
             .queue

@@ -9,6 +9,7 @@ use pyo3::exceptions::{PyAttributeError, PyException, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyBytes, PyDict, PyList, PySet, PyString, PyTuple, PyType};
+use ratequeue_core::limiter::MAX_RATES;
 use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
@@ -45,9 +46,10 @@ pub struct RequestReaderPy {
     /// the budget and call-options context variables, the options' empty value, the
     /// request-id module (`_PREFIX`) and the own headers' names.
     call: Option<CallParts>,
-    /// The transport's Limiter when `prepare` may take its permit (a Limiter, no ledger):
-    /// a call granted at once leaves with its permit (`_permit`) and its wait recorded.
-    limiter: Option<Py<LimiterPy>>,
+    /// The transport's Limiter when `prepare` may take its permit (a Limiter, no ledger),
+    /// and where each unit of the plan is among its units: a call granted at once leaves
+    /// with its permit (`_permit`) and its wait recorded.
+    limiter: Option<(Py<LimiterPy>, Vec<usize>)>,
 }
 
 /// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
@@ -97,6 +99,8 @@ struct Read<'py> {
     costs: Bound<'py, PyAny>,
     clamped: Bound<'py, PyAny>,
     data: Bound<'py, PyAny>,
+    /// The estimate the costs follow (`(input, output)`); None: 1 per unit.
+    io: Option<(u64, u64)>,
     /// Spends none of the model's tokens (manages batches or files, counts tokens): the
     /// usage its response reports is not its own (`_Call._tokenless`).
     tokenless: bool,
@@ -336,6 +340,7 @@ impl RequestReaderPy {
                 own: own.map(Bound::unbind),
             }),
         };
+        let plan_units: Vec<String> = plan.iter().map(|(u, _, _)| u.to_string()).collect();
         Ok(RequestReaderPy {
             units: plan
                 .into_iter()
@@ -361,7 +366,14 @@ impl RequestReaderPy {
             caps,
             max_body,
             call,
-            limiter: limiter.map(Bound::unbind),
+            limiter: match limiter {
+                Some(lim) => {
+                    let names = lim.get().core().units();
+                    let at: Option<Vec<usize>> = plan_units.iter().map(|u| names.iter().position(|n| n == u)).collect();
+                    at.filter(|at| at.len() == names.len()).map(|at| (lim.unbind(), at))
+                }
+                None => None,
+            },
         })
     }
 
@@ -463,7 +475,7 @@ impl RequestReaderPy {
         // What the grant at once asks, kept for after the record is made (only with a
         // `Histogram` to record its wait in: any other object is the Python path's).
         let grant = match (&self.limiter, wait.cast::<HistogramPy>()) {
-            (Some(lim), Ok(h)) => Some((lim, h, r.costs.clone(), priority.clone())),
+            (Some((lim, at)), Ok(h)) => Some((lim, at, h, r.io, priority.clone())),
             _ => None,
         };
         let pending = if r.est.is_none() {
@@ -516,13 +528,21 @@ impl RequestReaderPy {
         }
         // Granted last, the record made: only the permit's own object can fail after it
         // (a MemoryError; the permit dropped keeps its costs charged, never more admitted).
-        let Some((lim, h, costs, priority)) = grant else {
+        let Some((lim, at, h, io, priority)) = grant else {
             return Ok(Some(obj));
         };
-        let Ok(costs) = costs.cast_into::<PyDict>() else {
-            return Ok(Some(obj));
-        };
-        if let Some(permit) = lim.get().grant_now(py, &costs, &priority, timeout) {
+        let mut costs = [0u64; MAX_RATES];
+        for ((_, plan), &k) in self.units.iter().zip(at) {
+            // As the costs read: 1 per unit without an estimate.
+            costs[k] = match io {
+                Some((i, o)) => match plan.cost(i, o) {
+                    Ok((c, _)) => c,
+                    Err(_) => return Ok(Some(obj)),
+                },
+                None => 1,
+            };
+        }
+        if let Some(permit) = lim.get().grant_costs_now(py, &costs[..at.len()], &priority, timeout) {
             let permit = Bound::new(py, permit)?;
             // SAFETY: the `_permit` slot of the record made above holds a reference (None):
             // it is replaced by the permit's and released.
@@ -674,6 +694,7 @@ impl RequestReaderPy {
                 costs: self.unit_costs.bind(py).clone().into_any(),
                 clamped: PyTuple::empty(py).into_any(),
                 data: data_obj,
+                io: None,
                 tokenless,
                 bodyless,
             }));
@@ -767,6 +788,7 @@ impl RequestReaderPy {
             costs: costs.into_any(),
             clamped: PyTuple::new(py, clamped)?.into_any(),
             data: data_obj,
+            io: Some((input, output)),
             tokenless,
             bodyless,
         }))
