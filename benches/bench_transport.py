@@ -705,7 +705,13 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--burst", type=int, default=40)
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"the markdown written (default: {DEFAULT_OUT} for the full run; a partial run "
+        "(--paired, --instructions, --skip-retries) writes only where this names)",
+    )
     ap.add_argument(
         "--baseline",
         metavar="GIT_REF",
@@ -758,27 +764,32 @@ def main() -> None:
         t3 = instructions(args.baseline, args.jobs, rows)
         lines = [*head, "## 3. Instructions per call (valgrind; load-independent)", "", *t3]
         print("\n".join(lines))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+        _write(args.out, lines)
         return
     if args.paired:
         lines = [*head, "## 1b. Added cost per call, call by call", "", *paired(args.paired)]
         print("\n".join(lines))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(lines) + "\n")
+        _write(args.out, lines)
         return
     head += ["## 1. Added cost per call (median of interleaved rounds)", ""]
     t1 = table_overhead(overhead(args.calls, args.rounds, args.baseline))
     print("\n".join(head + t1), flush=True)
     if args.skip_retries:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text("\n".join(head + t1) + "\n")
+        _write(args.out, head + t1)
         return
     t2 = table_retries(retries(args.burst), args.burst)
     lines = head + t1 + ["", "## 2. The queue against the SDK's retry loop", ""] + t2
     print("\n".join(lines[len(head) + len(t1) :]))
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    _write(args.out or DEFAULT_OUT, lines)
+
+
+def _write(out: Path | None, lines: list[str]) -> None:
+    """The run's markdown in ``out`` (None: printed only; a partial run never replaces
+    the full run's file unless asked to)."""
+    if out is None:
+        return
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
