@@ -6,7 +6,7 @@ use std::sync::Arc;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyInt, PyString, PyTuple};
 use ratequeue_core::limiter::MAX_RATES;
-use ratequeue_core::{Deny, GrantRef, Limiter, Rate, Reserved};
+use ratequeue_core::{Deny, Limiter, Rate, Reserved};
 
 use crate::args::{opt_text, seconds_ns};
 use crate::blocking::{try_or_unblocked, unblocked};
@@ -61,12 +61,7 @@ impl LimiterPy {
     ) -> Option<PermitPy> {
         let class = self.gate.class(Some(priority).filter(|p| !p.is_none())).ok()?;
         self.gate.timeout(Some(timeout).filter(|t| !t.is_none())).ok()?;
-        let (at_ns, token) = self
-            .gate
-            .queue
-            .try_now_token_then(c, class, |q| py.detach(|| q.rewake_after_undo()))
-            .ok()?;
-        Some(self.gate.permit(c, 0).with_grant(GrantRef::new(at_ns, token)))
+        self.gate.permit_now(py, c, class).ok().flatten()
     }
 
     /// The core limiter (for policies).

@@ -197,17 +197,13 @@ pub fn acquire_async(
     class: usize,
     timeout_ns: Option<u64>,
 ) -> PyResult<Py<PyAny>> {
-    // The driver's lock (after an undone take) is waited for with the GIL released.
-    match gate
-        .queue
-        .try_now_token_then(costs, class, |q| py.detach(|| q.rewake_after_undo()))
-    {
-        Ok((at_ns, token)) => {
-            let permit = Py::new(py, gate.permit(costs, 0).with_grant(GrantRef::new(at_ns, token)))?;
+    match gate.permit_now(py, costs, class) {
+        Ok(Some(permit)) => {
+            let permit = Py::new(py, permit)?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
-        Err(Some(d)) => Err(to_py(py, gate.queue.error_for(d))),
-        Err(None) => {
+        Err(d) => Err(to_py(py, gate.queue.error_for(d))),
+        Ok(None) => {
             let a = AcquiringPy::level(LevelAcquire::new(gate, costs, class, timeout_ns));
             Ok(Py::new(py, a)?.into_any())
         }
