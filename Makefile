@@ -18,10 +18,17 @@ $(STAMP): pyproject.toml | $(PY)
 	touch $(STAMP)
 
 # Build a release wheel and install it: the tests run against the installed package,
-# so a file missing from the wheel fails them.
+# so a file missing from the wheel fails them. `make build PGO=1` (or `make bench PGO=1`)
+# builds it profile-guided, trained on the test suite, as a published wheel is built: it
+# needs an llvm-profdata (scripts/pgo_wheel.py says where it looks) and takes minutes.
+PGO ?= 0
 build: $(STAMP)
 	rm -rf dist
+ifeq ($(PGO),1)
+	$(PY) scripts/pgo_wheel.py --out dist
+else
 	$(VENV)/bin/maturin build --release --out dist --quiet --interpreter $(PY)
+endif
 	$(PIP) install --quiet --force-reinstall --no-deps dist/*.whl
 	$(PIP) install --quiet "$$(ls dist/*.whl)[test]"
 
@@ -68,8 +75,8 @@ lint: build
 	$(PIP) install --quiet "$$(ls dist/*.whl)[lint]"
 	cargo fmt --all -- --check
 	cargo clippy --workspace --all-targets -- -D warnings
-	$(VENV)/bin/ruff check python tests benches
-	$(VENV)/bin/ruff format --check python tests benches
+	$(VENV)/bin/ruff check python tests benches scripts
+	$(VENV)/bin/ruff format --check python tests benches scripts
 	$(VENV)/bin/mypy
 	$(PY) -m mypy.stubtest ratequeue._ratequeue --allowlist stubtest-allowlist.txt
 
