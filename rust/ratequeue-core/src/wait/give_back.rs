@@ -238,9 +238,12 @@ impl WaitQueue {
             .resource
             .try_settle(estimated, actual, GrantRef { owed: None, ..grant })?;
         if actual.iter().zip(estimated).any(|(a, e)| a < e) {
-            // A refund may let a waiter through.
-            self.poll_and_unlock(g, self.clock.now_ns());
+            // A refund may let a waiter through, but nobody is queued (`len`, read under
+            // this lock, held since, is 0): a poll would find nothing due and nothing to
+            // time, and only reset the driver's hint, as done here without the poll's code.
+            self.thread_next.store(false, Ordering::Relaxed);
         }
+        drop(g);
         Some(grant)
     }
 
