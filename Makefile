@@ -19,9 +19,13 @@ $(STAMP): pyproject.toml | $(PY)
 
 # Build a release wheel and install it: the tests run against the installed package,
 # so a file missing from the wheel fails them. `make build PGO=1` (or `make bench PGO=1`)
-# builds it profile-guided, trained on the test suite, as a published wheel is built: it
-# needs an llvm-profdata (scripts/pgo_wheel.py says where it looks) and takes minutes.
+# builds it profile-guided, trained on the test suite, the way to build a wheel for
+# release: it needs an llvm-profdata (scripts/pgo_wheel.py says where it looks) and takes
+# minutes.
 PGO ?= 0
+ifneq ($(filter-out 0 1,$(PGO)),)
+$(error PGO is 0 (a plain release build) or 1 (profile-guided), not "$(PGO)")
+endif
 build: $(STAMP)
 	rm -rf dist
 ifeq ($(PGO),1)
