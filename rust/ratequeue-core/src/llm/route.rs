@@ -156,12 +156,7 @@ pub fn emits_no_tokens(path: &str) -> bool {
 /// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
 /// call's, charged.
 pub fn spends_no_tokens(path: &str) -> bool {
-    // One pass over the bytes (this runs on every call): ASCII, no `;`, no `//` or `/.`.
-    let b = path.as_bytes();
-    let plain = b.last() != Some(&b'/')
-        && b.iter()
-            .zip(b.iter().skip(1).chain([&0]))
-            .all(|(&c, &next)| c.is_ascii() && c != b';' && !(c == b'/' && (next == b'/' || next == b'.')));
+    let plain = plain_path(path);
     if !plain {
         return false;
     }
@@ -186,6 +181,17 @@ pub fn spends_no_tokens(path: &str) -> bool {
         };
         (anchor.eq_ignore_ascii_case("openai") || is_version(anchor)) && manages(&segs[i..])
     })
+}
+
+/// A path a server reads as it is: ASCII, no `;`, no `//` nor `/.`, no trailing `/`
+/// (word-at-a-time and memchr scans and one loop over byte pairs: this runs on every
+/// call).
+fn plain_path(path: &str) -> bool {
+    let b = path.as_bytes();
+    b.is_ascii()
+        && !b.contains(&b';')
+        && !b.windows(2).any(|w| w[0] == b'/' && matches!(w[1], b'/' | b'.'))
+        && b.last() != Some(&b'/')
 }
 
 /// Actions of the management APIs on one of their objects (`/batches/{id}/cancel`,
@@ -238,7 +244,28 @@ fn is_version(seg: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{emits_no_tokens, route_of, spends_no_tokens};
+    use super::{emits_no_tokens, plain_path, route_of, spends_no_tokens};
+
+    /// The plain-path check against its plain definition, on every string of up to six
+    /// characters over the ones that matter (and a few that do not).
+    #[test]
+    fn plain_paths_as_defined() {
+        let alphabet = ['/', '.', ';', 'a', 'é', '\u{7f}'];
+        let mut paths = vec![String::new()];
+        for _ in 0..6 {
+            let longer: Vec<String> = paths
+                .iter()
+                .filter(|p| p.chars().count() == paths.last().map_or(0, |l| l.chars().count()))
+                .flat_map(|p| alphabet.iter().map(move |c| format!("{p}{c}")))
+                .collect();
+            paths.extend(longer);
+        }
+        assert!(paths.len() > 50_000);
+        for p in &paths {
+            let want = p.is_ascii() && !p.contains(';') && !p.contains("//") && !p.contains("/.") && !p.ends_with('/');
+            assert_eq!(plain_path(p), want, "{p:?}");
+        }
+    }
 
     #[test]
     fn calls_that_spend_no_tokens() {
