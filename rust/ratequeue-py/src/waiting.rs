@@ -8,7 +8,7 @@ use std::time::Duration;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString, PyTuple};
 use ratequeue_core::wait::{Detach, Host, Permit, Stopped};
-use ratequeue_core::{AnyClock, Deny, GrantRef, QueueConfig, WaitQueue};
+use ratequeue_core::{AnyClock, Error, GrantRef, QueueConfig, WaitQueue};
 
 use crate::args::{seconds_ns, size};
 use crate::blocking::unblocked;
@@ -73,7 +73,7 @@ pub trait GatePy {
     /// `costs` in `class` granted at once, without waiting: Ok(None) when the call must
     /// queue, Err when it can never be admitted. The queue's lock (after a take undone for
     /// a joiner) is waited for with the GIL released.
-    fn permit_now(&self, py: Python<'_>, costs: &[u64], class: usize) -> Result<Option<PermitPy>, Deny>;
+    fn permit_now(&self, py: Python<'_>, costs: &[u64], class: usize) -> Result<Option<PermitPy>, Error>;
     /// Blocks until granted (GIL released), raising Overloaded, WaitTimeout, or
     /// KeyboardInterrupt (leaving the queue clean).
     fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy>;
@@ -102,15 +102,8 @@ impl GatePy for Arc<Gate> {
         PermitPy::new(self.clone(), costs, waited_ns)
     }
 
-    fn permit_now(&self, py: Python<'_>, costs: &[u64], class: usize) -> Result<Option<PermitPy>, Deny> {
-        match self
-            .queue
-            .try_now_token_then(costs, class, |q| py.detach(|| q.rewake_after_undo()))
-        {
-            Ok((at_ns, token)) => Ok(Some(self.permit(costs, 0).with_grant(GrantRef::new(at_ns, token)))),
-            Err(Some(d)) => Err(d),
-            Err(None) => Ok(None),
-        }
+    fn permit_now(&self, py: Python<'_>, costs: &[u64], class: usize) -> Result<Option<PermitPy>, Error> {
+        Ok(self.try_now_in(&PyHost { py }, costs, class)?.map(PermitPy::from))
     }
 
     fn acquire(&self, py: Python<'_>, costs: &[u64], class: usize, timeout_ns: Option<u64>) -> PyResult<PermitPy> {

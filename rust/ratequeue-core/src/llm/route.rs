@@ -156,8 +156,7 @@ pub fn emits_no_tokens(path: &str) -> bool {
 /// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
 /// call's, charged.
 pub fn spends_no_tokens(path: &str) -> bool {
-    let plain = plain_path(path);
-    if !plain {
+    if !plain_path(path) {
         return false;
     }
     // Compared in any case, nothing copied (this runs on every call).

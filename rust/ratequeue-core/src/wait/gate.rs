@@ -87,7 +87,12 @@ impl Gate {
 
     /// [`Gate::try_now`] for a host with a lock of its own: the driver's lock (asked for
     /// after a take undone for a joiner) is waited for detached by `host`.
-    fn try_now_in<D: Detach>(self: &Arc<Self>, host: &D, costs: &[u64], class: usize) -> Result<Option<Permit>, Error> {
+    pub fn try_now_in<D: Detach>(
+        self: &Arc<Self>,
+        host: &D,
+        costs: &[u64],
+        class: usize,
+    ) -> Result<Option<Permit>, Error> {
         let undone = |q: &Arc<WaitQueue>| host.detached(|| q.rewake_after_undo());
         match self.queue.try_now_token_then(costs, class, undone) {
             Ok((at_ns, token)) => Ok(Some(self.issue(costs, 0, GrantRef::new(at_ns, token)))),

@@ -202,7 +202,7 @@ pub fn acquire_async(
             let permit = Py::new(py, permit)?;
             Ok(Py::new(py, Ready::new(permit.into_any()))?.into_any())
         }
-        Err(d) => Err(to_py(py, gate.queue.error_for(d))),
+        Err(e) => Err(to_py(py, e)),
         Ok(None) => {
             let a = AcquiringPy::level(LevelAcquire::new(gate, costs, class, timeout_ns));
             Ok(Py::new(py, a)?.into_any())
