@@ -398,6 +398,19 @@ def table_overhead(rows: list[tuple[str, str, Sample, str | None]]) -> list[str]
 # -- 1b. the added cost call by call --------------------------------------------------------
 
 
+class Passing(httpx2.BaseTransport):
+    """The control of ``paired``: a transport that only passes the call on."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def handle_request(self, request: httpx2.Request) -> httpx2.Response:
+        return self.inner.handle_request(request)
+
+    def close(self) -> None:
+        self.inner.close()
+
+
 def paired(n: int) -> list[str]:
     """Each row's floor and transport called one after the other (ABBA), ``n`` times each,
     the CPU (``thread_time_ns``) and wall time of every call kept; "added" is a statistic of
@@ -407,7 +420,12 @@ def paired(n: int) -> list[str]:
     cancel on a loopback call of ~0.5 ms. With two cores or more the calling thread runs on
     core 0 and the mock provider on core 1. The third row writes a 4 MiB buffer between
     calls (outside the timing): what a real network call does to the caches (the kernel's
-    network stack, httpcore, h11), which is why the loopback row costs more than in memory."""
+    network stack, httpcore, h11). The fourth sleeps 300 µs between calls (outside the
+    timing), as a loopback call waits for its answer: the core idles, and the caches and
+    branch predictors the call finds are what the idle left of them. That row, not the
+    third, gives the loopback row's added cost back: the transport's code and data are
+    cold on every call. The last row is a control: a Python transport that only passes
+    the call on, to show what any wrapper costs here."""
     pin = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
     before = os.sched_getaffinity(0) if pin else None
     default_estimator().load(60)  # type: ignore[attr-defined]
@@ -429,18 +447,24 @@ def paired(n: int) -> list[str]:
     try:
         with provider_process(1 if pin else None) as url:
             target = url + "/v1/chat/completions"
-            rows: list[tuple[str, Callable[[], Any], bool]] = [
-                ("loopback (the issue's row)", httpx2.HTTPTransport, False),
-                ("in memory", lambda: httpx2.MockTransport(answer), False),
-                ("in memory, caches cold", lambda: httpx2.MockTransport(answer), True),
+            memory = lambda: httpx2.MockTransport(answer)  # noqa: E731
+            limit = lambda inner: RateLimitedTransport(inner, roomy())  # noqa: E731
+            rows: list[tuple[str, Callable[[], Any], Callable[[Any], Any], str]] = [
+                ("loopback (the issue's row)", httpx2.HTTPTransport, limit, ""),
+                ("in memory", memory, limit, ""),
+                ("in memory, caches cold", memory, limit, "trash"),
+                ("in memory, after a 300 µs idle", memory, limit, "idle"),
+                ("control: a pass-through wrapper, loopback", httpx2.HTTPTransport, Passing, ""),
             ]
-            for label, make, cold in rows:
+            for label, make, wrap, cold in rows:
                 floor = httpx2.Client(transport=make())
-                limited = httpx2.Client(transport=RateLimitedTransport(make(), roomy()))
+                limited = httpx2.Client(transport=wrap(make()))
 
-                def one(c: httpx2.Client, cold: bool = cold) -> tuple[int, int]:
-                    if cold:
+                def one(c: httpx2.Client, cold: str = cold) -> tuple[int, int]:
+                    if cold == "trash":
                         trash[::64] = ones
+                    elif cold == "idle":
+                        time.sleep(300e-6)
                     c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
                     c.post(target, content=data, headers=headers).read()
                     return time.thread_time_ns() - c0, time.perf_counter_ns() - w0

@@ -43,7 +43,8 @@ def _settle_response(
     http_seconds: float,
     usage_type: type,
     transport: object | None = None,
-) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | None: ...
+    read_ahead: bool = False,
+) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | int | None: ...
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...

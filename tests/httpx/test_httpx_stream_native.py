@@ -360,8 +360,9 @@ def test_a_close_racing_the_end_settles_once(name: str) -> None:
 
 
 def test_a_loopback_call_settles_the_providers_usage() -> None:
-    """Over a real socket (HTTPTransport to the MockProvider) the body is streamed: read
-    natively, the permit settled with the provider's usage."""
+    """Over a real socket (HTTPTransport to the MockProvider) a body of a known length is
+    read ahead (``test_httpx_read_ahead``), the permit settled with the provider's usage
+    before the consumer reads."""
     httpx2 = importlib.import_module("httpx2")
     llm = rq.Limiter(
         rq.Rate(10**6, per="minute"),
@@ -377,7 +378,7 @@ def test_a_loopback_call_settles_the_providers_usage() -> None:
                 "max_tokens": 7,
             }
             with c.stream("POST", mock.url, json=body) as r:
-                assert reader_of(r) == _BodyReader.__name__
+                assert reader_of(r) == "NoneType" and r.extensions["ratequeue"].settled
                 r.read()
     rec = r.extensions["ratequeue"]
     assert rec.settled and rec.usage == Usage(10, 5)

@@ -5,6 +5,7 @@ the response), imported only then."""
 from __future__ import annotations
 
 import importlib
+import itertools
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -114,13 +115,13 @@ class _Decoding(_Reader):
             self.over, self.buf = True, []
 
 
-_STREAMS: dict[type, tuple[type, type, type, type]] = {}
+_STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
 
 
-def _stream_types(response_type: type) -> tuple[type, type, type, type]:
+def _stream_types(response_type: type) -> tuple[type, type, type, type, type, type]:
     """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
-    (whichever defines ``response_type``): over a Python reader, then over the native
-    ``_BodyReader``."""
+    (whichever defines ``response_type``): over a Python reader, over the native
+    ``_BodyReader``, and over a body read ahead (``read_ahead``)."""
     types = _STREAMS.get(response_type)
     if types is not None:
         return types
@@ -195,7 +196,50 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type]:
         async def _pay(self) -> None:
             pass  # no ledger on the native path
 
-    types = (_SyncStream, _AsyncStream, _NativeSyncStream, _NativeAsyncStream)
+    class _SyncReplay(mod.SyncByteStream):  # type: ignore[name-defined,misc]
+        """The chunks read ahead, then what the stream still gives (``rest``: a stream
+        that gave more than its length); closing closes the stream they came from."""
+
+        def __init__(self, chunks: list[bytes], rest: Any, inner: Any) -> None:
+            self._chunks, self._rest, self._inner = chunks, rest, inner
+
+        def __iter__(self) -> Iterator[bytes]:
+            chunks, rest = self._chunks, self._rest
+            self._chunks, self._rest = [], None
+            return iter(chunks) if rest is None else itertools.chain(chunks, rest)
+
+        def close(self) -> None:
+            if hasattr(self._inner, "close"):
+                self._inner.close()
+
+    class _AsyncReplay(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        """``_SyncReplay`` for asyncio: an iterator of its own, no generator frame."""
+
+        def __init__(self, chunks: list[bytes], rest: Any, inner: Any) -> None:
+            self._left, self._rest, self._inner = chunks[::-1], rest, inner
+
+        def __aiter__(self) -> Any:
+            return self
+
+        async def __anext__(self) -> bytes:
+            if self._left:
+                return self._left.pop()
+            if self._rest is not None:
+                return await self._rest.__anext__()  # type: ignore[no-any-return]
+            raise StopAsyncIteration
+
+        async def aclose(self) -> None:
+            if hasattr(self._inner, "aclose"):
+                await self._inner.aclose()
+
+    types = (
+        _SyncStream,
+        _AsyncStream,
+        _NativeSyncStream,
+        _NativeAsyncStream,
+        _SyncReplay,
+        _AsyncReplay,
+    )
     _STREAMS[response_type] = types
     return types
 
@@ -208,7 +252,7 @@ def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
 
 def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
     """Settle the call without a usage when its body ends or is closed (passed on unread)."""
-    sync_t, async_t, _, _ = _STREAMS.get(type(response)) or _stream_types(type(response))
+    sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     reader = _Reader(call, transport, False)
     reader.over = True  # nothing of the body is kept
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
@@ -230,10 +274,97 @@ def wrap(
             usage = _json_usage(content)
         _done(call, transport, usage)
         return
-    sync_t, async_t, _, _ = _STREAMS.get(type(response)) or _stream_types(type(response))
+    sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")
     dec = None
     if enc is not None:  # a stream: a bound per encoded byte; JSON: max_body in all
         dec = decoder(enc, _SSE_DECODED, _SSE_RATIO) if sse else decoder(enc, transport.max_body)
     reader = _Reader(call, transport, sse) if dec is None else _Decoding(call, transport, sse, dec)
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
+
+
+# -- a body read ahead -------------------------------------------------------------------
+#
+# On the native path a 2xx JSON body with one Content-Length within ``max_body`` (and
+# nothing to decode) is read before the response is returned: the call is settled in the
+# same native crossing as a body that was here, and no reader stands between the stream
+# and its consumer. The consumer then reads the same chunks from memory; closing the
+# response closes the stream they came from (the connection goes back to its pool then,
+# as without the transport).
+
+
+def _replay(response: Any, stream: Any, chunks: list[bytes], rest: Any, is_async: bool) -> None:
+    types = _STREAMS.get(type(response)) or _stream_types(type(response))
+    response.stream = types[5 if is_async else 4](chunks, rest, stream)
+
+
+def _read_failed(
+    transport: RateLimitedTransport,
+    call: _Call,
+    response: Any,
+    chunks: list[bytes],
+    http_seconds: float,
+    is_async: bool,
+) -> None:
+    """A read ahead cut by an error: settled from what was read, as the native reader
+    settles a body cut short (the estimate stays unless that part holds a usage)."""
+    transport._received(call, response, http_seconds, is_async, b"".join(chunks))
+
+
+def _whole(chunks: list[bytes]) -> bytes:
+    return chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
+
+
+def read_ahead(
+    transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
+) -> bytes:
+    """The body of ``length`` bytes, read now; the response's stream replaced by its
+    replay. A stream that gives more than ``length`` stops being read there (the rest is
+    passed on after what was read) and gives ``b""``: no usage is read from it. An error
+    of the stream settles the call from what was read, closes the stream and is raised."""
+    stream = response.stream
+    chunks: list[bytes] = []
+    size = 0
+    it = iter(stream)
+    rest = None
+    try:
+        for chunk in it:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > length:
+                rest = it
+                break
+    except BaseException:
+        try:
+            _read_failed(transport, call, response, chunks, http_seconds, False)
+        finally:
+            stream.close()
+        raise
+    _replay(response, stream, chunks, rest, False)
+    return b"" if rest is not None else _whole(chunks)
+
+
+async def aread_ahead(
+    transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
+) -> bytes:
+    """``read_ahead`` for asyncio (a cancel while reading is such an error)."""
+    stream = response.stream
+    chunks: list[bytes] = []
+    size = 0
+    it = stream.__aiter__()
+    rest = None
+    try:
+        async for chunk in it:
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > length:
+                rest = it
+                break
+    except BaseException:
+        try:
+            _read_failed(transport, call, response, chunks, http_seconds, True)
+        finally:
+            await stream.aclose()
+        raise
+    _replay(response, stream, chunks, rest, True)
+    return b"" if rest is not None else _whole(chunks)

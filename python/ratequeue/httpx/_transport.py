@@ -32,7 +32,7 @@ from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
-from ._stream import _done, ignore, native_stream, nothing_used, wrap
+from ._stream import _done, aread_ahead, ignore, native_stream, nothing_used, read_ahead, wrap
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -222,12 +222,21 @@ class RateLimitedTransport(_Requests):
             request.url = url
             request.headers["host"] = url.netloc.decode("ascii")
 
-    def _received(self, call: _Call, response: Any, http_seconds: float, is_async: bool) -> Any:
+    def _received(
+        self,
+        call: _Call,
+        response: Any,
+        http_seconds: float,
+        is_async: bool,
+        body: bytes | None = None,
+    ) -> Any:
+        """The response (or, on the native path, the length of a body to read ahead:
+        the caller reads it, ``read_ahead``, and calls again with it as ``body``)."""
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         hl = response.headers
         hl = hl._list if type(hl) in _TRIPLES else header_list(hl)
-        consumed = response.is_stream_consumed
+        consumed = body is not None or response.is_stream_consumed
         found: Any = False
         if call._tokenless:
             return self._received_tokenless(call, response, status, hl, http_seconds, is_async)
@@ -252,24 +261,28 @@ class RateLimitedTransport(_Requests):
                 call._charged,
                 self._token_plan,
                 hl,
-                response.content if consumed else None,
+                (response.content if body is None else body) if consumed else None,
                 self._native_max_body,
                 self.http_histogram,
                 http_seconds,
                 Usage,
                 self,
+                True,
             )
             if found is None:
                 response.extensions["ratequeue"] = call
                 return response
+            if type(found) is int:
+                return found  # read the body first
             if type(found) is _BodyReader:
                 native_stream(response, found, is_async)
                 response.extensions["ratequeue"] = call
                 return response
         self.http_histogram.record(http_seconds)
-        # The body is here already (what MockTransport and ASGI tests return): its usage
-        # is read in the same native call as the headers when the settle needs it.
-        content = response.content if consumed else None
+        # The body is here already (what MockTransport and ASGI tests return, or read
+        # ahead): its usage is read in the same native call as the headers when the
+        # settle needs it.
+        content = (response.content if body is None else body) if consumed else None
         wanted = (
             status < 300
             and content
@@ -539,7 +552,12 @@ class RateLimitedTransport(_Requests):
         except BaseException:
             self._failed(call)
             raise
-        return self._received(call, response, perf_counter() - t1, False)
+        took = perf_counter() - t1
+        got = self._received(call, response, took, False)
+        if type(got) is int:  # the body's length: read it now, then settle from it
+            body = read_ahead(self, call, response, got, took)
+            got = self._received(call, response, took, False, body)
+        return got
 
     def _acquire(self, call: _Call) -> None:
         """The call held in the ledger, then its permit acquired (waiting, GIL released)."""
@@ -581,7 +599,11 @@ class RateLimitedTransport(_Requests):
             if call._owed is not None:
                 await self._pay_async(call)
             raise
-        self._received(call, response, perf_counter() - t1, True)
+        took = perf_counter() - t1
+        got = self._received(call, response, took, True)
+        if type(got) is int:  # as handle_request
+            body = await aread_ahead(self, call, response, got, took)
+            self._received(call, response, took, True, body)
         if call._owed is not None:
             await self._pay_async(call)
         return response

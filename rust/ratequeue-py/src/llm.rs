@@ -107,6 +107,20 @@ pub fn _read_request<'py>(
     .into_any())
 }
 
+/// A `Content-Length` value as httpx keeps it: ASCII digits only (no sign, no white
+/// space), within 64 bits; None otherwise.
+pub(crate) fn decimal(v: &[u8]) -> Option<u64> {
+    if v.is_empty() {
+        return None;
+    }
+    v.iter().try_fold(0u64, |n, &c| {
+        if !c.is_ascii_digit() {
+            return None;
+        }
+        n.checked_mul(10)?.checked_add(u64::from(c - b'0'))
+    })
+}
+
 /// A header's lower-case name and value.
 pub(crate) type Pair<'py> = (Bound<'py, PyBytes>, Bound<'py, PyBytes>);
 

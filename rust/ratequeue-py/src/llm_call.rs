@@ -17,7 +17,7 @@ use ratequeue_core::llm::request_facts;
 
 use crate::histogram::HistogramPy;
 use crate::limiter::LimiterPy;
-use crate::llm::{latin1, pair_of, pairs, path_emits_no_tokens, path_spends_no_tokens, read};
+use crate::llm::{decimal, latin1, pair_of, pairs, path_emits_no_tokens, path_spends_no_tokens, read};
 use crate::waiting::PermitPy;
 
 /// Methods whose body the transport reads.
@@ -285,17 +285,7 @@ fn sends_nothing(request: &Bound<'_, PyAny>) -> PyResult<bool> {
 
 /// `b.isdigit()` and `int(b) <= max` of a `Content-Length` value.
 fn length_within(v: &[u8], max: u64) -> bool {
-    if v.is_empty() || !v.iter().all(u8::is_ascii_digit) {
-        return false;
-    }
-    let mut n: u64 = 0;
-    for &c in v {
-        n = match n.checked_mul(10).and_then(|n| n.checked_add(u64::from(c - b'0'))) {
-            Some(n) => n,
-            None => return false,
-        };
-    }
-    n <= max
+    decimal(v).is_some_and(|n| n <= max)
 }
 
 #[pymethods]

@@ -10,7 +10,7 @@ use ratequeue_core::llm::headers::scan_headers;
 use ratequeue_core::llm::response_usage;
 
 use crate::histogram::{to_ns, HistogramPy};
-use crate::llm::{pair_of, read};
+use crate::llm::{decimal, pair_of, read};
 use crate::llm_stream::BodyReaderPy;
 use crate::waiting::{PermitPy, Unblocked};
 
@@ -84,15 +84,17 @@ fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py
 /// bytes, a usage only the reference reads, a permit that is not a Limiter's.
 ///
 /// A body not read yet (`body` None, a stream over the network) without a
-/// `Content-Encoding` (or only `identity`): the HTTP time is recorded and a
-/// [`BodyReaderPy`] is returned that buffers the body as it passes and settles at its end
-/// (`transport` takes the calls it defers); any other such body: False.
+/// `Content-Encoding` (or only `identity`): with `read_ahead`, and one `Content-Length`
+/// within `max_body`, that length (nothing done: the caller reads the body and calls
+/// again with it); otherwise the HTTP time is recorded and a [`BodyReaderPy`] is returned
+/// that buffers the body as it passes and settles at its end (`transport` takes the calls
+/// it defers); any other such body: False.
 ///
 /// `plan`: `((unit, index in (requests, tokens, input, output)), ...)` of the units a
 /// usage corrects (empty: the body is kept for the record to read when asked for);
 /// `charged`: what acquire took per unit; `once`: the call's settle-once list.
 #[pyfunction]
-#[pyo3(signature = (call, once, permit, charged, plan, headers, body, max_body, histogram, http_seconds, usage_type, transport=None))]
+#[pyo3(signature = (call, once, permit, charged, plan, headers, body, max_body, histogram, http_seconds, usage_type, transport=None, read_ahead=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn _settle_response<'py>(
     py: Python<'py>,
@@ -108,6 +110,7 @@ pub fn _settle_response<'py>(
     http_seconds: f64,
     usage_type: &Bound<'py, PyType>,
     transport: Option<&Bound<'py, PyAny>>,
+    read_ahead: bool,
 ) -> PyResult<Bound<'py, PyAny>> {
     // Everything that may defer comes first: nothing is changed before the settle.
     let Ok(ns) = to_ns("seconds", http_seconds) else {
@@ -146,6 +149,11 @@ pub fn _settle_response<'py>(
         {
             return Ok(defer(py));
         }
+        if read_ahead {
+            if let Some(n) = announced_length(&pairs, max_body) {
+                return Ok(n.into_pyobject(py)?.into_any());
+            }
+        }
         let reader = BodyReaderPy::new(call, once, permit, charged, plan, max_body, usage_type, transport);
         let reader = Bound::new(py, reader)?;
         histogram.get().inner.record(ns);
@@ -166,6 +174,17 @@ pub fn _settle_response<'py>(
         Settled::Done => Ok(py.None().into_bound(py)),
         Settled::Deferred => Ok(defer(py)),
     }
+}
+
+/// The body's length when the headers announce it once (`Content-Length`, digits only)
+/// and it is within `max_body`; None otherwise (none, several, malformed, past the bound).
+fn announced_length(pairs: &[(&[u8], &[u8])], max_body: usize) -> Option<u64> {
+    let mut lengths = pairs.iter().filter(|(name, _)| *name == b"content-length");
+    let (_, value) = lengths.next()?;
+    if lengths.next().is_some() {
+        return None;
+    }
+    decimal(value).filter(|&n| u64::try_from(max_body).is_ok_and(|m| n <= m))
 }
 
 /// A `Content-Encoding` value that asks for nothing to be undone: its comma-separated
@@ -303,7 +322,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::identity;
+    use super::{announced_length, identity};
 
     #[test]
     fn identity_encodings() {
@@ -314,5 +333,28 @@ mod tests {
         assert!(!identity(b"identity, br"));
         assert!(!identity(b"identityx"));
         assert!(!identity(b"\xa0identity")); // not ASCII white space: the reference decides
+    }
+
+    #[test]
+    fn announced_lengths() {
+        let one = |v: &'static [u8]| {
+            vec![
+                (&b"content-type"[..], &b"application/json"[..]),
+                (&b"content-length"[..], v),
+            ]
+        };
+        assert_eq!(announced_length(&one(b"120"), 8 << 20), Some(120));
+        assert_eq!(announced_length(&one(b"0"), 0), Some(0));
+        assert_eq!(announced_length(&one(b"121"), 120), None); // past the bound
+        assert_eq!(announced_length(&one(b" 12"), 100), None);
+        assert_eq!(announced_length(&one(b"+12"), 100), None);
+        assert_eq!(announced_length(&one(b""), 100), None);
+        assert_eq!(announced_length(&one(b"99999999999999999999999"), usize::MAX), None);
+        assert_eq!(
+            announced_length(&[(&b"content-type"[..], &b"text/plain"[..])], 100),
+            None
+        );
+        let twice = [(&b"content-length"[..], &b"5"[..]), (&b"content-length"[..], &b"5"[..])];
+        assert_eq!(announced_length(&twice, 100), None);
     }
 }

@@ -1,0 +1,273 @@
+"""A 2xx JSON body with one ``Content-Length`` within ``max_body`` (nothing to decode) is
+read ahead on the native path: the call is settled before the response is returned, the
+consumer reads the same chunks from memory, and closing the response closes the stream
+they came from. Against the Python reference (which streams): the same chunks seen, and
+the state the reference reaches when the body is read whole, whatever the consumer does;
+an error of the stream is raised from the send, the call settled from what was read; a
+stream longer than its length is passed on whole, its usage not read; a cancel while
+reading settles the call and closes the stream."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+from typing import Any
+
+import pytest
+import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ratequeue.httpx import RateLimitedTransport
+from ratequeue.httpx._usage import Usage
+from ratequeue.testing import MockProvider
+from test_httpx_settle_native import BODIES, RAW, UNITS, limiter
+from test_httpx_stream_native import (
+    CHAT,
+    Boom,
+    chunks_of,
+    reader_of,
+    run_async,
+    run_sync,
+    state,
+    transport,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 50}
+ANSWER = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode()
+
+
+def length(answer: bytes) -> list[tuple[bytes, bytes]]:
+    return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
+
+
+def send(mod: Any, t: Any, is_async: bool) -> tuple[Any, Any]:
+    """``client.send(stream=True)``: the response (or the error the send raised) and the
+    record the transport made (from the response, or the limiter's only permit)."""
+
+    async def go() -> Any:
+        async with mod.AsyncClient(transport=t) as c:
+            return await c.send(c.build_request("POST", CHAT, json=BODY), stream=True)
+
+    if is_async:
+        return asyncio.run(go())
+    with mod.Client(transport=t) as c:
+        return c.send(c.build_request("POST", CHAT, json=BODY), stream=True)
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+@settings(max_examples=150, deadline=None)
+@given(
+    units=st.sampled_from(UNITS),
+    burst=st.sampled_from([40, 10**6]),
+    answer=st.one_of(BODIES, RAW),
+    cuts=st.lists(st.integers(0, 400), max_size=5),
+    plan=st.one_of(
+        st.just(("read", 0)),
+        st.tuples(st.just("part"), st.integers(0, 4)),
+        st.just(("close", 0)),
+    ),
+)
+def test_read_ahead_is_the_reference_read_whole(
+    name: str,
+    is_async: bool,
+    units: str,
+    burst: int,
+    answer: bytes,
+    cuts: list[int],
+    plan: tuple[str, int],
+) -> None:
+    mod = importlib.import_module(name)
+    chunks = chunks_of(answer, cuts)
+    run = run_async if is_async else run_sync
+    t, llm = transport(mod, units, burst, 8 << 20, length(answer), chunks, None, True, is_async)
+    reader, seen, err, rec = run(mod, t, BODY, plan)
+    assert reader == "NoneType" and err is None  # no reader between stream and consumer
+    got = state(t, llm, rec)
+    ref_t, ref_llm = transport(
+        mod, units, burst, 8 << 20, length(answer), chunks, None, False, is_async
+    )
+    ref_reader, ref_seen, _, ref_rec = run(mod, ref_t, BODY, plan)
+    assert ref_reader == "_Reader" and seen == ref_seen
+    if plan[0] != "read":  # the reference read whole
+        ref_t, ref_llm = transport(
+            mod, units, burst, 8 << 20, length(answer), chunks, None, False, is_async
+        )
+        _, _, _, ref_rec = run(mod, ref_t, BODY, ("read", 0))
+    assert got == state(ref_t, ref_llm, ref_rec)
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_an_error_while_reading_is_raised_from_the_send(
+    name: str, is_async: bool, fail_at: int
+) -> None:
+    """Settled from what was read (as the native reader settles a body cut short), the
+    stream closed once, the error raised where the send is; the reference's state after
+    the same error while the consumer reads."""
+    mod = importlib.import_module(name)
+    chunks = [ANSWER[:5], ANSWER[5:], b""]  # at 2: the whole body came before the error
+    t, llm = transport(
+        mod, "tokens", 10**6, 8 << 20, length(ANSWER), chunks, fail_at, True, is_async
+    )
+    inner = t.inner
+    streams: list[Any] = []
+    answer = inner.handler
+
+    def keep(request: Any) -> Any:
+        response = answer(request)
+        streams.append(response.stream)
+        return response
+
+    inner.handler = keep
+    with pytest.raises(Boom):
+        send(mod, t, is_async)
+    assert [s.closed for s in streams] == [1]
+    assert t.stats()["sent"] == 1
+    ref_t, ref_llm = transport(
+        mod, "tokens", 10**6, 8 << 20, length(ANSWER), chunks, fail_at, False, is_async
+    )
+    _, _, err, ref_rec = (run_async if is_async else run_sync)(mod, ref_t, BODY, ("raise", 0))
+    assert err == "boom"
+    assert llm.available("tokens") == ref_llm.available("tokens")
+    assert t.http_histogram.count == ref_t.http_histogram.count == 1
+    if fail_at == 2:  # the whole body came before the error: its usage is read
+        assert ref_rec.usage == Usage(2, 3) and llm.available("tokens") == 10**6 - 5
+    else:  # cut short: the estimate stays
+        assert ref_rec.usage is None and llm.available("tokens") < 10**6 - 5
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_stream_longer_than_its_length(name: str, is_async: bool) -> None:
+    """Read no further than its length: the consumer gets every byte, the usage is not
+    read (the estimate stays charged)."""
+    mod = importlib.import_module(name)
+    chunks = [ANSWER[:5], ANSWER[5:], b" " * 10]
+    headers = [(b"content-type", b"application/json"), (b"content-length", b"6")]
+    t, llm = transport(mod, "tokens", 10**6, 8 << 20, headers, chunks, None, True, is_async)
+    _, seen, err, rec = (run_async if is_async else run_sync)(mod, t, BODY, ("read", 0))
+    assert err is None and b"".join(seen) == ANSWER + b" " * 10
+    assert rec.settled and rec.usage is None
+    assert llm.available("tokens") == 10**6 - rec.estimate.tokens
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_only_a_body_within_bounds_and_not_encoded(name: str) -> None:
+    """Past ``max_body``, encoded, SSE, no or two lengths: streamed as before."""
+    mod = importlib.import_module(name)
+    n = b"%d" % len(ANSWER)
+    for max_body, headers, kind in (
+        (10, [(b"content-length", n)], "_BodyReader"),
+        (8 << 20, [(b"content-length", n), (b"content-encoding", b"gzip")], "_Decoding"),
+        (8 << 20, [(b"content-length", n), (b"content-type", b"text/event-stream")], "_Reader"),
+        (8 << 20, [], "_BodyReader"),
+        (8 << 20, [(b"content-length", n), (b"content-length", n)], "_BodyReader"),
+        (8 << 20, [(b"content-length", b"+%d" % len(ANSWER))], "_BodyReader"),
+    ):
+        t, _ = transport(mod, "tokens", 10**6, max_body, headers, [ANSWER], None, True)
+        with mod.Client(transport=t) as c:
+            r = c.send(c.build_request("POST", CHAT, json=BODY), stream=True)
+            assert reader_of(r) == kind, headers
+            assert not r.extensions["ratequeue"].settled
+            r.close()
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_other_buffers_and_no_chunk(name: str) -> None:
+    mod = importlib.import_module(name)
+    for chunks, usage in (([bytearray(ANSWER)], Usage(2, 3)), ([], None)):
+        answer = b"".join(bytes(c) for c in chunks)
+        t, llm = transport(mod, "tokens", 10**6, 8 << 20, length(answer), chunks, None, True)
+        _, seen, err, rec = run_sync(mod, t, BODY, ("read", 0))
+        assert err is None and b"".join(seen) == answer
+        assert rec.settled and rec.usage == usage
+        used = 5 if usage is not None else rec.estimate.tokens
+        assert llm.available("tokens") == 10**6 - used
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_a_cancel_while_reading_settles_and_closes(name: str) -> None:
+    mod = importlib.import_module(name)
+    inside = asyncio.Event()
+    closed: list[int] = []
+
+    class Stuck(mod.AsyncByteStream):  # type: ignore[misc,name-defined]
+        async def __aiter__(self) -> Any:
+            yield ANSWER[:4]
+            inside.set()
+            await asyncio.sleep(3600)
+            yield ANSWER[4:]
+
+        async def aclose(self) -> None:
+            closed.append(1)
+
+    llm = limiter("tokens", 10**6)
+
+    def answer(request: Any) -> Any:
+        return mod.Response(200, headers=length(ANSWER), stream=Stuck())
+
+    t = RateLimitedTransport(mod.MockTransport(answer), llm)
+
+    async def go() -> None:
+        async with mod.AsyncClient(transport=t) as c:
+            task = asyncio.ensure_future(c.post(CHAT, json=BODY))
+            await asyncio.wait_for(inside.wait(), 10)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(go())
+    assert closed == [1]
+    assert t.http_histogram.count == 1
+    # Settled once, the estimate kept (nothing of the usage was read).
+    assert 0 < 10**6 - llm.available("tokens") != 5
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_over_a_socket(name: str, is_async: bool) -> None:
+    """A real connection: settled when the send returns, before the consumer reads; the
+    body read raw as sent; ``elapsed`` set at the close; the connection reused."""
+    mod = importlib.import_module(name)
+    llm = rq.Limiter(
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+    with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
+
+        def check(r: Any, raw: bytes) -> None:
+            rec = r.extensions["ratequeue"]
+            assert rec.settled and rec.usage == Usage(10, 5)
+            assert json.loads(raw)["usage"]["completion_tokens"] == 5
+
+        if is_async:
+
+            async def go() -> Any:
+                t = RateLimitedTransport(mod.AsyncHTTPTransport(), llm)
+                async with mod.AsyncClient(transport=t) as c:
+                    for _ in range(2):
+                        async with c.stream("POST", mock.url, json=body) as r:
+                            assert r.extensions["ratequeue"].settled  # before any read
+                            check(r, b"".join([x async for x in r.aiter_raw()]))
+                        assert r.elapsed.total_seconds() > 0
+                    return len(t.inner._pool.connections)
+
+            connections = asyncio.run(go())
+        else:
+            t = RateLimitedTransport(mod.HTTPTransport(), llm)
+            with mod.Client(transport=t) as c:
+                for _ in range(2):
+                    with c.stream("POST", mock.url, json=body) as r:
+                        assert r.extensions["ratequeue"].settled  # before any read
+                        check(r, b"".join(r.iter_raw()))
+                    assert r.elapsed.total_seconds() > 0
+                connections = len(t.inner._pool.connections)
+    assert connections == 1
+    assert llm.available("tokens") == 10**6 - 2 * 15
