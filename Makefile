@@ -48,6 +48,7 @@ test: test-rust test-python
 
 test-rust: test-loom
 	cargo test -p ratequeue-core --release
+	cargo test -p ratequeue-py --lib
 
 # Model checks (loom) of the core's lock-free protocols: 3 preemptions take seconds (6
 # take minutes: LOOM_MAX_PREEMPTIONS=6 make test-loom); a --cfg loom build has a target

@@ -43,9 +43,22 @@ def length(answer: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
 
 
-def send(mod: Any, t: Any, is_async: bool) -> tuple[Any, Any]:
-    """``client.send(stream=True)``: the response (or the error the send raised) and the
-    record the transport made (from the response, or the limiter's only permit)."""
+def keep_streams(t: Any) -> list[Any]:
+    """The streams the inner (mock) transport answers with, as they are made."""
+    streams: list[Any] = []
+    answer = t.inner.handler
+
+    def keep(request: Any) -> Any:
+        response = answer(request)
+        streams.append(response.stream)
+        return response
+
+    t.inner.handler = keep
+    return streams
+
+
+def send(mod: Any, t: Any, is_async: bool) -> Any:
+    """``client.send(stream=True)``'s response (or the error it raised)."""
 
     async def go() -> Any:
         async with mod.AsyncClient(transport=t) as c:
@@ -91,7 +104,12 @@ def test_read_ahead_is_the_reference_read_whole(
         mod, units, burst, 8 << 20, length(answer), chunks, None, False, is_async
     )
     ref_reader, ref_seen, _, ref_rec = run(mod, ref_t, BODY, plan)
-    assert ref_reader == "_Reader" and seen == ref_seen
+    assert ref_reader == "_Reader"
+    # The body passed on whole, in one chunk (the reference passes the stream's chunks).
+    if plan == ("read", 0) or (plan[0] == "part" and plan[1] > 0):
+        assert b"".join(seen) == answer and len(seen) <= 1
+    else:
+        assert seen == ref_seen == []
     if plan[0] != "read":  # the reference read whole
         ref_t, ref_llm = transport(
             mod, units, burst, 8 << 20, length(answer), chunks, None, False, is_async
@@ -114,16 +132,7 @@ def test_an_error_while_reading_is_raised_from_the_send(
     t, llm = transport(
         mod, "tokens", 10**6, 8 << 20, length(ANSWER), chunks, fail_at, True, is_async
     )
-    inner = t.inner
-    streams: list[Any] = []
-    answer = inner.handler
-
-    def keep(request: Any) -> Any:
-        response = answer(request)
-        streams.append(response.stream)
-        return response
-
-    inner.handler = keep
+    streams = keep_streams(t)
     with pytest.raises(Boom):
         send(mod, t, is_async)
     assert [s.closed for s in streams] == [1]
@@ -144,50 +153,166 @@ def test_an_error_while_reading_is_raised_from_the_send(
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
 @pytest.mark.parametrize("is_async", [False, True])
 def test_a_stream_longer_than_its_length(name: str, is_async: bool) -> None:
-    """Read no further than its length: the consumer gets every byte, the usage is not
-    read (the estimate stays charged)."""
+    """Read no further than its length: the consumer gets every byte, what was read and
+    then the rest, read as it passes by the native reader (settled at its end)."""
     mod = importlib.import_module(name)
     chunks = [ANSWER[:5], ANSWER[5:], b" " * 10]
     headers = [(b"content-type", b"application/json"), (b"content-length", b"6")]
     t, llm = transport(mod, "tokens", 10**6, 8 << 20, headers, chunks, None, True, is_async)
-    _, seen, err, rec = (run_async if is_async else run_sync)(mod, t, BODY, ("read", 0))
-    assert err is None and b"".join(seen) == ANSWER + b" " * 10
-    assert rec.settled and rec.usage is None
-    assert llm.available("tokens") == 10**6 - rec.estimate.tokens
+    reader, seen, err, rec = (run_async if is_async else run_sync)(mod, t, BODY, ("read", 0))
+    assert reader == "_BodyReader" and err is None and seen == chunks
+    assert rec.settled and rec.usage == Usage(2, 3)
+    assert llm.available("tokens") == 10**6 - 5
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
-def test_only_a_body_within_bounds_and_not_encoded(name: str) -> None:
-    """Past ``max_body``, encoded, SSE, no or two lengths: streamed as before."""
+def test_only_a_json_body_within_bounds_framed_by_its_length(name: str) -> None:
+    """Past ``max_body``, encoded, SSE or another type, framed by a Transfer-Encoding, no
+    or two lengths: streamed as before (read as it passes)."""
     mod = importlib.import_module(name)
     n = b"%d" % len(ANSWER)
+    json_type = (b"content-type", b"application/json")
     for max_body, headers, kind in (
-        (10, [(b"content-length", n)], "_BodyReader"),
-        (8 << 20, [(b"content-length", n), (b"content-encoding", b"gzip")], "_Decoding"),
+        (8 << 20, [json_type, (b"content-length", n)], "NoneType"),  # read ahead
+        (10, [json_type, (b"content-length", n)], "_BodyReader"),
+        (8 << 20, [json_type, (b"content-length", n), (b"content-encoding", b"gzip")], "_Decoding"),
         (8 << 20, [(b"content-length", n), (b"content-type", b"text/event-stream")], "_Reader"),
-        (8 << 20, [], "_BodyReader"),
-        (8 << 20, [(b"content-length", n), (b"content-length", n)], "_BodyReader"),
-        (8 << 20, [(b"content-length", b"+%d" % len(ANSWER))], "_BodyReader"),
+        (8 << 20, [(b"content-length", n), (b"content-type", b"audio/mpeg")], "_BodyReader"),
+        (8 << 20, [(b"content-length", n)], "_BodyReader"),
+        (8 << 20, [json_type], "_BodyReader"),
+        (
+            8 << 20,
+            [json_type, (b"content-length", n), (b"transfer-encoding", b"chunked")],
+            "_BodyReader",
+        ),
+        (8 << 20, [json_type, (b"content-length", n), (b"content-length", n)], "_BodyReader"),
+        (8 << 20, [json_type, (b"content-length", b"+%d" % len(ANSWER))], "_BodyReader"),
     ):
         t, _ = transport(mod, "tokens", 10**6, max_body, headers, [ANSWER], None, True)
         with mod.Client(transport=t) as c:
             r = c.send(c.build_request("POST", CHAT, json=BODY), stream=True)
             assert reader_of(r) == kind, headers
-            assert not r.extensions["ratequeue"].settled
+            assert r.extensions["ratequeue"].settled == (kind == "NoneType"), headers
             r.close()
 
 
+def test_a_length_beside_chunked_framing_over_a_socket() -> None:
+    """A server sending ``Transfer-Encoding: chunked`` and a wrong ``Content-Length``
+    (h11 frames the body by its chunks, httpx keeps both headers): read as it passes, its
+    usage read."""
+    import socket
+    import threading
+
+    httpx2 = importlib.import_module("httpx2")
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = srv.accept()
+        with conn:
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += conn.recv(65536)
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            want = int(
+                next(
+                    v
+                    for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:])
+                    if k.strip().lower() == b"content-length"
+                )
+            )
+            while len(rest) < want:
+                rest += conn.recv(65536)
+            conn.sendall(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"transfer-encoding: chunked\r\ncontent-length: 1\r\n\r\n"
+                + b"%x\r\n%s\r\n0\r\n\r\n"
+                % (len(ANSWER), ANSWER)
+            )
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    llm = limiter("tokens", 10**6)
+    port = srv.getsockname()[1]
+    with httpx2.Client(transport=RateLimitedTransport(httpx2.HTTPTransport(), llm)) as c:
+        r = c.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=BODY)
+    th.join(10)
+    srv.close()
+    assert r.content == ANSWER and r.extensions["ratequeue"].usage == Usage(2, 3)
+    assert llm.available("tokens") == 10**6 - 5
+
+
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
-def test_other_buffers_and_no_chunk(name: str) -> None:
+@pytest.mark.parametrize("is_async", [False, True])
+def test_other_buffers_and_no_chunk(name: str, is_async: bool) -> None:
+    """A bytearray, a memoryview of wider items (counted in bytes), no chunk at all."""
     mod = importlib.import_module(name)
-    for chunks, usage in (([bytearray(ANSWER)], Usage(2, 3)), ([], None)):
+    wide = memoryview(bytearray(ANSWER + b" " * (-len(ANSWER) % 4))).cast("I")
+    for chunks, usage in (
+        ([bytearray(ANSWER)], Usage(2, 3)),
+        ([wide], Usage(2, 3)),
+        ([], None),
+    ):
         answer = b"".join(bytes(c) for c in chunks)
-        t, llm = transport(mod, "tokens", 10**6, 8 << 20, length(answer), chunks, None, True)
-        _, seen, err, rec = run_sync(mod, t, BODY, ("read", 0))
-        assert err is None and b"".join(seen) == answer
+        t, llm = transport(
+            mod, "tokens", 10**6, 8 << 20, length(answer), chunks, None, True, is_async
+        )
+        reader, seen, err, rec = (run_async if is_async else run_sync)(mod, t, BODY, ("read", 0))
+        assert reader == "NoneType" and err is None and b"".join(seen) == answer
         assert rec.settled and rec.usage == usage
         used = 5 if usage is not None else rec.estimate.tokens
         assert llm.available("tokens") == 10**6 - used
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_chunk_that_is_no_buffer(name: str, is_async: bool) -> None:
+    """A ``str`` chunk: the TypeError raised from the send, the call settled (the
+    estimate stays), the stream closed once."""
+    mod = importlib.import_module(name)
+    chunks: list[Any] = [ANSWER[:5], ANSWER[5:].decode()]
+    t, llm = transport(mod, "tokens", 10**6, 8 << 20, length(ANSWER), chunks, None, True, is_async)
+    streams = keep_streams(t)
+    with pytest.raises(TypeError):
+        send(mod, t, is_async)
+    assert [s.closed for s in streams] == [1]
+    assert t.http_histogram.count == 1 and t.stats()["sent"] == 1
+    assert 0 < 10**6 - llm.available("tokens") != 5  # settled at the estimate
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_stream_whose_iterator_only_has_next(name: str, is_async: bool) -> None:
+    """The stream's ``__iter__``/``__aiter__`` returns an object with ``__next__`` /
+    ``__anext__`` only (what httpx itself accepts)."""
+    mod = importlib.import_module(name)
+
+    class NextOnly:
+        def __init__(self) -> None:
+            self.left = [ANSWER[:5], ANSWER[5:]]
+
+        def __next__(self) -> bytes:
+            if not self.left:
+                raise StopIteration
+            return self.left.pop(0)
+
+        async def __anext__(self) -> bytes:
+            if not self.left:
+                raise StopAsyncIteration
+            return self.left.pop(0)
+
+    class Stream(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc,name-defined]
+        def __iter__(self) -> Any:
+            return NextOnly()
+
+        def __aiter__(self) -> Any:
+            return NextOnly()
+
+    llm = limiter("tokens", 10**6)
+    inner = mod.MockTransport(lambda r: mod.Response(200, headers=length(ANSWER), stream=Stream()))
+    t = RateLimitedTransport(inner, llm)
+    r = send(mod, t, is_async)
+    assert r.extensions["ratequeue"].usage == Usage(2, 3)
+    assert llm.available("tokens") == 10**6 - 5
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])

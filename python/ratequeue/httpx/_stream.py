@@ -5,7 +5,7 @@ the response), imported only then."""
 from __future__ import annotations
 
 import importlib
-import itertools
+import sys
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -197,8 +197,8 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
             pass  # no ledger on the native path
 
     class _SyncReplay(mod.SyncByteStream):  # type: ignore[name-defined,misc]
-        """The chunks read ahead, then what the stream still gives (``rest``: a stream
-        that gave more than its length); closing closes the stream they came from."""
+        """A stream that gave more than its length: the chunks read ahead, then the rest
+        of its iterator; closing closes the stream they came from."""
 
         def __init__(self, chunks: list[bytes], rest: Any, inner: Any) -> None:
             self._chunks, self._rest, self._inner = chunks, rest, inner
@@ -206,14 +206,17 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
         def __iter__(self) -> Iterator[bytes]:
             chunks, rest = self._chunks, self._rest
             self._chunks, self._rest = [], None
-            return iter(chunks) if rest is None else itertools.chain(chunks, rest)
+            yield from chunks
+            if rest is not None:
+                while (chunk := next(rest, _END)) is not _END:
+                    yield chunk
 
         def close(self) -> None:
             if hasattr(self._inner, "close"):
                 self._inner.close()
 
     class _AsyncReplay(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
-        """``_SyncReplay`` for asyncio: an iterator of its own, no generator frame."""
+        """``_SyncReplay`` for asyncio."""
 
         def __init__(self, chunks: list[bytes], rest: Any, inner: Any) -> None:
             self._left, self._rest, self._inner = chunks[::-1], rest, inner
@@ -285,86 +288,102 @@ def wrap(
 
 # -- a body read ahead -------------------------------------------------------------------
 #
-# On the native path a 2xx JSON body with one Content-Length within ``max_body`` (and
-# nothing to decode) is read before the response is returned: the call is settled in the
-# same native crossing as a body that was here, and no reader stands between the stream
-# and its consumer. The consumer then reads the same chunks from memory; closing the
-# response closes the stream they came from (the connection goes back to its pool then,
-# as without the transport).
+# On the native path a 2xx JSON body with one Content-Length within ``max_body`` (no
+# Transfer-Encoding, nothing to decode) is read before the response is returned: the call
+# is settled in the same native crossing as a body that was here, the stream is closed
+# (its connection goes back to the pool, as after httpx's own read) and the consumer reads
+# the body from memory. A stream that gives more than its length is passed on whole: what
+# was read, then the rest as it comes, through the native reader.
+
+_END: Any = object()
 
 
-def _replay(response: Any, stream: Any, chunks: list[bytes], rest: Any, is_async: bool) -> None:
-    types = _STREAMS.get(type(response)) or _stream_types(type(response))
-    response.stream = types[5 if is_async else 4](chunks, rest, stream)
+def _size(chunk: Any) -> int:
+    return len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
 
 
 def _read_failed(
     transport: RateLimitedTransport,
     call: _Call,
     response: Any,
-    chunks: list[bytes],
+    chunks: list[Any],
     http_seconds: float,
     is_async: bool,
 ) -> None:
     """A read ahead cut by an error: settled from what was read, as the native reader
     settles a body cut short (the estimate stays unless that part holds a usage)."""
-    transport._received(call, response, http_seconds, is_async, b"".join(chunks))
+    try:
+        body = b"".join(chunks)
+    except TypeError:  # a chunk that is no buffer (what was raised): no usage read
+        body = b""
+    transport._received(call, response, http_seconds, is_async, body)
 
 
-def _whole(chunks: list[bytes]) -> bytes:
-    return chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
+def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bool) -> bytes | None:
+    """The body read whole (the stream closed by the caller), its bytes-only stream put in
+    its place; or None, ``over`` the stream's iterator past its length: what was read is
+    replayed before the rest."""
+    types = _STREAMS.get(type(response)) or _stream_types(type(response))
+    if over is not None:
+        response.stream = types[5 if is_async else 4](chunks, over, stream)
+        return None
+    body = chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
+    response.stream = sys.modules[type(response).__module__].ByteStream(body)
+    return body
 
 
 def read_ahead(
     transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
-) -> bytes:
-    """The body of ``length`` bytes, read now; the response's stream replaced by its
-    replay. A stream that gives more than ``length`` stops being read there (the rest is
-    passed on after what was read) and gives ``b""``: no usage is read from it. An error
-    of the stream settles the call from what was read, closes the stream and is raised."""
+) -> bytes | None:
+    """The body of ``length`` bytes read now, the stream closed and a replay of the body
+    put in its place; None for a stream that gives more than ``length`` (the rest is passed
+    on after what was read). An error settles the call from what was read, closes the
+    stream and is raised."""
     stream = response.stream
-    chunks: list[bytes] = []
+    chunks: list[Any] = []
     size = 0
-    it = iter(stream)
-    rest = None
     try:
-        for chunk in it:
+        it = stream.__iter__()
+        while (chunk := next(it, _END)) is not _END:
             chunks.append(chunk)
-            size += len(chunk)
+            size += _size(chunk)
             if size > length:
-                rest = it
-                break
+                return _read(response, stream, chunks, it, False)
+        body = _read(response, stream, chunks, None, False)
+        stream.close()
+        return body
     except BaseException:
         try:
             _read_failed(transport, call, response, chunks, http_seconds, False)
         finally:
             stream.close()
         raise
-    _replay(response, stream, chunks, rest, False)
-    return b"" if rest is not None else _whole(chunks)
 
 
 async def aread_ahead(
     transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
-) -> bytes:
+) -> bytes | None:
     """``read_ahead`` for asyncio (a cancel while reading is such an error)."""
     stream = response.stream
-    chunks: list[bytes] = []
+    chunks: list[Any] = []
     size = 0
-    it = stream.__aiter__()
-    rest = None
     try:
-        async for chunk in it:
-            chunks.append(chunk)
-            size += len(chunk)
-            if size > length:
-                rest = it
+        it = stream.__aiter__()
+        while True:
+            try:
+                chunk = await it.__anext__()
+            except StopAsyncIteration:
                 break
+            chunks.append(chunk)
+            size += _size(chunk)
+            if size > length:
+                return _read(response, stream, chunks, it, True)
+        body = _read(response, stream, chunks, None, True)
+        await stream.aclose()
+        return body
     except BaseException:
         try:
             _read_failed(transport, call, response, chunks, http_seconds, True)
         finally:
             await stream.aclose()
         raise
-    _replay(response, stream, chunks, rest, True)
-    return b"" if rest is not None else _whole(chunks)

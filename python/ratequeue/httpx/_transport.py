@@ -229,9 +229,12 @@ class RateLimitedTransport(_Requests):
         http_seconds: float,
         is_async: bool,
         body: bytes | None = None,
+        ahead: bool = True,
     ) -> Any:
-        """The response (or, on the native path, the length of a body to read ahead:
-        the caller reads it, ``read_ahead``, and calls again with it as ``body``)."""
+        """The response; on the native path a JSON body of a known length is read first
+        (``read_ahead``; asyncio: the caller awaits it, given the length returned, and
+        calls again with the body, or with ``ahead`` False for a stream that gave more
+        than its length)."""
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         hl = response.headers
@@ -251,29 +254,36 @@ class RateLimitedTransport(_Requests):
             and type(hl) is list
         ):
             # The common path in one native call (None: done; a body not read yet: its
-            # native reader). Otherwise nothing was done and the reference below takes
-            # the call: from the start (False), or from what the headers say (an SSE
-            # type or an exhausted quota; usage not read).
-            found = _settle_response(
-                call,
-                call._once,
-                call._permit,
-                call._charged,
-                self._token_plan,
-                hl,
-                (response.content if body is None else body) if consumed else None,
-                self._native_max_body,
-                self.http_histogram,
-                http_seconds,
-                Usage,
-                self,
-                True,
-            )
+            # length, to read it first, or its native reader). Otherwise nothing was done
+            # and the reference below takes the call: from the start (False), or from
+            # what the headers say (an SSE type or an exhausted quota; usage not read).
+            ahead = ahead and body is None
+            while True:
+                found = _settle_response(
+                    call,
+                    call._once,
+                    call._permit,
+                    call._charged,
+                    self._token_plan,
+                    hl,
+                    (response.content if body is None else body) if consumed else None,
+                    self._native_max_body,
+                    self.http_histogram,
+                    http_seconds,
+                    Usage,
+                    self,
+                    ahead,
+                )
+                if type(found) is not int:
+                    break
+                if is_async:
+                    return found
+                body = read_ahead(self, call, response, found, http_seconds)
+                consumed = body is not None
+                ahead = False  # longer than its length: read as it passes
             if found is None:
                 response.extensions["ratequeue"] = call
                 return response
-            if type(found) is int:
-                return found  # read the body first
             if type(found) is _BodyReader:
                 native_stream(response, found, is_async)
                 response.extensions["ratequeue"] = call
@@ -552,12 +562,7 @@ class RateLimitedTransport(_Requests):
         except BaseException:
             self._failed(call)
             raise
-        took = perf_counter() - t1
-        got = self._received(call, response, took, False)
-        if type(got) is int:  # the body's length: read it now, then settle from it
-            body = read_ahead(self, call, response, got, took)
-            got = self._received(call, response, took, False, body)
-        return got
+        return self._received(call, response, perf_counter() - t1, False)
 
     def _acquire(self, call: _Call) -> None:
         """The call held in the ledger, then its permit acquired (waiting, GIL released)."""
@@ -601,9 +606,9 @@ class RateLimitedTransport(_Requests):
             raise
         took = perf_counter() - t1
         got = self._received(call, response, took, True)
-        if type(got) is int:  # as handle_request
+        if type(got) is int:  # a JSON body of this length: read first
             body = await aread_ahead(self, call, response, got, took)
-            self._received(call, response, took, True, body)
+            self._received(call, response, took, True, body, body is not None)
         if call._owed is not None:
             await self._pay_async(call)
         return response

@@ -150,7 +150,7 @@ pub fn _settle_response<'py>(
             return Ok(defer(py));
         }
         if read_ahead {
-            if let Some(n) = announced_length(&pairs, max_body) {
+            if let Some(n) = read_ahead_length(&pairs, max_body) {
                 return Ok(n.into_pyobject(py)?.into_any());
             }
         }
@@ -176,15 +176,30 @@ pub fn _settle_response<'py>(
     }
 }
 
-/// The body's length when the headers announce it once (`Content-Length`, digits only)
-/// and it is within `max_body`; None otherwise (none, several, malformed, past the bound).
-fn announced_length(pairs: &[(&[u8], &[u8])], max_body: usize) -> Option<u64> {
-    let mut lengths = pairs.iter().filter(|(name, _)| *name == b"content-length");
-    let (_, value) = lengths.next()?;
-    if lengths.next().is_some() {
-        return None;
+/// The length of a body to read ahead: one `Content-Length` (digits only) within
+/// `max_body`, no `Transfer-Encoding` (which frames the body instead, RFC 9112 6.3), and a
+/// JSON `Content-Type` (`application/json` or `+json`, every one given); None otherwise.
+fn read_ahead_length(pairs: &[(&[u8], &[u8])], max_body: usize) -> Option<u64> {
+    let mut length = None;
+    let mut json = None;
+    for (name, value) in pairs {
+        match *name {
+            b"content-length" if length.is_none() => length = Some(decimal(value)?),
+            b"content-length" | b"transfer-encoding" => return None,
+            b"content-type" => json = Some(json.unwrap_or(true) && is_json(value)),
+            _ => {}
+        }
     }
-    decimal(value).filter(|&n| u64::try_from(max_body).is_ok_and(|m| n <= m))
+    let n = length?;
+    (json == Some(true) && u64::try_from(max_body).is_ok_and(|m| n <= m)).then_some(n)
+}
+
+/// A JSON media type: `application/json` or a `+json` suffix, in any case, parameters
+/// after `;` ignored.
+fn is_json(value: &[u8]) -> bool {
+    let media = value.split(|&b| b == b';').next().unwrap_or_default().trim_ascii();
+    media.eq_ignore_ascii_case(b"application/json")
+        || (media.len() > 5 && media[media.len() - 5..].eq_ignore_ascii_case(b"+json"))
 }
 
 /// A `Content-Encoding` value that asks for nothing to be undone: its comma-separated
@@ -322,7 +337,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
 
 #[cfg(test)]
 mod tests {
-    use super::{announced_length, identity};
+    use super::{identity, read_ahead_length};
 
     #[test]
     fn identity_encodings() {
@@ -336,25 +351,41 @@ mod tests {
     }
 
     #[test]
-    fn announced_lengths() {
-        let one = |v: &'static [u8]| {
-            vec![
-                (&b"content-type"[..], &b"application/json"[..]),
-                (&b"content-length"[..], v),
-            ]
-        };
-        assert_eq!(announced_length(&one(b"120"), 8 << 20), Some(120));
-        assert_eq!(announced_length(&one(b"0"), 0), Some(0));
-        assert_eq!(announced_length(&one(b"121"), 120), None); // past the bound
-        assert_eq!(announced_length(&one(b" 12"), 100), None);
-        assert_eq!(announced_length(&one(b"+12"), 100), None);
-        assert_eq!(announced_length(&one(b""), 100), None);
-        assert_eq!(announced_length(&one(b"99999999999999999999999"), usize::MAX), None);
-        assert_eq!(
-            announced_length(&[(&b"content-type"[..], &b"text/plain"[..])], 100),
-            None
-        );
-        let twice = [(&b"content-length"[..], &b"5"[..]), (&b"content-length"[..], &b"5"[..])];
-        assert_eq!(announced_length(&twice, 100), None);
+    fn read_ahead_lengths() {
+        let json = &b"application/json"[..];
+        let with = |v: &'static [u8]| vec![(&b"content-type"[..], json), (&b"content-length"[..], v)];
+        assert_eq!(read_ahead_length(&with(b"120"), 8 << 20), Some(120));
+        assert_eq!(read_ahead_length(&with(b"0"), 0), Some(0));
+        assert_eq!(read_ahead_length(&with(b"121"), 120), None); // past the bound
+        for bad in [&b" 12"[..], b"+12", b"", b"1e3", b"99999999999999999999999"] {
+            assert_eq!(read_ahead_length(&with(bad), usize::MAX), None);
+        }
+        let length = (&b"content-length"[..], &b"5"[..]);
+        let typed = |t: &'static [u8]| [(&b"content-type"[..], t), length];
+        for t in [
+            &b"application/json; charset=utf-8"[..],
+            b" Application/JSON ",
+            b"application/problem+json",
+        ] {
+            assert_eq!(read_ahead_length(&typed(t), 100), Some(5), "{t:?}");
+        }
+        for t in [&b"text/plain"[..], b"audio/mpeg", b"application/jsonl", b"+json", b""] {
+            assert_eq!(read_ahead_length(&typed(t), 100), None, "{t:?}");
+        }
+        assert_eq!(read_ahead_length(&[length], 100), None); // no type
+        let chunked = [
+            (&b"content-type"[..], json),
+            length,
+            (&b"transfer-encoding"[..], &b"chunked"[..]),
+        ];
+        assert_eq!(read_ahead_length(&chunked, 100), None);
+        let twice = [(&b"content-type"[..], json), length, length];
+        assert_eq!(read_ahead_length(&twice, 100), None);
+        let two_types = [
+            (&b"content-type"[..], json),
+            length,
+            (&b"content-type"[..], &b"text/html"[..]),
+        ];
+        assert_eq!(read_ahead_length(&two_types, 100), None);
     }
 }
