@@ -1,6 +1,6 @@
-"""The response body, read as it passes: usage found in JSON or SSE, the call settled
-at its end; stream wrappers subclass the stream bases of httpx or httpx2 (whichever made
-the response), imported only then."""
+"""The response body, read as it passes (or, a JSON body of a known length, read ahead):
+usage found in JSON or SSE, the call settled at its end; stream wrappers subclass the
+stream bases of httpx or httpx2 (whichever made the response), imported only then."""
 
 from __future__ import annotations
 
