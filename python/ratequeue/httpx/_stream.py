@@ -323,8 +323,8 @@ def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bo
     """The body read whole (the stream closed by the caller), its bytes-only stream put in
     its place; or None, ``over`` the stream's iterator past its length: what was read is
     replayed before the rest."""
-    types = _STREAMS.get(type(response)) or _stream_types(type(response))
     if over is not None:
+        types = _STREAMS.get(type(response)) or _stream_types(type(response))
         response.stream = types[5 if is_async else 4](chunks, over, stream)
         return None
     body = chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
