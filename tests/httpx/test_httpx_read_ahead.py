@@ -43,6 +43,15 @@ def length(answer: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
 
 
+def stream_layers(stream: Any) -> list[str]:
+    """The type names of a response stream and the streams it wraps."""
+    names = []
+    while stream is not None and len(names) < 10:
+        names.append(type(stream).__name__)
+        stream = getattr(stream, "_inner", None) or getattr(stream, "_stream", None)
+    return names
+
+
 def keep_streams(t: Any) -> list[Any]:
     """The streams the inner (mock) transport answers with, as they are made."""
     streams: list[Any] = []
@@ -159,10 +168,23 @@ def test_a_stream_longer_than_its_length(name: str, is_async: bool) -> None:
     chunks = [ANSWER[:5], ANSWER[5:], b" " * 10]
     headers = [(b"content-type", b"application/json"), (b"content-length", b"6")]
     t, llm = transport(mod, "tokens", 10**6, 8 << 20, headers, chunks, None, True, is_async)
+    streams = keep_streams(t)
+    layers: list[list[str]] = []
+    received = t._received
+
+    def spy(call: Any, response: Any, *a: Any) -> Any:
+        got = received(call, response, *a)
+        layers.append(stream_layers(response.stream))
+        return got
+
+    t._received = spy
     reader, seen, err, rec = (run_async if is_async else run_sync)(mod, t, BODY, ("read", 0))
     assert reader == "_BodyReader" and err is None and seen == chunks
     assert rec.settled and rec.usage == Usage(2, 3)
     assert llm.available("tokens") == 10**6 - 5
+    # Read ahead past the length, then replayed under the native reader; closed once.
+    replay = "_AsyncReplay" if is_async else "_SyncReplay"
+    assert replay in layers[-1] and [s.closed for s in streams] == [1]
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
@@ -311,8 +333,9 @@ def test_a_stream_whose_iterator_only_has_next(name: str, is_async: bool) -> Non
     inner = mod.MockTransport(lambda r: mod.Response(200, headers=length(ANSWER), stream=Stream()))
     t = RateLimitedTransport(inner, llm)
     r = send(mod, t, is_async)
-    assert r.extensions["ratequeue"].usage == Usage(2, 3)
+    assert r.extensions["ratequeue"].usage == Usage(2, 3)  # settled before any read
     assert llm.available("tokens") == 10**6 - 5
+    assert (asyncio.run(r.aread()) if is_async else r.read()) == ANSWER  # replayed
 
 
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
@@ -340,7 +363,9 @@ def test_a_cancel_while_reading_settles_and_closes(name: str) -> None:
 
     async def go() -> None:
         async with mod.AsyncClient(transport=t) as c:
-            task = asyncio.ensure_future(c.post(CHAT, json=BODY))
+            # A send that streams returns at the headers unless the body is read ahead.
+            req = c.build_request("POST", CHAT, json=BODY)
+            task = asyncio.ensure_future(c.send(req, stream=True))
             await asyncio.wait_for(inside.wait(), 10)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -396,3 +421,33 @@ def test_over_a_socket(name: str, is_async: bool) -> None:
                 connections = len(t.inner._pool.connections)
     assert connections == 1
     assert llm.available("tokens") == 10**6 - 2 * 15
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_close_that_raises_after_a_whole_read(name: str, is_async: bool) -> None:
+    """Run once, its error raised from the send; the call settled from the body read."""
+    mod = importlib.import_module(name)
+    closes: list[int] = []
+
+    class Failing(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc,name-defined]
+        def __iter__(self) -> Any:
+            yield ANSWER
+
+        async def __aiter__(self) -> Any:
+            yield ANSWER
+
+        def close(self) -> None:
+            closes.append(1)
+            raise OSError("close failed")
+
+        async def aclose(self) -> None:
+            self.close()
+
+    llm = limiter("tokens", 10**6)
+    inner = mod.MockTransport(lambda r: mod.Response(200, headers=length(ANSWER), stream=Failing()))
+    t = RateLimitedTransport(inner, llm)
+    with pytest.raises(OSError, match="close failed"):
+        send(mod, t, is_async)
+    assert closes == [1] and t.http_histogram.count == 1
+    assert llm.available("tokens") == 10**6 - 5

@@ -338,10 +338,11 @@ def read_ahead(
     """The body of ``length`` bytes read now, the stream closed and a replay of the body
     put in its place; None for a stream that gives more than ``length`` (the rest is passed
     on after what was read). An error settles the call from what was read, closes the
-    stream and is raised."""
+    stream (once: not again after a close that raised) and is raised."""
     stream = response.stream
     chunks: list[Any] = []
     size = 0
+    closing = False  # a close that raises is not run again
     try:
         it = stream.__iter__()
         while (chunk := next(it, _END)) is not _END:
@@ -350,13 +351,15 @@ def read_ahead(
             if size > length:
                 return _read(response, stream, chunks, it, False)
         body = _read(response, stream, chunks, None, False)
+        closing = True
         stream.close()
         return body
     except BaseException:
         try:
             _read_failed(transport, call, response, chunks, http_seconds, False)
         finally:
-            stream.close()
+            if not closing:
+                stream.close()
         raise
 
 
@@ -367,6 +370,7 @@ async def aread_ahead(
     stream = response.stream
     chunks: list[Any] = []
     size = 0
+    closing = False
     try:
         it = stream.__aiter__()
         while True:
@@ -379,11 +383,13 @@ async def aread_ahead(
             if size > length:
                 return _read(response, stream, chunks, it, True)
         body = _read(response, stream, chunks, None, True)
+        closing = True
         await stream.aclose()
         return body
     except BaseException:
         try:
             _read_failed(transport, call, response, chunks, http_seconds, True)
         finally:
-            await stream.aclose()
+            if not closing:
+                await stream.aclose()
         raise
