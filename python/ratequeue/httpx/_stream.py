@@ -314,7 +314,7 @@ def _read_failed(
     settles a body cut short (the estimate stays unless that part holds a usage)."""
     try:
         body = b"".join(chunks)
-    except TypeError:  # a chunk that is no buffer (what was raised): no usage read
+    except Exception:  # a chunk that is no buffer (what was raised): no usage read
         body = b""
     transport._received(call, response, http_seconds, is_async, body)
 
