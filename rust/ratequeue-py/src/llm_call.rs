@@ -4,7 +4,6 @@
 //! effects), wherever the native readers defer or a setting needs the reference.
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Mutex;
 
 use pyo3::exceptions::{PyAttributeError, PyException, PyValueError};
 use pyo3::intern;
@@ -15,6 +14,7 @@ use ratequeue_core::llm::cap::ask_stream_usage;
 use ratequeue_core::llm::headers::{scan_request, RequestHeader};
 use ratequeue_core::llm::plan::{UnitCost, UnitPlan};
 use ratequeue_core::llm::request_facts;
+use ratequeue_core::llm::route::RouteMemo;
 
 use crate::histogram::HistogramPy;
 use crate::limiter::LimiterPy;
@@ -51,9 +51,8 @@ pub struct RequestReaderPy {
     /// and where each unit of the plan is among its units: a call granted at once leaves
     /// with its permit (`_permit`) and its wait recorded.
     limiter: Option<(Py<LimiterPy>, Vec<usize>)>,
-    /// The last path read and whether it spends no tokens: a client calls one or a few
-    /// routes, and the route's test is long (`spends_no_tokens`).
-    last_route: Mutex<Option<(Box<str>, bool)>>,
+    /// The route test (`spends_no_tokens`), remembered for the last path.
+    routes: RouteMemo,
 }
 
 /// The slots of `_Call` a call sets from its request, in `prepare`'s order (the others
@@ -368,7 +367,7 @@ impl RequestReaderPy {
                 }
                 None => None,
             },
-            last_route: Mutex::new(None),
+            routes: RouteMemo::default(),
         })
     }
 
@@ -602,26 +601,6 @@ fn new_id<'py>(parts: &CallParts, py: Python<'py>) -> PyResult<Bound<'py, PyStri
 }
 
 impl RequestReaderPy {
-    /// `path_spends_no_tokens`, remembered for the last path (never waits: a lock held
-    /// by another thread skips the memory).
-    fn spends_no_tokens(&self, path: &Bound<'_, PyString>) -> bool {
-        let Ok(p) = path.to_str() else {
-            return path_spends_no_tokens(path);
-        };
-        if let Ok(last) = self.last_route.try_lock() {
-            if let Some((q, free)) = last.as_ref() {
-                if **q == *p {
-                    return *free;
-                }
-            }
-        }
-        let free = path_spends_no_tokens(path);
-        if let Ok(mut last) = self.last_route.try_lock() {
-            *last = Some((p.into(), free));
-        }
-        free
-    }
-
     /// What `read` gives, as Rust values (None: the Python reference prepares the call).
     fn read_request<'py>(
         &self,
@@ -691,7 +670,10 @@ impl RequestReaderPy {
         // Spends none of the model's tokens: manages batches and files, or counts tokens.
         // Nothing is estimated for it, and the usage its response reports (a batch's own)
         // is not its own (`_Call._tokenless`).
-        let tokenless = self.spends_no_tokens(path);
+        let tokenless = match path.to_str() {
+            Ok(p) => self.routes.spends_no_tokens(p),
+            Err(_) => path_spends_no_tokens(path),
+        };
         // Sends no body (httpx's own empty stream: a GET, a DELETE, an empty POST; whatever
         // the headers or a stale `_content` say): estimated as a body not read, and settled
         // to nothing when its response reports no usage (`_Call._bodyless`).

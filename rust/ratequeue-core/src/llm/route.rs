@@ -182,6 +182,32 @@ pub fn spends_no_tokens(path: &str) -> bool {
     })
 }
 
+/// [`spends_no_tokens`] remembered for the last path asked (a client calls one or a few
+/// routes, and the test is long); never waits: a lock held by another thread skips the
+/// memory.
+#[derive(Default)]
+pub struct RouteMemo {
+    last: std::sync::Mutex<Option<(Box<str>, bool)>>,
+}
+
+impl RouteMemo {
+    /// [`spends_no_tokens`] of `path`.
+    pub fn spends_no_tokens(&self, path: &str) -> bool {
+        if let Ok(last) = self.last.try_lock() {
+            if let Some((q, free)) = last.as_ref() {
+                if **q == *path {
+                    return *free;
+                }
+            }
+        }
+        let free = spends_no_tokens(path);
+        if let Ok(mut last) = self.last.try_lock() {
+            *last = Some((path.into(), free));
+        }
+        free
+    }
+}
+
 /// A path a server reads as it is: ASCII, no `;`, no `//` nor `/.`, no trailing `/`
 /// (word-at-a-time and memchr scans and one loop over byte pairs: this runs on every
 /// call).
@@ -243,7 +269,7 @@ fn is_version(seg: &str) -> bool {
 
 #[cfg(test)]
 mod tests {
-    use super::{emits_no_tokens, plain_path, route_of, spends_no_tokens};
+    use super::{emits_no_tokens, plain_path, route_of, spends_no_tokens, RouteMemo};
 
     /// The plain-path check against its plain definition, on every string of up to six
     /// characters over the ones that matter (and a few that do not).
@@ -263,6 +289,24 @@ mod tests {
         for p in &paths {
             let want = p.is_ascii() && !p.contains(';') && !p.contains("//") && !p.contains("/.") && !p.ends_with('/');
             assert_eq!(plain_path(p), want, "{p:?}");
+        }
+    }
+
+    #[test]
+    fn the_memo_answers_as_the_test() {
+        let memo = RouteMemo::default();
+        let paths = [
+            "/v1/chat/completions",
+            "/v1/batches",
+            "/v1/batches",
+            "/V1/Files/f-1/content",
+            "/v1/chat/completions",
+            "",
+        ];
+        for _ in 0..2 {
+            for p in paths {
+                assert_eq!(memo.spends_no_tokens(p), spends_no_tokens(p), "{p:?}");
+            }
         }
     }
 
