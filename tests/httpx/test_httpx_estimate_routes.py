@@ -212,6 +212,19 @@ def test_a_user_estimator_is_asked_about_an_empty_call() -> None:
         "/v1/messages/count_tokens",
         "/v1/responses/input_tokens",
         "/v1/files/x:countTokens",
+        "/v1/responses/resp_1",
+        "/v1/responses/RESP_1/Cancel",
+        "/v1/responses/resp_1/input_items",
+        "/v1/responses/resp_1/x",
+        "/v1/responses/compact",
+        "/v1/chat/completions/chatcmpl-1/messages",
+        "/v1/chat/completions/chatcmpl_1",
+        "/model-invocation-job/j1/stop",
+        "/model-invocation-jobs",
+        "/v1/projects/p/locations/l/batchPredictionJobs/1:cancel",
+        "/locations/l/batchPredictionJobs",
+        "/v1/batch/jobs/b1/cancel",
+        "/v1/batch/x",
         "/",
         "",
     ],
@@ -325,20 +338,82 @@ def test_a_management_call_is_charged_no_usage_its_response_reports(
 @pytest.mark.parametrize("modname", MODS)
 @pytest.mark.parametrize(
     ("path", "used"),
-    [("/v1/responses/resp_1", 16), ("/v1/chat/completions/chatcmpl_1", 7), ("/v1/gen?q=hi", 7)],
+    [
+        ("/v1/chat/completions/chatcmpl_1", 7),  # not a stored completion's id
+        ("/v1/responses/compact", 16),
+        ("/v1/responses/resp_1/x", 16),  # not one of a stored response's actions
+        ("/v1/gen?q=hi", 7),
+    ],
 )
 def test_a_call_without_a_body_is_charged_the_usage_it_reports(
     modname: str, native: bool, path: str, used: int
 ) -> None:
-    """A GET may generate (its prompt in its query, an event stream of a background
-    response): the usage it reports is charged (a retrieval of a stored response too: it
-    cannot be told apart)."""
+    """A GET may generate (its prompt in its query): the usage it reports is charged."""
     mod = importlib.import_module(modname)
     _t, client, lim = through(mod, native)
     r = client.get("http://p" + path)
     rec = r.extensions["ratequeue"]
     assert rec._bodyless and rec.usage is not None
     assert lim.available("tokens") == BURST - used
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("GET", "/v1/responses/resp_1"),  # polled until done, or its stream resumed
+        ("POST", "/v1/responses/resp_1/cancel"),
+        ("GET", "/v1/responses/resp_1/input_items"),
+        ("DELETE", "/v1/responses/resp_1"),
+        ("GET", "/v1/chat/completions/chatcmpl-1"),
+        ("GET", "/v1/chat/completions/chatcmpl-1/messages"),
+        ("POST", "/v1/chat/completions/chatcmpl-1"),  # its metadata updated
+    ],
+)
+def test_a_stored_model_call_is_not_charged_again(
+    modname: str, native: bool, method: str, path: str
+) -> None:
+    """Its usage was charged when it was made: reading it back (as often as a poll does)
+    charges nothing, whatever usage the stored object reports."""
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native)
+    for _ in range(3):
+        r = client.request(method, "http://p" + path)
+    rec = r.extensions["ratequeue"]
+    assert rec._tokenless
+    assert rec.estimate == Estimate(0, 0)
+    assert rec.settled and rec.usage is None
+    assert lim.available("tokens") == BURST
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_background_response_is_charged_once(modname: str, native: bool) -> None:
+    """``background=True``: created queued (no usage yet: its estimate stays charged),
+    then polled until completed. Before, the poll that saw it completed was charged its
+    usage again on top of the estimate."""
+    mod = importlib.import_module(modname)
+    polls: list[str] = []
+
+    def background(request: Any) -> Any:
+        if request.method == "POST":
+            return mod.Response(200, json={"id": "resp_9", "status": "queued", "usage": None})
+        polls.append(request.url.path)
+        done = len(polls) >= 3
+        usage = {"input_tokens": 900, "output_tokens": 2_000} if done else None
+        status = "completed" if done else "in_progress"
+        return mod.Response(200, json={"id": "resp_9", "status": status, "usage": usage})
+
+    _t, client, lim = through(mod, native, background)
+    body = {"model": "m", "input": "x" * 400, "max_output_tokens": 3_000, "background": True}
+    created = client.post("http://p/v1/responses", json=body).extensions["ratequeue"]
+    estimate = created.estimate.input_tokens + created.estimate.output_tokens
+    assert created.usage is None and estimate > 3_000
+    while client.get("http://p/v1/responses/resp_9").json()["status"] != "completed":
+        pass
+    assert len(polls) == 3
+    assert lim.available("tokens") == BURST - estimate
 
 
 @pytest.mark.parametrize("modname", MODS)
@@ -509,16 +584,29 @@ def _management(path: str) -> bool:
     p = path.lower()
     if p.endswith(_FREE_CALLS):
         return True
+    # A stored response or chat completion, by its id, with one of its actions or none.
+    if re.search(r"/responses/resp_[^/]+(/cancel|/input_items)?\Z", p) or re.search(
+        r"/chat/completions/chatcmpl-[^/]+(/messages)?\Z", p
+    ):
+        return True
     if p.endswith(_MODEL_CALLS + _NO_TEXT_ROUTES):
         return False
+    # Bedrock's and Vertex AI's batch jobs.
+    if re.search(
+        r"/model-invocation-job(/[^/]+(/stop)?)?\Z|/model-invocation-jobs\Z"
+        r"|/locations/[^/]*/batchpredictionjobs(/[^/]+)?\Z",
+        p,
+    ):
+        return True
     segs = p.split("/")
     for i, seg in enumerate(segs):
         if i and seg in _MANAGEMENT:
             before = segs[i - 2] if segs[i - 1] == "messages" and i > 1 else segs[i - 1]
             if before == "openai" or re.fullmatch("v[0-9][a-z0-9]*", before):
                 rest = segs[i:]
-                if seg == "fine_tuning":
-                    if len(rest) < 2 or rest[1] not in ("jobs", "checkpoints"):
+                collections = {"fine_tuning": ("jobs", "checkpoints"), "batch": ("jobs",)}
+                if seg in collections:
+                    if len(rest) < 2 or rest[1] not in collections[seg]:
                         continue
                     rest = rest[1:]
                 if len(rest) <= 5 and all(
@@ -602,7 +690,7 @@ def test_a_streamed_answer_to_a_bodyless_call_holds_its_concurrency_slot(modname
         mod.MockTransport(answer), policy, upstream=lim, units=["requests", "tokens"], timeout=0.0
     )
     client = mod.Client(transport=t)
-    url = "http://p/v1/responses/resp_1?stream=true"
+    url = "http://p/v1/generate?stream=true"
     with client.stream("GET", url) as first:
         assert first.extensions["ratequeue"]._bodyless
         assert not first.extensions["ratequeue"].settled
@@ -669,6 +757,15 @@ _SEGMENTS = st.sampled_from(
         "uploads",
         "fine_tuning",
         "vector_stores",
+        "resp_1",
+        "chatcmpl-1",
+        "input_items",
+        "batch",
+        "model-invocation-job",
+        "model-invocation-jobs",
+        "stop",
+        "locations",
+        "batchPredictionJobs",
         ".",
         "..",
         "",

@@ -56,8 +56,20 @@ pub const NO_TEXT_ROUTES: [&str; 13] = [
 /// and vector stores: a call of them spends none of the model's tokens (a batch's requests
 /// count against the batch quotas, not the model's per-minute ones) when the segment comes
 /// right after a version segment (`v1`, `v1beta`) or `openai` (Azure), Anthropic's
-/// `messages` between (`/v1/messages/batches`).
-pub const MANAGEMENT: [&str; 5] = ["batches", "files", "uploads", "fine_tuning", "vector_stores"];
+/// `messages` between (`/v1/messages/batches`). Mistral's `batch` and fine-tuning's
+/// `fine_tuning` name their collections next (`batch/jobs`, `fine_tuning/jobs`).
+pub const MANAGEMENT: [&str; 6] = ["batches", "batch", "files", "uploads", "fine_tuning", "vector_stores"];
+
+/// Stored objects of model calls, named by the id their creation returned: OpenAI's
+/// responses (`/responses/resp_…`, with `cancel` or `input_items` after it; a background
+/// response polled, or its event stream resumed) and stored chat completions
+/// (`/chat/completions/chatcmpl-…`, with `messages` after it). Reading, updating,
+/// deleting or cancelling one generates nothing: its creation was charged. As
+/// (collection, id prefix, actions).
+pub const STORED: [(&str, &str, &[&str]); 2] = [
+    ("responses", "resp_", &["cancel", "input_items"]),
+    ("chat/completions", "chatcmpl-", &["messages"]),
+];
 
 /// Route endings of calls that spend no tokens: token counts (Anthropic's, OpenAI's,
 /// Gemini's) and Gemini's batch creation.
@@ -149,9 +161,10 @@ pub fn emits_no_tokens(path: &str) -> bool {
 }
 
 /// True when a call on `path` spends none of the model's tokens: a token count or batch
-/// creation of [`FREE_CALLS`], or a call of the batch, file, upload, fine-tuning or
-/// vector-store APIs ([`MANAGEMENT`], anchored) that does not end as a model call
-/// ([`MODEL_CALLS`], [`NO_TEXT_ROUTES`]). Its estimate is nothing and the usage its response reports (a
+/// creation of [`FREE_CALLS`], a stored object of a model call ([`STORED`]), or a call of
+/// the batch, file, upload, fine-tuning or vector-store APIs ([`MANAGEMENT`], anchored) or
+/// of the clouds' batch jobs that does not end as a model call ([`MODEL_CALLS`],
+/// [`NO_TEXT_ROUTES`]). Its estimate is nothing and the usage its response reports (a
 /// batch's own) is not its own: so only a path a server reads as it is counts (ASCII, no
 /// `;`, doubled slash, dot segment nor trailing slash; any case); any other is a model
 /// call's, charged.
@@ -165,10 +178,17 @@ pub fn spends_no_tokens(path: &str) -> bool {
     if FREE_CALLS.iter().any(|r| ends(r)) {
         return true;
     }
+    let segs: Vec<&str> = path.split('/').collect();
+    // Before the model calls' endings: a stored chat completion's list is `/messages`.
+    if stored(&segs) {
+        return true;
+    }
     if MODEL_CALLS.iter().chain(&NO_TEXT_ROUTES).any(|r| ends(r)) {
         return false;
     }
-    let segs: Vec<&str> = path.split('/').collect();
+    if batch_jobs(&segs) {
+        return true;
+    }
     (1..segs.len()).any(|i| {
         if !MANAGEMENT.iter().any(|m| segs[i].eq_ignore_ascii_case(m)) {
             return false;
@@ -208,6 +228,45 @@ impl RouteMemo {
     }
 }
 
+/// A stored object of [`STORED`]: its collection's segments, an id of its prefix (and
+/// more), then at most one of its actions, at the path's end.
+fn stored(segs: &[&str]) -> bool {
+    let is = |s: &str, w: &str| s.eq_ignore_ascii_case(w);
+    STORED.iter().any(|&(collection, prefix, actions)| {
+        let names: Vec<&str> = collection.split('/').collect();
+        [0, 1].into_iter().any(|after| {
+            // The id at `k`, `after` segments (an action) after it.
+            let Some(k) = segs.len().checked_sub(1 + after) else {
+                return false;
+            };
+            let Some(first) = k.checked_sub(names.len()) else {
+                return false;
+            };
+            let id = segs[k].as_bytes();
+            first >= 1
+                && names.iter().zip(&segs[first..k]).all(|(n, s)| is(s, n))
+                && id.len() > prefix.len()
+                && id[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
+                && (after == 0 || actions.iter().any(|a| is(segs[k + 1], a)))
+        })
+    })
+}
+
+/// The batch jobs of the clouds' model APIs: Bedrock's model invocation jobs
+/// (`/model-invocation-job` created, `/model-invocation-job/{id}` read,
+/// `/model-invocation-job/{id}/stop`, `/model-invocation-jobs` listed) and Vertex AI's
+/// batch prediction jobs (`/locations/{l}/batchPredictionJobs`, one of them by id, its
+/// `:cancel` with it). Their requests are not the model's per-minute tokens.
+fn batch_jobs(segs: &[&str]) -> bool {
+    let is = |s: &str, w: &str| s.eq_ignore_ascii_case(w);
+    (1..segs.len()).any(|i| {
+        let rest = &segs[i + 1..];
+        (is(segs[i], "model-invocation-job") && (rest.len() <= 1 || (rest.len() == 2 && is(rest[1], "stop"))))
+            || (is(segs[i], "model-invocation-jobs") && rest.is_empty())
+            || (is(segs[i], "batchpredictionjobs") && i >= 3 && is(segs[i - 2], "locations") && rest.len() <= 1)
+    })
+}
+
 /// A path a server reads as it is: ASCII, no `;`, no `//` nor `/.`, no trailing `/`
 /// (word-at-a-time and memchr scans and one loop over byte pairs: this runs on every
 /// call).
@@ -239,12 +298,18 @@ pub const MANAGEMENT_ACTIONS: [&str; 12] = [
 /// True when `rest` (an API's segment and what follows) is one of its collections or
 /// objects, or an action of [`MANAGEMENT_ACTIONS`] on one: ids and actions alternate
 /// (`batches/{id}/cancel`, `vector_stores/{id}/file_batches/{id}/files`), fine-tuning's
-/// collections are `fine_tuning/jobs` and `fine_tuning/checkpoints`. Anything else under
+/// collections are `fine_tuning/jobs` and `fine_tuning/checkpoints`, Mistral's batches'
+/// `batch/jobs`. Anything else under
 /// them (`fine_tuning/alpha/graders/run`, `vector_stores/{id}/search`) may run a model.
 fn manages(rest: &[&str]) -> bool {
     let rest = if rest[0].eq_ignore_ascii_case("fine_tuning") {
         match rest.get(1) {
             Some(c) if c.eq_ignore_ascii_case("jobs") || c.eq_ignore_ascii_case("checkpoints") => &rest[1..],
+            _ => return false,
+        }
+    } else if rest[0].eq_ignore_ascii_case("batch") {
+        match rest.get(1) {
+            Some(c) if c.eq_ignore_ascii_case("jobs") => &rest[1..],
             _ => return false,
         }
     } else {
@@ -331,6 +396,22 @@ mod tests {
             "/v1/vector_stores/vs/file_batches/b/files",
             "/v1/messages/batches/b/results",
             "/v1beta/batches/b:cancel",
+            // Stored objects of model calls: their creation was charged.
+            "/v1/responses/resp_68af4030592c81938ec0a5fbab4a3e9f",
+            "/v1/responses/resp_1/cancel",
+            "/v1/responses/resp_1/input_items",
+            "/openai/v1/responses/resp_1",
+            "/v1/chat/completions/chatcmpl-abc123",
+            "/v1/chat/completions/chatcmpl-abc123/messages",
+            // The clouds' and Mistral's batch jobs.
+            "/model-invocation-job",
+            "/model-invocation-job/j1",
+            "/model-invocation-job/j1/stop",
+            "/model-invocation-jobs",
+            "/v1/projects/p/locations/us-central1/batchPredictionJobs",
+            "/v1/projects/p/locations/us-central1/batchPredictionJobs/123:cancel",
+            "/v1/batch/jobs",
+            "/v1/batch/jobs/b1/cancel",
         ] {
             assert!(spends_no_tokens(path), "{path:?}");
         }
@@ -353,6 +434,23 @@ mod tests {
             "/v1/fine_tuning",
             "/files",
             "/x/count_tokens",
+            // Not a stored object's id, or an action that may generate.
+            "/v1/responses/compact",
+            "/v1/responses/resp_",
+            "/v1/responses/resp_1/x",
+            "/v1/responses/resp_1/cancel/x",
+            "/v1/chat/completions/chatcmpl_1",
+            "/v1/completions/chatcmpl-1",
+            "/v1/responses/chatcmpl-1",
+            "/resp_1",
+            "/v1/chat/completions/chatcmpl-1/messages/x",
+            "/model-invocation-job/j1/x",
+            "/model-invocation-jobs/j1",
+            "/v1/batchPredictionJobs",
+            "/v1/batch",
+            "/v1/batch/x",
+            "/batch/jobs",
+            "/locations/l/batchPredictionJobs",
             "/",
             "",
         ] {
