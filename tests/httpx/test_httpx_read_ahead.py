@@ -451,3 +451,73 @@ def test_a_close_that_raises_after_a_whole_read(name: str, is_async: bool) -> No
         send(mod, t, is_async)
     assert closes == [1] and t.http_histogram.count == 1
     assert llm.available("tokens") == 10**6 - 5
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_an_anyio_cancel_scope_while_reading_over_a_socket(name: str) -> None:
+    """A body that stalls half sent, the send in an anyio cancel scope that expires: the
+    call settles once (its estimate kept), the connection is closed, not left in use, and
+    the client sends again."""
+    import socket
+    import threading
+
+    import anyio
+
+    mod = importlib.import_module(name)
+    srv = socket.create_server(("127.0.0.1", 0))
+    stalled = threading.Event()
+    done = threading.Event()
+
+    def serve() -> None:
+        held = []  # the stalled connection stays open meanwhile
+        for stall in (True, False):
+            conn, _ = srv.accept()
+            held.append(conn)
+            buf = b""
+            while b"\r\n\r\n" not in buf:
+                buf += conn.recv(65536)
+            head, rest = buf.split(b"\r\n\r\n", 1)
+            want = next(
+                int(v)
+                for k, _, v in (h.partition(b":") for h in head.split(b"\r\n")[1:])
+                if k.strip().lower() == b"content-length"
+            )
+            while len(rest) < want:
+                rest += conn.recv(65536)
+            headers = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            conn.sendall(headers + b"content-length: %d\r\n\r\n" % len(ANSWER))
+            conn.sendall(ANSWER[:5] if stall else ANSWER)
+            if stall:
+                stalled.set()
+        done.wait(30)
+        for conn in held:
+            conn.close()
+
+    th = threading.Thread(target=serve, daemon=True)
+    th.start()
+    llm = limiter("tokens", 10**6)
+    t = RateLimitedTransport(mod.AsyncHTTPTransport(), llm)
+    url = f"http://127.0.0.1:{srv.getsockname()[1]}/v1/chat/completions"
+    records: list[Any] = []
+
+    async def go() -> tuple[int, Any]:
+        async with mod.AsyncClient(transport=t) as c:
+            with anyio.move_on_after(0.5) as scope:
+                await c.post(url, json=BODY)
+            assert scope.cancelled_caught and stalled.is_set()
+            in_use = len(t.inner._pool.connections)
+            r = await c.post(url, json=BODY)  # a new connection: the old one was closed
+            records.append(r.extensions["ratequeue"])
+            return in_use, r
+
+    in_use, r = anyio.run(go)
+    done.set()
+    th.join(10)
+    srv.close()
+    assert in_use == 0
+    assert r.content == ANSWER and records[0].usage == Usage(2, 3)
+    assert t.http_histogram.count == 2
+    # The first call settled once, its estimate kept (its usage was never read); the
+    # second settled to its usage.
+    first = 10**6 - llm.available("tokens") - 5
+    assert first > 5
