@@ -1,7 +1,7 @@
 """The LLM transport's added cache misses per call, counted in cachegrind (load-independent).
 
     .venv/bin/python benches/cachesim_transport.py [--row loopback|memory] [--calls 300]
-                                                   [--top 30] [--out FILE]
+                                                   [--top 30] [--out FILE] [--pages]
 
 On loopback the transport's added time is mostly cache misses: between two socket calls
 the kernel, httpcore and h11 push its code and objects out of L2 (README, "LLM clients").
@@ -12,9 +12,11 @@ of its own under ``valgrind --tool=cachegrind`` with a 2 MiB last level (this CP
 L2s together) and 4 MiB written before every call. Each process makes 200 warm-up calls,
 then 0 or ``--calls`` more; per call = (run of N - run of 0) / N, added = transport - floor.
 Prints the totals (instructions; first-level and last-level misses of code and data) and
-the functions with the most added last-level code misses. Instruction counts move by a few
-thousand between runs (a one-time clock calibration spins for wall time under valgrind);
-the miss counts much less.
+the functions with the most added last-level code misses. Instruction counts move by a
+few thousand between runs (a one-time clock calibration spins for wall time under
+valgrind); the miss counts much less. ``--pages`` counts instead the extension's
+instructions, code lines and 4 KiB pages each transport call runs (callgrind): the pages
+a call after an idle core must walk the page tables for again.
 """
 
 from __future__ import annotations
@@ -111,6 +113,54 @@ def measure(row: str, calls: int, url: str, work: Path) -> dict[str, Counts]:
     return out
 
 
+def instructions(path: Path) -> dict[int, int]:
+    """Times each instruction of the extension ran, by address, from a callgrind output
+    written with ``--dump-instr=yes --compress-pos=no --compress-strings=no``."""
+    counts: dict[int, int] = collections.defaultdict(int)
+    ours = after_call = False
+    for line in path.read_text(errors="replace").splitlines():
+        if line.startswith("ob="):
+            ours = "_ratequeue" in line
+        elif line.startswith("calls="):
+            after_call = True  # the next cost line is the call's, not an instruction's
+        elif line.startswith("0x"):
+            if not after_call and ours:
+                address, _line, cost = line.split()[:3]
+                counts[int(address, 16)] += int(cost)
+            after_call = False
+    return counts
+
+
+def pages(row: str, calls: int, url: str, work: Path) -> list[str]:
+    """The extension's code each transport call runs: instructions, 64-byte lines and
+    4 KiB pages (an instruction counts when it ran ``calls`` more times in the run of
+    ``calls`` calls than in the run of none)."""
+    runs = []
+    for n in (0, calls):
+        f = work / f"callgrind.{n}"
+        cmd = ["valgrind", "--tool=callgrind", "--dump-instr=yes", "--compress-pos=no"]
+        cmd += ["--compress-strings=no", f"--callgrind-out-file={f}", sys.executable, __file__]
+        cmd += ["--child", "tok", str(n), row, url]
+        subprocess.run(
+            cmd,
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONHASHSEED": "0"},
+        )
+        runs.append(instructions(f))
+    none, some = runs
+    ran = [a for a, c in some.items() if c - none.get(a, 0) >= calls]
+    return [
+        f"## {row}: the extension's code per transport call ({calls} calls)",
+        "",
+        "| instructions | 64-byte lines | 4 KiB pages |",
+        "|--:|--:|--:|",
+        f"| {len(ran):,} | {len({a >> 6 for a in ran}):,} | {len({a >> 12 for a in ran})} |",
+        "",
+    ]
+
+
 def report(row: str, calls: int, got: dict[str, Counts], top: int) -> list[str]:
     floor, tok = got["floor"], got["tok"]
     added = [t - f for f, t in zip(floor[0], tok[0], strict=True)]
@@ -154,6 +204,11 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path)
+    ap.add_argument(
+        "--pages",
+        action="store_true",
+        help="count the extension's code lines and pages a call runs (callgrind) instead",
+    )
     ap.add_argument("--child", nargs=4, metavar=("WHICH", "N", "ROW", "URL"))
     args = ap.parse_args()
     if args.child:
@@ -165,12 +220,16 @@ def main() -> None:
     from bench_transport import provider_process
 
     with provider_process(None) as url, tempfile.TemporaryDirectory() as work:
-        got = measure(args.row, args.calls, url, Path(work))
-    lines = [
-        "# The LLM transport's added cache misses (cachegrind)",
-        "",
-        *report(args.row, args.calls, got, args.top),
-    ]
+        if args.pages:
+            lines = ["# The LLM transport's code per call (callgrind)", ""]
+            lines += pages(args.row, args.calls, url, Path(work))
+        else:
+            got = measure(args.row, args.calls, url, Path(work))
+            lines = [
+                "# The LLM transport's added cache misses (cachegrind)",
+                "",
+                *report(args.row, args.calls, got, args.top),
+            ]
     print("\n".join(lines))
     if args.out:
         args.out.write_text("\n".join(lines) + "\n")

@@ -13,14 +13,12 @@ Two builds, each in a cargo target directory of its own (``pgo-gen`` and ``pgo-u
    transport and README tests: every layer's common calls and its edge cases; not the
    benchmarks, whose figures would then be trained for);
 3. the training's profiles merged by ``llvm-profdata``, and the release wheel built from
-   them (``-Cprofile-use``, with machine function splitting) into ``--out``.
+   them (``-Cprofile-use``) into ``--out``.
 
 LLVM then lays out each function's common path apart from its rare paths and compiles
 the rare code for size, so a call touches fewer lines of code: the LLM transport's
 loopback call adds about a quarter fewer last-level code misses
-(``benches/results/transport_pgo35.md``). Machine function splitting
-(``-enable-split-machine-functions``) then moves the blocks the training never ran to a
-section apart: about 3 % fewer again (``benches/results/mfs37/``).
+(``benches/results/transport_pgo35.md``).
 
 ``llvm-profdata`` must read the raw profiles of rustc's LLVM and write an index that
 rustc's LLVM reads, so its LLVM is from 19 (raw format 10) up to rustc's own: the first
@@ -146,26 +144,26 @@ def extra_requirements(metadata: str, extra: str) -> list[str]:
     return needs
 
 
-def cargo_env(target: Path, *added: str) -> dict[str, str]:
-    """The environment of a build into ``target`` with the ``added`` flags after the
-    user's, passed encoded so that no path is split at its spaces."""
+def cargo_env(target: Path, flag: str) -> dict[str, str]:
+    """The environment of a build into ``target`` with ``flag`` after the user's flags,
+    passed encoded so that no path is split at its spaces."""
     env = dict(os.environ)
     if encoded := env.pop("CARGO_ENCODED_RUSTFLAGS", ""):
         flags = encoded.split("\x1f")
     else:
         flags = env.get("RUSTFLAGS", "").split()
     env.pop("RUSTFLAGS", None)
-    env["CARGO_ENCODED_RUSTFLAGS"] = "\x1f".join([*flags, *added])
+    env["CARGO_ENCODED_RUSTFLAGS"] = "\x1f".join([*flags, flag])
     env["CARGO_TARGET_DIR"] = str(target)
     return env
 
 
-def maturin(out: Path, target: Path, *added: str) -> Path:
-    """A release wheel built with the ``added`` flags, alone in ``out``; its path."""
+def maturin(out: Path, target: Path, flag: str) -> Path:
+    """A release wheel built with ``flag`` added, alone in ``out``; its path."""
     shutil.rmtree(out, ignore_errors=True)
     build = [str(Path(sys.executable).parent / "maturin"), "build", "--release", "--quiet"]
     cmd = [*build, "--out", str(out), "--interpreter", sys.executable]
-    run(cmd, cwd=ROOT, env=cargo_env(target, *added))
+    run(cmd, cwd=ROOT, env=cargo_env(target, flag))
     wheels = sorted(out.glob("*.whl"))
     if len(wheels) != 1:
         raise Failed(f"expected one wheel in {out}, found {wheels}")
@@ -234,14 +232,7 @@ def build(out: Path, dirs: list[str]) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("*.whl"):
         old.unlink()
-    # The profile also splits each function's blocks the training never ran off to a
-    # section apart (machine function splitting): a call's code takes fewer cache lines.
-    final = maturin(
-        work / "use-wheel",
-        base / "pgo-use",
-        f"-Cprofile-use={merged}",
-        "-Cllvm-args=-enable-split-machine-functions",
-    )
+    final = maturin(work / "use-wheel", base / "pgo-use", f"-Cprofile-use={merged}")
     shutil.copy2(final, out / final.name)
     return out / final.name
 
