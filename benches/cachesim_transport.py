@@ -66,6 +66,18 @@ def child(which: str, n: int, row: str, url: str) -> None:
     run(n)
 
 
+def valgrind(tool: list[str], which: str, n: int, row: str, url: str) -> None:
+    """One measured process (``child``) under valgrind with ``tool``'s options."""
+    cmd = ["valgrind", *tool, sys.executable, __file__, "--child", which, str(n), row, url]
+    subprocess.run(
+        cmd,
+        check=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+
+
 def parse(path: Path) -> tuple[list[int], dict[str, list[int]]]:
     """Cachegrind's totals and per-function counts of one output file."""
     total: list[int] = []
@@ -92,16 +104,8 @@ def measure(row: str, calls: int, url: str, work: Path) -> dict[str, Counts]:
         runs = []
         for n in (0, calls):
             f = work / f"cg.{which}.{n}"
-            cmd = ["valgrind", "--tool=cachegrind", "--cache-sim=yes", "--LL=2097152,16,64"]
-            cmd += [f"--cachegrind-out-file={f}", sys.executable, __file__]
-            cmd += ["--child", which, str(n), row, url]
-            subprocess.run(
-                cmd,
-                check=True,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONHASHSEED": "0"},
-            )
+            tool = ["--tool=cachegrind", "--cache-sim=yes", "--LL=2097152,16,64"]
+            valgrind([*tool, f"--cachegrind-out-file={f}"], which, n, row, url)
             runs.append(parse(f))
         (t0, p0), (t1, p1) = runs
         zero = [0] * len(EVENTS)
@@ -138,16 +142,9 @@ def pages(row: str, calls: int, url: str, work: Path) -> list[str]:
     runs = []
     for n in (0, calls):
         f = work / f"callgrind.{n}"
-        cmd = ["valgrind", "--tool=callgrind", "--dump-instr=yes", "--compress-pos=no"]
-        cmd += ["--compress-strings=no", f"--callgrind-out-file={f}", sys.executable, __file__]
-        cmd += ["--child", "tok", str(n), row, url]
-        subprocess.run(
-            cmd,
-            check=True,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            env={**os.environ, "PYTHONHASHSEED": "0"},
-        )
+        tool = ["--tool=callgrind", "--dump-instr=yes", "--compress-pos=no"]
+        tool += ["--compress-strings=no", f"--callgrind-out-file={f}"]
+        valgrind(tool, "tok", n, row, url)
         runs.append(instructions(f))
     none, some = runs
     ran = [a for a, c in some.items() if c - none.get(a, 0) >= calls]

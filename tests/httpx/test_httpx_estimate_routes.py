@@ -309,6 +309,20 @@ def through(
     return t, mod.Client(transport=t), lim
 
 
+def charged_nothing(modname: str, native: bool, method: str, path: str) -> None:
+    """Three calls on ``path``, each estimated and settled to nothing: no token spent,
+    whatever usage the response reports."""
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native)
+    for _ in range(3):
+        r = client.request(method, "http://p" + path)
+    rec = r.extensions["ratequeue"]
+    assert rec._tokenless
+    assert rec.estimate == Estimate(0, 0)
+    assert rec.settled and rec.usage is None
+    assert lim.available("tokens") == BURST
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("modname", MODS)
 @pytest.mark.parametrize(
@@ -323,15 +337,7 @@ def through(
 def test_a_management_call_is_charged_no_usage_its_response_reports(
     modname: str, native: bool, method: str, path: str
 ) -> None:
-    mod = importlib.import_module(modname)
-    _t, client, lim = through(mod, native)
-    for _ in range(3):
-        r = client.request(method, "http://p" + path)
-    rec = r.extensions["ratequeue"]
-    assert rec._tokenless
-    assert rec.estimate == Estimate(0, 0)
-    assert rec.settled and rec.usage is None
-    assert lim.available("tokens") == BURST
+    charged_nothing(modname, native, method, path)
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -376,15 +382,7 @@ def test_a_stored_model_call_is_not_charged_again(
 ) -> None:
     """Its usage was charged when it was made: reading it back (as often as a poll does)
     charges nothing, whatever usage the stored object reports."""
-    mod = importlib.import_module(modname)
-    _t, client, lim = through(mod, native)
-    for _ in range(3):
-        r = client.request(method, "http://p" + path)
-    rec = r.extensions["ratequeue"]
-    assert rec._tokenless
-    assert rec.estimate == Estimate(0, 0)
-    assert rec.settled and rec.usage is None
-    assert lim.available("tokens") == BURST
+    charged_nothing(modname, native, method, path)
 
 
 @pytest.mark.parametrize("native", [True, False])
