@@ -60,15 +60,17 @@ pub const NO_TEXT_ROUTES: [&str; 13] = [
 /// `fine_tuning` name their collections next (`batch/jobs`, `fine_tuning/jobs`).
 pub const MANAGEMENT: [&str; 6] = ["batches", "batch", "files", "uploads", "fine_tuning", "vector_stores"];
 
-/// Stored objects of model calls, named by the id their creation returned: OpenAI's
-/// responses (`/responses/resp_…`, with `cancel` or `input_items` after it; a background
-/// response polled, or its event stream resumed) and stored chat completions
-/// (`/chat/completions/chatcmpl-…`, with `messages` after it). Reading, updating,
-/// deleting or cancelling one generates nothing: its creation was charged. As
-/// (collection, id prefix, actions).
+/// Stored objects of model calls whose reading generates nothing and whose usage was
+/// settled when they were made, named by the id their creation returned: a stored chat
+/// completion (`/chat/completions/chatcmpl-…`, read, updated or deleted; its `messages`)
+/// and a response's input items (`/responses/resp_…/input_items`). A response itself
+/// (`/responses/resp_…`, its `cancel`) is not here: a background response's creation
+/// answers before it has run and keeps its estimate, so the usage a poll or a cancel
+/// reports is charged (never less than it used, at worst twice). As (collection, id
+/// prefix, what may follow the id: "" for nothing).
 pub const STORED: [(&str, &str, &[&str]); 2] = [
-    ("responses", "resp_", &["cancel", "input_items"]),
-    ("chat/completions", "chatcmpl-", &["messages"]),
+    ("responses", "resp_", &["input_items"]),
+    ("chat/completions", "chatcmpl-", &["", "messages"]),
 ];
 
 /// Route endings of calls that spend no tokens: token counts (Anthropic's, OpenAI's,
@@ -228,14 +230,15 @@ impl RouteMemo {
     }
 }
 
-/// A stored object of [`STORED`]: its collection's segments, an id of its prefix (and
-/// more), then at most one of its actions, at the path's end.
+/// A stored object of [`STORED`]: its collection's segments, an id of its prefix and
+/// more (letters, digits, `_` and `-` only), then what may follow it, at the path's end.
 fn stored(segs: &[&str]) -> bool {
     let is = |s: &str, w: &str| s.eq_ignore_ascii_case(w);
-    STORED.iter().any(|&(collection, prefix, actions)| {
+    STORED.iter().any(|&(collection, prefix, tails)| {
         let names: Vec<&str> = collection.split('/').collect();
-        [0, 1].into_iter().any(|after| {
-            // The id at `k`, `after` segments (an action) after it.
+        tails.iter().any(|&tail| {
+            // The id at `k`, the tail (when any) after it.
+            let after = usize::from(!tail.is_empty());
             let Some(k) = segs.len().checked_sub(1 + after) else {
                 return false;
             };
@@ -247,7 +250,8 @@ fn stored(segs: &[&str]) -> bool {
                 && names.iter().zip(&segs[first..k]).all(|(n, s)| is(s, n))
                 && id.len() > prefix.len()
                 && id[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
-                && (after == 0 || actions.iter().any(|a| is(segs[k + 1], a)))
+                && id.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+                && (after == 0 || is(segs[k + 1], tail))
         })
     })
 }
@@ -397,11 +401,10 @@ mod tests {
             "/v1/messages/batches/b/results",
             "/v1beta/batches/b:cancel",
             // Stored objects of model calls: their creation was charged.
-            "/v1/responses/resp_68af4030592c81938ec0a5fbab4a3e9f",
-            "/v1/responses/resp_1/cancel",
-            "/v1/responses/resp_1/input_items",
-            "/openai/v1/responses/resp_1",
+            "/v1/responses/resp_68af4030592c81938ec0a5fbab4a3e9f/input_items",
+            "/openai/v1/responses/resp_1/input_items",
             "/v1/chat/completions/chatcmpl-abc123",
+            "/v1/chat/completions/chatcmpl-AbC_1-2",
             "/v1/chat/completions/chatcmpl-abc123/messages",
             // The clouds' and Mistral's batch jobs.
             "/model-invocation-job",
@@ -439,6 +442,12 @@ mod tests {
             "/v1/responses/resp_",
             "/v1/responses/resp_1/x",
             "/v1/responses/resp_1/cancel/x",
+            // A response polled or cancelled: a background one reports its usage there.
+            "/v1/responses/resp_68af4030592c81938ec0a5fbab4a3e9f",
+            "/v1/responses/resp_1/cancel",
+            "/v1/chat/completions/chatcmpl-1:generateContent",
+            "/v1/chat/completions/chatcmpl-1.x",
+            "/v1/responses/resp_1:x/input_items",
             "/v1/chat/completions/chatcmpl_1",
             "/v1/completions/chatcmpl-1",
             "/v1/responses/chatcmpl-1",
@@ -450,7 +459,7 @@ mod tests {
             "/v1/batch",
             "/v1/batch/x",
             "/batch/jobs",
-            "/locations/l/batchPredictionJobs",
+            "locations/l/batchPredictionJobs",
             "/",
             "",
         ] {
