@@ -66,11 +66,11 @@ pub const MANAGEMENT: [&str; 6] = ["batches", "batch", "files", "uploads", "fine
 /// and a response's input items (`/responses/resp_…/input_items`). A response itself
 /// (`/responses/resp_…`, its `cancel`) is not here: a background response's creation
 /// answers before it has run and keeps its estimate, so the usage a poll or a cancel
-/// reports is charged (never less than it used, at worst twice). As (collection, id
-/// prefix, what may follow the id: "" for nothing).
-pub const STORED: [(&str, &str, &[&str]); 2] = [
-    ("responses", "resp_", &["input_items"]),
-    ("chat/completions", "chatcmpl-", &["", "messages"]),
+/// reports is charged (never less than it used, at worst twice). As (the collection's
+/// segments, id prefix, what may follow the id: "" for nothing).
+pub const STORED: [(&[&str], &str, &[&str]); 2] = [
+    (&["responses"], "resp_", &["input_items"]),
+    (&["chat", "completions"], "chatcmpl-", &["", "messages"]),
 ];
 
 /// Route endings of calls that spend no tokens: token counts (Anthropic's, OpenAI's,
@@ -180,14 +180,14 @@ pub fn spends_no_tokens(path: &str) -> bool {
     if FREE_CALLS.iter().any(|r| ends(r)) {
         return true;
     }
-    let segs: Vec<&str> = path.split('/').collect();
     // Before the model calls' endings: a stored chat completion's list is `/messages`.
-    if stored(&segs) {
+    if stored(path) {
         return true;
     }
     if MODEL_CALLS.iter().chain(&NO_TEXT_ROUTES).any(|r| ends(r)) {
         return false;
     }
+    let segs: Vec<&str> = path.split('/').collect();
     if batch_jobs(&segs) {
         return true;
     }
@@ -230,28 +230,36 @@ impl RouteMemo {
     }
 }
 
-/// A stored object of [`STORED`]: its collection's segments, an id of its prefix and
-/// more (letters, digits, `_` and `-` only), then what may follow it, at the path's end.
-fn stored(segs: &[&str]) -> bool {
+/// A stored object of [`STORED`] at the end of `path`: its collection's segments (after
+/// at least one other), an id of its prefix and more (letters, digits, `_` and `-`
+/// only), then what may follow it. Reads the last segments in place: nothing allocated.
+fn stored(path: &str) -> bool {
+    // The last five segments, the last first (a collection of two, an id, a tail, one
+    // before them); `n` of them there.
+    let mut last = [""; 5];
+    let mut n = 0;
+    for (slot, seg) in last.iter_mut().zip(path.rsplit('/')) {
+        *slot = seg;
+        n += 1;
+    }
     let is = |s: &str, w: &str| s.eq_ignore_ascii_case(w);
-    STORED.iter().any(|&(collection, prefix, tails)| {
-        let names: Vec<&str> = collection.split('/').collect();
+    STORED.iter().any(|&(names, prefix, tails)| {
         tails.iter().any(|&tail| {
-            // The id at `k`, the tail (when any) after it.
             let after = usize::from(!tail.is_empty());
-            let Some(k) = segs.len().checked_sub(1 + after) else {
+            // The id, the collection's segments before it, and one segment before those.
+            if n < after + 1 + names.len() + 1 {
                 return false;
-            };
-            let Some(first) = k.checked_sub(names.len()) else {
-                return false;
-            };
-            let id = segs[k].as_bytes();
-            first >= 1
-                && names.iter().zip(&segs[first..k]).all(|(n, s)| is(s, n))
+            }
+            let id = last[after].as_bytes();
+            (after == 0 || is(last[0], tail))
                 && id.len() > prefix.len()
                 && id[..prefix.len()].eq_ignore_ascii_case(prefix.as_bytes())
                 && id.iter().all(|&b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-                && (after == 0 || is(segs[k + 1], tail))
+                && names
+                    .iter()
+                    .rev()
+                    .zip(&last[after + 1..])
+                    .all(|(name, seg)| is(seg, name))
         })
     })
 }
