@@ -389,37 +389,6 @@ def test_a_stored_model_call_is_not_charged_again(
     charged_nothing(modname, native, method, path)
 
 
-@pytest.mark.parametrize("native", [True, False])
-@pytest.mark.parametrize("modname", MODS)
-def test_a_background_response_is_charged_never_less_than_it_used(
-    modname: str, native: bool
-) -> None:
-    """``background=True``: created queued (no usage yet: its estimate stays charged),
-    then polled until completed: the poll that reports the usage is charged it (the
-    creation cannot be corrected any more), at worst twice, never less than it used."""
-    mod = importlib.import_module(modname)
-    polls: list[str] = []
-
-    def background(request: Any) -> Any:
-        if request.method == "POST":
-            return mod.Response(200, json={"id": "resp_9", "status": "queued", "usage": None})
-        polls.append(request.url.path)
-        done = len(polls) >= 3
-        usage = {"input_tokens": 900, "output_tokens": 20_000} if done else None
-        status = "completed" if done else "in_progress"
-        return mod.Response(200, json={"id": "resp_9", "status": status, "usage": usage})
-
-    _t, client, lim = through(mod, native, background)
-    body = {"model": "m", "input": "x" * 400, "background": True}  # no max_output_tokens
-    created = client.post("http://p/v1/responses", json=body).extensions["ratequeue"]
-    estimate = created.estimate.input_tokens + created.estimate.output_tokens
-    assert created.usage is None and estimate < 20_900
-    while client.get("http://p/v1/responses/resp_9").json()["status"] != "completed":
-        pass
-    assert len(polls) == 3
-    assert lim.available("tokens") == BURST - estimate - 20_900
-
-
 @pytest.mark.parametrize("modname", MODS)
 def test_a_streamed_body_of_a_management_call_is_not_charged(modname: str) -> None:
     """The response of a batch poll read as a stream (as over the network)."""

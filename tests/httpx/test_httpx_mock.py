@@ -58,6 +58,38 @@ def test_streams_carry_usage(path: str) -> None:
     assert r.final and r.usage is not None and r.usage.output_tokens == 4
 
 
+def test_background_responses_are_polled_and_cancelled() -> None:
+    """Created queued without usage; the first poll finds it in progress, the next
+    completed with its usage; a cancel reports the usage too; an unknown id is a 404."""
+
+    def get(mock: MockProvider, path: str) -> tuple[int, Any]:
+        conn = http.client.HTTPConnection("127.0.0.1", mock.port, timeout=10)
+        conn.request("GET", path)
+        r = conn.getresponse()
+        out = r.status, json.loads(r.read())
+        conn.close()
+        return out
+
+    with MockProvider(6000, gen_time=0.0, output_tokens=5) as mock:
+        body = {"model": "m", "input": "x" * 40, "background": True}
+        status, _, payload = post(mock, "/v1/responses", body)
+        created = json.loads(payload)
+        assert status == 200 and created["status"] == "queued" and created["usage"] is None
+        rid = created["id"]
+        polls = [get(mock, f"/v1/responses/{rid}") for _ in range(3)]
+        assert [(s, p["status"]) for s, p in polls] == [
+            (200, "in_progress"),
+            (200, "completed"),
+            (200, "completed"),
+        ]
+        assert polls[0][1]["usage"] is None and usage_from_json(polls[1][1]) == (10, 5)
+        status, _, payload = post(mock, f"/v1/responses/{rid}/cancel", b"")
+        assert status == 200 and json.loads(payload)["status"] == "cancelled"
+        assert get(mock, "/v1/responses/resp_nope")[0] == 404
+        assert post(mock, "/v1/responses/resp_nope/cancel", b"")[0] == 404
+        assert mock.stats()["requests"] == 1  # polls are not completions
+
+
 def test_chat_stream_without_include_usage_has_none() -> None:
     with MockProvider(6000, gen_time=0.0) as mock:
         _, _, payload = post(mock, "/v1/chat/completions", {"messages": [], "stream": True})

@@ -126,6 +126,48 @@ def test_async_sdks_stream_and_settle(mock: MockProvider) -> None:
     assert mock.stats()["requests"] == 4  # the fifth call was never sent
 
 
+def test_openai_background_responses_are_charged_once(mock: MockProvider) -> None:
+    """``background=True``: created queued, retrieved until completed, or cancelled; each
+    response's usage is charged once, on its creation, and the polls nothing."""
+    lim = big_limiter()
+    t = RateLimitedTransport(httpx2.HTTPTransport(), lim)
+    client = oa(mock, t)
+    with CallBudget(calls=10) as b:
+        first = client.responses.create(model="gpt", input="hello there", background=True)
+        assert first.status == "queued" and first.usage is None
+        assert t.stats()["background"] == 1
+        done = client.responses.retrieve(first.id)
+        while done.status != "completed":
+            done = client.responses.retrieve(done.id)
+        second = client.responses.create(model="gpt", input="and again", background=True)
+        cancelled = client.responses.cancel(second.id)
+        client.responses.retrieve(first.id)  # once more: nothing
+    assert done.usage is not None and cancelled.usage is not None
+    used = [(s.input_tokens, s.output_tokens) for s in b.usage]
+    first_used = (done.usage.input_tokens, done.usage.output_tokens)
+    second_used = (cancelled.usage.input_tokens, cancelled.usage.output_tokens)
+    assert used == [first_used, (0, 0), (0, 0), second_used, (0, 0), (0, 0)]
+    assert all(s.settled for s in b.usage) and t.stats()["background"] == 0
+    assert lim.available("tokens") == 100_000 - sum(first_used) - sum(second_used)
+
+
+def test_async_openai_background_response_is_charged_once(mock: MockProvider) -> None:
+    lim = big_limiter()
+
+    async def main() -> tuple[Any, RateLimitedTransport]:
+        t = RateLimitedTransport(httpx2.AsyncHTTPTransport(), lim)
+        async with httpx2.AsyncClient(transport=t) as http:
+            o = openai.AsyncOpenAI(api_key="k", base_url=mock.base_url + "/v1", http_client=http)
+            r = await o.responses.create(model="gpt", input="hello there", background=True)
+            while r.status != "completed":
+                r = await o.responses.retrieve(r.id)
+        return r, t
+
+    r, t = asyncio.run(main())
+    assert r.usage is not None and t.stats()["background"] == 0
+    assert lim.available("tokens") == 100_000 - r.usage.input_tokens - r.usage.output_tokens
+
+
 def test_budget_exceeded_comes_out_of_the_sdks_unwrapped(mock: MockProvider) -> None:
     t = RateLimitedTransport(httpx2.HTTPTransport(), big_limiter())
     o, a = oa(mock, t), an(mock, t)

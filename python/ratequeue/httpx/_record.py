@@ -282,6 +282,7 @@ class _Call(CallRecord):
         "_done",
         "_held",
         "_kw",
+        "_linked",
         "_once",
         "_owed",
         "_permit",
@@ -348,6 +349,7 @@ class _Call(CallRecord):
         self._bodyless = bodyless
         self._owed: object = None
         self._retried = False
+        self._linked: _Call | None = None  # a creation whose ledger part this call pays
         self._once = [None]  # popped by the one caller that settles
 
 
@@ -372,4 +374,5 @@ _CONSTANT_SLOTS = (
     ("_done", False),
     ("_owed", None),
     ("_retried", False),
+    ("_linked", None),
 )

@@ -36,10 +36,13 @@ def nothing_used(call: _Call, body: bytes) -> Usage | None:
     return None
 
 
-def _done(call: _Call, transport: RateLimitedTransport, usage: Usage | None) -> None:
+def _done(
+    call: _Call, transport: RateLimitedTransport, usage: Usage | None, body: bytes | None = None
+) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
-    (never admit more than allowed) and ``usage`` stays None."""
-    transport._settle(call, usage, call.status, reported=True)
+    (never admit more than allowed) and ``usage`` stays None, or a background response's
+    creation (``body`` its answer) waits for its poll's."""
+    transport._settle(call, usage, call.status, reported=True, body=body)
 
 
 # A compressed event stream is decoded for its usage up to 1 MiB plus 100 decoded bytes
@@ -78,6 +81,7 @@ class _Reader:
         if self.call._done:
             return
         usage: Usage | None = None
+        whole: bytes | None = None  # the body read to its end
         if self.over:
             self.buf = []
         elif self.sse is not None:
@@ -88,9 +92,11 @@ class _Reader:
             body = b"".join(self.buf)
             self.buf = []
             usage = _json_usage(body) if body else None
-            if usage is None and self.ended:
-                usage = nothing_used(self.call, body)
-        _done(self.call, self.transport, usage)
+            if self.ended:
+                whole = body
+                if usage is None:
+                    usage = nothing_used(self.call, body)
+        _done(self.call, self.transport, usage, whole)
 
 
 class _Decoding(_Reader):
@@ -269,13 +275,15 @@ def wrap(
     if response.is_stream_consumed:
         content = response.content
         usage: Usage | None = None
+        whole: bytes | None = None
         if sse:
             events = SSEUsage()
             events.feed(content)
             usage = events.usage if events.final else None
         elif content and len(content) <= transport.max_body:
             usage = _json_usage(content)
-        _done(call, transport, usage)
+            whole = content
+        _done(call, transport, usage, whole)
         return
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")

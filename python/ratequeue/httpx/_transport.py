@@ -25,6 +25,7 @@ from .._ratequeue import (
 )
 from ..pool import Pool
 from . import _budget
+from ._background import Background
 from ._caps import Cap, CapTable
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
@@ -32,7 +33,16 @@ from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
-from ._stream import _done, aread_ahead, ignore, native_stream, nothing_used, read_ahead, wrap
+from ._stream import (
+    NONE_USED,
+    _done,
+    aread_ahead,
+    ignore,
+    native_stream,
+    nothing_used,
+    read_ahead,
+    wrap,
+)
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -112,6 +122,7 @@ class RateLimitedTransport(_Requests):
         stream_usage: bool = True,
         max_body: int = 8 << 20,
         uncapped: Literal["refuse", "send"] = "refuse",
+        max_background: int = 1000,
     ) -> None:
         if not (hasattr(inner, "handle_request") or hasattr(inner, "handle_async_request")):
             raise TypeError(f"inner={inner!r} is not an httpx or httpx2 transport")
@@ -144,6 +155,16 @@ class RateLimitedTransport(_Requests):
         if not isinstance(uncapped, str) or uncapped not in ("refuse", "send"):
             raise ValueError(f"uncapped={uncapped!r} must be 'refuse' or 'send'")
         self.uncapped: str = uncapped
+        if (
+            isinstance(max_background, bool)
+            or not isinstance(max_background, int)
+            or max_background < 0
+        ):
+            raise ValueError(f"max_background={max_background!r} must be an int >= 0")
+        # Background responses' creations waiting for their poll's usage (the dict is
+        # read on every call: empty, nothing is looked up).
+        self._background = Background(max_background)
+        self._waiting_ids = self._background._ids
         if isinstance(limit, Limiter):
             self.upstream: Limiter | None = limit
             self.units = frozenset(limit.units)
@@ -252,6 +273,7 @@ class RateLimitedTransport(_Requests):
             and not call._bodyless
             and not self.calibrate
             and type(hl) is list
+            and not (self._waiting_ids and self._background.watches(call.path))
         ):
             # The common path in one native call (None: done; a body not read yet: its
             # length, to read it first, or its native reader). Otherwise nothing was done
@@ -318,7 +340,7 @@ class RateLimitedTransport(_Requests):
                     usage = _new(Usage, usage)
                 if usage is None:
                     usage = nothing_used(call, content)  # type: ignore[arg-type]
-                self._settle(call, usage, status, reported=True)
+                self._settle(call, usage, status, reported=True, body=content)
             elif not content or len(content) > self.max_body:
                 used = nothing_used(call, b"") if not content else None
                 self._settle(call, used, status, reported=True)
@@ -362,7 +384,7 @@ class RateLimitedTransport(_Requests):
 
     def _stream_deferred(self, call: _Call, body: bytes | None) -> None:
         """A streamed body the native reader could not settle from: as ``_Reader.finish``."""
-        _done(call, self, None if body is None else _json_usage(body))
+        _done(call, self, None if body is None else _json_usage(body), body)
 
     def _limits(self, call: _Call, response: Any, status: int) -> None:
         """Follow what the headers say: calibrate, pause exhausted units; on a 429 pause
@@ -427,10 +449,19 @@ class RateLimitedTransport(_Requests):
         *,
         rate_limited: bool = False,
         reported: bool = False,
+        body: bytes | None = None,
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
-        allowed). An asyncio call leaves the ledger's part owed, for its caller to await."""
+        allowed), or waits for its poll's (a background response's creation, ``body``
+        its answer). An asyncio call leaves the ledger's part owed, for its caller to
+        await."""
+        if not call._once:
+            return  # settled before (a poll must not settle its creation twice)
+        if self._waiting_ids and usage is not None:
+            usage = self._polled(call, usage)
+        elif usage is None and body and reported and self._keep(call, body):
+            return
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
@@ -483,6 +514,41 @@ class RateLimitedTransport(_Requests):
                     if not call._async:
                         self._pay(call)
 
+    def _keep(self, call: _Call, body: bytes) -> bool:
+        """A background response's creation (its body an id, no usage) kept until its
+        poll reports the usage: its concurrency slots given back meanwhile."""
+        if not self._background.keep(call, body):
+            return False
+        call._done = True
+        if call._permit is not None and self._is_policy:
+            call._permit.release()
+        return True
+
+    def _polled(self, call: _Call, usage: Usage) -> Usage:
+        """A poll of a background response kept here reports its ``usage``: the creation
+        is settled to it (its ledger part paid with the poll's) and the poll itself spent
+        nothing; any other call: its ``usage``. ``NONE_USED`` is no report (a body
+        without a usage, of a call sent without one: a poll of a response still running)."""
+        if call._tokenless or usage is NONE_USED:
+            return usage
+        kept, creation = self._background.take(call.path)
+        if not kept:
+            return usage
+        if creation is not None:
+            creation._async = call._async
+            self._settle(creation, usage, creation.status, reported=True)
+            if creation._owed is not None:
+                call._linked = creation
+        return NONE_USED
+
+    def _settle_kept(self) -> list[_Call]:
+        """The background creations still waiting, settled at their estimate."""
+        calls = self._background.drain()
+        for c in calls:
+            c._async = True  # the ledger's part left owed, for the closer to pay
+            self._settle(c, None, c.status, reported=True)
+        return calls
+
     def _ledger_op(self, call: _Call) -> tuple[str, dict[str, Any]] | None:
         """The ledger call the call owes (settle or release), taken once."""
         owed, call._owed = call._owed, None
@@ -499,16 +565,27 @@ class RateLimitedTransport(_Requests):
         }
 
     def _pay(self, call: _Call) -> None:
-        """What the call owes the ledger, inline."""
+        """What the call owes the ledger, inline (and the creation its poll settled)."""
         op = self._ledger_op(call)
-        if op is not None:
-            getattr(self.ledger, op[0])(call.request_id, **op[1])
+        try:
+            if op is not None:
+                getattr(self.ledger, op[0])(call.request_id, **op[1])
+        finally:
+            linked, call._linked = call._linked, None
+            if linked is not None:
+                self._pay(linked)
 
     async def _pay_async(self, call: _Call) -> None:
-        """What the call owes the ledger, off the event loop."""
+        """What the call owes the ledger, off the event loop (and the creation its poll
+        settled)."""
         op = self._ledger_op(call)
-        if op is not None:
-            await call_async(self.ledger, op[0], call.request_id, **op[1])
+        try:
+            if op is not None:
+                await call_async(self.ledger, op[0], call.request_id, **op[1])
+        finally:
+            linked, call._linked = call._linked, None
+            if linked is not None:
+                await self._pay_async(linked)
 
     def _unwind(self, call: _Call) -> None:
         """Nothing was sent: give back the budget and the ledger hold."""
@@ -630,14 +707,24 @@ class RateLimitedTransport(_Requests):
         self._admitted(call, grant, perf_counter() - t0)
 
     def close(self) -> None:
-        """Close the inner transport."""
-        if hasattr(self.inner, "close"):
-            self.inner.close()
+        """Close the inner transport; background responses still waiting for their
+        usage are settled at their estimate."""
+        try:
+            for c in self._settle_kept():
+                self._pay(c)
+        finally:
+            if hasattr(self.inner, "close"):
+                self.inner.close()
 
     async def aclose(self) -> None:
-        """Close the inner async transport."""
-        if hasattr(self.inner, "aclose"):
-            await self.inner.aclose()
+        """Close the inner async transport; background responses still waiting for
+        their usage are settled at their estimate (their ledger part off the loop)."""
+        try:
+            for c in self._settle_kept():
+                await self._pay_async(c)
+        finally:
+            if hasattr(self.inner, "aclose"):
+                await self.inner.aclose()
 
     def __enter__(self) -> RateLimitedTransport:
         return self
@@ -653,13 +740,15 @@ class RateLimitedTransport(_Requests):
 
     def stats(self) -> dict[str, Any]:
         """Counters (calls: granted or refused by the queue; sent, rate_limited, paused,
-        calibrated) and the p50/p99 of the queue wait and the HTTP time, in seconds."""
+        calibrated; background: creations of background responses waiting for their
+        poll's usage) and the p50/p99 of the queue wait and the HTTP time, in seconds."""
         with self._lock:
             counts = dict(self._counts)
         out: dict[str, Any] = {
             "calls": self.wait_histogram.count + counts.pop("refused"),
             "sent": self.http_histogram.count,
             **counts,
+            "background": self._background.waiting,
         }
         for name, h in (("wait", self.wait_histogram), ("http", self.http_histogram)):
             out[f"{name}_p50"], out[f"{name}_p99"] = (

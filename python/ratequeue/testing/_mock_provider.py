@@ -10,7 +10,11 @@ headers follow ``dialect``: OpenAI ``x-ratelimit-*``, Anthropic ``anthropic-rate
 (the default on ``/v1/messages``), the IETF ``RateLimit``/``RateLimit-Policy`` fields, or
 none. An admitted request "generates" for ``gen_time`` seconds (a sleep in its own
 server thread). ``fail_next(n)`` answers the next ``n`` completions with 429 whatever the
-buckets say. ``GET /stats`` returns the counters. It binds to a loopback address only,
+buckets say. A response created with ``"background": true`` is answered ``queued``
+without its usage; ``GET /v1/responses/{id}`` answers it ``in_progress`` the first time
+and ``completed`` with its usage after, ``POST /v1/responses/{id}/cancel`` answers it
+``cancelled`` with its usage (the last ``MAX_BACKGROUND`` are kept; any other id is a
+404). ``GET /stats`` returns the counters. It binds to a loopback address only,
 so it never serves the network.
 
 From the command line: ``python -m ratequeue mock-provider --rpm 100 --port 8000
@@ -46,6 +50,9 @@ PATH = "/v1/chat/completions"
 COMPLETION_PATHS = frozenset({PATH, "/v1/completions", "/v1/messages", "/v1/responses"})
 #: Largest request body read (bytes); a larger one is answered 413.
 MAX_BODY = 1 << 20
+#: Background responses kept for their polls (the oldest forgotten first).
+MAX_BACKGROUND = 10_000
+_RESPONSE = "/v1/responses/"
 DIALECTS = ("auto", "openai", "anthropic", "ietf", "none")
 RETRY_STYLES = ("both", "seconds", "ms", "date", "none")
 
@@ -122,6 +129,8 @@ class _Handler(BaseHTTPRequestHandler):
         route = self._route()
         if route == "/stats":
             self._send(200, self.server.mock.stats(), {})
+        elif route.startswith(_RESPONSE):
+            self._background(route[len(_RESPONSE) :], False)
         elif route in COMPLETION_PATHS:
             self._error(405, "method_not_allowed", f"use POST on {route}", {"Allow": "POST"})
         else:
@@ -134,6 +143,8 @@ class _Handler(BaseHTTPRequestHandler):
         route = self._route()
         if route in COMPLETION_PATHS:
             self._complete(route, body)
+        elif route.startswith(_RESPONSE) and route.endswith("/cancel"):
+            self._background(route[len(_RESPONSE) : -len("/cancel")], True)
         else:
             self._error(404, "not_found", f"no such path {route!r}", {})
 
@@ -160,8 +171,20 @@ class _Handler(BaseHTTPRequestHandler):
             time.sleep(gen)
         if status == 200 and req.get("stream") is True:
             self._stream(_events(route, req, payload), headers)
+        elif status == 200 and route == "/v1/responses" and req.get("background") is True:
+            mock.background(payload)
+            queued = {**payload, "status": "queued", "output": [], "usage": None}
+            self._send(status, queued, headers)
         else:
             self._send(status, payload, headers)
+
+    def _background(self, rid: str, cancel: bool) -> None:
+        """A poll or cancel of a background response."""
+        body = self.server.mock._poll(rid, cancel)
+        if body is None:
+            self._error(404, "not_found", f"no response {rid!r}", {})
+        else:
+            self._send(200, body, {})
 
     def _stream(self, events: Iterator[bytes], headers: dict[str, str]) -> None:
         self.send_response(200)
@@ -252,6 +275,8 @@ class MockProvider:
         self._fail = 0
         self._fail_after = 0.0
         self.admitted_at: list[float] = []  # time.monotonic() of each admitted request
+        # Background responses: id -> (the completed body, polled before).
+        self._responses: dict[str, tuple[dict[str, Any], bool]] = {}
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
 
@@ -262,6 +287,27 @@ class MockProvider:
         the buckets say."""
         with self._lock:
             self._fail, self._fail_after = int(n), float(retry_after)
+
+    def background(self, body: dict[str, Any]) -> None:
+        """Keep a background response's completed ``body`` for its polls."""
+        with self._lock:
+            self._responses[body["id"]] = (body, False)
+            while len(self._responses) > MAX_BACKGROUND:
+                del self._responses[next(iter(self._responses))]
+
+    def _poll(self, rid: str, cancel: bool) -> dict[str, Any] | None:
+        """A background response as a poll (or a cancel) finds it, or None."""
+        with self._lock:
+            kept = self._responses.get(rid)
+            if kept is None:
+                return None
+            body, polled = kept
+            if cancel:
+                return {**body, "status": "cancelled"}
+            if not polled:
+                self._responses[rid] = (body, True)
+                return {**body, "status": "in_progress", "output": [], "usage": None}
+            return body
 
     def _usage(self, req: dict[str, Any]) -> tuple[int, int]:
         chars = sum(len(t) for t in _strings(req.get("messages", req.get("input", ""))))

@@ -223,7 +223,8 @@ pub(crate) enum Settled {
 /// by a body that was here and a streamed body at its end: the usage read, the permit
 /// settled from the token plan (once: `once`'s pop), the record set as `_settle` sets
 /// it; `histogram`, when given, records the HTTP time. Deferred when only the
-/// reference can settle it (nothing changed then).
+/// reference can settle it (nothing changed then), and when a body to read reports no
+/// usage.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn settle_body<'py>(
     py: Python<'py>,
@@ -258,36 +259,39 @@ pub(crate) fn settle_body<'py>(
             return Ok(Settled::Deferred);
         };
         usage = found;
-        if let Some(u) = found {
-            let (i, o) = (u.input_tokens, u.output_tokens);
-            // As `Permit.settle` reads a cost past 64 bits: saturated.
-            let actual = [1, i.saturating_add(o), i, o];
-            let units = permit.get().permit().owner().units();
-            for item in plan.iter_borrowed() {
-                let Some((name, j)) = unit_of(item) else {
-                    return Ok(Settled::Deferred);
-                };
-                let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(name)?) else {
-                    return Ok(Settled::Deferred);
-                };
-                let Ok(was) = was.extract::<u64>() else {
-                    return Ok(Settled::Deferred);
-                };
-                if a == was {
-                    continue;
-                }
-                let Ok(text) = name.to_str() else {
-                    return Ok(Settled::Deferred);
-                };
-                let Some(index) = units.iter().position(|u| u == text) else {
-                    return Ok(Settled::Deferred);
-                };
-                if n == MOST_UNITS {
-                    return Ok(Settled::Deferred);
-                }
-                fixes[n] = Some(Correction { index, name, actual: a });
-                n += 1;
+        // A body without a usage (a background response's creation, answered before it
+        // has run) is the reference's: it keeps the estimate, or waits for the poll.
+        let Some(u) = found else {
+            return Ok(Settled::Deferred);
+        };
+        let (i, o) = (u.input_tokens, u.output_tokens);
+        // As `Permit.settle` reads a cost past 64 bits: saturated.
+        let actual = [1, i.saturating_add(o), i, o];
+        let units = permit.get().permit().owner().units();
+        for item in plan.iter_borrowed() {
+            let Some((name, j)) = unit_of(item) else {
+                return Ok(Settled::Deferred);
+            };
+            let (Some(&a), Some(was)) = (actual.get(j), charged.get_item(name)?) else {
+                return Ok(Settled::Deferred);
+            };
+            let Ok(was) = was.extract::<u64>() else {
+                return Ok(Settled::Deferred);
+            };
+            if a == was {
+                continue;
             }
+            let Ok(text) = name.to_str() else {
+                return Ok(Settled::Deferred);
+            };
+            let Some(index) = units.iter().position(|u| u == text) else {
+                return Ok(Settled::Deferred);
+            };
+            if n == MOST_UNITS {
+                return Ok(Settled::Deferred);
+            }
+            fixes[n] = Some(Correction { index, name, actual: a });
+            n += 1;
         }
     }
     // One caller settles (the list's pop is atomic); a call settled already is left.

@@ -1,0 +1,152 @@
+"""Background responses (OpenAI's ``background=True``), charged exactly once.
+
+Such a response answers its creation ``queued`` (or ``in_progress``), before it has run:
+its body has an id and no usage. The creation's settle waits for that usage: the call
+is kept here by the response's id, its estimate still charged (and its ledger hold still
+held), its concurrency slots given back. A poll (``GET …/responses/{id}``) or a cancel
+(``POST …/responses/{id}/cancel``) whose body reports the usage settles the creation to
+it, and is itself charged nothing: the tokens are counted once, where they were spent.
+A poll of a response settled that way (remembered, as many as are kept waiting) is
+charged nothing again.
+
+Bounded: at most ``limit`` creations wait (past it a creation keeps its estimate, as any
+body without a usage does, and its poll is charged the usage it reports: never less than
+used); the transport's ``close`` settles those still waiting at their estimate. A forked
+child forgets them (the parent settles its own).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import weakref
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from ._record import json_object
+
+if TYPE_CHECKING:
+    from ._record import _Call
+
+__all__ = ["Background"]
+
+#: A response not run yet: its creation's answer.
+_WAITING = ("queued", "in_progress")
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_MAX_ID = 256
+
+_ALL: weakref.WeakSet[Background] = weakref.WeakSet()
+
+
+def _forget_all() -> None:
+    for b in list(_ALL):
+        b._forget()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_all)
+
+
+def _response_id(body: dict[str, Any] | None) -> str | None:
+    """The id of a response not run yet, or None."""
+    if body is None or body.get("status") not in _WAITING:
+        return None
+    rid = body.get("id")
+    if type(rid) is not str or not 0 < len(rid) <= _MAX_ID or not _ID_CHARS.issuperset(rid):
+        return None
+    return rid
+
+
+def polled_id(path: str) -> str | None:
+    """The response id of a poll or cancel path (``…/responses/{id}``,
+    ``…/responses/{id}/cancel``), or None."""
+    parts = path.rsplit("/", 3)
+    if parts[-1] == "cancel":
+        parts.pop()
+    if len(parts) < 3 or parts[-2] != "responses":
+        return None
+    return parts[-1]
+
+
+class Background:
+    """The creations waiting for their usage, by response id (see the module)."""
+
+    __slots__ = ("__weakref__", "_ids", "_lock", "_waiting", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._lock = threading.Lock()
+        # id -> the creation waiting, or None once settled (the poll's usage charged).
+        self._ids: OrderedDict[str, _Call | None] = OrderedDict()
+        self._waiting = 0
+        _ALL.add(self)
+
+    def __bool__(self) -> bool:
+        return bool(self._ids)
+
+    @property
+    def waiting(self) -> int:
+        """Creations waiting for their usage."""
+        return self._waiting
+
+    def watches(self, path: str) -> bool:
+        """True when ``path`` polls a response kept here."""
+        rid = polled_id(path)
+        return rid is not None and rid in self._ids
+
+    def keep(self, call: _Call, body: bytes) -> bool:
+        """Keep ``call``, a creation whose 2xx ``body`` reports no usage, until its usage
+        is polled: True when kept (a response not run yet, room left), else False."""
+        if not self.limit or call._request.method != "POST":
+            return False
+        if not call.path.endswith("/responses"):
+            return False
+        rid = _response_id(json_object(body))
+        if rid is None:
+            return False
+        with self._lock:
+            if self._waiting >= self.limit or self._ids.get(rid) is not None:
+                return False
+            self._ids.pop(rid, None)
+            self._ids[rid] = call
+            self._waiting += 1
+        return True
+
+    def take(self, path: str) -> tuple[bool, _Call | None]:
+        """For a poll of ``path`` that reports a usage: (False, None) when its response is
+        not kept here; else (True, the creation now to settle to it, or None when it was
+        settled before). The id stays, settled, as long as room is left."""
+        rid = polled_id(path)
+        if rid is None:
+            return False, None
+        with self._lock:
+            if rid not in self._ids:
+                return False, None
+            call = self._ids[rid]
+            if call is None:
+                return True, None
+            self._ids[rid] = None
+            self._waiting -= 1
+            # Settled ids are dropped oldest first past the bound (a poll of one dropped
+            # is charged what it reports: never less than used).
+            if len(self._ids) > self.limit:
+                for old, c in list(self._ids.items()):
+                    if len(self._ids) <= self.limit:
+                        break
+                    if c is None:
+                        del self._ids[old]
+            return True, call
+
+    def drain(self) -> list[_Call]:
+        """The creations still waiting, taken out (to settle at their estimate)."""
+        with self._lock:
+            calls = [c for c in self._ids.values() if c is not None]
+            self._ids.clear()
+            self._waiting = 0
+        return calls
+
+    def _forget(self) -> None:
+        # The same dict emptied: the transport reads it on every call.
+        self._lock = threading.Lock()
+        self._ids.clear()
+        self._waiting = 0

@@ -1,0 +1,335 @@
+"""Background responses (``background=True``) are charged exactly once, what they used.
+
+The creation answers ``queued``, before the response has run: no usage yet. It stays
+charged its estimate (its ledger hold held, its budget sub-call reserved) until a poll
+or a cancel reports the usage: then the creation is settled to it and the poll itself is
+charged nothing, as is any later poll of it. Bounded (``max_background``), forgotten by a
+forked child, settled at the estimate when the transport closes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import json
+import os
+from typing import Any
+
+import pytest
+import ratequeue as rq
+from ratequeue.httpx import CallBudget, RateLimitedTransport
+
+MODS = ["httpx", "httpx2"]
+BURST = 100_000
+USED = {"input_tokens": 900, "output_tokens": 20_000}
+SPENT = 20_900
+
+
+class Provider:
+    """A Responses API: creations answer ``queued``; each response completes at its
+    ``done``-th poll (or when cancelled), reporting ``usage``."""
+
+    def __init__(self, done: int = 3, usage: dict[str, int] | None = None) -> None:
+        self.done = done
+        self.usage = usage or USED
+        self.made = 0
+        self.polls: dict[str, int] = {}
+        self.streamed = False  # answer polls with a stream (not read yet)
+
+    def __call__(self, request: Any) -> Any:
+        mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+        path = request.url.path
+        if request.method == "POST" and path.endswith("/responses"):
+            self.made += 1
+            rid = f"resp_{self.made}"
+            self.polls[rid] = 0
+            return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
+        rid = path.split("/responses/", 1)[1].split("/")[0]
+        n = self.polls.get(rid, 0) + 1
+        self.polls[rid] = n
+        if path.endswith("/cancel"):
+            body = {"id": rid, "status": "cancelled", "usage": self.usage}
+        elif n >= self.done:
+            body = {"id": rid, "status": "completed", "usage": self.usage}
+        else:
+            body = {"id": rid, "status": "in_progress", "usage": None}
+        if self.streamed:
+            data = json.dumps(body).encode()
+            headers = {"content-type": "application/json"}
+            return mod.Response(200, headers=headers, stream=_Once(mod, data))
+        return mod.Response(200, json=body)
+
+
+def _Once(mod: Any, data: bytes) -> Any:
+    class Once(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc]
+        def __iter__(self) -> Any:
+            yield data
+
+        async def __aiter__(self) -> Any:
+            yield data
+
+    return Once()
+
+
+def through(
+    mod: Any, native: bool, provider: Any, **kw: Any
+) -> tuple[RateLimitedTransport, Any, rq.Limiter]:
+    lim = rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    t = RateLimitedTransport(mod.MockTransport(provider), lim, timeout=0.0, **kw)
+    if not native:
+        t._reader = None
+        t._native_settle = False
+        t._native_stream = False
+    return t, mod.Client(transport=t), lim
+
+
+def create(client: Any, **extra: Any) -> Any:
+    body = {"model": "m", "input": "x" * 400, "background": True, **extra}
+    return client.post("http://p/v1/responses", json=body)
+
+
+def estimate_of(record: Any) -> int:
+    return int(record.estimate.input_tokens + record.estimate.output_tokens)
+
+
+def poll_until_done(client: Any, rid: str) -> list[Any]:
+    records = []
+    while True:
+        r = client.get(f"http://p/v1/responses/{rid}")
+        records.append(r.extensions["ratequeue"])
+        if r.json()["status"] == "completed":
+            return records
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_background_response_is_charged_once_what_it_used(modname: str, native: bool) -> None:
+    mod = importlib.import_module(modname)
+    t, client, lim = through(mod, native, Provider())
+    created = create(client).extensions["ratequeue"]  # no max_output_tokens: 1,024 held
+    estimate = estimate_of(created)
+    assert estimate < SPENT
+    # Waiting for its usage: the estimate charged, the record not settled.
+    assert not created.settled and created.usage is None
+    assert lim.available("tokens") == BURST - estimate
+    assert t.stats()["background"] == 1
+    polls = poll_until_done(client, "resp_1")
+    assert len(polls) == 3
+    # The creation settled to the usage (the debt over its estimate charged), the polls
+    # charged nothing.
+    assert created.settled and created.usage == (900, 20_000)
+    assert created.charged["tokens"] == SPENT
+    assert all(p.settled and p.charged["tokens"] == 0 for p in polls)
+    assert lim.available("tokens") == BURST - SPENT
+    assert t.stats()["background"] == 0
+    # Polled again once it is done: still nothing.
+    for _ in range(2):
+        again = client.get("http://p/v1/responses/resp_1").extensions["ratequeue"]
+        assert again.usage == (0, 0) and again.charged["tokens"] == 0
+    assert lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_an_estimate_above_the_usage_is_given_back(modname: str, native: bool) -> None:
+    mod = importlib.import_module(modname)
+    used = {"input_tokens": 100, "output_tokens": 50}
+    _t, client, lim = through(mod, native, Provider(usage=used))
+    created = create(client, max_output_tokens=4000).extensions["ratequeue"]
+    assert lim.available("tokens") == BURST - estimate_of(created)
+    poll_until_done(client, "resp_1")
+    assert lim.available("tokens") == BURST - 150
+    assert created.charged["tokens"] == 150
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_cancel_reporting_the_usage_settles_the_creation(modname: str, native: bool) -> None:
+    mod = importlib.import_module(modname)
+    _t, client, lim = through(mod, native, Provider(done=99))
+    created = create(client).extensions["ratequeue"]
+    client.get("http://p/v1/responses/resp_1")  # in progress: nothing yet
+    assert not created.settled
+    cancel = client.post("http://p/v1/responses/resp_1/cancel").extensions["ratequeue"]
+    assert cancel.charged["tokens"] == 0
+    assert created.settled and lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_streamed_poll_settles_the_creation(modname: str, native: bool) -> None:
+    """The poll's body not read yet (as over a network): read by the reference reader."""
+    mod = importlib.import_module(modname)
+    provider = Provider(done=1)
+    _t, client, lim = through(mod, native, provider)
+    created = create(client).extensions["ratequeue"]
+    provider.streamed = True
+    with client.stream("GET", "http://p/v1/responses/resp_1") as r:
+        assert json.loads(r.read())["status"] == "completed"
+    assert r.extensions["ratequeue"].charged["tokens"] == 0
+    assert created.settled and lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_response_not_created_here_is_charged_what_its_poll_reports(
+    modname: str, native: bool
+) -> None:
+    """Created by another process (or forgotten): its poll is the only place its usage
+    shows, so it is charged (never less than used)."""
+    mod = importlib.import_module(modname)
+    provider = Provider(done=1)
+    provider.polls["resp_elsewhere"] = 0
+    _t, client, lim = through(mod, native, provider)
+    r = client.get("http://p/v1/responses/resp_elsewhere").extensions["ratequeue"]
+    assert r.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_past_max_background_a_creation_keeps_its_estimate(native: bool) -> None:
+    """Bounded: the second creation is not kept (its estimate stays charged, its poll
+    is charged its usage: at worst twice, never less); ``max_background=0`` keeps none."""
+    mod = importlib.import_module("httpx")
+    _t, client, lim = through(mod, native, Provider(done=1), max_background=1)
+    first = create(client).extensions["ratequeue"]
+    second = create(client).extensions["ratequeue"]
+    assert not first.settled and second.settled and second.usage is None
+    e1, e2 = estimate_of(first), estimate_of(second)
+    assert lim.available("tokens") == BURST - e1 - e2
+    client.get("http://p/v1/responses/resp_1")
+    client.get("http://p/v1/responses/resp_2")
+    assert lim.available("tokens") == BURST - SPENT - e2 - SPENT
+    # Room again: a third is kept.
+    third = create(client).extensions["ratequeue"]
+    assert not third.settled
+    _t, client, lim = through(mod, native, Provider(done=1), max_background=0)
+    assert create(client).extensions["ratequeue"].settled
+
+
+def test_max_background_is_checked() -> None:
+    mod = importlib.import_module("httpx")
+    lim = rq.Limiter(rq.Rate(10, per="second"))
+    for bad in (-1, 1.5, True, "3", None):
+        with pytest.raises(ValueError, match="max_background"):
+            RateLimitedTransport(mod.MockTransport(Provider()), lim, max_background=bad)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_closing_the_transport_settles_what_waits_at_its_estimate(
+    modname: str, native: bool
+) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t, client, lim = through(mod, native, Provider(done=1), ledger=ledger)
+    created = create(client).extensions["ratequeue"]
+    estimate = estimate_of(created)
+    assert ledger.settled == {}
+    client.close()  # closes the transport
+    assert created.settled and created.usage is None
+    assert lim.available("tokens") == BURST - estimate
+    assert ledger.settled == {created.request_id: created.estimate}
+    assert t.stats()["background"] == 0
+
+
+class Ledger:
+    """Records each request's hold and its one settle (a second settle fails)."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, tuple[int, int]] = {}
+        self.settled: dict[str, tuple[int, int]] = {}
+
+    def hold(self, request_id: str, account: str, **kw: Any) -> None:
+        self.held[request_id] = (kw["input_tokens"], kw["output_tokens"])
+
+    def settle(self, request_id: str, **kw: Any) -> None:
+        assert request_id in self.held and request_id not in self.settled
+        self.settled[request_id] = (kw["input_tokens"], kw["output_tokens"])
+
+    def release(self, request_id: str) -> None:
+        assert request_id in self.held and request_id not in self.settled
+        self.settled[request_id] = (0, 0)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_ledger_and_budget_see_the_usage_once_on_the_creation(native: bool) -> None:
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    _t, client, lim = through(mod, native, Provider(), ledger=ledger)
+    with CallBudget(calls=10, tokens=50_000) as budget:
+        created = create(client).extensions["ratequeue"]
+        assert created.request_id not in ledger.settled  # still held
+        polls = poll_until_done(client, "resp_1")
+    assert ledger.settled[created.request_id] == (900, 20_000)
+    assert all(ledger.settled[p.request_id] == (0, 0) for p in polls)
+    assert len(ledger.settled) == 4
+    assert budget.tokens_used == SPENT
+    assert [s.tokens for s in budget.usage] == [SPENT, 0, 0, 0]
+    assert all(s.settled for s in budget.usage)
+    assert lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_asyncio_polls_pay_the_creations_ledger_part(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t, _client, lim = through(mod, True, Provider(), ledger=ledger)
+
+    async def main() -> Any:
+        async with mod.AsyncClient(transport=t) as client:
+            body = {"model": "m", "input": "x" * 400, "background": True}
+            r = await client.post("http://p/v1/responses", json=body)
+            created = r.extensions["ratequeue"]
+            while True:
+                p = await client.get("http://p/v1/responses/resp_1")
+                if p.json()["status"] == "completed":
+                    break
+            # A second one, left waiting: the client's close settles it off the loop.
+            r = await client.post("http://p/v1/responses", json=body)
+            return created, r.extensions["ratequeue"]
+
+    created, left = asyncio.run(main())
+    assert ledger.settled[created.request_id] == (900, 20_000)
+    assert ledger.settled[left.request_id] == left.estimate
+    assert len(ledger.settled) == len(ledger.held)
+    assert lim.available("tokens") == BURST - SPENT - estimate_of(left)
+
+
+def test_a_policy_gives_back_its_concurrency_slot_while_the_response_runs() -> None:
+    mod = importlib.import_module("httpx")
+    lim = rq.Limiter(
+        rq.Rate(100, per="second", burst=100),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    t = RateLimitedTransport(
+        mod.MockTransport(Provider()),
+        policy,
+        upstream=lim,
+        units=["requests", "tokens"],
+        timeout=0.0,
+    )
+    client = mod.Client(transport=t)
+    created = create(client).extensions["ratequeue"]
+    assert not created.settled
+    poll_until_done(client, "resp_1")  # the one slot is free: each poll is granted
+    assert created.settled and lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_forgets_the_responses_waiting() -> None:
+    mod = importlib.import_module("httpx")
+    t, client, _lim = through(mod, True, Provider())
+    create(client)
+    pid = os.fork()
+    if pid == 0:  # the child: its polls are charged what they report
+        code = 0 if t.stats()["background"] == 0 and not t._waiting_ids else 1
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert t.stats()["background"] == 1
