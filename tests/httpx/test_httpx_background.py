@@ -39,6 +39,8 @@ class Provider:
     def __call__(self, request: Any) -> Any:
         mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
         path = request.url.path
+        if path.endswith("/chat/completions"):
+            return mod.Response(200, json={"usage": {"prompt_tokens": 1, "completion_tokens": 1}})
         if request.method == "POST" and path.endswith("/responses"):
             self.made += 1
             rid = f"resp_{self.made}"
@@ -333,3 +335,135 @@ def test_a_forked_child_forgets_the_responses_waiting() -> None:
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     assert t.stats()["background"] == 1
+
+
+# -- found by review: each of these failed before its fix ----------------------------------
+
+
+class Running(Provider):
+    """Polls of a response still running report a usage (some compatible servers send
+    zeros, or a count so far): only the final status's usage is the response's."""
+
+    def __init__(self, so_far: dict[str, int]) -> None:
+        super().__init__(done=3)
+        self.so_far = so_far
+
+    def __call__(self, request: Any) -> Any:
+        r = super().__call__(request)
+        body = json.loads(r.content)
+        if body.get("status") == "in_progress":
+            mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+            return mod.Response(200, json={**body, "usage": self.so_far})
+        return r
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize(
+    "so_far", [{"input_tokens": 0, "output_tokens": 0}, {"input_tokens": 900, "output_tokens": 10}]
+)
+def test_a_poll_still_running_never_settles_the_creation(
+    native: bool, so_far: dict[str, int]
+) -> None:
+    mod = importlib.import_module("httpx")
+    _t, client, lim = through(mod, native, Running(so_far))
+    created = create(client).extensions["ratequeue"]
+    polls = poll_until_done(client, "resp_1")
+    assert [p.charged["tokens"] for p in polls] == [0, 0, 0]
+    assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+
+
+class FailingLedger(Ledger):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail: set[str] = set()
+
+    def settle(self, request_id: str, **kw: Any) -> None:
+        if request_id in self.fail:
+            raise RuntimeError(f"ledger down for {request_id}")
+        super().settle(request_id, **kw)
+
+
+def test_a_ledger_failing_on_the_creation_leaves_the_poll_settled() -> None:
+    """The creation's ledger part raises in the poll: the poll's own permit, budget and
+    ledger hold are settled all the same (a Policy's one slot is free again)."""
+    mod = importlib.import_module("httpx")
+    lim = rq.Limiter(
+        rq.Rate(100, per="second", burst=100),
+        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    ledger = FailingLedger()
+    t = RateLimitedTransport(
+        mod.MockTransport(Provider(done=1)),
+        policy,
+        upstream=lim,
+        units=["requests", "tokens"],
+        timeout=0.0,
+        ledger=ledger,
+    )
+    client = mod.Client(transport=t)
+    with CallBudget(calls=10) as budget:
+        created = create(client).extensions["ratequeue"]
+        ledger.fail.add(created.request_id)
+        with pytest.raises(RuntimeError, match="ledger down"):
+            client.get("http://p/v1/responses/resp_1")
+        (poll_id,) = set(ledger.held) - {created.request_id}
+        assert ledger.settled[poll_id] == (0, 0)
+        assert all(s.settled for s in budget.usage)
+        assert created.settled and lim.available("tokens") == BURST - SPENT
+        client.post("http://p/v1/chat/completions", json={"model": "m", "messages": []})
+
+
+@pytest.mark.parametrize("is_async", [False, True])
+def test_closing_settles_every_creation_whatever_the_ledger_raises(is_async: bool) -> None:
+    mod = importlib.import_module("httpx")
+    ledger = FailingLedger()
+    t, client, _lim = through(mod, True, Provider(), ledger=ledger)
+    ids = [create(client).extensions["ratequeue"].request_id for _ in range(3)]
+    ledger.fail.add(ids[1])
+    with pytest.raises(RuntimeError, match="ledger down"):
+        if is_async:
+            asyncio.run(t.aclose())
+        else:
+            t.close()
+    assert set(ledger.settled) == {ids[0], ids[2]} and t.stats()["background"] == 0
+
+
+def test_a_creation_kept_drops_its_request() -> None:
+    """What waits is bounded by its count: the request (and its body) is not kept."""
+    mod = importlib.import_module("httpx")
+    _t, client, _lim = through(mod, True, Provider())
+    created = create(client, input="x" * 100_000).extensions["ratequeue"]
+    assert created._request is None and created._pending is None
+    assert created.model == "m" and created.estimate.input_tokens >= 25_000
+
+
+def test_the_response_just_settled_is_remembered_first() -> None:
+    """Past the bound the oldest settled ids are forgotten, never the one just settled."""
+    mod = importlib.import_module("httpx")
+    _t, client, lim = through(mod, True, Provider(done=1), max_background=2)
+    create(client)
+    create(client)
+    client.get("http://p/v1/responses/resp_2")
+    create(client)
+    client.get("http://p/v1/responses/resp_1")  # settled: resp_2 is forgotten instead
+    before = lim.available("tokens")
+    again = client.get("http://p/v1/responses/resp_1").extensions["ratequeue"]
+    assert again.charged["tokens"] == 0 and lim.available("tokens") == before
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_two_creations_named_alike_are_both_charged(native: bool) -> None:
+    """A provider (or a proxy) that answers two creations with one id: no poll can tell
+    which it settles, so both keep their estimates and the id's polls are charged."""
+    mod = importlib.import_module("httpx")
+    provider = Provider(done=1)
+    _t, client, lim = through(mod, native, provider)
+    first = create(client).extensions["ratequeue"]
+    provider.made = 0  # the same id again
+    second = create(client).extensions["ratequeue"]
+    assert first.settled and second.settled and first.usage is None is second.usage
+    client.get("http://p/v1/responses/resp_1")
+    client.get("http://p/v1/responses/resp_1")
+    assert lim.available("tokens") == BURST - estimate_of(first) - estimate_of(second) - 2 * SPENT

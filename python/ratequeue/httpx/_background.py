@@ -3,16 +3,19 @@
 Such a response answers its creation ``queued`` (or ``in_progress``), before it has run:
 its body has an id and no usage. The creation's settle waits for that usage: the call
 is kept here by the response's id, its estimate still charged (and its ledger hold still
-held), its concurrency slots given back. A poll (``GET …/responses/{id}``) or a cancel
-(``POST …/responses/{id}/cancel``) whose body reports the usage settles the creation to
-it, and is itself charged nothing: the tokens are counted once, where they were spent.
-A poll of a response settled that way (remembered, as many as are kept waiting) is
-charged nothing again.
+held), its concurrency slots given back, its request dropped. A poll (``GET
+…/responses/{id}``) or a cancel (``POST …/responses/{id}/cancel``) whose body reports a
+final status (``completed``, ``incomplete``, ``failed``, ``cancelled``) with a usage
+settles the creation to it; that poll, and any before it, is charged nothing: the tokens
+are counted once, where they were spent. A poll of a response settled that way
+(remembered, as many as are kept waiting) is charged nothing again.
 
 Bounded: at most ``limit`` creations wait (past it a creation keeps its estimate, as any
 body without a usage does, and its poll is charged the usage it reports: never less than
-used); the transport's ``close`` settles those still waiting at their estimate. A forked
-child forgets them (the parent settles its own).
+used); a second creation answered with the id of one waiting stops the tracking of that
+id (both keep their estimates, its polls are charged); the transport's ``close`` settles
+those still waiting at their estimate. A forked child forgets them (the parent settles
+its own).
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ __all__ = ["Background"]
 
 #: A response not run yet: its creation's answer.
 _WAITING = ("queued", "in_progress")
+#: A response done: its usage is final.
+FINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
 _MAX_ID = 256
 
@@ -94,28 +99,35 @@ class Background:
         rid = polled_id(path)
         return rid is not None and rid in self._ids
 
-    def keep(self, call: _Call, body: bytes) -> bool:
+    def keep(self, call: _Call, body: bytes) -> tuple[bool, _Call | None]:
         """Keep ``call``, a creation whose 2xx ``body`` reports no usage, until its usage
-        is polled: True when kept (a response not run yet, room left), else False."""
+        is polled: (True when kept — a response not run yet, room left —, the creation
+        waiting with the same id, no longer kept: to settle at its estimate)."""
         if not self.limit or call._request.method != "POST":
-            return False
+            return False, None
         if not call.path.endswith("/responses"):
-            return False
+            return False, None
         rid = _response_id(json_object(body))
         if rid is None:
-            return False
+            return False, None
         with self._lock:
-            if self._waiting >= self.limit or self._ids.get(rid) is not None:
-                return False
+            if self._ids.get(rid) is not None:
+                # The provider named two responses alike: neither poll can tell which
+                # it settles, so neither is kept and the id's polls are charged.
+                self._waiting -= 1
+                return False, self._ids.pop(rid)
+            if self._waiting >= self.limit:
+                return False, None
             self._ids.pop(rid, None)
             self._ids[rid] = call
             self._waiting += 1
-        return True
+        return True, None
 
-    def take(self, path: str) -> tuple[bool, _Call | None]:
-        """For a poll of ``path`` that reports a usage: (False, None) when its response is
-        not kept here; else (True, the creation now to settle to it, or None when it was
-        settled before). The id stays, settled, as long as room is left."""
+    def take(self, path: str, final: bool) -> tuple[bool, _Call | None]:
+        """For a poll of ``path`` that reports a usage (``final``: with a final status):
+        (False, None) when its response is not kept here; else (True, the creation now to
+        settle to it, or None: settled before, or not ``final``). The id stays, settled,
+        as long as room is left."""
         rid = polled_id(path)
         if rid is None:
             return False, None
@@ -123,9 +135,10 @@ class Background:
             if rid not in self._ids:
                 return False, None
             call = self._ids[rid]
-            if call is None:
+            if call is None or not final:
                 return True, None
             self._ids[rid] = None
+            self._ids.move_to_end(rid)  # the newest settled: the last dropped
             self._waiting -= 1
             # Settled ids are dropped oldest first past the bound (a poll of one dropped
             # is charged what it reports: never less than used).

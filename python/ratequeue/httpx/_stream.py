@@ -81,7 +81,7 @@ class _Reader:
         if self.call._done:
             return
         usage: Usage | None = None
-        whole: bytes | None = None  # the body read to its end
+        whole: bytes | None = None  # a JSON body as read
         if self.over:
             self.buf = []
         elif self.sse is not None:
@@ -92,10 +92,9 @@ class _Reader:
             body = b"".join(self.buf)
             self.buf = []
             usage = _json_usage(body) if body else None
-            if self.ended:
-                whole = body
-                if usage is None:
-                    usage = nothing_used(self.call, body)
+            whole = body
+            if usage is None and self.ended:
+                usage = nothing_used(self.call, body)
         _done(self.call, self.transport, usage, whole)
 
 

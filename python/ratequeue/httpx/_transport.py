@@ -25,13 +25,13 @@ from .._ratequeue import (
 )
 from ..pool import Pool
 from . import _budget
-from ._background import Background
+from ._background import FINAL, Background
 from ._caps import Cap, CapTable
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
-from ._record import _RELEASE, CallRecord, _Call
+from ._record import _RELEASE, CallRecord, _Call, json_object
 from ._record import json_usage as _json_usage
 from ._stream import (
     NONE_USED,
@@ -58,6 +58,24 @@ __all__ = [
 ]
 
 _new = tuple.__new__
+
+
+def _final(body: bytes) -> bool:
+    """A JSON answer of a response done (its usage final)."""
+    b = json_object(body)
+    return b is not None and b.get("status") in FINAL
+
+
+def _each(calls: Sequence[_Call], fn: Callable[[_Call], Any]) -> None:
+    """``fn`` on each call, whatever fails: the first error raised after."""
+    error: BaseException | None = None
+    for c in calls:
+        try:
+            fn(c)
+        except BaseException as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -453,15 +471,30 @@ class RateLimitedTransport(_Requests):
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
-        allowed), or waits for its poll's (a background response's creation, ``body``
-        its answer). An asyncio call leaves the ledger's part owed, for its caller to
-        await."""
+        allowed), or waits for its poll's (a background response's creation; ``body``
+        is a JSON answer, None for an event stream's). An asyncio call leaves the
+        ledger's part owed, for its caller to await."""
         if not call._once:
             return  # settled before (a poll must not settle its creation twice)
         if self._waiting_ids and usage is not None:
-            usage = self._polled(call, usage)
+            creation = self._polled(call, usage, body)
+            if creation is not False:
+                self._settle_polled(call, creation, usage, status)
+                return
         elif usage is None and body and reported and self._keep(call, body):
             return
+        self._settle_one(call, usage, status, rate_limited=rate_limited, reported=reported)
+
+    def _settle_one(
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        *,
+        rate_limited: bool = False,
+        reported: bool = False,
+    ) -> None:
+        """``_settle`` itself."""
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
@@ -516,38 +549,61 @@ class RateLimitedTransport(_Requests):
 
     def _keep(self, call: _Call, body: bytes) -> bool:
         """A background response's creation (its body an id, no usage) kept until its
-        poll reports the usage: its concurrency slots given back meanwhile."""
-        if not self._background.keep(call, body):
+        poll reports the usage: its concurrency slots given back and its request dropped
+        meanwhile (its estimate and model read first). A creation waiting with the same id
+        is settled at its estimate (its ledger part paid with this call's)."""
+        kept, twin = self._background.keep(call, body)
+        if twin is not None:
+            self._settle_linked(call, twin, None)
+        if not kept:
             return False
         call._done = True
+        _ = call.estimate, call.model  # read from the request now: it is dropped
+        call._request = None
         if call._permit is not None and self._is_policy:
             call._permit.release()
         return True
 
-    def _polled(self, call: _Call, usage: Usage) -> Usage:
-        """A poll of a background response kept here reports its ``usage``: the creation
-        is settled to it (its ledger part paid with the poll's) and the poll itself spent
-        nothing; any other call: its ``usage``. ``NONE_USED`` is no report (a body
-        without a usage, of a call sent without one: a poll of a response still running)."""
+    def _polled(
+        self, call: _Call, usage: Usage, body: bytes | None
+    ) -> _Call | Literal[False] | None:
+        """For a call that reported ``usage``: False when it is no poll of a background
+        response kept here (it is charged its usage); else the creation now to settle to
+        it (the poll reports a final status; an event stream's usage is a final event's),
+        or None (settled before, or still running). ``NONE_USED`` is no report (a body
+        without a usage, of a call sent without one: a poll of a response running)."""
         if call._tokenless or usage is NONE_USED:
-            return usage
-        kept, creation = self._background.take(call.path)
-        if not kept:
-            return usage
-        if creation is not None:
-            creation._async = call._async
-            self._settle(creation, usage, creation.status, reported=True)
-            if creation._owed is not None:
-                call._linked = creation
-        return NONE_USED
+            return False
+        final = body is None or _final(body)
+        kept, creation = self._background.take(call.path, final)
+        return creation if kept else False
 
-    def _settle_kept(self) -> list[_Call]:
-        """The background creations still waiting, settled at their estimate."""
-        calls = self._background.drain()
-        for c in calls:
-            c._async = True  # the ledger's part left owed, for the closer to pay
-            self._settle(c, None, c.status, reported=True)
-        return calls
+    def _settle_polled(
+        self, call: _Call, creation: _Call | None, usage: Usage, status: int | None
+    ) -> None:
+        """A poll of a background response kept here: its creation (when given) settled
+        to ``usage``, the poll itself to nothing, whatever fails."""
+        try:
+            if creation is not None:
+                self._settle_linked(call, creation, usage)
+        finally:
+            self._settle_one(call, NONE_USED, status, reported=True)
+
+    def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:
+        """Settle ``other`` (a creation kept) to ``usage`` (None: its estimate); its
+        ledger part left for ``call`` to pay after its own."""
+        other._async = True  # its ledger part left owed
+        try:
+            self._settle_one(other, usage, other.status, reported=True)
+        finally:
+            if other._owed is not None:
+                call._linked = other
+
+    def _at_estimate(self, call: _Call) -> None:
+        """A creation still waiting when the transport closes: settled at its estimate,
+        its ledger part left owed (the closer pays it)."""
+        call._async = True
+        self._settle_one(call, None, call.status, reported=True)
 
     def _ledger_op(self, call: _Call) -> tuple[str, dict[str, Any]] | None:
         """The ledger call the call owes (settle or release), taken once."""
@@ -708,23 +764,42 @@ class RateLimitedTransport(_Requests):
 
     def close(self) -> None:
         """Close the inner transport; background responses still waiting for their
-        usage are settled at their estimate."""
+        usage are settled at their estimate (each, whatever fails: the first error is
+        raised after)."""
+
+        def settle(call: _Call) -> None:
+            try:
+                self._at_estimate(call)
+            finally:
+                self._pay(call)
+
         try:
-            for c in self._settle_kept():
-                self._pay(c)
+            _each(self._background.drain(), settle)
         finally:
             if hasattr(self.inner, "close"):
                 self.inner.close()
 
     async def aclose(self) -> None:
         """Close the inner async transport; background responses still waiting for
-        their usage are settled at their estimate (their ledger part off the loop)."""
+        their usage are settled at their estimate (their ledger parts off the loop,
+        each whatever fails: the first error is raised after)."""
+        error: BaseException | None = None
         try:
-            for c in self._settle_kept():
-                await self._pay_async(c)
+            for c in self._background.drain():
+                try:
+                    try:
+                        self._at_estimate(c)
+                    finally:
+                        await self._pay_async(c)
+                except BaseException as e:  # the others are settled all the same
+                    error = error or e
         finally:
-            if hasattr(self.inner, "aclose"):
-                await self.inner.aclose()
+            try:
+                if hasattr(self.inner, "aclose"):
+                    await self.inner.aclose()
+            finally:
+                if error is not None:
+                    raise error
 
     def __enter__(self) -> RateLimitedTransport:
         return self
