@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from ratequeue.httpx import CallBudget, RateLimitedTransport
 
 MODS = ["httpx", "httpx2"]
@@ -467,3 +469,106 @@ def test_two_creations_named_alike_are_both_charged(native: bool) -> None:
     client.get("http://p/v1/responses/resp_1")
     client.get("http://p/v1/responses/resp_1")
     assert lim.available("tokens") == BURST - estimate_of(first) - estimate_of(second) - 2 * SPENT
+
+
+# -- the randomized check: any sequence of creations, polls and cancels ----------------------
+
+
+class Scripted:
+    """A provider whose responses each use ``usage_of(k)``; what the next poll finds is
+    set by the test (``running``, ``partial``: running with a count so far, ``done``);
+    ``same_id`` answers the next creation with the id of an earlier one."""
+
+    def __init__(self) -> None:
+        self.made = 0
+        self.final: set[str] = set()
+        self.next = "running"
+        self.same_id: str | None = None
+
+    @staticmethod
+    def usage_of(rid: str) -> dict[str, int]:
+        k = int(rid.split("_")[1])
+        return {"input_tokens": 100 + k, "output_tokens": 1000 * k + 7}
+
+    def __call__(self, request: Any) -> Any:
+        mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+        path = request.url.path
+        if request.method == "POST" and path.endswith("/responses"):
+            self.made += 1
+            rid, self.same_id = self.same_id or f"resp_{self.made}", None
+            return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
+        rid = path.split("/responses/", 1)[1].split("/")[0]
+        if path.endswith("/cancel") or self.next == "done" or rid in self.final:
+            self.final.add(rid)
+            status = "cancelled" if path.endswith("/cancel") else "completed"
+            return mod.Response(
+                200, json={"id": rid, "status": status, "usage": self.usage_of(rid)}
+            )
+        so_far = {"input_tokens": 1, "output_tokens": 1} if self.next == "partial" else None
+        return mod.Response(200, json={"id": rid, "status": "in_progress", "usage": so_far})
+
+
+_OPS = st.lists(
+    st.one_of(
+        st.tuples(st.just("create"), st.sampled_from([None, 10, 5000])),
+        st.tuples(
+            st.just("poll"), st.integers(1, 8), st.sampled_from(["running", "partial", "done"])
+        ),
+        st.tuples(st.just("cancel"), st.integers(1, 8)),
+        st.tuples(st.just("same_id"), st.integers(1, 8)),
+    ),
+    max_size=25,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(ops=_OPS, native=st.booleans(), room=st.sampled_from([1, 3, 1000]))
+def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
+    ops: list[tuple[Any, ...]], native: bool, room: int
+) -> None:
+    """Never less than used (every final usage charged), each ledger request settled
+    once; exactly the usages when every creation was kept under its own id; at worst
+    each estimate plus each final report."""
+    mod = importlib.import_module("httpx")
+    provider = Scripted()
+    ledger = Ledger()  # asserts each request is settled at most once
+    t, client, lim = through(mod, native, provider, ledger=ledger, max_background=room)
+    estimates: dict[str, int] = {}
+    reports = 0  # tokens of every usage a poll reported (what the old rule charged)
+    untracked = False  # a creation not kept: the exact rule does not hold
+    for op in ops:
+        if op[0] == "create":
+            extra = {} if op[1] is None else {"max_output_tokens": op[1]}
+            r = create(client, **extra)
+            rec = r.extensions["ratequeue"]
+            rid = r.json()["id"]
+            if rid in {k.split("#")[0] for k in estimates} or rec.settled:
+                untracked = True  # named alike, or past the bound
+            estimates[f"{rid}#{len(estimates)}"] = estimate_of(rec)
+        elif op[0] == "same_id":
+            if f"resp_{op[1]}" in {k.split("#")[0] for k in estimates}:
+                provider.same_id = f"resp_{op[1]}"
+        else:
+            rid = f"resp_{op[1]}"
+            if rid not in {k.split("#")[0] for k in estimates}:
+                continue
+            provider.next = op[2] if op[0] == "poll" else "done"
+            url = f"http://p/v1/responses/{rid}" + ("/cancel" if op[0] == "cancel" else "")
+            r = client.request("POST" if op[0] == "cancel" else "GET", url)
+            reported = r.json()["usage"]
+            if reported:
+                reports += sum(reported.values())
+    charged = BURST - lim.available("tokens")
+    used = sum(sum(Scripted.usage_of(rid).values()) for rid in provider.final)
+    waiting_estimates = sum(
+        e for k, e in estimates.items() if k.split("#")[0] not in provider.final
+    )
+    assert charged >= used
+    assert charged <= sum(estimates.values()) + reports
+    if not untracked:
+        assert charged == used + waiting_estimates
+        assert t.stats()["background"] == len({k.split("#")[0] for k in estimates} - provider.final)
+    client.close()
+    assert t.stats()["background"] == 0
+    assert set(ledger.settled) == set(ledger.held)
+    assert BURST - lim.available("tokens") == charged  # the waiting kept their estimates
