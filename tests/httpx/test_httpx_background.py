@@ -484,6 +484,7 @@ class Scripted:
         self.final: set[str] = set()
         self.next = "running"
         self.same_id: str | None = None
+        self.last = ""  # the id of the last creation
 
     @staticmethod
     def usage_of(rid: str) -> dict[str, int]:
@@ -496,6 +497,11 @@ class Scripted:
         if request.method == "POST" and path.endswith("/responses"):
             self.made += 1
             rid, self.same_id = self.same_id or f"resp_{self.made}", None
+            self.last = rid
+            if b'"stream"' in request.content:  # named by its stream, cut before its usage
+                body = b"data: " + json.dumps(_started(rid)).encode() + b"\n\n"
+                headers = {"content-type": "text/event-stream"}
+                return mod.Response(200, headers=headers, stream=_Once(mod, body))
             return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
         rid = path.split("/responses/", 1)[1].split("/")[0]
         if path.endswith("/cancel") or self.next == "done" or rid in self.final:
@@ -510,7 +516,7 @@ class Scripted:
 
 _OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("create"), st.sampled_from([None, 10, 5000])),
+        st.tuples(st.just("create"), st.sampled_from([None, 10, 5000]), st.booleans()),
         st.tuples(
             st.just("poll"), st.integers(1, 8), st.sampled_from(["running", "partial", "done"])
         ),
@@ -538,10 +544,13 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
     untracked = False  # a creation not kept: the exact rule does not hold
     for op in ops:
         if op[0] == "create":
-            extra = {} if op[1] is None else {"max_output_tokens": op[1]}
+            extra: dict[str, Any] = {} if op[1] is None else {"max_output_tokens": op[1]}
+            if op[2]:
+                extra["stream"] = True
             r = create(client, **extra)
             rec = r.extensions["ratequeue"]
-            rid = r.json()["id"]
+            r.read()
+            rid = provider.last
             if rid in {k.split("#")[0] for k in estimates} or rec.settled:
                 untracked = True  # named alike, or past the bound
             estimates[f"{rid}#{len(estimates)}"] = estimate_of(rec)
@@ -572,3 +581,83 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
     assert t.stats()["background"] == 0
     assert set(ledger.settled) == set(ledger.held)
     assert BURST - lim.available("tokens") == charged  # the waiting kept their estimates
+
+
+# -- a background response streamed from its creation ---------------------------------------
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def _started(rid: str, kind: str = "response.created", background: bool = True) -> dict[str, Any]:
+    response = {"id": rid, "status": "queued", "background": background, "usage": None}
+    return {"type": kind, "response": response}
+
+
+class Streamed:
+    """``stream=True, background=True``: the creation's stream names the response, then
+    is cut before its usage; a resumed stream (``GET …?stream=true``) ends with it."""
+
+    def __init__(self, background: bool = True, resumed_cut: bool = False) -> None:
+        self.background = background
+        self.resumed_cut = resumed_cut
+
+    def __call__(self, request: Any) -> Any:
+        mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+        headers = {"content-type": "text/event-stream"}
+        if request.method == "POST":
+            body = _sse(_started("resp_7", background=self.background))
+            return mod.Response(200, headers=headers, stream=_Once(mod, body))
+        done = {"id": "resp_7", "status": "completed", "background": True, "usage": USED}
+        events = [_started("resp_7", "response.in_progress")]
+        if not self.resumed_cut:
+            events.append({"type": "response.completed", "response": done})
+        return mod.Response(200, headers=headers, stream=_Once(mod, _sse(*events)))
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_streamed_creation_cut_before_its_usage_waits_for_the_resumed_stream(
+    modname: str, native: bool
+) -> None:
+    mod = importlib.import_module(modname)
+    t, client, lim = through(mod, native, Streamed())
+    body = {"model": "m", "input": "x" * 400, "background": True, "stream": True}
+    with client.stream("POST", "http://p/v1/responses", json=body) as r:
+        r.read()
+    created = r.extensions["ratequeue"]
+    assert not created.settled and t.stats()["background"] == 1
+    assert lim.available("tokens") == BURST - estimate_of(created)
+    with client.stream("GET", "http://p/v1/responses/resp_7?stream=true") as p:
+        p.read()
+    assert p.extensions["ratequeue"].charged["tokens"] == 0
+    assert created.settled and created.usage == (900, 20_000)
+    assert lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_resumed_stream_cut_again_is_charged_nothing(native: bool) -> None:
+    """The creation still holds its estimate: the poll itself generated nothing."""
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, native, Streamed(resumed_cut=True))
+    body = {"model": "m", "input": "x" * 400, "background": True, "stream": True}
+    with client.stream("POST", "http://p/v1/responses", json=body) as r:
+        r.read()
+    estimate = estimate_of(r.extensions["ratequeue"])
+    with client.stream("GET", "http://p/v1/responses/resp_7?stream=true") as p:
+        p.read()
+    assert p.extensions["ratequeue"].charged["tokens"] == 0
+    assert t.stats()["background"] == 1 and lim.available("tokens") == BURST - estimate
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_cut_stream_of_a_response_not_in_background_keeps_its_estimate(native: bool) -> None:
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, native, Streamed(background=False))
+    body = {"model": "m", "input": "x" * 400, "stream": True}
+    with client.stream("POST", "http://p/v1/responses", json=body) as r:
+        r.read()
+    created = r.extensions["ratequeue"]
+    assert created.settled and t.stats()["background"] == 0
+    assert lim.available("tokens") == BURST - estimate_of(created)

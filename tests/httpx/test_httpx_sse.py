@@ -50,6 +50,7 @@ def payloads(draw: Any) -> str:
                 "response.completed",
                 "response.created",
                 "ping",
+                "background",
                 "not_json",
                 "array",
                 "escaped",
@@ -68,6 +69,16 @@ def payloads(draw: Any) -> str:
         ev = {"type": kind, "response": {"usage": u}}
     elif kind == "ping":
         ev = {"type": "ping"}
+    elif kind == "background":  # a background response's first events: its id
+        ev = {
+            "type": draw(st.sampled_from(["response.created", "response.queued", "response.done"])),
+            "response": {
+                "id": draw(st.sampled_from(["resp_1", "resp_2", "resp 3", ""])),
+                "status": draw(st.sampled_from(["queued", "in_progress", "completed"])),
+                "background": draw(st.sampled_from([True, False, "true"])),
+                "usage": None,
+            },
+        }
     elif kind == "not_json":
         return '{"usage": {' + draw(st.text(max_size=5))
     elif kind == "array":
@@ -112,6 +123,7 @@ def test_native_framing_agrees_with_the_reference(stream: tuple[list[bytes], int
         native.feed(c)
         ref.feed(c)
         assert (native.usage, native.final, native.events) == (ref.usage, ref.final, ref.events)
+        assert native.response_id == ref.response_id
 
 
 def test_a_chat_stream_settles_at_its_final_event_either_way() -> None:

@@ -24,21 +24,18 @@ import os
 import threading
 import weakref
 from collections import OrderedDict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ._record import json_object
+from ._usage import waiting_response_id
 
 if TYPE_CHECKING:
     from ._record import _Call
 
 __all__ = ["Background"]
 
-#: A response not run yet: its creation's answer.
-_WAITING = ("queued", "in_progress")
 #: A response done: its usage is final.
 FINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
-_MAX_ID = 256
 
 _ALL: weakref.WeakSet[Background] = weakref.WeakSet()
 
@@ -50,16 +47,6 @@ def _forget_all() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_all)
-
-
-def _response_id(body: dict[str, Any] | None) -> str | None:
-    """The id of a response not run yet, or None."""
-    if body is None or body.get("status") not in _WAITING:
-        return None
-    rid = body.get("id")
-    if type(rid) is not str or not 0 < len(rid) <= _MAX_ID or not _ID_CHARS.issuperset(rid):
-        return None
-    return rid
 
 
 def polled_id(path: str) -> str | None:
@@ -99,15 +86,17 @@ class Background:
         rid = polled_id(path)
         return rid is not None and rid in self._ids
 
-    def keep(self, call: _Call, body: bytes) -> tuple[bool, _Call | None]:
-        """Keep ``call``, a creation whose 2xx ``body`` reports no usage, until its usage
-        is polled: (True when kept — a response not run yet, room left —, the creation
-        waiting with the same id, no longer kept: to settle at its estimate)."""
+    def keep(self, call: _Call, body: bytes | None, rid: str | None) -> tuple[bool, _Call | None]:
+        """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
+        one; ``rid``, the id an event stream named), until its usage is polled: (True
+        when kept — a response not run yet, room left —, the creation waiting with the
+        same id, no longer kept: to settle at its estimate)."""
         if not self.limit or call._request.method != "POST":
             return False, None
         if not call.path.endswith("/responses"):
             return False, None
-        rid = _response_id(json_object(body))
+        if rid is None:
+            rid = waiting_response_id(json_object(body)) if body else None
         if rid is None:
             return False, None
         with self._lock:

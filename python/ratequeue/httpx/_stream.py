@@ -37,12 +37,17 @@ def nothing_used(call: _Call, body: bytes) -> Usage | None:
 
 
 def _done(
-    call: _Call, transport: RateLimitedTransport, usage: Usage | None, body: bytes | None = None
+    call: _Call,
+    transport: RateLimitedTransport,
+    usage: Usage | None,
+    body: bytes | None = None,
+    response_id: str | None = None,
 ) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
     (never admit more than allowed) and ``usage`` stays None, or a background response's
-    creation (``body`` its answer) waits for its poll's."""
-    transport._settle(call, usage, call.status, reported=True, body=body)
+    creation (``body`` its JSON answer; ``response_id`` the id its event stream named)
+    waits for its poll's."""
+    transport._settle(call, usage, call.status, reported=True, body=body, response_id=response_id)
 
 
 # A compressed event stream is decoded for its usage up to 1 MiB plus 100 decoded bytes
@@ -82,12 +87,15 @@ class _Reader:
             return
         usage: Usage | None = None
         whole: bytes | None = None  # a JSON body as read
+        rid: str | None = None
         if self.over:
             self.buf = []
         elif self.sse is not None:
             # A stream cut before its final usage event may have produced more than it
-            # reported so far: the estimate stays charged.
+            # reported so far: the estimate stays charged (a background response's
+            # creation waits for its poll's usage).
             usage = self.sse.usage if self.sse.final else None
+            rid = self.sse.response_id
         else:
             body = b"".join(self.buf)
             self.buf = []
@@ -95,7 +103,7 @@ class _Reader:
             whole = body
             if usage is None and self.ended:
                 usage = nothing_used(self.call, body)
-        _done(self.call, self.transport, usage, whole)
+        _done(self.call, self.transport, usage, whole, rid)
 
 
 class _Decoding(_Reader):
@@ -275,14 +283,16 @@ def wrap(
         content = response.content
         usage: Usage | None = None
         whole: bytes | None = None
+        rid: str | None = None
         if sse:
             events = SSEUsage()
             events.feed(content)
             usage = events.usage if events.final else None
+            rid = events.response_id
         elif content and len(content) <= transport.max_body:
             usage = _json_usage(content)
             whole = content
-        _done(call, transport, usage, whole)
+        _done(call, transport, usage, whole, rid)
         return
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")

@@ -468,12 +468,14 @@ class RateLimitedTransport(_Requests):
         rate_limited: bool = False,
         reported: bool = False,
         body: bytes | None = None,
+        response_id: str | None = None,
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
         allowed), or waits for its poll's (a background response's creation; ``body``
-        is a JSON answer, None for an event stream's). An asyncio call leaves the
-        ledger's part owed, for its caller to await."""
+        is a JSON answer, None for an event stream's, which may name the response:
+        ``response_id``). An asyncio call leaves the ledger's part owed, for its caller
+        to await."""
         if not call._once:
             return  # settled before (a poll must not settle its creation twice)
         if self._waiting_ids and usage is not None:
@@ -481,8 +483,11 @@ class RateLimitedTransport(_Requests):
             if creation is not False:
                 self._settle_polled(call, creation, usage, status)
                 return
-        elif usage is None and body and reported and self._keep(call, body):
-            return
+        elif usage is None and reported:
+            if (body or response_id) and self._keep(call, body, response_id):
+                return
+            if self._waiting_ids and self._background.watches(call.path):
+                usage = NONE_USED  # a poll cut short: the creation holds the estimate
         self._settle_one(call, usage, status, rate_limited=rate_limited, reported=reported)
 
     def _settle_one(
@@ -547,12 +552,12 @@ class RateLimitedTransport(_Requests):
                     if not call._async:
                         self._pay(call)
 
-    def _keep(self, call: _Call, body: bytes) -> bool:
+    def _keep(self, call: _Call, body: bytes | None, response_id: str | None) -> bool:
         """A background response's creation (its body an id, no usage) kept until its
         poll reports the usage: its concurrency slots given back and its request dropped
         meanwhile (its estimate and model read first). A creation waiting with the same id
         is settled at its estimate (its ledger part paid with this call's)."""
-        kept, twin = self._background.keep(call, body)
+        kept, twin = self._background.keep(call, body, response_id)
         if twin is not None:
             self._settle_linked(call, twin, None)
         if not kept:

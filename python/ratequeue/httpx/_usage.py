@@ -8,6 +8,8 @@ usage is final once no choice in it is still streaming (vLLM's continuous usage 
 a count so far in every chunk). The SSE parser keeps at most one partial event of at
 most ``max_event`` bytes (3 while skipping); a longer event is skipped to its end, its
 usage unread, never buffered; the work per chunk is proportional to the chunk (natively).
+A background response's stream names its id in its first events (``response.created``):
+kept, should the stream be cut before its usage.
 """
 
 from __future__ import annotations
@@ -18,10 +20,29 @@ from typing import Any, NamedTuple
 
 from .._ratequeue import _read_usage, _SSEFrames
 
-__all__ = ["SSEUsage", "Usage", "usage_from_json", "usage_of"]
+__all__ = ["SSEUsage", "Usage", "usage_from_json", "usage_of", "waiting_response_id"]
 
 
-_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{')
+#: The events read: those naming a usage object, or a background response (its id).
+_USAGE_OBJECT = re.compile(rb'"usage"\s*:\s*\{|"background"\s*:\s*true')
+
+#: A response not run yet: its creation's answer.
+_WAITING = ("queued", "in_progress")
+_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-")
+_MAX_ID = 256
+#: Events of a background response's stream that name it before it has run.
+_STARTED = ("response.created", "response.queued", "response.in_progress")
+
+
+def waiting_response_id(body: Any) -> str | None:
+    """The id of a response not run yet (``status`` queued or in progress; an id of
+    letters, digits, ``_`` and ``-``), or None."""
+    if type(body) is not dict or body.get("status") not in _WAITING:
+        return None
+    rid = body.get("id")
+    if type(rid) is not str or not 0 < len(rid) <= _MAX_ID or not _ID_CHARS.issuperset(rid):
+        return None
+    return rid
 
 
 class Usage(NamedTuple):
@@ -123,6 +144,7 @@ class SSEUsage:
         "_skip",
         "final",
         "max_event",
+        "response_id",
     )
 
     def __init__(self, max_event: int = 1 << 20, *, native: bool = True) -> None:
@@ -132,6 +154,8 @@ class SSEUsage:
         self._output: int | None = None
         self.final = False
         self.max_event = max_event
+        # A background response's id, from the events that start it.
+        self.response_id: str | None = None
         self._events = 0
         # The framing done natively (``ratequeue_core::llm::sse``); ``native=False``:
         # the reference below, chunk by chunk in Python.
@@ -239,6 +263,12 @@ class SSEUsage:
         if not isinstance(ev, dict):
             return
         kind = ev.get("type")
+        if kind in _STARTED:
+            r = ev.get("response")
+            if type(r) is dict and r.get("background") is True:
+                rid = waiting_response_id(r)
+                if rid is not None:
+                    self.response_id = rid
         if kind == "message_start":  # Anthropic: input (and a first output count)
             msg = ev.get("message")
             u = usage_of(msg.get("usage")) if isinstance(msg, dict) else None

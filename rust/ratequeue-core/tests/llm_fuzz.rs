@@ -6,7 +6,7 @@
 
 use proptest::prelude::*;
 use ratequeue_core::llm::cap::{ask_stream_usage, cap_output, OUTPUT_BOUNDS};
-use ratequeue_core::llm::sse::{mentions_usage, payload, SseFrames};
+use ratequeue_core::llm::sse::{handed_on, payload, SseFrames};
 use ratequeue_core::llm::{request_facts, response_usage};
 
 /// Bytes rich in what SSE and JSON framing turn on.
@@ -21,6 +21,8 @@ fn sse_bytes() -> impl Strategy<Value = Vec<u8>> {
         Just(b"data: ".to_vec()),
         Just(b"\"usage\"".to_vec()),
         Just(b" : {".to_vec()),
+        Just(b"\"background\"".to_vec()),
+        Just(b": true".to_vec()),
         Just(b"{\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":2}}".to_vec()),
         Just(b"\xEF\xBB\xBF".to_vec()),
         Just(b"\0".to_vec()),
@@ -67,7 +69,7 @@ fn model(body: &[u8]) -> (u64, Vec<Vec<u8>>) {
         };
         n += 1;
         let raw = &rest[..end];
-        if mentions_usage(raw) {
+        if handed_on(raw) {
             found.push(payload(raw));
         }
         start += end + sep;

@@ -1,8 +1,10 @@
 //! Server-Sent Events framed as they pass, for the usage they report: events end at a
 //! blank line (`\n\n` or `\r\n\r\n`); at most one partial event of at most `max_event`
 //! bytes is kept (a longer one is skipped up to its end, never buffered). Only events
-//! that mention a usage object (`"usage"`, blanks, `:`, blanks, `{`) are handed on, as
-//! their `data:` lines joined: the same rules as the Python reference (`SSEUsage`).
+//! that mention a usage object (`"usage"`, blanks, `:`, blanks, `{`) or a background
+//! response (`"background"`, blanks, `:`, blanks, `true`: its id, should the stream be
+//! cut before its usage) are handed on, as their `data:` lines joined: the same rules as
+//! the Python reference (`SSEUsage`).
 
 use memchr::memmem;
 
@@ -21,12 +23,11 @@ fn blank(c: u8) -> bool {
     matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
 }
 
-/// True when `raw` holds `"usage"`, blanks, `:`, blanks, `{`.
-pub fn mentions_usage(raw: &[u8]) -> bool {
-    const KEY: &[u8] = b"\"usage\"";
+/// True when `raw` holds `key`, blanks, `:`, blanks, `value`.
+fn mentions(raw: &[u8], key: &[u8], value: &[u8]) -> bool {
     let mut from = 0;
-    while let Some(i) = memmem::find(&raw[from..], KEY) {
-        let mut p = from + i + KEY.len();
+    while let Some(i) = memmem::find(&raw[from..], key) {
+        let mut p = from + i + key.len();
         while p < raw.len() && blank(raw[p]) {
             p += 1;
         }
@@ -35,13 +36,29 @@ pub fn mentions_usage(raw: &[u8]) -> bool {
             while p < raw.len() && blank(raw[p]) {
                 p += 1;
             }
-            if p < raw.len() && raw[p] == b'{' {
+            if raw[p..].starts_with(value) {
                 return true;
             }
         }
         from += i + 1;
     }
     false
+}
+
+/// True when `raw` holds `"usage"`, blanks, `:`, blanks, `{`.
+pub fn mentions_usage(raw: &[u8]) -> bool {
+    mentions(raw, b"\"usage\"", b"{")
+}
+
+/// True when `raw` holds `"background"`, blanks, `:`, blanks, `true`.
+pub fn mentions_background(raw: &[u8]) -> bool {
+    mentions(raw, b"\"background\"", b"true")
+}
+
+/// True when the event `raw` is handed on: it mentions a usage object or a background
+/// response.
+pub fn handed_on(raw: &[u8]) -> bool {
+    mentions_usage(raw) || mentions_background(raw)
 }
 
 /// The `data:` lines of an event (each without `data:` and its leading spaces), joined
@@ -130,7 +147,7 @@ impl SseFrames {
             } else {
                 self.events += 1;
                 let raw = &data[start..end];
-                if mentions_usage(raw) {
+                if handed_on(raw) {
                     usage_event(payload(raw));
                 }
             }
@@ -180,6 +197,9 @@ mod tests {
         assert_eq!(payload(b"data:  a\r\nid: 1\rdata:b\ndata:"), b"a\nb\n".to_vec());
         assert!(mentions_usage(b"x\"usage\"\x0b:\x0c{"));
         assert!(!mentions_usage(b"\"usage\":[{"));
+        assert!(mentions_background(b"{\"background\" :\ttrue,"));
+        assert!(!mentions_background(b"{\"background\":false,\"background\":tru"));
+        assert!(handed_on(b"data: {\"background\":true}") && !handed_on(b"data: {\"usage\":null}"));
     }
 
     #[test]
