@@ -10,6 +10,7 @@ forked child, settled at the estimate when the transport closes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import os
@@ -24,6 +25,7 @@ from ratequeue.httpx import CallBudget, RateLimitedTransport
 MODS = ["httpx", "httpx2"]
 BURST = 100_000
 USED = {"input_tokens": 900, "output_tokens": 20_000}
+STREAM = {"stream": True}
 SPENT = 20_900
 
 
@@ -64,13 +66,19 @@ class Provider:
         return mod.Response(200, json=body)
 
 
-def _Once(mod: Any, data: bytes) -> Any:
+def _Once(mod: Any, data: bytes, cut: bool = False) -> Any:
+    """``data`` as one chunk; ``cut``: then the connection drops (a read error)."""
+
     class Once(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc]
         def __iter__(self) -> Any:
             yield data
+            if cut:
+                raise mod.ReadError("connection dropped")
 
         async def __aiter__(self) -> Any:
             yield data
+            if cut:
+                raise mod.ReadError("connection dropped")
 
     return Once()
 
@@ -91,9 +99,11 @@ def through(
     return t, mod.Client(transport=t), lim
 
 
+_BODY = {"model": "m", "input": "x" * 400, "background": True}
+
+
 def create(client: Any, **extra: Any) -> Any:
-    body = {"model": "m", "input": "x" * 400, "background": True, **extra}
-    return client.post("http://p/v1/responses", json=body)
+    return client.post("http://p/v1/responses", json=_BODY | extra)
 
 
 def estimate_of(record: Any) -> int:
@@ -501,7 +511,7 @@ class Scripted:
             if b'"stream"' in request.content:  # named by its stream, cut before its usage
                 body = b"data: " + json.dumps(_started(rid)).encode() + b"\n\n"
                 headers = {"content-type": "text/event-stream"}
-                return mod.Response(200, headers=headers, stream=_Once(mod, body))
+                return mod.Response(200, headers=headers, stream=_Once(mod, body, cut=True))
             return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
         rid = path.split("/responses/", 1)[1].split("/")[0]
         if path.endswith("/cancel") or self.next == "done" or rid in self.final:
@@ -547,9 +557,10 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
             extra: dict[str, Any] = {} if op[1] is None else {"max_output_tokens": op[1]}
             if op[2]:
                 extra["stream"] = True
-            r = create(client, **extra)
-            rec = r.extensions["ratequeue"]
-            r.read()
+            if op[2]:
+                rec = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | extra)
+            else:
+                rec = create(client, **extra).extensions["ratequeue"]
             rid = provider.last
             if rid in {k.split("#")[0] for k in estimates} or rec.settled:
                 untracked = True  # named alike, or past the bound
@@ -597,23 +608,37 @@ def _started(rid: str, kind: str = "response.created", background: bool = True) 
 
 class Streamed:
     """``stream=True, background=True``: the creation's stream names the response, then
-    is cut before its usage; a resumed stream (``GET …?stream=true``) ends with it."""
+    the connection drops before its usage; a resumed stream (``GET …?stream=true``) ends
+    with it (or drops again: ``resumed_cut``); ``ends``: the creation's stream ends
+    there, without a usage (done: a completed event too long to read, say)."""
 
-    def __init__(self, background: bool = True, resumed_cut: bool = False) -> None:
+    def __init__(
+        self, background: bool = True, resumed_cut: bool = False, ends: bool = False
+    ) -> None:
         self.background = background
         self.resumed_cut = resumed_cut
+        self.ends = ends
 
     def __call__(self, request: Any) -> Any:
         mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
         headers = {"content-type": "text/event-stream"}
         if request.method == "POST":
             body = _sse(_started("resp_7", background=self.background))
-            return mod.Response(200, headers=headers, stream=_Once(mod, body))
+            return mod.Response(200, headers=headers, stream=_Once(mod, body, not self.ends))
         done = {"id": "resp_7", "status": "completed", "background": True, "usage": USED}
         events = [_started("resp_7", "response.in_progress")]
         if not self.resumed_cut:
             events.append({"type": "response.completed", "response": done})
-        return mod.Response(200, headers=headers, stream=_Once(mod, _sse(*events)))
+        return mod.Response(
+            200, headers=headers, stream=_Once(mod, _sse(*events), self.resumed_cut)
+        )
+
+
+def _stream(mod: Any, client: Any, method: str, url: str, **kw: Any) -> Any:
+    """The record of a streamed call read to its end, or to its connection's drop."""
+    with client.stream(method, url, **kw) as r, contextlib.suppress(mod.ReadError):
+        r.read()
+    return r.extensions["ratequeue"]
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -623,15 +648,11 @@ def test_a_streamed_creation_cut_before_its_usage_waits_for_the_resumed_stream(
 ) -> None:
     mod = importlib.import_module(modname)
     t, client, lim = through(mod, native, Streamed())
-    body = {"model": "m", "input": "x" * 400, "background": True, "stream": True}
-    with client.stream("POST", "http://p/v1/responses", json=body) as r:
-        r.read()
-    created = r.extensions["ratequeue"]
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
     assert not created.settled and t.stats()["background"] == 1
     assert lim.available("tokens") == BURST - estimate_of(created)
-    with client.stream("GET", "http://p/v1/responses/resp_7?stream=true") as p:
-        p.read()
-    assert p.extensions["ratequeue"].charged["tokens"] == 0
+    p = _stream(mod, client, "GET", "http://p/v1/responses/resp_7?stream=true")
+    assert p.charged["tokens"] == 0
     assert created.settled and created.usage == (900, 20_000)
     assert lim.available("tokens") == BURST - SPENT
 
@@ -641,23 +662,68 @@ def test_a_resumed_stream_cut_again_is_charged_nothing(native: bool) -> None:
     """The creation still holds its estimate: the poll itself generated nothing."""
     mod = importlib.import_module("httpx")
     t, client, lim = through(mod, native, Streamed(resumed_cut=True))
-    body = {"model": "m", "input": "x" * 400, "background": True, "stream": True}
-    with client.stream("POST", "http://p/v1/responses", json=body) as r:
-        r.read()
-    estimate = estimate_of(r.extensions["ratequeue"])
-    with client.stream("GET", "http://p/v1/responses/resp_7?stream=true") as p:
-        p.read()
-    assert p.extensions["ratequeue"].charged["tokens"] == 0
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
+    p = _stream(mod, client, "GET", "http://p/v1/responses/resp_7?stream=true")
+    assert p.charged["tokens"] == 0
+    estimate = estimate_of(created)
     assert t.stats()["background"] == 1 and lim.available("tokens") == BURST - estimate
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_a_cut_stream_of_a_response_not_in_background_keeps_its_estimate(native: bool) -> None:
+@pytest.mark.parametrize("streamed", ["not in background", "ended"])
+def test_a_stream_without_its_usage_keeps_its_estimate(native: bool, streamed: str) -> None:
+    """Not in background: nothing to poll; a background stream that ended (not cut) is
+    done, its usage unread (a final event past ``max_event``): nothing to wait for."""
     mod = importlib.import_module("httpx")
-    t, client, lim = through(mod, native, Streamed(background=False))
-    body = {"model": "m", "input": "x" * 400, "stream": True}
-    with client.stream("POST", "http://p/v1/responses", json=body) as r:
-        r.read()
-    created = r.extensions["ratequeue"]
+    provider = (
+        Streamed(background=False) if streamed == "not in background" else Streamed(ends=True)
+    )
+    t, client, lim = through(mod, native, provider)
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
     assert created.settled and t.stats()["background"] == 0
     assert lim.available("tokens") == BURST - estimate_of(created)
+
+
+class Odd(Provider):
+    """The final poll answers ``final`` (a status, with or without a usage)."""
+
+    def __init__(self, final: dict[str, Any]) -> None:
+        super().__init__(done=2)
+        self.final = final
+
+    def __call__(self, request: Any) -> Any:
+        r = super().__call__(request)
+        body = json.loads(r.content)
+        if request.method == "GET" and body.get("status") == "completed":
+            mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+            return mod.Response(200, json={**body, **self.final})
+        return r
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("status", [["completed"], {"a": 1}, 7, None])
+def test_a_poll_with_an_odd_status_is_not_final(native: bool, status: Any) -> None:
+    """Not a final status: the poll is charged nothing and the creation waits on."""
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, native, Odd({"status": status}))
+    created = create(client).extensions["ratequeue"]
+    for _ in range(3):
+        assert client.get("http://p/v1/responses/resp_1").extensions["ratequeue"].settled
+    assert not created.settled and t.stats()["background"] == 1
+    assert lim.available("tokens") == BURST - estimate_of(created)
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("status", ["failed", "cancelled", "incomplete"])
+def test_a_final_status_without_a_usage_settles_the_creation_at_its_estimate(
+    native: bool, status: str
+) -> None:
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, native, Odd({"status": status, "usage": None}))
+    created = create(client).extensions["ratequeue"]
+    while client.get("http://p/v1/responses/resp_1").json()["status"] == "in_progress":
+        pass
+    assert created.settled and created.usage is None and t.stats()["background"] == 0
+    assert lim.available("tokens") == BURST - estimate_of(created)
+    again = client.get("http://p/v1/responses/resp_1").extensions["ratequeue"]
+    assert again.charged["tokens"] == 0

@@ -93,9 +93,10 @@ class _Reader:
         elif self.sse is not None:
             # A stream cut before its final usage event may have produced more than it
             # reported so far: the estimate stays charged (a background response's
-            # creation waits for its poll's usage).
+            # creation, cut while it runs, waits for its poll's usage; one that ended
+            # is done, its usage read or not).
             usage = self.sse.usage if self.sse.final else None
-            rid = self.sse.response_id
+            rid = None if self.ended else self.sse.response_id
         else:
             body = b"".join(self.buf)
             self.buf = []
@@ -283,16 +284,14 @@ def wrap(
         content = response.content
         usage: Usage | None = None
         whole: bytes | None = None
-        rid: str | None = None
-        if sse:
+        if sse:  # ended: a background response's stream is done (no id kept)
             events = SSEUsage()
             events.feed(content)
             usage = events.usage if events.final else None
-            rid = events.response_id
         elif content and len(content) <= transport.max_body:
             usage = _json_usage(content)
             whole = content
-        _done(call, transport, usage, whole, rid)
+        _done(call, transport, usage, whole)
         return
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")

@@ -63,7 +63,8 @@ _new = tuple.__new__
 def _final(body: bytes) -> bool:
     """A JSON answer of a response done (its usage final)."""
     b = json_object(body)
-    return b is not None and b.get("status") in FINAL
+    status = b.get("status") if b is not None else None
+    return type(status) is str and status in FINAL
 
 
 def _each(calls: Sequence[_Call], fn: Callable[[_Call], Any]) -> None:
@@ -478,16 +479,21 @@ class RateLimitedTransport(_Requests):
         to await."""
         if not call._once:
             return  # settled before (a poll must not settle its creation twice)
-        if self._waiting_ids and usage is not None:
-            creation = self._polled(call, usage, body)
-            if creation is not False:
-                self._settle_polled(call, creation, usage, status)
+        if (
+            reported
+            and self._waiting_ids
+            and not call._tokenless
+            and self._background.watches(call.path)
+        ):
+            if self._polled(call, usage, status, body):
                 return
-        elif usage is None and reported:
-            if (body or response_id) and self._keep(call, body, response_id):
-                return
-            if self._waiting_ids and self._background.watches(call.path):
-                usage = NONE_USED  # a poll cut short: the creation holds the estimate
+        elif (
+            usage is None
+            and reported
+            and (body or response_id)
+            and self._keep(call, body, response_id)
+        ):
+            return
         self._settle_one(call, usage, status, rate_limited=rate_limited, reported=reported)
 
     def _settle_one(
@@ -570,29 +576,24 @@ class RateLimitedTransport(_Requests):
         return True
 
     def _polled(
-        self, call: _Call, usage: Usage, body: bytes | None
-    ) -> _Call | Literal[False] | None:
-        """For a call that reported ``usage``: False when it is no poll of a background
-        response kept here (it is charged its usage); else the creation now to settle to
-        it (the poll reports a final status; an event stream's usage is a final event's),
-        or None (settled before, or still running). ``NONE_USED`` is no report (a body
-        without a usage, of a call sent without one: a poll of a response running)."""
-        if call._tokenless or usage is NONE_USED:
-            return False
-        final = body is None or _final(body)
+        self, call: _Call, usage: Usage | None, status: int | None, body: bytes | None
+    ) -> bool:
+        """A 2xx poll of a background response kept here (False: forgotten meanwhile):
+        charged nothing, whatever it reports (running, cut short, settled before); a
+        final one (``body``'s status; an event stream's usage is a final event's)
+        settles the creation to its usage, or at its estimate without one."""
+        if usage is NONE_USED:
+            usage = None  # no report: a body without a usage, of a call sent without one
+        final = _final(body) if body is not None else usage is not None
         kept, creation = self._background.take(call.path, final)
-        return creation if kept else False
-
-    def _settle_polled(
-        self, call: _Call, creation: _Call | None, usage: Usage, status: int | None
-    ) -> None:
-        """A poll of a background response kept here: its creation (when given) settled
-        to ``usage``, the poll itself to nothing, whatever fails."""
+        if not kept:
+            return False
         try:
             if creation is not None:
                 self._settle_linked(call, creation, usage)
         finally:
             self._settle_one(call, NONE_USED, status, reported=True)
+        return True
 
     def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:
         """Settle ``other`` (a creation kept) to ``usage`` (None: its estimate); its

@@ -32,6 +32,8 @@ _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ01234
 _MAX_ID = 256
 #: Events of a background response's stream that name it before it has run.
 _STARTED = ("response.created", "response.queued", "response.in_progress")
+#: Events that end a response's stream (its usage final, if any).
+_ENDED = ("response.completed", "response.incomplete", "response.failed", "response.cancelled")
 
 
 def waiting_response_id(body: Any) -> str | None:
@@ -269,6 +271,8 @@ class SSEUsage:
                 rid = waiting_response_id(r)
                 if rid is not None:
                     self.response_id = rid
+        elif kind in _ENDED:
+            self.response_id = None  # done: nothing to wait for
         if kind == "message_start":  # Anthropic: input (and a first output count)
             msg = ev.get("message")
             u = usage_of(msg.get("usage")) if isinstance(msg, dict) else None

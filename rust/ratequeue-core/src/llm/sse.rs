@@ -6,7 +6,9 @@
 //! cut before its usage) are handed on, as their `data:` lines joined: the same rules as
 //! the Python reference (`SSEUsage`).
 
-use memchr::memmem;
+use std::sync::LazyLock;
+
+use memchr::memmem::{self, Finder};
 
 /// The framing state of one stream.
 #[derive(Debug)]
@@ -23,11 +25,15 @@ fn blank(c: u8) -> bool {
     matches!(c, b' ' | b'\t' | b'\n' | b'\r' | 0x0b | 0x0c)
 }
 
-/// True when `raw` holds `key`, blanks, `:`, blanks, `value`.
-fn mentions(raw: &[u8], key: &[u8], value: &[u8]) -> bool {
+/// The searchers of the keys, built once (a search builds none).
+static USAGE: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"usage\""));
+static BACKGROUND: LazyLock<Finder<'static>> = LazyLock::new(|| Finder::new(b"\"background\""));
+
+/// True when `raw` holds the key `key` finds, blanks, `:`, blanks, `value`.
+fn mentions(raw: &[u8], key: &Finder<'_>, value: &[u8]) -> bool {
     let mut from = 0;
-    while let Some(i) = memmem::find(&raw[from..], key) {
-        let mut p = from + i + key.len();
+    while let Some(i) = key.find(&raw[from..]) {
+        let mut p = from + i + key.needle().len();
         while p < raw.len() && blank(raw[p]) {
             p += 1;
         }
@@ -47,12 +53,12 @@ fn mentions(raw: &[u8], key: &[u8], value: &[u8]) -> bool {
 
 /// True when `raw` holds `"usage"`, blanks, `:`, blanks, `{`.
 pub fn mentions_usage(raw: &[u8]) -> bool {
-    mentions(raw, b"\"usage\"", b"{")
+    mentions(raw, &USAGE, b"{")
 }
 
 /// True when `raw` holds `"background"`, blanks, `:`, blanks, `true`.
 pub fn mentions_background(raw: &[u8]) -> bool {
-    mentions(raw, b"\"background\"", b"true")
+    mentions(raw, &BACKGROUND, b"true")
 }
 
 /// True when the event `raw` is handed on: it mentions a usage object or a background
