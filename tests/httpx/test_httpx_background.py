@@ -313,8 +313,8 @@ def test_asyncio_polls_pay_the_creations_ledger_part(modname: str) -> None:
     assert lim.available("tokens") == BURST - SPENT - estimate_of(left)
 
 
-def test_a_policy_gives_back_its_concurrency_slot_while_the_response_runs() -> None:
-    mod = importlib.import_module("httpx")
+def through_policy(mod: Any, provider: Any, **kw: Any) -> tuple[Any, rq.Limiter]:
+    """A client over a Policy of one concurrency slot and ``through``'s limiter."""
     lim = rq.Limiter(
         rq.Rate(100, per="second", burst=100),
         rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
@@ -322,13 +322,19 @@ def test_a_policy_gives_back_its_concurrency_slot_while_the_response_runs() -> N
     )
     policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
     t = RateLimitedTransport(
-        mod.MockTransport(Provider()),
+        mod.MockTransport(provider),
         policy,
         upstream=lim,
         units=["requests", "tokens"],
         timeout=0.0,
+        **kw,
     )
-    client = mod.Client(transport=t)
+    return mod.Client(transport=t), lim
+
+
+def test_a_policy_gives_back_its_concurrency_slot_while_the_response_runs() -> None:
+    mod = importlib.import_module("httpx")
+    client, lim = through_policy(mod, Provider())
     created = create(client).extensions["ratequeue"]
     assert not created.settled
     poll_until_done(client, "resp_1")  # the one slot is free: each poll is granted
@@ -399,22 +405,8 @@ def test_a_ledger_failing_on_the_creation_leaves_the_poll_settled() -> None:
     """The creation's ledger part raises in the poll: the poll's own permit, budget and
     ledger hold are settled all the same (a Policy's one slot is free again)."""
     mod = importlib.import_module("httpx")
-    lim = rq.Limiter(
-        rq.Rate(100, per="second", burst=100),
-        rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
-        clock=rq.ManualClock(),
-    )
-    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
     ledger = FailingLedger()
-    t = RateLimitedTransport(
-        mod.MockTransport(Provider(done=1)),
-        policy,
-        upstream=lim,
-        units=["requests", "tokens"],
-        timeout=0.0,
-        ledger=ledger,
-    )
-    client = mod.Client(transport=t)
+    client, lim = through_policy(mod, Provider(done=1), ledger=ledger)
     with CallBudget(calls=10) as budget:
         created = create(client).extensions["ratequeue"]
         ledger.fail.add(created.request_id)
