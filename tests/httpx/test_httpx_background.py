@@ -605,11 +605,16 @@ class Streamed:
     there, without a usage (done: a completed event too long to read, say)."""
 
     def __init__(
-        self, background: bool = True, resumed_cut: bool = False, ends: bool = False
+        self,
+        background: bool = True,
+        resumed_cut: bool = False,
+        ends: bool = False,
+        failed: bool = False,
     ) -> None:
         self.background = background
         self.resumed_cut = resumed_cut
         self.ends = ends
+        self.failed = failed  # the resumed stream ends with response.failed, no usage
 
     def __call__(self, request: Any) -> Any:
         mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
@@ -619,7 +624,10 @@ class Streamed:
             return mod.Response(200, headers=headers, stream=_Once(mod, body, not self.ends))
         done = {"id": "resp_7", "status": "completed", "background": True, "usage": USED}
         events = [_started("resp_7", "response.in_progress")]
-        if not self.resumed_cut:
+        if self.failed:
+            failed = {**done, "status": "failed", "usage": None}
+            events.append({"type": "response.failed", "response": failed})
+        elif not self.resumed_cut:
             events.append({"type": "response.completed", "response": done})
         return mod.Response(
             200, headers=headers, stream=_Once(mod, _sse(*events), self.resumed_cut)
@@ -719,3 +727,18 @@ def test_a_final_status_without_a_usage_settles_the_creation_at_its_estimate(
     assert lim.available("tokens") == BURST - estimate_of(created)
     again = client.get("http://p/v1/responses/resp_1").extensions["ratequeue"]
     assert again.charged["tokens"] == 0
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_resumed_stream_ending_without_a_usage_settles_the_creation_at_its_estimate(
+    native: bool,
+) -> None:
+    """``response.failed`` without a usage: the response is done, nothing more to wait
+    for; the creation keeps its estimate, the poll is charged nothing."""
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, native, Streamed(failed=True))
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
+    p = _stream(mod, client, "GET", "http://p/v1/responses/resp_7?stream=true")
+    assert p.charged["tokens"] == 0
+    assert created.settled and created.usage is None and t.stats()["background"] == 0
+    assert lim.available("tokens") == BURST - estimate_of(created)

@@ -71,7 +71,11 @@ def payloads(draw: Any) -> str:
         ev = {"type": "ping"}
     elif kind == "background":  # a background response's first events: its id
         ev = {
-            "type": draw(st.sampled_from(["response.created", "response.queued", "response.done"])),
+            "type": draw(
+                st.sampled_from(
+                    ["response.created", "response.queued", "response.failed", "response.done"]
+                )
+            ),
             "response": {
                 "id": draw(st.sampled_from(["resp_1", "resp_2", "resp 3", ""])),
                 "status": draw(st.sampled_from(["queued", "in_progress", "completed"])),
@@ -123,7 +127,7 @@ def test_native_framing_agrees_with_the_reference(stream: tuple[list[bytes], int
         native.feed(c)
         ref.feed(c)
         assert (native.usage, native.final, native.events) == (ref.usage, ref.final, ref.events)
-        assert native.response_id == ref.response_id
+        assert (native.response_id, native.done) == (ref.response_id, ref.done)
 
 
 def test_a_chat_stream_settles_at_its_final_event_either_way() -> None:

@@ -42,12 +42,15 @@ def _done(
     usage: Usage | None,
     body: bytes | None = None,
     response_id: str | None = None,
+    done: bool = False,
 ) -> None:
     """Settle with the usage the body reported; without one, the estimate stays charged
     (never admit more than allowed) and ``usage`` stays None, or a background response's
     creation (``body`` its JSON answer; ``response_id`` the id its event stream named)
-    waits for its poll's."""
-    transport._settle(call, usage, call.status, reported=True, body=body, response_id=response_id)
+    waits for its poll's. ``done``: an event stream told its response ended."""
+    transport._settle(
+        call, usage, call.status, reported=True, body=body, response_id=response_id, done=done
+    )
 
 
 # A compressed event stream is decoded for its usage up to 1 MiB plus 100 decoded bytes
@@ -88,6 +91,7 @@ class _Reader:
         usage: Usage | None = None
         whole: bytes | None = None  # a JSON body as read
         rid: str | None = None
+        done = False
         if self.over:
             self.buf = []
         elif self.sse is not None:
@@ -97,6 +101,7 @@ class _Reader:
             # is done, its usage read or not).
             usage = self.sse.usage if self.sse.final else None
             rid = None if self.ended else self.sse.response_id
+            done = self.sse.done
         else:
             body = b"".join(self.buf)
             self.buf = []
@@ -104,7 +109,7 @@ class _Reader:
             whole = body
             if usage is None and self.ended:
                 usage = nothing_used(self.call, body)
-        _done(self.call, self.transport, usage, whole, rid)
+        _done(self.call, self.transport, usage, whole, rid, done)
 
 
 class _Decoding(_Reader):
@@ -284,14 +289,16 @@ def wrap(
         content = response.content
         usage: Usage | None = None
         whole: bytes | None = None
+        done = False
         if sse:  # ended: a background response's stream is done (no id kept)
             events = SSEUsage()
             events.feed(content)
             usage = events.usage if events.final else None
+            done = events.done
         elif content and len(content) <= transport.max_body:
             usage = _json_usage(content)
             whole = content
-        _done(call, transport, usage, whole)
+        _done(call, transport, usage, whole, done=done)
         return
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     enc = response.headers.get("content-encoding")

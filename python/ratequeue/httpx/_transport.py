@@ -470,13 +470,14 @@ class RateLimitedTransport(_Requests):
         reported: bool = False,
         body: bytes | None = None,
         response_id: str | None = None,
+        done: bool = False,
     ) -> None:
         """Settle the permit, budget and ledger once: real usage, or nothing used; a body
         ``reported`` without a usage keeps the estimate charged (never admit more than
         allowed), or waits for its poll's (a background response's creation; ``body``
         is a JSON answer, None for an event stream's, which may name the response:
-        ``response_id``). An asyncio call leaves the ledger's part owed, for its caller
-        to await."""
+        ``response_id``, or tell it ended: ``done``). An asyncio call leaves the ledger's
+        part owed, for its caller to await."""
         if not call._once:
             return  # settled before (a poll must not settle its creation twice)
         if (
@@ -485,7 +486,7 @@ class RateLimitedTransport(_Requests):
             and not call._tokenless
             and self._background.watches(call.path)
         ):
-            if self._polled(call, usage, status, body):
+            if self._polled(call, usage, status, body, done):
                 return
         elif (
             usage is None
@@ -576,15 +577,21 @@ class RateLimitedTransport(_Requests):
         return True
 
     def _polled(
-        self, call: _Call, usage: Usage | None, status: int | None, body: bytes | None
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        body: bytes | None,
+        done: bool,
     ) -> bool:
         """A 2xx poll of a background response kept here (False: forgotten meanwhile):
         charged nothing, whatever it reports (running, cut short, settled before); a
-        final one (``body``'s status; an event stream's usage is a final event's)
-        settles the creation to its usage, or at its estimate without one."""
+        final one (``body``'s status; an event stream's usage is a final event's, or
+        ``done``: it told the response ended) settles the creation to its usage, or at
+        its estimate without one."""
         if usage is NONE_USED:
             usage = None  # no report: a body without a usage, of a call sent without one
-        final = _final(body) if body is not None else usage is not None
+        final = _final(body) if body is not None else usage is not None or done
         kept, creation = self._background.take(call.path, final)
         if not kept:
             return False

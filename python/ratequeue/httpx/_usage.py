@@ -144,6 +144,7 @@ class SSEUsage:
         "_input",
         "_output",
         "_skip",
+        "done",
         "final",
         "max_event",
         "response_id",
@@ -156,8 +157,10 @@ class SSEUsage:
         self._output: int | None = None
         self.final = False
         self.max_event = max_event
-        # A background response's id, from the events that start it.
+        # A background response's id, from the events that start it; ``done`` once an
+        # event ending it came (its usage final, if it had one).
         self.response_id: str | None = None
+        self.done = False
         self._events = 0
         # The framing done natively (``ratequeue_core::llm::sse``); ``native=False``:
         # the reference below, chunk by chunk in Python.
@@ -273,6 +276,7 @@ class SSEUsage:
                     self.response_id = rid
         elif kind in _ENDED:
             self.response_id = None  # done: nothing to wait for
+            self.done = True
         if kind == "message_start":  # Anthropic: input (and a first output count)
             msg = ev.get("message")
             u = usage_of(msg.get("usage")) if isinstance(msg, dict) else None
