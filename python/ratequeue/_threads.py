@@ -1,10 +1,62 @@
-"""Worker threads that belong to one process: a forked child makes its own."""
+"""What belongs to one process: worker threads a forked child makes again, and the objects
+a forked child resets (one ``os.register_at_fork`` hook for them all)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import os
 import threading
+import weakref
+from typing import Any
+
+__all__ = ["AfterFork", "ProcessThreads"]
+
+
+class AfterFork:
+    """A weak set of objects whose method ``name`` a forked child calls (in the order the
+    sets were made, then in no set order): threads, locks or state of the parent that the
+    child must not use. An object leaves the set when it is discarded or dies; nothing is
+    registered per object, so making objects does not grow the process's fork hooks."""
+
+    __slots__ = ("_members", "_method")
+
+    def __init__(self, method: str) -> None:
+        self._method = method
+        self._members: weakref.WeakSet[Any] = weakref.WeakSet()
+        _SETS.append(self)
+
+    def add(self, obj: Any) -> None:
+        self._members.add(obj)
+
+    def discard(self, obj: Any) -> None:
+        self._members.discard(obj)
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def _in_child(self) -> BaseException | None:
+        first = None
+        for obj in list(self._members):
+            try:
+                getattr(obj, self._method)()
+            except BaseException as e:  # the others are reset all the same
+                first = first or e
+        return first
+
+
+_SETS: list[AfterFork] = []
+
+
+def _after_fork_in_child() -> None:
+    first = None
+    for s in _SETS:
+        first = s._in_child() or first
+    if first is not None:
+        raise first  # reported by the interpreter (the child goes on)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 class ProcessThreads:
@@ -16,7 +68,7 @@ class ProcessThreads:
         self._max = max_workers
         self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
         self._lock = threading.Lock()
-        os.register_at_fork(after_in_child=self._after_fork_in_child)
+        _PROCESS_THREADS.add(self)
 
     def get(self) -> concurrent.futures.ThreadPoolExecutor:
         """This process's pool."""
@@ -30,3 +82,6 @@ class ProcessThreads:
 
     def _after_fork_in_child(self) -> None:
         self._pool, self._lock = None, threading.Lock()
+
+
+_PROCESS_THREADS = AfterFork("_after_fork_in_child")

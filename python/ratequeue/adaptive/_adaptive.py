@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import threading
-import weakref
 from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -16,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from .._errors import Overloaded, RateQueueError
 from .._ratequeue import Acquiring, Concurrency, Limiter, ManualClock, MonotonicClock, Permit
+from .._threads import AfterFork
 from ._window import Window
 from .controllers import Controller, Decision
 
@@ -72,16 +71,8 @@ class _Accumulator:
         self.peak = 0
 
 
-_running: weakref.WeakSet[Adaptive] = weakref.WeakSet()
-
-
-def _restart_after_fork() -> None:
-    for a in list(_running):
-        a._after_fork()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_restart_after_fork)
+#: Running drivers: a forked child starts its own.
+_running = AfterFork("_after_fork")
 
 
 class Adaptive:

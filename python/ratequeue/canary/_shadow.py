@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import collections
 import logging
-import os
 import threading
-import weakref
 from collections.abc import Callable
 
+from .._threads import AfterFork
+
 __all__ = ["ShadowRunner"]
+
+#: Every runner: a forked child starts with no threads and an empty queue.
+_RUNNERS = AfterFork("_reset")
 
 
 class ShadowRunner:
@@ -25,14 +28,7 @@ class ShadowRunner:
         self._workers = workers
         self._limit = limit
         self._reset()
-        ref = weakref.ref(self)
-
-        def after_fork() -> None:
-            runner = ref()
-            if runner is not None:
-                runner._reset()
-
-        os.register_at_fork(after_in_child=after_fork)
+        _RUNNERS.add(self)
 
     def _reset(self) -> None:
         self._cond = threading.Condition(threading.Lock())

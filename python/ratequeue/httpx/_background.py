@@ -20,12 +20,11 @@ its own).
 
 from __future__ import annotations
 
-import os
 import threading
-import weakref
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from .._threads import AfterFork
 from ._record import json_object
 from ._usage import waiting_response_id
 
@@ -37,16 +36,8 @@ __all__ = ["Background"]
 #: A response done: its usage is final.
 FINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
 
-_ALL: weakref.WeakSet[Background] = weakref.WeakSet()
-
-
-def _forget_all() -> None:
-    for b in list(_ALL):
-        b._forget()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_forget_all)
+#: A forked child forgets every transport's waiting creations.
+_ALL = AfterFork("_forget")
 
 
 def polled_id(path: str) -> str | None:

@@ -5,9 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
-import os
 import threading
-import weakref
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -15,6 +13,7 @@ from typing import Any
 from .._cancel import cancel_requests
 from .._errors import CostTooLarge
 from .._ratequeue import Limiter, ManualClock, Rate, _LimiterKeywords
+from .._threads import AfterFork
 from ._args import _max_wait_us, _overloaded, _scaled, _units_of
 from ._breaker import CircuitBreaker
 from ._connection import _pack, _text
@@ -353,16 +352,8 @@ class _LimiterBase(_Named):
         return f"{type(self).__name__}(name={self.name!r}, rates={self.rates!r})"
 
 
-_LEASED: weakref.WeakSet[_LimiterBase] = weakref.WeakSet()
-
-
-def _after_fork_in_child() -> None:
-    for lim in list(_LEASED):
-        lim._forget_lease()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
+#: Limiters that lease: a forked child forgets the parent's lease.
+_LEASED = AfterFork("_forget_lease")
 
 
 class RedisLimiter(_LimiterBase):
