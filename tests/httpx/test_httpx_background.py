@@ -434,6 +434,26 @@ def test_closing_settles_every_creation_whatever_the_ledger_raises(is_async: boo
     assert set(ledger.settled) == {ids[0], ids[2]} and t.stats()["background"] == 0
 
 
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_an_id_polled_at_another_host_settles_nothing_here(modname: str, native: bool) -> None:
+    """Ids are a provider's own: two providers behind one transport may name responses
+    alike, and a poll of one never settles the other's creation."""
+    mod = importlib.import_module(modname)
+    provider = Provider(done=1)
+    t, client, lim = through(mod, native, provider)
+    created = create(client).extensions["ratequeue"]
+    provider.polls["resp_1"] = 0
+    other = client.get("http://q/v1/responses/resp_1").extensions["ratequeue"]
+    # The other host's poll is charged what it reports; the creation still waits.
+    assert other.usage == (900, 20_000) and other.charged["tokens"] == SPENT
+    assert not created.settled and t.stats()["background"] == 1
+    polls = poll_until_done(client, "resp_1")
+    assert created.settled and created.charged["tokens"] == SPENT
+    assert all(p.charged["tokens"] == 0 for p in polls)
+    assert lim.available("tokens") == BURST - 2 * SPENT
+
+
 def test_a_creation_kept_drops_its_request() -> None:
     """What waits is bounded by its count: the request (and its body) is not kept."""
     mod = importlib.import_module("httpx")

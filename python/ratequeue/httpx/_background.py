@@ -2,7 +2,7 @@
 
 Such a response answers its creation ``queued`` (or ``in_progress``), before it has run:
 its body has an id and no usage. The creation's settle waits for that usage: the call
-is kept here by the response's id, its estimate still charged (and its ledger hold still
+is kept here by the response's host and id, its estimate still charged (and its ledger hold still
 held), its concurrency slots given back, its request dropped. A poll (``GET
 …/responses/{id}``) or a cancel (``POST …/responses/{id}/cancel``) whose body reports a
 final status (``completed``, ``incomplete``, ``failed``, ``cancelled``) with a usage
@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING
 
 from .._threads import AfterFork
 from ._record import json_object
-from ._usage import waiting_response_id
+from ._stream import NONE_USED
+from ._usage import Usage, waiting_response_id
 
 if TYPE_CHECKING:
     from ._record import _Call
@@ -51,6 +52,12 @@ def polled_id(path: str) -> str | None:
     return parts[-1]
 
 
+def _polled_key(call: _Call) -> tuple[bytes, str] | None:
+    """The (host, response id) a poll or cancel ``call`` names, or None."""
+    rid = polled_id(call.path)
+    return None if rid is None else (call._request.url.netloc, rid)
+
+
 class Background:
     """The creations waiting for their usage, by response id (see the module)."""
 
@@ -59,8 +66,9 @@ class Background:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._lock = threading.Lock()
-        # id -> the creation waiting, or None once settled (the poll's usage charged).
-        self._ids: OrderedDict[str, _Call | None] = OrderedDict()
+        # (host, id) -> the creation waiting, or None once settled (the poll's usage
+        # charged). By host too: two providers' ids never settle each other's.
+        self._ids: OrderedDict[tuple[bytes, str], _Call | None] = OrderedDict()
         self._waiting = 0
         _ALL.add(self)
 
@@ -72,10 +80,10 @@ class Background:
         """Creations waiting for their usage."""
         return self._waiting
 
-    def watches(self, path: str) -> bool:
-        """True when ``path`` polls a response kept here."""
-        rid = polled_id(path)
-        return rid is not None and rid in self._ids
+    def watches(self, call: _Call) -> bool:
+        """True when ``call`` polls a response kept here."""
+        key = _polled_key(call)
+        return key is not None and key in self._ids
 
     def keep(self, call: _Call, body: bytes | None, rid: str | None) -> tuple[bool, _Call | None]:
         """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
@@ -90,35 +98,36 @@ class Background:
             rid = waiting_response_id(json_object(body)) if body else None
         if rid is None:
             return False, None
+        key = (call._request.url.netloc, rid)
         with self._lock:
-            if self._ids.get(rid) is not None:
+            if self._ids.get(key) is not None:
                 # The provider named two responses alike: neither poll can tell which
                 # it settles, so neither is kept and the id's polls are charged.
                 self._waiting -= 1
-                return False, self._ids.pop(rid)
+                return False, self._ids.pop(key)
             if self._waiting >= self.limit:
                 return False, None
-            self._ids.pop(rid, None)
-            self._ids[rid] = call
+            self._ids.pop(key, None)
+            self._ids[key] = call
             self._waiting += 1
         return True, None
 
-    def take(self, path: str, final: bool) -> tuple[bool, _Call | None]:
-        """For a poll of ``path`` that reports a usage (``final``: with a final status):
+    def take(self, call: _Call, final: bool) -> tuple[bool, _Call | None]:
+        """For a poll ``call`` that reports a usage (``final``: with a final status):
         (False, None) when its response is not kept here; else (True, the creation now to
         settle to it, or None: settled before, or not ``final``). The id stays, settled,
         as long as room is left."""
-        rid = polled_id(path)
-        if rid is None:
+        key = _polled_key(call)
+        if key is None:
             return False, None
         with self._lock:
-            if rid not in self._ids:
+            if key not in self._ids:
                 return False, None
-            call = self._ids[rid]
-            if call is None or not final:
+            creation = self._ids[key]
+            if creation is None or not final:
                 return True, None
-            self._ids[rid] = None
-            self._ids.move_to_end(rid)  # the newest settled: the last dropped
+            self._ids[key] = None
+            self._ids.move_to_end(key)  # the newest settled: the last dropped
             self._waiting -= 1
             # Settled ids are dropped oldest first past the bound (a poll of one dropped
             # is charged what it reports: never less than used).
@@ -128,7 +137,7 @@ class Background:
                         break
                     if c is None:
                         del self._ids[old]
-            return True, call
+            return True, creation
 
     def drain(self) -> list[_Call]:
         """The creations still waiting, taken out (to settle at their estimate)."""
@@ -143,3 +152,87 @@ class Background:
         self._lock = threading.Lock()
         self._ids.clear()
         self._waiting = 0
+
+
+def _final(body: bytes) -> bool:
+    """A JSON answer of a response done (its usage final)."""
+    b = json_object(body)
+    status = b.get("status") if b is not None else None
+    return type(status) is str and status in FINAL
+
+
+class _Settles:
+    """The transport's side: a creation kept, a poll settling it (``_settle`` decides)."""
+
+    if TYPE_CHECKING:
+        _background: Background
+        _is_policy: bool
+
+        def _settle_one(
+            self,
+            call: _Call,
+            usage: Usage | None,
+            status: int | None,
+            *,
+            rate_limited: bool = False,
+            reported: bool = False,
+        ) -> None: ...
+
+    def _keep(self, call: _Call, body: bytes | None, response_id: str | None) -> bool:
+        """A background response's creation (its body an id, no usage) kept until its
+        poll reports the usage: its concurrency slots given back and its request dropped
+        meanwhile (its estimate and model read first). A creation waiting with the same id
+        is settled at its estimate (its ledger part paid with this call's)."""
+        kept, twin = self._background.keep(call, body, response_id)
+        if twin is not None:
+            self._settle_linked(call, twin, None)
+        if not kept:
+            return False
+        call._done = True
+        _ = call.estimate, call.model  # read from the request now: it is dropped
+        call._request = None
+        if call._permit is not None and self._is_policy:
+            call._permit.release()
+        return True
+
+    def _polled(
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        body: bytes | None,
+        done: bool,
+    ) -> bool:
+        """A 2xx poll of a background response kept here (False: forgotten meanwhile):
+        charged nothing, whatever it reports (running, cut short, settled before); a
+        final one (``body``'s status; an event stream's usage is a final event's, or
+        ``done``: it told the response ended) settles the creation to its usage, or at
+        its estimate without one."""
+        if usage is NONE_USED:
+            usage = None  # no report: a body without a usage, of a call sent without one
+        final = _final(body) if body is not None else usage is not None or done
+        kept, creation = self._background.take(call, final)
+        if not kept:
+            return False
+        try:
+            if creation is not None:
+                self._settle_linked(call, creation, usage)
+        finally:
+            self._settle_one(call, NONE_USED, status, reported=True)
+        return True
+
+    def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:
+        """Settle ``other`` (a creation kept) to ``usage`` (None: its estimate); its
+        ledger part left for ``call`` to pay after its own."""
+        other._async = True  # its ledger part left owed
+        try:
+            self._settle_one(other, usage, other.status, reported=True)
+        finally:
+            if other._owed is not None:
+                call._linked = other
+
+    def _at_estimate(self, call: _Call) -> None:
+        """A creation still waiting when the transport closes: settled at its estimate,
+        its ledger part left owed (the closer pays it)."""
+        call._async = True
+        self._settle_one(call, None, call.status, reported=True)

@@ -25,16 +25,15 @@ from .._ratequeue import (
 )
 from ..pool import Pool
 from . import _budget
-from ._background import FINAL, Background
+from ._background import Background, _Settles
 from ._caps import Cap, CapTable
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
-from ._record import _RELEASE, CallRecord, _Call, json_object
+from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
 from ._stream import (
-    NONE_USED,
     _done,
     aread_ahead,
     ignore,
@@ -60,13 +59,6 @@ __all__ = [
 _new = tuple.__new__
 
 
-def _final(body: bytes) -> bool:
-    """A JSON answer of a response done (its usage final)."""
-    b = json_object(body)
-    status = b.get("status") if b is not None else None
-    return type(status) is str and status in FINAL
-
-
 def _each(calls: Sequence[_Call], fn: Callable[[_Call], Any]) -> None:
     """``fn`` on each call, whatever fails: the first error raised after."""
     error: BaseException | None = None
@@ -89,7 +81,7 @@ def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | No
     return float(v)
 
 
-class RateLimitedTransport(_Requests):
+class RateLimitedTransport(_Settles, _Requests):
     """An httpx / httpx2 transport that waits in ratequeue's queue before each call.
 
     ``limit`` is a :class:`~ratequeue.Limiter`, :class:`~ratequeue.Policy` or
@@ -292,7 +284,7 @@ class RateLimitedTransport(_Requests):
             and not call._bodyless
             and not self.calibrate
             and type(hl) is list
-            and not (self._waiting_ids and self._background.watches(call.path))
+            and not (self._waiting_ids and self._background.watches(call))
         ):
             # The common path in one native call (None: done; a body not read yet: its
             # length, to read it first, or its native reader). Otherwise nothing was done
@@ -484,7 +476,7 @@ class RateLimitedTransport(_Requests):
             reported
             and self._waiting_ids
             and not call._tokenless
-            and self._background.watches(call.path)
+            and self._background.watches(call)
         ):
             if self._polled(call, usage, status, body, done):
                 return
@@ -558,65 +550,6 @@ class RateLimitedTransport(_Requests):
                     call._owed = _RELEASE if usage is None else usage
                     if not call._async:
                         self._pay(call)
-
-    def _keep(self, call: _Call, body: bytes | None, response_id: str | None) -> bool:
-        """A background response's creation (its body an id, no usage) kept until its
-        poll reports the usage: its concurrency slots given back and its request dropped
-        meanwhile (its estimate and model read first). A creation waiting with the same id
-        is settled at its estimate (its ledger part paid with this call's)."""
-        kept, twin = self._background.keep(call, body, response_id)
-        if twin is not None:
-            self._settle_linked(call, twin, None)
-        if not kept:
-            return False
-        call._done = True
-        _ = call.estimate, call.model  # read from the request now: it is dropped
-        call._request = None
-        if call._permit is not None and self._is_policy:
-            call._permit.release()
-        return True
-
-    def _polled(
-        self,
-        call: _Call,
-        usage: Usage | None,
-        status: int | None,
-        body: bytes | None,
-        done: bool,
-    ) -> bool:
-        """A 2xx poll of a background response kept here (False: forgotten meanwhile):
-        charged nothing, whatever it reports (running, cut short, settled before); a
-        final one (``body``'s status; an event stream's usage is a final event's, or
-        ``done``: it told the response ended) settles the creation to its usage, or at
-        its estimate without one."""
-        if usage is NONE_USED:
-            usage = None  # no report: a body without a usage, of a call sent without one
-        final = _final(body) if body is not None else usage is not None or done
-        kept, creation = self._background.take(call.path, final)
-        if not kept:
-            return False
-        try:
-            if creation is not None:
-                self._settle_linked(call, creation, usage)
-        finally:
-            self._settle_one(call, NONE_USED, status, reported=True)
-        return True
-
-    def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:
-        """Settle ``other`` (a creation kept) to ``usage`` (None: its estimate); its
-        ledger part left for ``call`` to pay after its own."""
-        other._async = True  # its ledger part left owed
-        try:
-            self._settle_one(other, usage, other.status, reported=True)
-        finally:
-            if other._owed is not None:
-                call._linked = other
-
-    def _at_estimate(self, call: _Call) -> None:
-        """A creation still waiting when the transport closes: settled at its estimate,
-        its ledger part left owed (the closer pays it)."""
-        call._async = True
-        self._settle_one(call, None, call.status, reported=True)
 
     def _ledger_op(self, call: _Call) -> tuple[str, dict[str, Any]] | None:
         """The ledger call the call owes (settle or release), taken once."""
