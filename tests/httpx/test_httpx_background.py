@@ -507,6 +507,7 @@ class Scripted:
         self.next = "running"
         self.same_id: str | None = None
         self.last = ""  # the id of the last creation
+        self.streamed = 0  # tokens of the usages creations' streams reported
 
     @staticmethod
     def usage_of(rid: str) -> dict[str, int]:
@@ -520,9 +521,11 @@ class Scripted:
             self.made += 1
             rid, self.same_id = self.same_id or f"resp_{self.made}", None
             self.last = rid
+            headers = {"content-type": "text/event-stream"}
+            if b'"open"' in request.content:  # streamed as the test reads it
+                return mod.Response(200, headers=headers, stream=self.open_stream(mod, rid))
             if b'"stream"' in request.content:  # named by its stream, cut before its usage
                 body = b"data: " + json.dumps(_started(rid)).encode() + b"\n\n"
-                headers = {"content-type": "text/event-stream"}
                 return mod.Response(200, headers=headers, stream=_Once(mod, body, cut=True))
             return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
         rid = path.split("/responses/", 1)[1].split("/")[0]
@@ -535,10 +538,31 @@ class Scripted:
         so_far = {"input_tokens": 1, "output_tokens": 1} if self.next == "partial" else None
         return mod.Response(200, json={"id": rid, "status": "in_progress", "usage": so_far})
 
+    def open_stream(self, mod: Any, rid: str) -> Any:
+        """The creation's stream: its first event, then (read on) its completion with
+        the usage, reported then."""
+        provider = self
+
+        class Open(mod.SyncByteStream):  # type: ignore[misc]
+            def __iter__(self) -> Any:
+                yield _sse(_started(rid))
+                done = {"id": rid, "status": "completed", "usage": provider.usage_of(rid)}
+                provider.final.add(rid)
+                provider.streamed += sum(provider.usage_of(rid).values())
+                yield _sse({"type": "response.completed", "response": done})
+
+        return Open()
+
 
 _OPS = st.lists(
     st.one_of(
-        st.tuples(st.just("create"), st.sampled_from([None, 10, 5000]), st.booleans()),
+        st.tuples(
+            st.just("create"),
+            st.sampled_from([None, 10, 5000]),
+            st.sampled_from(["json", "cut", "open"]),
+        ),
+        # An open stream read to its end (True) or closed before its usage.
+        st.tuples(st.just("finish"), st.integers(0, 3), st.booleans()),
         st.tuples(
             st.just("poll"), st.integers(1, 8), st.sampled_from(["running", "partial", "done"])
         ),
@@ -556,7 +580,8 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
 ) -> None:
     """Never less than used (every final usage charged), each ledger request settled
     once; exactly the usages when every creation was kept under its own id; at worst
-    each estimate plus each final report."""
+    each estimate plus each final report. Creations streamed are polled while their
+    streams are open too."""
     mod = importlib.import_module("httpx")
     provider = Scripted()
     ledger = Ledger()  # asserts each request is settled at most once
@@ -564,12 +589,40 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
     estimates: dict[str, int] = {}
     reports = 0  # tokens of every usage a poll reported (what the old rule charged)
     untracked = False  # a creation not kept: the exact rule does not hold
+    opened: list[tuple[Any, Any, Any]] = []  # open streams: response, chunks, record
+
+    def finish(i: int, to_end: bool) -> None:
+        nonlocal untracked
+        r, chunks, rec = opened.pop(i)
+        if to_end:
+            for _ in chunks:
+                pass
+        r.close()
+        if not to_end and rec.settled and rec.usage is None:
+            untracked = True  # closed past the bound: keeps its estimate, polls charged
+
     for op in ops:
+        if op[0] == "finish":
+            if opened:
+                finish(op[1] % len(opened), op[2])
+            continue
         if op[0] == "create":
             extra: dict[str, Any] = {} if op[1] is None else {"max_output_tokens": op[1]}
-            if op[2]:
+            if op[2] != "json":
                 extra["stream"] = True
-            if op[2]:
+            if op[2] == "open":
+                extra["open"] = True
+                if t.stats()["background"] >= room:
+                    untracked = True  # past the bound: its polls are charged
+                r = client.send(
+                    client.build_request("POST", "http://p/v1/responses", json=_BODY | extra),
+                    stream=True,
+                )
+                chunks = r.iter_raw()
+                next(chunks)  # named
+                rec = r.extensions["ratequeue"]
+                opened.append((r, chunks, rec))
+            elif op[2] == "cut":
                 rec = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | extra)
             else:
                 rec = create(client, **extra).extensions["ratequeue"]
@@ -590,6 +643,9 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
             reported = r.json()["usage"]
             if reported:
                 reports += sum(reported.values())
+    while opened:
+        finish(0, False)
+    reports += provider.streamed
     charged = BURST - lim.available("tokens")
     used = sum(sum(Scripted.usage_of(rid).values()) for rid in provider.final)
     waiting_estimates = sum(
@@ -762,3 +818,96 @@ def test_a_resumed_stream_ending_without_a_usage_settles_the_creation_at_its_est
     assert p.charged["tokens"] == 0
     assert created.settled and created.usage is None and t.stats()["background"] == 0
     assert lim.available("tokens") == BURST - estimate_of(created)
+
+
+class Chunks:
+    """A creation streamed in ``events`` chunks (one event each); a poll answers the
+    response ``completed`` with its usage (JSON)."""
+
+    def __init__(self, *events: dict[str, Any], cut: bool = False) -> None:
+        self.events = events
+        self.cut = cut
+
+    def __call__(self, request: Any) -> Any:
+        mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+        if request.method == "POST":
+            chunks = [_sse(e) for e in self.events]
+            cut = self.cut
+
+            class Stream(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc]
+                def __iter__(self) -> Any:
+                    yield from chunks
+                    if cut:
+                        raise mod.ReadError("connection dropped")
+
+                async def __aiter__(self) -> Any:
+                    for c in chunks:
+                        yield c
+                    if cut:
+                        raise mod.ReadError("connection dropped")
+
+            headers = {"content-type": "text/event-stream"}
+            return mod.Response(200, headers=headers, stream=Stream())
+        done = {"id": "resp_7", "status": "completed", "background": True, "usage": USED}
+        return mod.Response(200, json=done)
+
+
+_COMPLETED = {
+    "type": "response.completed",
+    "response": {"id": "resp_7", "status": "completed", "background": True, "usage": USED},
+}
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize("cut", [False, True])
+def test_a_poll_while_the_creation_streams_settles_it_once(
+    modname: str, native: bool, cut: bool
+) -> None:
+    """Polled while its creation's stream is still open (after the stream named it): the
+    poll's final usage settles the creation, the stream's own (or its drop) then changes
+    nothing, and the poll is charged nothing."""
+    mod = importlib.import_module(modname)
+    events = (_started("resp_7"),) if cut else (_started("resp_7"), _COMPLETED)
+    t, client, lim = through(mod, native, Chunks(*events, cut=cut))
+    with client.stream("POST", "http://p/v1/responses", json=_BODY | STREAM) as r:
+        chunks = r.iter_raw()
+        next(chunks)  # response.created: the stream names the response
+        created = r.extensions["ratequeue"]
+        assert not created.settled and t.stats()["background"] == 1
+        p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+        assert p.charged["tokens"] == 0
+        assert created.settled and created.usage == (900, 20_000)
+        with contextlib.suppress(mod.ReadError):
+            for _ in chunks:
+                pass
+    assert created.usage == (900, 20_000) and t.stats()["background"] == 0
+    assert lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("modname", MODS)
+def test_a_poll_after_the_creation_streamed_its_usage_is_charged_nothing(
+    modname: str, native: bool
+) -> None:
+    mod = importlib.import_module(modname)
+    t, client, lim = through(mod, native, Chunks(_started("resp_7"), _COMPLETED))
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
+    assert created.usage == (900, 20_000) and t.stats()["background"] == 0
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == 0
+    assert lim.available("tokens") == BURST - SPENT
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_a_poll_after_a_stream_that_ended_without_its_usage_is_charged(native: bool) -> None:
+    """The creation keeps its estimate (its usage unread): the poll that reports the
+    usage is charged it, never less than used."""
+    mod = importlib.import_module("httpx")
+    ended = {"type": "response.failed", "response": {"id": "resp_7", "status": "failed"}}
+    t, client, lim = through(mod, native, Chunks(_started("resp_7"), ended))
+    created = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | STREAM)
+    assert created.settled and created.usage is None and t.stats()["background"] == 0
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == SPENT
+    assert lim.available("tokens") == BURST - SPENT - estimate_of(created)

@@ -2,13 +2,15 @@
 
 Such a response answers its creation ``queued`` (or ``in_progress``), before it has run:
 its body has an id and no usage. The creation's settle waits for that usage: the call
-is kept here by the response's host and id, its estimate still charged (and its ledger hold still
-held), its concurrency slots given back, its request dropped. A poll (``GET
+is kept here by the response's host and id, its estimate still charged (and its ledger
+hold still held), its concurrency slots given back, its request dropped. A poll (``GET
 …/responses/{id}``) or a cancel (``POST …/responses/{id}/cancel``) whose body reports a
 final status (``completed``, ``incomplete``, ``failed``, ``cancelled``) with a usage
 settles the creation to it; that poll, and any before it, is charged nothing: the tokens
 are counted once, where they were spent. A poll of a response settled that way
-(remembered, as many as are kept waiting) is charged nothing again.
+(remembered, as many as are kept waiting) is charged nothing again. A creation streamed
+is kept as soon as its open stream names the response (:meth:`Background.streaming`): a
+poll meanwhile settles it the same way, and its stream's own end then changes nothing.
 
 Bounded: at most ``limit`` creations wait (past it a creation keeps its estimate, as any
 body without a usage does, and its poll is charged the usage it reports: never less than
@@ -85,6 +87,39 @@ class Background:
         key = _polled_key(call)
         return key is not None and key in self._ids
 
+    def streaming(self, call: _Call, rid: str) -> None:
+        """``call``, a creation whose event stream, still open, named its response
+        ``rid``: kept from now on, so a poll meanwhile settles it (and the stream's own
+        usage then changes nothing), as do the stream's end (:meth:`ended`) or its drop
+        (:meth:`keep`)."""
+        request = call._request
+        if not self.limit or request is None or request.method != "POST":
+            return
+        if not call.path.endswith("/responses"):
+            return
+        key = (request.url.netloc, rid)
+        with self._lock:
+            if key in self._ids or self._waiting >= self.limit:
+                return  # an id seen before (left to keep), or no room: not kept
+            self._ids[key] = call
+            self._waiting += 1
+            call._rkey = key
+
+    def ended(self, call: _Call, used: bool) -> None:
+        """A creation kept while it streamed settles itself (its stream ended, ``used``:
+        with the usage it read; or its settle did not wait): a poll of it is then
+        charged nothing after a usage read, else what it reports (never less than
+        used)."""
+        key, call._rkey = call._rkey, None
+        with self._lock:
+            if key is None or self._ids.get(key) is not call:
+                return  # a poll settled it, or the transport let it go
+            self._waiting -= 1
+            if used:
+                self._settled(key)
+            else:
+                del self._ids[key]
+
     def keep(self, call: _Call, body: bytes | None, rid: str | None) -> tuple[bool, _Call | None]:
         """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
         one; ``rid``, the id an event stream named), until its usage is polled: (True
@@ -100,6 +135,8 @@ class Background:
             return False, None
         key = (call._request.url.netloc, rid)
         with self._lock:
+            if self._ids.get(key) is call:
+                return True, None  # kept since its stream named it
             if self._ids.get(key) is not None:
                 # The provider named two responses alike: neither poll can tell which
                 # it settles, so neither is kept and the id's polls are charged.
@@ -126,18 +163,23 @@ class Background:
             creation = self._ids[key]
             if creation is None or not final:
                 return True, None
-            self._ids[key] = None
-            self._ids.move_to_end(key)  # the newest settled: the last dropped
             self._waiting -= 1
-            # Settled ids are dropped oldest first past the bound (a poll of one dropped
-            # is charged what it reports: never less than used).
-            if len(self._ids) > self.limit:
-                for old, c in list(self._ids.items()):
-                    if len(self._ids) <= self.limit:
-                        break
-                    if c is None:
-                        del self._ids[old]
+            self._settled(key)
             return True, creation
+
+    def _settled(self, key: tuple[bytes, str]) -> None:
+        """``key`` remembered as settled, the newest (the last dropped); settled ids are
+        dropped oldest first past the bound (a poll of one dropped is charged what it
+        reports: never less than used). Under the lock."""
+        ids = self._ids
+        ids[key] = None
+        ids.move_to_end(key)
+        if len(ids) > self.limit:
+            for old, c in list(ids.items()):
+                if len(ids) <= self.limit:
+                    break
+                if c is None:
+                    del ids[old]
 
     def drain(self) -> list[_Call]:
         """The creations still waiting, taken out (to settle at their estimate)."""

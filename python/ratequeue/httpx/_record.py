@@ -289,6 +289,7 @@ class _Call(CallRecord):
         "_provider",
         "_request",
         "_retried",
+        "_rkey",
         "_sub",
         "_tokenless",
     )
@@ -350,6 +351,8 @@ class _Call(CallRecord):
         self._owed: object = None
         self._retried = False
         self._linked: _Call | None = None  # a creation whose ledger part this call pays
+        # The (host, id) of a background response its creation's open stream named.
+        self._rkey: tuple[bytes, str] | None = None
         self._once = [None]  # popped by the one caller that settles
 
 
@@ -375,4 +378,5 @@ _CONSTANT_SLOTS = (
     ("_owed", None),
     ("_retried", False),
     ("_linked", None),
+    ("_rkey", None),
 )

@@ -63,7 +63,7 @@ class _Reader:
     """Finds the usage in a body as it is read (its ``Content-Encoding`` undone on the
     side); settles the call at its end. ``over``: the usage cannot be read."""
 
-    __slots__ = ("buf", "call", "ended", "over", "size", "sse", "transport")
+    __slots__ = ("buf", "call", "ended", "named", "over", "size", "sse", "transport")
 
     def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
         self.call, self.transport = call, transport
@@ -72,11 +72,18 @@ class _Reader:
         self.size = 0
         self.over = False
         self.ended = False  # the body was read to its end (not closed before)
+        self.named = False  # a background response's id seen (kept from then on)
 
     def feed(self, chunk: bytes) -> None:
-        if self.sse is not None:
-            self.sse.feed(chunk)
-            if self.sse.final and not self.call._done:
+        sse = self.sse
+        if sse is not None:
+            sse.feed(chunk)
+            if sse.response_id is not None and not self.named:
+                # A background response named while its creation streams: kept now,
+                # so a poll meanwhile settles it once.
+                self.named = True
+                self.transport._background.streaming(self.call, sse.response_id)
+            if sse.final and not self.call._done:
                 self.finish()
         elif not self.over:
             self.size += len(chunk)
