@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from .._threads import AfterFork
@@ -209,16 +210,7 @@ class _Settles:
     if TYPE_CHECKING:
         _background: Background
         _is_policy: bool
-
-        def _settle_one(
-            self,
-            call: _Call,
-            usage: Usage | None,
-            status: int | None,
-            *,
-            rate_limited: bool = False,
-            reported: bool = False,
-        ) -> None: ...
+        _settle_one: Callable[..., None]  # the transport's: settles once
 
     def _keep(self, call: _Call, body: bytes | None, response_id: str | None) -> bool:
         """A background response's creation (its body an id, no usage) kept until its
