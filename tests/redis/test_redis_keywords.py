@@ -70,3 +70,14 @@ def test_the_level_names_the_local_policy_refuses_are_refused(r: redis.Redis, na
         rq.Policy({name: rq.KeyedLimiter(rq.Rate(10)), "cluster": rq.Limiter(specs["cluster"])})
     with pytest.raises(ValueError, match=f'level "{name}"'):
         RedisPolicy(r, specs, name="bad")
+
+
+def test_a_key_of_the_wrong_type_is_refused_before_a_cost_too_large(client: redis.Redis) -> None:
+    """Found by the check above: the local Policy reads every key before any cost."""
+    kw: dict[str, object] = {"tokens": 0, "requests": 2**64, "user": 1.5}
+    local = rq.Policy(levels())
+    remote = RedisPolicy(client, levels(), name=f"kw{next(_names)}")
+    with pytest.raises(TypeError, match="user must be"):
+        local.try_acquire(**kw)
+    with pytest.raises(TypeError, match="user must be"):
+        remote.try_acquire(**kw)

@@ -185,19 +185,21 @@ class _PolicyBase(_Named):
         given, units = self._keywords.parse(kw)
         if _SATURATED in units.values():  # shown as given by CostTooLarge
             units = {u: kw[u] if c == _SATURATED else c for u, c in units.items()}
-        keys: list[bytes] = []
-        costs: list[int] = []
         levels = self._levels
-        for j, (li, bi) in enumerate(self._flat):
+        # Every key before any cost, as the local Policy reads them: a key of the wrong
+        # type is a TypeError whatever the costs.
+        keys: list[bytes] = []
+        for (li, _), static in zip(self._flat, self._static, strict=True):
+            lv = levels[li]
+            key = given[li]
+            keys.append(static if static is not None else lv.key_prefix + _key_bytes(key, lv.name))  # type: ignore[arg-type]
+        costs: list[int] = []
+        for li, bi in self._flat:
             lv = levels[li]
             b = lv.buckets[bi]
             c = units[b.unit]
             b.check(c, lv.where)
             costs.append(c)
-            static = self._static[j]
-            keys.append(
-                static if static is not None else lv.key_prefix + _key_bytes(given[li], lv.name)  # type: ignore[arg-type]
-            )
         return keys, costs, units
 
     def _take_cmd(
