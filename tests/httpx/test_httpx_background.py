@@ -313,14 +313,14 @@ def test_asyncio_polls_pay_the_creations_ledger_part(modname: str) -> None:
     assert lim.available("tokens") == BURST - SPENT - estimate_of(left)
 
 
-def through_policy(mod: Any, provider: Any, **kw: Any) -> tuple[Any, rq.Limiter]:
-    """A client over a Policy of one concurrency slot and ``through``'s limiter."""
+def through_policy(mod: Any, provider: Any, slots: int = 1, **kw: Any) -> tuple[Any, rq.Limiter]:
+    """A client over a Policy of ``slots`` concurrency slots and ``through``'s limiter."""
     lim = rq.Limiter(
         rq.Rate(100, per="second", burst=100),
         rq.Rate(BURST, per="minute", burst=BURST, unit="tokens"),
         clock=rq.ManualClock(),
     )
-    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    policy = rq.Policy({"conc": rq.Concurrency(slots), "cluster": lim})
     t = RateLimitedTransport(
         mod.MockTransport(provider),
         policy,
@@ -830,6 +830,8 @@ class Chunks:
 
     def __call__(self, request: Any) -> Any:
         mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+        if request.method == "POST" and b'"stream"' not in request.content:
+            return mod.Response(200, json={"id": "resp_7", "status": "queued", "usage": None})
         if request.method == "POST":
             chunks = [_sse(e) for e in self.events]
             cut = self.cut
@@ -858,31 +860,46 @@ _COMPLETED = {
 }
 
 
+def _open(client: Any, body: dict[str, Any] | None = None) -> tuple[Any, Any, Any]:
+    """A creation streamed, read up to its first event (it names the response): the
+    response, its chunks left and its record."""
+    req = client.build_request("POST", "http://p/v1/responses", json=body or _BODY | STREAM)
+    r = client.send(req, stream=True)
+    chunks = r.iter_raw()
+    next(chunks)
+    return r, chunks, r.extensions["ratequeue"]
+
+
+def _drain(mod: Any, r: Any, chunks: Any) -> None:
+    with contextlib.suppress(mod.ReadError):
+        for _ in chunks:
+            pass
+    r.close()
+
+
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("modname", MODS)
 @pytest.mark.parametrize("cut", [False, True])
-def test_a_poll_while_the_creation_streams_settles_it_once(
+def test_a_poll_while_the_creation_streams_is_charged_nothing(
     modname: str, native: bool, cut: bool
 ) -> None:
     """Polled while its creation's stream is still open (after the stream named it): the
-    poll's final usage settles the creation, the stream's own (or its drop) then changes
-    nothing, and the poll is charged nothing."""
+    poll is charged nothing, and the stream's end settles the creation once: to the
+    usage it read, or, cut before it, to the final usage the poll reported."""
     mod = importlib.import_module(modname)
     events = (_started("resp_7"),) if cut else (_started("resp_7"), _COMPLETED)
     t, client, lim = through(mod, native, Chunks(*events, cut=cut))
-    with client.stream("POST", "http://p/v1/responses", json=_BODY | STREAM) as r:
-        chunks = r.iter_raw()
-        next(chunks)  # response.created: the stream names the response
-        created = r.extensions["ratequeue"]
-        assert not created.settled and t.stats()["background"] == 1
-        p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
-        assert p.charged["tokens"] == 0
-        assert created.settled and created.usage == (900, 20_000)
-        with contextlib.suppress(mod.ReadError):
-            for _ in chunks:
-                pass
-    assert created.usage == (900, 20_000) and t.stats()["background"] == 0
+    r, chunks, created = _open(client)
+    assert not created.settled and t.stats()["background"] == 1
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == 0
+    assert not created.settled  # its stream is still open: it settles it
+    _drain(mod, r, chunks)
+    assert created.settled and created.usage == (900, 20_000)
+    assert t.stats()["background"] == 0
     assert lim.available("tokens") == BURST - SPENT
+    again = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert again.charged["tokens"] == 0
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -911,3 +928,132 @@ def test_a_poll_after_a_stream_that_ended_without_its_usage_is_charged(native: b
     p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
     assert p.charged["tokens"] == SPENT
     assert lim.available("tokens") == BURST - SPENT - estimate_of(created)
+
+
+# -- an open stream is settled only by its own end (adversarial review, stop 39) ------------
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_second_creation_named_like_an_open_stream_leaves_the_streams_usage(
+    modname: str,
+) -> None:
+    """Two creations answered with one id, one still streaming: neither is kept, and the
+    stream's end charges the usage it reads (not its estimate)."""
+    mod = importlib.import_module(modname)
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED))
+    r, chunks, created = _open(client)
+    twin = create(client).extensions["ratequeue"]
+    assert twin.settled and t.stats()["background"] == 0
+    _drain(mod, r, chunks)
+    assert created.usage == (900, 20_000)
+    assert BURST - lim.available("tokens") == SPENT + twin.charged["tokens"]
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == SPENT  # not tracked: charged (never less than used)
+
+
+def test_a_poll_keeps_an_open_streams_concurrency_slot_held() -> None:
+    """A creation still streaming holds its Policy slot until its stream ends, whatever
+    its polls report meanwhile."""
+    mod = importlib.import_module("httpx")
+    client, _lim = through_policy(mod, Chunks(_started("resp_7"), _COMPLETED), slots=2)
+    first = _open(client)
+    client.get("http://p/v1/responses/resp_7")  # the second slot, given back after
+    second = _open(client)
+    with pytest.raises(rq.RateQueueError):
+        _open(client)  # two streams open: no third
+    for r, chunks, rec in (first, second):
+        _drain(mod, r, chunks)
+        assert rec.usage == (900, 20_000)
+    third = _open(client)  # the slots are back
+    _drain(mod, third[0], third[1])
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_closing_while_a_creation_streams_leaves_its_usage_to_its_stream(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED))
+    r, chunks, created = _open(client)
+    t.close()
+    assert not created.settled and t.stats()["background"] == 0
+    _drain(mod, r, chunks)
+    assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+
+
+def test_aclosing_while_a_creation_streams_leaves_its_usage_to_its_stream() -> None:
+    mod = importlib.import_module("httpx")
+
+    async def main() -> tuple[Any, rq.Limiter]:
+        t, _, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED))
+        client = mod.AsyncClient(transport=t)
+        req = client.build_request("POST", "http://p/v1/responses", json=_BODY | STREAM)
+        r = await client.send(req, stream=True)
+        it = r.aiter_raw()
+        await it.__anext__()
+        await t.aclose()
+        async for _ in it:
+            pass
+        await r.aclose()
+        return r.extensions["ratequeue"], lim
+
+    created, lim = asyncio.run(main())
+    assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+
+
+def test_a_poll_landing_as_the_stream_drops_settles_the_creation_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll (another thread's) between the stream's drop and its keep: the poll is
+    charged nothing, the creation settles once to the poll's usage, and nothing stays
+    counted as waiting."""
+    from ratequeue.httpx import _background
+
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), cut=True), max_background=1)
+    r, chunks, created = _open(client)
+    real_keep = _background.Background.keep
+    polls: list[Any] = []
+
+    def keep(self: Any, call: Any, body: Any, rid: Any) -> Any:
+        if not polls:
+            polls.append(client.get("http://p/v1/responses/resp_7").extensions["ratequeue"])
+        return real_keep(self, call, body, rid)
+
+    monkeypatch.setattr(_background.Background, "keep", keep)
+    _drain(mod, r, chunks)
+    assert polls[0].charged["tokens"] == 0
+    assert created.settled and created.usage == (900, 20_000)
+    assert t.stats()["background"] == 0 and lim.available("tokens") == BURST - SPENT
+
+
+def test_a_poll_racing_the_streams_own_settle_leaves_no_ledger_hold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll in another thread while the stream settles itself (between its settle's
+    start and its ledger part): each ledger hold is settled once, the usage charged once."""
+    import threading
+
+    from ratequeue.httpx import _budget
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    _t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    with CallBudget(calls=10, tokens=10**6):
+        r, chunks, created = _open(client)
+    stream_thread = threading.current_thread()
+    real_settle = _budget.settle
+    polls: list[Any] = []
+
+    def settle(sub: Any, *a: Any, **k: Any) -> Any:
+        if threading.current_thread() is stream_thread and not polls:
+            poller = threading.Thread(
+                target=lambda: polls.append(client.get("http://p/v1/responses/resp_7"))
+            )
+            poller.start()
+            poller.join(30)
+        return real_settle(sub, *a, **k)
+
+    monkeypatch.setattr(_budget, "settle", settle)
+    _drain(mod, r, chunks)
+    assert polls and polls[0].extensions["ratequeue"].charged["tokens"] == 0
+    assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+    assert set(ledger.settled) == set(ledger.held)

@@ -9,8 +9,11 @@ final status (``completed``, ``incomplete``, ``failed``, ``cancelled``) with a u
 settles the creation to it; that poll, and any before it, is charged nothing: the tokens
 are counted once, where they were spent. A poll of a response settled that way
 (remembered, as many as are kept waiting) is charged nothing again. A creation streamed
-is kept as soon as its open stream names the response (:meth:`Background.streaming`): a
-poll meanwhile settles it the same way, and its stream's own end then changes nothing.
+is kept as soon as its open stream names the response (:meth:`Background.streaming`):
+its polls meanwhile are charged nothing, and only its stream's end settles it (to the
+usage it read, else the final one a poll reported), or makes it wait when the stream
+dropped before any. A transport closed, or a second creation named alike, lets an open
+stream go: its end settles it.
 
 Bounded: at most ``limit`` creations wait (past it a creation keeps its estimate, as any
 body without a usage does, and its poll is charged the usage it reports: never less than
@@ -36,6 +39,10 @@ if TYPE_CHECKING:
     from ._record import _Call
 
 __all__ = ["Background"]
+
+#: ``_Call._rkey`` of a creation let go while it streamed: its stream's end settles it,
+#: nothing keeps it.
+_LET_GO: tuple[bytes, str] | tuple[()] = ()
 
 #: A response done: its usage is final.
 FINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -64,7 +71,7 @@ def _polled_key(call: _Call) -> tuple[bytes, str] | None:
 class Background:
     """The creations waiting for their usage, by response id (see the module)."""
 
-    __slots__ = ("__weakref__", "_ids", "_lock", "_waiting", "limit")
+    __slots__ = ("__weakref__", "_ids", "_lock", "_waiting", "closed", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -73,6 +80,7 @@ class Background:
         # charged). By host too: two providers' ids never settle each other's.
         self._ids: OrderedDict[tuple[bytes, str], _Call | None] = OrderedDict()
         self._waiting = 0
+        self.closed = False  # drained: nothing is kept any more
         _ALL.add(self)
 
     def __bool__(self) -> bool:
@@ -90,9 +98,9 @@ class Background:
 
     def streaming(self, call: _Call, rid: str) -> None:
         """``call``, a creation whose event stream, still open, named its response
-        ``rid``: kept from now on, so a poll meanwhile settles it (and the stream's own
-        usage then changes nothing), as do the stream's end (:meth:`ended`) or its drop
-        (:meth:`keep`)."""
+        ``rid``: kept from now on (``call._rkey``), so its polls meanwhile are charged
+        nothing; only its stream's end settles it (:meth:`ended`), or its stream's drop
+        makes it wait as any creation (:meth:`keep`)."""
         request = call._request
         if not self.limit or request is None or request.method != "POST":
             return
@@ -100,32 +108,35 @@ class Background:
             return
         key = (request.url.netloc, rid)
         with self._lock:
-            if key in self._ids or self._waiting >= self.limit:
-                return  # an id seen before (left to keep), or no room: not kept
+            if self.closed or key in self._ids or self._waiting >= self.limit:
+                return  # closed, an id seen before (left to keep), or no room: not kept
             self._ids[key] = call
             self._waiting += 1
             call._rkey = key
 
-    def ended(self, call: _Call, used: bool) -> None:
-        """A creation kept while it streamed settles itself (its stream ended, ``used``:
-        with the usage it read; or its settle did not wait): a poll of it is then
-        charged nothing after a usage read, else what it reports (never less than
-        used)."""
-        key, call._rkey = call._rkey, None
+    def ended(self, call: _Call, usage: Usage | None) -> Usage | None:
+        """The stream of a creation kept while open is over (``usage``: what it read):
+        the usage to settle it to — its own, else the final one a poll reported
+        meanwhile, else None (its estimate). A poll after is then charged nothing when
+        there was a usage, else what it reports (never less than used)."""
         with self._lock:
-            if key is None or self._ids.get(key) is not call:
-                return  # a poll settled it, or the transport let it go
-            self._waiting -= 1
-            if used:
-                self._settled(key)
-            else:
-                del self._ids[key]
+            key, call._rkey = call._rkey, None
+            if usage is None:
+                usage = call._reported
+            if key and self._ids.get(key) is call:
+                self._waiting -= 1
+                if usage is not None:
+                    self._settled(key)
+                else:
+                    del self._ids[key]
+        return usage
 
     def keep(self, call: _Call, body: bytes | None, rid: str | None) -> tuple[bool, _Call | None]:
         """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
-        one; ``rid``, the id an event stream named), until its usage is polled: (True
-        when kept — a response not run yet, room left —, the creation waiting with the
-        same id, no longer kept: to settle at its estimate)."""
+        one; ``rid``, the id an event stream named and the stream dropped before its
+        usage), until its usage is polled: (True when kept — a response not run yet,
+        room left —, the creation waiting with the same id, no longer kept: to settle at
+        its estimate)."""
         if not self.limit or call._request.method != "POST":
             return False, None
         if not call.path.endswith("/responses"):
@@ -136,13 +147,26 @@ class Background:
             return False, None
         key = (call._request.url.netloc, rid)
         with self._lock:
-            if self._ids.get(key) is call:
-                return True, None  # kept since its stream named it
-            if self._ids.get(key) is not None:
+            if call._rkey is not None:
+                # Kept while its stream was open: it waits now, unless a poll reported
+                # the final usage meanwhile (or it was let go): ``ended`` settles it.
+                if call._rkey != key or self._ids.get(key) is not call or call._reported:
+                    return False, None
+                call._rkey = None
+                return True, None
+            if self.closed:
+                return False, None
+            other = self._ids.get(key)
+            if other is not None:
                 # The provider named two responses alike: neither poll can tell which
-                # it settles, so neither is kept and the id's polls are charged.
+                # it settles, so neither is kept and the id's polls are charged. One
+                # still streaming is let go: its stream's end settles it.
                 self._waiting -= 1
-                return False, self._ids.pop(key)
+                del self._ids[key]
+                if other._rkey is not None:
+                    other._rkey = _LET_GO
+                    return False, None
+                return False, other
             if self._waiting >= self.limit:
                 return False, None
             self._ids.pop(key, None)
@@ -150,11 +174,12 @@ class Background:
             self._waiting += 1
         return True, None
 
-    def take(self, call: _Call, final: bool) -> tuple[bool, _Call | None]:
-        """For a poll ``call`` that reports a usage (``final``: with a final status):
+    def take(self, call: _Call, final: bool, usage: Usage | None) -> tuple[bool, _Call | None]:
+        """For a poll ``call`` that reports ``usage`` (``final``: with a final status):
         (False, None) when its response is not kept here; else (True, the creation now to
-        settle to it, or None: settled before, or not ``final``). The id stays, settled,
-        as long as room is left."""
+        settle to it, or None: settled before, not ``final``, or still streaming — its
+        stream's end settles it, to this usage when it reads none). The id stays,
+        settled, as long as room is left."""
         key = _polled_key(call)
         if key is None:
             return False, None
@@ -163,6 +188,10 @@ class Background:
                 return False, None
             creation = self._ids[key]
             if creation is None or not final:
+                return True, None
+            if creation._rkey is not None:
+                if usage is not None:
+                    creation._reported = usage
                 return True, None
             self._waiting -= 1
             self._settled(key)
@@ -183,9 +212,18 @@ class Background:
                     del ids[old]
 
     def drain(self) -> list[_Call]:
-        """The creations still waiting, taken out (to settle at their estimate)."""
+        """The creations still waiting, taken out (to settle at their estimate); none is
+        kept from now on. One still streaming is let go: its stream's end settles it."""
         with self._lock:
-            calls = [c for c in self._ids.values() if c is not None]
+            self.closed = True
+            calls = []
+            for c in self._ids.values():
+                if c is None:
+                    continue
+                if c._rkey is not None:
+                    c._rkey = _LET_GO
+                else:
+                    calls.append(c)
             self._ids.clear()
             self._waiting = 0
         return calls
@@ -245,7 +283,7 @@ class _Settles:
         if usage is NONE_USED:
             usage = None  # no report: a body without a usage, of a call sent without one
         final = _final(body) if body is not None else usage is not None or done
-        kept, creation = self._background.take(call, final)
+        kept, creation = self._background.take(call, final, usage)
         if not kept:
             return False
         try:

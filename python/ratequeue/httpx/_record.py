@@ -287,6 +287,7 @@ class _Call(CallRecord):
         "_owed",
         "_permit",
         "_provider",
+        "_reported",
         "_request",
         "_retried",
         "_rkey",
@@ -352,7 +353,10 @@ class _Call(CallRecord):
         self._retried = False
         self._linked: _Call | None = None  # a creation whose ledger part this call pays
         # The (host, id) of a background response its creation's open stream named.
-        self._rkey: tuple[bytes, str] | None = None
+        # (``()`` once let go: its stream's end settles it.)
+        self._rkey: tuple[bytes, str] | tuple[()] | None = None
+        # The final usage a poll reported while its stream was open.
+        self._reported: Usage | None = None
         self._once = [None]  # popped by the one caller that settles
 
 
@@ -379,4 +383,5 @@ _CONSTANT_SLOTS = (
     ("_retried", False),
     ("_linked", None),
     ("_rkey", None),
+    ("_reported", None),
 )

@@ -487,8 +487,8 @@ class RateLimitedTransport(_Settles, _Requests):
             and self._keep(call, body, response_id)
         ):
             return
-        if call._rkey is not None:  # kept while it streamed: settles itself
-            self._background.ended(call, usage is not None)
+        if call._rkey is not None:  # kept while it streamed: its stream is over
+            usage = self._background.ended(call, usage)
         self._settle_one(call, usage, status, rate_limited=rate_limited, reported=reported)
 
     def _settle_one(
