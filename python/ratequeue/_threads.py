@@ -50,7 +50,8 @@ _SETS: list[AfterFork] = []
 def _after_fork_in_child() -> None:
     first = None
     for s in _SETS:
-        first = s._in_child() or first
+        e = s._in_child()
+        first = first or e
     if first is not None:
         raise first  # reported by the interpreter (the child goes on)
 
