@@ -827,6 +827,8 @@ class Chunks:
     def __init__(self, *events: dict[str, Any], cut: bool = False) -> None:
         self.events = events
         self.cut = cut
+        self.running = False  # polls answer in_progress, without a usage
+        self.before_first: Any = None  # run before the stream's first chunk
 
     def __call__(self, request: Any) -> Any:
         mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
@@ -834,10 +836,12 @@ class Chunks:
             return mod.Response(200, json={"id": "resp_7", "status": "queued", "usage": None})
         if request.method == "POST":
             chunks = [_sse(e) for e in self.events]
-            cut = self.cut
+            cut, first = self.cut, self.before_first
 
             class Stream(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc]
                 def __iter__(self) -> Any:
+                    if first is not None:
+                        first()
                     yield from chunks
                     if cut:
                         raise mod.ReadError("connection dropped")
@@ -850,6 +854,8 @@ class Chunks:
 
             headers = {"content-type": "text/event-stream"}
             return mod.Response(200, headers=headers, stream=Stream())
+        if self.running:
+            return mod.Response(200, json={"id": "resp_7", "status": "in_progress"})
         done = {"id": "resp_7", "status": "completed", "background": True, "usage": USED}
         return mod.Response(200, json=done)
 
@@ -880,12 +886,12 @@ def _drain(mod: Any, r: Any, chunks: Any) -> None:
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("modname", MODS)
 @pytest.mark.parametrize("cut", [False, True])
-def test_a_poll_while_the_creation_streams_is_charged_nothing(
+def test_a_poll_while_the_creation_streams_settles_it_once(
     modname: str, native: bool, cut: bool
 ) -> None:
     """Polled while its creation's stream is still open (after the stream named it): the
-    poll is charged nothing, and the stream's end settles the creation once: to the
-    usage it read, or, cut before it, to the final usage the poll reported."""
+    poll's final usage settles the creation, the poll is charged nothing, and the
+    stream's end (or drop) then changes nothing."""
     mod = importlib.import_module(modname)
     events = (_started("resp_7"),) if cut else (_started("resp_7"), _COMPLETED)
     t, client, lim = through(mod, native, Chunks(*events, cut=cut))
@@ -893,7 +899,7 @@ def test_a_poll_while_the_creation_streams_is_charged_nothing(
     assert not created.settled and t.stats()["background"] == 1
     p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
     assert p.charged["tokens"] == 0
-    assert not created.settled  # its stream is still open: it settles it
+    assert created.settled and created.usage == (900, 20_000)
     _drain(mod, r, chunks)
     assert created.settled and created.usage == (900, 20_000)
     assert t.stats()["background"] == 0
@@ -951,11 +957,13 @@ def test_a_second_creation_named_like_an_open_stream_leaves_the_streams_usage(
     assert p.charged["tokens"] == SPENT  # not tracked: charged (never less than used)
 
 
-def test_a_poll_keeps_an_open_streams_concurrency_slot_held() -> None:
-    """A creation still streaming holds its Policy slot until its stream ends, whatever
-    its polls report meanwhile."""
+def test_a_poll_of_a_running_response_keeps_its_streams_concurrency_slot_held() -> None:
+    """A creation still streaming holds its Policy slot until its stream ends or a poll
+    reports it done."""
     mod = importlib.import_module("httpx")
-    client, _lim = through_policy(mod, Chunks(_started("resp_7"), _COMPLETED), slots=2)
+    provider = Chunks(_started("resp_7"), _COMPLETED)
+    provider.running = True
+    client, _lim = through_policy(mod, provider, slots=2)
     first = _open(client)
     client.get("http://p/v1/responses/resp_7")  # the second slot, given back after
     second = _open(client)
@@ -1057,3 +1065,156 @@ def test_a_poll_racing_the_streams_own_settle_leaves_no_ledger_hold(
     assert polls and polls[0].extensions["ratequeue"].charged["tokens"] == 0
     assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
     assert set(ledger.settled) == set(ledger.held)
+
+
+def test_a_stream_left_unclosed_is_settled_by_its_poll() -> None:
+    """Its id read, the stream dropped without a close (a ``break`` out of an SDK
+    stream, garbage-collected): the poll that reports the usage settles the creation
+    (second review, stop 39: it had waited for a stream end that never came)."""
+    import gc
+
+    mod = importlib.import_module("httpx")
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED))
+    r, chunks, created = _open(client)
+    del r, chunks
+    gc.collect()
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == 0 and created.usage == (900, 20_000)
+    assert t.stats()["background"] == 0 and lim.available("tokens") == BURST - SPENT
+
+
+def test_a_close_racing_the_first_event_keeps_nothing_settled() -> None:
+    """Another thread closes the response while its first chunk (which names the
+    response) is in flight: the close settles the creation at its estimate, and the
+    chunk fed after it keeps nothing; the id's poll is then charged what it reports."""
+    import threading
+
+    mod = importlib.import_module("httpx")
+    provider = Chunks(_started("resp_7"), _COMPLETED)
+    t, client, lim = through(mod, True, provider)
+    held: list[Any] = []
+
+    def close_elsewhere() -> None:
+        closer = threading.Thread(target=held[0].close)
+        closer.start()
+        closer.join(30)
+
+    provider.before_first = close_elsewhere
+    req = client.build_request("POST", "http://p/v1/responses", json=_BODY | STREAM)
+    r = client.send(req, stream=True)
+    held.append(r)
+    created = r.extensions["ratequeue"]
+    next(r.iter_raw())
+    assert created.settled and created._rkey is None and t.stats()["background"] == 0
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == SPENT
+    assert lim.available("tokens") == BURST - SPENT - estimate_of(created)
+
+
+def test_a_stream_ending_while_a_poll_settles_it_leaves_the_settle_to_the_poll(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A poll (another thread) took the open creation and has not settled it yet when the
+    stream ends with its own usage: the stream's end does nothing, the poll settles it
+    once, its ledger part paid once (first review, stop 39: a hold was never paid)."""
+    import threading
+
+    from ratequeue.httpx import _background
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    _t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    with CallBudget(calls=10, tokens=10**6):
+        r, chunks, created = _open(client)
+    taken, go = threading.Event(), threading.Event()
+    real_take = _background.Background.take
+
+    def take(self: Any, call: Any, final: bool, usage: Any) -> Any:
+        out = real_take(self, call, final, usage)
+        if out[1] is not None:
+            taken.set()
+            go.wait(30)
+        return out
+
+    monkeypatch.setattr(_background.Background, "take", take)
+    polls: list[Any] = []
+    poller = threading.Thread(
+        target=lambda: polls.append(client.get("http://p/v1/responses/resp_7"))
+    )
+    poller.start()
+    assert taken.wait(30)
+    _drain(mod, r, chunks)  # the stream reads its usage and ends: left to the poll
+    assert not created.settled
+    go.set()
+    poller.join(30)
+    assert polls[0].extensions["ratequeue"].charged["tokens"] == 0
+    assert created.usage == (900, 20_000) and lim.available("tokens") == BURST - SPENT
+    assert set(ledger.settled) == set(ledger.held) and len(ledger.held) == 2
+
+
+@pytest.mark.parametrize("cut", [False, True])
+@pytest.mark.parametrize("close", [False, True])
+def test_threads_racing_an_open_stream_never_undercharge_it(cut: bool, close: bool) -> None:
+    """A poll reporting the final usage (and a close) in other threads race the stream
+    being read to its end or cut: the usage is charged, each ledger hold settled once,
+    nothing left counted as waiting (second review, stop 39)."""
+    import threading
+
+    mod = importlib.import_module("httpx")
+    events = (_started("resp_7"),) if cut else (_started("resp_7"), _COMPLETED)
+    for i in range(100):
+        ledger = Ledger()
+        t, client, lim = through(
+            mod, True, Chunks(*events, cut=cut), max_background=1, ledger=ledger
+        )
+        r, chunks, created = _open(client)
+        go = threading.Barrier(3 if close else 2)
+
+        def poll(client: Any = client, go: threading.Barrier = go) -> None:
+            go.wait()
+            client.get("http://p/v1/responses/resp_7")
+
+        def shut(t: Any = t, go: threading.Barrier = go) -> None:
+            go.wait()
+            t.close()
+
+        others = [threading.Thread(target=poll)]
+        if close:
+            others.append(threading.Thread(target=shut))
+        for th in others:
+            th.start()
+        go.wait()
+        _drain(mod, r, chunks)
+        for th in others:
+            th.join(30)
+        if not created.settled:  # cut before the poll: waits for the next one
+            assert cut and not close, i
+            client.get("http://p/v1/responses/resp_7")
+        assert created.settled and BURST - lim.available("tokens") >= SPENT, i
+        assert t.stats()["background"] == 0 and len(t._background._ids) <= 1, i
+        assert set(ledger.settled) == set(ledger.held), i
+
+
+def test_asyncio_a_poll_while_the_creation_streams_pays_its_ledger_part_once() -> None:
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+
+    async def main() -> tuple[Any, Any, rq.Limiter]:
+        t, _, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+        client = mod.AsyncClient(transport=t)
+        req = client.build_request("POST", "http://p/v1/responses", json=_BODY | STREAM)
+        r = await client.send(req, stream=True)
+        it = r.aiter_raw()
+        await it.__anext__()
+        p = await client.get("http://p/v1/responses/resp_7")
+        async for _ in it:
+            pass
+        await r.aclose()
+        await client.aclose()
+        return r.extensions["ratequeue"], p.extensions["ratequeue"], lim
+
+    created, p, lim = asyncio.run(main())
+    assert p.charged["tokens"] == 0 and created.usage == (900, 20_000)
+    assert lim.available("tokens") == BURST - SPENT
+    assert set(ledger.settled) == set(ledger.held) and len(ledger.held) == 2
+    assert ledger.settled[created.request_id] == (900, 20_000)

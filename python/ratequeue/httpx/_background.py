@@ -10,10 +10,10 @@ settles the creation to it; that poll, and any before it, is charged nothing: th
 are counted once, where they were spent. A poll of a response settled that way
 (remembered, as many as are kept waiting) is charged nothing again. A creation streamed
 is kept as soon as its open stream names the response (:meth:`Background.streaming`):
-its polls meanwhile are charged nothing, and only its stream's end settles it (to the
-usage it read, else the final one a poll reported), or makes it wait when the stream
-dropped before any. A transport closed, or a second creation named alike, lets an open
-stream go: its end settles it.
+its polls meanwhile are charged nothing, the first that reports the final usage settles
+it (its stream's end then does nothing); otherwise its stream's end settles it to the
+usage it read, or makes it wait when the stream dropped before any. A transport closed,
+or a second creation named alike, lets an open stream go: its end settles it.
 
 Bounded: at most ``limit`` creations wait (past it a creation keeps its estimate, as any
 body without a usage does, and its poll is charged the usage it reports: never less than
@@ -43,6 +43,9 @@ __all__ = ["Background"]
 #: ``_Call._rkey`` of a creation let go while it streamed: its stream's end settles it,
 #: nothing keeps it.
 _LET_GO: tuple[bytes, str] | tuple[()] = ()
+#: ``_Call._rkey`` of a creation a poll took while it streamed: the poll settles it, its
+#: stream's end does nothing (never a real key: an id is never empty).
+_TAKEN: tuple[bytes, str] = (b"", "")
 
 #: A response done: its usage is final.
 FINAL = frozenset({"completed", "incomplete", "failed", "cancelled"})
@@ -98,9 +101,10 @@ class Background:
 
     def streaming(self, call: _Call, rid: str) -> None:
         """``call``, a creation whose event stream, still open, named its response
-        ``rid``: kept from now on (``call._rkey``), so its polls meanwhile are charged
-        nothing; only its stream's end settles it (:meth:`ended`), or its stream's drop
-        makes it wait as any creation (:meth:`keep`)."""
+        ``rid``: kept from now on (``call._rkey``). A poll meanwhile that reports the
+        final usage settles it (:meth:`take`: its stream's end then does nothing);
+        otherwise its stream's end settles it (:meth:`ended`), or its stream's drop makes
+        it wait as any creation (:meth:`keep`)."""
         request = call._request
         if not self.limit or request is None or request.method != "POST":
             return
@@ -108,35 +112,41 @@ class Background:
             return
         key = (request.url.netloc, rid)
         with self._lock:
+            if call._rkey is not None or not call._once or call._done:
+                return  # named before, or settled meanwhile (closed by another thread)
             if self.closed or key in self._ids or self._waiting >= self.limit:
                 return  # closed, an id seen before (left to keep), or no room: not kept
             self._ids[key] = call
             self._waiting += 1
             call._rkey = key
 
-    def ended(self, call: _Call, usage: Usage | None) -> Usage | None:
-        """The stream of a creation kept while open is over (``usage``: what it read):
-        the usage to settle it to — its own, else the final one a poll reported
-        meanwhile, else None (its estimate). A poll after is then charged nothing when
-        there was a usage, else what it reports (never less than used)."""
+    def ended(self, call: _Call, used: bool) -> bool:
+        """The stream of a creation kept while open is over (``used``: it read a usage):
+        False when a poll took it (the poll settles it; nothing to do), else True, to
+        settle it. A poll after is charged nothing when there was a usage, else what it
+        reports (never less than used)."""
         with self._lock:
-            key, call._rkey = call._rkey, None
-            if usage is None:
-                usage = call._reported
+            key = call._rkey
+            if key is _TAKEN:
+                return False
+            call._rkey = None
             if key and self._ids.get(key) is call:
                 self._waiting -= 1
-                if usage is not None:
+                if used:
                     self._settled(key)
                 else:
                     del self._ids[key]
-        return usage
+        return True
 
-    def keep(self, call: _Call, body: bytes | None, rid: str | None) -> tuple[bool, _Call | None]:
+    def keep(
+        self, call: _Call, body: bytes | None, rid: str | None
+    ) -> tuple[bool | None, _Call | None]:
         """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
         one; ``rid``, the id an event stream named and the stream dropped before its
         usage), until its usage is polled: (True when kept — a response not run yet,
-        room left —, the creation waiting with the same id, no longer kept: to settle at
-        its estimate)."""
+        room left —, None when a poll took it meanwhile — the poll settles it —, else
+        False; the creation waiting with the same id, no longer kept: to settle at its
+        estimate)."""
         if not self.limit or call._request.method != "POST":
             return False, None
         if not call.path.endswith("/responses"):
@@ -148,9 +158,12 @@ class Background:
         key = (call._request.url.netloc, rid)
         with self._lock:
             if call._rkey is not None:
-                # Kept while its stream was open: it waits now, unless a poll reported
-                # the final usage meanwhile (or it was let go): ``ended`` settles it.
-                if call._rkey != key or self._ids.get(key) is not call or call._reported:
+                # Kept while its stream was open: it waits now (taken by a poll, let go
+                # or forgotten: not kept again).
+                if call._rkey is _TAKEN:
+                    return None, None
+                if call._rkey != key or self._ids.get(key) is not call:
+                    call._rkey = None
                     return False, None
                 call._rkey = None
                 return True, None
@@ -177,9 +190,9 @@ class Background:
     def take(self, call: _Call, final: bool, usage: Usage | None) -> tuple[bool, _Call | None]:
         """For a poll ``call`` that reports ``usage`` (``final``: with a final status):
         (False, None) when its response is not kept here; else (True, the creation now to
-        settle to it, or None: settled before, not ``final``, or still streaming — its
-        stream's end settles it, to this usage when it reads none). The id stays,
-        settled, as long as room is left."""
+        settle to it, or None: settled before, not ``final``, or still streaming and no
+        usage reported — its stream's end settles it). The id stays, settled, as long as
+        room is left."""
         key = _polled_key(call)
         if key is None:
             return False, None
@@ -190,9 +203,9 @@ class Background:
             if creation is None or not final:
                 return True, None
             if creation._rkey is not None:
-                if usage is not None:
-                    creation._reported = usage
-                return True, None
+                if usage is None:
+                    return True, None  # its stream may still read one
+                creation._rkey = _TAKEN
             self._waiting -= 1
             self._settled(key)
             return True, creation
@@ -258,6 +271,8 @@ class _Settles:
         kept, twin = self._background.keep(call, body, response_id)
         if twin is not None:
             self._settle_linked(call, twin, None)
+        if kept is None:
+            return True  # a poll took it meanwhile: the poll settles it
         if not kept:
             return False
         call._done = True

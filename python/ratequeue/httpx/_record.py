@@ -287,7 +287,6 @@ class _Call(CallRecord):
         "_owed",
         "_permit",
         "_provider",
-        "_reported",
         "_request",
         "_retried",
         "_rkey",
@@ -353,10 +352,9 @@ class _Call(CallRecord):
         self._retried = False
         self._linked: _Call | None = None  # a creation whose ledger part this call pays
         # The (host, id) of a background response its creation's open stream named.
-        # (``()`` once let go: its stream's end settles it.)
+        # (``()`` once let go: its stream's end settles it; ``(b"", "")`` once a poll
+        # took it: the poll settles it.)
         self._rkey: tuple[bytes, str] | tuple[()] | None = None
-        # The final usage a poll reported while its stream was open.
-        self._reported: Usage | None = None
         self._once = [None]  # popped by the one caller that settles
 
 
@@ -383,5 +381,4 @@ _CONSTANT_SLOTS = (
     ("_retried", False),
     ("_linked", None),
     ("_rkey", None),
-    ("_reported", None),
 )

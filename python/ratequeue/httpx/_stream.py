@@ -80,7 +80,7 @@ class _Reader:
             sse.feed(chunk)
             if sse.response_id is not None and not self.named:
                 # A background response named while its creation streams: kept now,
-                # its polls meanwhile charged nothing; this stream's end settles it.
+                # its polls meanwhile charged nothing (a final one settles it).
                 self.named = True
                 self.transport._background.streaming(self.call, sse.response_id)
             if sse.final and not self.call._done:

@@ -487,9 +487,14 @@ class RateLimitedTransport(_Settles, _Requests):
             and self._keep(call, body, response_id)
         ):
             return
-        if call._rkey is not None:  # kept while it streamed: its stream is over
-            usage = self._background.ended(call, usage)
+        # Kept while it streamed, its stream now over: settled here unless a poll took it.
+        if call._rkey is not None and not self._background.ended(call, usage is not None):
+            return
         self._settle_one(call, usage, status, rate_limited=rate_limited, reported=reported)
+        if call._rkey is not None:
+            # Named by its stream in another thread while this settled it (a close):
+            # not kept.
+            self._background.ended(call, usage is not None)
 
     def _settle_one(
         self,
