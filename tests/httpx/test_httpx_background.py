@@ -1218,3 +1218,110 @@ def test_asyncio_a_poll_while_the_creation_streams_pays_its_ledger_part_once() -
     assert lim.available("tokens") == BURST - SPENT
     assert set(ledger.settled) == set(ledger.held) and len(ledger.held) == 2
     assert ledger.settled[created.request_id] == (900, 20_000)
+
+
+# -- third review, stop 39 ----------------------------------------------------------------
+
+
+def test_a_close_settling_the_creation_while_its_stream_names_it_keeps_nothing() -> None:
+    """Another thread's close settles the creation at its estimate while the reading
+    thread is inside ``streaming`` (past its first checks, before it keeps the call):
+    the call is not kept, and the id's poll is charged what it reports."""
+    import threading
+    from collections import OrderedDict
+
+    mod = importlib.import_module("httpx")
+    provider = Chunks(_started("resp_7"), _COMPLETED)
+    ledger = Ledger()
+    t, client, lim = through(mod, True, provider, ledger=ledger)
+    reading = threading.current_thread()
+    in_settle, checked, closed = threading.Event(), threading.Event(), threading.Event()
+
+    class Paused(OrderedDict):  # type: ignore[type-arg]
+        armed = True
+
+        def __contains__(self, key: object) -> bool:
+            if Paused.armed and threading.current_thread() is reading:
+                Paused.armed = False  # the reader is in ``streaming``: the close runs now
+                checked.set()
+                closed.wait(30)
+            return super().__contains__(key)
+
+    t._background._ids = t._waiting_ids = Paused()
+    real = t._settle
+
+    def settle(call: Any, *a: Any, **k: Any) -> Any:
+        if threading.current_thread() is reading:
+            return real(call, *a, **k)
+        in_settle.set()
+        checked.wait(30)
+        try:
+            return real(call, *a, **k)
+        finally:
+            closed.set()
+
+    t._settle = settle  # type: ignore[method-assign]
+    held: list[Any] = []
+
+    def close_elsewhere() -> None:
+        threading.Thread(target=held[0].close).start()
+        assert in_settle.wait(30)
+
+    provider.before_first = close_elsewhere
+    req = client.build_request("POST", "http://p/v1/responses", json=_BODY | STREAM)
+    r = client.send(req, stream=True)
+    held.append(r)
+    created = r.extensions["ratequeue"]
+    for _ in r.iter_raw():
+        pass
+    assert created.settled and created._rkey is None and t.stats()["background"] == 0
+    p = client.get("http://p/v1/responses/resp_7").extensions["ratequeue"]
+    assert p.charged["tokens"] == SPENT
+    assert lim.available("tokens") == BURST - SPENT - estimate_of(created)
+    assert set(ledger.settled) == set(ledger.held)
+
+
+class FailedPoll(Chunks):
+    """The creation's stream names the response (then drops); polls say it failed,
+    without a usage."""
+
+    def __call__(self, request: Any) -> Any:
+        if request.method == "GET":
+            mod = importlib.import_module(type(request).__module__.split(".", 1)[0])
+            return mod.Response(200, json={"id": "resp_7", "status": "failed", "usage": None})
+        return super().__call__(request)
+
+
+def test_a_stream_cut_after_a_final_poll_without_a_usage_settles_at_its_estimate() -> None:
+    """Nothing to wait for: the response ended, so the creation keeps its estimate, its
+    ledger hold and budget sub-call settled, as a creation answered in JSON."""
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, lim = through(mod, True, FailedPoll(_started("resp_7"), cut=True), ledger=ledger)
+    with CallBudget(calls=10) as budget:
+        r, chunks, created = _open(client)
+        assert client.get("http://p/v1/responses/resp_7").json()["status"] == "failed"
+        _drain(mod, r, chunks)
+    assert created.settled and created.usage is None and t.stats()["background"] == 0
+    assert set(ledger.settled) == set(ledger.held)
+    assert all(s.settled for s in budget.usage)
+    assert lim.available("tokens") == BURST - estimate_of(created)
+
+
+def test_closing_settles_a_creation_whose_stream_was_dropped_unclosed() -> None:
+    """Its reader gone (garbage-collected), no end will come: the close settles it at its
+    estimate, its ledger hold and budget sub-call with it."""
+    import gc
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    with CallBudget(calls=10) as budget:
+        r, chunks, created = _open(client)
+    del r, chunks
+    gc.collect()
+    client.close()
+    assert created.settled and t.stats()["background"] == 0
+    assert set(ledger.settled) == set(ledger.held)
+    assert all(s.settled for s in budget.usage)
+    assert lim.available("tokens") == BURST - estimate_of(created)

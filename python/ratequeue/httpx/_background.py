@@ -26,6 +26,7 @@ its own).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -74,7 +75,16 @@ def _polled_key(call: _Call) -> tuple[bytes, str] | None:
 class Background:
     """The creations waiting for their usage, by response id (see the module)."""
 
-    __slots__ = ("__weakref__", "_ids", "_lock", "_waiting", "closed", "limit")
+    __slots__ = (
+        "__weakref__",
+        "_done_keys",
+        "_ids",
+        "_lock",
+        "_readers",
+        "_waiting",
+        "closed",
+        "limit",
+    )
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -83,6 +93,10 @@ class Background:
         # charged). By host too: two providers' ids never settle each other's.
         self._ids: OrderedDict[tuple[bytes, str], _Call | None] = OrderedDict()
         self._waiting = 0
+        # Of the creations still streaming: their stream readers (weak: one dropped
+        # unclosed is settled by ``drain``), and those a poll said ended without a usage.
+        self._readers: dict[tuple[bytes, str], weakref.ref[object]] = {}
+        self._done_keys: set[tuple[bytes, str]] = set()
         self.closed = False  # drained: nothing is kept any more
         _ALL.add(self)
 
@@ -99,7 +113,7 @@ class Background:
         key = _polled_key(call)
         return key is not None and key in self._ids
 
-    def streaming(self, call: _Call, rid: str) -> None:
+    def streaming(self, call: _Call, rid: str, reader: object) -> None:
         """``call``, a creation whose event stream, still open, named its response
         ``rid``: kept from now on (``call._rkey``). A poll meanwhile that reports the
         final usage settles it (:meth:`take`: its stream's end then does nothing);
@@ -112,13 +126,21 @@ class Background:
             return
         key = (request.url.netloc, rid)
         with self._lock:
-            if call._rkey is not None or not call._once or call._done:
-                return  # named before, or settled meanwhile (closed by another thread)
-            if self.closed or key in self._ids or self._waiting >= self.limit:
-                return  # closed, an id seen before (left to keep), or no room: not kept
+            if call._rkey is not None or self.closed or key in self._ids:
+                return  # named before, closed, or an id seen before (left to keep)
+            if self._waiting >= self.limit:
+                return  # no room: not kept
+            # Published first, then checked: a settle in another thread (a close) pops
+            # ``_once`` first and then reads ``_rkey``, so one of the two sees the other.
             self._ids[key] = call
             self._waiting += 1
             call._rkey = key
+            if not call._once or call._done:  # settled meanwhile: not kept
+                del self._ids[key]
+                self._waiting -= 1
+                call._rkey = None
+                return
+            self._readers[key] = weakref.ref(reader)
 
     def ended(self, call: _Call, used: bool) -> bool:
         """The stream of a creation kept while open is over (``used``: it read a usage):
@@ -130,6 +152,8 @@ class Background:
             if key is _TAKEN:
                 return False
             call._rkey = None
+            if key:
+                self._open_done(key)
             if key and self._ids.get(key) is call:
                 self._waiting -= 1
                 if used:
@@ -166,6 +190,12 @@ class Background:
                     call._rkey = None
                     return False, None
                 call._rkey = None
+                if self._open_done(key):
+                    # A poll said it ended, without a usage: nothing to wait for, the
+                    # estimate stays (as for a creation answered in JSON).
+                    self._waiting -= 1
+                    self._settled(key)
+                    return False, None
                 return True, None
             if self.closed:
                 return False, None
@@ -177,6 +207,7 @@ class Background:
                 self._waiting -= 1
                 del self._ids[key]
                 if other._rkey is not None:
+                    self._open_done(key)
                     other._rkey = _LET_GO
                     return False, None
                 return False, other
@@ -204,7 +235,10 @@ class Background:
                 return True, None
             if creation._rkey is not None:
                 if usage is None:
-                    return True, None  # its stream may still read one
+                    # Its stream may still read one; cut, it settles at its estimate.
+                    self._done_keys.add(key)
+                    return True, None
+                self._open_done(key)
                 creation._rkey = _TAKEN
             self._waiting -= 1
             self._settled(key)
@@ -226,25 +260,42 @@ class Background:
 
     def drain(self) -> list[_Call]:
         """The creations still waiting, taken out (to settle at their estimate); none is
-        kept from now on. One still streaming is let go: its stream's end settles it."""
+        kept from now on. One still streaming is let go: its stream's end settles it;
+        one whose stream was dropped unclosed (its reader gone) is settled here."""
         with self._lock:
             self.closed = True
             calls = []
-            for c in self._ids.values():
+            for key, c in self._ids.items():
                 if c is None:
                     continue
                 if c._rkey is not None:
-                    c._rkey = _LET_GO
-                else:
-                    calls.append(c)
+                    reader = self._readers.get(key)
+                    if reader is not None and reader() is not None:
+                        c._rkey = _LET_GO
+                        continue
+                    c._rkey = None
+                calls.append(c)
             self._ids.clear()
+            self._readers.clear()
+            self._done_keys.clear()
             self._waiting = 0
         return calls
+
+    def _open_done(self, key: tuple[bytes, str]) -> bool:
+        """``key`` no longer open: its reader forgotten; True when a poll had said its
+        response ended without a usage. Under the lock."""
+        self._readers.pop(key, None)
+        if key in self._done_keys:
+            self._done_keys.discard(key)
+            return True
+        return False
 
     def _forget(self) -> None:
         # The same dict emptied: the transport reads it on every call.
         self._lock = threading.Lock()
         self._ids.clear()
+        self._readers.clear()
+        self._done_keys.clear()
         self._waiting = 0
 
 

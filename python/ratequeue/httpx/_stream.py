@@ -63,7 +63,17 @@ class _Reader:
     """Finds the usage in a body as it is read (its ``Content-Encoding`` undone on the
     side); settles the call at its end. ``over``: the usage cannot be read."""
 
-    __slots__ = ("buf", "call", "ended", "named", "over", "size", "sse", "transport")
+    __slots__ = (
+        "__weakref__",
+        "buf",
+        "call",
+        "ended",
+        "named",
+        "over",
+        "size",
+        "sse",
+        "transport",
+    )
 
     def __init__(self, call: _Call, transport: RateLimitedTransport, sse: bool) -> None:
         self.call, self.transport = call, transport
@@ -82,7 +92,7 @@ class _Reader:
                 # A background response named while its creation streams: kept now,
                 # its polls meanwhile charged nothing (a final one settles it).
                 self.named = True
-                self.transport._background.streaming(self.call, sse.response_id)
+                self.transport._background.streaming(self.call, sse.response_id, self)
             if sse.final and not self.call._done:
                 self.finish()
         elif not self.over:
