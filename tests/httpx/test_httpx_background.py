@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -498,12 +499,14 @@ def test_two_creations_named_alike_are_both_charged(native: bool) -> None:
 
 class Scripted:
     """A provider whose responses each use ``usage_of(k)``; what the next poll finds is
-    set by the test (``running``, ``partial``: running with a count so far, ``done``);
-    ``same_id`` answers the next creation with the id of an earlier one."""
+    set by the test (``running``, ``partial``: running with a count so far, ``done``,
+    ``failed``: ended without a usage); ``same_id`` answers the next creation with the id
+    of an earlier one."""
 
     def __init__(self) -> None:
         self.made = 0
         self.final: set[str] = set()
+        self.failed: set[str] = set()
         self.next = "running"
         self.same_id: str | None = None
         self.last = ""  # the id of the last creation
@@ -529,6 +532,9 @@ class Scripted:
                 return mod.Response(200, headers=headers, stream=_Once(mod, body, cut=True))
             return mod.Response(200, json={"id": rid, "status": "queued", "usage": None})
         rid = path.split("/responses/", 1)[1].split("/")[0]
+        if rid not in self.final and (rid in self.failed or self.next == "failed"):
+            self.failed.add(rid)
+            return mod.Response(200, json={"id": rid, "status": "failed", "usage": None})
         if path.endswith("/cancel") or self.next == "done" or rid in self.final:
             self.final.add(rid)
             status = "cancelled" if path.endswith("/cancel") else "completed"
@@ -546,6 +552,10 @@ class Scripted:
         class Open(mod.SyncByteStream):  # type: ignore[misc]
             def __iter__(self) -> Any:
                 yield _sse(_started(rid))
+                if rid in provider.failed:
+                    failed = {"id": rid, "status": "failed", "usage": None}
+                    yield _sse({"type": "response.failed", "response": failed})
+                    return
                 done = {"id": rid, "status": "completed", "usage": provider.usage_of(rid)}
                 provider.final.add(rid)
                 provider.streamed += sum(provider.usage_of(rid).values())
@@ -563,8 +573,12 @@ _OPS = st.lists(
         ),
         # An open stream read to its end (True) or closed before its usage.
         st.tuples(st.just("finish"), st.integers(0, 3), st.booleans()),
+        # An open stream dropped unclosed (garbage-collected).
+        st.tuples(st.just("abandon"), st.integers(0, 3)),
         st.tuples(
-            st.just("poll"), st.integers(1, 8), st.sampled_from(["running", "partial", "done"])
+            st.just("poll"),
+            st.integers(1, 8),
+            st.sampled_from(["running", "partial", "done", "failed"]),
         ),
         st.tuples(st.just("cancel"), st.integers(1, 8)),
         st.tuples(st.just("same_id"), st.integers(1, 8)),
@@ -574,14 +588,20 @@ _OPS = st.lists(
 
 
 @settings(max_examples=150, deadline=None)
-@given(ops=_OPS, native=st.booleans(), room=st.sampled_from([1, 3, 1000]))
+@given(
+    ops=_OPS,
+    native=st.booleans(),
+    room=st.sampled_from([1, 3, 1000]),
+    close_first=st.booleans(),
+)
 def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
-    ops: list[tuple[Any, ...]], native: bool, room: int
+    ops: list[tuple[Any, ...]], native: bool, room: int, close_first: bool
 ) -> None:
     """Never less than used (every final usage charged), each ledger request settled
     once; exactly the usages when every creation was kept under its own id; at worst
     each estimate plus each final report. Creations streamed are polled while their
-    streams are open too."""
+    streams are open too, dropped unclosed, or outlive the transport's close
+    (``close_first``)."""
     mod = importlib.import_module("httpx")
     provider = Scripted()
     ledger = Ledger()  # asserts each request is settled at most once
@@ -589,11 +609,11 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
     estimates: dict[str, int] = {}
     reports = 0  # tokens of every usage a poll reported (what the old rule charged)
     untracked = False  # a creation not kept: the exact rule does not hold
-    opened: list[tuple[Any, Any, Any]] = []  # open streams: response, chunks, record
+    opened: list[tuple[Any, Any, Any, str]] = []  # open: response, chunks, record, id
 
     def finish(i: int, to_end: bool) -> None:
         nonlocal untracked
-        r, chunks, rec = opened.pop(i)
+        r, chunks, rec, _rid = opened.pop(i)
         if to_end:
             for _ in chunks:
                 pass
@@ -601,10 +621,21 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
         if not to_end and rec.settled and rec.usage is None:
             untracked = True  # closed past the bound: keeps its estimate, polls charged
 
+    abandoned: set[str] = set()
+    lost: set[str] = set()  # ledger holds of streams dropped unclosed and not kept
     for op in ops:
         if op[0] == "finish":
             if opened:
                 finish(op[1] % len(opened), op[2])
+            continue
+        if op[0] == "abandon":
+            if opened:
+                r, chunks, rec, rid = opened.pop(op[1] % len(opened))
+                abandoned.add(rid)
+                if rec._rkey is None:  # not kept (past the bound): nothing settles it
+                    lost.add(rec.request_id)
+                del r, chunks, rec
+                gc.collect()
             continue
         if op[0] == "create":
             extra: dict[str, Any] = {} if op[1] is None else {"max_output_tokens": op[1]}
@@ -621,7 +652,7 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
                 chunks = r.iter_raw()
                 next(chunks)  # named
                 rec = r.extensions["ratequeue"]
-                opened.append((r, chunks, rec))
+                opened.append((r, chunks, rec, provider.last))
             elif op[2] == "cut":
                 rec = _stream(mod, client, "POST", "http://p/v1/responses", json=_BODY | extra)
             else:
@@ -643,9 +674,13 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
             reported = r.json()["usage"]
             if reported:
                 reports += sum(reported.values())
+    if close_first:
+        client.close()  # open streams outlive it: each one's end settles it
     while opened:
         finish(0, False)
     reports += provider.streamed
+    if close_first:
+        assert t.stats()["background"] == 0
     charged = BURST - lim.available("tokens")
     used = sum(sum(Scripted.usage_of(rid).values()) for rid in provider.final)
     waiting_estimates = sum(
@@ -655,10 +690,16 @@ def test_any_sequence_is_charged_at_least_what_was_used_and_settles_once(
     assert charged <= sum(estimates.values()) + reports
     if not untracked:
         assert charged == used + waiting_estimates
-        assert t.stats()["background"] == len({k.split("#")[0] for k in estimates} - provider.final)
+        if not close_first:
+            # Waiting: the creations not ended, and those dropped unclosed a poll said
+            # ended without a usage (still open: the close settles them).
+            rids = {k.split("#")[0] for k in estimates}
+            ended = provider.final | provider.failed
+            waiting = (rids - ended) | (abandoned & provider.failed - provider.final)
+            assert t.stats()["background"] == len(waiting)
     client.close()
     assert t.stats()["background"] == 0
-    assert set(ledger.settled) == set(ledger.held)
+    assert set(ledger.settled) == set(ledger.held) - lost
     assert BURST - lim.available("tokens") == charged  # the waiting kept their estimates
 
 
@@ -1325,3 +1366,18 @@ def test_closing_settles_a_creation_whose_stream_was_dropped_unclosed() -> None:
     assert set(ledger.settled) == set(ledger.held)
     assert all(s.settled for s in budget.usage)
     assert lim.available("tokens") == BURST - estimate_of(created)
+
+
+def test_a_twin_of_a_stream_dropped_unclosed_settles_it_at_its_estimate() -> None:
+    """Found by the randomized check: a second creation named like one whose stream was
+    dropped unclosed (no end will come) settles it now, its ledger hold with it."""
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, lim = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    r, chunks, created = _open(client)
+    del r, chunks
+    gc.collect()
+    twin = create(client).extensions["ratequeue"]  # answered resp_7 too
+    assert created.settled and twin.settled and t.stats()["background"] == 0
+    assert set(ledger.settled) == set(ledger.held)
+    assert lim.available("tokens") == BURST - estimate_of(created) - estimate_of(twin)

@@ -203,13 +203,17 @@ class Background:
             if other is not None:
                 # The provider named two responses alike: neither poll can tell which
                 # it settles, so neither is kept and the id's polls are charged. One
-                # still streaming is let go: its stream's end settles it.
+                # still streaming is let go: its stream's end settles it (one dropped
+                # unclosed is settled now).
                 self._waiting -= 1
                 del self._ids[key]
                 if other._rkey is not None:
+                    alive = self._reading(key)
                     self._open_done(key)
-                    other._rkey = _LET_GO
-                    return False, None
+                    if alive:
+                        other._rkey = _LET_GO
+                        return False, None
+                    other._rkey = None
                 return False, other
             if self._waiting >= self.limit:
                 return False, None
@@ -269,8 +273,7 @@ class Background:
                 if c is None:
                     continue
                 if c._rkey is not None:
-                    reader = self._readers.get(key)
-                    if reader is not None and reader() is not None:
+                    if self._reading(key):
                         c._rkey = _LET_GO
                         continue
                     c._rkey = None
@@ -280,6 +283,12 @@ class Background:
             self._done_keys.clear()
             self._waiting = 0
         return calls
+
+    def _reading(self, key: tuple[bytes, str]) -> bool:
+        """The stream of the creation open under ``key`` can still end (its reader
+        lives). Under the lock."""
+        reader = self._readers.get(key)
+        return reader is not None and reader() is not None
 
     def _open_done(self, key: tuple[bytes, str]) -> bool:
         """``key`` no longer open: its reader forgotten; True when a poll had said its
