@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+T = TypeVar("T")
+
 __all__ = ["CostTooLarge", "Overloaded", "QuotaExceeded", "RateQueueError", "WaitTimeout"]
 
 
@@ -74,3 +79,16 @@ def _hand_over() -> None:
 
 
 _hand_over()
+
+
+def each(items: Iterable[T], fn: Callable[[T], object]) -> None:
+    """``fn`` on every item, whatever one raises: the first error is raised after (the
+    others are dropped)."""
+    first: BaseException | None = None
+    for item in items:
+        try:
+            fn(item)
+        except BaseException as e:
+            first = first or e
+    if first is not None:
+        raise first

@@ -9,6 +9,8 @@ import threading
 import weakref
 from typing import Any
 
+from ._errors import each
+
 __all__ = ["AfterFork", "ProcessThreads"]
 
 
@@ -34,26 +36,17 @@ class AfterFork:
     def __len__(self) -> int:
         return len(self._members)
 
-    def _in_child(self) -> BaseException | None:
-        first = None
-        for obj in list(self._members):
-            try:
-                getattr(obj, self._method)()
-            except BaseException as e:  # the others are reset all the same
-                first = first or e
-        return first
+    def _in_child(self) -> None:
+        each(list(self._members), lambda obj: getattr(obj, self._method)())
 
 
 _SETS: list[AfterFork] = []
 
 
 def _after_fork_in_child() -> None:
-    first = None
-    for s in _SETS:
-        e = s._in_child()
-        first = first or e
-    if first is not None:
-        raise first  # reported by the interpreter (the child goes on)
+    # Every set, every member, whatever one raises; the first error is reported by the
+    # interpreter (the child goes on).
+    each(_SETS, AfterFork._in_child)
 
 
 if hasattr(os, "register_at_fork"):

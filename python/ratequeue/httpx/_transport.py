@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import CostTooLarge, RateQueueError
+from .._errors import CostTooLarge, RateQueueError, each
 from .._ratequeue import (
     Histogram,
     Limiter,
@@ -57,18 +57,6 @@ __all__ = [
 ]
 
 _new = tuple.__new__
-
-
-def _each(calls: Sequence[_Call], fn: Callable[[_Call], Any]) -> None:
-    """``fn`` on each call, whatever fails: the first error raised after."""
-    error: BaseException | None = None
-    for c in calls:
-        try:
-            fn(c)
-        except BaseException as e:
-            error = error or e
-    if error is not None:
-        raise error
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -727,7 +715,7 @@ class RateLimitedTransport(_Settles, _Requests):
                 self._pay(call)
 
         try:
-            _each(self._background.drain(), settle)
+            each(self._background.drain(), settle)
         finally:
             if hasattr(self.inner, "close"):
                 self.inner.close()
