@@ -32,6 +32,7 @@ from background_helpers import (
     through_policy,
 )
 from ratequeue.httpx import CallBudget
+from ratequeue.httpx._stream import DROPPED
 
 
 @pytest.mark.parametrize("native", [True, False])
@@ -360,9 +361,13 @@ def test_a_stream_ending_while_a_poll_settles_it_leaves_the_settle_to_the_poll(
 
 @pytest.mark.parametrize("cut", [False, True])
 @pytest.mark.parametrize("close", [False, True])
-def test_threads_racing_an_open_stream_never_undercharge_it(cut: bool, close: bool) -> None:
+@pytest.mark.parametrize("drop", [False, True])
+def test_threads_racing_an_open_stream_never_undercharge_it(
+    cut: bool, close: bool, drop: bool
+) -> None:
     """A poll reporting the final usage (and a close) in other threads race the stream
-    being read to its end or cut: the usage is charged, each ledger hold settled once,
+    being read to its end or cut (or ``drop``: dropped unclosed, settled by the thread
+    that settles such streams): the usage is charged, each ledger hold settled once,
     nothing left counted as waiting (second review, stop 39)."""
     import threading
 
@@ -390,11 +395,16 @@ def test_threads_racing_an_open_stream_never_undercharge_it(cut: bool, close: bo
         for th in others:
             th.start()
         go.wait()
-        _drain(mod, r, chunks)
+        if drop:
+            del r, chunks
+            gc.collect()
+        else:
+            _drain(mod, r, chunks)
         for th in others:
             th.join(30)
+        assert DROPPED.flush(10)
         if not created.settled:  # cut before the poll: waits for the next one
-            assert cut and not close, i
+            assert (cut or drop) and not close, i
             client.get("http://p/v1/responses/resp_7")
         assert created.settled and BURST - lim.available("tokens") >= SPENT, i
         assert t.stats()["background"] == 0 and len(t._background._ids) <= 1, i

@@ -4,12 +4,18 @@ stream bases of httpx or httpx2 (whichever made the response), imported only the
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib
+import logging
 import sys
+import threading
 from collections.abc import AsyncIterator, Iterator
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
+from .._threads import AfterFork
 from ._decode import Decoder, decoder
 from ._record import json_object
 from ._record import json_usage as _json_usage
@@ -68,6 +74,7 @@ class _Reader:
         "buf",
         "call",
         "ended",
+        "finished",
         "named",
         "over",
         "size",
@@ -82,6 +89,7 @@ class _Reader:
         self.size = 0
         self.over = False
         self.ended = False  # the body was read to its end (not closed before)
+        self.finished = False  # finish ran: the body ended, was closed or cut
         self.named = False  # a background response's id seen (kept from then on)
 
     def feed(self, chunk: bytes) -> None:
@@ -103,6 +111,7 @@ class _Reader:
                 self.buf.append(chunk)
 
     def finish(self) -> None:
+        self.finished = True
         if self.call._done:
             return
         usage: Usage | None = None
@@ -151,6 +160,128 @@ class _Decoding(_Reader):
             self.over, self.buf = True, []
 
 
+# -- streams dropped unclosed -------------------------------------------------------------
+#
+# A response dropped without a close (a ``break`` out of an SDK stream, then garbage) ends
+# neither its body nor a close: its reader would hold the call's permit (a Policy's
+# concurrency slot), ledger hold and budget sub-call for good. The stream's finalizer hands
+# the reader to a thread of this process's own, which settles it as a close would. The
+# finalizer itself settles nothing: it may run inside any code of this thread (a
+# collection at any allocation), which may hold the very locks a settle takes.
+
+_log = logging.getLogger("ratequeue.httpx")
+
+
+class Dropped:
+    """The readers of streams dropped unclosed, settled in order by one daemon thread,
+    started with the first stream of the process (made again in a forked child: the
+    parent's thread and queue are not the child's). ``flush`` waits until every reader
+    handed over before it is settled."""
+
+    def __init__(self) -> None:
+        self._queue: SimpleQueue[Any] = SimpleQueue()
+        self.running = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        _FORK.add(self)
+
+    def put(self, reader: Any) -> None:
+        """Hand a reader over (from a finalizer: ``SimpleQueue.put`` is reentrant and
+        takes no lock Python code holds)."""
+        self._queue.put(reader)
+
+    def start(self) -> None:
+        with self._lock:
+            if not self.running:
+                self._thread = threading.Thread(
+                    target=_settle_forever,
+                    args=(self._queue,),
+                    name="ratequeue-httpx-unclosed",
+                    daemon=True,
+                )
+                self._thread.start()
+                self.running = True
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s) until the readers handed over so far are settled:
+        False if they are not by then (or when called from the settling thread itself)."""
+        if not self.running:
+            self.start()
+        if threading.current_thread() is self._thread:
+            return False
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout)
+
+    async def flush_async(self, timeout: float) -> bool:
+        """``flush`` for asyncio: the event loop is not blocked meanwhile."""
+        if not self.running:
+            self.start()
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def wake() -> None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(_set, done)
+
+        self._queue.put(wake)
+        try:
+            await asyncio.wait_for(asyncio.shield(done), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    def _after_fork_in_child(self) -> None:
+        self._queue, self._thread = SimpleQueue(), None
+        self.running, self._lock = False, threading.Lock()
+
+
+def _set(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _settle_forever(queue: SimpleQueue[Any]) -> None:
+    while True:
+        item = queue.get()
+        if callable(item):  # a flush's wake-up
+            item()
+        else:
+            settle_dropped(item)
+        del item
+
+
+def settle_dropped(reader: Any) -> None:
+    """Settle the call of a stream dropped unclosed as a close would (from what was read),
+    its ledger part paid here; a failure is logged (no caller is left to raise it to)."""
+    call, transport = reader.call, reader.transport
+    try:
+        try:
+            reader.finish()
+        finally:
+            if call._owed is not None:
+                transport._pay(call)
+    except Exception:
+        _log.exception(
+            "the call %s, its stream dropped unclosed, failed to settle", call.request_id
+        )
+    transport._count("unclosed")
+
+
+_FORK = AfterFork("_after_fork_in_child")
+DROPPED = Dropped()
+
+
+def _dropped(stream: Any) -> None:
+    """A stream wrapper's finalizer: its reader, unfinished, is handed over."""
+    try:
+        reader = stream._reader
+        if not reader.finished:
+            DROPPED.put(reader)
+    except Exception:  # pragma: no cover - at interpreter shutdown
+        pass
+
+
 _STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
 
 
@@ -180,6 +311,8 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
                     self._inner.close()
             finally:
                 self._reader.finish()
+
+        __del__ = _dropped
 
     class _AsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, reader: _Reader) -> None:
@@ -211,12 +344,14 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
             if call._owed is not None:
                 await self._reader.transport._pay_async(call)
 
+        __del__ = _dropped
+
     class _NativeSyncStream(_SyncStream):
         """Over a ``_BodyReader``: the chunks pass through a native iterator (no Python
         frame per chunk); closed as the Python reader's stream."""
 
         def __iter__(self) -> Iterator[bytes]:
-            return self._reader.iterate(self._inner)  # type: ignore[attr-defined,no-any-return]
+            return self._reader.iterate(self._inner, self)  # type: ignore[attr-defined,no-any-return]
 
     class _NativeAsyncStream(_AsyncStream):
         """Over a ``_BodyReader``; no ledger on the native path: nothing is owed after
@@ -287,6 +422,8 @@ def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
     """Put the native reader between the response's stream and its consumer."""
     types = _STREAMS.get(type(response)) or _stream_types(type(response))
     response.stream = types[3 if is_async else 2](response.stream, reader)
+    if not DROPPED.running:
+        DROPPED.start()
 
 
 def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
@@ -295,6 +432,8 @@ def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async
     reader = _Reader(call, transport, False)
     reader.over = True  # nothing of the body is kept
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
+    if not DROPPED.running:
+        DROPPED.start()
 
 
 def wrap(
@@ -324,6 +463,8 @@ def wrap(
         dec = decoder(enc, _SSE_DECODED, _SSE_RATIO) if sse else decoder(enc, transport.max_body)
     reader = _Reader(call, transport, sse) if dec is None else _Decoding(call, transport, sse, dec)
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
+    if not DROPPED.running:
+        DROPPED.start()
 
 
 # -- a body read ahead -------------------------------------------------------------------

@@ -34,6 +34,7 @@ from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
 from ._stream import (
+    DROPPED,
     _done,
     aread_ahead,
     ignore,
@@ -57,6 +58,9 @@ __all__ = [
 ]
 
 _new = tuple.__new__
+
+#: How long ``close()`` waits for the streams dropped unclosed before it to be settled.
+FLUSH_TIMEOUT = 5.0
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -198,7 +202,17 @@ class RateLimitedTransport(_Settles, _Requests):
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
         self._lock = threading.Lock()
         # Calls granted and sent are the histograms' counts; the rest, rare, are here.
-        self._counts = {"refused": 0, "rate_limited": 0, "paused": 0, "calibrated": 0}
+        self._counts = {
+            "refused": 0,
+            "rate_limited": 0,
+            "paused": 0,
+            "calibrated": 0,
+            "unclosed": 0,
+        }
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
 
     # -- the steps of a call -------------------------------------------------------------
 
@@ -398,8 +412,7 @@ class RateLimitedTransport(_Settles, _Requests):
             if self._is_pool and call._provider is not None:
                 self.limit.report(call._provider, status)  # type: ignore[union-attr]
             return
-        with self._lock:
-            self._counts["rate_limited"] += 1
+        self._count("rate_limited")
         wait = info.wait()
         wait = min(self.max_pause, self.default_pause if wait is None else wait)
         if limiter is not None and wait > 0:
@@ -407,8 +420,7 @@ class RateLimitedTransport(_Settles, _Requests):
             # emptying the token buckets (an exhausted quota was paused above).
             limiter.pause(wait, unit="requests" if "requests" in limiter.units else None)
             paused = True
-            with self._lock:
-                self._counts["paused"] += 1
+            self._count("paused")
         if self._is_pool and call._provider is not None:
             self.limit.report(call._provider, 429, retry_after=wait)  # type: ignore[union-attr]
             paused = True
@@ -431,8 +443,7 @@ class RateLimitedTransport(_Settles, _Requests):
                     except ValueError:
                         pass
                     else:
-                        with self._lock:
-                            self._counts["calibrated"] += 1
+                        self._count("calibrated")
                         self._set_bursts()  # estimates clamp to the new burst
                     self._applied[key] = (q.limit, q.window)
             if q.remaining is not None and q.remaining <= 0 and q.reset:
@@ -614,8 +625,7 @@ class RateLimitedTransport(_Settles, _Requests):
                 call._charged = costs
                 call.clamped = clamped
                 return True
-        with self._lock:
-            self._counts["refused"] += 1
+        self._count("refused")
         self._unwind(call)
         return False
 
@@ -704,8 +714,9 @@ class RateLimitedTransport(_Settles, _Requests):
         self._admitted(call, grant, perf_counter() - t0)
 
     def close(self) -> None:
-        """Close the inner transport; background responses still waiting for their
-        usage are settled at their estimate (each, whatever fails: the first error is
+        """Close the inner transport; the streams dropped unclosed so far are settled
+        (waiting at most ``FLUSH_TIMEOUT`` s), then background responses still waiting
+        for their usage at their estimate (each, whatever fails: the first error is
         raised after)."""
 
         def settle(call: _Call) -> None:
@@ -715,17 +726,22 @@ class RateLimitedTransport(_Settles, _Requests):
                 self._pay(call)
 
         try:
+            if DROPPED.running:
+                DROPPED.flush(FLUSH_TIMEOUT)
             each(self._background.drain(), settle)
         finally:
             if hasattr(self.inner, "close"):
                 self.inner.close()
 
     async def aclose(self) -> None:
-        """Close the inner async transport; background responses still waiting for
-        their usage are settled at their estimate (their ledger parts off the loop,
+        """Close the inner async transport; the streams dropped unclosed so far are
+        settled (the event loop free meanwhile), then background responses still waiting
+        for their usage at their estimate (their ledger parts off the loop,
         each whatever fails: the first error is raised after)."""
         error: BaseException | None = None
         try:
+            if DROPPED.running:
+                await DROPPED.flush_async(FLUSH_TIMEOUT)
             for c in self._background.drain():
                 try:
                     try:
@@ -756,8 +772,9 @@ class RateLimitedTransport(_Settles, _Requests):
 
     def stats(self) -> dict[str, Any]:
         """Counters (calls: granted or refused by the queue; sent, rate_limited, paused,
-        calibrated; background: creations of background responses waiting for their
-        poll's usage) and the p50/p99 of the queue wait and the HTTP time, in seconds."""
+        calibrated; unclosed: streams dropped without a close, settled as closed;
+        background: creations of background responses waiting for their poll's usage)
+        and the p50/p99 of the queue wait and the HTTP time, in seconds."""
         with self._lock:
             counts = dict(self._counts)
         out: dict[str, Any] = {

@@ -156,13 +156,34 @@ impl BodyReaderPy {
         }
     }
 
-    /// An iterator over `inner` that feeds each chunk and finishes at its end.
-    fn iterate(slf: &Bound<'_, Self>, inner: &Bound<'_, PyAny>) -> PyResult<BodyIterPy> {
+    /// An iterator over `inner` that feeds each chunk and finishes at its end; it keeps
+    /// `owner` (the stream it iterates for) alive while it lives, so that the owner's
+    /// finalizer runs only once nothing can feed the reader any more.
+    fn iterate(slf: &Bound<'_, Self>, inner: &Bound<'_, PyAny>, owner: &Bound<'_, PyAny>) -> PyResult<BodyIterPy> {
         Ok(BodyIterPy {
             inner: inner.try_iter()?.unbind(),
             reader: slf.clone().unbind(),
+            _owner: owner.clone().unbind(),
             ended: AtomicBool::new(false),
         })
+    }
+
+    /// `finish` ran (or began): the body ended, was closed or cut.
+    #[getter]
+    fn finished(&self) -> bool {
+        self.body().finished
+    }
+
+    /// The call this body settles.
+    #[getter]
+    fn call(&self, py: Python<'_>) -> Py<PyAny> {
+        self.call.clone_ref(py)
+    }
+
+    /// The transport that made the call.
+    #[getter]
+    fn transport(&self, py: Python<'_>) -> Py<PyAny> {
+        self.transport.clone_ref(py)
     }
 }
 
@@ -172,6 +193,7 @@ impl BodyReaderPy {
 pub struct BodyIterPy {
     inner: Py<PyIterator>,
     reader: Py<BodyReaderPy>,
+    _owner: Py<PyAny>,
     ended: AtomicBool,
 }
 

@@ -1,0 +1,341 @@
+"""A response stream dropped unclosed (a ``break`` out of an SDK stream, the response
+garbage-collected without ``close()``): no end and no close will come, so the transport
+settles the call as a close would (from what was read; a Policy's concurrency slot, the
+ledger hold and the budget sub-call given back), in a thread of its own woken by the drop
+(settling in the finalizer could take a lock the interrupted code holds)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import importlib
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import pytest
+import ratequeue as rq
+from ratequeue.httpx import CallBudget, RateLimitedTransport, _stream
+
+pytestmark = pytest.mark.timeout(60)
+
+MODS = ["httpx", "httpx2"]
+CHAT = "http://p/v1/chat/completions"
+BODY = {"model": "m", "max_tokens": 100, "messages": [{"role": "user", "content": "hi"}]}
+USAGE = {"prompt_tokens": 5, "completion_tokens": 7}
+
+
+def _sse(*events: dict[str, Any]) -> bytes:
+    return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events)
+
+
+def provider(mod: Any, kind: str = "sse") -> Any:
+    """Answers every call with a stream of two chunks (an event stream whose usage is in
+    its last; chunked JSON; a file's content), not read yet."""
+    if kind == "sse":
+        chunks = [_sse({"choices": []}), _sse({"choices": [], "usage": USAGE})]
+        headers = {"content-type": "text/event-stream"}
+    elif kind == "json":
+        whole = json.dumps({"choices": [], "usage": USAGE}).encode()
+        chunks, headers = [whole[:9], whole[9:]], {"content-type": "application/json"}
+    else:
+        chunks, headers = [b"abc", b"def"], {"content-type": "application/octet-stream"}
+
+    class Stream(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[misc]
+        def __iter__(self) -> Any:
+            yield from chunks
+
+        async def __aiter__(self) -> Any:
+            for c in chunks:
+                yield c
+
+    return lambda request: mod.Response(200, headers=headers, stream=Stream())
+
+
+def limiter() -> rq.Limiter:
+    return rq.Limiter(
+        rq.Rate(1000, per="second", burst=1000),
+        rq.Rate(100_000, per="minute", burst=100_000, unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+
+
+def policy_transport(mod: Any, kind: str = "sse", **kw: Any) -> RateLimitedTransport:
+    """A transport over a Policy of one concurrency slot."""
+    lim = limiter()
+    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    kw.setdefault("timeout", 0.0)
+    return RateLimitedTransport(
+        mod.MockTransport(provider(mod, kind)),
+        policy,
+        upstream=lim,
+        units=["requests", "tokens"],
+        **kw,
+    )
+
+
+def settled_dropped() -> None:
+    """Every stream dropped so far is settled (the finisher passed them all)."""
+    gc.collect()
+    assert _stream.DROPPED.flush(timeout=10)
+
+
+def open_and_drop(client: Any, url: str = CHAT) -> Any:
+    """A call's stream read up to its first chunk, then dropped unclosed: its record."""
+    r = client.send(client.build_request("POST", url, json=BODY), stream=True)
+    chunks = r.iter_raw()
+    next(chunks)
+    record = r.extensions["ratequeue"]
+    assert not record.settled
+    del r, chunks
+    return record
+
+
+@pytest.mark.parametrize("modname", MODS)
+@pytest.mark.parametrize("native", [True, False])
+def test_a_dropped_event_stream_gives_its_concurrency_slot_back(modname: str, native: bool) -> None:
+    mod = importlib.import_module(modname)
+    t = policy_transport(mod)
+    if not native:
+        t._native_stream = False
+    client = mod.Client(transport=t)
+    first = open_and_drop(client)
+    settled_dropped()
+    assert first.settled and first.usage is None  # cut before its usage: the estimate
+    with client.stream("POST", CHAT, json=BODY) as r:  # the slot is free again
+        r.read()
+    assert r.extensions["ratequeue"].usage == (5, 7)
+    # httpx2's iterator closes its response when it is dropped (a ``finally``): only
+    # httpx's is left unclosed.
+    assert t.stats()["unclosed"] == (modname == "httpx")
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_waiter_for_the_slot_is_let_in_when_the_stream_is_dropped(modname: str) -> None:
+    """No other call needs to come: the drop itself wakes the settle."""
+    mod = importlib.import_module(modname)
+    t = policy_transport(mod, timeout=20.0)
+    client = mod.Client(transport=t)
+    r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+    chunks = r.iter_raw()
+    next(chunks)
+    got: list[Any] = []
+
+    def second() -> None:
+        with client.stream("POST", CHAT, json=BODY) as resp:
+            resp.read()
+            got.append(resp.extensions["ratequeue"])
+
+    th = threading.Thread(target=second)
+    th.start()
+    th.join(0.2)
+    assert th.is_alive()  # waiting for the slot
+    del r, chunks
+    gc.collect()
+    th.join(15)
+    assert not th.is_alive() and got and got[0].usage == (5, 7)
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_dropped_file_content_stream_gives_its_slot_back(modname: str) -> None:
+    """A tokenless call's body passed on unread: its slot is held until the body ends or
+    is dropped."""
+    mod = importlib.import_module(modname)
+    t = policy_transport(mod, "file")
+    client = mod.Client(transport=t)
+    req = client.build_request("GET", "http://p/v1/files/file-1/content")
+    r = client.send(req, stream=True)
+    next(r.iter_raw())
+    del r
+    settled_dropped()
+    assert client.get("http://p/v1/files/file-1/content").status_code == 200
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_dropped_chunked_json_body_is_settled_at_its_estimate(modname: str) -> None:
+    """The native reader (a Limiter, a JSON body without a length): settled as a body
+    cut short, its estimate kept."""
+    mod = importlib.import_module(modname)
+    lim = limiter()
+    t = RateLimitedTransport(mod.MockTransport(provider(mod, "json")), lim, timeout=0.0)
+    client = mod.Client(transport=t)
+    record = open_and_drop(client)
+    settled_dropped()
+    assert record.settled and record.usage is None
+    est = record.estimate.input_tokens + record.estimate.output_tokens
+    assert lim.available("tokens") == 100_000 - est
+
+
+class Ledger:
+    def __init__(self, fail: bool = False) -> None:
+        self.held: dict[str, Any] = {}
+        self.settled: dict[str, Any] = {}
+        self.fail = fail
+
+    def hold(self, request_id: str, account: str, **kw: Any) -> None:
+        self.held[request_id] = kw
+
+    def settle(self, request_id: str, **kw: Any) -> None:
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("ledger down")
+        assert request_id in self.held and request_id not in self.settled
+        self.settled[request_id] = kw
+
+    def release(self, request_id: str) -> None:
+        self.settled[request_id] = None
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_dropped_stream_settles_its_ledger_hold_and_budget_sub_call(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t = policy_transport(mod, ledger=ledger)
+    client = mod.Client(transport=t)
+    with CallBudget(calls=5) as budget:
+        record = open_and_drop(client)
+    settled_dropped()
+    assert record.settled
+    assert set(ledger.settled) == set(ledger.held) == {record.request_id}
+    assert ledger.settled[record.request_id]["output_tokens"] == record.estimate.output_tokens
+    assert all(s.settled for s in budget.usage)
+
+
+def test_a_settle_that_fails_is_logged_and_the_next_is_settled(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    mod = importlib.import_module("httpx")
+    ledger = Ledger(fail=True)
+    t = policy_transport(mod, ledger=ledger)
+    client = mod.Client(transport=t)
+    with caplog.at_level(logging.ERROR, logger="ratequeue.httpx"):
+        first = open_and_drop(client)
+        settled_dropped()
+    assert first.settled and "dropped unclosed" in caplog.text
+    second = open_and_drop(client)  # the slot came back all the same
+    settled_dropped()
+    assert second.settled and second.request_id in ledger.settled
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_asyncio_a_dropped_stream_is_settled_and_pays_its_ledger(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t = policy_transport(mod, ledger=ledger)
+
+    async def main() -> Any:
+        async with mod.AsyncClient(transport=t) as client:
+            req = client.build_request("POST", CHAT, json=BODY)
+            r = await client.send(req, stream=True)
+            chunks = r.aiter_raw()
+            await chunks.__anext__()
+            record = r.extensions["ratequeue"]
+            del r, chunks
+            # The loop closes each async iterator it finalizes in a task of its own,
+            # one layer after the other.
+            for _ in range(50):
+                await asyncio.sleep(0)
+                settled_dropped()
+                if record.settled:
+                    break
+            assert record.settled and record.request_id in ledger.settled
+            r2 = await client.post(CHAT, json=BODY)  # the slot is free again
+            return r2.extensions["ratequeue"]
+
+    assert asyncio.run(main()).usage == (5, 7)
+
+
+def test_a_stream_closed_or_read_to_its_end_is_not_settled_again() -> None:
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t = policy_transport(mod, ledger=ledger)
+    client = mod.Client(transport=t)
+    with client.stream("POST", CHAT, json=BODY) as r:
+        r.read()
+    r2 = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+    next(r2.iter_raw())
+    r2.close()
+    del r, r2
+    settled_dropped()
+    assert t.stats()["unclosed"] == 0 and len(ledger.settled) == 2
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_settles_its_own_dropped_streams() -> None:
+    """The child makes its own finisher (the parent's thread does not exist there)."""
+    mod = importlib.import_module("httpx")
+    t = policy_transport(mod)
+    client = mod.Client(transport=t)
+    open_and_drop(client)
+    settled_dropped()  # the parent's finisher runs
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            open_and_drop(client)
+            settled_dropped()
+            client.post(CHAT, json=BODY)
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_close_settles_the_streams_dropped_before_it(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t = policy_transport(mod, ledger=ledger)
+    client = mod.Client(transport=t)
+    record = open_and_drop(client)
+    gc.collect()
+    client.close()
+    assert record.settled and record.request_id in ledger.settled
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_aclose_settles_the_streams_dropped_before_it(modname: str) -> None:
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t = policy_transport(mod, ledger=ledger)
+    records: list[Any] = []
+
+    async def main() -> None:
+        client = mod.AsyncClient(transport=t)
+        r = await client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+        records.append(r.extensions["ratequeue"])
+        # Its stream's iterator never made: dropped with the response, in this thread.
+        del r
+        gc.collect()
+        await client.aclose()
+
+    asyncio.run(main())
+    assert records[0].settled and records[0].request_id in ledger.settled
+
+
+def test_flush_from_the_settling_thread_returns_at_once() -> None:
+    """A settle that flushes (a ledger closing its transport, say) does not wait for
+    itself."""
+    got: list[bool] = []
+    _stream.DROPPED.put(_Calls(lambda: got.append(_stream.DROPPED.flush(10))))
+    assert _stream.DROPPED.flush(10) and got == [False]
+
+
+class _Calls:
+    """A stand-in reader whose finish runs ``fn``."""
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self.transport = self
+        self.call = self
+        self._owed = None
+        self.request_id = "x"
+
+    def finish(self) -> None:
+        self.fn()
+
+    def _count(self, name: str) -> None:
+        pass
