@@ -107,8 +107,7 @@ def test_a_dropped_event_stream_gives_its_concurrency_slot_back(modname: str, na
     with client.stream("POST", CHAT, json=BODY) as r:  # the slot is free again
         r.read()
     assert r.extensions["ratequeue"].usage == (5, 7)
-    # httpx2's iterator closes its response when it is dropped (a ``finally``): only
-    # httpx's is left unclosed.
+    # httpx2's iterator closes its response when it is dropped (a ``finally``).
     assert t.stats()["unclosed"] == (modname == "httpx")
 
 
@@ -324,11 +323,25 @@ def test_flush_from_the_settling_thread_returns_at_once() -> None:
     assert _stream.DROPPED.flush(10) and got == [False]
 
 
+def test_the_settling_thread_outlives_what_a_settle_raises() -> None:
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    bad = _Calls(boom)
+    del bad.call  # not even a call to name
+    _stream.DROPPED.put(bad)
+    assert _stream.DROPPED.flush(10)
+    got: list[int] = []
+    _stream.DROPPED.put(_Calls(lambda: got.append(1)))
+    assert _stream.DROPPED.flush(10) and got == [1]
+
+
 class _Calls:
     """A stand-in reader whose finish runs ``fn``."""
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
+        self.finished = False
         self.transport = self
         self.call = self
         self._owed = None
@@ -339,3 +352,46 @@ class _Calls:
 
     def _count(self, name: str) -> None:
         pass
+
+
+def test_a_close_from_a_collected_iterator_settles_in_the_settling_thread() -> None:
+    """httpx2's iterators close their response in a ``finally``: an iterator in a
+    reference cycle is finalized by the garbage collector, which may run inside code
+    that holds the lock a settle takes. Settling there would wait on that lock in this
+    thread; the settle is left to the thread that settles dropped streams."""
+    mod = importlib.import_module("httpx2")
+    lock = threading.Lock()
+
+    class Locked(Ledger):
+        def settle(self, request_id: str, **kw: Any) -> None:
+            assert lock.acquire(timeout=5), "settled inside the lock's holder"
+            try:
+                super().settle(request_id, **kw)
+            finally:
+                lock.release()
+
+    ledger = Locked()
+    t = policy_transport(mod, ledger=ledger)
+    client = mod.Client(transport=t)
+    r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+    cycle: list[Any] = [r.iter_raw()]
+    next(cycle[0])
+    cycle.append(cycle)
+    record = r.extensions["ratequeue"]
+    del r, cycle
+    with lock:  # the code a collection interrupts
+        gc.collect()  # the iterator's finally closes the response here
+    settled_dropped()
+    assert record.settled and record.request_id in ledger.settled
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_an_iterator_dropped_in_a_with_block_is_settled_at_once(modname: str) -> None:
+    """Outside a collection the close settles in place: the record is settled when the
+    block ends (httpx2 closes the response as the iterator goes)."""
+    mod = importlib.import_module(modname)
+    t = policy_transport(mod)
+    client = mod.Client(transport=t)
+    with client.stream("POST", CHAT, json=BODY) as r:
+        next(r.iter_raw())
+    assert r.extensions["ratequeue"].settled and t.stats()["unclosed"] == 0

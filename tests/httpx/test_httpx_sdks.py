@@ -99,6 +99,45 @@ def test_anthropic_sync_messages_and_stream(mock: MockProvider) -> None:
     ]
 
 
+@pytest.mark.parametrize("http", ["httpx", "httpx2"])
+def test_a_break_out_of_an_sdk_stream_gives_its_slot_back(mock: MockProvider, http: str) -> None:
+    """``for chunk in stream: break``, the stream never closed: once it is collected its
+    call is settled (the SDK's next call is let into the Policy's one slot)."""
+    import gc
+
+    from ratequeue.httpx._stream import DROPPED
+
+    lim = big_limiter()
+    policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})
+    mod = httpx if http == "httpx" else httpx2
+    t = RateLimitedTransport(
+        mod.HTTPTransport(), policy, upstream=lim, units=["requests", "tokens"], timeout=0.0
+    )
+    o = openai.OpenAI(
+        api_key="k", base_url=mock.base_url + "/v1", http_client=mod.Client(transport=t)
+    )
+    with CallBudget() as b:
+        for _ in o.chat.completions.create(model="gpt", messages=MSG, stream=True):
+            break
+        gc.collect()
+        assert DROPPED.flush(10)
+        if http == "httpx2":  # the anthropic SDK takes only an httpx2 client
+            a = anthropic.Anthropic(
+                api_key="k", base_url=mock.base_url, http_client=mod.Client(transport=t)
+            )
+            for _ in a.messages.create(model="claude", max_tokens=50, messages=MSG, stream=True):
+                break
+            gc.collect()
+            assert DROPPED.flush(10)
+        r = o.chat.completions.create(model="gpt", messages=MSG)
+    dropped = 1 + (http == "httpx2")
+    assert r.usage is not None
+    assert len(b.usage) == dropped + 1 and all(s.settled for s in b.usage)
+    # httpx2 closes a response as its iterator goes (settled then, or by the settling
+    # thread when the iterator goes in a garbage collection); httpx never does.
+    assert (http == "httpx") <= t.stats()["unclosed"] <= dropped
+
+
 def test_async_sdks_stream_and_settle(mock: MockProvider) -> None:
     lim = big_limiter()
 

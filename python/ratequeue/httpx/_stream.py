@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import importlib
 import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
 from queue import SimpleQueue
+from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
@@ -192,6 +194,8 @@ class Dropped:
 
     def start(self) -> None:
         with self._lock:
+            if _gc_phase not in gc.callbacks:
+                gc.callbacks.append(_gc_phase)
             if not self.running:
                 self._thread = threading.Thread(
                     target=_settle_forever,
@@ -236,6 +240,15 @@ class Dropped:
         self.running, self._lock = False, threading.Lock()
 
 
+#: The thread collecting garbage (its ident; 0 when none): the collector runs one
+#: collection at a time, its finalizers in the thread that triggered it.
+_COLLECTOR = [0]
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    _COLLECTOR[0] = get_ident() if phase == "start" else 0
+
+
 def _set(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
@@ -244,16 +257,21 @@ def _set(fut: asyncio.Future[None]) -> None:
 def _settle_forever(queue: SimpleQueue[Any]) -> None:
     while True:
         item = queue.get()
-        if callable(item):  # a flush's wake-up
-            item()
-        else:
-            settle_dropped(item)
+        try:
+            if callable(item):  # a flush's wake-up
+                item()
+            else:
+                settle_dropped(item)
+        except Exception:  # the thread goes on for the others
+            _log.exception("settling a stream dropped unclosed failed")
         del item
 
 
 def settle_dropped(reader: Any) -> None:
     """Settle the call of a stream dropped unclosed as a close would (from what was read),
     its ledger part paid here; a failure is logged (no caller is left to raise it to)."""
+    if reader.finished:  # handed over twice (a finalized close, then the finalizer)
+        return
     call, transport = reader.call, reader.transport
     try:
         try:
@@ -310,7 +328,13 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
                 if hasattr(self._inner, "close"):
                     self._inner.close()
             finally:
-                self._reader.finish()
+                if _COLLECTOR[0] != get_ident():
+                    self._reader.finish()
+                elif not self._reader.finished:
+                    # Closed from a finalizer the garbage collector runs (httpx2's
+                    # iterators close their response in a ``finally``), inside code
+                    # that may hold the locks a settle takes: handed over.
+                    DROPPED.put(self._reader)
 
         __del__ = _dropped
 
