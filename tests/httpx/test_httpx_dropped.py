@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
-from ratequeue.httpx import CallBudget, RateLimitedTransport, _stream
+from ratequeue.httpx import CallBudget, RateLimitedTransport, _stream, _transport
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -395,3 +395,67 @@ def test_an_iterator_dropped_in_a_with_block_is_settled_at_once(modname: str) ->
     with client.stream("POST", CHAT, json=BODY) as r:
         next(r.iter_raw())
     assert r.extensions["ratequeue"].settled and t.stats()["unclosed"] == 0
+
+
+@pytest.mark.parametrize("error", [SystemExit, KeyboardInterrupt, asyncio.CancelledError])
+def test_the_settling_thread_outlives_a_base_exception(error: type[BaseException]) -> None:
+    """Found by review (stop 40): a ledger that raised a ``SystemExit`` or a cancellation
+    killed the thread, and every stream dropped later was never settled."""
+
+    def boom() -> None:
+        raise error
+
+    _stream.DROPPED.put(_Calls(boom))
+    assert _stream.DROPPED.flush(10)
+    got: list[int] = []
+    _stream.DROPPED.put(_Calls(lambda: got.append(1)))
+    assert _stream.DROPPED.flush(10) and got == [1]
+
+
+def test_without_a_settling_thread_close_settles_the_dropped_streams(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review (stop 40): where no thread can start (a pids limit, interpreter
+    shutdown) the call still returns its response, and ``close()`` settles the streams
+    dropped before it in its own thread."""
+    dropped = _stream.Dropped()
+    monkeypatch.setattr(_stream, "DROPPED", dropped)
+    monkeypatch.setattr(_transport, "DROPPED", dropped)
+    start = threading.Thread.start
+
+    def refuse(self: threading.Thread) -> None:
+        if self.name == "ratequeue-httpx-unclosed":
+            raise RuntimeError("can't start new thread")
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    client = mod.Client(transport=policy_transport(mod, ledger=ledger))
+    record = open_and_drop(client)
+    gc.collect()
+    assert not dropped.running and not record.settled
+    client.close()
+    assert record.settled and record.request_id in ledger.settled
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="fork")
+def test_a_forked_child_has_a_free_transport_lock() -> None:
+    """Found by review (stop 40): the lock counting ``unclosed`` (taken by the settling
+    thread) held at the fork hung the child's ``stats()``."""
+    mod = importlib.import_module("httpx")
+    t = policy_transport(mod)
+    with t._lock:  # held at the fork, as by another thread
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - the child
+            code = 1
+            try:
+                import signal
+
+                signal.alarm(10)
+                t.stats()
+                code = 0
+            finally:
+                os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0

@@ -12,7 +12,7 @@ import logging
 import sys
 import threading
 from collections.abc import AsyncIterator, Iterator
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
@@ -192,25 +192,53 @@ class Dropped:
         takes no lock Python code holds)."""
         self._queue.put(reader)
 
-    def start(self) -> None:
+    def start(self) -> bool:
+        """The settling thread running, started now if it was not: False when no thread
+        can be started (logged; ``flush`` then settles the queue in its caller)."""
         with self._lock:
             if _gc_phase not in gc.callbacks:
                 gc.callbacks.append(_gc_phase)
-            if not self.running:
-                self._thread = threading.Thread(
-                    target=_settle_forever,
-                    args=(self._queue,),
-                    name="ratequeue-httpx-unclosed",
-                    daemon=True,
-                )
-                self._thread.start()
-                self.running = True
+            if self.running:
+                return True
+            thread = threading.Thread(
+                target=self._run, args=(self._queue,), name="ratequeue-httpx-unclosed", daemon=True
+            )
+            try:
+                thread.start()
+            except Exception as e:  # a pids limit; interpreter shutdown
+                # The message only: the error's traceback would keep the caller's frames
+                # (the response among them) alive in whatever keeps the log record.
+                _log.warning("no thread to settle the streams dropped unclosed: %s", str(e))
+                return False
+            self._thread, self.running = thread, True
+            return True
+
+    def _run(self, queue: SimpleQueue[Any]) -> None:
+        try:
+            while True:
+                _settle_item(queue.get())
+        finally:  # never, but a thread gone is started again
+            self.running = False
+
+    def used(self) -> bool:
+        """Anything handed over in this process, or a thread to ask (a flush may wait)."""
+        return self.running or not self._queue.empty()
+
+    def _settle_here(self) -> None:
+        """Settle what is queued in this thread (no settling thread could start)."""
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except Empty:
+                return
+            _settle_item(item)
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait (at most ``timeout`` s) until the readers handed over so far are settled:
         False if they are not by then (or when called from the settling thread itself)."""
-        if not self.running:
-            self.start()
+        if not self.start():
+            self._settle_here()
+            return True
         if threading.current_thread() is self._thread:
             return False
         done = threading.Event()
@@ -219,8 +247,9 @@ class Dropped:
 
     async def flush_async(self, timeout: float) -> bool:
         """``flush`` for asyncio: the event loop is not blocked meanwhile."""
-        if not self.running:
-            self.start()
+        if not self.start():
+            self._settle_here()
+            return True
         loop = asyncio.get_running_loop()
         done = loop.create_future()
 
@@ -240,6 +269,19 @@ class Dropped:
         self.running, self._lock = False, threading.Lock()
 
 
+def _settle_item(item: Any) -> None:
+    """A reader settled, or a flush's wake-up called; whatever it raises is logged (the
+    settling thread goes on for the others: a ``SystemExit`` or a cancellation a ledger
+    raises is not this thread's to act on)."""
+    try:
+        if callable(item):
+            item()
+        else:
+            settle_dropped(item)
+    except BaseException:
+        _log.exception("settling a stream dropped unclosed failed")
+
+
 #: The thread collecting garbage (its ident; 0 when none): the collector runs one
 #: collection at a time, its finalizers in the thread that triggered it.
 _COLLECTOR = [0]
@@ -252,19 +294,6 @@ def _gc_phase(phase: str, info: dict[str, int]) -> None:
 def _set(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
-
-
-def _settle_forever(queue: SimpleQueue[Any]) -> None:
-    while True:
-        item = queue.get()
-        try:
-            if callable(item):  # a flush's wake-up
-                item()
-            else:
-                settle_dropped(item)
-        except Exception:  # the thread goes on for the others
-            _log.exception("settling a stream dropped unclosed failed")
-        del item
 
 
 def settle_dropped(reader: Any) -> None:
@@ -445,9 +474,9 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
 def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
     """Put the native reader between the response's stream and its consumer."""
     types = _STREAMS.get(type(response)) or _stream_types(type(response))
-    response.stream = types[3 if is_async else 2](response.stream, reader)
     if not DROPPED.running:
         DROPPED.start()
+    response.stream = types[3 if is_async else 2](response.stream, reader)
 
 
 def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async: bool) -> None:
@@ -455,9 +484,9 @@ def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     reader = _Reader(call, transport, False)
     reader.over = True  # nothing of the body is kept
-    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
     if not DROPPED.running:
         DROPPED.start()
+    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
 
 
 def wrap(
@@ -486,9 +515,9 @@ def wrap(
     if enc is not None:  # a stream: a bound per encoded byte; JSON: max_body in all
         dec = decoder(enc, _SSE_DECODED, _SSE_RATIO) if sse else decoder(enc, transport.max_body)
     reader = _Reader(call, transport, sse) if dec is None else _Decoding(call, transport, sse, dec)
-    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
     if not DROPPED.running:
         DROPPED.start()
+    response.stream = (async_t if is_async else sync_t)(response.stream, reader)
 
 
 # -- a body read ahead -------------------------------------------------------------------

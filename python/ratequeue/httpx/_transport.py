@@ -23,6 +23,7 @@ from .._ratequeue import (
     _read_response,
     _settle_response,
 )
+from .._threads import AfterFork
 from ..pool import Pool
 from . import _budget
 from ._background import Background, _Settles
@@ -58,6 +59,9 @@ __all__ = [
 ]
 
 _new = tuple.__new__
+
+#: A forked child gives every transport a new lock.
+_TRANSPORTS = AfterFork("_after_fork_in_child")
 
 #: How long ``close()`` waits for the streams dropped unclosed before it to be settled.
 FLUSH_TIMEOUT = 5.0
@@ -201,6 +205,7 @@ class RateLimitedTransport(_Settles, _Requests):
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
         self._lock = threading.Lock()
+        _TRANSPORTS.add(self)
         # Calls granted and sent are the histograms' counts; the rest, rare, are here.
         self._counts = {
             "refused": 0,
@@ -213,6 +218,11 @@ class RateLimitedTransport(_Settles, _Requests):
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
+
+    def _after_fork_in_child(self) -> None:
+        # The lock may have been held at the fork (by the thread settling dropped
+        # streams, say): the child's is free.
+        self._lock = threading.Lock()
 
     # -- the steps of a call -------------------------------------------------------------
 
@@ -726,7 +736,7 @@ class RateLimitedTransport(_Settles, _Requests):
                 self._pay(call)
 
         try:
-            if DROPPED.running:
+            if DROPPED.used():
                 DROPPED.flush(FLUSH_TIMEOUT)
             each(self._background.drain(), settle)
         finally:
@@ -740,7 +750,7 @@ class RateLimitedTransport(_Settles, _Requests):
         each whatever fails: the first error is raised after)."""
         error: BaseException | None = None
         try:
-            if DROPPED.running:
+            if DROPPED.used():
                 await DROPPED.flush_async(FLUSH_TIMEOUT)
             for c in self._background.drain():
                 try:
