@@ -38,7 +38,7 @@ from background_helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ratequeue.httpx import CallBudget, RateLimitedTransport
-from ratequeue.httpx._stream import DROPPED
+from ratequeue.httpx._unclosed import DROPPED
 
 
 @pytest.mark.parametrize("native", [True, False])

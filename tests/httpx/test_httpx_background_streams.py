@@ -32,7 +32,7 @@ from background_helpers import (
     through_policy,
 )
 from ratequeue.httpx import CallBudget
-from ratequeue.httpx._stream import DROPPED
+from ratequeue.httpx._unclosed import DROPPED
 
 
 @pytest.mark.parametrize("native", [True, False])

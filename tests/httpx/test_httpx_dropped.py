@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
-from ratequeue.httpx import CallBudget, RateLimitedTransport, _stream, _transport
+from ratequeue.httpx import CallBudget, RateLimitedTransport, _unclosed
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,7 +79,7 @@ def policy_transport(mod: Any, kind: str = "sse", **kw: Any) -> RateLimitedTrans
 def settled_dropped() -> None:
     """Every stream dropped so far is settled (the finisher passed them all)."""
     gc.collect()
-    assert _stream.DROPPED.flush(timeout=10)
+    assert _unclosed.DROPPED.flush(timeout=10)
 
 
 def open_and_drop(client: Any, url: str = CHAT) -> Any:
@@ -319,8 +319,8 @@ def test_flush_from_the_settling_thread_returns_at_once() -> None:
     """A settle that flushes (a ledger closing its transport, say) does not wait for
     itself."""
     got: list[bool] = []
-    _stream.DROPPED.put(_Calls(lambda: got.append(_stream.DROPPED.flush(10))))
-    assert _stream.DROPPED.flush(10) and got == [False]
+    _unclosed.DROPPED.put(_Calls(lambda: got.append(_unclosed.DROPPED.flush(10))))
+    assert _unclosed.DROPPED.flush(10) and got == [False]
 
 
 def test_the_settling_thread_outlives_what_a_settle_raises() -> None:
@@ -329,11 +329,11 @@ def test_the_settling_thread_outlives_what_a_settle_raises() -> None:
 
     bad = _Calls(boom)
     del bad.call  # not even a call to name
-    _stream.DROPPED.put(bad)
-    assert _stream.DROPPED.flush(10)
+    _unclosed.DROPPED.put(bad)
+    assert _unclosed.DROPPED.flush(10)
     got: list[int] = []
-    _stream.DROPPED.put(_Calls(lambda: got.append(1)))
-    assert _stream.DROPPED.flush(10) and got == [1]
+    _unclosed.DROPPED.put(_Calls(lambda: got.append(1)))
+    assert _unclosed.DROPPED.flush(10) and got == [1]
 
 
 class _Calls:
@@ -346,6 +346,8 @@ class _Calls:
         self.call = self
         self._owed = None
         self.request_id = "x"
+        self._unclosed = _unclosed.Unclosed()
+        self._unclosed.add(self)
 
     def finish(self) -> None:
         self.fn()
@@ -405,11 +407,11 @@ def test_the_settling_thread_outlives_a_base_exception(error: type[BaseException
     def boom() -> None:
         raise error
 
-    _stream.DROPPED.put(_Calls(boom))
-    assert _stream.DROPPED.flush(10)
+    _unclosed.DROPPED.put(_Calls(boom))
+    assert _unclosed.DROPPED.flush(10)
     got: list[int] = []
-    _stream.DROPPED.put(_Calls(lambda: got.append(1)))
-    assert _stream.DROPPED.flush(10) and got == [1]
+    _unclosed.DROPPED.put(_Calls(lambda: got.append(1)))
+    assert _unclosed.DROPPED.flush(10) and got == [1]
 
 
 def test_without_a_settling_thread_close_settles_the_dropped_streams(
@@ -418,9 +420,8 @@ def test_without_a_settling_thread_close_settles_the_dropped_streams(
     """Found by review (stop 40): where no thread can start (a pids limit, interpreter
     shutdown) the call still returns its response, and ``close()`` settles the streams
     dropped before it in its own thread."""
-    dropped = _stream.Dropped()
-    monkeypatch.setattr(_stream, "DROPPED", dropped)
-    monkeypatch.setattr(_transport, "DROPPED", dropped)
+    dropped = _unclosed.Dropped()
+    monkeypatch.setattr(_unclosed, "DROPPED", dropped)
     start = threading.Thread.start
 
     def refuse(self: threading.Thread) -> None:
@@ -459,3 +460,144 @@ def test_a_forked_child_has_a_free_transport_lock() -> None:
                 os._exit(code)
     _, status = os.waitpid(pid, 0)
     assert os.waitstatus_to_exitcode(status) == 0
+
+
+# -- found by the second review (stop 40) --------------------------------------------------
+
+
+def test_exiting_does_not_wait_on_the_settling_thread(tmp_path: Any) -> None:
+    """A client closed at interpreter exit (an SDK's client wrapper's ``__del__``) after a
+    stream was used: the exit had waited 5 s for a thread that can no longer run."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "exit.py"
+    script.write_text(
+        "import sys; sys.path.insert(0, HERE)\n"
+        "import httpx, test_httpx_dropped as d\n"
+        "class Holder:\n"
+        "    def __init__(self):\n"
+        "        self.c = httpx.Client(transport=d.policy_transport(httpx))\n"
+        "    def __del__(self):\n"
+        "        self.c.close()\n"
+        "h = Holder()\n"
+        "with h.c.stream('POST', d.CHAT, json=d.BODY) as r:\n"
+        "    r.read()\n".replace("HERE", repr(os.path.dirname(__file__)))
+    )
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, str(script)], check=True, timeout=60)
+    assert time.monotonic() - t0 < 4
+
+
+def test_close_waits_for_its_own_dropped_streams_only() -> None:
+    """One transport's slow ledger (its dropped stream being settled) does not hold up
+    another transport's close."""
+    import time
+
+    mod = importlib.import_module("httpx")
+    release = threading.Event()
+    entered = threading.Event()
+
+    class Slow(Ledger):
+        def settle(self, request_id: str, **kw: Any) -> None:
+            entered.set()
+            release.wait(20)
+            super().settle(request_id, **kw)
+
+    slow = mod.Client(transport=policy_transport(mod, ledger=Slow()))
+    other = mod.Client(transport=policy_transport(mod))
+    open_and_drop(slow)
+    gc.collect()
+    assert entered.wait(10)  # the settling thread is in the slow ledger
+    t0 = time.monotonic()
+    other.close()
+    took = time.monotonic() - t0
+    release.set()
+    slow.close()
+    assert took < 2
+
+
+def test_an_interrupt_while_close_settles_a_dropped_stream_reaches_the_caller(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without a settling thread ``close()`` settles the dropped streams itself: a Ctrl-C
+    there is raised (it had been logged and swallowed), and the close's other steps
+    (background creations, the inner transport) run all the same."""
+    dropped = _unclosed.Dropped()
+    monkeypatch.setattr(_unclosed, "DROPPED", dropped)
+    monkeypatch.setattr(dropped, "start", lambda: False)
+
+    class Interrupted(Ledger):
+        def settle(self, request_id: str, **kw: Any) -> None:
+            raise KeyboardInterrupt
+
+    mod = importlib.import_module("httpx")
+    t = policy_transport(mod, ledger=Interrupted())
+    client = mod.Client(transport=t)
+    record = open_and_drop(client)
+    gc.collect()
+    closed: list[bool] = []
+
+    class Inner:  # the last step of a close
+        def close(self) -> None:
+            closed.append(True)
+
+    t.inner = Inner()
+    with pytest.raises(KeyboardInterrupt):
+        client.close()
+    assert record.settled and closed == [True]
+
+
+def test_a_collection_after_gc_callbacks_were_cleared_still_hands_over() -> None:
+    """User code clearing ``gc.callbacks`` removed the collector hook: a close the
+    collector ran settled inline again (and could wait on a lock this thread holds).
+    The next stream puts the hook back, first."""
+    mod = importlib.import_module("httpx2")
+    lock = threading.Lock()
+
+    class Locked(Ledger):
+        def settle(self, request_id: str, **kw: Any) -> None:
+            assert lock.acquire(timeout=5), "settled inside the lock's holder"
+            try:
+                super().settle(request_id, **kw)
+            finally:
+                lock.release()
+
+    ledger = Locked()
+    client = mod.Client(transport=policy_transport(mod, ledger=ledger))
+    with client.stream("POST", CHAT, json=BODY) as r:
+        r.read()
+    saved = list(gc.callbacks)
+    gc.callbacks.clear()
+    try:
+        gc.callbacks.append(lambda phase, info: None)
+        r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+        cycle: list[Any] = [r.iter_raw()]
+        next(cycle[0])
+        cycle.append(cycle)
+        record = r.extensions["ratequeue"]
+        del r, cycle
+        with lock:
+            gc.collect()
+        settled_dropped()
+        assert record.settled and record.request_id in ledger.settled
+        assert gc.callbacks[0] is _unclosed._gc_phase
+    finally:
+        gc.callbacks[:] = saved + [c for c in gc.callbacks if c not in saved]
+
+
+def test_a_start_reentered_from_a_finalizer_returns(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A collection while the thread starts runs a finalizer that starts it again: no
+    lock is held then (it had deadlocked)."""
+    dropped = _unclosed.Dropped()
+    start = threading.Thread.start
+    again: list[bool] = []
+
+    def reenter(self: threading.Thread) -> None:
+        if self.name == "ratequeue-httpx-unclosed" and not again:
+            again.append(dropped.start())
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", reenter)
+    assert dropped.start() and again == [False] and dropped.running

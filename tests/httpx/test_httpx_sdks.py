@@ -105,7 +105,7 @@ def test_a_break_out_of_an_sdk_stream_gives_its_slot_back(mock: MockProvider, ht
     call is settled (the SDK's next call is let into the Policy's one slot)."""
     import gc
 
-    from ratequeue.httpx._stream import DROPPED
+    from ratequeue.httpx._unclosed import DROPPED
 
     lim = big_limiter()
     policy = rq.Policy({"conc": rq.Concurrency(1), "cluster": lim})

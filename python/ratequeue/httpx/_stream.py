@@ -4,23 +4,17 @@ stream bases of httpx or httpx2 (whichever made the response), imported only the
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import gc
 import importlib
-import logging
 import sys
-import threading
 from collections.abc import AsyncIterator, Iterator
-from queue import Empty, SimpleQueue
-from threading import get_ident
 from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
-from .._threads import AfterFork
 from ._decode import Decoder, decoder
 from ._record import json_object
 from ._record import json_usage as _json_usage
+from ._unclosed import collecting, hand_over, ready
 from ._usage import SSEUsage, Usage
 
 if TYPE_CHECKING:
@@ -162,171 +156,11 @@ class _Decoding(_Reader):
             self.over, self.buf = True, []
 
 
-# -- streams dropped unclosed -------------------------------------------------------------
-#
-# A response dropped without a close (a ``break`` out of an SDK stream, then garbage) ends
-# neither its body nor a close: its reader would hold the call's permit (a Policy's
-# concurrency slot), ledger hold and budget sub-call for good. The stream's finalizer hands
-# the reader to a thread of this process's own, which settles it as a close would. The
-# finalizer itself settles nothing: it may run inside any code of this thread (a
-# collection at any allocation), which may hold the very locks a settle takes.
-
-_log = logging.getLogger("ratequeue.httpx")
-
-
-class Dropped:
-    """The readers of streams dropped unclosed, settled in order by one daemon thread,
-    started with the first stream of the process (made again in a forked child: the
-    parent's thread and queue are not the child's). ``flush`` waits until every reader
-    handed over before it is settled."""
-
-    def __init__(self) -> None:
-        self._queue: SimpleQueue[Any] = SimpleQueue()
-        self.running = False
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        _FORK.add(self)
-
-    def put(self, reader: Any) -> None:
-        """Hand a reader over (from a finalizer: ``SimpleQueue.put`` is reentrant and
-        takes no lock Python code holds)."""
-        self._queue.put(reader)
-
-    def start(self) -> bool:
-        """The settling thread running, started now if it was not: False when no thread
-        can be started (logged; ``flush`` then settles the queue in its caller)."""
-        with self._lock:
-            if _gc_phase not in gc.callbacks:
-                gc.callbacks.append(_gc_phase)
-            if self.running:
-                return True
-            thread = threading.Thread(
-                target=self._run, args=(self._queue,), name="ratequeue-httpx-unclosed", daemon=True
-            )
-            try:
-                thread.start()
-            except Exception as e:  # a pids limit; interpreter shutdown
-                # The message only: the error's traceback would keep the caller's frames
-                # (the response among them) alive in whatever keeps the log record.
-                _log.warning("no thread to settle the streams dropped unclosed: %s", str(e))
-                return False
-            self._thread, self.running = thread, True
-            return True
-
-    def _run(self, queue: SimpleQueue[Any]) -> None:
-        try:
-            while True:
-                _settle_item(queue.get())
-        finally:  # never, but a thread gone is started again
-            self.running = False
-
-    def used(self) -> bool:
-        """Anything handed over in this process, or a thread to ask (a flush may wait)."""
-        return self.running or not self._queue.empty()
-
-    def _settle_here(self) -> None:
-        """Settle what is queued in this thread (no settling thread could start)."""
-        while True:
-            try:
-                item = self._queue.get_nowait()
-            except Empty:
-                return
-            _settle_item(item)
-
-    def flush(self, timeout: float | None = None) -> bool:
-        """Wait (at most ``timeout`` s) until the readers handed over so far are settled:
-        False if they are not by then (or when called from the settling thread itself)."""
-        if not self.start():
-            self._settle_here()
-            return True
-        if threading.current_thread() is self._thread:
-            return False
-        done = threading.Event()
-        self._queue.put(done.set)
-        return done.wait(timeout)
-
-    async def flush_async(self, timeout: float) -> bool:
-        """``flush`` for asyncio: the event loop is not blocked meanwhile."""
-        if not self.start():
-            self._settle_here()
-            return True
-        loop = asyncio.get_running_loop()
-        done = loop.create_future()
-
-        def wake() -> None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(_set, done)
-
-        self._queue.put(wake)
-        try:
-            await asyncio.wait_for(asyncio.shield(done), timeout)
-        except asyncio.TimeoutError:
-            return False
-        return True
-
-    def _after_fork_in_child(self) -> None:
-        self._queue, self._thread = SimpleQueue(), None
-        self.running, self._lock = False, threading.Lock()
-
-
-def _settle_item(item: Any) -> None:
-    """A reader settled, or a flush's wake-up called; whatever it raises is logged (the
-    settling thread goes on for the others: a ``SystemExit`` or a cancellation a ledger
-    raises is not this thread's to act on)."""
-    try:
-        if callable(item):
-            item()
-        else:
-            settle_dropped(item)
-    except BaseException:
-        _log.exception("settling a stream dropped unclosed failed")
-
-
-#: The thread collecting garbage (its ident; 0 when none): the collector runs one
-#: collection at a time, its finalizers in the thread that triggered it.
-_COLLECTOR = [0]
-
-
-def _gc_phase(phase: str, info: dict[str, int]) -> None:
-    _COLLECTOR[0] = get_ident() if phase == "start" else 0
-
-
-def _set(fut: asyncio.Future[None]) -> None:
-    if not fut.done():
-        fut.set_result(None)
-
-
-def settle_dropped(reader: Any) -> None:
-    """Settle the call of a stream dropped unclosed as a close would (from what was read),
-    its ledger part paid here; a failure is logged (no caller is left to raise it to)."""
-    if reader.finished:  # handed over twice (a finalized close, then the finalizer)
-        return
-    call, transport = reader.call, reader.transport
-    try:
-        try:
-            reader.finish()
-        finally:
-            if call._owed is not None:
-                transport._pay(call)
-    except Exception:
-        _log.exception(
-            "the call %s, its stream dropped unclosed, failed to settle", call.request_id
-        )
-    transport._count("unclosed")
-
-
-_FORK = AfterFork("_after_fork_in_child")
-DROPPED = Dropped()
-
-
 def _dropped(stream: Any) -> None:
-    """A stream wrapper's finalizer: its reader, unfinished, is handed over."""
-    try:
-        reader = stream._reader
-        if not reader.finished:
-            DROPPED.put(reader)
-    except Exception:  # pragma: no cover - at interpreter shutdown
-        pass
+    """A stream wrapper's finalizer: its reader, unfinished, is handed over (see
+    ``_unclosed``)."""
+    with contextlib.suppress(Exception):  # at interpreter shutdown
+        hand_over(stream._reader)
 
 
 _STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
@@ -357,13 +191,13 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
                 if hasattr(self._inner, "close"):
                     self._inner.close()
             finally:
-                if _COLLECTOR[0] != get_ident():
+                if not collecting():
                     self._reader.finish()
-                elif not self._reader.finished:
+                else:
                     # Closed from a finalizer the garbage collector runs (httpx2's
                     # iterators close their response in a ``finally``), inside code
                     # that may hold the locks a settle takes: handed over.
-                    DROPPED.put(self._reader)
+                    hand_over(self._reader)
 
         __del__ = _dropped
 
@@ -474,8 +308,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
 def native_stream(response: Any, reader: _BodyReader, is_async: bool) -> None:
     """Put the native reader between the response's stream and its consumer."""
     types = _STREAMS.get(type(response)) or _stream_types(type(response))
-    if not DROPPED.running:
-        DROPPED.start()
+    ready()
     response.stream = types[3 if is_async else 2](response.stream, reader)
 
 
@@ -484,8 +317,7 @@ def ignore(response: Any, call: _Call, transport: RateLimitedTransport, is_async
     sync_t, async_t, *_ = _STREAMS.get(type(response)) or _stream_types(type(response))
     reader = _Reader(call, transport, False)
     reader.over = True  # nothing of the body is kept
-    if not DROPPED.running:
-        DROPPED.start()
+    ready()
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
 
 
@@ -515,8 +347,7 @@ def wrap(
     if enc is not None:  # a stream: a bound per encoded byte; JSON: max_body in all
         dec = decoder(enc, _SSE_DECODED, _SSE_RATIO) if sse else decoder(enc, transport.max_body)
     reader = _Reader(call, transport, sse) if dec is None else _Decoding(call, transport, sse, dec)
-    if not DROPPED.running:
-        DROPPED.start()
+    ready()
     response.stream = (async_t if is_async else sync_t)(response.stream, reader)
 
 

@@ -35,7 +35,6 @@ from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
 from ._record import _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
 from ._stream import (
-    DROPPED,
     _done,
     aread_ahead,
     ignore,
@@ -44,6 +43,7 @@ from ._stream import (
     read_ahead,
     wrap,
 )
+from ._unclosed import Unclosed, settle_unclosed, settle_unclosed_async
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -60,10 +60,8 @@ __all__ = [
 
 _new = tuple.__new__
 
-#: A forked child gives every transport a new lock.
-_TRANSPORTS = AfterFork("_after_fork_in_child")
-
-#: How long ``close()`` waits for the streams dropped unclosed before it to be settled.
+_TRANSPORTS = AfterFork("_after_fork_in_child")  # new locks in a forked child
+#: How long ``close()`` waits for its dropped streams the settling thread is settling.
 FLUSH_TIMEOUT = 5.0
 
 
@@ -205,24 +203,18 @@ class RateLimitedTransport(_Settles, _Requests):
         self.http_histogram = Histogram()
         self._applied: dict[tuple[int, str], tuple[float, float]] = {}
         self._lock = threading.Lock()
+        self._unclosed = Unclosed()  # streams dropped unclosed, not settled yet
         _TRANSPORTS.add(self)
         # Calls granted and sent are the histograms' counts; the rest, rare, are here.
-        self._counts = {
-            "refused": 0,
-            "rate_limited": 0,
-            "paused": 0,
-            "calibrated": 0,
-            "unclosed": 0,
-        }
+        self._counts = dict.fromkeys(("refused", "rate_limited", "paused", "calibrated"), 0)
+        self._counts["unclosed"] = 0
 
     def _count(self, name: str) -> None:
         with self._lock:
             self._counts[name] += 1
 
     def _after_fork_in_child(self) -> None:
-        # The lock may have been held at the fork (by the thread settling dropped
-        # streams, say): the child's is free.
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # maybe held at the fork (the settling thread)
 
     # -- the steps of a call -------------------------------------------------------------
 
@@ -724,10 +716,11 @@ class RateLimitedTransport(_Settles, _Requests):
         self._admitted(call, grant, perf_counter() - t0)
 
     def close(self) -> None:
-        """Close the inner transport; the streams dropped unclosed so far are settled
-        (waiting at most ``FLUSH_TIMEOUT`` s), then background responses still waiting
-        for their usage at their estimate (each, whatever fails: the first error is
-        raised after)."""
+        """Close the inner transport; first the streams dropped unclosed are settled (in
+        this thread; those being settled by the settling thread waited for, at most
+        ``FLUSH_TIMEOUT`` s), then background responses still waiting for their usage at
+        their estimate (each, whatever fails: the first error is raised after; an
+        interrupt of one step still runs the next)."""
 
         def settle(call: _Call) -> None:
             try:
@@ -736,37 +729,41 @@ class RateLimitedTransport(_Settles, _Requests):
                 self._pay(call)
 
         try:
-            if DROPPED.used():
-                DROPPED.flush(FLUSH_TIMEOUT)
-            each(self._background.drain(), settle)
-        finally:
-            if hasattr(self.inner, "close"):
-                self.inner.close()
-
-    async def aclose(self) -> None:
-        """Close the inner async transport; the streams dropped unclosed so far are
-        settled (the event loop free meanwhile), then background responses still waiting
-        for their usage at their estimate (their ledger parts off the loop,
-        each whatever fails: the first error is raised after)."""
-        error: BaseException | None = None
-        try:
-            if DROPPED.used():
-                await DROPPED.flush_async(FLUSH_TIMEOUT)
-            for c in self._background.drain():
-                try:
-                    try:
-                        self._at_estimate(c)
-                    finally:
-                        await self._pay_async(c)
-                except BaseException as e:  # the others are settled all the same
-                    error = error or e
+            settle_unclosed(self, FLUSH_TIMEOUT)
         finally:
             try:
-                if hasattr(self.inner, "aclose"):
-                    await self.inner.aclose()
+                each(self._background.drain(), settle)
             finally:
-                if error is not None:
-                    raise error
+                if hasattr(self.inner, "close"):
+                    self.inner.close()
+
+    async def aclose(self) -> None:
+        """Close the inner async transport; first the streams dropped unclosed are
+        settled (their ledger parts off the event loop; those being settled by the
+        settling thread waited for off it), then background responses still waiting for
+        their usage at their estimate (their ledger parts off the loop, each whatever
+        fails: the first error is raised after; a cancel of one step still runs the
+        next)."""
+        try:
+            await settle_unclosed_async(self, FLUSH_TIMEOUT)
+        finally:
+            error: BaseException | None = None
+            try:
+                for c in self._background.drain():
+                    try:
+                        try:
+                            self._at_estimate(c)
+                        finally:
+                            await self._pay_async(c)
+                    except BaseException as e:  # the others are settled all the same
+                        error = error or e
+            finally:
+                try:
+                    if hasattr(self.inner, "aclose"):
+                        await self.inner.aclose()
+                finally:
+                    if error is not None:
+                        raise error
 
     def __enter__(self) -> RateLimitedTransport:
         return self

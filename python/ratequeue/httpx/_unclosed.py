@@ -1,0 +1,276 @@
+"""Streams dropped unclosed.
+
+A response dropped without a close (a ``break`` out of an SDK stream, then garbage) ends
+neither its body nor a close: its reader would hold the call's permit (a Policy's
+concurrency slot), ledger hold and budget sub-call for good. The stream's finalizer hands
+the reader over (:func:`hand_over`): to its transport's :class:`Unclosed` (``close()``
+settles what is left there, in its own thread) and to a thread of this process's own
+(:data:`DROPPED`), woken by the drop, which settles it as a close would. Whichever claims
+a reader first settles it. The finalizer itself settles nothing: it may run inside any
+code of this thread (a collection at any allocation), which may hold the very locks a
+settle takes; so does a close the garbage collector runs (:func:`collecting`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import sys
+import threading
+from queue import SimpleQueue
+from threading import get_ident
+from typing import Any
+
+from .._threads import AfterFork
+
+__all__ = [
+    "DROPPED",
+    "Unclosed",
+    "collecting",
+    "hand_over",
+    "ready",
+    "settle_unclosed",
+    "settle_unclosed_async",
+]
+
+_log = logging.getLogger("ratequeue.httpx")
+
+_FORK = AfterFork("_after_fork_in_child")
+
+
+class Unclosed:
+    """A transport's readers handed over and not settled yet: claimed one at a time (by
+    the settling thread or by ``close()``), counted busy while they settle."""
+
+    __slots__ = ("__weakref__", "_busy", "_cv", "readers")
+
+    def __init__(self) -> None:
+        self.readers: dict[int, Any] = {}
+        # Reentrant: a finalizer run inside a claim may close the transport.
+        self._cv = threading.Condition(threading.RLock())
+        self._busy = 0
+        _FORK.add(self)
+
+    def add(self, reader: Any) -> None:
+        """From a finalizer: one dict store (no lock)."""
+        self.readers[id(reader)] = reader
+
+    def claim(self, reader: Any) -> bool:
+        """``reader`` is this caller's to settle (then :meth:`done`): False when another
+        claimed it."""
+        with self._cv:
+            if self.readers.pop(id(reader), None) is None:
+                return False
+            self._busy += 1
+            return True
+
+    def take(self) -> Any:
+        """A reader not claimed yet, claimed (then :meth:`done`), or None."""
+        with self._cv:
+            try:
+                _, reader = self.readers.popitem()
+            except KeyError:
+                return None
+            self._busy += 1
+            return reader
+
+    def done(self) -> None:
+        with self._cv:
+            self._busy -= 1
+            if not self._busy:
+                self._cv.notify_all()
+
+    @property
+    def busy(self) -> int:
+        return self._busy
+
+    def wait(self, timeout: float) -> bool:
+        """Wait (at most ``timeout`` s) until no reader is being settled."""
+        with self._cv:
+            return self._cv.wait_for(lambda: not self._busy, timeout)
+
+    def _after_fork_in_child(self) -> None:
+        # The parent settles its own; the child's copies were finalized already.
+        self.readers, self._busy = {}, 0
+        self._cv = threading.Condition(threading.RLock())
+
+
+def settle(reader: Any, pay: bool = True) -> None:
+    """Settle the call of a stream dropped unclosed (claimed) as a close would, from what
+    was read, its ledger part paid here (``pay`` False: left owed, for an asyncio caller
+    to await); a failure is logged (the code that dropped it is gone), and counted in
+    ``stats()["unclosed"]``."""
+    call, transport = reader.call, reader.transport
+    try:
+        try:
+            reader.finish()
+        finally:
+            if pay and call._owed is not None:
+                transport._pay(call)
+    except Exception:
+        _log.exception(
+            "the call %s, its stream dropped unclosed, failed to settle", call.request_id
+        )
+    transport._count("unclosed")
+
+
+def settle_unclosed(transport: Any, timeout: float) -> None:
+    """``close()``: the transport's dropped streams not claimed yet settled in this
+    thread, then those the settling thread is settling waited for (at most ``timeout``
+    s; not inside a collection nor at interpreter exit, when that thread cannot run)."""
+    unclosed = transport._unclosed
+    while (reader := unclosed.take()) is not None:
+        try:
+            settle(reader)
+        finally:
+            unclosed.done()
+    if unclosed.busy and not collecting() and not sys.is_finalizing():
+        unclosed.wait(timeout)
+
+
+async def settle_unclosed_async(transport: Any, timeout: float) -> None:
+    """``aclose()``: as :func:`settle_unclosed`, the ledger and the wait off the loop."""
+    unclosed = transport._unclosed
+    while (reader := unclosed.take()) is not None:
+        try:
+            settle(reader, pay=False)
+            if reader.call._owed is not None:
+                try:
+                    await transport._pay_async(reader.call)
+                except Exception:
+                    _log.exception("the call %s failed to settle", reader.call.request_id)
+        finally:
+            unclosed.done()
+    if unclosed.busy:
+        await asyncio.to_thread(unclosed.wait, timeout)
+
+
+def _settle_claiming(reader: Any) -> None:
+    """In the settling thread: settle ``reader`` unless a close claimed it first."""
+    unclosed = reader.transport._unclosed
+    if unclosed.claim(reader):
+        try:
+            settle(reader)
+        finally:
+            unclosed.done()
+
+
+class Dropped:
+    """The settling thread: one daemon thread per process, started with the process's
+    first stream (made again in a forked child: the parent's thread and queue are not
+    the child's), settling each reader handed over in turn. ``flush`` waits until every
+    reader handed over before it is settled (tests)."""
+
+    def __init__(self) -> None:
+        self._queue: SimpleQueue[Any] = SimpleQueue()
+        self.running = False
+        self._starting = False
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        _FORK.add(self)
+
+    def put(self, item: Any) -> None:
+        """From a finalizer: ``SimpleQueue.put`` is reentrant and takes no lock Python
+        code holds."""
+        self._queue.put(item)
+
+    def start(self) -> bool:
+        """The thread running, started now if it was not: False when it is not (being
+        started by another caller, or it cannot be: logged; ``close()`` then settles its
+        transport's dropped streams itself). No lock is held while the thread starts (a
+        finalizer run meanwhile may come back here)."""
+        if not self._lock.acquire(blocking=False):
+            return self.running
+        try:
+            if self.running or self._starting:
+                return self.running
+            self._starting = True
+        finally:
+            self._lock.release()
+        thread = threading.Thread(
+            target=self._run, args=(self._queue,), name="ratequeue-httpx-unclosed", daemon=True
+        )
+        error: str | None = None
+        try:
+            thread.start()
+        except Exception as e:  # a pids limit; interpreter shutdown
+            # The message only: the error's traceback would keep the caller's frames
+            # (the response among them) alive in whatever keeps the log record.
+            error = str(e)
+        with self._lock:
+            self._starting = False
+            if error is None:
+                self._thread, self.running = thread, True
+        if error is not None:
+            _log.warning("no thread to settle the streams dropped unclosed: %s", error)
+        return error is None
+
+    def _run(self, queue: SimpleQueue[Any]) -> None:
+        try:
+            while True:
+                item = queue.get()
+                # Whatever a settle raises is logged: the thread goes on for the others
+                # (a SystemExit or a cancellation a ledger raises is not its to act on).
+                try:
+                    if callable(item):  # a flush's wake-up
+                        item()
+                    else:
+                        _settle_claiming(item)
+                except BaseException:
+                    _log.exception("settling a stream dropped unclosed failed")
+                del item
+        finally:  # never, but a thread gone is started again
+            self.running = False
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait (at most ``timeout`` s) until the readers handed over so far are settled:
+        False if they are not by then, or no thread runs, or this is that thread."""
+        if not self.start() or threading.current_thread() is self._thread:
+            return False
+        done = threading.Event()
+        self._queue.put(done.set)
+        return done.wait(timeout)
+
+    def _after_fork_in_child(self) -> None:
+        self._queue, self._thread = SimpleQueue(), None
+        self.running, self._starting, self._lock = False, False, threading.Lock()
+
+
+DROPPED = Dropped()
+
+
+def hand_over(reader: Any) -> None:
+    """``reader``, unfinished, to be settled off this thread's stack (from a finalizer,
+    or a close the collector runs): no lock taken."""
+    if not reader.finished:
+        reader.transport._unclosed.add(reader)
+        DROPPED.put(reader)
+
+
+#: The thread collecting garbage (its ident; 0 when none): the collector runs one
+#: collection at a time, its finalizers in the thread that triggered it.
+_COLLECTOR = [0]
+
+
+def _gc_phase(phase: str, info: dict[str, int]) -> None:
+    _COLLECTOR[0] = get_ident() if phase == "start" else 0
+
+
+def collecting() -> bool:
+    """This thread is running a garbage collection (its finalizers)."""
+    return _COLLECTOR[0] == get_ident()
+
+
+def ready() -> None:
+    """Before a reader is put on a stream: the collector hook first in ``gc.callbacks``
+    (put back if user code removed it; first, so that a callback removing itself before
+    it cannot make the collector skip it) and the settling thread started."""
+    callbacks = gc.callbacks
+    if not callbacks or callbacks[0] is not _gc_phase:
+        while _gc_phase in callbacks:
+            callbacks.remove(_gc_phase)
+        callbacks.insert(0, _gc_phase)
+        _COLLECTOR[0] = 0  # a collection's end it may have missed
+    if not DROPPED.running:
+        DROPPED.start()
