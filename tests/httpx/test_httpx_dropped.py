@@ -356,6 +356,34 @@ class _Calls:
         pass
 
 
+class Locked(Ledger):
+    """Settles under ``lock`` (waiting at most 5 s for it: a settle in the thread that
+    holds it fails instead of hanging)."""
+
+    def __init__(self, lock: Any) -> None:
+        super().__init__()
+        self.lock = lock
+
+    def settle(self, request_id: str, **kw: Any) -> None:
+        assert self.lock.acquire(timeout=5), "settled inside the lock's holder"
+        try:
+            super().settle(request_id, **kw)
+        finally:
+            self.lock.release()
+
+
+def drop_in_a_cycle(client: Any) -> Any:
+    """A call's stream read up to its first chunk, its iterator then dropped in a
+    reference cycle (a collection finalizes it): its record."""
+    r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+    cycle: list[Any] = [r.iter_raw()]
+    next(cycle[0])
+    cycle.append(cycle)
+    record = r.extensions["ratequeue"]
+    del r, cycle
+    return record
+
+
 def test_a_close_from_a_collected_iterator_settles_in_the_settling_thread() -> None:
     """httpx2's iterators close their response in a ``finally``: an iterator in a
     reference cycle is finalized by the garbage collector, which may run inside code
@@ -363,24 +391,10 @@ def test_a_close_from_a_collected_iterator_settles_in_the_settling_thread() -> N
     thread; the settle is left to the thread that settles dropped streams."""
     mod = importlib.import_module("httpx2")
     lock = threading.Lock()
-
-    class Locked(Ledger):
-        def settle(self, request_id: str, **kw: Any) -> None:
-            assert lock.acquire(timeout=5), "settled inside the lock's holder"
-            try:
-                super().settle(request_id, **kw)
-            finally:
-                lock.release()
-
-    ledger = Locked()
+    ledger = Locked(lock)
     t = policy_transport(mod, ledger=ledger)
     client = mod.Client(transport=t)
-    r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
-    cycle: list[Any] = [r.iter_raw()]
-    next(cycle[0])
-    cycle.append(cycle)
-    record = r.extensions["ratequeue"]
-    del r, cycle
+    record = drop_in_a_cycle(client)
     with lock:  # the code a collection interrupts
         gc.collect()  # the iterator's finally closes the response here
     settled_dropped()
@@ -555,16 +569,7 @@ def test_a_collection_after_gc_callbacks_were_cleared_still_hands_over() -> None
     The next stream puts the hook back, first."""
     mod = importlib.import_module("httpx2")
     lock = threading.Lock()
-
-    class Locked(Ledger):
-        def settle(self, request_id: str, **kw: Any) -> None:
-            assert lock.acquire(timeout=5), "settled inside the lock's holder"
-            try:
-                super().settle(request_id, **kw)
-            finally:
-                lock.release()
-
-    ledger = Locked()
+    ledger = Locked(lock)
     client = mod.Client(transport=policy_transport(mod, ledger=ledger))
     with client.stream("POST", CHAT, json=BODY) as r:
         r.read()
@@ -572,12 +577,7 @@ def test_a_collection_after_gc_callbacks_were_cleared_still_hands_over() -> None
     gc.callbacks.clear()
     try:
         gc.callbacks.append(lambda phase, info: None)
-        r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
-        cycle: list[Any] = [r.iter_raw()]
-        next(cycle[0])
-        cycle.append(cycle)
-        record = r.extensions["ratequeue"]
-        del r, cycle
+        record = drop_in_a_cycle(client)
         with lock:
             gc.collect()
         settled_dropped()
