@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from ratequeue.httpx import RateLimitedTransport
 from ratequeue.httpx._usage import Usage
@@ -92,6 +92,15 @@ def send(mod: Any, t: Any, is_async: bool) -> Any:
         st.tuples(st.just("part"), st.integers(0, 4)),
         st.just(("close", 0)),
     ),
+)
+# Found at stop 40: a usage whose sum passes 64 bits was charged 2**64 by the reference
+# and 2**64 - 1 (saturated) natively.
+@example(
+    units="tokens",
+    burst=40,
+    answer=b'{"id": "x", "usage": {"prompt_tokens": 1, "completion_tokens": 18446744073709551615}}',
+    cuts=[],
+    plan=("read", 0),
 )
 def test_read_ahead_is_the_reference_read_whole(
     name: str,

@@ -14,7 +14,7 @@ from .._ratequeue import _BodyReader
 from ._decode import Decoder, decoder
 from ._record import json_object
 from ._record import json_usage as _json_usage
-from ._unclosed import collecting, hand_over, ready
+from ._unclosed import GENERATION, collecting, hand_over, ready
 from ._usage import SSEUsage, Usage
 
 if TYPE_CHECKING:
@@ -160,7 +160,7 @@ def _dropped(stream: Any) -> None:
     """A stream wrapper's finalizer: its reader, unfinished, is handed over (see
     ``_unclosed``)."""
     with contextlib.suppress(Exception):  # at interpreter shutdown
-        hand_over(stream._reader)
+        hand_over(stream._reader, stream._generation)
 
 
 _STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
@@ -178,6 +178,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
     class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, reader: _Reader) -> None:
             self._inner, self._reader = inner, reader
+            self._generation = GENERATION[0]  # the process it was made in
 
         def __iter__(self) -> Iterator[bytes]:
             for chunk in self._inner:
@@ -197,13 +198,14 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
                     # Closed from a finalizer the garbage collector runs (httpx2's
                     # iterators close their response in a ``finally``), inside code
                     # that may hold the locks a settle takes: handed over.
-                    hand_over(self._reader)
+                    hand_over(self._reader, self._generation)
 
         __del__ = _dropped
 
     class _AsyncStream(mod.AsyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, reader: _Reader) -> None:
             self._inner, self._reader = inner, reader
+            self._generation = GENERATION[0]  # the process it was made in
 
         async def __aiter__(self) -> AsyncIterator[bytes]:
             reader = self._reader

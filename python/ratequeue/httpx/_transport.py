@@ -59,6 +59,7 @@ __all__ = [
 ]
 
 _new = tuple.__new__
+_U64 = (1 << 64) - 1
 
 _TRANSPORTS = AfterFork("_after_fork_in_child")  # new locks in a forked child
 #: How long ``close()`` waits for its dropped streams the settling thread is settling.
@@ -527,7 +528,7 @@ class RateLimitedTransport(_Settles, _Requests):
                     i = o = 0
                 else:
                     i, o = usage
-                actual = (1, i + o, i, o)
+                actual = (1, min(i + o, _U64), i, o)  # saturated, as natively
                 costs = call._charged
                 # Only what differs from the estimate: the rest is already right.
                 kw = {}

@@ -14,6 +14,8 @@ settle takes; so does a close the garbage collector runs (:func:`collecting`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import gc
 import logging
 import sys
@@ -23,6 +25,7 @@ from threading import get_ident
 from typing import Any
 
 from .._threads import AfterFork
+from ._ledger import _worker
 
 __all__ = [
     "DROPPED",
@@ -40,16 +43,20 @@ _FORK = AfterFork("_after_fork_in_child")
 
 
 class Unclosed:
-    """A transport's readers handed over and not settled yet: claimed one at a time (by
-    the settling thread or by ``close()``), counted busy while they settle."""
+    """A transport's readers handed over and not settled yet, each claimed once (by the
+    settling thread or by ``close()``) and, while it settles, kept in ``claims`` by the
+    thread that claimed it. Each change is one dict operation under a C-level lock (no
+    Python frame between taking the lock and the change: a Ctrl-C cannot leave it
+    held)."""
 
-    __slots__ = ("__weakref__", "_busy", "_cv", "readers")
+    __slots__ = ("__weakref__", "_cv", "_lock", "claims", "readers")
 
     def __init__(self) -> None:
         self.readers: dict[int, Any] = {}
+        self.claims: dict[int, int] = {}  # id(reader) -> the claiming thread
         # Reentrant: a finalizer run inside a claim may close the transport.
-        self._cv = threading.Condition(threading.RLock())
-        self._busy = 0
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)  # wait and notify only
         _FORK.add(self)
 
     def add(self, reader: Any) -> None:
@@ -57,51 +64,56 @@ class Unclosed:
         self.readers[id(reader)] = reader
 
     def claim(self, reader: Any) -> bool:
-        """``reader`` is this caller's to settle (then :meth:`done`): False when another
+        """``reader`` is this thread's to settle (then :meth:`done`): False when another
         claimed it."""
-        with self._cv:
+        with self._lock:
             if self.readers.pop(id(reader), None) is None:
                 return False
-            self._busy += 1
+            self.claims[id(reader)] = get_ident()
             return True
 
     def take(self) -> Any:
-        """A reader not claimed yet, claimed (then :meth:`done`), or None."""
-        with self._cv:
+        """A reader not claimed yet, claimed by this thread (then :meth:`done`), or
+        None."""
+        with self._lock:
             try:
-                _, reader = self.readers.popitem()
+                key, reader = self.readers.popitem()
             except KeyError:
                 return None
-            self._busy += 1
+            self.claims[key] = get_ident()
             return reader
 
-    def done(self) -> None:
-        with self._cv:
-            self._busy -= 1
-            if not self._busy:
-                self._cv.notify_all()
+    def done(self, reader: Any) -> None:
+        with self._lock:
+            self.claims.pop(id(reader), None)  # after a fork: not the child's
+            self._cv.notify_all()
 
-    @property
-    def busy(self) -> int:
-        return self._busy
+    def others(self) -> bool:
+        """Readers being settled by another thread than this one."""
+        me = get_ident()
+        return any(t != me for t in list(self.claims.values()))
 
     def wait(self, timeout: float) -> bool:
-        """Wait (at most ``timeout`` s) until no reader is being settled."""
-        with self._cv:
-            return self._cv.wait_for(lambda: not self._busy, timeout)
+        """Wait (at most ``timeout`` s) until no other thread settles a reader (this
+        thread's own claims, a close inside a settle, are not waited for)."""
+        with self._lock:
+            return self._cv.wait_for(lambda: not self.others(), timeout)
 
     def _after_fork_in_child(self) -> None:
         # The parent settles its own; the child's copies were finalized already.
-        self.readers, self._busy = {}, 0
-        self._cv = threading.Condition(threading.RLock())
+        self.readers, self.claims = {}, {}
+        self._lock = threading.RLock()
+        self._cv = threading.Condition(self._lock)
 
 
 def settle(reader: Any, pay: bool = True) -> None:
     """Settle the call of a stream dropped unclosed (claimed) as a close would, from what
-    was read, its ledger part paid here (``pay`` False: left owed, for an asyncio caller
-    to await); a failure is logged (the code that dropped it is gone), and counted in
-    ``stats()["unclosed"]``."""
+    was read, its ledger part paid here (``pay`` False: left owed whatever thread or loop
+    made the call, for the caller to pay off this one); a failure is logged (the code
+    that dropped it is gone), and counted in ``stats()["unclosed"]``."""
     call, transport = reader.call, reader.transport
+    if not pay:
+        call._async = True  # the settle leaves the ledger part owed
     try:
         try:
             reader.finish()
@@ -115,17 +127,39 @@ def settle(reader: Any, pay: bool = True) -> None:
     transport._count("unclosed")
 
 
+#: Set in a worker thread while it pays a dropped stream's ledger part: a close there (a
+#: ledger callback) does not wait for the claim that waits for it.
+_PAYING = threading.local()
+
+
+def _pay_logged(transport: Any, call: Any) -> None:
+    _PAYING.active = True
+    try:
+        transport._pay(call)
+    except Exception:
+        _log.exception("the call %s failed to pay its ledger part", call.request_id)
+    finally:
+        _PAYING.active = False
+
+
 def settle_unclosed(transport: Any, timeout: float) -> None:
     """``close()``: the transport's dropped streams not claimed yet settled in this
-    thread, then those the settling thread is settling waited for (at most ``timeout``
-    s; not inside a collection nor at interpreter exit, when that thread cannot run)."""
+    thread (none inside a garbage collection: the settling thread keeps them), then those
+    another thread is settling waited for (at most ``timeout`` s; not inside a collection
+    nor at interpreter exit, when that thread cannot run). A Ctrl-C puts the reader it
+    interrupted back."""
+    if collecting():
+        return
     unclosed = transport._unclosed
     while (reader := unclosed.take()) is not None:
         try:
             settle(reader)
+        except BaseException:
+            unclosed.add(reader)  # settled once whoever settles it again (``_once``)
+            raise
         finally:
-            unclosed.done()
-    if unclosed.busy and not collecting() and not sys.is_finalizing():
+            unclosed.done(reader)
+    if unclosed.claims and not sys.is_finalizing() and not getattr(_PAYING, "active", False):
         unclosed.wait(timeout)
 
 
@@ -140,20 +174,41 @@ async def settle_unclosed_async(transport: Any, timeout: float) -> None:
                     await transport._pay_async(reader.call)
                 except Exception:
                     _log.exception("the call %s failed to settle", reader.call.request_id)
+        except BaseException:
+            unclosed.add(reader)
+            raise
         finally:
-            unclosed.done()
-    if unclosed.busy:
-        await asyncio.to_thread(unclosed.wait, timeout)
+            unclosed.done(reader)
+    if unclosed.others():
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(RuntimeError):  # no thread to wait in: not waited for
+            await loop.run_in_executor(_worker(), unclosed.wait, timeout)
 
 
 def _settle_claiming(reader: Any) -> None:
-    """In the settling thread: settle ``reader`` unless a close claimed it first."""
-    unclosed = reader.transport._unclosed
-    if unclosed.claim(reader):
-        try:
-            settle(reader)
-        finally:
-            unclosed.done()
+    """In the settling thread: settle ``reader`` unless a close claimed it first, its
+    ledger part paid by the ledger's worker threads (a slow ledger holds up no other
+    transport's streams), the claim kept until it is paid."""
+    transport = reader.transport
+    unclosed = transport._unclosed
+    if not unclosed.claim(reader):
+        return
+    paying = False
+    try:
+        settle(reader, pay=False)
+        if reader.call._owed is not None:
+            fut = _worker().submit(_pay_logged, transport, reader.call)
+            paying = True
+            DROPPED.paying.add(fut)
+            fut.add_done_callback(lambda f: _paid(f, unclosed, reader))
+    finally:
+        if not paying:
+            unclosed.done(reader)
+
+
+def _paid(fut: Any, unclosed: Unclosed, reader: Any) -> None:
+    DROPPED.paying.discard(fut)
+    unclosed.done(reader)
 
 
 class Dropped:
@@ -168,6 +223,7 @@ class Dropped:
         self._starting = False
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self.paying: set[Any] = set()  # ledger parts being paid (futures)
         _FORK.add(self)
 
     def put(self, item: Any) -> None:
@@ -230,22 +286,35 @@ class Dropped:
             return False
         done = threading.Event()
         self._queue.put(done.set)
-        return done.wait(timeout)
+        if not done.wait(timeout):
+            return False
+        pending = list(self.paying)
+        return not concurrent.futures.wait(pending, timeout).not_done
 
     def _after_fork_in_child(self) -> None:
         self._queue, self._thread = SimpleQueue(), None
         self.running, self._starting, self._lock = False, False, threading.Lock()
+        self.paying = set()
+        GENERATION[0] += 1
 
 
 DROPPED = Dropped()
 
 
-def hand_over(reader: Any) -> None:
-    """``reader``, unfinished, to be settled off this thread's stack (from a finalizer,
-    or a close the collector runs): no lock taken."""
-    if not reader.finished:
+#: This process's generation (a forked child's is the next): a stream made in another
+#: process is that process's to settle.
+GENERATION = [0]
+
+
+def hand_over(reader: Any, generation: int) -> None:
+    """``reader``, unfinished, of a stream made in ``generation``, to be settled off this
+    thread's stack (from a finalizer, or a close the collector runs): no lock taken.
+    Queued for the settling thread when it runs; its transport's ``close()`` settles it
+    otherwise."""
+    if generation == GENERATION[0] and not reader.finished:
         reader.transport._unclosed.add(reader)
-        DROPPED.put(reader)
+        if DROPPED.running:
+            DROPPED.put(reader)
 
 
 #: The thread collecting garbage (its ident; 0 when none): the collector runs one
