@@ -198,7 +198,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
                     # Closed from a finalizer the garbage collector runs (httpx2's
                     # iterators close their response in a ``finally``), inside code
                     # that may hold the locks a settle takes: handed over.
-                    hand_over(self._reader, self._generation)
+                    _dropped(self)
 
         __del__ = _dropped
 

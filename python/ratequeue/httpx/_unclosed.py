@@ -20,6 +20,7 @@ import gc
 import logging
 import sys
 import threading
+from collections.abc import Iterator
 from queue import SimpleQueue
 from threading import get_ident
 from typing import Any
@@ -88,6 +89,19 @@ class Unclosed:
             self.claims.pop(id(reader), None)  # after a fork: not the child's
             self._cv.notify_all()
 
+    @contextlib.contextmanager
+    def settling(self, reader: Any) -> Iterator[None]:
+        """Around the settle of a reader this thread claimed: :meth:`done` after; an
+        interrupt (a Ctrl-C, a cancel) puts the reader back first (settled once whoever
+        settles it again: ``_once``)."""
+        try:
+            yield
+        except BaseException:
+            self.add(reader)
+            raise
+        finally:
+            self.done(reader)
+
     def others(self) -> bool:
         """Readers being settled by another thread than this one."""
         me = get_ident()
@@ -152,13 +166,8 @@ def settle_unclosed(transport: Any, timeout: float) -> None:
         return
     unclosed = transport._unclosed
     while (reader := unclosed.take()) is not None:
-        try:
+        with unclosed.settling(reader):
             settle(reader)
-        except BaseException:
-            unclosed.add(reader)  # settled once whoever settles it again (``_once``)
-            raise
-        finally:
-            unclosed.done(reader)
     if unclosed.claims and not sys.is_finalizing() and not getattr(_PAYING, "active", False):
         unclosed.wait(timeout)
 
@@ -167,18 +176,13 @@ async def settle_unclosed_async(transport: Any, timeout: float) -> None:
     """``aclose()``: as :func:`settle_unclosed`, the ledger and the wait off the loop."""
     unclosed = transport._unclosed
     while (reader := unclosed.take()) is not None:
-        try:
+        with unclosed.settling(reader):
             settle(reader, pay=False)
             if reader.call._owed is not None:
                 try:
                     await transport._pay_async(reader.call)
                 except Exception:
                     _log.exception("the call %s failed to settle", reader.call.request_id)
-        except BaseException:
-            unclosed.add(reader)
-            raise
-        finally:
-            unclosed.done(reader)
     if unclosed.others():
         loop = asyncio.get_running_loop()
         with contextlib.suppress(RuntimeError):  # no thread to wait in: not waited for
