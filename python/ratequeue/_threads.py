@@ -4,26 +4,30 @@ a forked child resets (one ``os.register_at_fork`` hook for them all)."""
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from ._errors import each
 
-__all__ = ["AfterFork", "ProcessThreads"]
+__all__ = ["AfterFork", "ProcessThreads", "fork_safe_lock"]
 
 
 class AfterFork:
-    """A weak set of objects whose method ``name`` a forked child calls (in the order the
+    """A weak set of objects whose method ``method`` (or the function ``method`` with each
+    object) a forked child calls (in the order the
     sets were made, then in no set order): threads, locks or state of the parent that the
     child must not use. An object leaves the set when it is discarded or dies; nothing is
     registered per object, so making objects does not grow the process's fork hooks."""
 
     __slots__ = ("_members", "_method")
 
-    def __init__(self, method: str) -> None:
-        self._method = method
+    def __init__(self, method: str | Callable[[Any], object]) -> None:
+        # A method's name, or a function called with each member.
+        self._method = method if callable(method) else operator.methodcaller(method)
         self._members: weakref.WeakSet[Any] = weakref.WeakSet()
         _SETS.append(self)
 
@@ -37,7 +41,7 @@ class AfterFork:
         return len(self._members)
 
     def _in_child(self) -> None:
-        each(list(self._members), lambda obj: getattr(obj, self._method)())
+        each(list(self._members), self._method)
 
 
 _SETS: list[AfterFork] = []
@@ -51,6 +55,23 @@ def _after_fork_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _free_lock(obj: Any) -> None:
+    obj._lock = threading.Lock()
+
+
+#: Objects whose ``_lock`` a forked child replaces with a free one.
+_LOCKS = AfterFork(_free_lock)
+
+
+def fork_safe_lock(obj: Any) -> threading.Lock:
+    """A new ``threading.Lock`` for ``obj._lock``, which a forked child replaces with a
+    free one: a thread of the parent (absent in the child) may have held it at the fork,
+    and the child's first use would then wait for good. ``obj`` must be weakly
+    referenceable; only its ``_lock`` attribute is replaced."""
+    _LOCKS.add(obj)
+    return threading.Lock()
 
 
 class ProcessThreads:

@@ -34,13 +34,13 @@ import email.utils
 import logging
 import math
 import numbers
-import threading
 from collections.abc import Callable, Coroutine, Generator, Iterable, Iterator, Mapping
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
 from ._errors import CostTooLarge, Overloaded, WaitTimeout
 from ._ratequeue import Channel, Limiter, Permit, Rate
+from ._threads import fork_safe_lock
 
 if TYPE_CHECKING:
     from ._ratequeue import Clock
@@ -237,7 +237,7 @@ class Pool:
         self.max_cooldown = float(max_cooldown)
         self.tie = float(tie)
         self._clock: Clock = clock if clock is not None else self._providers[0].limiter.clock
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
         self._listeners: tuple[Callable[[str, int | None, bool], object], ...] = ()
 
     # -- the providers ------------------------------------------------------------------

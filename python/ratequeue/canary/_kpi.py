@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from .._ratequeue import Histogram
+from .._threads import fork_safe_lock
 
 __all__ = ["ArmKPIs", "ArmStats"]
 
@@ -23,7 +23,7 @@ class ArmStats:
         self.name = name
         self.latency = Histogram()  # seconds per user request
         self.tokens = Histogram()  # tokens per valid answer
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
         self.requests = 0
         self.valid = 0
         self.invalid = 0

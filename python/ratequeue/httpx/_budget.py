@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import threading
 import uuid
 from dataclasses import dataclass
 from types import TracebackType
 
 from .._errors import RateQueueError
+from .._threads import fork_safe_lock
 
 __all__ = ["BudgetExceeded", "CallBudget", "SubCall", "current_budget"]
 
@@ -80,7 +80,7 @@ class CallBudget:
             raise TypeError(f"id={id!r} must be a string")
         self.id = id or uuid.uuid4().hex
         self.parent: CallBudget | None = None
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
         self._calls_used = 0
         self._tokens_used = 0
         self._usage: list[SubCall] = []

@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, Protocol
 
 from .._ratequeue import _CHOICES, _CONTAINERS, _NESTED_CHOICES, _OUTPUT_BOUNDS, _emits_no_tokens
+from .._threads import AfterFork
 
 __all__ = [
     "CHOICES",
@@ -161,6 +162,10 @@ def _list_chars(v: list[Any], depth: int) -> int:
     return n
 
 
+#: A forked child makes again the loads under way at the fork.
+_ESTIMATORS = AfterFork("_after_fork")
+
+
 class TokenEstimator:
     """The default estimator: tiktoken when available, else ceil(chars / 4) + 4 per message.
 
@@ -202,6 +207,15 @@ class TokenEstimator:
         if self._started:
             self._loaded.set()
         self._lock = threading.Lock()
+        _ESTIMATORS.add(self)
+
+    def _after_fork(self) -> None:
+        """In a forked child: a free lock, and a load under way at the fork (its thread is
+        the parent's) started again on the next use."""
+        self._lock = threading.Lock()
+        if not self._loaded.is_set():
+            self._loaded = threading.Event()
+            self._started = False
 
     def _start(self) -> None:
         with self._lock:

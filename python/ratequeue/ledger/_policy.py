@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, cast
 from .._errors import QuotaExceeded
 from .._policy import Policy
 from .._ratequeue import Policy as _NativePolicy
+from .._threads import fork_safe_lock
 from ._base import LedgerBase
 from ._model import Charge, Hold, check_id
 
@@ -254,10 +255,10 @@ class QuotaPermit:
 class _Counts:
     """A quota level's counters (``stats``)."""
 
-    __slots__ = ("_lock", "n")
+    __slots__ = ("__weakref__", "_lock", "n")
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
         self.n = {"held": 0, "refused": 0, "failed": 0, "settled": 0, "released": 0}
 
     def add(self, what: str) -> None:

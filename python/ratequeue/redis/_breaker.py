@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 import time
 from typing import Any
+
+from .._threads import fork_safe_lock
 
 log = logging.getLogger("ratequeue.redis")
 
@@ -24,7 +25,7 @@ class CircuitBreaker:
         if not (retry_interval >= 0 and math.isfinite(retry_interval)):
             raise ValueError(f"retry_interval={retry_interval!r} must be >= 0 seconds")
         self.retry_interval = float(retry_interval)
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock(self)
         self._open_until: float | None = None
         self._probing = False
         self.failures = 0
