@@ -626,3 +626,45 @@ def test_a_final_status_without_a_usage_settles_the_creation_at_its_estimate(
     assert lim.available("tokens") == BURST - estimate_of(created)
     again = client.get("http://p/v1/responses/resp_1").extensions["ratequeue"]
     assert again.charged["tokens"] == 0
+
+
+@pytest.mark.parametrize("modname", MODS)
+def test_a_close_inside_a_garbage_collection_leaves_the_waiting_to_the_thread(
+    modname: str,
+) -> None:
+    """Found in stop 41: an SDK client's ``__del__`` closes the transport wherever the
+    collector runs, possibly in a thread holding the transport's background lock (a
+    plain lock): the close drained the waiting creations there and hung that thread for
+    good. Now the settling thread drains them; the close waits for nothing."""
+    import threading
+
+    from ratequeue.httpx._unclosed import ready
+
+    mod = importlib.import_module(modname)
+    ledger = Ledger()
+    t, client, lim = through(mod, True, Provider(done=1), ledger=ledger)
+    created = create(client).extensions["ratequeue"]
+    estimate = estimate_of(created)
+    ready()  # the settling thread runs (started with a process's first stream)
+
+    class Closer:  # an SDK client's wrapper, in a reference cycle
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            t.close()
+
+    def collect_holding_the_lock() -> None:
+        Closer()
+        with t._background._lock:  # as in keep(), where an allocation may collect
+            gc.collect()
+
+    worker = threading.Thread(target=collect_holding_the_lock, daemon=True)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive(), "the close inside the collection hung its thread"
+    assert DROPPED.flush(10)
+    assert created.settled and created.usage is None
+    assert lim.available("tokens") == BURST - estimate
+    assert ledger.settled == {created.request_id: created.estimate}
+    assert t.stats()["background"] == 0

@@ -31,6 +31,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from .._errors import each
 from .._threads import AfterFork
 from ._record import json_object
 from ._stream import NONE_USED
@@ -322,6 +323,7 @@ class _Settles:
         _background: Background
         _is_policy: bool
         _settle_one: Callable[..., None]  # the transport's: settles once
+        _pay: Callable[[_Call], None]  # the transport's: pays a ledger part owed
 
     def _keep(self, call: _Call, body: bytes | None, response_id: str | None) -> bool:
         """A background response's creation (its body an id, no usage) kept until its
@@ -383,3 +385,15 @@ class _Settles:
         its ledger part left owed (the closer pays it)."""
         call._async = True
         self._settle_one(call, None, call.status, reported=True)
+
+    def _drain_background(self) -> None:
+        """``close()``: the creations still waiting settled at their estimate and paid,
+        each whatever fails (the first error raised after)."""
+
+        def settle(call: _Call) -> None:
+            try:
+                self._at_estimate(call)
+            finally:
+                self._pay(call)
+
+        each(self._background.drain(), settle)

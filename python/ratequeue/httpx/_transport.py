@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
-from .._errors import CostTooLarge, RateQueueError, each
+from .._errors import CostTooLarge, RateQueueError
 from .._ratequeue import (
     Histogram,
     Limiter,
@@ -43,7 +43,7 @@ from ._stream import (
     read_ahead,
     wrap,
 )
-from ._unclosed import Unclosed, settle_unclosed, settle_unclosed_async
+from ._unclosed import DROPPED, Unclosed, collecting, settle_unclosed, settle_unclosed_async
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -721,19 +721,17 @@ class RateLimitedTransport(_Settles, _Requests):
         this thread; those being settled by the settling thread waited for, at most
         ``FLUSH_TIMEOUT`` s), then background responses still waiting for their usage at
         their estimate (each, whatever fails: the first error is raised after; an
-        interrupt of one step still runs the next)."""
-
-        def settle(call: _Call) -> None:
-            try:
-                self._at_estimate(call)
-            finally:
-                self._pay(call)
-
+        interrupt of one step still runs the next). Inside a garbage collection (an SDK
+        client's ``__del__``), whose thread may hold the transport's locks, the settling
+        thread does both."""
         try:
             settle_unclosed(self, FLUSH_TIMEOUT)
         finally:
             try:
-                each(self._background.drain(), settle)
+                if collecting() and DROPPED.running:
+                    DROPPED.put(self._drain_background)
+                else:
+                    self._drain_background()
             finally:
                 if hasattr(self.inner, "close"):
                     self.inner.close()
