@@ -550,6 +550,7 @@ def test_a_twin_of_a_stream_dropped_unclosed_settles_it_at_its_estimate() -> Non
     del r, chunks
     gc.collect()
     twin = create(client).extensions["ratequeue"]  # answered resp_7 too
+    assert DROPPED.flush(10)  # the dropped stream's end, in the settling thread
     assert created.settled and twin.settled and t.stats()["background"] == 0
     assert set(ledger.settled) == set(ledger.held)
     assert lim.available("tokens") == BURST - estimate_of(created) - estimate_of(twin)

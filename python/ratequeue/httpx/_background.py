@@ -26,7 +26,6 @@ its own).
 from __future__ import annotations
 
 import threading
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -81,7 +80,6 @@ class Background:
         "_done_keys",
         "_ids",
         "_lock",
-        "_readers",
         "_waiting",
         "closed",
         "limit",
@@ -94,9 +92,7 @@ class Background:
         # charged). By host too: two providers' ids never settle each other's.
         self._ids: OrderedDict[tuple[bytes, str], _Call | None] = OrderedDict()
         self._waiting = 0
-        # Of the creations still streaming: their stream readers (weak: one dropped
-        # unclosed is settled by ``drain``), and those a poll said ended without a usage.
-        self._readers: dict[tuple[bytes, str], weakref.ref[object]] = {}
+        # Of the creations still streaming, those a poll said ended without a usage.
         self._done_keys: set[tuple[bytes, str]] = set()
         self.closed = False  # drained: nothing is kept any more
         _ALL.add(self)
@@ -114,7 +110,7 @@ class Background:
         key = _polled_key(call)
         return key is not None and key in self._ids
 
-    def streaming(self, call: _Call, rid: str, reader: object) -> None:
+    def streaming(self, call: _Call, rid: str) -> None:
         """``call``, a creation whose event stream, still open, named its response
         ``rid``: kept from now on (``call._rkey``). A poll meanwhile that reports the
         final usage settles it (:meth:`take`: its stream's end then does nothing);
@@ -140,8 +136,6 @@ class Background:
                 del self._ids[key]
                 self._waiting -= 1
                 call._rkey = None
-                return
-            self._readers[key] = weakref.ref(reader)
 
     def ended(self, call: _Call, used: bool) -> bool:
         """The stream of a creation kept while open is over (``used``: it read a usage):
@@ -205,16 +199,13 @@ class Background:
                 # The provider named two responses alike: neither poll can tell which
                 # it settles, so neither is kept and the id's polls are charged. One
                 # still streaming is let go: its stream's end settles it (one dropped
-                # unclosed is settled now).
+                # unclosed: the settling thread, or the close, ends it).
                 self._waiting -= 1
                 del self._ids[key]
                 if other._rkey is not None:
-                    alive = self._reading(key)
                     self._open_done(key)
-                    if alive:
-                        other._rkey = _LET_GO
-                        return False, None
-                    other._rkey = None
+                    other._rkey = _LET_GO
+                    return False, None
                 return False, other
             if self._waiting >= self.limit:
                 return False, None
@@ -265,36 +256,26 @@ class Background:
 
     def drain(self) -> list[_Call]:
         """The creations still waiting, taken out (to settle at their estimate); none is
-        kept from now on. One still streaming is let go: its stream's end settles it;
-        one whose stream was dropped unclosed (its reader gone) is settled here."""
+        kept from now on. One still streaming is let go: its stream's end settles it
+        (one dropped unclosed: the settling thread, or the close, ends it)."""
         with self._lock:
             self.closed = True
             calls = []
-            for key, c in self._ids.items():
+            for c in self._ids.values():
                 if c is None:
                     continue
                 if c._rkey is not None:
-                    if self._reading(key):
-                        c._rkey = _LET_GO
-                        continue
-                    c._rkey = None
+                    c._rkey = _LET_GO
+                    continue
                 calls.append(c)
             self._ids.clear()
-            self._readers.clear()
             self._done_keys.clear()
             self._waiting = 0
         return calls
 
-    def _reading(self, key: tuple[bytes, str]) -> bool:
-        """The stream of the creation open under ``key`` can still end (its reader
-        lives). Under the lock."""
-        reader = self._readers.get(key)
-        return reader is not None and reader() is not None
-
     def _open_done(self, key: tuple[bytes, str]) -> bool:
-        """``key`` no longer open: its reader forgotten; True when a poll had said its
-        response ended without a usage. Under the lock."""
-        self._readers.pop(key, None)
+        """``key`` no longer open: True when a poll had said its response ended without
+        a usage. Under the lock."""
         if key in self._done_keys:
             self._done_keys.discard(key)
             return True
@@ -304,7 +285,6 @@ class Background:
         # The same dict emptied: the transport reads it on every call.
         self._lock = threading.Lock()
         self._ids.clear()
-        self._readers.clear()
         self._done_keys.clear()
         self._waiting = 0
 

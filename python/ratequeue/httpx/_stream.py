@@ -96,7 +96,7 @@ class _Reader:
                 # A background response named while its creation streams: kept now,
                 # its polls meanwhile charged nothing (a final one settles it).
                 self.named = True
-                self.transport._background.streaming(self.call, sse.response_id, self)
+                self.transport._background.streaming(self.call, sse.response_id)
             if sse.final and not self.call._done:
                 self.finish()
         elif not self.over:
