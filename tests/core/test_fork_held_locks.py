@@ -68,8 +68,23 @@ def _arm() -> tuple[Any, Callable[[Any], object]]:
     return ArmStats("a"), use
 
 
+def _canary() -> tuple[Any, Callable[[Any], object]]:
+    from ratequeue.canary._canary import Canary
+
+    return Canary(lambda r: r, lambda r: r), lambda c: c.rollback("from the child")
+
+
+def _adaptive() -> tuple[Any, Callable[[Any], object]]:
+    """Stepped by its caller (never started): found by review (stop 41)."""
+    from ratequeue.adaptive import AIMD, Adaptive
+
+    return Adaptive(rq.Limiter(rq.Rate(100, per=1)), AIMD()), lambda a: a.observe(0.05)
+
+
 CASES = {
     "pool": _pool,
+    "canary": _canary,
+    "adaptive, not started": _adaptive,
     "call budget": _budget,
     "quota level counts": _quota_counts,
     "redis circuit breaker": _breaker,
@@ -110,3 +125,31 @@ def test_a_tiktoken_load_under_way_at_the_fork_is_made_again_in_the_child() -> N
     finally:
         gate.set()
     assert est.load(timeout=TIMEOUT) is False  # the parent's load ends too
+
+
+def test_a_tiktoken_load_ending_at_the_fork_leaves_the_child_a_free_event() -> None:
+    """Found by review (stop 41): the loader inside ``Event.set()`` at the fork (its flag
+    set, the event's own lock held) hung the child's ``load``, whatever its timeout."""
+    from ratequeue.httpx import TokenEstimator
+
+    est = TokenEstimator(None)
+    event = est._loaded
+    event.clear()
+    with event._cond:  # type: ignore[attr-defined]
+        event._flag = True  # type: ignore[attr-defined]
+        result = fork_child(lambda: est.load(timeout=1.0), TIMEOUT)
+    check_child(result, TIMEOUT)
+
+
+def test_the_default_estimator_is_made_without_a_lock() -> None:
+    """Found by review (stop 41): its module lock, held by a parent thread making it at
+    the fork, hung the child's first call; it is made without one (all get the first)."""
+    from ratequeue.httpx import _estimate
+
+    made, _estimate._DEFAULT[:] = list(_estimate._DEFAULT), []
+    try:
+        first = _estimate.default_estimator()
+        assert _estimate.default_estimator() is first
+        assert not hasattr(_estimate, "_DEFAULT_LOCK")
+    finally:
+        _estimate._DEFAULT[:] = made

@@ -71,6 +71,8 @@ class _Accumulator:
         self.peak = 0
 
 
+#: Every Adaptive: a forked child renews its locks (before its driver starts again).
+_all = AfterFork("_new_locks")
 #: Running drivers: a forked child starts its own.
 _running = AfterFork("_after_fork")
 
@@ -171,8 +173,8 @@ class Adaptive:
         else:
             order = classes
         self.shed_order: tuple[str, ...] = tuple(order)
-        self._lock = threading.Lock()
-        self._step_lock = threading.Lock()
+        self._new_locks()
+        _all.add(self)
         self._acc = _Accumulator()
         self._pushed: dict[str, float] = {}
         self._start = self.clock.now()
@@ -430,9 +432,13 @@ class Adaptive:
             except Exception:  # the loop outlives one bad interval; the next one retries
                 _log.exception("adaptive %s: step failed", self.name)
 
-    def _after_fork(self) -> None:
+    def _new_locks(self) -> None:
+        """Free locks (made again in a forked child: a parent thread may have held one
+        at the fork, stepped or not)."""
         self._lock = threading.Lock()
         self._step_lock = threading.Lock()
+
+    def _after_fork(self) -> None:
         self._stop = threading.Event()
         self._thread = None
         self.start()

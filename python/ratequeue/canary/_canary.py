@@ -19,6 +19,7 @@ from typing import Any, Literal
 from .._cancel import within
 from .._errors import Overloaded, WaitTimeout
 from .._ratequeue import MonotonicClock
+from .._threads import fork_safe_lock
 from ._gates import DEFAULT_GATES, Gate, GateResult
 from ._kpi import ArmKPIs, ArmStats
 from ._shadow import ShadowRunner
@@ -328,7 +329,7 @@ class Canary:
         self._on_rollback = on_rollback
         self._hasher = hashlib.blake2b(salt.encode() + b"\x00", digest_size=8)
         self._arms = {"stable": ArmStats("stable"), "candidate": ArmStats("candidate")}
-        self._lock = threading.Lock()  # the rollout state; never held while calling out
+        self._lock = fork_safe_lock(self)  # the rollout state; never held while calling out
         self._stage = 0
         self._state: State = "running"
         self._fraction = self.stages[0]

@@ -210,11 +210,14 @@ class TokenEstimator:
         _ESTIMATORS.add(self)
 
     def _after_fork(self) -> None:
-        """In a forked child: a free lock, and a load under way at the fork (its thread is
-        the parent's) started again on the next use."""
+        """In a forked child: a free lock and event (a parent thread may have held either
+        at the fork), and a load under way at the fork (its thread is the parent's)
+        started again on the next use."""
         self._lock = threading.Lock()
-        if not self._loaded.is_set():
-            self._loaded = threading.Event()
+        loaded, self._loaded = self._loaded.is_set(), threading.Event()
+        if loaded:
+            self._loaded.set()
+        else:
             self._started = False
 
     def _start(self) -> None:
@@ -346,14 +349,13 @@ def chars_estimate(body: dict[str, Any] | None, path: str) -> Estimate:
 
 
 _CHARS = TokenEstimator(None)
-_DEFAULT_LOCK = threading.Lock()
 _DEFAULT: list[TokenEstimator] = []
 
 
 def default_estimator() -> Callable[[dict[str, Any] | None, str], Estimate]:
-    """The shared default :class:`TokenEstimator` (tiktoken's ``o200k_base`` if it loads)."""
+    """The shared default :class:`TokenEstimator` (tiktoken's ``o200k_base`` if it loads):
+    the first one made (no lock, which a forked child could inherit held: threads racing
+    here may each make one, loading nothing yet, and all get the first)."""
     if not _DEFAULT:
-        with _DEFAULT_LOCK:
-            if not _DEFAULT:
-                _DEFAULT.append(TokenEstimator())
+        _DEFAULT.append(TokenEstimator())
     return _DEFAULT[0]
