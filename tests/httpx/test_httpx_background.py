@@ -20,12 +20,15 @@ import pytest
 import ratequeue as rq
 from background_helpers import (
     _BODY,
+    _COMPLETED,
     BURST,
     MODS,
     SPENT,
+    Chunks,
     Ledger,
     Provider,
     _Once,
+    _open,
     _sse,
     _started,
     _stream,
@@ -668,3 +671,125 @@ def test_a_close_inside_a_garbage_collection_leaves_the_waiting_to_the_thread(
     assert lim.available("tokens") == BURST - estimate
     assert ledger.settled == {created.request_id: created.estimate}
     assert t.stats()["background"] == 0
+
+
+def _run_script(tmp_path: Any, name: str, code: str) -> str:
+    """``code`` in a fresh interpreter (tests/ on its path); its output."""
+    import subprocess
+    import sys
+
+    script = tmp_path / name
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script.write_text(f"import sys; sys.path.insert(0, {here!r})\n" + code)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout
+
+
+_GC_CLOSE = """
+import gc, importlib, threading
+from background_helpers import Ledger, Provider, through, create
+from ratequeue.httpx._unclosed import DROPPED
+
+mod = importlib.import_module("httpx")
+ledger = Ledger()
+t, client, lim = through(mod, True, Provider(done=5), ledger=ledger)
+created = create(client).extensions["ratequeue"]
+
+class SDKClient:
+    def __init__(self): self.me = self
+    def __del__(self): t.close()
+"""
+
+
+def test_a_close_inside_a_collection_in_a_process_that_never_streamed(tmp_path: Any) -> None:
+    """Found by review (stop 41): the settling thread started only with a first stream,
+    and the collector hook with it; a process whose creations were JSON answers closed
+    inline inside the collection, and hung there on the background lock."""
+    out = _run_script(
+        tmp_path,
+        "never_streamed.py",
+        _GC_CLOSE
+        + """
+def collect_holding_the_lock():
+    SDKClient()
+    with t._background._lock:
+        gc.collect()
+
+w = threading.Thread(target=collect_holding_the_lock, daemon=True)
+w.start(); w.join(10)
+assert not w.is_alive(), "hung"
+assert DROPPED.flush(10)
+assert created.settled and set(ledger.settled) == set(ledger.held)
+print("ok")
+""",
+    )
+    assert out.strip() == "ok"
+
+
+def test_a_close_inside_a_collection_just_before_exit_is_settled(tmp_path: Any) -> None:
+    """Found by review (stop 41): a close the collector ran left the waiting creations
+    to the settling thread, which the exit did not wait for: the ledger hold was never
+    settled. The exit now flushes that thread first."""
+    log = tmp_path / "ledger.log"
+    script = f"""
+import gc, importlib
+from background_helpers import Provider, through, create
+
+class FileLedger:
+    def hold(self, request_id, account, **kw):
+        open({str(log)!r}, "a").write("hold\\n")
+    def settle(self, request_id, **kw):
+        open({str(log)!r}, "a").write("settle\\n")
+    def release(self, request_id):
+        open({str(log)!r}, "a").write("release\\n")
+
+mod = importlib.import_module("httpx")
+t, client, lim = through(mod, True, Provider(done=5), ledger=FileLedger())
+created = create(client).extensions["ratequeue"]
+assert not created.settled
+
+class SDKClient:
+    def __init__(self): self.me = self
+    def __del__(self): t.close()
+
+SDKClient()
+del created
+gc.collect()  # the program's last allocations collect the client
+"""
+    for _ in range(3):
+        log.unlink(missing_ok=True)
+        _run_script(tmp_path, "at_exit.py", script)
+        assert log.read_text() == "hold\nsettle\n"
+
+
+def test_a_close_inside_a_collection_settles_readers_the_thread_was_not_given() -> None:
+    """Found by review (stop 41): a stream dropped while the settling thread could not
+    take it (not started yet) waits in its transport; a close the collector ran left
+    only the background drain to the thread, which let its creation go: never settled."""
+    from ratequeue.httpx._unclosed import ready
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, _ = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    r, chunks, created = _open(client)
+    ready()
+    DROPPED.running = False  # as if the thread had not started yet at the drop
+    try:
+        del r, chunks
+        gc.collect()
+    finally:
+        DROPPED.running = True
+    assert len(t._unclosed.readers) == 1
+
+    class SDKClient:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            t.close()
+
+    SDKClient()
+    gc.collect()
+    assert DROPPED.flush(10)
+    assert created.settled and set(ledger.settled) == set(ledger.held)

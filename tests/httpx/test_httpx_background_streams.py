@@ -6,8 +6,10 @@ reviews, stop 39, each finding a test here)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import importlib
+import json
 from typing import Any
 
 import pytest
@@ -19,10 +21,13 @@ from background_helpers import (
     MODS,
     SPENT,
     STREAM,
+    USED,
     Chunks,
     Ledger,
+    Provider,
     Streamed,
     _drain,
+    _Once,
     _open,
     _started,
     _stream,
@@ -554,3 +559,97 @@ def test_a_twin_of_a_stream_dropped_unclosed_settles_it_at_its_estimate() -> Non
     assert created.settled and twin.settled and t.stats()["background"] == 0
     assert set(ledger.settled) == set(ledger.held)
     assert lim.available("tokens") == BURST - estimate_of(created) - estimate_of(twin)
+
+
+def test_a_stream_end_interrupted_before_its_settle_is_settled_at_its_drop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review (stop 41): a Ctrl-C in a stream's end before its settle (here in
+    ``keep``) left the reader finished: dropped, it was not handed over, and the close let
+    its creation go for its end to settle; nothing did."""
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, _ = through(mod, True, Chunks(_started("resp_7"), _COMPLETED), ledger=ledger)
+    with CallBudget(calls=10) as budget:
+        r, chunks, created = _open(client)
+    monkeypatch.setattr(type(t._background), "keep", _interrupt)
+    with contextlib.suppress(KeyboardInterrupt):
+        r.close()
+    monkeypatch.undo()
+    assert not created.settled
+    del r, chunks
+    gc.collect()
+    assert DROPPED.flush(10)
+    client.close()
+    assert created.settled
+    assert set(ledger.settled) == set(ledger.held)
+    assert all(s.settled for s in budget.usage)
+
+
+def _interrupt(*args: Any, **kw: Any) -> Any:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_response_whose_settle_is_interrupted_keeps_its_estimate(
+    native: bool, is_async: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in stop 41: a Ctrl-C in the send's own settle (here in ``keep``, a creation
+    answered in JSON) left the call unsettled for good, its ledger hold held (a Policy's
+    slot, a budget's sub-call with it). Now it keeps its estimate, settled and paid."""
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, lim = through(mod, native, Provider(done=1), ledger=ledger)
+    monkeypatch.setattr(type(t._background), "keep", _interrupt)
+    with CallBudget(calls=10) as budget, pytest.raises(KeyboardInterrupt):
+        if is_async:
+
+            async def send() -> None:
+                async with mod.AsyncClient(transport=t) as aclient:
+                    await aclient.post("http://p/v1/responses", json=_BODY)
+
+            asyncio.run(send())
+        else:
+            client.post("http://p/v1/responses", json=_BODY)
+    monkeypatch.undo()
+    assert len(ledger.held) == 1 and set(ledger.settled) == set(ledger.held)
+    (sub,) = budget.usage
+    assert sub.settled and t.stats()["background"] == 0
+    assert lim.available("tokens") == BURST - sub.tokens  # the estimate kept
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("with_ledger", [True, False])
+def test_a_body_end_interrupted_before_its_settle_is_settled_by_its_close(
+    native: bool, with_ledger: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (stop 41), for a JSON body read as a stream (the native reader
+    defers a creation to ``_stream_deferred``): a Ctrl-C in its end's settle left the
+    reader finished, and its close did nothing. Now the close settles it (kept: waiting
+    for its poll)."""
+    mod = importlib.import_module("httpx")
+    answer = json.dumps({"id": "resp_1", "status": "queued", "usage": None}).encode()
+
+    def provider(request: Any) -> Any:
+        if request.method == "POST":  # a body of unknown length: not read ahead
+            headers = {"content-type": "application/json"}
+            return mod.Response(200, headers=headers, stream=_Once(mod, answer))
+        return mod.Response(200, json={"id": "resp_1", "status": "completed", "usage": USED})
+
+    ledger = Ledger()  # a ledger's calls take the Python reader, the others the native one
+    t, client, _ = through(mod, native, provider, ledger=ledger if with_ledger else None)
+    r = client.send(client.build_request("POST", "http://p/v1/responses", json=_BODY), stream=True)
+    created = r.extensions["ratequeue"]
+    monkeypatch.setattr(type(t._background), "keep", _interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        r.read()
+    monkeypatch.undo()
+    assert not created.settled and t.stats()["background"] == 0
+    r.close()
+    assert t.stats()["background"] == 1
+    client.get("http://p/v1/responses/resp_1")
+    assert created.settled and created.usage is not None
+    assert set(ledger.settled) == set(ledger.held)
+    reader = r.stream._stream._reader  # httpx's BoundSyncStream over the transport's
+    assert type(reader).__name__ == ("_BodyReader" if native and not with_ledger else "_Reader")

@@ -25,6 +25,7 @@ its own).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
@@ -34,12 +35,15 @@ from .._errors import each
 from .._threads import AfterFork
 from ._record import json_object
 from ._stream import NONE_USED
+from ._unclosed import ready
 from ._usage import Usage, waiting_response_id
 
 if TYPE_CHECKING:
     from ._record import _Call
 
 __all__ = ["Background"]
+
+_log = logging.getLogger("ratequeue.httpx")
 
 #: ``_Call._rkey`` of a creation let go while it streamed: its stream's end settles it,
 #: nothing keeps it.
@@ -254,10 +258,17 @@ class Background:
                 if c is None:
                     del ids[old]
 
-    def drain(self) -> list[_Call]:
+    def drain(self, blocking: bool = True) -> list[_Call] | None:
         """The creations still waiting, taken out (to settle at their estimate); none is
         kept from now on. One still streaming is let go: its stream's end settles it
-        (one dropped unclosed: the settling thread, or the close, ends it)."""
+        (one dropped unclosed: the settling thread, or the close, ends it). Not
+        ``blocking``: None when the lock is held."""
+        if not blocking:
+            # Held by this thread (a collection inside a change), or by another for a
+            # moment: nothing is waited for.
+            if not self._lock.acquire(False):
+                return None
+            self._lock.release()
         with self._lock:
             self.closed = True
             calls = []
@@ -317,6 +328,9 @@ class _Settles:
             return True  # a poll took it meanwhile: the poll settles it
         if not kept:
             return False
+        # A close the garbage collector runs leaves the waiting to the settling thread:
+        # it runs, and a collection is told apart, from now on.
+        ready()
         call._done = True
         _ = call.estimate, call.model  # read from the request now: it is dropped
         call._request = None
@@ -366,9 +380,11 @@ class _Settles:
         call._async = True
         self._settle_one(call, None, call.status, reported=True)
 
-    def _drain_background(self) -> None:
+    def _drain_background(self, blocking: bool = True) -> None:
         """``close()``: the creations still waiting settled at their estimate and paid,
-        each whatever fails (the first error raised after)."""
+        each whatever fails (the first error raised after). Not ``blocking`` (a close
+        inside a garbage collection with no settling thread, whose thread may hold the
+        lock): none if the lock is held (logged)."""
 
         def settle(call: _Call) -> None:
             try:
@@ -376,4 +392,11 @@ class _Settles:
             finally:
                 self._pay(call)
 
-        each(self._background.drain(), settle)
+        calls = self._background.drain(blocking)
+        if calls is None:
+            _log.warning(
+                "closed inside a garbage collection, with no thread to settle them: "
+                "the background responses waiting keep their holds"
+            )
+            return
+        each(calls, settle)

@@ -126,12 +126,20 @@ class _Reader:
             done = self.sse.done
         else:
             body = b"".join(self.buf)
-            self.buf = []
+            self.buf = [body]  # until settled
             usage = _json_usage(body) if body else None
             whole = body
             if usage is None and self.ended:
                 usage = nothing_used(self.call, body)
-        _done(self.call, self.transport, usage, whole, rid, done)
+        try:
+            _done(self.call, self.transport, usage, whole, rid, done)
+        except BaseException:
+            if self.call._once:
+                # Not settled (a Ctrl-C, a failure before the settle): unfinished again,
+                # so that the stream's close or drop settles it.
+                self.finished = False
+            raise
+        self.buf = []
 
 
 class _Decoding(_Reader):

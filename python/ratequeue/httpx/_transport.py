@@ -28,6 +28,7 @@ from ..pool import Pool
 from . import _budget
 from ._background import Background, _Settles
 from ._caps import Cap, CapTable
+from ._closing import _Closing
 from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
@@ -43,7 +44,7 @@ from ._stream import (
     read_ahead,
     wrap,
 )
-from ._unclosed import DROPPED, Unclosed, collecting, settle_unclosed, settle_unclosed_async
+from ._unclosed import Unclosed
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -62,8 +63,6 @@ _new = tuple.__new__
 _U64 = (1 << 64) - 1
 
 _TRANSPORTS = AfterFork("_after_fork_in_child")  # new locks in a forked child
-#: How long ``close()`` waits for its dropped streams the settling thread is settling.
-FLUSH_TIMEOUT = 5.0
 
 
 def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | None:
@@ -76,7 +75,7 @@ def _bound(name: str, v: float | None, *, allow_none: bool = True) -> float | No
     return float(v)
 
 
-class RateLimitedTransport(_Settles, _Requests):
+class RateLimitedTransport(_Closing, _Settles, _Requests):
     """An httpx / httpx2 transport that waits in ratequeue's queue before each call.
 
     ``limit`` is a :class:`~ratequeue.Limiter`, :class:`~ratequeue.Policy` or
@@ -609,6 +608,14 @@ class RateLimitedTransport(_Settles, _Requests):
             if not call._async:
                 self._pay(call)
 
+    def _unsettled(self, call: _Call) -> None:
+        """A response received whose settle did not run (a Ctrl-C, a failure before it):
+        settled at its estimate (never admit more than allowed), its ledger part left
+        owed for the caller to pay."""
+        if call._once:
+            call._async = True
+            self._settle_one(call, None, call.status, reported=True)
+
     def _failed(self, call: _Call) -> None:
         """Sent but no response (connection error, timeout, cancel): no tokens used."""
         if self._is_pool and call._provider is not None:
@@ -649,7 +656,14 @@ class RateLimitedTransport(_Settles, _Requests):
         except BaseException:
             self._failed(call)
             raise
-        return self._received(call, response, perf_counter() - t1, False)
+        try:
+            return self._received(call, response, perf_counter() - t1, False)
+        except BaseException:
+            try:
+                self._unsettled(call)
+            finally:
+                self._pay(call)
+            raise
 
     def _acquire(self, call: _Call) -> None:
         """The call held in the ledger, then its permit acquired (waiting, GIL released)."""
@@ -692,10 +706,16 @@ class RateLimitedTransport(_Settles, _Requests):
                 await self._pay_async(call)
             raise
         took = perf_counter() - t1
-        got = self._received(call, response, took, True)
-        if type(got) is int:  # a JSON body of this length: read first
-            body = await aread_ahead(self, call, response, got, took)
-            self._received(call, response, took, True, body, body is not None)
+        try:
+            got = self._received(call, response, took, True)
+            if type(got) is int:  # a JSON body of this length: read first
+                body = await aread_ahead(self, call, response, got, took)
+                self._received(call, response, took, True, body, body is not None)
+        except BaseException:
+            self._unsettled(call)
+            if call._owed is not None:
+                await self._pay_async(call)
+            raise
         if call._owed is not None:
             await self._pay_async(call)
         return response
@@ -715,66 +735,6 @@ class RateLimitedTransport(_Settles, _Requests):
                         await self._pay_async(call)
                     raise
         self._admitted(call, grant, perf_counter() - t0)
-
-    def close(self) -> None:
-        """Close the inner transport; first the streams dropped unclosed are settled (in
-        this thread; those being settled by the settling thread waited for, at most
-        ``FLUSH_TIMEOUT`` s), then background responses still waiting for their usage at
-        their estimate (each, whatever fails: the first error is raised after; an
-        interrupt of one step still runs the next). Inside a garbage collection (an SDK
-        client's ``__del__``), whose thread may hold the transport's locks, the settling
-        thread does both."""
-        try:
-            settle_unclosed(self, FLUSH_TIMEOUT)
-        finally:
-            try:
-                if collecting() and DROPPED.running:
-                    DROPPED.put(self._drain_background)
-                else:
-                    self._drain_background()
-            finally:
-                if hasattr(self.inner, "close"):
-                    self.inner.close()
-
-    async def aclose(self) -> None:
-        """Close the inner async transport; first the streams dropped unclosed are
-        settled (their ledger parts off the event loop; those being settled by the
-        settling thread waited for off it), then background responses still waiting for
-        their usage at their estimate (their ledger parts off the loop, each whatever
-        fails: the first error is raised after; a cancel of one step still runs the
-        next)."""
-        try:
-            await settle_unclosed_async(self, FLUSH_TIMEOUT)
-        finally:
-            error: BaseException | None = None
-            try:
-                for c in self._background.drain():
-                    try:
-                        try:
-                            self._at_estimate(c)
-                        finally:
-                            await self._pay_async(c)
-                    except BaseException as e:  # the others are settled all the same
-                        error = error or e
-            finally:
-                try:
-                    if hasattr(self.inner, "aclose"):
-                        await self.inner.aclose()
-                finally:
-                    if error is not None:
-                        raise error
-
-    def __enter__(self) -> RateLimitedTransport:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> RateLimitedTransport:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
 
     def stats(self) -> dict[str, Any]:
         """Counters (calls: granted or refused by the queue; sent, rate_limited, paused,

@@ -40,6 +40,9 @@ __all__ = [
 
 _log = logging.getLogger("ratequeue.httpx")
 
+#: Seconds a close (and the interpreter's exit) waits for the settling thread.
+FLUSH_TIMEOUT = 5.0
+
 _FORK = AfterFork("_after_fork_in_child")
 
 
@@ -201,10 +204,14 @@ def _settle_claiming(reader: Any) -> None:
     try:
         settle(reader, pay=False)
         if reader.call._owed is not None:
-            fut = _worker().submit(_pay_logged, transport, reader.call)
-            paying = True
-            DROPPED.paying.add(fut)
-            fut.add_done_callback(lambda f: _paid(f, unclosed, reader))
+            try:
+                fut = _worker().submit(_pay_logged, transport, reader.call)
+            except RuntimeError:  # the workers are shut down (interpreter exit): paid here
+                _pay_logged(transport, reader.call)
+            else:
+                paying = True
+                DROPPED.paying.add(fut)
+                fut.add_done_callback(lambda f: _paid(f, unclosed, reader))
     finally:
         if not paying:
             unclosed.done(reader)
@@ -228,6 +235,7 @@ class Dropped:
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self.paying: set[Any] = set()  # ledger parts being paid (futures)
+        self._at_exit = False  # the exit's flush registered
         _FORK.add(self)
 
     def put(self, item: Any) -> None:
@@ -262,9 +270,20 @@ class Dropped:
             self._starting = False
             if error is None:
                 self._thread, self.running = thread, True
+        if error is None and not self._at_exit:
+            self._at_exit = True
+            with contextlib.suppress(RuntimeError):  # exiting already
+                # Before the worker threads are joined, while this thread still runs.
+                threading._register_atexit(self._flush_at_exit)  # type: ignore[attr-defined]
         if error is not None:
             _log.warning("no thread to settle the streams dropped unclosed: %s", error)
         return error is None
+
+    def _flush_at_exit(self) -> None:
+        """At interpreter exit: what was handed over settled first (at most
+        ``FLUSH_TIMEOUT`` s; a close the collector ran left it to this thread)."""
+        if self.running and not self.flush(FLUSH_TIMEOUT):
+            _log.warning("exiting with dropped streams or closes not settled yet")
 
     def _run(self, queue: SimpleQueue[Any]) -> None:
         try:

@@ -133,7 +133,8 @@ impl BodyReaderPy {
             }
         };
         let call = self.call.bind(py);
-        match settle_body(
+        let kept = body.clone();
+        let settled = settle_body(
             py,
             call,
             once,
@@ -144,7 +145,8 @@ impl BodyReaderPy {
             self.max_body,
             None,
             self.usage_type.bind(py),
-        )? {
+        )
+        .and_then(|settled| match settled {
             Settled::Done => Ok(()),
             Settled::Deferred => {
                 let body = body.map_or_else(|| py.None().into_bound(py), Bound::into_any);
@@ -153,7 +155,15 @@ impl BodyReaderPy {
                     .call_method1(intern!(py, "_stream_deferred"), (call, body))
                     .map(drop)
             }
+        });
+        if settled.is_err() && !once.is_empty() {
+            // Not settled (a Ctrl-C, a failure before the settle): unfinished again, with
+            // the body read, so that the stream's close or drop settles it.
+            let mut b = self.body();
+            b.finished = false;
+            b.chunks = kept.into_iter().map(Bound::unbind).collect();
         }
+        settled
     }
 
     /// An iterator over `inner` that feeds each chunk and finishes at its end; it keeps
