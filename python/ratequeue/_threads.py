@@ -4,16 +4,19 @@ a forked child resets (one ``os.register_at_fork`` hook for them all)."""
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import logging
 import operator
 import os
 import threading
 import weakref
 from collections.abc import Callable
+from queue import SimpleQueue
 from typing import Any
 
 from ._errors import each
 
-__all__ = ["AfterFork", "ProcessThreads", "fork_safe_lock"]
+__all__ = ["AfterFork", "DaemonThreads", "ProcessThreads", "fork_safe_lock"]
 
 
 class AfterFork:
@@ -74,25 +77,123 @@ def fork_safe_lock(obj: Any) -> threading.Lock:
     return threading.Lock()
 
 
-class ProcessThreads:
-    """A thread pool made on first use and made again in a forked child (the parent's
-    threads do not exist there, and its pool's lock may have been held at the fork)."""
+#: Seconds the interpreter's exit waits in all for the work of a pool's threads.
+EXIT_WAIT = 5.0
+
+_log = logging.getLogger("ratequeue")
+
+
+class DaemonThreads(concurrent.futures.Executor):
+    """Up to ``max_workers`` daemon threads, started as work comes, running what is
+    submitted in order. Unlike ``ThreadPoolExecutor``, whose threads the interpreter's
+    exit joins however long their work takes, the exit waits at most ``EXIT_WAIT`` s for
+    the work submitted (a ledger that never answers cannot hang it), then refuses more
+    (``RuntimeError``, as a pool shut down) and logs what is left undone."""
 
     def __init__(self, name: str, max_workers: int) -> None:
         self._name = name
         self._max = max_workers
-        self._pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None
+        self._queue: SimpleQueue[Any] = SimpleQueue()
+        self._lock = threading.Lock()
+        self._done = threading.Condition(self._lock)
+        self._threads = 0
+        self._idle = 0  # threads waiting for work no submit has counted on yet
+        self._pending = 0  # submitted, not done
+        self._closed = False
+        self._pid = os.getpid()
+        with contextlib.suppress(RuntimeError):  # made at exit already: nothing to wait
+            threading._register_atexit(self._at_exit)  # type: ignore[attr-defined]
+
+    def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._pending += 1
+            self._queue.put((future, fn, args, kwargs))
+            if self._idle:
+                self._idle -= 1
+                return future
+            if self._threads >= self._max:
+                return future
+            self._threads += 1
+        try:
+            threading.Thread(
+                target=self._work, name=f"{self._name}-{self._threads}", daemon=True
+            ).start()
+        except BaseException:
+            with self._lock:
+                self._threads -= 1
+                alone = not self._threads
+            if alone:  # no thread to run it: not run (a later thread skips it)
+                future.cancel()
+                raise
+        return future  # queued for the threads there are
+
+    def _work(self) -> None:
+        queue = self._queue
+        while True:
+            item = queue.get()
+            if item is None:
+                return
+            future, fn, args, kwargs = item
+            del item
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn(*args, **kwargs)
+                except BaseException as e:  # the caller's to see, as ThreadPoolExecutor
+                    future.set_exception(e)
+                    del e
+                else:
+                    future.set_result(result)
+                    del result
+            del future, fn, args, kwargs
+            with self._lock:
+                self._idle += 1
+                self._pending -= 1
+                self._done.notify_all()
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._lock:
+            self._closed = True
+            threads = self._threads
+        for _ in range(threads):
+            self._queue.put(None)
+        if wait:
+            self._wait(None)
+
+    def _wait(self, timeout: float | None) -> bool:
+        with self._lock:
+            return self._done.wait_for(lambda: not self._pending, timeout)
+
+    def _at_exit(self) -> None:
+        if os.getpid() != self._pid:
+            return  # the parent's pool, copied by a fork: the child's is another
+        done = self._wait(EXIT_WAIT)
+        with self._lock:
+            self._closed = True
+            left = self._pending
+        if not done:
+            _log.warning("%s: %d calls not done at exit (left running)", self._name, left)
+
+
+class ProcessThreads:
+    """A pool of daemon threads (:class:`DaemonThreads`) made on first use and made
+    again in a forked child (the parent's threads do not exist there, and its pool's
+    lock may have been held at the fork)."""
+
+    def __init__(self, name: str, max_workers: int) -> None:
+        self._name = name
+        self._max = max_workers
+        self._pool: tuple[int, DaemonThreads] | None = None
         self._lock = threading.Lock()
         _PROCESS_THREADS.add(self)
 
-    def get(self) -> concurrent.futures.ThreadPoolExecutor:
+    def get(self) -> DaemonThreads:
         """This process's pool."""
         with self._lock:
             if self._pool is None or self._pool[0] != os.getpid():
-                pool = concurrent.futures.ThreadPoolExecutor(
-                    max_workers=self._max, thread_name_prefix=self._name
-                )
-                self._pool = (os.getpid(), pool)
+                self._pool = (os.getpid(), DaemonThreads(self._name, self._max))
             return self._pool[1]
 
     def _after_fork_in_child(self) -> None:

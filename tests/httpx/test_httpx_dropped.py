@@ -740,3 +740,35 @@ def test_a_stream_open_at_a_fork_is_not_settled_by_the_child() -> None:
     del r, chunks
     settled_dropped()
     assert record.settled
+
+
+def test_a_ledger_stuck_at_exit_does_not_hang_the_exit(tmp_path: Any) -> None:
+    """Found in stop 41: a dropped stream's ledger part paid by a worker thread whose
+    ledger never answers (a dead connection without a timeout) hung the interpreter's
+    exit for good: the exit joined the worker threads. The exit now waits a bounded time
+    for them (logged), then goes."""
+    import subprocess
+    import sys
+    import time
+
+    script = tmp_path / "stuck.py"
+    script.write_text(
+        "import sys, gc, threading; sys.path.insert(0, HERE)\n"
+        "import httpx, test_httpx_dropped as d\n"
+        "from ratequeue.httpx._unclosed import DROPPED\n"
+        "class Stuck(d.Ledger):\n"
+        "    def settle(self, request_id, **kw):\n"
+        "        print('stuck', flush=True)\n"
+        "        threading.Event().wait()\n"
+        "client = httpx.Client(transport=d.policy_transport(httpx, ledger=Stuck()))\n"
+        "d.open_and_drop(client)\n"
+        "gc.collect()\n"
+        "DROPPED.flush(0.5)\n".replace("HERE", repr(os.path.dirname(__file__)))
+    )
+    t0 = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=60
+    )
+    assert done.stdout == "stuck\n" and done.returncode == 0, done.stderr
+    assert time.monotonic() - t0 < 30
+    assert "not done at exit" in done.stderr

@@ -9,7 +9,7 @@ import concurrent.futures
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from .._threads import ProcessThreads
+from .._threads import DaemonThreads, ProcessThreads
 
 if TYPE_CHECKING:
     from ..ledger._protocol import LedgerLike as Ledger
@@ -30,7 +30,7 @@ def __getattr__(name: str) -> Any:
 _threads = ProcessThreads("ratequeue-httpx-ledger", 8)
 
 
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
+def _worker() -> DaemonThreads:
     """Threads for ledgers without asyncio twins (made again in a forked child)."""
     return _threads.get()
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import abc
 import asyncio
-import concurrent.futures
 import csv
 import inspect
 import json
@@ -14,7 +13,7 @@ from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import IO, Any, ParamSpec, TypeVar
 
 from .._errors import QuotaExceeded
-from .._threads import ProcessThreads
+from .._threads import DaemonThreads, ProcessThreads
 from ._campaign import Campaigns
 from ._model import (
     DAY,
@@ -623,7 +622,7 @@ class LedgerBase(Campaigns, abc.ABC):
 _threads = ProcessThreads("ratequeue-ledger", 16)
 
 
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
+def _executor() -> DaemonThreads:
     """The ledger's worker threads for asyncio callers (made again in a forked child)."""
     return _threads.get()
 
