@@ -24,6 +24,7 @@ from background_helpers import (
     BURST,
     MODS,
     SPENT,
+    USED,
     Chunks,
     Ledger,
     Provider,
@@ -793,3 +794,91 @@ def test_a_close_inside_a_collection_settles_readers_the_thread_was_not_given() 
     gc.collect()
     assert DROPPED.flush(10)
     assert created.settled and set(ledger.settled) == set(ledger.held)
+
+
+def test_a_close_racing_the_end_of_a_kept_creation_pays_its_ledger_part(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review (stop 41): a close in another thread while a JSON body's end kept
+    its creation finished the reader a second time; that second settle took the call for
+    its own twin and left its ledger part owed to nobody."""
+    import threading
+
+    mod = importlib.import_module("httpx")
+    answer = json.dumps({"id": "resp_1", "status": "queued", "usage": None}).encode()
+
+    def provider(request: Any) -> Any:
+        if request.method == "POST":  # a body of unknown length: read as a stream
+            headers = {"content-type": "application/json"}
+            return mod.Response(200, headers=headers, stream=_Once(mod, answer))
+        return mod.Response(200, json={"id": "resp_1", "status": "completed", "usage": USED})
+
+    ledger = Ledger()
+    t, client, _ = through(mod, True, provider, ledger=ledger)
+    r = client.send(client.build_request("POST", "http://p/v1/responses", json=_BODY), stream=True)
+    created = r.extensions["ratequeue"]
+    real_keep, first = type(t._background).keep, [True]
+
+    def keep(self: Any, *a: Any, **kw: Any) -> Any:
+        out = real_keep(self, *a, **kw)
+        if first.pop() if first else False:
+            closer = threading.Thread(target=r.close)  # between keep and the rest
+            closer.start()
+            closer.join(10)
+        return out
+
+    monkeypatch.setattr(type(t._background), "keep", keep)
+    r.read()
+    monkeypatch.undo()
+    r.close()
+    client.get("http://p/v1/responses/resp_1")
+    assert created.settled and created._owed is None
+    assert set(ledger.settled) == set(ledger.held)
+
+
+def test_a_ledger_hanging_in_a_collected_close_holds_up_no_other_transport() -> None:
+    """Found by review (stop 41): the settling thread paid a collected close's ledger
+    parts itself: a ledger that never answered there stopped the settle of every other
+    transport's dropped streams (a Policy's slot held for good). They go to the
+    ledger's worker threads, as a dropped stream's do."""
+    import sys
+    import threading
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from ratequeue.httpx._unclosed import ready
+    from test_httpx_dropped import BODY, CHAT, open_and_drop, policy_transport
+
+    ready()
+    mod = importlib.import_module("httpx")
+    release, entered = threading.Event(), threading.Event()
+
+    class Hanging(Ledger):
+        def settle(self, request_id: str, **kw: Any) -> None:
+            entered.set()
+            release.wait(30)
+            super().settle(request_id, **kw)
+
+    slow_t, slow_client, _ = through(mod, True, Provider(done=5), ledger=Hanging())
+    create(slow_client)
+    quick = mod.Client(transport=policy_transport(mod))  # one concurrency slot
+
+    class SDKClient:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            slow_t.close()
+
+    try:
+        SDKClient()
+        gc.collect()  # a close inside a collection: queued to the settling thread
+        assert entered.wait(10)
+        record = open_and_drop(quick)
+        gc.collect()
+        passed = threading.Event()
+        DROPPED.put(passed.set)
+        assert passed.wait(5) and record.settled
+        quick.post(CHAT, json=BODY)  # its one slot is free
+    finally:
+        release.set()
+        DROPPED.flush(10)

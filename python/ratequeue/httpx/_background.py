@@ -199,6 +199,8 @@ class Background:
             if self.closed:
                 return False, None
             other = self._ids.get(key)
+            if other is call:
+                return None, None  # kept already (its settle is another caller's)
             if other is not None:
                 # The provider named two responses alike: neither poll can tell which
                 # it settles, so neither is kept and the id's polls are charged. One

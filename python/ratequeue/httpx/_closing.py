@@ -10,6 +10,7 @@ from ._unclosed import (
     DROPPED,
     FLUSH_TIMEOUT,
     collecting,
+    settle_closed,
     settle_unclosed,
     settle_unclosed_async,
 )
@@ -44,7 +45,7 @@ class _Closing:
         thread does both (at interpreter exit, where it cannot run: here)."""
         try:
             if collecting() and DROPPED.running and not sys.is_finalizing():
-                DROPPED.put(self._settle_closed)
+                DROPPED.put(lambda: settle_closed(self))
             else:
                 try:
                     settle_unclosed(self, FLUSH_TIMEOUT)
@@ -53,14 +54,6 @@ class _Closing:
         finally:
             if hasattr(self.inner, "close"):
                 self.inner.close()
-
-    def _settle_closed(self) -> None:
-        """In the settling thread, for a close the garbage collector ran: as ``close``
-        (the readers another thread settles not waited for)."""
-        try:
-            settle_unclosed(self, 0.0)
-        finally:
-            self._drain_background()
 
     async def aclose(self) -> None:
         """Close the inner async transport; first the streams dropped unclosed are

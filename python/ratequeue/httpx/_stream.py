@@ -67,6 +67,7 @@ class _Reader:
 
     __slots__ = (
         "__weakref__",
+        "_unfinished",
         "buf",
         "call",
         "ended",
@@ -86,6 +87,7 @@ class _Reader:
         self.over = False
         self.ended = False  # the body was read to its end (not closed before)
         self.finished = False  # finish ran: the body ended, was closed or cut
+        self._unfinished = [None]  # popped by the one caller that finishes
         self.named = False  # a background response's id seen (kept from then on)
 
     def feed(self, chunk: bytes) -> None:
@@ -107,6 +109,10 @@ class _Reader:
                 self.buf.append(chunk)
 
     def finish(self) -> None:
+        try:
+            self._unfinished.pop()  # atomic: a close racing the end finishes nothing
+        except IndexError:
+            return
         self.finished = True
         if self.call._done:
             return
@@ -138,6 +144,7 @@ class _Reader:
                 # Not settled (a Ctrl-C, a failure before the settle): unfinished again,
                 # so that the stream's close or drop settles it.
                 self.finished = False
+                self._unfinished.append(None)
             raise
         self.buf = []
 

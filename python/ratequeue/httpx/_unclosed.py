@@ -20,11 +20,13 @@ import gc
 import logging
 import sys
 import threading
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from queue import SimpleQueue
 from threading import get_ident
 from typing import Any
 
+from .._errors import each
 from .._threads import AfterFork
 from ._ledger import _worker
 
@@ -34,6 +36,7 @@ __all__ = [
     "collecting",
     "hand_over",
     "ready",
+    "settle_closed",
     "settle_unclosed",
     "settle_unclosed_async",
 ]
@@ -203,23 +206,47 @@ def _settle_claiming(reader: Any) -> None:
     paying = False
     try:
         settle(reader, pay=False)
-        if reader.call._owed is not None:
-            try:
-                fut = _worker().submit(_pay_logged, transport, reader.call)
-            except RuntimeError:  # the workers are shut down (interpreter exit): paid here
-                _pay_logged(transport, reader.call)
-            else:
-                paying = True
-                DROPPED.paying.add(fut)
-                fut.add_done_callback(lambda f: _paid(f, unclosed, reader))
+        paying = _pay_off_thread(transport, reader.call, lambda: unclosed.done(reader))
     finally:
         if not paying:
             unclosed.done(reader)
 
 
-def _paid(fut: Any, unclosed: Unclosed, reader: Any) -> None:
+def _pay_off_thread(transport: Any, call: Any, then: Callable[[], object] | None) -> bool:
+    """In the settling thread: what ``call`` owes the ledger paid by the ledger's worker
+    threads (a ledger that never answers holds up nothing else), ``then`` called after;
+    False when it is not (nothing owed; paid here at exit, the workers gone)."""
+    if call._owed is None:
+        return False
+    try:
+        fut = _worker().submit(_pay_logged, transport, call)
+    except RuntimeError:  # the workers are shut down (interpreter exit): paid here
+        _pay_logged(transport, call)
+        return False
+    DROPPED.paying.add(fut)
+    fut.add_done_callback(lambda f: _paid(f, then))
+    return True
+
+
+def _paid(fut: Any, then: Callable[[], object] | None) -> None:
     DROPPED.paying.discard(fut)
-    unclosed.done(reader)
+    if then is not None:
+        then()
+
+
+def settle_closed(transport: Any) -> None:
+    """In the settling thread, for a close the garbage collector ran: the transport's
+    dropped readers not claimed yet, then its background creations waiting, at their
+    estimate; each whatever fails, every ledger part paid by the worker threads."""
+
+    def at_estimate(call: Any) -> None:
+        transport._at_estimate(call)  # its ledger part left owed
+        _pay_off_thread(transport, call, None)
+
+    try:
+        each(list(transport._unclosed.readers.values()), _settle_claiming)
+    finally:
+        each(transport._background.drain() or (), at_estimate)
 
 
 class Dropped:
@@ -307,12 +334,13 @@ class Dropped:
         False if they are not by then, or no thread runs, or this is that thread."""
         if not self.start() or threading.current_thread() is self._thread:
             return False
+        deadline = None if timeout is None else time.monotonic() + timeout
         done = threading.Event()
         self._queue.put(done.set)
         if not done.wait(timeout):
             return False
-        pending = list(self.paying)
-        return not concurrent.futures.wait(pending, timeout).not_done
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        return not concurrent.futures.wait(list(self.paying), left).not_done
 
     def _after_fork_in_child(self) -> None:
         self._queue, self._thread = SimpleQueue(), None
