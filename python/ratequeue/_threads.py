@@ -9,6 +9,7 @@ import logging
 import operator
 import os
 import threading
+import time
 import weakref
 from collections.abc import Callable
 from queue import SimpleQueue
@@ -77,8 +78,19 @@ def fork_safe_lock(obj: Any) -> threading.Lock:
     return threading.Lock()
 
 
-#: Seconds the interpreter's exit waits in all for the work of a pool's threads.
+#: Seconds the interpreter's exit waits in all for the package's threads (each pool's
+#: work, the dropped streams' settling thread), counted from the first that waits.
 EXIT_WAIT = 5.0
+_EXIT_AT: list[float] = []
+
+
+def exit_time_left() -> float:
+    """At interpreter exit: seconds left of its one bounded wait (``EXIT_WAIT`` in all,
+    whatever the number and order of the hooks that wait)."""
+    if not _EXIT_AT:
+        _EXIT_AT.append(time.monotonic() + EXIT_WAIT)
+    return max(0.0, _EXIT_AT[0] - time.monotonic())
+
 
 _log = logging.getLogger("ratequeue")
 
@@ -106,29 +118,39 @@ class DaemonThreads(concurrent.futures.Executor):
 
     def submit(self, fn: Any, /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        item = (future, fn, args, kwargs)
         with self._lock:
             if self._closed:
                 raise RuntimeError("cannot schedule new futures after shutdown")
-            self._pending += 1
-            self._queue.put((future, fn, args, kwargs))
-            if self._idle:
-                self._idle -= 1
+            start = not self._idle and self._threads < self._max
+            if start:
+                self._threads += 1
+                name = f"{self._name}-{self._threads}"
+            else:
+                self._idle = max(0, self._idle - 1)
+                self._put(item)
                 return future
-            if self._threads >= self._max:
-                return future
-            self._threads += 1
         try:
-            threading.Thread(
-                target=self._work, name=f"{self._name}-{self._threads}", daemon=True
-            ).start()
-        except BaseException:
+            threading.Thread(target=self._work, name=name, daemon=True).start()
+        except RuntimeError:  # not started (a pids limit; shutting down)
             with self._lock:
                 self._threads -= 1
-                alone = not self._threads
-            if alone:  # no thread to run it: not run (a later thread skips it)
-                future.cancel()
-                raise
-        return future  # queued for the threads there are
+                if not self._threads:
+                    raise  # none to run it: not queued
+                self._put(item)  # for the threads there are
+            return future
+        except BaseException:  # a Ctrl-C while the thread started: it runs
+            with self._lock:
+                self._put(item)
+            raise
+        with self._lock:
+            self._put(item)
+        return future
+
+    def _put(self, item: Any) -> None:
+        """Queue ``item`` (under the lock)."""
+        self._pending += 1
+        self._queue.put(item)
 
     def _work(self) -> None:
         queue = self._queue
@@ -169,7 +191,7 @@ class DaemonThreads(concurrent.futures.Executor):
     def _at_exit(self) -> None:
         if os.getpid() != self._pid:
             return  # the parent's pool, copied by a fork: the child's is another
-        done = self._wait(EXIT_WAIT)
+        done = self._wait(exit_time_left())
         with self._lock:
             self._closed = True
             left = self._pending

@@ -882,3 +882,41 @@ def test_a_ledger_hanging_in_a_collected_close_holds_up_no_other_transport() -> 
     finally:
         release.set()
         DROPPED.flush(10)
+
+
+@pytest.mark.parametrize("in_gc", [False, True])
+def test_a_waiting_creation_whose_settle_fails_at_the_close_is_paid(in_gc: bool) -> None:
+    """Found by review (stop 41): a close the collector ran paid a creation's ledger part
+    only when its settle at the estimate returned; one that raised after leaving it owed
+    kept its hold for good (the plain close pays it in a ``finally``)."""
+    from ratequeue.httpx._unclosed import ready
+
+    mod = importlib.import_module("httpx")
+    ledger = Ledger()
+    t, client, _ = through(mod, True, Provider(done=5), ledger=ledger)
+    create(client)
+    assert len(ledger.held) == 1 and not ledger.settled
+    ready()
+    real = t._at_estimate
+
+    def at_estimate(call: Any) -> None:
+        real(call)  # settled, its ledger part left owed
+        raise RuntimeError("a permit's settle failed")
+
+    t._at_estimate = at_estimate  # type: ignore[method-assign]
+    if in_gc:
+
+        class SDKClient:
+            def __init__(self) -> None:
+                self.me = self
+
+            def __del__(self) -> None:
+                t.close()
+
+        SDKClient()
+        gc.collect()
+        assert DROPPED.flush(10)
+    else:
+        with pytest.raises(RuntimeError):
+            t.close()
+    assert set(ledger.settled) == set(ledger.held)

@@ -771,3 +771,44 @@ def _run_script(tmp_path: Any, code: str) -> tuple[float, Any]:
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
     return time.monotonic() - t0, done
+
+
+def _interrupted_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The next JSON usage read raises KeyboardInterrupt (a Ctrl-C landing there)."""
+    from ratequeue.httpx import _stream
+
+    real, first = _stream._json_usage, [True]
+
+    def json_usage(body: bytes) -> object:
+        if first:
+            first.pop()
+            raise KeyboardInterrupt
+        return real(body)
+
+    monkeypatch.setattr(_stream, "_json_usage", json_usage)
+
+
+@pytest.mark.parametrize("drop", [False, True])
+def test_a_stream_end_interrupted_while_reading_its_usage_is_settled_later(
+    drop: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by review (stop 41): a Ctrl-C in the end's own reading of the usage (not
+    in its settle) left the reader finished: its close and its drop settled nothing, and
+    the Policy's one slot was held for good."""
+    mod = importlib.import_module("httpx")
+    t = policy_transport(mod, kind="json")
+    t._native_stream = False  # the Python reader
+    client = mod.Client(transport=t)
+    _interrupted_once(monkeypatch)
+    r = client.send(client.build_request("POST", CHAT, json=BODY), stream=True)
+    record = r.extensions["ratequeue"]
+    with pytest.raises(KeyboardInterrupt):
+        r.read()
+    if drop:
+        del r
+        gc.collect()
+        settled_dropped()
+    else:
+        r.close()
+    assert record.settled
+    client.post(CHAT, json=BODY)  # the one slot is free (timeout 0: refused otherwise)

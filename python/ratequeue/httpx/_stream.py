@@ -114,6 +114,18 @@ class _Reader:
         except IndexError:
             return
         self.finished = True
+        try:
+            self._settle()
+        except BaseException:
+            if self.call._once:
+                # Not settled (a Ctrl-C, a failure before the settle): unfinished again,
+                # so that the stream's close or drop settles it.
+                self.finished = False
+                self._unfinished.append(None)
+            raise
+        self.buf = []
+
+    def _settle(self) -> None:
         if self.call._done:
             return
         usage: Usage | None = None
@@ -137,16 +149,7 @@ class _Reader:
             whole = body
             if usage is None and self.ended:
                 usage = nothing_used(self.call, body)
-        try:
-            _done(self.call, self.transport, usage, whole, rid, done)
-        except BaseException:
-            if self.call._once:
-                # Not settled (a Ctrl-C, a failure before the settle): unfinished again,
-                # so that the stream's close or drop settles it.
-                self.finished = False
-                self._unfinished.append(None)
-            raise
-        self.buf = []
+        _done(self.call, self.transport, usage, whole, rid, done)
 
 
 class _Decoding(_Reader):

@@ -27,7 +27,7 @@ from threading import get_ident
 from typing import Any
 
 from .._errors import each
-from .._threads import AfterFork
+from .._threads import AfterFork, exit_time_left
 from ._ledger import _worker
 
 __all__ = [
@@ -240,8 +240,10 @@ def settle_closed(transport: Any) -> None:
     estimate; each whatever fails, every ledger part paid by the worker threads."""
 
     def at_estimate(call: Any) -> None:
-        transport._at_estimate(call)  # its ledger part left owed
-        _pay_off_thread(transport, call, None)
+        try:
+            transport._at_estimate(call)  # its ledger part left owed
+        finally:
+            _pay_off_thread(transport, call, None)
 
     try:
         each(list(transport._unclosed.readers.values()), _settle_claiming)
@@ -307,9 +309,9 @@ class Dropped:
         return error is None
 
     def _flush_at_exit(self) -> None:
-        """At interpreter exit: what was handed over settled first (at most
-        ``FLUSH_TIMEOUT`` s; a close the collector ran left it to this thread)."""
-        if self.running and not self.flush(FLUSH_TIMEOUT):
+        """At interpreter exit: what was handed over settled first (a close the collector
+        ran left it to this thread), within the exit's one bounded wait."""
+        if self.running and not self.flush(exit_time_left()):
             _log.warning("exiting with dropped streams or closes not settled yet")
 
     def _run(self, queue: SimpleQueue[Any]) -> None:
