@@ -437,13 +437,14 @@ DRIVER_SCRIPT = textwrap.dedent(
 
     # A panic in a wake: the driver survives it and serves the waiter anyway.
     core._driver_fault_for_test("panic_wake", 1)
-    assert waits_in_thread(in_loop=True) == "granted"
+    got = waits_in_thread(in_loop=True)
+    assert got == "granted", got
 
     # The driver thread dies: a new one serves what was scheduled.
     core._driver_fault_for_test("exit", 1)
-    assert waits_in_thread(in_loop=True) == "granted"
-    assert waits_in_thread(in_loop=True) == "granted"
-    assert waits_in_thread(timeout=5) == "granted"
+    for kw in ({"in_loop": True}, {"in_loop": True}, {"timeout": 5}):
+        got = waits_in_thread(**kw)
+        assert got == "granted", (kw, got)  # what it was, should it fail again (stop 41)
     print("ok")
     """
 )
