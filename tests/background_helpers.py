@@ -4,8 +4,10 @@ a scripted Responses API, the transport over it, and readers of its streams."""
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
+import threading
 from typing import Any
 
 import ratequeue as rq
@@ -267,3 +269,31 @@ def _drain(mod: Any, r: Any, chunks: Any) -> None:
         for _ in chunks:
             pass
     r.close()
+
+
+def close_in_a_collection(transport: Any) -> None:
+    """``transport`` closed by the garbage collector, as an SDK client's ``__del__`` does
+    (the client in a reference cycle, then a collection)."""
+
+    class SDKClient:
+        def __init__(self) -> None:
+            self.me = self
+
+        def __del__(self) -> None:
+            transport.close()
+
+    SDKClient()
+    gc.collect()
+
+
+def hanging(ledger_type: type[Any], entered: threading.Event, release: threading.Event) -> Any:
+    """A ``ledger_type`` whose settle never answers until ``release`` (``entered`` set
+    first): a dead connection without a timeout."""
+
+    class Hanging(ledger_type):  # type: ignore[misc,valid-type]
+        def settle(self, request_id: str, **kw: Any) -> None:
+            entered.set()
+            release.wait(30)
+            super().settle(request_id, **kw)
+
+    return Hanging()

@@ -33,8 +33,10 @@ from background_helpers import (
     _sse,
     _started,
     _stream,
+    close_in_a_collection,
     create,
     estimate_of,
+    hanging,
     poll_until_done,
     through,
     through_policy,
@@ -783,15 +785,7 @@ def test_a_close_inside_a_collection_settles_readers_the_thread_was_not_given() 
         DROPPED.running = True
     assert len(t._unclosed.readers) == 1
 
-    class SDKClient:
-        def __init__(self) -> None:
-            self.me = self
-
-        def __del__(self) -> None:
-            t.close()
-
-    SDKClient()
-    gc.collect()
+    close_in_a_collection(t)
     assert DROPPED.flush(10)
     assert created.settled and set(ledger.settled) == set(ledger.held)
 
@@ -852,26 +846,12 @@ def test_a_ledger_hanging_in_a_collected_close_holds_up_no_other_transport() -> 
     mod = importlib.import_module("httpx")
     release, entered = threading.Event(), threading.Event()
 
-    class Hanging(Ledger):
-        def settle(self, request_id: str, **kw: Any) -> None:
-            entered.set()
-            release.wait(30)
-            super().settle(request_id, **kw)
-
-    slow_t, slow_client, _ = through(mod, True, Provider(done=5), ledger=Hanging())
+    ledger = hanging(Ledger, entered, release)
+    slow_t, slow_client, _ = through(mod, True, Provider(done=5), ledger=ledger)
     create(slow_client)
     quick = mod.Client(transport=policy_transport(mod))  # one concurrency slot
-
-    class SDKClient:
-        def __init__(self) -> None:
-            self.me = self
-
-        def __del__(self) -> None:
-            slow_t.close()
-
     try:
-        SDKClient()
-        gc.collect()  # a close inside a collection: queued to the settling thread
+        close_in_a_collection(slow_t)  # queued to the settling thread
         assert entered.wait(10)
         record = open_and_drop(quick)
         gc.collect()
@@ -905,16 +885,7 @@ def test_a_waiting_creation_whose_settle_fails_at_the_close_is_paid(in_gc: bool)
 
     t._at_estimate = at_estimate  # type: ignore[method-assign]
     if in_gc:
-
-        class SDKClient:
-            def __init__(self) -> None:
-                self.me = self
-
-            def __del__(self) -> None:
-                t.close()
-
-        SDKClient()
-        gc.collect()
+        close_in_a_collection(t)
         assert DROPPED.flush(10)
     else:
         with pytest.raises(RuntimeError):

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import ratequeue as rq
+from background_helpers import hanging
 from ratequeue.httpx import CallBudget, RateLimitedTransport, _unclosed
 
 pytestmark = pytest.mark.timeout(60)
@@ -685,13 +686,7 @@ def test_a_slow_ledger_holds_up_no_other_transports_dropped_streams() -> None:
     mod = importlib.import_module("httpx")
     release, entered = threading.Event(), threading.Event()
 
-    class Hanging(Ledger):
-        def settle(self, request_id: str, **kw: Any) -> None:
-            entered.set()
-            release.wait(30)
-            super().settle(request_id, **kw)
-
-    slow = mod.Client(transport=policy_transport(mod, ledger=Hanging()))
+    slow = mod.Client(transport=policy_transport(mod, ledger=hanging(Ledger, entered, release)))
     quick = mod.Client(transport=policy_transport(mod))
     try:
         open_and_drop(slow)
@@ -758,15 +753,16 @@ def test_a_ledger_stuck_at_exit_does_not_hang_the_exit(tmp_path: Any) -> None:
 
 
 def _run_script(tmp_path: Any, code: str) -> tuple[float, Any]:
-    """``code`` run by a fresh interpreter with this directory on its path, which must
+    """``code`` run by a fresh interpreter with this directory and tests/ on its path, which must
     exit 0: (seconds it took, its outcome)."""
     import subprocess
     import sys
     import time
 
     script = tmp_path / "script.py"
-    here = os.path.dirname(__file__)
-    script.write_text(f"import sys; sys.path.insert(0, {here!r})\n" + code)
+    here = os.path.dirname(os.path.abspath(__file__))
+    paths = [here, os.path.dirname(here)]  # this directory, and tests/ (the helpers)
+    script.write_text(f"import sys; sys.path[:0] = {paths!r}\n" + code)
     t0 = time.monotonic()
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
