@@ -269,6 +269,8 @@ class CallRecord:
 _NO_CHAIN: list[CallBudget] = []  # never changed: a call outside budgets shares it
 #: What a call owes its ledger when it used nothing: a release (else its ``Usage``).
 _RELEASE = object()
+#: What a call owes its ledger when it keeps its estimate (a body without a usage).
+_ESTIMATE = object()
 
 
 class _Call(CallRecord):

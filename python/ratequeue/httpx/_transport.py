@@ -33,7 +33,7 @@ from ._estimate import Estimate, default_estimator
 from ._headers import RateLimitHeaders, parse_raw_headers
 from ._ledger import call_async, hold_async
 from ._prepare import ACCOUNT_HEADER, PRIORITY_HEADER, TASK_HEADER, _Requests
-from ._record import _RELEASE, CallRecord, _Call
+from ._record import _ESTIMATE, _RELEASE, CallRecord, _Call
 from ._record import json_usage as _json_usage
 from ._stream import (
     _done,
@@ -44,7 +44,7 @@ from ._stream import (
     read_ahead,
     wrap,
 )
-from ._unclosed import Unclosed
+from ._unclosed import Unclosed, _pay_off_thread
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
@@ -506,7 +506,9 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         rate_limited: bool = False,
         reported: bool = False,
     ) -> None:
-        """``_settle`` itself."""
+        """``_settle`` itself. An interrupt (a Ctrl-C) in one of its steps stops none of
+        the others: each runs in a ``finally`` of the one before, and what the ledger is
+        owed is set before any of them (plain stores, where no Ctrl-C lands)."""
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
@@ -517,9 +519,8 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         # A body without a usage keeps what acquire took: the estimate, clamped to what
         # the limiter can ever grant (budget and ledger keep the estimate itself).
         keep = usage is None and reported
-        if keep and (call._sub or call._held):
-            est = call.estimate
-            usage = _new(Usage, (est.input_tokens, est.output_tokens))
+        if call._held:
+            call._owed = usage if usage is not None else _ESTIMATE if keep else _RELEASE
         permit = call._permit
         try:
             if permit is not None and self._token_plan and not keep:
@@ -546,26 +547,39 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                 if permit is not None and self._is_policy:
                     permit.release()  # its concurrency slots (a rate permit has none)
             finally:
-                if call._sub is not None:
-                    if rate_limited:
-                        _budget.uncount(call._sub, call._chain, status)
-                    else:
-                        u = usage if usage is not None else Usage(0, 0)
-                        _budget.settle(
-                            call._sub, call._chain, u.input_tokens, u.output_tokens, status
-                        )
-                if call._held:
-                    call._owed = _RELEASE if usage is None else usage
-                    if not call._async:
+                try:
+                    if call._sub is not None:
+                        self._settle_budget(call, usage, keep, status, rate_limited)
+                finally:
+                    if call._held and not call._async:
                         self._pay(call)
 
-    def _ledger_op(self, call: _Call) -> tuple[str, dict[str, Any]] | None:
-        """The ledger call the call owes (settle or release), taken once."""
-        owed, call._owed = call._owed, None
-        if owed is None:
-            return None
+    @staticmethod
+    def _settle_budget(
+        call: _Call, usage: Usage | None, keep: bool, status: int | None, rate_limited: bool
+    ) -> None:
+        """The call's sub-call settled in its budgets: its usage, its estimate when it
+        keeps it, nothing used when rate limited (taken back)."""
+        if rate_limited:
+            _budget.uncount(call._sub, call._chain, status)  # type: ignore[arg-type]
+            return
+        if usage is not None:
+            i, o = usage
+        elif keep:
+            est = call.estimate
+            i, o = est.input_tokens, est.output_tokens
+        else:
+            i = o = 0
+        _budget.settle(call._sub, call._chain, i, o, status)  # type: ignore[arg-type]
+
+    @staticmethod
+    def _ledger_op(call: _Call, owed: object) -> tuple[str, dict[str, Any]]:
+        """The ledger call for what the call owes (``owed``: settle or release)."""
         if owed is _RELEASE:
             return "release", {}
+        if owed is _ESTIMATE:
+            est = call.estimate
+            owed = _new(Usage, (est.input_tokens, est.output_tokens))
         assert isinstance(owed, Usage)
         return "settle", {
             "input_tokens": owed.input_tokens,
@@ -574,24 +588,41 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             "model": call.model,
         }
 
-    def _pay(self, call: _Call) -> None:
-        """What the call owes the ledger, inline (and the creation its poll settled)."""
-        op = self._ledger_op(call)
+    def _pay(self, call: _Call, hand_off: bool = True) -> None:
+        """What the call owes the ledger, inline (and the creation its poll settled),
+        taken once."""
+        owed, call._owed = call._owed, None
         try:
-            if op is not None:
-                getattr(self.ledger, op[0])(call.request_id, **op[1])
+            if owed is not None:
+                self._pay_owed(call, owed, hand_off)
         finally:
             linked, call._linked = call._linked, None
             if linked is not None:
-                self._pay(linked)
+                self._pay(linked, hand_off)
+
+    def _pay_owed(self, call: _Call, owed: object, hand_off: bool) -> None:
+        """The ledger call for ``owed``. An interrupt (a Ctrl-C while the ledger answers)
+        has the worker threads make it once more with ``hand_off`` (the ledger's calls
+        are idempotent per request id; they do not hand it off again), and is raised."""
+        try:
+            name, kw = self._ledger_op(call, owed)
+            getattr(self.ledger, name)(call.request_id, **kw)
+        except Exception:
+            raise
+        except BaseException:
+            if hand_off:
+                _pay_off_thread(self, call, None, owed)
+            raise
 
     async def _pay_async(self, call: _Call) -> None:
         """What the call owes the ledger, off the event loop (and the creation its poll
-        settled)."""
-        op = self._ledger_op(call)
+        settled), taken once; the ledger's call runs to its end even if this is
+        cancelled meanwhile (``call_async``)."""
+        owed, call._owed = call._owed, None
         try:
-            if op is not None:
-                await call_async(self.ledger, op[0], call.request_id, **op[1])
+            if owed is not None:
+                name, kw = self._ledger_op(call, owed)
+                await call_async(self.ledger, name, call.request_id, **kw)
         finally:
             linked, call._linked = call._linked, None
             if linked is not None:
@@ -601,11 +632,13 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         """Nothing was sent: give back the budget and the ledger hold."""
         call._once.clear()
         call._done = True
-        if call._sub is not None:
-            _budget.uncount(call._sub, call._chain, None)
         if call._held:
             call._owed = _RELEASE
-            if not call._async:
+        try:
+            if call._sub is not None:
+                _budget.uncount(call._sub, call._chain, None)
+        finally:
+            if call._held and not call._async:
                 self._pay(call)
 
     def _unsettled(self, call: _Call) -> None:

@@ -152,10 +152,15 @@ def settle(reader: Any, pay: bool = True) -> None:
 _PAYING = threading.local()
 
 
-def _pay_logged(transport: Any, call: Any) -> None:
+def _pay_logged(transport: Any, call: Any, owed: object = None) -> None:
+    """What ``call`` owes the ledger paid (``owed``: that, taken from it before), a
+    failure logged, never handed off again."""
     _PAYING.active = True
     try:
-        transport._pay(call)
+        if owed is None:
+            transport._pay(call, hand_off=False)
+        else:
+            transport._pay_owed(call, owed, hand_off=False)
     except Exception:
         _log.exception("the call %s failed to pay its ledger part", call.request_id)
     finally:
@@ -212,16 +217,19 @@ def _settle_claiming(reader: Any) -> None:
             unclosed.done(reader)
 
 
-def _pay_off_thread(transport: Any, call: Any, then: Callable[[], object] | None) -> bool:
-    """In the settling thread: what ``call`` owes the ledger paid by the ledger's worker
-    threads (a ledger that never answers holds up nothing else), ``then`` called after;
-    False when it is not (nothing owed; paid here at exit, the workers gone)."""
-    if call._owed is None:
+def _pay_off_thread(
+    transport: Any, call: Any, then: Callable[[], object] | None, owed: object = None
+) -> bool:
+    """What ``call`` owes the ledger (``owed``: that, taken from it before) paid by the
+    ledger's worker threads (a ledger that never answers holds up nothing else), ``then``
+    called after; False when it is not (nothing owed; paid here at exit, the workers
+    gone)."""
+    if owed is None and call._owed is None:
         return False
     try:
-        fut = _worker().submit(_pay_logged, transport, call)
+        fut = _worker().submit(_pay_logged, transport, call, owed)
     except RuntimeError:  # the workers are shut down (interpreter exit): paid here
-        _pay_logged(transport, call)
+        _pay_logged(transport, call, owed)
         return False
     DROPPED.paying.add(fut)
     fut.add_done_callback(lambda f: _paid(f, then))
