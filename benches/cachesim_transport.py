@@ -2,6 +2,7 @@
 
     .venv/bin/python benches/cachesim_transport.py [--row loopback|memory] [--calls 300]
                                                    [--top 30] [--out FILE] [--pages]
+                                                   [--keep DIR]
 
 On loopback the transport's added time is mostly cache misses: between two socket calls
 the kernel, httpcore and h11 push its code and objects out of L2 (README, "LLM clients").
@@ -16,7 +17,8 @@ the functions with the most added last-level code misses. Instruction counts mov
 few thousand between runs (a one-time clock calibration spins for wall time under
 valgrind); the miss counts much less. ``--pages`` counts instead the extension's
 instructions, code lines and 4 KiB pages each transport call runs (callgrind): the pages
-a call after an idle core must walk the page tables for again.
+a call after an idle core must walk the page tables for again. ``--keep`` writes
+valgrind's own output files into a folder, for ``cg_annotate`` or another sort.
 """
 
 from __future__ import annotations
@@ -201,6 +203,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--keep", type=Path, help="write valgrind's output files here (kept)")
     ap.add_argument(
         "--pages",
         action="store_true",
@@ -216,12 +219,14 @@ def main() -> None:
         sys.exit("valgrind is not installed (apt install valgrind)")
     from bench_transport import provider_process
 
-    with provider_process(None) as url, tempfile.TemporaryDirectory() as work:
+    with provider_process(None) as url, tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp) if args.keep is None else args.keep
+        work.mkdir(parents=True, exist_ok=True)
         if args.pages:
             lines = ["# The LLM transport's code per call (callgrind)", ""]
-            lines += pages(args.row, args.calls, url, Path(work))
+            lines += pages(args.row, args.calls, url, work)
         else:
-            got = measure(args.row, args.calls, url, Path(work))
+            got = measure(args.row, args.calls, url, work)
             lines = [
                 "# The LLM transport's added cache misses (cachegrind)",
                 "",
