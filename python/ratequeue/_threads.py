@@ -22,10 +22,10 @@ __all__ = ["AfterFork", "DaemonThreads", "ProcessThreads", "fork_safe_lock"]
 
 class AfterFork:
     """A weak set of objects whose method ``method`` (or the function ``method`` with each
-    object) a forked child calls (in the order the
-    sets were made, then in no set order): threads, locks or state of the parent that the
-    child must not use. An object leaves the set when it is discarded or dies; nothing is
-    registered per object, so making objects does not grow the process's fork hooks."""
+    object) a forked child calls, set by set in the order the sets were made, in no order
+    within a set: threads, locks or state of the parent that the child must not use. An
+    object leaves the set when it is discarded or dies; nothing is registered per object,
+    so making objects does not grow the process's fork hooks."""
 
     __slots__ = ("_members", "_method")
 

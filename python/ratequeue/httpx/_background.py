@@ -382,17 +382,20 @@ class _Settles:
         call._async = True
         self._settle_one(call, None, call.status, reported=True)
 
-    def _drain_background(self, blocking: bool = True) -> None:
-        """``close()``: the creations still waiting settled at their estimate and paid,
-        each whatever fails (the first error raised after). Not ``blocking`` (a close
-        inside a garbage collection with no settling thread, whose thread may hold the
-        lock): none if the lock is held (logged)."""
+    def _drain_background(
+        self, blocking: bool = True, pay: Callable[[_Call], object] | None = None
+    ) -> None:
+        """``close()``: the creations still waiting settled at their estimate and paid
+        (by ``pay``, else inline), each whatever fails (the first error raised after).
+        Not ``blocking`` (a close inside a garbage collection with no settling thread,
+        whose thread may hold the lock): none if the lock is held (logged)."""
+        pay_one = self._pay if pay is None else pay
 
         def settle(call: _Call) -> None:
             try:
                 self._at_estimate(call)
             finally:
-                self._pay(call)
+                pay_one(call)
 
         calls = self._background.drain(blocking)
         if calls is None:

@@ -33,7 +33,9 @@ class _Closing:
         _at_estimate: Callable[[_Call], None]
         _pay_async: Callable[[_Call], Coroutine[Any, Any, None]]
 
-        def _drain_background(self, blocking: bool = True) -> None: ...
+        def _drain_background(
+            self, blocking: bool = True, pay: Callable[[_Call], object] | None = None
+        ) -> None: ...
 
     def close(self) -> None:
         """Close the inner transport; first the streams dropped unclosed are settled (in

@@ -247,16 +247,10 @@ def settle_closed(transport: Any) -> None:
     dropped readers not claimed yet, then its background creations waiting, at their
     estimate; each whatever fails, every ledger part paid by the worker threads."""
 
-    def at_estimate(call: Any) -> None:
-        try:
-            transport._at_estimate(call)  # its ledger part left owed
-        finally:
-            _pay_off_thread(transport, call, None)
-
     try:
         each(list(transport._unclosed.readers.values()), _settle_claiming)
     finally:
-        each(transport._background.drain() or (), at_estimate)
+        transport._drain_background(pay=lambda call: _pay_off_thread(transport, call, None))
 
 
 class Dropped:
