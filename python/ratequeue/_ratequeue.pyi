@@ -44,7 +44,8 @@ def _settle_response(
     usage_type: type,
     transport: object | None = None,
     read_ahead: bool = False,
-) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | int | None: ...
+    response: object | None = None,
+) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | int | bytes | None: ...
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...
