@@ -232,8 +232,18 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         assert self.ledger is not None
         try:
             self.ledger.hold(call.request_id, call._account, **self._hold_kw(call))
-        except BaseException:
+        except Exception:
             self._unwind(call)
+            raise
+        except BaseException:
+            # A Ctrl-C while the ledger answers: the hold may be made. Its release (a
+            # no-op for a hold never made) goes to the worker threads, not to a ledger
+            # the caller may have just given up waiting for.
+            call._held = True
+            try:
+                self._unwind(call, pay=False)
+            finally:
+                _pay_off_thread(self, call, None)
             raise
         call._held = True
 
@@ -503,11 +513,17 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
     ) -> None:
         """``_settle`` itself. An interrupt (a Ctrl-C) in one of its steps stops none of
         the others: each runs in a ``finally`` of the one before, and what the ledger is
-        owed is set before any of them (plain stores, where no Ctrl-C lands)."""
+        owed is set before any of them (plain stores, where no Ctrl-C lands). CPython
+        raises a Ctrl-C as a call returns or a Python function is entered: one raised as
+        the pop returns is raised after the settle; one on the way into ``_pay`` leaves
+        the ledger's part to the worker threads."""
+        interrupted: BaseException | None = None
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
             return
+        except BaseException as e:  # a Ctrl-C as the pop returned: the call is taken
+            interrupted = e
         call._done = True
         call._usage = usage
         call.settled = True
@@ -547,7 +563,14 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                         self._settle_budget(call, usage, keep, status, rate_limited)
                 finally:
                     if call._held and not call._async:
-                        self._pay(call)
+                        try:
+                            self._pay(call)
+                        except BaseException:
+                            if call._owed is not None:  # interrupted before it was taken
+                                _pay_off_thread(self, call, None)
+                            raise
+        if interrupted is not None:
+            raise interrupted
 
     @staticmethod
     def _settle_budget(
@@ -585,29 +608,35 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
 
     def _pay(self, call: _Call, hand_off: bool = True) -> None:
         """What the call owes the ledger, inline (and the creation its poll settled),
-        taken once."""
-        owed, call._owed = call._owed, None
+        taken once. An interrupt (a Ctrl-C while the ledger answers) has the worker
+        threads pay it once more with ``hand_off`` (the ledger's calls are idempotent per
+        request id; they do not hand it off again); the creation's part too."""
+        owed: object = None
         try:
+            owed, call._owed = call._owed, None
             if owed is not None:
-                self._pay_owed(call, owed, hand_off)
-        finally:
-            linked, call._linked = call._linked, None
-            if linked is not None:
-                self._pay(linked, hand_off)
-
-    def _pay_owed(self, call: _Call, owed: object, hand_off: bool) -> None:
-        """The ledger call for ``owed``. An interrupt (a Ctrl-C while the ledger answers)
-        has the worker threads make it once more with ``hand_off`` (the ledger's calls
-        are idempotent per request id; they do not hand it off again), and is raised."""
-        try:
-            name, kw = self._ledger_op(call, owed)
-            getattr(self.ledger, name)(call.request_id, **kw)
+                self._pay_owed(call, owed)
         except Exception:
             raise
         except BaseException:
-            if hand_off:
+            if hand_off and owed is not None:
                 _pay_off_thread(self, call, None, owed)
             raise
+        finally:
+            linked = call._linked
+            if linked is not None:
+                call._linked = None
+                try:
+                    self._pay(linked, hand_off)
+                except BaseException:
+                    if hand_off and linked._owed is not None:  # interrupted on the way in
+                        _pay_off_thread(self, linked, None)
+                    raise
+
+    def _pay_owed(self, call: _Call, owed: object) -> None:
+        """The ledger call for ``owed`` (taken from the call before)."""
+        name, kw = self._ledger_op(call, owed)
+        getattr(self.ledger, name)(call.request_id, **kw)
 
     async def _pay_async(self, call: _Call) -> None:
         """What the call owes the ledger, off the event loop (and the creation its poll
@@ -623,9 +652,16 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             if linked is not None:
                 await self._pay_async(linked)
 
-    def _unwind(self, call: _Call) -> None:
-        """Nothing was sent: give back the budget and the ledger hold."""
-        call._once.clear()
+    def _unwind(self, call: _Call, pay: bool = True) -> None:
+        """Nothing was sent: give back the budget and the ledger hold (released inline
+        unless ``pay`` is False or the call is asyncio's: left owed). A Ctrl-C as the
+        clear returns is raised after; one on the way into ``_pay`` leaves the release
+        to the worker threads."""
+        interrupted: BaseException | None = None
+        try:
+            call._once.clear()
+        except BaseException as e:  # a Ctrl-C as the clear returned: the call is taken
+            interrupted = e
         call._done = True
         if call._held:
             call._owed = _RELEASE
@@ -633,8 +669,15 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             if call._sub is not None:
                 _budget.uncount(call._sub, call._chain, None)
         finally:
-            if call._held and not call._async:
-                self._pay(call)
+            if call._held and not call._async and pay:
+                try:
+                    self._pay(call)
+                except BaseException:
+                    if call._owed is not None:  # interrupted before it was taken
+                        _pay_off_thread(self, call, None)
+                    raise
+        if interrupted is not None:
+            raise interrupted
 
     def _unsettled(self, call: _Call) -> None:
         """A response received whose settle did not run (a Ctrl-C, a failure before it):

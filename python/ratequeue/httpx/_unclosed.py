@@ -160,7 +160,7 @@ def _pay_logged(transport: Any, call: Any, owed: object = None) -> None:
         if owed is None:
             transport._pay(call, hand_off=False)
         else:
-            transport._pay_owed(call, owed, hand_off=False)
+            transport._pay_owed(call, owed)
     except Exception:
         _log.exception("the call %s failed to pay its ledger part", call.request_id)
     finally:
