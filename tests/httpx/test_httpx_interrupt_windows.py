@@ -33,6 +33,19 @@ class _PopThenInterrupt(list):  # type: ignore[type-arg]
         raise KeyboardInterrupt
 
 
+class _PopOnceThenInterrupt(list):  # type: ignore[type-arg]
+    """``_PopThenInterrupt`` for the first pop only."""
+
+    fired = False
+
+    def pop(self, *a: Any) -> Any:
+        got = super().pop(*a)
+        if not self.fired:
+            self.fired = True
+            raise KeyboardInterrupt
+        return got
+
+
 def _swap_once_first_time(monkeypatch: pytest.MonkeyPatch, name: str) -> None:
     real = getattr(RateLimitedTransport, name)
     fired: list[bool] = []
@@ -185,3 +198,31 @@ def test_a_ctrl_c_while_the_ledger_answers_a_hold_gives_the_hold_back() -> None:
     DROPPED.flush(10)
     (rid,) = ledger.held
     assert ledger.settled == {rid: (0, 0)}
+
+
+def test_a_ctrl_c_as_a_stream_end_takes_its_finish_token_is_settled_by_the_close() -> None:
+    """``_Reader.finish``: a Ctrl-C as its token's pop returns left the reader neither
+    finished nor able to finish (its token gone): its close and its drop settled nothing,
+    and the hold stayed until it expired."""
+    mod = importlib.import_module("httpx")
+    ledger = IdempotentLedger()  # a ledger's calls take the Python reader
+    data = json.dumps({"usage": {"prompt_tokens": 3, "completion_tokens": 4}}).encode()
+
+    def provider(request: Any) -> Any:
+        headers = {"content-type": "application/json"}
+        return mod.Response(200, headers=headers, stream=_Once(mod, data))
+
+    _, client, _ = through(mod, True, provider, ledger=ledger)
+    r = client.send(
+        client.build_request("POST", "http://p/v1/chat/completions", json=_CHAT), stream=True
+    )
+    reader = r.stream._stream._reader  # httpx's BoundSyncStream over the transport's
+    reader._unfinished = _PopOnceThenInterrupt(reader._unfinished)
+    with pytest.raises(KeyboardInterrupt):
+        r.read()
+    record = r.extensions["ratequeue"]
+    assert not record.settled
+    r.close()
+    assert record.settled
+    (rid,) = ledger.held
+    assert ledger.settled == {rid: (3, 4)}

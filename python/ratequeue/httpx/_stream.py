@@ -113,6 +113,9 @@ class _Reader:
             self._unfinished.pop()  # atomic: a close racing the end finishes nothing
         except IndexError:
             return
+        except BaseException:  # a Ctrl-C as the pop returned: nothing done, unfinished
+            self._unfinished.append(None)
+            raise
         self.finished = True
         try:
             self._settle()
