@@ -341,8 +341,8 @@ def test_a_stream_ending_while_a_poll_settles_it_leaves_the_settle_to_the_poll(
     taken, go = threading.Event(), threading.Event()
     real_take = _background.Background.take
 
-    def take(self: Any, call: Any, final: bool, usage: Any) -> Any:
-        out = real_take(self, call, final, usage)
+    def take(self: Any, call: Any, final: bool, usage: Any, got: Any) -> Any:
+        out = real_take(self, call, final, usage, got)
         if out[1] is not None:
             taken.set()
             go.wait(30)

@@ -226,3 +226,35 @@ def test_a_ctrl_c_as_a_stream_end_takes_its_finish_token_is_settled_by_the_close
     assert record.settled
     (rid,) = ledger.held
     assert ledger.settled == {rid: (3, 4)}
+
+
+def test_a_ctrl_c_as_a_poll_takes_its_creation_still_settles_the_creation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_polled``: a Ctrl-C after the kept creation was taken from the background map
+    (here as ``_settled`` returns, under the lock) lost it: taken, never settled, its
+    hold never settled, its budget sub-call never either."""
+    from ratequeue.httpx._background import Background
+
+    mod = importlib.import_module("httpx")
+    ledger = IdempotentLedger()
+    t, client, _ = through(mod, True, Provider(done=1), ledger=ledger)
+    with CallBudget(calls=10) as budget:
+        creation = create(client).extensions["ratequeue"]
+        real = Background._settled
+        fired: list[bool] = []
+
+        def settled(self: Any, key: Any) -> None:
+            real(self, key)
+            if not fired:
+                fired.append(True)
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(Background, "_settled", settled)
+        with pytest.raises(KeyboardInterrupt):
+            client.get("http://p/v1/responses/resp_1")
+        monkeypatch.undo()
+    assert fired and creation.settled and creation.usage is not None
+    assert t.stats()["background"] == 0
+    assert set(ledger.settled) == set(ledger.held) and len(ledger.held) == 2
+    assert all(s.settled for s in budget.usage)

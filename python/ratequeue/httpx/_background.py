@@ -220,12 +220,15 @@ class Background:
             self._waiting += 1
         return True, None
 
-    def take(self, call: _Call, final: bool, usage: Usage | None) -> tuple[bool, _Call | None]:
+    def take(
+        self, call: _Call, final: bool, usage: Usage | None, taken: list[_Call]
+    ) -> tuple[bool, _Call | None]:
         """For a poll ``call`` that reports ``usage`` (``final``: with a final status):
         (False, None) when its response is not kept here; else (True, the creation now to
         settle to it, or None: settled before, not ``final``, or still streaming and no
         usage reported — its stream's end settles it). The id stays, settled, as long as
-        room is left."""
+        room is left. The creation is put in ``taken`` before it leaves the map: an
+        interrupt raised after (a Ctrl-C as a call returns) does not lose it."""
         key = _polled_key(call)
         if key is None:
             return False, None
@@ -243,6 +246,7 @@ class Background:
                 self._open_done(key)
                 creation._rkey = _TAKEN
             self._waiting -= 1
+            taken.append(creation)
             self._settled(key)
             return True, creation
 
@@ -356,7 +360,15 @@ class _Settles:
         if usage is NONE_USED:
             usage = None  # no report: a body without a usage, of a call sent without one
         final = _final(body) if body is not None else usage is not None or done
-        kept, creation = self._background.take(call, final, usage)
+        taken: list[_Call] = []
+        interrupted: BaseException | None = None
+        try:
+            kept, creation = self._background.take(call, final, usage, taken)
+        except BaseException as e:
+            if not taken:
+                raise
+            kept, creation = True, taken[0]  # taken: settled below, then raised
+            interrupted = e
         if not kept:
             return False
         try:
@@ -364,6 +376,8 @@ class _Settles:
                 self._settle_linked(call, creation, usage)
         finally:
             self._settle_one(call, NONE_USED, status, reported=True)
+        if interrupted is not None:
+            raise interrupted
         return True
 
     def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:
