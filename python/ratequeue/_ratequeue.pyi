@@ -44,8 +44,7 @@ def _settle_response(
     usage_type: type,
     transport: object | None = None,
     read_ahead: bool = False,
-    response: object | None = None,
-) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | int | bytes | None: ...
+) -> tuple[bytes, bool, Literal[False]] | Literal[False] | _BodyReader | int | None: ...
 def _read_call_headers(
     headers: list[tuple[bytes, bytes, bytes]],
 ) -> tuple[str | None, str | None, str | None, str | None, bytes | None] | None: ...

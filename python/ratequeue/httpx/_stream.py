@@ -190,7 +190,7 @@ _STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
 def _stream_types(response_type: type) -> tuple[type, type, type, type, type, type]:
     """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
     (whichever defines ``response_type``): over a Python reader, over the native
-    ``_BodyReader``, and over a body read ahead (natively, or by ``aread_ahead``)."""
+    ``_BodyReader``, and over a body read ahead (``read_ahead``)."""
     types = _STREAMS.get(response_type)
     if types is not None:
         return types
@@ -420,14 +420,41 @@ def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bo
     return body
 
 
-async def aread_ahead(
+def read_ahead(
     transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
 ) -> bytes | None:
     """The body of ``length`` bytes read now, the stream closed and a replay of the body
     put in its place; None for a stream that gives more than ``length`` (the rest is passed
-    on after what was read). An error (a cancel while reading is one) settles the call
-    from what was read, closes the stream (once: not again after a close that raised) and
-    is raised. The sync form is native (``_settle_response`` given the response)."""
+    on after what was read). An error settles the call from what was read, closes the
+    stream (once: not again after a close that raised) and is raised."""
+    stream = response.stream
+    chunks: list[Any] = []
+    size = 0
+    closing = False  # a close that raises is not run again
+    try:
+        it = stream.__iter__()
+        while (chunk := next(it, _END)) is not _END:
+            chunks.append(chunk)
+            size += _size(chunk)
+            if size > length:
+                return _read(response, stream, chunks, it, False)
+        body = _read(response, stream, chunks, None, False)
+        closing = True
+        stream.close()
+        return body
+    except BaseException:
+        try:
+            _read_failed(transport, call, response, chunks, http_seconds, False)
+        finally:
+            if not closing:
+                stream.close()
+        raise
+
+
+async def aread_ahead(
+    transport: RateLimitedTransport, call: _Call, response: Any, length: int, http_seconds: float
+) -> bytes | None:
+    """``read_ahead`` for asyncio (a cancel while reading is such an error)."""
     stream = response.stream
     chunks: list[Any] = []
     size = 0

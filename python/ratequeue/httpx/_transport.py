@@ -41,6 +41,7 @@ from ._stream import (
     ignore,
     native_stream,
     nothing_used,
+    read_ahead,
     wrap,
 )
 from ._unclosed import Unclosed, _pay_off_thread
@@ -277,9 +278,9 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         ahead: bool = True,
     ) -> Any:
         """The response; on the native path a JSON body of a known length is read first
-        (natively, in the same call as the settle; asyncio: the caller awaits
-        ``aread_ahead``, given the length returned, and calls again with the body, or
-        with ``ahead`` False for a stream that gave more than its length)."""
+        (``read_ahead``; asyncio: the caller awaits it, given the length returned, and
+        calls again with the body, or with ``ahead`` False for a stream that gave more
+        than its length)."""
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         hl = response.headers
@@ -303,26 +304,30 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             # length, to read it first, or its native reader). Otherwise nothing was done
             # and the reference below takes the call: from the start (False), or from
             # what the headers say (an SSE type or an exhausted quota; usage not read).
-            found = _settle_response(
-                call,
-                call._once,
-                call._permit,
-                call._charged,
-                self._token_plan,
-                hl,
-                (response.content if body is None else body) if consumed else None,
-                self._native_max_body,
-                self.http_histogram,
-                http_seconds,
-                Usage,
-                self,
-                ahead and body is None,
-                None if is_async else response,  # sync: read ahead in the same call
-            )
-            if type(found) is int:  # asyncio: the caller reads ahead, then calls again
-                return found
-            if type(found) is bytes:  # read ahead, then left to the reference below
-                body, consumed, found = found, True, False
+            ahead = ahead and body is None
+            while True:
+                found = _settle_response(
+                    call,
+                    call._once,
+                    call._permit,
+                    call._charged,
+                    self._token_plan,
+                    hl,
+                    (response.content if body is None else body) if consumed else None,
+                    self._native_max_body,
+                    self.http_histogram,
+                    http_seconds,
+                    Usage,
+                    self,
+                    ahead,
+                )
+                if type(found) is not int:
+                    break
+                if is_async:
+                    return found
+                body = read_ahead(self, call, response, found, http_seconds)
+                consumed = body is not None
+                ahead = False  # longer than its length: read as it passes
             if found is None:
                 response.extensions["ratequeue"] = call
                 return response

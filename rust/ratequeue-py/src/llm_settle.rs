@@ -94,7 +94,7 @@ fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py
 /// usage corrects (empty: the body is kept for the record to read when asked for);
 /// `charged`: what acquire took per unit; `once`: the call's settle-once list.
 #[pyfunction]
-#[pyo3(signature = (call, once, permit, charged, plan, headers, body, max_body, histogram, http_seconds, usage_type, transport=None, read_ahead=false, response=None))]
+#[pyo3(signature = (call, once, permit, charged, plan, headers, body, max_body, histogram, http_seconds, usage_type, transport=None, read_ahead=false))]
 #[allow(clippy::too_many_arguments)]
 pub fn _settle_response<'py>(
     py: Python<'py>,
@@ -111,7 +111,6 @@ pub fn _settle_response<'py>(
     usage_type: &Bound<'py, PyType>,
     transport: Option<&Bound<'py, PyAny>>,
     read_ahead: bool,
-    response: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<Bound<'py, PyAny>> {
     // Everything that may defer comes first: nothing is changed before the settle.
     let Ok(ns) = to_ns("seconds", http_seconds) else {
@@ -139,11 +138,7 @@ pub fn _settle_response<'py>(
         )?
         .into_any());
     }
-    let read: Option<Bound<'py, PyBytes>>;
-    let body = if let Some(body) = body {
-        read = None;
-        Some(body)
-    } else {
+    let Some(body) = body else {
         // A stream: read natively when nothing is to be decoded.
         let Some(transport) = transport else {
             return Ok(defer(py));
@@ -154,20 +149,15 @@ pub fn _settle_response<'py>(
         {
             return Ok(defer(py));
         }
-        let length = read_ahead.then(|| read_ahead_length(&pairs, max_body)).flatten();
-        let got = match (length, response) {
-            (Some(n), None) => return Ok(n.into_pyobject(py)?.into_any()),
-            (Some(n), Some(response)) => read_body(call, response, n, transport, http_seconds)?,
-            (None, _) => None,
-        };
-        let Some(got) = got else {
-            let reader = BodyReaderPy::new(call, once, permit, charged, plan, max_body, usage_type, transport);
-            let reader = Bound::new(py, reader)?;
-            histogram.get().inner.record(ns);
-            return Ok(reader.into_any());
-        };
-        read = Some(got);
-        read.as_ref()
+        if read_ahead {
+            if let Some(n) = read_ahead_length(&pairs, max_body) {
+                return Ok(n.into_pyobject(py)?.into_any());
+            }
+        }
+        let reader = BodyReaderPy::new(call, once, permit, charged, plan, max_body, usage_type, transport);
+        let reader = Bound::new(py, reader)?;
+        histogram.get().inner.record(ns);
+        return Ok(reader.into_any());
     };
     match settle_body(
         py,
@@ -176,119 +166,14 @@ pub fn _settle_response<'py>(
         permit,
         charged,
         plan,
-        body,
+        Some(body),
         max_body,
         Some((histogram.get(), ns)),
         usage_type,
     )? {
         Settled::Done => Ok(py.None().into_bound(py)),
-        // A body read here is handed to the reference with the call.
-        Settled::Deferred => Ok(read.map_or_else(|| defer(py), Bound::into_any)),
+        Settled::Deferred => Ok(defer(py)),
     }
-}
-
-/// `_stream.read_ahead` natively: the body of `length` bytes read from the response's
-/// stream now, the stream closed and a replay of the body (httpx's `ByteStream`) put in
-/// its place. None for a stream that gives more than `length`: `_stream._read` passes
-/// what was read, then the rest, on. An error settles the call from what was read
-/// (`_stream._read_failed`), closes the stream (not again after a close that raised) and
-/// is returned.
-fn read_body<'py>(
-    call: &Bound<'py, PyAny>,
-    response: &Bound<'py, PyAny>,
-    length: u64,
-    transport: &Bound<'py, PyAny>,
-    http_seconds: f64,
-) -> PyResult<Option<Bound<'py, PyBytes>>> {
-    let py = call.py();
-    let stream = response.getattr(intern!(py, "stream"))?;
-    let chunks = PyList::empty(py);
-    let failed = |err: PyErr, close: bool| -> PyErr {
-        let settled = py
-            .import(intern!(py, "ratequeue.httpx._stream"))
-            .and_then(|m| m.getattr(intern!(py, "_read_failed")))
-            .and_then(|f| f.call1((transport, call, response, &chunks, http_seconds, false)));
-        let closed = if close {
-            stream.call_method0(intern!(py, "close")).map(drop)
-        } else {
-            Ok(())
-        };
-        // As the reference's `finally`: the close's error, else the settle's, else `err`.
-        match (settled, closed) {
-            (_, Err(e)) | (Err(e), Ok(())) => e,
-            (Ok(_), Ok(())) => err,
-        }
-    };
-    let it = match stream.try_iter() {
-        Ok(it) => it,
-        Err(e) => return Err(failed(e, true)),
-    };
-    let mut size: u64 = 0;
-    for chunk in it.clone() {
-        let chunk = match chunk.and_then(|c| chunks.append(&c).map(|()| c)) {
-            Ok(c) => c,
-            Err(e) => return Err(failed(e, true)),
-        };
-        let n = match chunk.cast::<PyBytes>() {
-            Ok(b) => b.as_bytes().len(),
-            Err(_) => match memoryview_size(&chunk) {
-                Ok(n) => n,
-                Err(e) => return Err(failed(e, true)),
-            },
-        };
-        size = size.saturating_add(u64::try_from(n).unwrap_or(u64::MAX));
-        if size > length {
-            let passed = py
-                .import(intern!(py, "ratequeue.httpx._stream"))
-                .and_then(|m| m.getattr(intern!(py, "_read")))
-                .and_then(|f| f.call1((response, &stream, &chunks, &it, false)));
-            return match passed {
-                Ok(_) => Ok(None),
-                Err(e) => Err(failed(e, true)),
-            };
-        }
-    }
-    let body = match one_body(&chunks) {
-        Ok(b) => b,
-        Err(e) => return Err(failed(e, true)),
-    };
-    let replay = (|| {
-        let module = response.get_type().getattr(intern!(py, "__module__"))?;
-        let modules = py.import(intern!(py, "sys"))?.getattr(intern!(py, "modules"))?;
-        let stream_type = modules.get_item(module)?.getattr(intern!(py, "ByteStream"))?;
-        response.setattr(intern!(py, "stream"), stream_type.call1((&body,))?)
-    })();
-    if let Err(e) = replay {
-        return Err(failed(e, true));
-    }
-    if let Err(e) = stream.call_method0(intern!(py, "close")) {
-        return Err(failed(e, false));
-    }
-    Ok(Some(body))
-}
-
-/// The bytes of a body read in `chunks`: the one `bytes` chunk itself, else the chunks
-/// joined (any buffers, as `b"".join` takes them).
-fn one_body<'py>(chunks: &Bound<'py, PyList>) -> PyResult<Bound<'py, PyBytes>> {
-    let py = chunks.py();
-    if chunks.len() == 1 {
-        let only = chunks.get_item(0)?;
-        if only.is_exact_instance_of::<PyBytes>() {
-            return Ok(only.cast_into::<PyBytes>()?);
-        }
-    }
-    Ok(PyBytes::new(py, b"")
-        .call_method1(intern!(py, "join"), (chunks,))?
-        .cast_into::<PyBytes>()?)
-}
-
-/// A chunk's size in bytes that is not `bytes`: `memoryview(chunk).nbytes`.
-fn memoryview_size(chunk: &Bound<'_, PyAny>) -> PyResult<usize> {
-    let py = chunk.py();
-    // SAFETY: `chunk` is a live object; the call returns a new reference or null with an
-    // error set.
-    let view = unsafe { Bound::from_owned_ptr_or_err(py, ffi::PyMemoryView_FromObject(chunk.as_ptr()))? };
-    view.getattr(intern!(py, "nbytes"))?.extract()
 }
 
 /// The length of a body to read ahead: one `Content-Length` (digits only) within
