@@ -35,7 +35,7 @@ from .._errors import each
 from .._threads import AfterFork
 from ._record import json_object
 from ._stream import NONE_USED
-from ._unclosed import ready
+from ._unclosed import raise_held, ready
 from ._usage import Usage, waiting_response_id
 
 if TYPE_CHECKING:
@@ -245,7 +245,10 @@ class Background:
                     return True, None
                 self._open_done(key)
                 creation._rkey = _TAKEN
+            # Plain stores, where no Ctrl-C lands, then the append: after it returns the
+            # creation is out of the map, counted out and in ``taken``.
             self._waiting -= 1
+            self._ids[key] = None
             taken.append(creation)
             self._settled(key)
             return True, creation
@@ -361,23 +364,25 @@ class _Settles:
             usage = None  # no report: a body without a usage, of a call sent without one
         final = _final(body) if body is not None else usage is not None or done
         taken: list[_Call] = []
-        interrupted: BaseException | None = None
+        held: list[BaseException] = []
         try:
             kept, creation = self._background.take(call, final, usage, taken)
         except BaseException as e:
             if not taken:
                 raise
             kept, creation = True, taken[0]  # taken: settled below, then raised
-            interrupted = e
+            held.append(e)
         if not kept:
             return False
         try:
-            if creation is not None:
-                self._settle_linked(call, creation, usage)
+            try:
+                if creation is not None:
+                    self._settle_linked(call, creation, usage)
+            finally:
+                self._settle_one(call, NONE_USED, status, reported=True)
         finally:
-            self._settle_one(call, NONE_USED, status, reported=True)
-        if interrupted is not None:
-            raise interrupted
+            if held:
+                raise_held(self, call, held)
         return True
 
     def _settle_linked(self, call: _Call, other: _Call, usage: Usage | None) -> None:

@@ -7,6 +7,7 @@ One class serves httpx and httpx2, sync and async: it wraps any transport with
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import threading
@@ -44,12 +45,14 @@ from ._stream import (
     read_ahead,
     wrap,
 )
-from ._unclosed import Unclosed, _pay_off_thread
+from ._unclosed import Unclosed, _pay_off_thread, raise_held
 from ._usage import Usage
 from ._wire import _TRIPLES, for_sdk, header_list, hint_retry, scan_response, split_base
 
 if TYPE_CHECKING:
     from ..ledger._protocol import LedgerLike as Ledger
+
+_log = logging.getLogger("ratequeue.httpx")
 
 __all__ = [
     "ACCOUNT_HEADER",
@@ -520,15 +523,31 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         the others: each runs in a ``finally`` of the one before, and what the ledger is
         owed is set before any of them (plain stores, where no Ctrl-C lands). CPython
         raises a Ctrl-C as a call returns or a Python function is entered: one raised as
-        the pop returns is raised after the settle; one on the way into ``_pay`` leaves
-        the ledger's part to the worker threads."""
-        interrupted: BaseException | None = None
+        the pop returns is held back until the steps ran, then raised whatever they raised
+        (``raise_held``); one on the way into ``_pay`` leaves the ledger's part to the
+        worker threads."""
+        held: list[BaseException] = []
         try:
             call._once.pop()  # atomic: one caller settles
         except IndexError:
             return
         except BaseException as e:  # a Ctrl-C as the pop returned: the call is taken
-            interrupted = e
+            held.append(e)
+        try:
+            self._settle_steps(call, usage, status, rate_limited, reported)
+        finally:
+            if held:
+                raise_held(self, call, held)
+
+    def _settle_steps(
+        self,
+        call: _Call,
+        usage: Usage | None,
+        status: int | None,
+        rate_limited: bool,
+        reported: bool,
+    ) -> None:
+        """``_settle_one``'s steps, the call taken."""
         call._done = True
         call._usage = usage
         call.settled = True
@@ -574,8 +593,6 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                             if call._owed is not None:  # interrupted before it was taken
                                 _pay_off_thread(self, call, None)
                             raise
-        if interrupted is not None:
-            raise interrupted
 
     @staticmethod
     def _settle_budget(
@@ -613,19 +630,28 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
 
     def _pay(self, call: _Call, hand_off: bool = True) -> None:
         """What the call owes the ledger, inline (and the creation its poll settled),
-        taken once. An interrupt (a Ctrl-C while the ledger answers) has the worker
-        threads pay it once more with ``hand_off`` (the ledger's calls are idempotent per
-        request id; they do not hand it off again); the creation's part too."""
+        taken once. An interrupt (a Ctrl-C while the ledger answers, or on the way into
+        the creation's pay) has the worker threads pay what is left with ``hand_off``:
+        the ledger's calls are idempotent per request id (the workers do not hand it off
+        again). A creation's error never replaces the call's own error or interrupt."""
         owed: object = None
+        failed = False
         try:
             owed, call._owed = call._owed, None
             if owed is not None:
                 self._pay_owed(call, owed)
         except Exception:
+            failed = True
             raise
         except BaseException:
-            if hand_off and owed is not None:
-                _pay_off_thread(self, call, None, owed)
+            failed = True
+            if hand_off:
+                if owed is not None:
+                    _pay_off_thread(self, call, None, owed)
+                linked = call._linked  # not paid inline on a ledger given up on
+                if linked is not None:
+                    call._linked = None
+                    _pay_off_thread(self, linked, None)
             raise
         finally:
             linked = call._linked
@@ -633,6 +659,10 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                 call._linked = None
                 try:
                     self._pay(linked, hand_off)
+                except Exception:
+                    if not failed:
+                        raise
+                    _log.exception("the call %s failed to pay its ledger part", linked.request_id)
                 except BaseException:
                     if hand_off and linked._owed is not None:  # interrupted on the way in
                         _pay_off_thread(self, linked, None)
@@ -662,11 +692,11 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         unless ``pay`` is False or the call is asyncio's: left owed). A Ctrl-C as the
         clear returns is raised after; one on the way into ``_pay`` leaves the release
         to the worker threads."""
-        interrupted: BaseException | None = None
+        held: list[BaseException] = []
         try:
             call._once.clear()
         except BaseException as e:  # a Ctrl-C as the clear returned: the call is taken
-            interrupted = e
+            held.append(e)
         call._done = True
         if call._held:
             call._owed = _RELEASE
@@ -674,15 +704,17 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             if call._sub is not None:
                 _budget.uncount(call._sub, call._chain, None)
         finally:
-            if call._held and not call._async and pay:
-                try:
-                    self._pay(call)
-                except BaseException:
-                    if call._owed is not None:  # interrupted before it was taken
-                        _pay_off_thread(self, call, None)
-                    raise
-        if interrupted is not None:
-            raise interrupted
+            try:
+                if call._held and not call._async and pay:
+                    try:
+                        self._pay(call)
+                    except BaseException:
+                        if call._owed is not None:  # interrupted before it was taken
+                            _pay_off_thread(self, call, None)
+                        raise
+            finally:
+                if held:
+                    raise_held(self, call, held)
 
     def _unsettled(self, call: _Call) -> None:
         """A response received whose settle did not run (a Ctrl-C, a failure before it):

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 from queue import SimpleQueue
 from threading import get_ident
-from typing import Any
+from typing import Any, NoReturn
 
 from .._errors import each
 from .._threads import AfterFork, exit_time_left
@@ -224,7 +224,7 @@ def _pay_off_thread(
     ledger's worker threads (a ledger that never answers holds up nothing else), ``then``
     called after; False when it is not (nothing owed; paid here at exit, the workers
     gone)."""
-    if owed is None and call._owed is None:
+    if owed is None and call._owed is None and call._linked is None:
         return False
     try:
         fut = _worker().submit(_pay_logged, transport, call, owed)
@@ -234,6 +234,20 @@ def _pay_off_thread(
     DROPPED.paying.add(fut)
     fut.add_done_callback(lambda f: _paid(f, then))
     return True
+
+
+def raise_held(transport: Any, call: Any, held: list[BaseException]) -> NoReturn:
+    """Raise the interrupt in ``held`` (a Ctrl-C held back while a settle's steps ran: it
+    wins over an error of a later step, which becomes its context); the ledger part an
+    asyncio caller would have awaited after (it will not now) goes to the worker
+    threads. ``held`` is emptied (no reference cycle through the caller's frame)."""
+    interrupted = held.pop()
+    try:
+        if call._owed is not None or call._linked is not None:
+            _pay_off_thread(transport, call, None)
+        raise interrupted
+    finally:
+        del interrupted
 
 
 def _paid(fut: Any, then: Callable[[], object] | None) -> None:
