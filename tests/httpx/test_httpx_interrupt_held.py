@@ -10,13 +10,18 @@ import importlib
 from typing import Any
 
 import pytest
-import ratequeue as rq
 from background_helpers import Provider, create, through
-from ratequeue.httpx import CallBudget, RateLimitedTransport
+from ratequeue.httpx import CallBudget
 from ratequeue.httpx._background import Background
 from ratequeue.httpx._unclosed import DROPPED
 from test_httpx_interrupt_windows import _swap_once_first_time
-from test_httpx_interrupted_settle import _CHAT, IdempotentLedger
+from test_httpx_interrupted_settle import (
+    _CHAT,
+    IdempotentLedger,
+    _assert_released,
+    _interrupt_after_once,
+    _refusing,
+)
 
 
 class _DownLedger(IdempotentLedger):
@@ -33,16 +38,6 @@ class _DownLedger(IdempotentLedger):
         if self.down:
             raise RuntimeError("ledger down")
         super().release(request_id)
-
-
-def _refusing(mod: Any, ledger: Any, is_async: bool = False) -> tuple[Any, Any]:
-    """A transport whose limiter refuses at once (timeout 0): the call is unwound."""
-    lim = rq.Limiter(rq.Rate(1, per="minute", burst=1), clock=rq.ManualClock())
-    lim.try_acquire()
-    inner = mod.MockTransport(Provider())
-    t = RateLimitedTransport(inner, lim, timeout=0.0, ledger=ledger)
-    client = mod.AsyncClient(transport=t) if is_async else mod.Client(transport=t)
-    return t, client
 
 
 # -- the deferred Ctrl-C is dropped when a later step raises an Exception ---------------
@@ -84,16 +79,7 @@ def test_a_ctrl_c_after_a_poll_took_its_creation_is_not_swallowed_by_a_ledger_er
     _, client, _ = through(mod, True, Provider(done=1), ledger=ledger)
     create(client)
     ledger.down = True
-    real = Background._settled
-    fired: list[bool] = []
-
-    def settled(self: Any, key: Any) -> None:
-        real(self, key)
-        if not fired:
-            fired.append(True)
-            raise KeyboardInterrupt
-
-    monkeypatch.setattr(Background, "_settled", settled)
+    monkeypatch.setattr(Background, "_settled", _interrupt_after_once(Background._settled))
     with pytest.raises(KeyboardInterrupt):
         client.get("http://p/v1/responses/resp_1")
 
@@ -159,10 +145,17 @@ def test_a_ctrl_c_between_take_and_settled_leaves_no_waiting_count_drift(
 # -- asyncio: the deferred Ctrl-C skips the caller's pay -----------------------------
 
 
-def _run(coro: Any) -> Any:
+def _post_interrupted(client: Any) -> None:
+    """An asyncio POST through ``client`` on a loop without asyncio.run's SIGINT handler
+    (a Ctrl-C is raised in the task, not turned into a cancel): it raises the Ctrl-C."""
+
+    async def go() -> None:
+        await client.post("http://p/v1/chat/completions", json=_CHAT)
+
     loop = asyncio.new_event_loop()
     try:
-        return loop.run_until_complete(coro)
+        with pytest.raises(KeyboardInterrupt):
+            loop.run_until_complete(go())
     finally:
         loop.close()
 
@@ -178,16 +171,9 @@ def test_asyncio_a_ctrl_c_as_the_unwinds_clear_returns_still_releases_the_hold(
     ledger = IdempotentLedger()
     _, client = _refusing(mod, ledger, is_async=True)
     _swap_once_first_time(monkeypatch, "_unwind")
-
-    async def go() -> None:
-        await client.post("http://p/v1/chat/completions", json=_CHAT)
-
-    with pytest.raises(KeyboardInterrupt):
-        _run(go())
+    _post_interrupted(client)
     monkeypatch.undo()
-    DROPPED.flush(10)
-    (rid,) = ledger.held
-    assert ledger.settled == {rid: (0, 0)}
+    _assert_released(ledger)
 
 
 def test_asyncio_a_ctrl_c_as_a_failed_calls_settle_pops_still_releases_the_hold(
@@ -206,16 +192,9 @@ def test_asyncio_a_ctrl_c_as_a_failed_calls_settle_pops_still_releases_the_hold(
     t, _, _ = through(mod, True, provider, ledger=ledger)
     client = mod.AsyncClient(transport=t)
     _swap_once_first_time(monkeypatch, "_settle_one")
-
-    async def go() -> None:
-        await client.post("http://p/v1/chat/completions", json=_CHAT)
-
-    with pytest.raises(KeyboardInterrupt):
-        _run(go())
+    _post_interrupted(client)
     monkeypatch.undo()
-    DROPPED.flush(10)
-    (rid,) = ledger.held
-    assert ledger.settled == {rid: (0, 0)}
+    _assert_released(ledger)
 
 
 # -- after a Ctrl-C while the ledger answers, the same ledger is called inline again ---

@@ -13,11 +13,17 @@ import json
 from typing import Any
 
 import pytest
-import ratequeue as rq
 from background_helpers import Provider, _Once, create, poll_until_done, through
 from ratequeue.httpx import CallBudget, RateLimitedTransport
 from ratequeue.httpx._unclosed import DROPPED
-from test_httpx_interrupted_settle import _CHAT, IdempotentLedger, _interrupt_once
+from test_httpx_interrupted_settle import (
+    _CHAT,
+    IdempotentLedger,
+    _assert_released,
+    _interrupt_after_once,
+    _interrupt_once,
+    _refusing,
+)
 
 
 class _PopThenInterrupt(list):  # type: ignore[type-arg]
@@ -104,19 +110,13 @@ def test_a_ctrl_c_as_the_unwind_takes_the_call_still_releases_the_hold(
 ) -> None:
     """``_unwind``: the same window after ``call._once.clear()`` returns: neither the
     budget's give-back nor the ledger's release runs."""
-    mod = importlib.import_module("httpx")
     ledger = IdempotentLedger()
-    lim = rq.Limiter(rq.Rate(1, per="minute", burst=1), clock=rq.ManualClock())
-    lim.try_acquire()
-    t = RateLimitedTransport(mod.MockTransport(Provider()), lim, timeout=0.0, ledger=ledger)
-    client = mod.Client(transport=t)
+    _, client = _refusing(importlib.import_module("httpx"), ledger)
     _swap_once_first_time(monkeypatch, "_unwind")
     with CallBudget(calls=10), pytest.raises(KeyboardInterrupt):
         client.post("http://p/v1/chat/completions", json=_CHAT)
     monkeypatch.undo()
-    DROPPED.flush(10)
-    (rid,) = ledger.held
-    assert ledger.settled == {rid: (0, 0)}
+    _assert_released(ledger)
 
 
 def test_a_ctrl_c_as_a_streams_settle_starts_paying_still_pays_it(
@@ -241,20 +241,12 @@ def test_a_ctrl_c_as_a_poll_takes_its_creation_still_settles_the_creation(
     t, client, _ = through(mod, True, Provider(done=1), ledger=ledger)
     with CallBudget(calls=10) as budget:
         creation = create(client).extensions["ratequeue"]
-        real = Background._settled
-        fired: list[bool] = []
-
-        def settled(self: Any, key: Any) -> None:
-            real(self, key)
-            if not fired:
-                fired.append(True)
-                raise KeyboardInterrupt
-
+        settled = _interrupt_after_once(Background._settled)
         monkeypatch.setattr(Background, "_settled", settled)
         with pytest.raises(KeyboardInterrupt):
             client.get("http://p/v1/responses/resp_1")
         monkeypatch.undo()
-    assert fired and creation.settled and creation.usage is not None
+    assert settled.fired and creation.settled and creation.usage is not None
     assert t.stats()["background"] == 0
     assert set(ledger.settled) == set(ledger.held) and len(ledger.held) == 2
     assert all(s.settled for s in budget.usage)

@@ -59,6 +59,38 @@ def _interrupt_once(real: Any) -> Any:
     return step
 
 
+def _interrupt_after_once(real: Any) -> Any:
+    """``real`` run, then a KeyboardInterrupt the first time (a Ctrl-C as it returns)."""
+    fired = []
+
+    def step(*args: Any, **kw: Any) -> Any:
+        got = real(*args, **kw)
+        if not fired:
+            fired.append(True)
+            raise KeyboardInterrupt
+        return got
+
+    step.fired = fired  # type: ignore[attr-defined]
+    return step
+
+
+def _refusing(mod: Any, ledger: Any, is_async: bool = False) -> tuple[Any, Any]:
+    """A transport whose limiter refuses at once (timeout 0): the call is unwound."""
+    lim = rq.Limiter(rq.Rate(1, per="minute", burst=1), clock=rq.ManualClock())
+    lim.try_acquire()
+    inner = mod.MockTransport(Provider())
+    t = RateLimitedTransport(inner, lim, timeout=0.0, ledger=ledger)
+    client = mod.AsyncClient(transport=t) if is_async else mod.Client(transport=t)
+    return t, client
+
+
+def _assert_released(ledger: IdempotentLedger) -> None:
+    """The one hold released (nothing used), by the caller or the worker threads."""
+    DROPPED.flush(10)
+    (rid,) = ledger.held
+    assert ledger.settled == {rid: (0, 0)}
+
+
 @pytest.mark.parametrize("modname", ["httpx", "httpx2"])
 def test_a_ctrl_c_in_the_budgets_settle_still_pays_the_ledger(
     modname: str, monkeypatch: pytest.MonkeyPatch
@@ -119,18 +151,13 @@ def test_a_ctrl_c_in_the_budgets_give_back_still_releases_the_hold(
 ) -> None:
     """Nothing sent (the wait refused): the budget's give-back and the ledger's release
     are both done whichever the Ctrl-C stops."""
-    mod = importlib.import_module("httpx")
     ledger = IdempotentLedger()
-    lim = rq.Limiter(rq.Rate(1, per="minute", burst=1), clock=rq.ManualClock())
-    lim.try_acquire()
-    t = RateLimitedTransport(mod.MockTransport(Provider()), lim, timeout=0.0, ledger=ledger)
-    client = mod.Client(transport=t)
+    _, client = _refusing(importlib.import_module("httpx"), ledger)
     budget_module = transport_module._budget
     monkeypatch.setattr(budget_module, "uncount", _interrupt_once(budget_module.uncount))
     with CallBudget(calls=10), pytest.raises(KeyboardInterrupt):
         client.post("http://p/v1/chat/completions", json=_CHAT)
-    (rid,) = ledger.held
-    assert ledger.settled == {rid: (0, 0)}
+    _assert_released(ledger)
 
 
 def test_a_settle_interrupted_after_the_permits_settle_keeps_the_usage_everywhere(

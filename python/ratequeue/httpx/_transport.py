@@ -586,6 +586,8 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                     if call._sub is not None:
                         self._settle_budget(call, usage, keep, status, rate_limited)
                 finally:
+                    # Inline, not a helper: a Ctrl-C on the way into a helper would land
+                    # before its try (as ``_unwind`` does too).
                     if call._held and not call._async:
                         try:
                             self._pay(call)
