@@ -233,10 +233,10 @@ def test_a_poll_landing_as_the_stream_drops_settles_the_creation_once(
     real_keep = _background.Background.keep
     polls: list[Any] = []
 
-    def keep(self: Any, call: Any, body: Any, rid: Any) -> Any:
+    def keep(self: Any, call: Any, body: Any, rid: Any, taken: Any) -> Any:
         if not polls:
             polls.append(client.get("http://p/v1/responses/resp_7").extensions["ratequeue"])
-        return real_keep(self, call, body, rid)
+        return real_keep(self, call, body, rid, taken)
 
     monkeypatch.setattr(_background.Background, "keep", keep)
     _drain(mod, r, chunks)

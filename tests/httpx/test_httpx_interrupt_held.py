@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from background_helpers import Provider, create, through
-from ratequeue.httpx import CallBudget
+from ratequeue.httpx import CallBudget, RateLimitedTransport
 from ratequeue.httpx._background import Background
 from ratequeue.httpx._unclosed import DROPPED
 from test_httpx_interrupt_windows import _swap_once_first_time
@@ -20,6 +20,7 @@ from test_httpx_interrupted_settle import (
     IdempotentLedger,
     _assert_released,
     _interrupt_after_once,
+    _interrupt_once,
     _refusing,
 )
 
@@ -227,3 +228,54 @@ def test_a_ctrl_c_while_the_ledger_answers_a_poll_leaves_its_creation_to_the_wor
     DROPPED.flush(10)
     assert set(ledger.settled) == set(ledger.held)
     assert threads and threading.get_ident() not in threads
+
+
+def test_a_ctrl_c_on_entry_to_settle_linked_after_take_still_settles_the_creation(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Found by review of def8c62 (stop 42): ``take`` returned normally (the creation out
+    of the map, counted out), then a Ctrl-C on entry to ``_settle_linked``: the creation
+    was referenced by nothing (not in the map, so ``close()``'s drain did not see it):
+    its hold was never settled."""
+    mod = importlib.import_module("httpx")
+    ledger = IdempotentLedger()
+    t, client, _ = through(mod, True, Provider(done=1), ledger=ledger)
+    creation = create(client).extensions["ratequeue"]
+    monkeypatch.setattr(
+        RateLimitedTransport,
+        "_settle_linked",
+        _interrupt_once(RateLimitedTransport._settle_linked),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        client.get("http://p/v1/responses/resp_1")
+    monkeypatch.undo()
+    t.close()
+    DROPPED.flush(10)
+    assert creation.request_id in ledger.held
+    assert set(ledger.settled) == set(ledger.held)
+
+
+def test_a_ctrl_c_on_entry_to_a_twins_settle_still_settles_the_twin(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The same window in ``_keep``: a second creation named like one waiting takes that
+    twin from the map to settle it at its estimate; a Ctrl-C on the way into that settle
+    lost the twin."""
+    mod = importlib.import_module("httpx")
+    ledger = IdempotentLedger()
+
+    def provider(request: Any) -> Any:  # every creation answers the same id
+        return mod.Response(200, json={"id": "resp_1", "status": "queued", "usage": None})
+
+    t, client, _ = through(mod, True, provider, ledger=ledger)
+    first = create(client).extensions["ratequeue"]
+    monkeypatch.setattr(
+        RateLimitedTransport,
+        "_settle_linked",
+        _interrupt_once(RateLimitedTransport._settle_linked),
+    )
+    with pytest.raises(KeyboardInterrupt):
+        create(client)
+    monkeypatch.undo()
+    assert first.settled and t.stats()["background"] == 0
+    assert len(ledger.held) == 2 and set(ledger.settled) == set(ledger.held)

@@ -162,14 +162,15 @@ class Background:
         return True
 
     def keep(
-        self, call: _Call, body: bytes | None, rid: str | None
+        self, call: _Call, body: bytes | None, rid: str | None, taken: list[_Call]
     ) -> tuple[bool | None, _Call | None]:
         """Keep ``call``, a creation whose 2xx answer reports no usage (``body``, a JSON
         one; ``rid``, the id an event stream named and the stream dropped before its
         usage), until its usage is polled: (True when kept — a response not run yet,
         room left —, None when a poll took it meanwhile — the poll settles it —, else
         False; the creation waiting with the same id, no longer kept: to settle at its
-        estimate)."""
+        estimate, also put in ``taken`` once it left the map, where an interrupt raised
+        after, as a call returns, does not lose it)."""
         if not self.limit or call._request.method != "POST":
             return False, None
         if not call.path.endswith("/responses"):
@@ -212,6 +213,7 @@ class Background:
                     self._open_done(key)
                     other._rkey = _LET_GO
                     return False, None
+                taken.append(other)
                 return False, other
             if self._waiting >= self.limit:
                 return False, None
@@ -227,8 +229,9 @@ class Background:
         (False, None) when its response is not kept here; else (True, the creation now to
         settle to it, or None: settled before, not ``final``, or still streaming and no
         usage reported — its stream's end settles it). The id stays, settled, as long as
-        room is left. The creation is put in ``taken`` before it leaves the map: an
-        interrupt raised after (a Ctrl-C as a call returns) does not lose it."""
+        room is left. The creation leaves the map and the count in plain stores (where
+        no Ctrl-C lands), then is put in ``taken``: an interrupt raised after, as a call
+        returns, does not lose it."""
         key = _polled_key(call)
         if key is None:
             return False, None
@@ -330,9 +333,14 @@ class _Settles:
         poll reports the usage: its concurrency slots given back and its request dropped
         meanwhile (its estimate and model read first). A creation waiting with the same id
         is settled at its estimate (its ledger part paid with this call's)."""
-        kept, twin = self._background.keep(call, body, response_id)
-        if twin is not None:
-            self._settle_linked(call, twin, None)
+        taken: list[_Call] = []
+        try:
+            kept, twin = self._background.keep(call, body, response_id, taken)
+            if twin is not None:
+                self._settle_linked(call, twin, None)
+        finally:
+            if taken and taken[0]._once:  # a Ctrl-C before or on the way into its settle
+                self._settle_linked(call, taken[0], None)
         if kept is None:
             return True  # a poll took it meanwhile: the poll settles it
         if not kept:
@@ -379,7 +387,11 @@ class _Settles:
                 if creation is not None:
                     self._settle_linked(call, creation, usage)
             finally:
-                self._settle_one(call, NONE_USED, status, reported=True)
+                try:
+                    if creation is not None and creation._once:  # a Ctrl-C on the way in
+                        self._settle_linked(call, creation, usage)
+                finally:
+                    self._settle_one(call, NONE_USED, status, reported=True)
         finally:
             if held:
                 raise_held(self, call, held)

@@ -534,67 +534,56 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         except BaseException as e:  # a Ctrl-C as the pop returned: the call is taken
             held.append(e)
         try:
-            self._settle_steps(call, usage, status, rate_limited, reported)
+            call._done = True
+            call._usage = usage
+            call.settled = True
+            # A body without a usage keeps what acquire took: the estimate, clamped to what
+            # the limiter can ever grant (budget and ledger keep the estimate itself).
+            keep = usage is None and reported
+            if call._held:
+                call._owed = usage if usage is not None else _ESTIMATE if keep else _RELEASE
+            permit = call._permit
+            try:
+                if permit is not None and self._token_plan and not keep:
+                    if usage is None:
+                        i = o = 0
+                    else:
+                        i, o = usage
+                    actual = (1, min(i + o, _U64), i, o)  # saturated, as natively
+                    costs = call._charged
+                    # Only what differs from the estimate: the rest is already right.
+                    kw = {}
+                    for unit, j in self._token_plan:
+                        if actual[j] != costs[unit]:
+                            kw[unit] = actual[j]
+                    if kw:
+                        call._correction = kw  # what acquire took, corrected to the usage
+                        if call.clamped:
+                            call.clamped = ()
+                        if call._provider is not None:
+                            kw = call._provider.costs_for(kw)
+                        permit.settle(**kw)
+            finally:
+                try:
+                    if permit is not None and self._is_policy:
+                        permit.release()  # its concurrency slots (a rate permit has none)
+                finally:
+                    try:
+                        if call._sub is not None:
+                            self._settle_budget(call, usage, keep, status, rate_limited)
+                    finally:
+                        # Inline, not a helper: a Ctrl-C on the way into a helper would land
+                        # before its try (as ``_unwind`` does too).
+                        if call._held and not call._async:
+                            try:
+                                self._pay(call)
+                            except BaseException:
+                                if call._owed is not None:  # interrupted before it was taken
+                                    _pay_off_thread(self, call, None)
+                                raise
         finally:
             if held:
                 raise_held(self, call, held)
-
-    def _settle_steps(
-        self,
-        call: _Call,
-        usage: Usage | None,
-        status: int | None,
-        rate_limited: bool,
-        reported: bool,
-    ) -> None:
-        """``_settle_one``'s steps, the call taken."""
-        call._done = True
-        call._usage = usage
-        call.settled = True
-        # A body without a usage keeps what acquire took: the estimate, clamped to what
-        # the limiter can ever grant (budget and ledger keep the estimate itself).
-        keep = usage is None and reported
-        if call._held:
-            call._owed = usage if usage is not None else _ESTIMATE if keep else _RELEASE
-        permit = call._permit
-        try:
-            if permit is not None and self._token_plan and not keep:
-                if usage is None:
-                    i = o = 0
-                else:
-                    i, o = usage
-                actual = (1, min(i + o, _U64), i, o)  # saturated, as natively
-                costs = call._charged
-                # Only what differs from the estimate: the rest is already right.
-                kw = {}
-                for unit, j in self._token_plan:
-                    if actual[j] != costs[unit]:
-                        kw[unit] = actual[j]
-                if kw:
-                    call._correction = kw  # what acquire took, corrected to the usage
-                    if call.clamped:
-                        call.clamped = ()
-                    if call._provider is not None:
-                        kw = call._provider.costs_for(kw)
-                    permit.settle(**kw)
-        finally:
-            try:
-                if permit is not None and self._is_policy:
-                    permit.release()  # its concurrency slots (a rate permit has none)
-            finally:
-                try:
-                    if call._sub is not None:
-                        self._settle_budget(call, usage, keep, status, rate_limited)
-                finally:
-                    # Inline, not a helper: a Ctrl-C on the way into a helper would land
-                    # before its try (as ``_unwind`` does too).
-                    if call._held and not call._async:
-                        try:
-                            self._pay(call)
-                        except BaseException:
-                            if call._owed is not None:  # interrupted before it was taken
-                                _pay_off_thread(self, call, None)
-                            raise
 
     @staticmethod
     def _settle_budget(
@@ -692,8 +681,9 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
     def _unwind(self, call: _Call, pay: bool = True) -> None:
         """Nothing was sent: give back the budget and the ledger hold (released inline
         unless ``pay`` is False or the call is asyncio's: left owed). A Ctrl-C as the
-        clear returns is raised after; one on the way into ``_pay`` leaves the release
-        to the worker threads."""
+        clear returns is held back and raised after (``raise_held``: an asyncio call's
+        release then goes to the worker threads); one on the way into ``_pay`` leaves
+        the release to the worker threads."""
         held: list[BaseException] = []
         try:
             call._once.clear()

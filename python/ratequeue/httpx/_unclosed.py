@@ -239,8 +239,9 @@ def _pay_off_thread(
 def raise_held(transport: Any, call: Any, held: list[BaseException]) -> NoReturn:
     """Raise the interrupt in ``held`` (a Ctrl-C held back while a settle's steps ran: it
     wins over an error of a later step, which becomes its context); the ledger part an
-    asyncio caller would have awaited after (it will not now) goes to the worker
-    threads. ``held`` is emptied (no reference cycle through the caller's frame)."""
+    asyncio caller would have awaited after goes to the worker threads (the interrupt
+    may skip that await; a caller that still pays races them, and one of them takes
+    it). ``held`` is emptied (no reference cycle through the caller's frame)."""
     interrupted = held.pop()
     try:
         if call._owed is not None or call._linked is not None:
