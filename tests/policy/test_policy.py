@@ -679,3 +679,27 @@ def test_policy_does_not_barge_past_a_keyed_waiter():
     finally:
         kl.run_until(1.0)
         waiter.join(10)
+
+
+def test_a_permit_dropped_unreleased_gives_its_concurrency_slots_back() -> None:
+    """Found in stop 42: a PolicyPermit lost before anyone could release it (a Ctrl-C as
+    ``acquire`` returned it to the LLM transport) kept its concurrency slot for good. Now
+    its slots go back when it is dropped; its rate capacity stays used; a permit released
+    first gives nothing back twice."""
+    import gc
+
+    clock = rq.ManualClock()
+    rate = rq.Limiter(rq.Rate(10, per="minute", burst=10), clock=clock)
+    policy = rq.Policy({"conc": rq.Concurrency(1), "rate": rate})
+    p = policy.try_acquire()
+    assert p is not None and policy.try_acquire() is None
+    del p
+    gc.collect()
+    q = policy.try_acquire()
+    assert q is not None  # the slot came back
+    assert rate.available() == 8  # the rate capacity of both stays used
+    assert q.release() and not q.release()
+    del q
+    gc.collect()
+    r1 = policy.try_acquire()
+    assert r1 is not None and policy.try_acquire() is None  # one slot, not two

@@ -716,6 +716,15 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
             call._async = True
             self._settle_one(call, None, call.status, reported=True)
 
+    def _abandoned(self, call: _Call) -> None:
+        """A call left by an interrupt before its send (a Ctrl-C on the way into its
+        unwind, or after its permit was granted): unwound, or settled with nothing used
+        when it holds a permit (its concurrency slots given back)."""
+        if call._permit is None:
+            self._unwind(call)
+        else:
+            self._settle_one(call, None, None)
+
     def _failed(self, call: _Call) -> None:
         """Sent but no response (connection error, timeout, cancel): no tokens used."""
         if self._is_pool and call._provider is not None:
@@ -743,6 +752,7 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
 
     def handle_request(self, request: Any) -> Any:
         """Wait for a permit (GIL released), send, and settle when the body is read."""
+        call = None
         try:
             call = self._prepare(request, False)
             if call._permit is None:  # not granted at once by the native prepare
@@ -750,11 +760,19 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         except RateQueueError as e:
             for_sdk(e, request)
             raise
-        t1 = perf_counter()
+        except BaseException:
+            if call is not None and call._once:  # a Ctrl-C before its unwind started
+                self._abandoned(call)
+            raise
         try:
+            t1 = perf_counter()
             response = self.inner.handle_request(call._request)
         except BaseException:
-            self._failed(call)
+            try:
+                self._failed(call)
+            finally:
+                if call._once:  # a Ctrl-C on the way into its settle
+                    self._settle_one(call, None, None)
             raise
         try:
             return self._received(call, response, perf_counter() - t1, False)
@@ -790,6 +808,7 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
     async def handle_async_request(self, request: Any) -> Any:
         """The asyncio form: one wake-up per grant, no polling; cancellation gives back;
         the ledger is called off the event loop."""
+        call = None
         try:
             call = self._prepare(request, True)
             if call._permit is None:  # not granted at once by the native prepare
@@ -797,11 +816,21 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         except RateQueueError as e:
             for_sdk(e, request)
             raise
-        t1 = perf_counter()
+        except BaseException:
+            if call is not None and call._once:  # a Ctrl-C before its unwind started
+                self._abandoned(call)
+                if call._owed is not None:
+                    await self._pay_async(call)
+            raise
         try:
+            t1 = perf_counter()
             response = await self.inner.handle_async_request(call._request)
         except BaseException:
-            self._failed(call)
+            try:
+                self._failed(call)
+            finally:
+                if call._once:  # a Ctrl-C on the way into its settle
+                    self._settle_one(call, None, None)
             if call._owed is not None:
                 await self._pay_async(call)
             raise

@@ -54,6 +54,24 @@ impl PolicyPermitPy {
         }
     }
 
+    /// `release`: the concurrency permits given back, once (True if this call did); the
+    /// GIL is released meanwhile (the permit's lock and the queues' are taken without it).
+    fn release_slots(&self, py: Python<'_>) -> bool {
+        if self.released.swap(true, Ordering::AcqRel) {
+            return false;
+        }
+        if self.fork_gen != ratequeue_core::fork::generation() {
+            return true;
+        }
+        py.detach(|| {
+            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
+            for (i, h) in st.1.iter_mut().enumerate() {
+                self.policy.release(i, h);
+            }
+        });
+        true
+    }
+
     /// Gives back everything by each level's one undo rule (see `Policy::undo`), once,
     /// waking the levels' queues; the GIL is released meanwhile (the permit's lock and
     /// the queues' are taken without it).
@@ -94,19 +112,7 @@ impl PolicyPermitPy {
     /// Returns the concurrency permits (rate capacity stays used); only the first call
     /// has an effect. Returns True if this call released.
     fn release(&self, py: Python<'_>) -> bool {
-        if self.released.swap(true, Ordering::AcqRel) {
-            return false;
-        }
-        if self.fork_gen != ratequeue_core::fork::generation() {
-            return true;
-        }
-        py.detach(|| {
-            let mut st = self.state.lock().unwrap_or_else(|e| e.into_inner());
-            for (i, h) in st.1.iter_mut().enumerate() {
-                self.policy.release(i, h);
-            }
-        });
-        true
+        self.release_slots(py)
     }
 
     /// Gives back everything taken, once: each rate exactly where nothing came after
@@ -200,6 +206,18 @@ impl PolicyAcquiringPy {
     /// The core acquire.
     pub fn core(&self) -> &Arc<PolicyAcquire> {
         &self.core
+    }
+}
+
+impl Drop for PolicyPermitPy {
+    /// Dropped unreleased (never released, or lost to an interrupt as `acquire`
+    /// returned it), its concurrency permits go back: a slot is never lost for good.
+    fn drop(&mut self) {
+        if !*self.released.get_mut() {
+            Python::attach(|py| {
+                self.release_slots(py);
+            });
+        }
     }
 }
 
