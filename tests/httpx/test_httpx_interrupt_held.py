@@ -1,7 +1,8 @@
 """A Ctrl-C held back while a settle's steps run (found by review of 8b10616, 94a6d0b and
 ebdf7c0, stop 42): it is raised whatever a later step raised, what an asyncio caller would
 have paid after goes to the worker threads, a poll's creation is not paid inline on a
-ledger given up on, and the count of creations waiting does not drift."""
+ledger given up on, and the count of creations waiting does not drift. Each test's
+docstring tells its defect as it was before the fix."""
 
 from __future__ import annotations
 

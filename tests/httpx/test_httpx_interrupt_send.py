@@ -1,7 +1,8 @@
 """A Ctrl-C before the send (found by review, stop 42): on the way into the functions
-that start a call's unwind or its failed settle, or as the permit's acquire returns. Each case
-injects the KeyboardInterrupt where CPython's eval breaker may raise it (a function's
-``RESUME``, a ``CALL``'s return) and checks nothing the call holds is lost."""
+that start a call's unwind or its failed settle, or as the permit's acquire returns. Each
+case injects the KeyboardInterrupt where CPython's eval breaker may raise it (a function's
+``RESUME``, a ``CALL``'s return) and checks nothing the call holds is lost. Each test's
+docstring tells its defect as it was before the fix."""
 
 from __future__ import annotations
 
@@ -25,10 +26,9 @@ def test_a_ctrl_c_on_the_way_into_the_unwind_still_releases_the_hold(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """``_refused`` calls ``_unwind``; a Ctrl-C at ``_unwind``'s entry (before its
-    ``clear``) leaves the call unwound by nothing: ``_acquire`` re-raises, and
-    handle_request has no handler past ``RateQueueError``: the hold stays until it
-    expires and the budget keeps the call counted (``_pay``'s entry is covered by its
-    caller's check of ``_owed``; ``_unwind``'s is not)."""
+    ``clear``) left the call unwound by nothing: ``_acquire`` re-raised, and
+    handle_request had no handler past ``RateQueueError``: the hold stayed until it
+    expired and the budget kept the call counted. Now handle_request abandons it."""
     ledger = IdempotentLedger()
     _, client = _refusing(importlib.import_module("httpx"), ledger)
     monkeypatch.setattr(
@@ -45,9 +45,9 @@ def test_a_ctrl_c_on_the_way_into_a_failed_calls_settle_gives_everything_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The inner transport raised (a connection error): handle_request calls
-    ``_failed``, which calls ``_settle``; a Ctrl-C at ``_settle``'s entry leaves the call
-    settled by nothing: the Policy's slot is never given back (a PolicyPermit has no
-    drop: the slot is lost for good) and the hold stays until it expires."""
+    ``_failed``, which calls ``_settle``; a Ctrl-C at ``_settle``'s entry left the call
+    settled by nothing: the Policy's slot was never given back and the hold stayed until
+    it expired. Now the settle runs again in a ``finally``."""
     mod = importlib.import_module("httpx")
     ledger = IdempotentLedger()
     failing = [True]
@@ -75,8 +75,8 @@ def test_a_ctrl_c_as_the_policys_acquire_returns_gives_the_slot_back(
 ) -> None:
     """``grant = self.limit.acquire(...)``: a Ctrl-C as acquire returns (it waited, GIL
     released, and the signal came as it was granted) goes to ``_refused`` with the
-    grant never bound: the call is unwound but the Policy's permit is dropped unreleased,
-    its concurrency slot lost for good."""
+    grant never bound: the call is unwound and the Policy's permit dropped unreleased,
+    which lost its concurrency slot for good. Now a dropped permit gives its slots back."""
     mod = importlib.import_module("httpx")
     ledger = IdempotentLedger()
     client, _ = through_policy(mod, Provider(), slots=1, ledger=ledger)

@@ -4,7 +4,8 @@ CPython raises a pending KeyboardInterrupt at the eval-breaker checks: on entry 
 Python function (``RESUME``) and right after a call returns (``CALL``), not only inside
 the callee's body. Each case below injects the KeyboardInterrupt at one such point in
 the settle (the way the commit's own tests inject it on entry to ``_budget.settle``)
-and checks the ledger's hold is still settled or released."""
+and checks the ledger's hold is still settled or released. Each test's docstring tells its
+defect as it was before the fix."""
 
 from __future__ import annotations
 
