@@ -36,7 +36,7 @@ def _settle_response(
     permit: object,
     charged: dict[str, int],
     plan: tuple[tuple[str, int], ...],
-    headers: list[tuple[bytes, bytes, bytes]],
+    headers: list[tuple[bytes, bytes, bytes]] | None,
     body: bytes | None,
     max_body: int,
     histogram: Histogram,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import time
 from typing import Any
 
 import pytest
@@ -530,3 +531,55 @@ def test_an_anyio_cancel_scope_while_reading_over_a_socket(name: str) -> None:
     # second settled to its usage.
     first = 10**6 - llm.available("tokens") - 5
     assert first > 5
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+@pytest.mark.parametrize("is_async", [False, True])
+def test_a_body_read_ahead_is_the_content_as_httpx_leaves_it(name: str, is_async: bool) -> None:
+    """Sent without stream mode, the response holds the body as httpx's own read leaves
+    it: its content, its bytes downloaded and an ``elapsed`` from the queue wait to the
+    body's end (at least the HTTP time, at most the send's wall time). In stream mode the
+    body reads raw or decoded, and the close times it."""
+    mod = importlib.import_module(name)
+    llm = rq.Limiter(
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+
+    def check(r: Any, wall: float) -> None:
+        rec = r.extensions["ratequeue"]
+        assert rec.settled and rec.usage == Usage(10, 5)
+        assert r.json()["usage"]["completion_tokens"] == 5
+        assert r.num_bytes_downloaded == len(r.content) > 0
+        assert rec.http_seconds <= r.elapsed.total_seconds() <= wall
+
+    with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
+        if is_async:
+
+            async def go() -> None:
+                t = RateLimitedTransport(mod.AsyncHTTPTransport(), llm)
+                async with mod.AsyncClient(transport=t) as c:
+                    w0 = time.perf_counter()
+                    r = await c.post(mock.url, json=body)
+                    check(r, time.perf_counter() - w0)
+                    for way in ("aiter_raw", "aiter_bytes"):
+                        async with c.stream("POST", mock.url, json=body) as r:
+                            got = b"".join([x async for x in getattr(r, way)()])
+                            assert json.loads(got)["usage"]["completion_tokens"] == 5
+                        assert r.is_closed and r.elapsed.total_seconds() > 0
+
+            asyncio.run(go())
+        else:
+            t = RateLimitedTransport(mod.HTTPTransport(), llm)
+            with mod.Client(transport=t) as c:
+                w0 = time.perf_counter()
+                r = c.post(mock.url, json=body)
+                check(r, time.perf_counter() - w0)
+                for way in ("iter_raw", "iter_bytes"):
+                    with c.stream("POST", mock.url, json=body) as r:
+                        got = b"".join(getattr(r, way)())
+                        assert json.loads(got)["usage"]["completion_tokens"] == 5
+                    assert r.is_closed and r.elapsed.total_seconds() > 0
+    assert llm.available("tokens") == 10**6 - 3 * 15

@@ -8,6 +8,8 @@ import contextlib
 import importlib
 import sys
 from collections.abc import AsyncIterator, Iterator
+from datetime import timedelta
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
@@ -386,10 +388,6 @@ def wrap(
 _END: Any = object()
 
 
-def _size(chunk: Any) -> int:
-    return len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
-
-
 def _read_failed(
     transport: RateLimitedTransport,
     call: _Call,
@@ -407,16 +405,29 @@ def _read_failed(
     transport._received(call, response, http_seconds, is_async, body)
 
 
-def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bool) -> bytes | None:
-    """The body read whole (the stream closed by the caller), its bytes-only stream put in
-    its place; or None, ``over`` the stream's iterator past its length: what was read is
-    replayed before the rest."""
+def _read(
+    response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bool, elapsed: float = 0.0
+) -> bytes | None:
+    """The body read whole (the stream closed by the caller), the response left as
+    httpx's own read leaves it; or None, ``over`` the stream's iterator past its length:
+    what was read is replayed before the rest.
+
+    A body read whole is the response's content, as ``Response(content=...)`` has it:
+    the consumer's ``read()`` returns it without running httpx's read (its decoder,
+    chunker and stream layers) over a replay again; its ``elapsed`` is ``elapsed`` (the
+    queue wait, the HTTP time and the read: the client would time its own read's close,
+    which no longer runs) and its bytes downloaded are the body's. A bytes-only stream of
+    it is put in place of the one read, for a consumer in stream mode that iterates the
+    raw bytes (and closes it)."""
     if over is not None:
         types = _STREAMS.get(type(response)) or _stream_types(type(response))
         response.stream = types[5 if is_async else 4](chunks, over, stream)
         return None
     body = chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
     response.stream = sys.modules[type(response).__module__].ByteStream(body)
+    response._content = body
+    response._num_bytes_downloaded = len(body)
+    response.elapsed = timedelta(seconds=elapsed)
     return body
 
 
@@ -431,14 +442,16 @@ def read_ahead(
     chunks: list[Any] = []
     size = 0
     closing = False  # a close that raises is not run again
+    t0 = perf_counter()
     try:
         it = stream.__iter__()
         while (chunk := next(it, _END)) is not _END:
             chunks.append(chunk)
-            size += _size(chunk)
+            size += len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
             if size > length:
                 return _read(response, stream, chunks, it, False)
-        body = _read(response, stream, chunks, None, False)
+        elapsed = call.waited + http_seconds + perf_counter() - t0
+        body = _read(response, stream, chunks, None, False, elapsed)
         closing = True
         stream.close()
         return body
@@ -459,6 +472,7 @@ async def aread_ahead(
     chunks: list[Any] = []
     size = 0
     closing = False
+    t0 = perf_counter()
     try:
         it = stream.__aiter__()
         while True:
@@ -467,10 +481,11 @@ async def aread_ahead(
             except StopAsyncIteration:
                 break
             chunks.append(chunk)
-            size += _size(chunk)
+            size += len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
             if size > length:
                 return _read(response, stream, chunks, it, True)
-        body = _read(response, stream, chunks, None, True)
+        elapsed = call.waited + http_seconds + perf_counter() - t0
+        body = _read(response, stream, chunks, None, True, elapsed)
         closing = True
         await stream.aclose()
         return body

@@ -283,7 +283,8 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
         """The response; on the native path a JSON body of a known length is read first
         (``read_ahead``; asyncio: the caller awaits it, given the length returned, and
         calls again with the body, or with ``ahead`` False for a stream that gave more
-        than its length)."""
+        than its length). A ``body`` given was read ahead: the call that gave its length
+        has checked the headers already."""
         call.http_seconds = http_seconds
         call.status = status = response.status_code
         hl = response.headers
@@ -315,7 +316,7 @@ class RateLimitedTransport(_Closing, _Settles, _Requests):
                     call._permit,
                     call._charged,
                     self._token_plan,
-                    hl,
+                    hl if body is None else None,  # a body read ahead: checked before
                     (response.content if body is None else body) if consumed else None,
                     self._native_max_body,
                     self.http_histogram,

@@ -90,6 +90,10 @@ fn unit_of<'a, 'py>(entry: Borrowed<'a, 'py, PyAny>) -> Option<(Borrowed<'a, 'py
 /// that buffers the body as it passes and settles at its end (`transport` takes the calls
 /// it defers); any other such body: False.
 ///
+/// `headers` None: they were checked by the call before on this response, which gave the
+/// length of the body read since (`body`: it settles; None, a stream longer than that
+/// length: its reader).
+///
 /// `plan`: `((unit, index in (requests, tokens, input, output)), ...)` of the units a
 /// usage corrects (empty: the body is kept for the record to read when asked for);
 /// `charged`: what acquire took per unit; `once`: the call's settle-once list.
@@ -103,7 +107,7 @@ pub fn _settle_response<'py>(
     permit: &Bound<'py, PyAny>,
     charged: &Bound<'py, PyDict>,
     plan: &Bound<'py, PyTuple>,
-    headers: &Bound<'py, PyList>,
+    headers: Option<&Bound<'py, PyList>>,
     body: Option<&Bound<'py, PyBytes>>,
     max_body: usize,
     histogram: &Bound<'py, HistogramPy>,
@@ -116,44 +120,51 @@ pub fn _settle_response<'py>(
     let Ok(ns) = to_ns("seconds", http_seconds) else {
         return Ok(defer(py));
     };
-    // A snapshot of the list (no Python runs meanwhile), read without a copy per entry.
-    let headers = headers.to_tuple();
-    let Some(pairs) = pairs_of(headers.as_borrowed()) else {
-        return Ok(defer(py));
-    };
-    let scan = scan_headers(pairs.iter().copied());
-    let sse = scan
-        .content_type
-        .and_then(|i| pairs.get(i))
-        .is_some_and(|(_, v)| v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream"));
-    if scan.exhausted || sse {
-        // What `_read_response` would say, the usage left to the reference.
-        let ctype = match scan.content_type.and_then(|i| item(headers.as_borrowed(), i)) {
-            Some(t) => item(t.cast::<PyTuple>()?, 2).map_or_else(|| PyBytes::new(py, b"").into_any(), |v| v.to_owned()),
-            None => PyBytes::new(py, b"").into_any(),
+    if let Some(headers) = headers {
+        // A snapshot of the list (no Python runs meanwhile), read without a copy per entry.
+        let headers = headers.to_tuple();
+        let Some(pairs) = pairs_of(headers.as_borrowed()) else {
+            return Ok(defer(py));
         };
-        return Ok(PyTuple::new(
-            py,
-            [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)],
-        )?
-        .into_any());
+        let scan = scan_headers(pairs.iter().copied());
+        let sse = scan
+            .content_type
+            .and_then(|i| pairs.get(i))
+            .is_some_and(|(_, v)| v.len() >= 17 && v[..17].eq_ignore_ascii_case(b"text/event-stream"));
+        if scan.exhausted || sse {
+            // What `_read_response` would say, the usage left to the reference.
+            let ctype = match scan.content_type.and_then(|i| item(headers.as_borrowed(), i)) {
+                Some(t) => {
+                    item(t.cast::<PyTuple>()?, 2).map_or_else(|| PyBytes::new(py, b"").into_any(), |v| v.to_owned())
+                }
+                None => PyBytes::new(py, b"").into_any(),
+            };
+            return Ok(PyTuple::new(
+                py,
+                [ctype, PyBool::new(py, scan.exhausted).to_owned().into_any(), defer(py)],
+            )?
+            .into_any());
+        }
+        if body.is_none() {
+            // A stream: read natively when nothing is to be decoded.
+            if transport.is_none()
+                || !pairs
+                    .iter()
+                    .all(|(name, value)| *name != b"content-encoding" || identity(value))
+            {
+                return Ok(defer(py));
+            }
+            if read_ahead {
+                if let Some(n) = read_ahead_length(&pairs, max_body) {
+                    return Ok(n.into_pyobject(py)?.into_any());
+                }
+            }
+        }
     }
     let Some(body) = body else {
-        // A stream: read natively when nothing is to be decoded.
         let Some(transport) = transport else {
             return Ok(defer(py));
         };
-        if !pairs
-            .iter()
-            .all(|(name, value)| *name != b"content-encoding" || identity(value))
-        {
-            return Ok(defer(py));
-        }
-        if read_ahead {
-            if let Some(n) = read_ahead_length(&pairs, max_body) {
-                return Ok(n.into_pyobject(py)?.into_any());
-            }
-        }
         let reader = BodyReaderPy::new(call, once, permit, charged, plan, max_body, usage_type, transport);
         let reader = Bound::new(py, reader)?;
         histogram.get().inner.record(ns);
