@@ -4,10 +4,11 @@ A random set-up of levels (Limiter with one or two rates and classes, KeyedLimit
 Concurrency, KeyedConcurrency, a Policy over some of them with a shadow level) shares one
 ``ManualClock``. Random operations (try_acquire, reserve, cancel, acquire with timeouts
 from threads and asyncio tasks, settle, release, Policy try_acquire / reserve / acquire /
-cancel / settle / release, retry_after) run against it while a virtual-time driver
-advances the clock and polls every level, as the real driver would. Every grant, refund
-and release is logged with its schedule time (the clock at an immediate decision,
-arrival + ``permit.waited`` for a queued one, ``now + delay`` for a reservation).
+cancel / settle / release, a permit dropped unreleased, retry_after) run against it while
+a virtual-time driver advances the clock and polls every level, as the real driver would.
+Every grant, refund and release is logged with its schedule time (the clock at an
+immediate decision, arrival + ``permit.waited`` for a queued one, ``now + delay`` for a
+reservation).
 Afterwards, for every level (and key, and unit):
 
 * rate: units granted in any window [s, s + d] <= burst + rate * d, counting each grant
@@ -159,10 +160,11 @@ class Result:
 class Holder:
     """A permit (or policy permit, or reservation) and the requests it stands for."""
 
-    def __init__(self, obj: Any, reqs: list[Req], what: str):
+    def __init__(self, obj: Any, reqs: list[Req], what: str, droppable: bool = False):
         self.obj = obj
         self.reqs = reqs
         self.what = what
+        self.droppable = droppable  # its one reference is here: dropping it frees it
 
 
 class History:
@@ -751,7 +753,7 @@ class Ops(History):
                 if p is not None:
                     q = self.new_req(lv.name, key, None, [n], "try", op, p.granted_at_ns)
                     self.granted(q, p.granted_at_ns)
-                    holders.append(Holder(p, [q], "permit"))
+                    holders.append(Holder(p, [q], "permit", droppable=True))
             self.bump("try_acquire")
         except rq.CostTooLarge:
             self.bump("cost_too_large")
@@ -837,7 +839,7 @@ class Ops(History):
         self.unlead_if_moved(qs, t)
         for q in qs:
             self.granted(q, at if self.levels[q.level].is_rate else start)
-        holders.append(Holder(p, qs, "policy"))
+        holders.append(Holder(p, qs, "policy", droppable=True))
         self.bump("policy_" + name)
 
     def unlead_if_moved(self, qs: list[Req], t: int) -> None:
@@ -917,11 +919,17 @@ class Ops(History):
             if r.random() < 0.3:
                 self._settle(h)  # a settle after cancel must give nothing back again
         else:
-            op = self.note(f"{h.what}(reqs {[q.rid for q in qs]}).release()")
+            # A permit dropped unreleased gives its concurrency permits back as release does.
+            dropped = h.droppable and r.random() < 0.25
+            verb = "dropped unreleased" if dropped else "release()"
+            op = self.note(f"{h.what}(reqs {[q.rid for q in qs]}).{verb}")
             for q in qs:
                 self.ended(q)
-            h.obj.release()
-            self.bump("release")
+            if dropped:
+                h.obj = None  # its one reference: freed here
+            else:
+                h.obj.release()
+            self.bump("dropped" if dropped else "release")
         holders.pop(i)
 
     def _settle(self, h: Holder) -> None:

@@ -305,7 +305,8 @@ class Histogram:
 
 @final
 class Permit:
-    """A grant. A context manager; a Concurrency permit is returned on exit."""
+    """A grant. A context manager; a Concurrency permit is returned on exit, or when it
+    is dropped unreleased."""
 
     @property
     def waited(self) -> float:
@@ -604,7 +605,8 @@ Level: TypeAlias = Limiter | KeyedLimiter | Concurrency | KeyedConcurrency
 
 @final
 class PolicyPermit:
-    """What a Policy granted; returns concurrency permits on exit."""
+    """What a Policy granted; returns concurrency permits on exit, or when it is dropped
+    unreleased."""
 
     @property
     def delay(self) -> float:

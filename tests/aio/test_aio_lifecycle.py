@@ -81,7 +81,7 @@ def concurrency() -> Case:
 
     def back() -> bool:
         held.release()
-        return c.try_acquire() is not None and c.try_acquire() is None
+        return (_held1 := c.try_acquire()) is not None and c.try_acquire() is None
 
     return Case(c.acquire_async, lambda: c.waiting, back)
 
@@ -93,7 +93,7 @@ def keyed_concurrency() -> Case:
 
     def back() -> bool:
         held.release()
-        return c.try_acquire("u") is not None and c.try_acquire("u") is None
+        return (_held2 := c.try_acquire("u")) is not None and c.try_acquire("u") is None
 
     return Case(lambda: c.acquire_async("u"), lambda: c.stats()["waiting_keys"], back, False)
 
@@ -108,8 +108,8 @@ def policy() -> Case:
     def back() -> bool:
         held.release()
         return (
-            outer.try_acquire() is not None
-            and inner.try_acquire() is not None
+            (_held3 := outer.try_acquire()) is not None
+            and (_held4 := inner.try_acquire()) is not None
             and outer.try_acquire() is None
             and inner.try_acquire() is None
         )
@@ -241,7 +241,7 @@ def test_generator_exit_after_a_permit_arrived_gives_it_back_once():
         await settle()
 
     asyncio.run(main())
-    assert c.try_acquire() is not None
+    assert (_held5 := c.try_acquire()) is not None
     assert c.try_acquire() is None
 
 

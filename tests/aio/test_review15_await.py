@@ -132,7 +132,7 @@ def test_throw_into_an_awaitable_never_started_holds_nothing():
 
     asyncio.run(main())
     held.release()
-    assert c.try_acquire() is not None
+    assert (_held1 := c.try_acquire()) is not None
     assert c.try_acquire() is None
 
 
@@ -160,5 +160,5 @@ def test_two_tasks_awaiting_one_awaitable_share_one_permit_and_one_cancel():
     assert c.try_acquire() is None, "one unit, held by the shared permit"
     r1.release()
     r2.release()
-    assert c.try_acquire() is not None
+    assert (_held2 := c.try_acquire()) is not None
     assert c.try_acquire() is None

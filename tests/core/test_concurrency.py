@@ -156,7 +156,7 @@ def test_release_is_idempotent_and_never_frees_someone_elses_permit():
     with a:
         pass  # exiting again releases nothing
     assert sem.in_use == 1  # b still holds
-    assert sem.try_acquire() is not None
+    assert (_held1 := sem.try_acquire()) is not None
     assert sem.try_acquire() is None
 
 
@@ -429,7 +429,7 @@ def test_cancel_racing_the_grant_returns_the_permit():
         await settle()
         assert t.cancelled()
         assert sem.in_use == 1  # b only
-        assert sem.try_acquire() is not None
+        assert (_held2 := sem.try_acquire()) is not None
         assert sem.try_acquire() is None
         b.release()
 
@@ -473,4 +473,54 @@ def test_ctrl_c_while_blocked_in_acquire(ctrl_c):
     assert sem.in_use == 1
     holder.release()
     assert sem.in_use == 0
-    assert sem.try_acquire() is not None
+    assert (_held3 := sem.try_acquire()) is not None
+
+
+def test_a_permit_dropped_unreleased_gives_its_slots_back():
+    """Left open at stop 42: a Concurrency permit lost before anyone could release it (a
+    Ctrl-C as ``acquire`` returned it, an error before its ``with``) kept its slots for
+    good. Now they go back when it is dropped, to a waiter first; a permit released
+    before it is dropped gives nothing back twice; a keyed one goes back to its key."""
+    import gc
+
+    sem = rq.Concurrency(2)
+    p = sem.try_acquire(2)
+    assert p is not None and sem.in_use == 2
+    del p
+    gc.collect()
+    assert sem.in_use == 0
+    q = sem.try_acquire(2)
+    assert q is not None and q.release()
+    del q
+    gc.collect()
+    held = sem.try_acquire(2)
+    assert held is not None and sem.try_acquire() is None  # two slots, not four
+
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(sem.acquire(1, timeout=5)))
+    waiter.start()
+    wait_until(lambda: sem.waiting == 1)
+    del held
+    gc.collect()
+    waiter.join(5)
+    assert len(got) == 1 and sem.in_use == 1
+    got.clear()
+    gc.collect()
+    assert sem.in_use == 0
+
+    async def dropped_async():
+        p = await sem.acquire_async(2)
+        assert sem.in_use == 2
+        del p
+
+    asyncio.run(dropped_async())
+    gc.collect()
+    assert sem.in_use == 0
+
+    kc = rq.KeyedConcurrency(1)
+    k = kc.acquire("a")
+    assert kc.in_use("a") == 1 and kc.try_acquire("a") is None
+    del k
+    gc.collect()
+    assert kc.in_use("a") == 0
+    assert (_held4 := kc.try_acquire("a")) is not None

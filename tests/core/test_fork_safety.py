@@ -367,7 +367,7 @@ def test_child_forked_from_another_thread_starts_with_every_permit_free():
         assert conc.in_use == 0
         got = [conc.try_acquire() for _ in range(4)]
         assert [g is not None for g in got] == [True, True, True, False]
-        assert kconc.try_acquire("k") is not None
+        assert (_held1 := kconc.try_acquire("k")) is not None
         assert kconc.try_acquire("k") is None
 
     out = []
@@ -540,4 +540,4 @@ def test_fork_while_policy_acquires_wait_in_threads_and_a_loop():
             t.join(10)
     assert not errors, errors
     assert all(not t.is_alive() for t in threads)
-    assert slots.try_acquire() is not None
+    assert (_held2 := slots.try_acquire()) is not None

@@ -20,10 +20,10 @@ U64 = 2**64
 
 def test_concurrency_sum_never_wraps() -> None:
     c = rq.Concurrency(U64 - 1)
-    assert c.try_acquire(2**63) is not None
+    assert (_held1 := c.try_acquire(2**63)) is not None
     assert c.try_acquire(2**63 + 1) is None
     assert c.in_use == 2**63
-    assert c.try_acquire(2**63 - 1) is not None
+    assert (_held2 := c.try_acquire(2**63 - 1)) is not None
     assert c.in_use == U64 - 1
     assert c.try_acquire(1) is None
 
@@ -51,10 +51,10 @@ def test_concurrency_waiter_is_granted_only_when_it_fits() -> None:
 
 def test_keyed_concurrency_sum_never_wraps() -> None:
     k = rq.KeyedConcurrency(U64 - 1)
-    assert k.try_acquire("a", 2**63) is not None
+    assert (_held3 := k.try_acquire("a", 2**63)) is not None
     assert k.try_acquire("a", 2**63 + 1) is None
     assert k.in_use("a") == 2**63
-    assert k.try_acquire("b", 2**63 + 1) is not None
+    assert (_held4 := k.try_acquire("b", 2**63 + 1)) is not None
 
 
 @pytest.mark.parametrize("n", [U64, 2**70])

@@ -585,7 +585,7 @@ def test_keyed_concurrency_basics():
     assert a is not None
     assert b is not None
     assert kc.try_acquire("t") is None
-    assert kc.try_acquire(b"t") is not None  # another key
+    assert (_held1 := kc.try_acquire(b"t")) is not None  # another key
     assert kc.in_use("t") == 2
     with pytest.raises(rq.CostTooLarge):
         kc.try_acquire("t", 3)

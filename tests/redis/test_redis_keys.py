@@ -169,7 +169,7 @@ def test_local_and_redis_agree_with_python_equality(shared: redis.Redis, data: A
     expected = type(norm(a)) is type(norm(b)) and norm(a) == norm(b)
     assert local_same(a, b) == expected
     sem = rq.KeyedConcurrency(1)
-    assert sem.try_acquire(a) is not None
+    assert (_held := sem.try_acquire(a)) is not None  # held while in_use is read
     assert (sem.in_use(b) == 1) == expected
     assert redis_same(shared, a, b) == expected
 

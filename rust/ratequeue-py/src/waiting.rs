@@ -145,7 +145,8 @@ pub(crate) fn is_main_thread(py: Python<'_>) -> PyResult<bool> {
     Ok(is_main)
 }
 
-/// What a grant gave: context manager; a Concurrency permit is returned on exit.
+/// What a grant gave: context manager; a Concurrency permit is returned on exit, or when
+/// dropped unreleased.
 #[pyclass(frozen, name = "Permit", module = "ratequeue")]
 pub struct PermitPy {
     inner: Permit,
@@ -176,10 +177,9 @@ impl PermitPy {
     }
 
     /// The same permit, knowing its grant (when it was taken, and its token).
-    pub fn with_grant(self, grant: GrantRef) -> PermitPy {
-        PermitPy {
-            inner: self.inner.with_grant(grant),
-        }
+    pub fn with_grant(mut self, grant: GrantRef) -> PermitPy {
+        self.inner.set_grant(grant);
+        self
     }
 
     /// `settle(**costs)` with the keywords as (name, value) pairs (a dict's items, or
@@ -219,10 +219,24 @@ impl PermitPy {
         Ok(())
     }
 
-    /// The same grant, owned by `owner` instead (e.g. a key rather than its queue).
+    /// The same grant, owned by `owner` instead (e.g. a key rather than its queue); this
+    /// one is marked released, so that dropping it gives nothing back.
     pub fn rehome(&self, owner: Arc<dyn PermitOwner>) -> PermitPy {
-        PermitPy {
+        let moved = PermitPy {
             inner: self.inner.rehome(owner, &Unblocked),
+        };
+        self.inner.mark_released();
+        moved
+    }
+}
+
+impl Drop for PermitPy {
+    /// Dropped unreleased (never released, or lost to an interrupt as `acquire` returned
+    /// it), a Concurrency permit's slots go back, a busy lock waited for detached from
+    /// Python: a slot is never lost for good. A rate grant has nothing to return.
+    fn drop(&mut self) {
+        if self.inner.owner().returns_on_exit() && !self.inner.released() {
+            self.inner.release(&Unblocked);
         }
     }
 }

@@ -137,13 +137,14 @@ impl Permit {
     }
 
     /// The same permit under `grant` instead.
-    pub fn with_grant(self, grant: GrantRef) -> Permit {
-        let mut h = self.held.into_inner().unwrap_or_else(|e| e.into_inner());
-        h.grant = grant;
-        Permit {
-            held: Mutex::new(h),
-            ..self
-        }
+    pub fn with_grant(mut self, grant: GrantRef) -> Permit {
+        self.set_grant(grant);
+        self
+    }
+
+    /// Puts it under `grant` instead (a permit just made: nobody else holds it).
+    pub fn set_grant(&mut self, grant: GrantRef) {
+        self.held.get_mut().unwrap_or_else(|e| e.into_inner()).grant = grant;
     }
 
     /// What it returns to.
