@@ -10,8 +10,10 @@ reading settles the call and closes the stream."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import importlib
 import json
+import pickle
 import time
 from typing import Any
 
@@ -536,10 +538,11 @@ def test_an_anyio_cancel_scope_while_reading_over_a_socket(name: str) -> None:
 @pytest.mark.parametrize("name", ["httpx", "httpx2"])
 @pytest.mark.parametrize("is_async", [False, True])
 def test_a_body_read_ahead_is_the_content_as_httpx_leaves_it(name: str, is_async: bool) -> None:
-    """Sent without stream mode, the response holds the body as httpx's own read leaves
-    it: its content, its bytes downloaded and an ``elapsed`` from the queue wait to the
-    body's end (at least the HTTP time, at most the send's wall time). In stream mode the
-    body reads raw or decoded, and the close times it."""
+    """Sent without stream mode, the response is what httpx's own read leaves, though
+    httpx's read path did not run over the body again: a plain ``Response`` holding its
+    content, consumed and closed, its bytes downloaded counted and ``elapsed`` timed by
+    the client (at least the HTTP time, at most the send's wall time). In stream mode
+    the body reads raw or decoded, and the close times it."""
     mod = importlib.import_module(name)
     llm = rq.Limiter(
         rq.Rate(10**6, per="minute"),
@@ -554,6 +557,7 @@ def test_a_body_read_ahead_is_the_content_as_httpx_leaves_it(name: str, is_async
         assert r.json()["usage"]["completion_tokens"] == 5
         assert r.num_bytes_downloaded == len(r.content) > 0
         assert rec.http_seconds <= r.elapsed.total_seconds() <= wall
+        assert r.is_closed and r.is_stream_consumed and type(r) is mod.Response
 
     with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
         if is_async:
@@ -583,3 +587,44 @@ def test_a_body_read_ahead_is_the_content_as_httpx_leaves_it(name: str, is_async
                         assert json.loads(got)["usage"]["completion_tokens"] == 5
                     assert r.is_closed and r.elapsed.total_seconds() > 0
     assert llm.available("tokens") == 10**6 - 3 * 15
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_a_response_read_ahead_pickles_and_copies_as_the_library_s_own(name: str) -> None:
+    """Until it is read, a response read ahead is a subclass of the library's
+    ``Response``; it pickles and copies as the library's own (without the body kept for
+    its read), and once read it is one again."""
+    mod = importlib.import_module(name)
+    llm = rq.Limiter(rq.Rate(10**6, per="minute"), clock=rq.ManualClock())
+    body = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 7}
+    with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
+        t = RateLimitedTransport(mod.HTTPTransport(), llm)
+        with mod.Client(transport=t) as c, c.stream("POST", mock.url, json=body) as r:
+            assert isinstance(r, mod.Response) and type(r) is not mod.Response
+            for back in (pickle.loads(pickle.dumps(r)), copy.copy(r)):
+                assert type(back) is mod.Response and "_pre_read" not in vars(back)
+                assert back.status_code == 200 and back.headers == r.headers
+            assert json.loads(r.read())["usage"]["completion_tokens"] == 5
+            assert type(r) is mod.Response and r.is_closed
+
+
+@pytest.mark.parametrize("name", ["httpx", "httpx2"])
+def test_a_response_subclass_from_the_inner_transport_keeps_its_type(name: str) -> None:
+    """A ``Response`` subclass the inner transport made is read ahead and settled as any
+    response, its type left as it is and its read httpx's own."""
+    mod = importlib.import_module(name)
+
+    class Mine(mod.Response):  # type: ignore[misc,name-defined]
+        pass
+
+    t, _ = transport(mod, "tokens", 10**6, 8 << 20, length(ANSWER), [ANSWER], None, True)
+
+    def answer(request: Any) -> Any:
+        return Mine(200, headers=length(ANSWER), stream=mod.ByteStream(ANSWER))
+
+    t.inner.handler = answer
+    for _ in range(2):
+        with mod.Client(transport=t) as c:
+            r = c.post(CHAT, json=BODY)
+        assert type(r) is Mine and r.content == ANSWER and r.is_closed
+        assert r.extensions["ratequeue"].settled

@@ -8,8 +8,6 @@ import contextlib
 import importlib
 import sys
 from collections.abc import AsyncIterator, Iterator
-from datetime import timedelta
-from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from .._ratequeue import _BodyReader
@@ -186,17 +184,31 @@ def _dropped(stream: Any) -> None:
         hand_over(stream._reader, stream._generation)
 
 
-_STREAMS: dict[type, tuple[type, type, type, type, type, type]] = {}
+_STREAMS: dict[type, tuple[type, type, type, type, type, type, type]] = {}
 
 
-def _stream_types(response_type: type) -> tuple[type, type, type, type, type, type]:
+def _library(response_type: type) -> Any:
+    """httpx or httpx2: whichever's ``Response`` ``response_type`` is or derives from (a
+    transport may answer with a subclass of its own)."""
+    for k in response_type.__mro__:
+        mod = sys.modules.get(k.__module__.split(".", 1)[0])
+        if mod is not None and getattr(mod, "Response", None) is k:
+            return mod
+    return importlib.import_module(response_type.__module__.split(".", 1)[0])
+
+
+def _stream_types(response_type: type) -> tuple[type, type, type, type, type, type, type]:
     """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
-    (whichever defines ``response_type``): over a Python reader, over the native
-    ``_BodyReader``, and over a body read ahead (``read_ahead``)."""
+    (whichever ``response_type`` belongs to): over a Python reader, over the native
+    ``_BodyReader``, and over a body read ahead (``read_ahead``); then its ``ByteStream``."""
     types = _STREAMS.get(response_type)
     if types is not None:
         return types
-    mod = importlib.import_module(response_type.__module__.split(".", 1)[0])
+    mod = _library(response_type)
+    own = getattr(mod, "Response", response_type)
+    if own is not response_type:  # a subclass: its library's
+        types = _STREAMS[response_type] = _stream_types(own)
+        return types
 
     class _SyncStream(mod.SyncByteStream):  # type: ignore[name-defined,misc]
         def __init__(self, inner: Any, reader: _Reader) -> None:
@@ -325,6 +337,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
         _NativeAsyncStream,
         _SyncReplay,
         _AsyncReplay,
+        mod.ByteStream,
     )
     _STREAMS[response_type] = types
     return types
@@ -405,30 +418,100 @@ def _read_failed(
     transport._received(call, response, http_seconds, is_async, body)
 
 
-def _read(
-    response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bool, elapsed: float = 0.0
-) -> bytes | None:
-    """The body read whole (the stream closed by the caller), the response left as
-    httpx's own read leaves it; or None, ``over`` the stream's iterator past its length:
-    what was read is replayed before the rest.
+def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bool) -> bytes | None:
+    """The body read whole (the stream closed by the caller), a bytes-only stream of it
+    put in place of the one read; or None, ``over`` the stream's iterator past its
+    length: what was read is replayed before the rest.
 
-    A body read whole is the response's content, as ``Response(content=...)`` has it:
-    the consumer's ``read()`` returns it without running httpx's read (its decoder,
-    chunker and stream layers) over a replay again; its ``elapsed`` is ``elapsed`` (the
-    queue wait, the HTTP time and the read: the client would time its own read's close,
-    which no longer runs) and its bytes downloaded are the body's. A bytes-only stream of
-    it is put in place of the one read, for a consumer in stream mode that iterates the
-    raw bytes (and closes it)."""
+    A response of httpx's or httpx2's own ``Response`` type becomes a ``_PreRead`` of it
+    until it is read: its ``read()`` (``aread()``) takes the body without running httpx's
+    read path (decoder, chunker, stream layers) over the replay, and makes it a plain
+    ``Response`` again."""
     if over is not None:
         types = _STREAMS.get(type(response)) or _stream_types(type(response))
         response.stream = types[5 if is_async else 4](chunks, over, stream)
         return None
     body = chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
-    response.stream = sys.modules[type(response).__module__].ByteStream(body)
-    response._content = body
-    response._num_bytes_downloaded = len(body)
-    response.elapsed = timedelta(seconds=elapsed)
+    base = type(response)
+    response.stream = (_STREAMS.get(base) or _stream_types(base))[6](body)
+    pre = _PRE_READ.get((base, is_async), _END)
+    if pre is _END:
+        pre = _pre_read(base, is_async)
+    if pre is not None:
+        response._pre_read = body
+        response.__class__ = pre
     return body
+
+
+# (response type, asyncio) -> its _PreRead, or None for a type left as it is
+_PRE_READ: dict[tuple[type, bool], type | None] = {}
+
+
+def _pre_read(base: type, is_async: bool) -> type | None:
+    """The ``_PreRead`` subclass of httpx's or httpx2's ``Response`` (``base``), made once;
+    None for any other type (a subclass the inner transport made is left as it is)."""
+    mod = sys.modules.get(base.__module__)
+    if mod is None or getattr(mod, "Response", None) is not base:
+        _PRE_READ[(base, is_async)] = None
+        return None
+    own: Any = base  # its read() and aread(), called on a response made a base again
+
+    def take(self: Any) -> bytes | None:
+        """The body read ahead, as httpx's own read leaves the response: its content,
+        the stream consumed, the bytes counted; None (nothing done) when another read
+        came first. The response is a ``base`` again: later reads are httpx's own."""
+        self.__class__ = base
+        d = self.__dict__
+        body = d.pop("_pre_read", None)
+        if body is None or "_content" in d or self.is_stream_consumed or self.is_closed:
+            return None
+        self._content = body
+        self.is_stream_consumed = True
+        self._num_bytes_downloaded = len(body)
+        self.is_closed = True  # then the client's bound stream times ``elapsed`` as it closes
+        return body  # type: ignore[no-any-return]
+
+    def reduce(self: Any, protocol: int) -> Any:
+        state = self.__getstate__()
+        state.pop("_pre_read", None)
+        return object.__new__, (base,), state  # the library's own Response
+
+    if is_async:
+
+        class _AsyncPreRead(base):  # type: ignore[misc]
+            async def aread(self) -> bytes:
+                body = take(self)
+                if body is None:
+                    return await own.aread(self)  # type: ignore[no-any-return]
+                await self.stream.aclose()
+                return body
+
+            __reduce_ex__ = reduce  # type: ignore[assignment]
+
+        pre: type = _AsyncPreRead
+    else:
+
+        class _PreRead(base):  # type: ignore[misc]
+            def read(self) -> bytes:
+                body = take(self)
+                if body is None:
+                    return own.read(self)  # type: ignore[no-any-return]
+                self.stream.close()
+                return body
+
+            __reduce_ex__ = reduce  # type: ignore[assignment]
+
+        pre = _PreRead
+    pre.__name__ = pre.__qualname__ = "Response"
+    pre.__doc__ = (
+        f"A {base.__module__}.Response whose 2xx JSON body the transport read ahead: "
+        "read() takes it as httpx's own read would leave the response (content kept, "
+        "stream consumed and closed, elapsed timed by the client); every other way of "
+        "reading goes through a replay of it."
+    )
+    _STREAMS[pre] = _STREAMS.get(base) or _stream_types(base)
+    _PRE_READ[(base, is_async)] = pre
+    return pre
 
 
 def read_ahead(
@@ -442,7 +525,6 @@ def read_ahead(
     chunks: list[Any] = []
     size = 0
     closing = False  # a close that raises is not run again
-    t0 = perf_counter()
     try:
         it = stream.__iter__()
         while (chunk := next(it, _END)) is not _END:
@@ -450,8 +532,7 @@ def read_ahead(
             size += len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
             if size > length:
                 return _read(response, stream, chunks, it, False)
-        elapsed = call.waited + http_seconds + perf_counter() - t0
-        body = _read(response, stream, chunks, None, False, elapsed)
+        body = _read(response, stream, chunks, None, False)
         closing = True
         stream.close()
         return body
@@ -472,7 +553,6 @@ async def aread_ahead(
     chunks: list[Any] = []
     size = 0
     closing = False
-    t0 = perf_counter()
     try:
         it = stream.__aiter__()
         while True:
@@ -484,8 +564,7 @@ async def aread_ahead(
             size += len(chunk) if type(chunk) is bytes else memoryview(chunk).nbytes
             if size > length:
                 return _read(response, stream, chunks, it, True)
-        elapsed = call.waited + http_seconds + perf_counter() - t0
-        body = _read(response, stream, chunks, None, True, elapsed)
+        body = _read(response, stream, chunks, None, True)
         closing = True
         await stream.aclose()
         return body
