@@ -212,9 +212,11 @@ impl PolicyAcquiringPy {
 impl Drop for PolicyPermitPy {
     /// Dropped unreleased (never released, or lost to an interrupt as `acquire`
     /// returned it), its concurrency permits go back: a slot is never lost for good.
+    /// Not while the interpreter shuts down (attaching then would abort the process on
+    /// Python 3.13+): the process is ending.
     fn drop(&mut self) {
         if !*self.released.get_mut() {
-            Python::attach(|py| {
+            Python::try_attach(|py| {
                 self.release_slots(py);
             });
         }
@@ -226,7 +228,7 @@ impl Drop for PolicyAcquiringPy {
     fn drop(&mut self) {
         if !*self.awaited.get_mut() {
             if let Some(p) = self.permit.take() {
-                Python::attach(|py| p.get().cancel(py));
+                Python::try_attach(|py| p.get().cancel(py));
             }
         }
     }
