@@ -42,6 +42,19 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_toke
 ANSWER = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 3}}).encode()
 
 
+# A request the mock provider answers with a usage of 10 + 5 tokens.
+SOCKET_BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+
+
+def roomy() -> rq.Limiter:
+    """Requests and tokens that never make a call wait."""
+    return rq.Limiter(
+        rq.Rate(10**6, per="minute"),
+        rq.Rate(10**6, per="minute", unit="tokens"),
+        clock=rq.ManualClock(),
+    )
+
+
 def length(answer: bytes) -> list[tuple[bytes, bytes]]:
     return [(b"content-type", b"application/json"), (b"content-length", b"%d" % len(answer))]
 
@@ -396,12 +409,8 @@ def test_over_a_socket(name: str, is_async: bool) -> None:
     """A real connection: settled when the send returns, before the consumer reads; the
     body read raw as sent; ``elapsed`` set at the close; the connection reused."""
     mod = importlib.import_module(name)
-    llm = rq.Limiter(
-        rq.Rate(10**6, per="minute"),
-        rq.Rate(10**6, per="minute", unit="tokens"),
-        clock=rq.ManualClock(),
-    )
-    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+    llm = roomy()
+    body = SOCKET_BODY
     with MockProvider(60000, gen_time=0.0, output_tokens=5) as mock:
 
         def check(r: Any, raw: bytes) -> None:
@@ -544,12 +553,8 @@ def test_a_body_read_ahead_is_the_content_as_httpx_leaves_it(name: str, is_async
     the client (at least the HTTP time, at most the send's wall time). In stream mode
     the body reads raw or decoded, and the close times it."""
     mod = importlib.import_module(name)
-    llm = rq.Limiter(
-        rq.Rate(10**6, per="minute"),
-        rq.Rate(10**6, per="minute", unit="tokens"),
-        clock=rq.ManualClock(),
-    )
-    body = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+    llm = roomy()
+    body = SOCKET_BODY
 
     def check(r: Any, wall: float) -> None:
         rec = r.extensions["ratequeue"]
