@@ -31,8 +31,9 @@ written to ``benches/results/transport.md``::
 1b. ``--paired N``: the same call through each row's floor and through the transport,
    alternating call by call, N of each, CPU and wall of every call kept (medians, the
    mean of the fastest 90 %, p10); caller and mock provider pinned to cores 0 and 1. Rows:
-   loopback, in memory, and in memory with the caches made cold between calls (a 4 MiB
-   buffer written). Rounds of hundreds of calls cannot read a loopback row of ~0.5 ms to a
+   loopback (sync and asyncio), in memory, and in memory with the caches made cold between
+   calls (a 4 MiB buffer written) or after an idle; a pass-through wrapper as a control.
+   Rounds of hundreds of calls cannot read a loopback row of ~0.5 ms to a
    few µs; call-by-call pairs can. ``benches/phases_transport.py`` splits the added time
    by phase.
 3. ``--instructions`` (needs valgrind): machine instructions per call, which a loaded
@@ -415,17 +416,18 @@ def paired(n: int) -> list[str]:
     """Each row's floor and transport called one after the other (ABBA), ``n`` times each,
     the CPU (``thread_time_ns``) and wall time of every call kept; "added" is a statistic of
     the transport's calls minus the same of the floor's (not of per-pair differences). A
-    drift of the machine
-    (frequency, a neighbour) reaches both alike, which rounds of hundreds of calls do not
-    cancel on a loopback call of ~0.5 ms. With two cores or more the calling thread runs on
-    core 0 and the mock provider on core 1. The third row writes a 4 MiB buffer between
-    calls (outside the timing): what a real network call does to the caches (the kernel's
-    network stack, httpcore, h11). The fourth sleeps 300 µs between calls (outside the
-    timing), as a loopback call waits for its answer: the core idles, and the caches and
-    branch predictors the call finds are what the idle left of them. That row, not the
-    third, gives the loopback row's added cost back: the transport's code and data are
-    cold on every call. The last row is a control: a Python transport that only passes
-    the call on, to show what any wrapper costs here."""
+    drift of the machine (frequency, a neighbour) reaches both alike, which rounds of
+    hundreds of calls do not cancel on a loopback call of ~0.5 ms. With two cores or more
+    the calling thread runs on core 0 and the mock provider on core 1. The second row is
+    the first over httpx2's ``AsyncClient``, each call run to its end on one event loop.
+    The fourth row writes a 4 MiB buffer between calls (outside the timing): what a real
+    network call does to the caches (the kernel's network stack, httpcore, h11). The
+    fifth sleeps 300 µs between calls (outside the timing), as a loopback call waits for
+    its answer: the core idles, and the caches and branch predictors the call finds are
+    what the idle left of them. That row, not the fourth, gives the loopback row's added
+    cost back: the transport's code and data are cold on every call. The last row is a
+    control: a Python transport that only passes the call on, to show what any wrapper
+    costs here."""
     pin = hasattr(os, "sched_getaffinity") and {0, 1} <= os.sched_getaffinity(0)
     before = os.sched_getaffinity(0) if pin else None
     default_estimator().load(60)  # type: ignore[attr-defined]
@@ -451,22 +453,33 @@ def paired(n: int) -> list[str]:
             limit = lambda inner: RateLimitedTransport(inner, roomy())  # noqa: E731
             rows: list[tuple[str, Callable[[], Any], Callable[[Any], Any], str]] = [
                 ("loopback (the issue's row)", httpx2.HTTPTransport, limit, ""),
+                ("loopback, asyncio", httpx2.AsyncHTTPTransport, limit, "async"),
                 ("in memory", memory, limit, ""),
                 ("in memory, caches cold", memory, limit, "trash"),
                 ("in memory, after a 300 µs idle", memory, limit, "idle"),
                 ("control: a pass-through wrapper, loopback", httpx2.HTTPTransport, Passing, ""),
             ]
-            for label, make, wrap, cold in rows:
-                floor = httpx2.Client(transport=make())
-                limited = httpx2.Client(transport=wrap(make()))
+            loop = asyncio.new_event_loop()
 
-                def one(c: httpx2.Client, cold: str = cold) -> tuple[int, int]:
+            async def apost(c: httpx2.AsyncClient) -> None:
+                r = await c.post(target, content=data, headers=headers)
+                await r.aread()
+
+            for label, make, wrap, cold in rows:
+                client = httpx2.AsyncClient if cold == "async" else httpx2.Client
+                floor = client(transport=make())
+                limited = client(transport=wrap(make()))
+
+                def one(c: Any, cold: str = cold) -> tuple[int, int]:
                     if cold == "trash":
                         trash[::64] = ones
                     elif cold == "idle":
                         time.sleep(300e-6)
                     c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
-                    c.post(target, content=data, headers=headers).read()
+                    if cold == "async":
+                        loop.run_until_complete(apost(c))
+                    else:
+                        c.post(target, content=data, headers=headers).read()
                     return time.thread_time_ns() - c0, time.perf_counter_ns() - w0
 
                 for _ in range(300):  # warm up: connections, caches
@@ -479,8 +492,11 @@ def paired(n: int) -> list[str]:
                     )
                     for c, into in pair:
                         into.append(one(c))
-                floor.close()
-                limited.close()
+                for c in (floor, limited):
+                    if cold == "async":
+                        loop.run_until_complete(c.aclose())
+                    else:
+                        c.close()
 
                 def at(xs: list[tuple[int, int]], k: int) -> tuple[float, float, float]:
                     v = sorted(x[k] / 1e3 for x in xs)
@@ -496,6 +512,7 @@ def paired(n: int) -> list[str]:
                     f"| {label} | {fc:.1f} | **{tc - fc:+.1f}** | {tm - fm:+.1f} | {tp - fp:+.1f} "
                     f"| {fw:.1f} | {tw - fw:+.1f} |"
                 )
+            loop.close()
     finally:
         if before is not None:
             os.sched_setaffinity(0, before)
