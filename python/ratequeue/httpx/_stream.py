@@ -200,7 +200,8 @@ def _library(response_type: type) -> Any:
 def _stream_types(response_type: type) -> tuple[type, type, type, type, type, type, type]:
     """Sync and async stream wrappers subclassing the stream bases of httpx or httpx2
     (whichever ``response_type`` belongs to): over a Python reader, over the native
-    ``_BodyReader``, and over a body read ahead (``read_ahead``); then its ``ByteStream``."""
+    ``_BodyReader``, over a body read ahead past its length (``read_ahead``), and a body
+    read ahead whole."""
     types = _STREAMS.get(response_type)
     if types is not None:
         return types
@@ -330,6 +331,27 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
             if hasattr(self._inner, "aclose"):
                 await self._inner.aclose()
 
+    class _Whole(mod.SyncByteStream, mod.AsyncByteStream):  # type: ignore[name-defined,misc]
+        """A body read ahead whole, replayed once (sync or asyncio) and let go of once
+        iterated or closed: a response kept after its stream was read holds no body."""
+
+        def __init__(self, body: bytes) -> None:
+            self._body = body
+
+        def __iter__(self) -> Iterator[bytes]:
+            body, self._body = self._body, b""
+            yield body
+
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            body, self._body = self._body, b""
+            yield body
+
+        def close(self) -> None:
+            self._body = b""
+
+        async def aclose(self) -> None:
+            self._body = b""
+
     types = (
         _SyncStream,
         _AsyncStream,
@@ -337,7 +359,7 @@ def _stream_types(response_type: type) -> tuple[type, type, type, type, type, ty
         _NativeAsyncStream,
         _SyncReplay,
         _AsyncReplay,
-        mod.ByteStream,
+        _Whole,
     )
     _STREAMS[response_type] = types
     return types
@@ -433,12 +455,12 @@ def _read(response: Any, stream: Any, chunks: list[Any], over: Any, is_async: bo
         return None
     body = chunks[0] if len(chunks) == 1 and type(chunks[0]) is bytes else b"".join(chunks)
     base = type(response)
-    response.stream = (_STREAMS.get(base) or _stream_types(base))[6](body)
+    response.stream = replay = (_STREAMS.get(base) or _stream_types(base))[6](body)
     pre = _PRE_READ.get((base, is_async), _END)
     if pre is _END:
         pre = _pre_read(base, is_async)
     if pre is not None:
-        response._pre_read = body
+        response._pre_read = (replay, body)
         response.__class__ = pre
     return body
 
@@ -455,21 +477,31 @@ def _pre_read(base: type, is_async: bool) -> type | None:
         _PRE_READ[(base, is_async)] = None
         return None
     own: Any = base  # its read() and aread(), called on a response made a base again
+    request_error = mod.RequestError
 
-    def take(self: Any) -> bytes | None:
-        """The body read ahead, as httpx's own read leaves the response: its content,
-        the stream consumed, the bytes counted; None (nothing done) when another read
-        came first. The response is a ``base`` again: later reads are httpx's own."""
+    def take(self: Any) -> Any:
+        """The replay and the body read ahead, the response marked as httpx's own read
+        marks it (stream consumed, bytes counted, closed: the caller closes the stream
+        then, and sets the content); None (nothing done) when another read came first or
+        another layer put its own stream in place of the replay (its bytes may differ).
+        The response is a ``base`` again: later reads are httpx's own."""
         self.__class__ = base
         d = self.__dict__
-        body = d.pop("_pre_read", None)
-        if body is None or "_content" in d or self.is_stream_consumed or self.is_closed:
+        kept = d.pop("_pre_read", None)
+        if kept is None or "_content" in d or self.is_stream_consumed or self.is_closed:
             return None
-        self._content = body
+        stream = self.stream  # the replay, bare or inside the client's bound stream
+        if stream is not kept[0] and getattr(stream, "_stream", None) is not kept[0]:
+            return None
         self.is_stream_consumed = True
-        self._num_bytes_downloaded = len(body)
-        self.is_closed = True  # then the client's bound stream times ``elapsed`` as it closes
-        return body  # type: ignore[no-any-return]
+        self._num_bytes_downloaded = len(kept[1])
+        self.is_closed = True  # the client's bound stream times ``elapsed`` as it closes
+        return kept
+
+    def failed(self: Any, e: BaseException) -> None:
+        """A close that raised, as httpx's read leaves it: no content, the request named."""
+        if isinstance(e, request_error) and e._request is None:
+            e.request = self._request
 
     def reduce(self: Any, protocol: int) -> Any:
         state = self.__getstate__()
@@ -480,11 +512,22 @@ def _pre_read(base: type, is_async: bool) -> type | None:
 
         class _AsyncPreRead(base):  # type: ignore[misc]
             async def aread(self) -> bytes:
-                body = take(self)
-                if body is None:
+                kept = take(self)
+                if kept is None:
                     return await own.aread(self)  # type: ignore[no-any-return]
-                await self.stream.aclose()
-                return body
+                try:
+                    await self.stream.aclose()
+                except BaseException as e:
+                    failed(self, e)
+                    raise
+                self._content = body = kept[1]
+                return body  # type: ignore[no-any-return]
+
+            async def aclose(self) -> None:
+                """Closed unread (or read as a stream): a ``base`` again, the body let go."""
+                self.__class__ = base
+                self.__dict__.pop("_pre_read", None)
+                await own.aclose(self)
 
             __reduce_ex__ = reduce  # type: ignore[assignment]
 
@@ -493,11 +536,22 @@ def _pre_read(base: type, is_async: bool) -> type | None:
 
         class _PreRead(base):  # type: ignore[misc]
             def read(self) -> bytes:
-                body = take(self)
-                if body is None:
+                kept = take(self)
+                if kept is None:
                     return own.read(self)  # type: ignore[no-any-return]
-                self.stream.close()
-                return body
+                try:
+                    self.stream.close()
+                except BaseException as e:
+                    failed(self, e)
+                    raise
+                self._content = body = kept[1]
+                return body  # type: ignore[no-any-return]
+
+            def close(self) -> None:
+                """Closed unread (or read as a stream): a ``base`` again, the body let go."""
+                self.__class__ = base
+                self.__dict__.pop("_pre_read", None)
+                own.close(self)
 
             __reduce_ex__ = reduce  # type: ignore[assignment]
 
