@@ -15,6 +15,7 @@ import importlib
 import json
 import pickle
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -44,6 +45,13 @@ ANSWER = json.dumps({"usage": {"prompt_tokens": 2, "completion_tokens": 3}}).enc
 
 # A request the mock provider answers with a usage of 10 + 5 tokens.
 SOCKET_BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_tokens": 7}
+
+
+def socket_mock() -> Iterator[MockProvider]:
+    """The mock provider on loopback, answering every call at once with 5 output tokens
+    (a module fixture's body)."""
+    with MockProvider(60000, gen_time=0.0, output_tokens=5) as m:
+        yield m
 
 
 def roomy() -> rq.Limiter:

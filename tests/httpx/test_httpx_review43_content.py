@@ -15,9 +15,9 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-import ratequeue as rq
 from ratequeue.httpx import RateLimitedTransport
 from ratequeue.testing import MockProvider
+from test_httpx_read_ahead import roomy, socket_mock
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -25,18 +25,12 @@ BODY = {"model": "m", "messages": [{"role": "user", "content": "x" * 40}], "max_
 LIBS = ["httpx", "httpx2"]
 
 
-def limiter() -> rq.Limiter:
-    return rq.Limiter(
-        rq.Rate(10**6, per="minute"),
-        rq.Rate(10**6, per="minute", unit="tokens"),
-        clock=rq.ManualClock(),
-    )
+limiter = roomy
 
 
 @pytest.fixture(scope="module")
 def mock() -> Iterator[MockProvider]:
-    with MockProvider(60000, gen_time=0.0, output_tokens=5) as m:
-        yield m
+    yield from socket_mock()
 
 
 def _transport(mod: Any, is_async: bool) -> RateLimitedTransport:
