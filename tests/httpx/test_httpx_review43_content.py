@@ -14,7 +14,11 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import anthropic
+import httpx2
+import openai
 import pytest
+from opentelemetry.trace import StatusCode
 from ratequeue.httpx import RateLimitedTransport
 from ratequeue.testing import MockProvider
 from test_httpx_read_ahead import roomy, socket_mock
@@ -252,9 +256,6 @@ def test_anthropic_tracing_span_ends_ok_with_the_response(
     transport a read-ahead response is left open: ``messages.create``'s span ends (on the
     response's garbage collection) with status UNSET; ``with_raw_response``'s stays open
     after the call returns and lacks ``gen_ai.response.id`` and the usage attributes."""
-    httpx2 = pytest.importorskip("httpx2")
-    anthropic = pytest.importorskip("anthropic")
-    from opentelemetry.trace import StatusCode
 
     prov = _fake_tracer_provider()
     kw = {"model": "m", "max_tokens": 7, "messages": [{"role": "user", "content": "hi"}]}
@@ -304,8 +305,6 @@ def test_openai_raw_response_reports_its_body_read(mock: MockProvider) -> None:
     data that has not been read yet. You must either fully consume the response body or
     call ``.close()``". A ``with_raw_response`` call (sent without stream mode, its body
     read) says True with a bare transport; under the transport it says False."""
-    httpx2 = pytest.importorskip("httpx2")
-    openai = pytest.importorskip("openai")
     with httpx2.Client(transport=_transport(httpx2, False)) as hc:
         client = openai.OpenAI(
             api_key="k", base_url=mock.base_url + "/v1", http_client=hc, max_retries=0
