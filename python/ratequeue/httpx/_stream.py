@@ -472,8 +472,8 @@ _PRE_READ: dict[tuple[type, bool], type | None] = {}
 def _pre_read(base: type, is_async: bool) -> type | None:
     """The ``_PreRead`` subclass of httpx's or httpx2's ``Response`` (``base``), made once;
     None for any other type (a subclass the inner transport made is left as it is)."""
-    mod = sys.modules.get(base.__module__)
-    if mod is None or getattr(mod, "Response", None) is not base:
+    mod = _library(base)
+    if getattr(mod, "Response", None) is not base:
         _PRE_READ[(base, is_async)] = None
         return None
     own: Any = base  # its read() and aread(), called on a response made a base again
